@@ -1,0 +1,67 @@
+"""hyperrecipe: declarative model-parallel recipes compiled to frozen plans.
+
+This namespace is the trainer API and nothing else: load and compile recipes, load plans, apply
+them, and the errors all of that raises. Everything else lives in subpackages. Names resolve
+lazily (PEP 562) so that ``hyperrecipe lint`` and the recipe loader never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hyperrecipe.errors import (
+    HyperrecipeError,
+    ModelSpecError,
+    PlacementMismatchError,
+    PlanFormatError,
+    PlanMismatchError,
+    RecipeError,
+    RewriteError,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.api import compile_recipe, load_plan, load_recipe
+    from hyperrecipe.plan import Plan
+    from hyperrecipe.runtime import Installation, apply
+
+__all__ = [
+    "HyperrecipeError",
+    "Installation",
+    "ModelSpecError",
+    "PlacementMismatchError",
+    "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "RecipeError",
+    "RewriteError",
+    "apply",
+    "compile_recipe",
+    "load_plan",
+    "load_recipe",
+]
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "compile_recipe": "hyperrecipe.api",
+    "load_plan": "hyperrecipe.api",
+    "load_recipe": "hyperrecipe.api",
+    "Plan": "hyperrecipe.plan",
+    "apply": "hyperrecipe.runtime",
+    "Installation": "hyperrecipe.runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'hyperrecipe' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,270 @@
+"""Placements: how a tensor is laid out over one mesh dim, and over a named set of mesh dims.
+
+The recipe language, the plan and the runtime all speak these classes; only
+:func:`to_torch_placements` knows torch's own placement types, and it imports torch lazily so the
+recipe loader and the lint stay torch-free.
+
+Grammar (one mesh dim)::
+
+    replicate
+    partial | partial(sum) | partial(avg)
+    shard(D)                         # D may be negative
+    shard(D, chunks=K)               # dim D is K equal chunks (fused q/k/v); each is sharded
+    shard(D, chunks=[S1, S2, ...])   # ... or chunks of the declared sizes
+
+A *named* placement maps mesh dim names to those: ``{tp: shard(0), dp: replicate}``; a mesh dim
+it does not name is replicate.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Union
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from torch.distributed.tensor.placement_types import Placement as TorchPlacement
+
+__all__ = [
+    "NamedPlacement",
+    "Partial",
+    "Placement",
+    "PlacementSyntaxError",
+    "Replicate",
+    "Shard",
+    "parse_named_placement",
+    "parse_placement",
+    "to_torch_placements",
+]
+
+ReduceOp = Literal["sum", "avg"]
+
+
+@attrs.frozen(kw_only=True)
+class Replicate:
+    """Every rank holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "replicate"
+
+
+@attrs.frozen(kw_only=True)
+class Partial:
+    """Every rank holds a full-shaped tensor; the value is their sum (or mean)."""
+
+    reduce: ReduceOp = "sum"
+
+    def __str__(self) -> str:
+        return "partial" if self.reduce == "sum" else f"partial({self.reduce})"
+
+
+@attrs.frozen(kw_only=True)
+class Shard:
+    """Each rank holds one slice of ``dim``.
+
+    With ``chunks`` > 1 the dim is a concatenation of parts (a fused q/k/v projection) and each
+    part is sharded in turn, so every rank holds its slice of every part. ``chunk_sizes`` gives
+    unequal parts explicitly; when empty the ``chunks`` parts are equal.
+    """
+
+    dim: int
+    chunks: int = 1
+    chunk_sizes: tuple[int, ...] = ()
+
+    @property
+    def is_chunked(self) -> bool:
+        return self.chunks > 1
+
+    def part_sizes(self, dim_size: int) -> tuple[int, ...]:
+        """Sizes of the fused parts of a dim of ``dim_size`` (one part when not chunked)."""
+        if self.chunk_sizes:
+            return self.chunk_sizes
+        return (dim_size // self.chunks,) * self.chunks
+
+    def __str__(self) -> str:
+        if self.chunk_sizes:
+            return f"shard({self.dim}, chunks=[{', '.join(map(str, self.chunk_sizes))}])"
+        if self.chunks > 1:
+            return f"shard({self.dim}, chunks={self.chunks})"
+        return f"shard({self.dim})"
+
+
+Placement = Union[Shard, Replicate, Partial]
+REPLICATE = Replicate()
+
+
+class PlacementSyntaxError(ValueError):
+    """A placement string does not follow the grammar; the recipe loader adds the location."""
+
+
+_SHARD_RE = re.compile(
+    r"^shard\(\s*(?P<dim>-?\d+)\s*(?:,\s*chunks\s*=\s*(?P<chunks>\d+|\[[\d\s,]*\])\s*)?\)$"
+)
+_PARTIAL_RE = re.compile(r"^partial(?:\(\s*(?P<op>\w+)\s*\))?$")
+PLACEMENT_FORMS = ("replicate", "partial", "partial(sum)", "partial(avg)", "shard(D)",
+                   "shard(D, chunks=K)", "shard(D, chunks=[S1, S2, ...])")
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse one mesh dim's placement.
+
+    Raises:
+        PlacementSyntaxError: the text is not a placement; the message lists the valid forms.
+    """
+    s = text.strip()
+    if s == "replicate":
+        return REPLICATE
+    m = _PARTIAL_RE.match(s)
+    if m:
+        op = m.group("op") or "sum"
+        if op not in ("sum", "avg"):
+            msg = f"unknown reduce op {op!r} in {text!r}; expected partial(sum) or partial(avg)"
+            raise PlacementSyntaxError(msg)
+        return Partial(reduce="sum" if op == "sum" else "avg")
+    m = _SHARD_RE.match(s)
+    if m:
+        dim = int(m.group("dim"))
+        raw = m.group("chunks")
+        if raw is None:
+            return Shard(dim=dim)
+        if raw.startswith("["):
+            sizes = tuple(int(p) for p in raw[1:-1].split(",") if p.strip())
+            if len(sizes) < 2 or any(v <= 0 for v in sizes):
+                msg = f"chunks=[...] needs two or more positive sizes, found {text!r}"
+                raise PlacementSyntaxError(msg)
+            return Shard(dim=dim, chunks=len(sizes), chunk_sizes=sizes)
+        chunks = int(raw)
+        if chunks < 1:
+            msg = f"chunks must be at least 1, found {text!r}"
+            raise PlacementSyntaxError(msg)
+        return Shard(dim=dim, chunks=chunks)
+    msg = f"unknown placement {text!r}; expected one of {', '.join(PLACEMENT_FORMS)}"
+    raise PlacementSyntaxError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class NamedPlacement:
+    """A placement per named mesh dim; dims not listed are replicate.
+
+    ``dims`` holds only non-replicate entries, in the order given, so two named placements that
+    mean the same compare equal once :meth:`canonical` puts them in mesh order.
+    """
+
+    dims: tuple[tuple[str, Placement], ...] = ()
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Placement] | Iterable[tuple[str, Placement]]) -> NamedPlacement:
+        items = mapping.items() if isinstance(mapping, Mapping) else mapping
+        return cls(dims=tuple((k, v) for k, v in items if not isinstance(v, Replicate)))
+
+    def get(self, mesh_dim: str) -> Placement:
+        for name, placement in self.dims:
+            if name == mesh_dim:
+                return placement
+        return REPLICATE
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    @property
+    def is_replicate(self) -> bool:
+        return not self.dims
+
+    def canonical(self, mesh_order: Sequence[str]) -> NamedPlacement:
+        """The same placement with entries in mesh order (what the plan stores)."""
+        rank = {name: i for i, name in enumerate(mesh_order)}
+        return NamedPlacement(dims=tuple(sorted(self.dims, key=lambda kv: rank.get(kv[0], 1 << 30))))
+
+    def __str__(self) -> str:
+        if not self.dims:
+            return "replicate"
+        return "{" + ", ".join(f"{k}: {v}" for k, v in self.dims) + "}"
+
+
+REPLICATED = NamedPlacement()
+
+
+def parse_named_placement(value: object) -> NamedPlacement:
+    """Parse ``"replicate"`` or a mapping of mesh dim name to placement string.
+
+    Raises:
+        PlacementSyntaxError: not a mapping of strings, or a placement inside is malformed.
+    """
+    if isinstance(value, str):
+        if value.strip() == "replicate":
+            return REPLICATED
+        msg = (
+            f"a placement other than replicate must name its mesh dim, e.g. {{tp: {value.strip()}}}; "
+            f"found the bare string {value!r}"
+        )
+        raise PlacementSyntaxError(msg)
+    if not isinstance(value, Mapping):
+        msg = f"expected 'replicate' or a mapping of mesh dim to placement, found {type(value).__name__}"
+        raise PlacementSyntaxError(msg)
+    entries: list[tuple[str, Placement]] = []
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            msg = f"expected mesh dim name: placement string, found {k!r}: {v!r}"
+            raise PlacementSyntaxError(msg)
+        entries.append((k, parse_placement(v)))
+    return NamedPlacement.of(entries)
+
+
+def parse_named_text(text: str) -> NamedPlacement:
+    """Inverse of ``str(NamedPlacement)``: used by the plan's JSON converter."""
+    s = text.strip()
+    if s == "replicate":
+        return REPLICATED
+    if not (s.startswith("{") and s.endswith("}")):
+        msg = f"not a named placement: {text!r}"
+        raise PlacementSyntaxError(msg)
+    body = s[1:-1]
+    entries: list[tuple[str, Placement]] = []
+    # Split on commas that are not inside (...) or [...].
+    depth, start = 0, 0
+    parts: list[str] = []
+    for i, ch in enumerate(body):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    parts.append(body[start:])
+    for part in parts:
+        if not part.strip():
+            continue
+        name, _, rest = part.partition(":")
+        entries.append((name.strip(), parse_placement(rest)))
+    return NamedPlacement.of(entries)
+
+
+def to_torch_placements(p: NamedPlacement, mesh_dims: Sequence[str]) -> tuple[TorchPlacement, ...]:
+    """Torch placements, one per mesh dim in ``mesh_dims`` order.
+
+    Chunked shards have no single torch placement; the runtime lays those out itself.
+
+    Raises:
+        ValueError: a chunked shard was given.
+    """
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    out: list[TorchPlacement] = []
+    for name in mesh_dims:
+        q = p.get(name)
+        if isinstance(q, Shard):
+            if q.is_chunked:
+                msg = f"{q} has no torch placement; lay it out with the runtime's chunked shard"
+                raise ValueError(msg)
+            out.append(TShard(q.dim))
+        elif isinstance(q, Partial):
+            out.append(TPartial(q.reduce))
+        else:
+            out.append(TReplicate())
+    return tuple(out)
