@@ -72,7 +72,7 @@ class RecipeError(HyperrecipeError, ValueError):
         self.rule_index = rule_index
         self.hint = hint
         where = f"{span}: " if span is not None else ""
-        tail = f" {hint}" if hint else ""
+        tail = f"; {hint}" if hint else ""
         super().__init__(f"{where}{problem} @ {path}{tail}")
 
 

@@ -1,0 +1,63 @@
+"""The trainer-facing functions re-exported by ``hyperrecipe``: load, compile, load plans."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from hyperrecipe.model_tree import ModelTree, snapshot
+from hyperrecipe.plan import Plan
+from hyperrecipe.recipe import Recipe
+from hyperrecipe.recipe import load_recipe as _load_recipe
+from hyperrecipe.resolve import resolve_recipe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+__all__ = ["compile_recipe", "load_plan", "load_recipe"]
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Load and validate a recipe file, or a shipped recipe by name (``"llama"``).
+
+    Raises:
+        RecipeError: the file is missing or malformed (file:line:col in the message).
+    """
+    return _load_recipe(path)
+
+
+def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Module | ModelTree,
+                   mesh_shape: Mapping[str, int]) -> Plan:
+    """Compile a recipe for a model and a mesh shape into a frozen plan.
+
+    Args:
+        recipe_or_path: a loaded :class:`Recipe`, a recipe file, or a shipped recipe's name.
+        model: the model (build it on the meta device: only its structure is read), or its
+            :class:`ModelTree` snapshot.
+        mesh_shape: mesh dim name → size, e.g. ``{"tp": 2}``.
+
+    Returns:
+        The plan; ``plan.save(path)`` writes it.
+
+    Raises:
+        RecipeError: the recipe does not fit the model or mesh.
+
+    Example::
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        plan = hyperrecipe.compile_recipe("recipes/llama.yaml", model, {"tp": 2})
+    """
+    recipe = recipe_or_path if isinstance(recipe_or_path, Recipe) else _load_recipe(recipe_or_path)
+    tree = model if isinstance(model, ModelTree) else snapshot(model)
+    return resolve_recipe(recipe, tree, mesh_shape)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan written by ``hyperrecipe compile -o`` or :meth:`Plan.save`.
+
+    Raises:
+        PlanFormatError: not a plan, another format version, or a fingerprint mismatch.
+    """
+    return Plan.load(path)

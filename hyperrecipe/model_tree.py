@@ -1,0 +1,275 @@
+"""A torch-free snapshot of a model's structure, taken from a module built on the meta device.
+
+The resolver needs FQNs, classes, parameter shapes and dtypes, which parameters are tied, the
+forward signatures (to map layout keys to arguments) and integer attributes (head counts). It
+gets all of that from a :class:`ModelTree`, so resolving is pure and never touches real memory.
+Building the module (``pkg.mod:factory`` or a Hugging Face config) also lives here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from hyperrecipe.errors import ModelSpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+__all__ = [
+    "ArgInfo",
+    "ModelTree",
+    "ModuleInfo",
+    "ParamInfo",
+    "build_model",
+    "snapshot",
+]
+
+ArgKind = Literal["positional", "positional_only", "keyword_only", "var_positional", "var_keyword"]
+
+
+@attrs.frozen(kw_only=True)
+class ParamInfo:
+    """A direct parameter of a module. ``tied_to`` is the FQN it shares storage with, if any."""
+
+    name: str
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    tied_to: str | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@attrs.frozen(kw_only=True)
+class ArgInfo:
+    """One parameter of a module's ``forward``."""
+
+    name: str
+    kind: ArgKind
+    required: bool
+
+
+@attrs.frozen(kw_only=True)
+class ModuleInfo:
+    fqn: str
+    cls: str
+    params: tuple[ParamInfo, ...]
+    int_attrs: tuple[tuple[str, int], ...]
+    signature: tuple[ArgInfo, ...]
+    children: tuple[str, ...]
+
+    def param(self, name: str) -> ParamInfo | None:
+        for p in self.params:
+            if p.name == name:
+                return p
+        return None
+
+    def int_attr(self, name: str) -> int | None:
+        for k, v in self.int_attrs:
+            if k == name:
+                return v
+        return None
+
+    @property
+    def positional_args(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.signature if a.kind in ("positional", "positional_only"))
+
+
+@attrs.frozen(kw_only=True)
+class ModelTree:
+    """Every module of a model, in ``named_modules`` order (parents before children)."""
+
+    modules: tuple[ModuleInfo, ...]
+    _index: dict[str, ModuleInfo] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_index", {m.fqn: m for m in self.modules})
+
+    def module(self, fqn: str) -> ModuleInfo:
+        return self._index[fqn]
+
+    def get(self, fqn: str) -> ModuleInfo | None:
+        return self._index.get(fqn)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(m.fqn for m in self.modules)
+
+    def params(self) -> Iterator[ParamInfo]:
+        for m in self.modules:
+            yield from m.params
+
+    def subtree(self, fqn: str) -> Iterator[ModuleInfo]:
+        """The module and its descendants."""
+        prefix = f"{fqn}." if fqn else ""
+        for m in self.modules:
+            if m.fqn == fqn or m.fqn.startswith(prefix):
+                yield m
+
+    def digest(self) -> str:
+        """Hash of the structure: FQNs, classes, parameter names, shapes, dtypes and ties."""
+        rows = [
+            [m.fqn, m.cls, [[p.name, list(p.shape), p.dtype, p.tied_to] for p in m.params]]
+            for m in self.modules
+        ]
+        return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def _signature(module: nn.Module) -> tuple[ArgInfo, ...]:
+    kinds: dict[inspect._ParameterKind, ArgKind] = {
+        inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+        inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+        inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+        inspect.Parameter.VAR_POSITIONAL: "var_positional",
+        inspect.Parameter.VAR_KEYWORD: "var_keyword",
+    }
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return ()
+    params = list(sig.parameters.values())[1:]  # drop self
+    return tuple(
+        ArgInfo(name=p.name, kind=kinds[p.kind], required=p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
+        for p in params
+    )
+
+
+def snapshot(model: nn.Module) -> ModelTree:
+    """Take the structure of ``model`` (on any device; meta is cheapest)."""
+    owner: dict[int, str] = {}
+    modules: list[ModuleInfo] = []
+    for fqn, mod in model.named_modules(remove_duplicate=True):
+        params: list[ParamInfo] = []
+        for name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{fqn}.{name}" if fqn else name
+            tied = owner.get(id(p))
+            if tied is None:
+                owner[id(p)] = full
+            params.append(ParamInfo(name=name, fqn=full, shape=tuple(p.shape),
+                                    dtype=str(p.dtype).removeprefix("torch."), tied_to=tied))
+        ints = tuple(sorted((k, v) for k, v in vars(mod).items()
+                            if isinstance(v, int) and not isinstance(v, bool)
+                            and not k.startswith("_")))
+        children = tuple(f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children())
+        modules.append(ModuleInfo(fqn=fqn, cls=f"{type(mod).__module__}.{type(mod).__qualname__}",
+                                  params=tuple(params), int_attrs=ints,
+                                  signature=_signature(mod), children=children))
+    return ModelTree(modules=tuple(modules))
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A model config from a JSON file path, inline JSON text, or a mapping."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    text = config.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ModelSpecError(f"--model-config is not valid JSON: {exc}") from None
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise ModelSpecError(f"--model-config {config!r}: no such file (give a JSON file or "
+                                 f"inline JSON such as '{{\"num_hidden_layers\": 2}}')")
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ModelSpecError(f"{config}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelSpecError("--model-config must be a JSON object of config fields")
+    return value
+
+
+def build_model(spec: str, config: str | Mapping[str, Any] | None = None, *,
+                device: str = "meta") -> nn.Module:
+    """Build a model from a spec, by default on the meta device (no memory, no weights).
+
+    Args:
+        spec: ``pkg.module:factory`` (a callable returning an ``nn.Module``, called with the
+            config fields as keyword arguments) or ``hf:<model_type>`` (a transformers causal LM
+            built from ``AutoConfig.for_model(model_type, **config)``; nothing is downloaded).
+        config: a JSON file, inline JSON, or a mapping of config fields.
+        device: where parameters are created (``"meta"`` for compile; a real device to run).
+
+    Raises:
+        ModelSpecError: the spec cannot be imported or called, or does not give an ``nn.Module``.
+    """
+    import torch
+    from torch import nn
+
+    fields = load_model_config(config)
+    factory: Callable[[], Any]
+    if spec.startswith("hf:"):
+        factory = _hf_factory(spec[3:], fields)
+    else:
+        factory = _import_factory(spec, fields)
+    with torch.device(device):
+        try:
+            model = factory()
+        except ModelSpecError:
+            raise
+        except Exception as exc:  # the factory is user code: report, don't trace
+            raise ModelSpecError(f"building {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ModelSpecError(f"model spec {spec!r} is neither 'pkg.module:factory' nor "
+                             f"'hf:<model_type>'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import {mod_name!r} for model spec {spec!r}: {exc}") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ModelSpecError(f"{mod_name!r} has no attribute {attr!r} (model spec {spec!r})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelSpecError(f"{spec!r} is not callable")
+    return lambda: target(**fields)
+
+
+def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError("--model hf:... needs transformers: pip install 'hyperrecipe[hf]'") from None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise ModelSpecError(f"hf:{model_type}: {exc}") from None
+    del transformers
+
+    def make() -> Any:
+        return AutoModelForCausalLM.from_config(config)
+
+    return make

@@ -1,0 +1,310 @@
+"""The frozen plan: everything ``apply`` needs, decided ahead of time, with the reasons.
+
+A :class:`Plan` is the output of the resolver and the only input of the runtime. It is made of
+``attrs`` frozen classes, serialized by one cattrs converter to deterministic JSON (sorted keys,
+placements written in the recipe's own syntax), and carries a fingerprint over the recipe
+content, the model structure and the mesh shape so a trainer cannot apply it to the wrong thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.preconf.json import make_converter
+
+from hyperrecipe.collective import CollectiveOp
+from hyperrecipe.errors import PlanFormatError
+from hyperrecipe.placement import (
+    NamedPlacement,
+    Placement,
+    PlacementSyntaxError,
+    parse_named_text,
+    parse_placement,
+)
+
+__all__ = [
+    "ArgLayout",
+    "BoundaryPlan",
+    "HeadCount",
+    "ManifestEntry",
+    "MeshDim",
+    "ParamPlan",
+    "Plan",
+    "PLAN_FORMAT",
+    "Provenance",
+    "RuleRef",
+    "Transition",
+    "compute_fingerprint",
+    "converter",
+]
+
+PLAN_FORMAT = 1
+Stage = Literal["input", "output", "param_grad"]
+Direction = Literal["forward", "backward"]
+
+
+@attrs.frozen(kw_only=True)
+class Provenance:
+    """Why one decision was made: the rule (file, line, column, index in its file) and how."""
+
+    file: str
+    line: int
+    column: int
+    rule_index: int
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}:{self.column}"
+        rule = f"rule {self.rule_index}" if self.rule_index >= 0 else "no rule"
+        return f"{where} ({rule}): {self.reason}"
+
+
+@attrs.frozen(kw_only=True)
+class RuleRef:
+    """A rule of the (flattened) recipe, and whether it was active for this mesh."""
+
+    file: str
+    line: int
+    column: int
+    index: int
+    match: str
+    style: str | None
+    active: bool
+    matched: int
+
+
+@attrs.frozen(kw_only=True)
+class MeshDim:
+    name: str
+    size: int
+
+
+@attrs.frozen(kw_only=True)
+class ParamPlan:
+    """How one parameter is laid out, and what its gradient needs.
+
+    ``grad_reduce`` lists the backward collectives of a replicated parameter whose gradient is
+    partial (a norm inside a sequence-parallel or tensor-parallel region).
+    """
+
+    fqn: str
+    module: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placement: NamedPlacement
+    local_shape: tuple[int, ...]
+    tied_to: str | None = None
+    deferred: bool = False
+    grad_reduce: tuple[CollectiveOp, ...] = ()
+    provenance: tuple[Provenance, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ArgLayout:
+    """The layout of one input or output of a boundary.
+
+    ``position`` is the positional index when known (inputs: the forward's parameter order;
+    outputs: the index in a tuple output), ``None`` for keyword-only arguments.
+    """
+
+    name: str
+    position: int | None
+    src: NamedPlacement
+    dst: NamedPlacement
+
+
+@attrs.frozen(kw_only=True)
+class Transition:
+    """One lowered ``src -> dst`` step over one mesh dim, with its forward and backward ops."""
+
+    boundary: str
+    stage: Stage
+    name: str
+    mesh_dim: str
+    src: Placement
+    dst: Placement
+    forward: CollectiveOp
+    backward: CollectiveOp
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class HeadCount:
+    """An integer attribute of a module divided by a mesh dim while the plan is applied in
+    production mode (``head_counts: {num_heads: tp}``); restored with everything else."""
+
+    module: str
+    attr: str
+    mesh_dim: str
+    global_value: int
+    local_value: int
+    provenance: Provenance
+
+
+@attrs.frozen(kw_only=True)
+class BoundaryPlan:
+    """A module whose inputs and outputs are converted between declared layouts.
+
+    ``depth`` counts enclosing boundaries (0 = outermost); the runtime wraps deepest first.
+    """
+
+    fqn: str
+    module_class: str
+    depth: int
+    parent: str | None
+    inputs: tuple[ArgLayout, ...]
+    outputs: tuple[ArgLayout, ...]
+    out_names: tuple[str, ...]
+    defer_bias: tuple[str, ...]
+    inner_wrapper: str | None
+    inner_out_src: tuple[ArgLayout, ...]
+    local_region: bool
+    transitions: tuple[Transition, ...]
+    provenance: tuple[Provenance, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ManifestEntry:
+    """One collective a training step issues (forward or backward), as production runs it."""
+
+    boundary: str
+    stage: Stage
+    name: str
+    mesh_dim: str
+    direction: Direction
+    op: CollectiveOp
+
+
+@attrs.frozen(kw_only=True)
+class AdapterPlan:
+    target: str
+    mode: Literal["wrap", "marshal"]
+    provenance: Provenance
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """A compiled recipe for one model structure and one mesh shape."""
+
+    format: int
+    recipe: str
+    recipe_files: tuple[str, ...]
+    recipe_digest: str
+    model_digest: str
+    mesh: tuple[MeshDim, ...]
+    fingerprint: str
+    rules: tuple[RuleRef, ...]
+    params: tuple[ParamPlan, ...]
+    boundaries: tuple[BoundaryPlan, ...]
+    head_counts: tuple[HeadCount, ...]
+    manifest: tuple[ManifestEntry, ...]
+    adapters: tuple[AdapterPlan, ...] = ()
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {d.name: d.size for d in self.mesh}
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.mesh)
+
+    def param(self, fqn: str) -> ParamPlan:
+        for p in self.params:
+            if p.fqn == fqn:
+                return p
+        raise KeyError(fqn)
+
+    def boundary(self, fqn: str) -> BoundaryPlan:
+        for b in self.boundaries:
+            if b.fqn == fqn:
+                return b
+        raise KeyError(fqn)
+
+    def to_json(self) -> str:
+        """Deterministic JSON: same plan, same bytes."""
+        return json.dumps(converter.unstructure(self), sort_keys=True, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<plan>") -> Plan:
+        """Parse and verify a plan.
+
+        Raises:
+            PlanFormatError: not JSON, wrong format version, a field missing or of the wrong
+                type (path given as cattrs does), or a fingerprint that does not match.
+        """
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"{source}: not JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise PlanFormatError(f"{source}: plan format {found!r} is not {PLAN_FORMAT}; "
+                                  f"recompile the recipe with this hyperrecipe")
+        try:
+            plan = converter.structure(raw, cls)
+        except cattrs.BaseValidationError as exc:
+            details = "; ".join(cattrs.transform_error(exc))
+            raise PlanFormatError(f"{source}: invalid plan: {details}") from None
+        expected = compute_fingerprint(plan.recipe_digest, plan.model_digest, plan.mesh)
+        if plan.fingerprint != expected:
+            raise PlanFormatError(f"{source}: fingerprint {plan.fingerprint[:12]} does not match "
+                                  f"its recipe, model and mesh ({expected[:12]}); the file was "
+                                  f"edited or corrupted")
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanFormatError(f"{path}: cannot read plan: {exc.strerror}") from None
+        return cls.from_json(text, source=str(path))
+
+
+def compute_fingerprint(recipe_digest: str, model_digest: str, mesh: tuple[MeshDim, ...]) -> str:
+    """Hash of what a plan was compiled from: recipe content, model structure, mesh shape."""
+    h = hashlib.sha256()
+    h.update(f"hyperrecipe-plan-{PLAN_FORMAT}\n".encode())
+    h.update(recipe_digest.encode() + b"\n" + model_digest.encode() + b"\n")
+    h.update(json.dumps([[d.name, d.size] for d in mesh]).encode())
+    return h.hexdigest()
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = make_converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def structure_named(value: Any, _: Any) -> NamedPlacement:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a placement string, found {value!r}")
+        try:
+            return parse_named_text(value)
+        except PlacementSyntaxError as exc:
+            raise ValueError(str(exc)) from None
+
+    def structure_placement(value: Any, _: Any) -> Placement:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a placement string, found {value!r}")
+        try:
+            return parse_placement(value)
+        except PlacementSyntaxError as exc:
+            raise ValueError(str(exc)) from None
+
+    conv.register_unstructure_hook(NamedPlacement, str)
+    conv.register_structure_hook(NamedPlacement, structure_named)
+    conv.register_unstructure_hook(Placement, str)  # type: ignore[arg-type]
+    conv.register_structure_hook(Placement, structure_placement)  # type: ignore[arg-type]
+    return conv
+
+
+converter: cattrs.Converter = _make_converter()
+"""The one converter for plans (``forbid_extra_keys``, ``detailed_validation``)."""

@@ -1,0 +1,190 @@
+"""Human-readable views of a plan: the compile summary and ``--explain``.
+
+Pure formatting over :class:`~hyperrecipe.plan.Plan`; repeated layers are folded into one row
+(``model.layers.*.mlp ×32``) so the summary of an 80-layer model still fits a screen.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import attrs
+
+from hyperrecipe.errors import closest
+from hyperrecipe.placement import Shard
+from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
+
+__all__ = ["PlanTotals", "explain", "plan_totals", "summary"]
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@attrs.frozen(kw_only=True)
+class PlanTotals:
+    tensors: int
+    sharded: int
+    replicated: int
+    unclaimed: int
+    bytes_total: int
+    bytes_per_rank: int
+    forward_collectives: int
+    backward_collectives: int
+    ops: tuple[tuple[str, int], ...]
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan_totals(plan: Plan) -> PlanTotals:
+    """Counts over a plan's own parameters (tied aliases counted once) and manifest."""
+    owned = [p for p in plan.params if p.tied_to is None]
+    size = {p.fqn: _ITEMSIZE.get(p.dtype, 4) for p in owned}
+    ops = Counter(str(e.op.kind) for e in plan.manifest)
+    return PlanTotals(
+        tensors=len(owned),
+        sharded=sum(1 for p in owned if any(isinstance(q, Shard) for _, q in p.placement.dims)),
+        replicated=sum(1 for p in owned if p.placement.is_replicate),
+        unclaimed=sum(1 for p in owned if p.provenance and p.provenance[-1].rule_index < 0),
+        bytes_total=sum(_numel(p.shape) * size[p.fqn] for p in owned),
+        bytes_per_rank=sum(_numel(p.local_shape) * size[p.fqn] for p in owned),
+        forward_collectives=sum(1 for e in plan.manifest if e.direction == "forward"),
+        backward_collectives=sum(1 for e in plan.manifest if e.direction == "backward"),
+        ops=tuple(sorted(ops.items())),
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _layout(b: BoundaryPlan) -> str:
+    def one(prefix: str, items: Iterable[object]) -> str:
+        parts = []
+        for a in items:
+            src, dst, name = a.src, a.dst, a.name  # type: ignore[attr-defined]
+            parts.append(f"{name} {src}" if src == dst else f"{name} {src} -> {dst}")
+        return f"{prefix} " + ", ".join(parts) if parts else ""
+
+    text = "; ".join(t for t in (one("in", b.inputs), one("out", b.outputs)) if t)
+    extras = []
+    if b.defer_bias:
+        extras.append("bias deferred")
+    if b.inner_wrapper:
+        extras.append(f"inner {b.inner_wrapper}")
+    if b.local_region:
+        extras.append("local region")
+    return "; ".join([text, *extras]) if extras else text
+
+
+def _tree_order(with_params: list[str], boundary_fqns: list[str]) -> list[str]:
+    """Interleave boundaries with parameter-holding modules, each boundary before its subtree."""
+    rank: dict[str, float] = {m: float(i) for i, m in enumerate(with_params)}
+    for j, b in enumerate(boundary_fqns):
+        inside = [rank[m] for m in with_params if m == b or m.startswith(f"{b}.")]
+        rank[b] = min(inside) - 0.5 if inside and b not in rank else rank.get(b, len(rank) + j)
+    return sorted(dict.fromkeys([*with_params, *boundary_fqns]), key=lambda m: rank[m])
+
+
+def summary(plan: Plan) -> str:
+    """The compile summary: one row per (folded) module, then totals."""
+    by_module: dict[str, list[ParamPlan]] = {}
+    for p in plan.params:
+        by_module.setdefault(p.module, []).append(p)
+    boundaries = {b.fqn: b for b in plan.boundaries}
+    colls: dict[str, Counter[str]] = {}
+    for e in plan.manifest:
+        key = e.boundary if e.stage != "param_grad" else f"{e.name.rsplit('.', 1)[0]}"
+        colls.setdefault(key, Counter())[f"{'fwd' if e.direction == 'forward' else 'bwd'} "
+                                         f"{e.op.kind}"] += 1
+    rows: dict[tuple[str, str, str, str, str], int] = {}
+    order: list[tuple[str, str, str, str, str]] = []
+    modules = _tree_order(list(by_module), list(boundaries))
+    unclaimed: list[str] = []
+    for fqn in modules:
+        params = [p for p in by_module.get(fqn, []) if p.tied_to is None or fqn in boundaries
+                  or not p.placement.is_replicate]
+        b = boundaries.get(fqn)
+        ruled = [p for p in params if not (p.provenance and p.provenance[-1].rule_index < 0)]
+        unclaimed.extend(p.fqn for p in params if p not in ruled)
+        if b is None and not ruled:
+            continue
+        kind = "boundary" if b else "params"
+        ptext = ", ".join(f"{p.name} {p.placement}" + (" (tied)" if p.tied_to else "")
+                          + (" (grad all-reduced)" if p.grad_reduce else "") for p in ruled) or "-"
+        ltext = _layout(b) if b else "-"
+        ctext = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(colls.get(fqn, Counter()).items())) or "-"
+        row = (generalize_fqn(fqn), kind, ptext, ltext, ctext)
+        if row not in rows:
+            order.append(row)
+            rows[row] = 0
+        rows[row] += 1
+    mesh = ",".join(f"{d.name}={d.size}" for d in plan.mesh)
+    lines = [f"plan {plan.recipe!r} for mesh {mesh}  fingerprint {plan.fingerprint[:12]}  "
+             f"({', '.join(plan.recipe_files)})", ""]
+    header = ("module", "kind", "params", "layouts", "collectives/step")
+    table = [header, *[(f"{r[0]}" + (f" x{rows[r]}" if rows[r] > 1 else ""), *r[1:]) for r in order]]
+    widths = [min(max(len(row[i]) for row in table), 60) for i in range(4)]
+    for row in table:
+        cells = [row[i].ljust(widths[i]) for i in range(4)]
+        lines.append("  ".join(cells) + "  " + row[4])
+    t = plan_totals(plan)
+    lines.append("")
+    if unclaimed:
+        folded = Counter(generalize_fqn(f) for f in unclaimed)
+        shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in folded.items())
+        lines.append(f"replicated by default (no rule): {shown}")
+    ratio = t.bytes_per_rank / t.bytes_total if t.bytes_total else 1.0
+    lines.append(f"parameters: {t.tensors} tensors, {t.sharded} sharded, {t.replicated} "
+                 f"replicated; {_mb(t.bytes_per_rank)} per rank of {_mb(t.bytes_total)} "
+                 f"({ratio:.0%})")
+    ops = ", ".join(f"{k} x{v}" for k, v in t.ops) or "none"
+    lines.append(f"collectives per step: {t.forward_collectives} forward, "
+                 f"{t.backward_collectives} backward ({ops})")
+    return "\n".join(lines) + "\n"
+
+
+def explain(plan: Plan, pattern: str) -> str:
+    """Why each parameter and boundary whose FQN matches ``pattern`` was decided as it was.
+
+    Raises:
+        ValueError: nothing matches; the message lists the nearest FQNs.
+    """
+    rx = compile_pattern(pattern)
+    out: list[str] = []
+    for p in plan.params:
+        if rx.fullmatch(p.fqn) or rx.fullmatch(p.module):
+            out.append(f"{p.fqn}: {p.placement}  local {list(p.local_shape)} of {list(p.shape)} "
+                       f"{p.dtype}" + (f"  (tied to {p.tied_to})" if p.tied_to else ""))
+            out.extend(f"  {prov}" for prov in p.provenance)
+            if p.deferred:
+                out.append("  bias deferred: added once after the boundary's reduction")
+            for op in p.grad_reduce:
+                out.append(f"  gradient: {op} in backward (replicated inside a region sharded "
+                           f"on {op.mesh_dim}, so its gradient is partial)")
+    for h in plan.head_counts:
+        if rx.fullmatch(h.module) or rx.fullmatch(f"{h.module}.{h.attr}"):
+            out.append(f"{h.module}.{h.attr}: {h.global_value} -> {h.local_value} in production "
+                       f"(divided by {h.mesh_dim})")
+            out.append(f"  {h.provenance}")
+    for b in plan.boundaries:
+        if rx.fullmatch(b.fqn):
+            parent = f", inside {b.parent}" if b.parent else ""
+            out.append(f"{b.fqn}: boundary (depth {b.depth}{parent})  {_layout(b)}")
+            out.extend(f"  {prov}" for prov in b.provenance)
+            for t in b.transitions:
+                why = f"; {t.reason}" if t.reason else ""
+                out.append(f"  {t.stage} {t.name} on {t.mesh_dim}: {t.src} -> {t.dst}: forward "
+                           f"{t.forward}, backward {t.backward}{why}")
+    if not out:
+        names = [*{p.fqn for p in plan.params}, *{b.fqn for b in plan.boundaries}]
+        near = closest(pattern, sorted({generalize_fqn(n) for n in names}), n=3)
+        hint = f"; nearest: {', '.join(near)}" if near else ""
+        raise ValueError(f"--explain {pattern!r} matches no parameter or boundary{hint}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,23 @@
+"""Recipes: the file format users write, loaded and validated without a model.
+
+What lives here: the schema (attrs classes in ``schema``), YAML/TOML reading with source
+positions (``source``), validation of one document (``validate``), built-in styles
+(``styles``), ``match`` patterns (``patterns``), ``extends`` and shipped recipes (``loader``) and
+the JSON Schema export (``jsonschema``). What does not: anything about a model or torch — this
+package must stay importable by the lint, which never imports torch.
+"""
+
+from hyperrecipe.recipe.loader import check_recipe_file, load_recipe, shipped_recipes
+from hyperrecipe.recipe.schema import Recipe, Rule, RuleFields, StyleDef
+from hyperrecipe.recipe.styles import BUILTIN_STYLES
+
+__all__ = [
+    "BUILTIN_STYLES",
+    "Recipe",
+    "Rule",
+    "RuleFields",
+    "StyleDef",
+    "check_recipe_file",
+    "load_recipe",
+    "shipped_recipes",
+]

@@ -1,0 +1,531 @@
+"""Turning one parsed recipe document into validated schema objects, or a precise RecipeError.
+
+Every check here is local to the file: keys, types, placement syntax, style names, patterns.
+Whether a pattern matches the model or a dim divides is the resolver's business. The field table
+:data:`RULE_FIELD_SPECS` drives validation, the JSON Schema and the reference docs alike.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from hyperrecipe.errors import RecipeError, did_you_mean
+from hyperrecipe.placement import (
+    NamedPlacement,
+    PlacementSyntaxError,
+    parse_named_placement,
+    parse_placement,
+)
+from hyperrecipe.recipe.patterns import PatternError, compile_pattern
+from hyperrecipe.recipe.schema import (
+    AdapterSpec,
+    Condition,
+    Layout,
+    LayoutKey,
+    Rule,
+    RuleFields,
+    StyleDef,
+)
+from hyperrecipe.recipe.source import Document, PathKey, Positions, format_path
+
+__all__ = [
+    "FieldSpec",
+    "RULE_FIELD_SPECS",
+    "TOP_LEVEL_SPECS",
+    "ADAPTER_KEYS",
+    "INNER_WRAPPERS",
+    "FileContent",
+    "validate_document",
+    "validate_rules",
+    "validate_styles",
+]
+
+INNER_WRAPPERS: dict[str, str] = {
+    "cp_allgather_kv": "context parallel attention: K/V all-gathered along the sequence, "
+    "offset-aware causal mask",
+    "ulysses": "context parallel attention: all-to-all between heads and sequence (Ulysses)",
+}
+"""Built-in inner wrappers, by registry name (implemented by the runtime)."""
+
+_CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_IDENT = re.compile(r"^[A-Za-z_]\w*$")
+_CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)\s*$")
+
+
+@attrs.frozen(kw_only=True)
+class FieldSpec:
+    """One recipe key: what it holds (for the schema and docs) and what it means."""
+
+    name: str
+    kind: str
+    doc: str
+    required: bool = False
+
+
+RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
+    FieldSpec(name="match", kind="pattern", required=True,
+              doc="Module FQN pattern. Glob: `*` one path segment, `**` any number of segments, "
+                  "`{a,b}` alternatives; or `re:` followed by a regular expression matched against "
+                  "the whole FQN. A pattern that matches no module is an error."),
+    FieldSpec(name="when", kind="conditions",
+              doc="Mesh conditions, e.g. `{cp: \">1\"}`; the rule is skipped unless all hold. "
+                  "A mesh dim missing from the mesh has size 1."),
+    FieldSpec(name="style", kind="style",
+              doc="A built-in or recipe style whose fields this rule starts from; explicit fields "
+                  "refine it (mappings merge key by key)."),
+    FieldSpec(name="params", kind="param_placements",
+              doc="Placement of each direct parameter of the matched modules, e.g. "
+                  "`{weight: {tp: shard(0)}, bias: replicate}`. A parameter named by a style but "
+                  "absent from the module (a `bias` of a bias-free linear) is ignored; one named "
+                  "explicitly must exist."),
+    FieldSpec(name="boundary", kind="bool",
+              doc="Whether the matched modules are boundaries, where layouts are declared and "
+                  "converted. `boundary: false` keeps a style's parameter placements and drops "
+                  "its layouts."),
+    FieldSpec(name="in_src", kind="layout",
+              doc="How each input arrives, by argument name or position (`0`)."),
+    FieldSpec(name="in_dst", kind="layout",
+              doc="How the forward needs each input; defaults to `in_src`."),
+    FieldSpec(name="out_src", kind="layout",
+              doc="How the forward produces each output, by name (see `out_names`) or position."),
+    FieldSpec(name="out_dst", kind="layout",
+              doc="How the caller gets each output; defaults to `out_src`."),
+    FieldSpec(name="out_names", kind="names",
+              doc="Names for the positions of a tuple output, e.g. `[attn_output, attn_weights]`."),
+    FieldSpec(name="defer_bias", kind="bool",
+              doc="Keep the `bias` out of the forward and add it once after the output's "
+                  "reduction (rowwise: otherwise it is counted once per rank)."),
+    FieldSpec(name="head_counts", kind="head_counts",
+              doc="Integer attributes of the module divided by a mesh dim's size while the plan "
+                  "is applied in production mode, e.g. `{num_heads: tp}`; each must divide."),
+    FieldSpec(name="inner_wrapper", kind="wrapper",
+              doc=f"A wrapper replacing the module's inner computation: a registry name "
+                  f"({', '.join(sorted(INNER_WRAPPERS))}) or `pkg.mod:callable`."),
+    FieldSpec(name="inner_out_src", kind="layout",
+              doc="Output layout the inner wrapper produces."),
+    FieldSpec(name="local_region", kind="bool",
+              doc="Run the module's forward on local tensors in both modes (data-dependent code "
+                  "such as MoE token dispatch); requires `out_src`."),
+    FieldSpec(name="note", kind="string", doc="Free text, shown by `compile --explain`."),
+)
+
+TOP_LEVEL_SPECS: tuple[FieldSpec, ...] = (
+    FieldSpec(name="recipe", kind="string", required=True, doc="The recipe's name."),
+    FieldSpec(name="version", kind="version", required=True, doc="Format version; must be 1."),
+    FieldSpec(name="mesh", kind="mesh_dims", required=True,
+              doc="The mesh dim names this recipe speaks of, e.g. `[dp, tp]`."),
+    FieldSpec(name="description", kind="string", doc="Free text."),
+    FieldSpec(name="extends", kind="string",
+              doc="A recipe file path (relative to this file) or a shipped recipe's name; its "
+                  "rules come first and this recipe's rules refine them."),
+    FieldSpec(name="unclaimed", kind="unclaimed",
+              doc="What happens to a parameter no rule claims: `replicate` (default; listed in "
+                  "the compile summary) or `error`."),
+    FieldSpec(name="styles", kind="styles",
+              doc="Recipe styles: name → rule fields (and optionally a base `style`)."),
+    FieldSpec(name="rules", kind="rules", required=True, doc="Ordered rules."),
+    FieldSpec(name="adapters", kind="adapters",
+              doc="Method adapters for third-party code: a list of `{target: pkg.mod:Class.method, "
+                  "mode: wrap|marshal}`."),
+)
+
+ADAPTER_KEYS = ("target", "mode")
+_RULE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS)
+_STYLE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS if s.name not in ("match", "when")) + ("doc",)
+_TOP_KEYS = tuple(s.name for s in TOP_LEVEL_SPECS)
+
+
+class _Ctx:
+    """Positions of one document, and helpers that raise RecipeErrors pointing into it."""
+
+    def __init__(self, positions: Positions, rule_index: int | None = None) -> None:
+        self.positions = positions
+        self.rule_index = rule_index
+
+    def fail(self, problem: str, path: PathKey, *, key: bool = False, hint: str = "") -> RecipeError:
+        return RecipeError(
+            problem,
+            span=self.positions.span(path, key=key),
+            path=format_path(path),
+            rule_index=self.rule_index,
+            hint=hint,
+        )
+
+    def check_keys(self, data: Mapping[Any, Any], allowed: tuple[str, ...], path: PathKey,
+                   what: str) -> None:
+        for k in data:
+            if k not in allowed:
+                hint = f"expected one of: {', '.join(allowed)}"
+                raise self.fail(f"unknown key {k!r} in {what}{did_you_mean(str(k), allowed)}",
+                                (*path, k), key=True, hint=hint)
+
+    def want(self, value: Any, types: type | tuple[type, ...], path: PathKey, expected: str) -> Any:
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in
+                                               (types if isinstance(types, tuple) else (types,)))
+        if not ok:
+            raise self.fail(f"expected {expected}, found {_describe(value)}", path)
+        return value
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value!r}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+@attrs.frozen(kw_only=True)
+class FileContent:
+    """The validated top level of one file, before ``extends`` is followed."""
+
+    name: str
+    version: int
+    mesh: tuple[str, ...]
+    description: str
+    extends: str | None
+    unclaimed: str | None
+    raw_styles: Mapping[str, Any]
+    raw_rules: list[Any]
+    adapters: tuple[AdapterSpec, ...]
+
+
+def validate_document(doc: Document) -> FileContent:
+    """Check the top level of a document: keys, version, mesh, and the shape of lists.
+
+    Raises:
+        RecipeError: on the first problem, naming file, line, column and path.
+    """
+    ctx = _Ctx(doc.positions)
+    data = doc.data
+    if not isinstance(data, dict):
+        raise ctx.fail(f"a recipe must be a mapping at the top level, found {_describe(data)}", ())
+    ctx.check_keys(data, _TOP_KEYS, (), "the recipe")
+    for spec in TOP_LEVEL_SPECS:
+        if spec.required and spec.name not in data:
+            raise ctx.fail(f"required field missing: {spec.name!r}", (),
+                           hint=spec.doc)
+    name = ctx.want(data["recipe"], str, ("recipe",), "a string (the recipe's name)")
+    version = data["version"]
+    if version != 1 or isinstance(version, bool):
+        raise ctx.fail(f"unsupported recipe version {version!r}; expected 1", ("version",))
+    mesh_raw = ctx.want(data["mesh"], list, ("mesh",), "a list of mesh dim names")
+    mesh: list[str] = []
+    for i, d in enumerate(mesh_raw):
+        ctx.want(d, str, ("mesh", i), "a mesh dim name")
+        if not _IDENT.match(d):
+            raise ctx.fail(f"mesh dim name {d!r} is not an identifier", ("mesh", i))
+        if d in mesh:
+            raise ctx.fail(f"mesh dim {d!r} listed twice", ("mesh", i))
+        mesh.append(d)
+    description = ctx.want(data.get("description", ""), str, ("description",), "a string")
+    extends = data.get("extends")
+    if extends is not None:
+        ctx.want(extends, str, ("extends",), "a recipe path or shipped recipe name")
+    unclaimed = data.get("unclaimed")
+    if unclaimed is not None and unclaimed not in ("replicate", "error"):
+        raise ctx.fail(f"unclaimed must be 'replicate' or 'error', found {_describe(unclaimed)}",
+                       ("unclaimed",))
+    styles = data.get("styles", {})
+    ctx.want(styles, dict, ("styles",), "a mapping of style name to fields")
+    rules = ctx.want(data["rules"], list, ("rules",), "a list of rules")
+    adapters = _validate_adapters(ctx, data.get("adapters", []))
+    return FileContent(name=name, version=1, mesh=tuple(mesh), description=description,
+                       extends=extends, unclaimed=unclaimed, raw_styles=styles, raw_rules=rules,
+                       adapters=adapters)
+
+
+def _validate_adapters(ctx: _Ctx, raw: Any) -> tuple[AdapterSpec, ...]:
+    ctx.want(raw, list, ("adapters",), "a list of adapters")
+    out: list[AdapterSpec] = []
+    for i, item in enumerate(raw):
+        path: PathKey = ("adapters", i)
+        ctx.want(item, dict, path, "a mapping with target and mode")
+        ctx.check_keys(item, ADAPTER_KEYS, path, "an adapter")
+        if "target" not in item:
+            raise ctx.fail("required field missing: 'target'", path)
+        target = ctx.want(item["target"], str, (*path, "target"), "`pkg.mod:Class.method`")
+        if not _CALLABLE_REF.match(target) or "." not in target.split(":", 1)[1]:
+            raise ctx.fail(f"adapter target {target!r} is not `pkg.mod:Class.method`",
+                           (*path, "target"))
+        mode = item.get("mode", "wrap")
+        if mode not in ("wrap", "marshal"):
+            raise ctx.fail(f"adapter mode must be 'wrap' or 'marshal', found {_describe(mode)}",
+                           (*path, "mode"))
+        span = ctx.positions.span(path)
+        out.append(AdapterSpec(target=target, mode=mode, file=span.path, line=span.line,
+                               column=span.column))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+def _placement(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> NamedPlacement:
+    if isinstance(value, dict):  # parse entry by entry so errors point at the entry
+        for dim, text in value.items():
+            if isinstance(text, str):
+                try:
+                    parse_placement(text)
+                except PlacementSyntaxError as exc:
+                    raise ctx.fail(str(exc), (*path, dim)) from None
+    try:
+        p = parse_named_placement(value)
+    except PlacementSyntaxError as exc:
+        raise ctx.fail(str(exc), path) from None
+    for dim in p.mesh_dims:
+        if dim not in mesh:
+            raise ctx.fail(
+                f"placement names mesh dim {dim!r}, which the recipe does not declare"
+                f"{did_you_mean(dim, mesh)}",
+                (*path, dim), key=True, hint=f"declared mesh dims: [{', '.join(mesh)}]",
+            )
+    return p
+
+
+def _layout(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> Layout:
+    ctx.want(value, dict, path, "a mapping of argument name or position to placement")
+    out: list[tuple[LayoutKey, NamedPlacement]] = []
+    for k, v in value.items():
+        key: LayoutKey
+        if isinstance(k, int) and not isinstance(k, bool):
+            key = k
+        elif isinstance(k, str) and k.isdigit():
+            key = int(k)
+        elif isinstance(k, str) and _IDENT.match(k):
+            key = k
+        else:
+            raise ctx.fail(f"layout key {k!r} is neither an argument name nor a position",
+                           (*path, k), key=True)
+        if isinstance(key, int) and key < 0:
+            raise ctx.fail(f"layout position {key} is negative", (*path, k), key=True)
+        out.append((key, _placement(ctx, v, (*path, k), mesh)))
+    return tuple(out)
+
+
+def _bool(ctx: _Ctx, value: Any, path: PathKey) -> bool:
+    return bool(ctx.want(value, bool, path, "true or false"))
+
+
+def _conditions(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[Condition, ...]:
+    ctx.want(value, dict, path, 'a mapping of mesh dim to condition, e.g. {cp: ">1"}')
+    out: list[Condition] = []
+    for dim, cond in value.items():
+        if dim not in mesh:
+            raise ctx.fail(f"condition on mesh dim {dim!r}, which the recipe does not declare"
+                           f"{did_you_mean(str(dim), mesh)}", (*path, dim), key=True,
+                           hint=f"declared mesh dims: [{', '.join(mesh)}]")
+        text = str(cond) if isinstance(cond, int) and not isinstance(cond, bool) else cond
+        m = _CONDITION.match(text) if isinstance(text, str) else None
+        if m is None:
+            raise ctx.fail(f"condition {cond!r} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
+                           (*path, dim))
+        out.append(Condition(mesh_dim=dim, op=m.group(1) or "==",  # type: ignore[arg-type]
+                             value=int(m.group(2))))
+    return tuple(out)
+
+
+def _fields(ctx: _Ctx, data: Mapping[str, Any], path: PathKey, mesh: tuple[str, ...]) -> RuleFields:
+    """The explicit fields written in a rule or style (not including its style)."""
+    values: dict[str, Any] = {}
+    for spec in RULE_FIELD_SPECS:
+        if spec.name not in data or spec.name in ("match", "when", "style", "note"):
+            continue
+        raw = data[spec.name]
+        fpath = (*path, spec.name)
+        parser = _FIELD_PARSERS[spec.kind]
+        values[spec.name] = parser(ctx, raw, fpath, mesh)
+    return RuleFields(**values)
+
+
+def _params(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[tuple[str, NamedPlacement], ...]:
+    ctx.want(raw, dict, path, "a mapping of parameter name to placement")
+    out = []
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _IDENT.match(k):
+            raise ctx.fail(f"parameter name {k!r} is not an identifier (params name the matched "
+                           f"module's direct parameters)", (*path, k), key=True)
+        out.append((k, _placement(ctx, v, (*path, k), mesh)))
+    return tuple(out)
+
+
+def _names(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[str, ...]:
+    ctx.want(raw, list, path, "a list of output names")
+    seen: list[str] = []
+    for i, n in enumerate(raw):
+        ctx.want(n, str, (*path, i), "an output name")
+        if not _IDENT.match(n):
+            raise ctx.fail(f"output name {n!r} is not an identifier", (*path, i))
+        if n in seen:
+            raise ctx.fail(f"output name {n!r} listed twice", (*path, i))
+        seen.append(n)
+    return tuple(seen)
+
+
+def _head_counts(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    ctx.want(raw, dict, path, "a mapping of integer attribute to mesh dim, e.g. {num_heads: tp}")
+    out = []
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _IDENT.match(k):
+            raise ctx.fail(f"attribute name {k!r} is not an identifier", (*path, k), key=True)
+        ctx.want(v, str, (*path, k), "a mesh dim name")
+        if v not in mesh:
+            raise ctx.fail(f"head count divided by mesh dim {v!r}, which the recipe does not "
+                           f"declare{did_you_mean(v, mesh)}", (*path, k),
+                           hint=f"declared mesh dims: [{', '.join(mesh)}]")
+        out.append((k, v))
+    return tuple(out)
+
+
+def _wrapper(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> str:
+    ctx.want(raw, str, path, "a wrapper registry name or `pkg.mod:callable`")
+    if raw in INNER_WRAPPERS or _CALLABLE_REF.match(raw):
+        return str(raw)
+    raise ctx.fail(f"unknown inner wrapper {raw!r}{did_you_mean(raw, INNER_WRAPPERS)}", path,
+                   hint=f"expected one of {', '.join(sorted(INNER_WRAPPERS))} or `pkg.mod:callable`")
+
+
+_FIELD_PARSERS: dict[str, Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]] = {
+    "param_placements": _params,
+    "bool": lambda ctx, raw, path, mesh: _bool(ctx, raw, path),
+    "layout": _layout,
+    "names": _names,
+    "head_counts": _head_counts,
+    "wrapper": _wrapper,
+}
+
+
+# ----------------------------------------------------------------------------- styles
+
+
+def validate_styles(doc: Document, content: FileContent, inherited: Mapping[str, StyleDef]) -> dict[str, StyleDef]:
+    """The styles visible to this file's rules: inherited ones plus its own, expanded.
+
+    Raises:
+        RecipeError: unknown keys, a cycle between styles, a redefined built-in.
+    """
+    ctx = _Ctx(doc.positions)
+    visible: dict[str, StyleDef] = dict(inherited)
+    raw = content.raw_styles
+    expanding: list[str] = []
+
+    def expand(name: str) -> StyleDef:
+        if name in visible and name not in raw:
+            return visible[name]
+        if name in expanding:
+            cycle = " -> ".join([*expanding[expanding.index(name):], name])
+            raise ctx.fail(f"styles form a cycle: {cycle}", ("styles", name), key=True)
+        body = raw[name]
+        path: PathKey = ("styles", name)
+        ctx.want(body, dict, path, "a mapping of rule fields")
+        ctx.check_keys(body, _STYLE_KEYS, path, f"style {name!r}")
+        expanding.append(name)
+        fields = _fields(ctx, body, path, content.mesh)
+        base_name = body.get("style")
+        if base_name is not None:
+            ctx.want(base_name, str, (*path, "style"), "a style name")
+            if base_name not in visible and base_name not in raw:
+                known = sorted({*visible, *raw})
+                raise ctx.fail(f"unknown style {base_name!r}{did_you_mean(base_name, known)}",
+                               (*path, "style"), hint=f"expected one of: {', '.join(known)}")
+            fields = fields.over(expand(base_name).fields)
+        expanding.pop()
+        doc_text = body.get("doc", "")
+        ctx.want(doc_text, str, (*path, "doc"), "a string")
+        span = ctx.positions.span(path, key=True)
+        style = StyleDef(name=name, fields=fields, doc=doc_text, file=span.path, line=span.line)
+        visible[name] = style
+        return style
+
+    for name in raw:
+        if not isinstance(name, str) or not _IDENT.match(name):
+            raise ctx.fail(f"style name {name!r} is not an identifier", ("styles", name), key=True)
+        if name in inherited and inherited[name].builtin:
+            raise ctx.fail(f"style {name!r} is built in and cannot be redefined; choose another "
+                           f"name", ("styles", name), key=True)
+        expand(name)
+    return visible
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, StyleDef], *,
+                   layer: int) -> tuple[Rule, ...]:
+    """Validate each rule and expand its style.
+
+    Raises:
+        RecipeError: the first bad rule, with its index and location.
+    """
+    out: list[Rule] = []
+    for i, raw in enumerate(content.raw_rules):
+        ctx = _Ctx(doc.positions, rule_index=i)
+        path: PathKey = ("rules", i)
+        ctx.want(raw, dict, path, "a rule (a mapping with at least `match`)")
+        ctx.check_keys(raw, _RULE_KEYS, path, f"rule {i}")
+        if "match" not in raw:
+            raise ctx.fail(f"required field missing: 'match' in rule {i}", path)
+        match = ctx.want(raw["match"], str, (*path, "match"), "an FQN pattern")
+        try:
+            compile_pattern(match)
+        except PatternError as exc:
+            raise ctx.fail(f"invalid pattern {match!r}: {exc}", (*path, "match")) from None
+        when = _conditions(ctx, raw["when"], (*path, "when"), content.mesh) if "when" in raw else ()
+        explicit = _fields(ctx, raw, path, content.mesh)
+        style_name = raw.get("style")
+        fields = explicit
+        chain: tuple[str, ...] = ()
+        if style_name is not None:
+            ctx.want(style_name, str, (*path, "style"), "a style name")
+            if style_name not in styles:
+                raise ctx.fail(f"unknown style {style_name!r}{did_you_mean(style_name, styles)}",
+                               (*path, "style"), hint=f"expected one of: {', '.join(sorted(styles))}")
+            style = styles[style_name]
+            for dim in _mesh_dims_of(style.fields):
+                if dim not in content.mesh:
+                    raise ctx.fail(
+                        f"style {style_name!r} places tensors on mesh dim {dim!r}, which the "
+                        f"recipe does not declare", (*path, "style"),
+                        hint=f"declared mesh dims: [{', '.join(content.mesh)}]")
+            fields = explicit.over(style.fields)
+            if explicit.boundary is False:
+                fields = attrs.evolve(fields, in_src=None, in_dst=None, out_src=None,
+                                      out_dst=None, out_names=None, defer_bias=None)
+            chain = (style_name,)
+        if explicit.boundary is False:
+            for f in ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias"):
+                if getattr(explicit, f) is not None:
+                    raise ctx.fail(f"{f} has no effect with boundary: false", (*path, f), key=True)
+        note = raw.get("note", "")
+        ctx.want(note, str, (*path, "note"), "a string")
+        out.append(Rule(
+            file=doc.positions.file, index=i, layer=layer, match=match, when=when,
+            style=style_name, style_chain=chain, fields=fields,
+            explicit=frozenset(explicit.set_fields()),
+            explicit_params=frozenset(k for k, _ in explicit.params or ()), note=note,
+            positions=doc.positions, path=path,
+        ))
+    return tuple(out)
+
+
+def _mesh_dims_of(fields: RuleFields) -> set[str]:
+    dims: set[str] = set()
+    for name in ("params", "in_src", "in_dst", "out_src", "out_dst", "inner_out_src"):
+        value = getattr(fields, name)
+        for _, p in value or ():
+            dims.update(p.mesh_dims)
+    for _, d in fields.head_counts or ():
+        dims.add(d)
+    return dims

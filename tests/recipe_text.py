@@ -1,0 +1,71 @@
+"""Write the same recipe as YAML and as TOML, and find where a token landed in each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def to_yaml(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=200)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def _toml_key(k: Any) -> str:
+    k = str(k)
+    return k if k.replace("_", "a").isalnum() else json.dumps(k)
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    lines = []
+    tables = {}
+    for k, v in data.items():
+        if k == "rules" or k == "adapters":
+            tables[k] = v
+        elif k == "styles":
+            tables[k] = v
+        else:
+            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    for name, body in (tables.get("styles") or {}).items():
+        lines += ["", f"[styles.{name}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in body.items()]
+    for key in ("rules", "adapters"):
+        for item in tables.get(key) or []:
+            lines += ["", f"[[{key}]]"]
+            if isinstance(item, dict):
+                lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items()]
+    return "\n".join(lines) + "\n"
+
+
+def locate(text: str, needle: str, nth: int = 0) -> tuple[int, int]:
+    """1-based (line, column) of the nth occurrence of needle."""
+    start = -1
+    for _ in range(nth + 1):
+        start = text.index(needle, start + 1)
+    line = text.count("\n", 0, start) + 1
+    col = start - (text.rfind("\n", 0, start) + 1) + 1
+    return line, col
+
+
+def write_both(tmp: Path, name: str, data: dict[str, Any]) -> tuple[Path, Path]:
+    y = tmp / f"{name}.yaml"
+    t = tmp / f"{name}.toml"
+    y.write_text(to_yaml(data))
+    t.write_text(to_toml(data))
+    return y, t

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyperrecipe.placement import (
+    NamedPlacement,
+    Partial,
+    PlacementSyntaxError,
+    Replicate,
+    Shard,
+    parse_named_placement,
+    parse_named_text,
+    parse_placement,
+    to_torch_placements,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("replicate", Replicate()),
+        ("partial", Partial()),
+        ("partial(sum)", Partial()),
+        ("partial(avg)", Partial(reduce="avg")),
+        ("shard(0)", Shard(dim=0)),
+        ("shard(-1)", Shard(dim=-1)),
+        (" shard( 2 ) ", Shard(dim=2)),
+        ("shard(0, chunks=3)", Shard(dim=0, chunks=3)),
+        ("shard(0, chunks=[64, 16, 16])", Shard(dim=0, chunks=3, chunk_sizes=(64, 16, 16))),
+    ],
+)
+def test_placement_grammar_parses_every_documented_form(text: str, expected: object) -> None:
+    assert parse_placement(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("shard", "unknown placement 'shard'; expected one of replicate, partial, partial(sum), "
+                  "partial(avg), shard(D), shard(D, chunks=K), shard(D, chunks=[S1, S2, ...])"),
+        ("partial(max)", "unknown reduce op 'max' in 'partial(max)'; expected partial(sum) or "
+                         "partial(avg)"),
+        ("shard(0, chunks=[4])", "chunks=[...] needs two or more positive sizes, found "
+                                 "'shard(0, chunks=[4])'"),
+        ("shard(0, chunks=0)", "chunks must be at least 1, found 'shard(0, chunks=0)'"),
+    ],
+)
+def test_malformed_placements_say_what_is_valid(text: str, message: str) -> None:
+    with pytest.raises(PlacementSyntaxError) as err:
+        parse_placement(text)
+    assert str(err.value) == message
+
+
+def test_bare_shard_must_name_its_mesh_dim() -> None:
+    with pytest.raises(PlacementSyntaxError) as err:
+        parse_named_placement("shard(0)")
+    assert str(err.value) == ("a placement other than replicate must name its mesh dim, e.g. "
+                              "{tp: shard(0)}; found the bare string 'shard(0)'")
+
+
+def test_named_placement_drops_replicate_entries_and_orders_by_mesh() -> None:
+    p = parse_named_placement({"tp": "shard(0)", "dp": "replicate", "cp": "shard(1)"})
+    assert p.dims == (("tp", Shard(dim=0)), ("cp", Shard(dim=1)))
+    assert p.get("dp") == Replicate()
+    assert str(p.canonical(["dp", "cp", "tp"])) == "{cp: shard(1), tp: shard(0)}"
+
+
+_one = st.one_of(
+    st.just(Replicate()),
+    st.sampled_from([Partial(), Partial(reduce="avg")]),
+    st.builds(lambda d: Shard(dim=d), st.integers(-4, 4)),
+    st.builds(lambda d, k: Shard(dim=d, chunks=k), st.integers(-4, 4), st.integers(2, 5)),
+    st.builds(lambda d, s: Shard(dim=d, chunks=len(s), chunk_sizes=tuple(s)), st.integers(-4, 4),
+              st.lists(st.integers(1, 99), min_size=2, max_size=4)),
+)
+
+
+@given(st.dictionaries(st.sampled_from(["dp", "tp", "cp", "ep"]), _one, max_size=4))
+def test_named_placement_text_round_trips(entries: dict[str, object]) -> None:
+    p = NamedPlacement.of(entries)  # type: ignore[arg-type]
+    assert parse_named_text(str(p)) == p
+
+
+def test_torch_conversion_orders_by_mesh_and_refuses_chunked_shards() -> None:
+    from torch.distributed.tensor import Partial as TP
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
+
+    p = parse_named_placement({"tp": "shard(0)", "dp": "partial"})
+    assert to_torch_placements(p, ["dp", "tp", "cp"]) == (TP("sum"), TS(0), TR())
+    with pytest.raises(ValueError, match="no torch placement"):
+        to_torch_placements(parse_named_placement({"tp": "shard(0, chunks=3)"}), ["tp"])

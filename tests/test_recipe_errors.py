@@ -1,0 +1,207 @@
+"""Every refusal of the loader and resolver: exact message, file, line and column, YAML and TOML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hyperrecipe.errors import RecipeError
+from hyperrecipe.model_tree import snapshot
+from hyperrecipe.recipe import load_recipe
+from hyperrecipe.resolve import resolve_recipe
+from tests.recipe_text import locate, write_both
+from tests.toy_models import Toy
+
+STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
+RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, out_names, "
+             "defer_bias, head_counts, inner_wrapper, inner_out_src, local_region, note")
+
+
+def base(*rules: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {"recipe": "t", "version": 1, "mesh": ["tp"], **top, "rules": list(rules)}
+
+
+# (id, recipe data, yaml needle, toml needle, message after "file:line:col: ")
+LOAD_CASES = [
+    ("unknown-style", base({"match": "layers.*.up", "style": "colwse"}), "colwse", '"colwse"',
+     f"unknown style 'colwse'; did you mean 'colwise'? @ $.rules[0].style; expected one of: {STYLES}"),
+    ("unknown-rule-key", base({"match": "layers.*.up", "parms": {"weight": "replicate"}}),
+     "parms", "parms",
+     f"unknown key 'parms' in rule 0; did you mean 'params'? @ $.rules[0].parms; expected one of: "
+     f"{RULE_KEYS}"),
+    ("unknown-placement", base({"match": "layers.*.up", "params": {"weight": {"tp": "shard(x)"}}}),
+     "shard(x)", '"shard(x)"',
+     "unknown placement 'shard(x)'; expected one of replicate, partial, partial(sum), partial(avg), "
+     "shard(D), shard(D, chunks=K), shard(D, chunks=[S1, S2, ...]) @ $.rules[0].params.weight.tp"),
+    ("undeclared-mesh-dim", base({"match": "layers.*.up", "params": {"weight": {"tq": "shard(0)"}}}),
+     "tq", "tq",
+     "placement names mesh dim 'tq', which the recipe does not declare; did you mean 'tp'? "
+     "@ $.rules[0].params.weight.tq; declared mesh dims: [tp]"),
+    ("missing-match", base({"style": "colwise"}), "{style", "[[rules]]",
+     "required field missing: 'match' in rule 0 @ $.rules[0]"),
+    ("bad-pattern", base({"match": "layers..up", "style": "colwise"}), "layers..up", '"layers..up"',
+     "invalid pattern 'layers..up': empty segment (two dots in a row, or a leading/trailing dot) "
+     "@ $.rules[0].match"),
+    ("unknown-top-key", {**base({"match": "embed"}), "rulez": []}, "rulez", "rulez",
+     "unknown key 'rulez' in the recipe; did you mean 'rules'? @ $.rulez; expected one of: recipe, "
+     "version, mesh, description, extends, unclaimed, styles, rules, adapters"),
+    ("bad-version", {**base({"match": "embed"}), "version": 2}, "2", "2",
+     "unsupported recipe version 2; expected 1 @ $.version"),
+    ("bad-when", base({"match": "embed", "when": {"tp": "big"}}), "big", '"big"',
+     "condition 'big' is not one of >N, >=N, <N, <=N, ==N, !=N or N @ $.rules[0].when.tp"),
+    ("layout-on-non-boundary", base({"match": "embed", "style": "colwise", "boundary": False,
+                                     "in_src": {"0": "replicate"}}), "in_src", "in_src",
+     "in_src has no effect with boundary: false @ $.rules[0].in_src"),
+    ("unknown-wrapper", base({"match": "embed", "inner_wrapper": "ulyses"}), "ulyses", '"ulyses"',
+     "unknown inner wrapper 'ulyses'; did you mean 'ulysses'? @ $.rules[0].inner_wrapper; expected "
+     "one of cp_allgather_kv, ulysses or `pkg.mod:callable`"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "toml"])
+@pytest.mark.parametrize(("case", "data", "y_needle", "t_needle", "message"), LOAD_CASES,
+                         ids=[c[0] for c in LOAD_CASES])
+def test_loader_refusal_names_file_line_column_and_path(
+        tmp_path: Path, fmt: str, case: str, data: dict[str, Any], y_needle: str, t_needle: str,
+        message: str) -> None:
+    y, t = write_both(tmp_path, case, data)
+    path = y if fmt == "yaml" else t
+    line, col = locate(path.read_text(), y_needle if fmt == "yaml" else t_needle)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == f"{path}:{line}:{col}: {message}"
+    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (line, col)
+
+
+def test_invalid_yaml_reports_the_parser_position(tmp_path: Path) -> None:
+    p = tmp_path / "r.yaml"
+    p.write_text("recipe: t\nversion: 1\nmesh: [tp\nrules: []\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(p)
+    assert str(err.value).startswith(f"{p}:4:6: invalid YAML: expected ',' or ']', but got ':'")
+
+
+def test_invalid_toml_reports_the_parser_position(tmp_path: Path) -> None:
+    p = tmp_path / "r.toml"
+    p.write_text('recipe = "t"\nversion = 1\nmesh = ["tp"\n')
+    with pytest.raises(RecipeError) as err:
+        load_recipe(p)
+    assert str(err.value).startswith(f"{p}:4:1: invalid TOML:")
+
+
+def test_extends_of_a_missing_recipe_lists_the_shipped_ones(tmp_path: Path) -> None:
+    p = tmp_path / "r.yaml"
+    p.write_text("recipe: t\nversion: 1\nmesh: [tp]\nextends: lama\nrules: []\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(p)
+    msg = str(err.value)
+    assert msg.startswith(f"{p}:4:10: extends 'lama': no such file next to this recipe and no "
+                          f"shipped recipe of that name; did you mean 'llama'? @ $.extends; "
+                          f"shipped recipes: ")
+    assert "llama" in msg.rsplit("shipped recipes: ", 1)[1]
+
+
+def test_extends_cycle_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("recipe: a\nversion: 1\nmesh: [tp]\nextends: b.yaml\nrules: []\n")
+    (tmp_path / "b.yaml").write_text("recipe: b\nversion: 1\nmesh: [tp]\nextends: a.yaml\nrules: []\n")
+    with pytest.raises(RecipeError, match="extends forms a cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_style_cycle_is_refused(tmp_path: Path) -> None:
+    data = base({"match": "embed", "style": "a"},
+                styles={"a": {"style": "b"}, "b": {"style": "a"}})
+    y, t = write_both(tmp_path, "cyc", data)
+    for path in (y, t):
+        with pytest.raises(RecipeError, match=r"styles form a cycle: a -> b -> a"):
+            load_recipe(path)
+
+
+# ----------------------------------------------------------------------------- resolver
+
+def toy_tree(**kw: Any):  # type: ignore[no-untyped-def]
+    import torch
+
+    with torch.device("meta"):
+        return snapshot(Toy(**kw))
+
+
+RESOLVE_CASES = [
+    ("no-match", base({"match": "layer.*.up", "style": "colwise"}), {"tp": 2}, "layer.*.up",
+     '"layer.*.up"',
+     "rule 0 (match 'layer.*.up') matches no module of the model @ $.rules[0].match; nearest module "
+     "FQNs: layers.*.up, layers.*, layers.*.norm"),
+    ("double-claim", base({"match": "layers.*.up", "style": "colwise"},
+                          {"match": "layers.0.up", "params": {"weight": "replicate"}}), {"tp": 2},
+     "replicate", '"replicate"',
+     "parameter 'layers.0.up.weight' is placed {tp: shard(0)} by rule 0 ({file}:{r0}) and "
+     "replicate by rule 1 (match 'layers.0.up') @ $.rules[1].params.weight; a parameter belongs to "
+     "exactly one rule"),
+    ("not-divisible", base({"match": "layers.*.up", "style": "colwise"}), {"tp": 3}, "layers.*.up",
+     '"layers.*.up"',
+     "parameter 'layers.0.up.weight': dim 0 (size 16) is not divisible by mesh dim tp=3 (shard(0)) "
+     "@ $.rules[0].params.weight; shape [16, 8]; each rank must hold an equal slice"),
+    ("head-count", base({"match": "layers.*", "head_counts": {"num_heads": "tp"}}), {"tp": 3},
+     "num_heads", "num_heads",
+     "head count layers.0.num_heads = 4 is not divisible by mesh dim tp of size 3 "
+     "@ $.rules[0].head_counts.num_heads; every rank must hold whole heads"),
+    ("unknown-head-attr", base({"match": "layers.*", "head_counts": {"n_heads": "tp"}}), {"tp": 2},
+     "n_heads", "n_heads",
+     "module 'layers.0' has no integer attribute 'n_heads'; did you mean 'num_heads'? "
+     "@ $.rules[0].head_counts.n_heads; its integer attributes: [num_heads]"),
+    ("mesh-lacks-dim", {**base({"match": "layers.*.up", "params": {"weight": {"cp": "shard(0)"}}}),
+                        "mesh": ["tp", "cp"]}, {"tp": 2}, "{cp: shard(0)}", '{ cp = ',
+     "parameter 'layers.0.up.weight' is placed on mesh dim 'cp', which the mesh lacks "
+     "@ $.rules[0].params.weight; mesh: tp=2; add cp=1 or guard the rule with `when`"),
+    ("recipe-lacks-dim", base({"match": "layers.*.up", "style": "colwise"}), {"tp": 2, "dp": 2},
+     "[tp]", '["tp"]',
+     "mesh dim 'dp' is not declared by recipe 't' @ $.mesh; declared: [tp]; mesh: tp=2,dp=2"),
+    ("impossible", base({"match": "layers.*.up", "style": "colwise", "out_dst": {"0": {"tp": "partial"}}}),
+     {"tp": 2}, "out_dst", "out_dst",
+     "'layers.0.up' output 'output' on tp: shard(-1) -> partial is impossible: no collective turns a "
+     "tensor into a pending reduction (partial is only ever produced by the forward itself) "
+     "@ $.rules[0].out_dst"),
+    ("unknown-param", base({"match": "layers.*.norm", "params": {"wieght": "replicate"}}), {"tp": 2},
+     "wieght", "wieght",
+     "module 'layers.0.norm' (LayerNorm) has no parameter 'wieght'; did you mean 'weight'? "
+     "@ $.rules[0].params.wieght; its direct parameters: [weight, bias]"),
+    ("unknown-arg", base({"match": "layers.*", "boundary": True, "in_src": {"hidden": "replicate"}}),
+     {"tp": 2}, "hidden", "hidden",
+     "in_src names argument 'hidden', which 'layers.0'.forward does not take @ $.rules[0].in_src.hidden;"
+     " forward(x)"),
+    ("unclaimed-error", {**base({"match": "layers.*.up", "style": "colwise"}), "unclaimed": "error"},
+     {"tp": 2}, "error", '"error"',
+     "10 parameter(s) claimed by no rule: embed.weight, layers.0.norm.weight, layers.0.norm.bias, "
+     "layers.0.down.weight, layers.0.down.bias and 5 more @ $.unclaimed; add rules for them, or set "
+     "`unclaimed: replicate`"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "toml"])
+@pytest.mark.parametrize(("case", "data", "mesh", "y_needle", "t_needle", "message"), RESOLVE_CASES,
+                         ids=[c[0] for c in RESOLVE_CASES])
+def test_resolver_refusal_names_file_line_rule_and_expectation(
+        tmp_path: Path, fmt: str, case: str, data: dict[str, Any], mesh: dict[str, int],
+        y_needle: str, t_needle: str, message: str) -> None:
+    y, t = write_both(tmp_path, case, data)
+    path = y if fmt == "yaml" else t
+    text = path.read_text()
+    line, col = locate(text, y_needle if fmt == "yaml" else t_needle)
+    recipe = load_recipe(path)
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe(recipe, toy_tree(), mesh)
+    r0 = recipe.rules[0].span()
+    expected = message.replace("{file}", str(path)).replace("{r0}", f"{r0.line}:{r0.column}")
+    assert str(err.value) == f"{path}:{line}:{col}: {expected}"
+
+
+def test_tied_parameters_with_different_placements_are_refused(tmp_path: Path) -> None:
+    data = base({"match": "embed", "style": "vocab_parallel"},
+                {"match": "head", "params": {"weight": {"tp": "shard(1)"}}})
+    y, _ = write_both(tmp_path, "tied", data)
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe(load_recipe(y), toy_tree(tie=True), {"tp": 2})
+    assert "tied parameter 'embed.weight' is placed {tp: shard(0)} by rule 0" in str(err.value)
+    assert "tied parameters share one tensor and need one placement" in str(err.value)
