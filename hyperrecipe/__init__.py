@@ -23,11 +23,9 @@ from hyperrecipe.errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.api import compile_recipe, load_plan, load_recipe
     from hyperrecipe.plan import Plan
-    from hyperrecipe.runtime import Installation, apply
 
 __all__ = [
     "HyperrecipeError",
-    "Installation",
     "ModelSpecError",
     "PlacementMismatchError",
     "Plan",
@@ -35,7 +33,6 @@ __all__ = [
     "PlanMismatchError",
     "RecipeError",
     "RewriteError",
-    "apply",
     "compile_recipe",
     "load_plan",
     "load_recipe",
@@ -48,8 +45,6 @@ _LAZY = {
     "load_plan": "hyperrecipe.api",
     "load_recipe": "hyperrecipe.api",
     "Plan": "hyperrecipe.plan",
-    "apply": "hyperrecipe.runtime",
-    "Installation": "hyperrecipe.runtime",
 }
 
 

@@ -270,6 +270,6 @@ def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
     del transformers
 
     def make() -> Any:
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
 
     return make

@@ -301,8 +301,8 @@ def _make_converter() -> cattrs.Converter:
 
     conv.register_unstructure_hook(NamedPlacement, str)
     conv.register_structure_hook(NamedPlacement, structure_named)
-    conv.register_unstructure_hook(Placement, str)  # type: ignore[arg-type]
-    conv.register_structure_hook(Placement, structure_placement)  # type: ignore[arg-type]
+    conv.register_unstructure_hook(Placement, str)
+    conv.register_structure_hook(Placement, structure_placement)
     return conv
 
 

@@ -10,6 +10,7 @@ key lines, best effort (the enclosing key's line) inside inline tables and multi
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,10 @@ import yaml
 
 from hyperrecipe.errors import RecipeError, SourceSpan
 
-try:  # Python 3.11+
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # pragma: no cover - 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # pragma: no cover - 3.10
+    import tomli as tomllib
 
 __all__ = ["Document", "PathKey", "Positions", "format_path", "read_document"]
 

@@ -440,7 +440,8 @@ def validate_styles(doc: Document, content: FileContent, inherited: Mapping[str,
                 known = sorted({*visible, *raw})
                 raise ctx.fail(f"unknown style {base_name!r}{did_you_mean(base_name, known)}",
                                (*path, "style"), hint=f"expected one of: {', '.join(known)}")
-            fields = fields.over(expand(base_name).fields)
+            fields = _drop_layouts_if_not_boundary(ctx, path, fields.over(expand(base_name).fields),
+                                                   explicit=fields)
         expanding.pop()
         doc_text = body.get("doc", "")
         ctx.want(doc_text, str, (*path, "doc"), "a string")
@@ -500,14 +501,8 @@ def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, Sty
                         f"recipe does not declare", (*path, "style"),
                         hint=f"declared mesh dims: [{', '.join(content.mesh)}]")
             fields = explicit.over(style.fields)
-            if explicit.boundary is False:
-                fields = attrs.evolve(fields, in_src=None, in_dst=None, out_src=None,
-                                      out_dst=None, out_names=None, defer_bias=None)
             chain = (style_name,)
-        if explicit.boundary is False:
-            for f in ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias"):
-                if getattr(explicit, f) is not None:
-                    raise ctx.fail(f"{f} has no effect with boundary: false", (*path, f), key=True)
+        fields = _drop_layouts_if_not_boundary(ctx, path, fields, explicit=explicit)
         note = raw.get("note", "")
         ctx.want(note, str, (*path, "note"), "a string")
         out.append(Rule(
@@ -518,6 +513,21 @@ def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, Sty
             positions=doc.positions, path=path,
         ))
     return tuple(out)
+
+
+_BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias")
+
+
+def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, *,
+                                  explicit: RuleFields) -> RuleFields:
+    """``boundary: false`` keeps a style's parameter placements and drops its layouts; written
+    next to it, a layout field is a mistake."""
+    if explicit.boundary is not False:
+        return fields
+    for f in _BOUNDARY_ONLY:
+        if getattr(explicit, f) is not None:
+            raise ctx.fail(f"{f} has no effect with boundary: false", (*path, f), key=True)
+    return attrs.evolve(fields, **{f: None for f in _BOUNDARY_ONLY})  # type: ignore[arg-type]
 
 
 def _mesh_dims_of(fields: RuleFields) -> set[str]:

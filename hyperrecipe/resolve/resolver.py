@@ -44,7 +44,7 @@ from hyperrecipe.plan import (
     compute_fingerprint,
 )
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
-from hyperrecipe.recipe.schema import MAPPING_FIELDS, Layout, LayoutKey, Recipe, Rule
+from hyperrecipe.recipe.schema import MAPPING_FIELDS, RULE_FIELD_NAMES, LayoutKey, Recipe, Rule
 from hyperrecipe.resolve.lowering import ImpossibleTransition, canonical_grad, lower_transition
 
 __all__ = ["resolve_recipe"]
@@ -153,7 +153,7 @@ class _Resolver:
             value = getattr(f, name)
             if value is not None:
                 self._claim(rule, module, name, None, value)
-        for name in MAPPING_FIELDS:
+        for name in (n for n in RULE_FIELD_NAMES if n in MAPPING_FIELDS):  # ordered: determinism
             for key, value in getattr(f, name) or ():
                 if name == "params":
                     if module.param(key) is None:
@@ -413,8 +413,8 @@ class _Resolver:
                 if claim is not None:
                     dims.update(d for d, q in claim.value.dims if isinstance(q, Shard)
                                 and self.size(d) > 1)
-        for p in in_dst:
-            dims.update(d for d, q in p.dims if isinstance(q, Shard) and self.size(d) > 1)
+        for placement in in_dst:
+            dims.update(d for d, q in placement.dims if isinstance(q, Shard) and self.size(d) > 1)
         return dims
 
     def build_boundary(self, fqn: str, regions: dict[str, str | None],
