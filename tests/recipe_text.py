@@ -24,32 +24,40 @@ def _toml_value(v: Any) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(v)
+    raise TypeError(f"TOML cannot hold {v!r}")
 
 
 def _toml_key(k: Any) -> str:
+    if k is None:
+        raise TypeError("TOML keys cannot be null")
     k = str(k)
-    return k if k.replace("_", "a").isalnum() else json.dumps(k)
+    return k if k and k.replace("_", "a").replace("-", "a").isalnum() else json.dumps(k)
 
 
 def to_toml(data: dict[str, Any]) -> str:
+    """TOML with styles as [styles.X] tables and rules as [[rules]] where the shapes allow it.
+
+    Raises:
+        TypeError: a value TOML cannot hold (null).
+    """
     lines = []
-    tables = {}
+    styles = data.get("styles")
+    style_tables = isinstance(styles, dict) and all(isinstance(v, dict) for v in styles.values())
+    arrays = {k: v for k, v in data.items() if k in ("rules", "adapters") and isinstance(v, list)
+              and all(isinstance(i, dict) for i in v)}
     for k, v in data.items():
-        if k == "rules" or k == "adapters":
-            tables[k] = v
-        elif k == "styles":
-            tables[k] = v
-        else:
-            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
-    for name, body in (tables.get("styles") or {}).items():
-        lines += ["", f"[styles.{name}]"]
-        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in body.items()]
-    for key in ("rules", "adapters"):
-        for item in tables.get(key) or []:
+        if k in arrays or (k == "styles" and style_tables):
+            continue
+        lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    if style_tables:
+        assert isinstance(styles, dict)
+        for name, body in styles.items():
+            lines += ["", f"[styles.{_toml_key(name)}]"]
+            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in body.items()]
+    for key, items in arrays.items():
+        for item in items:
             lines += ["", f"[[{key}]]"]
-            if isinstance(item, dict):
-                lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items()]
+            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items()]
     return "\n".join(lines) + "\n"
 
 

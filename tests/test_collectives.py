@@ -1,3 +1,4 @@
+# mypy: allow-untyped-calls
 """Production collectives on real gloo process groups (2 and 4 forked ranks) against plain torch.
 
 Every check runs in one launch per world size (the ``ranks`` fixture), so the suite pays the
@@ -16,7 +17,7 @@ across ranks is compared with ``atol=rtol=1e-6`` (summation order differs from t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.collective import IDENTITY, CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.runtime import collectives
 from hyperrecipe.runtime.collectives import (
     CollectiveRecord,
     CollectiveShapeError,
@@ -37,8 +39,17 @@ from hyperrecipe.runtime.collectives import (
     transition,
 )
 
-EXACT = {"atol": 0.0, "rtol": 0.0}
-SUMMED = {"atol": 1e-6, "rtol": 1e-6}
+
+
+def _exact(actual: Tensor, expected: Tensor) -> None:
+    """Data movement: bit-identical."""
+    torch.testing.assert_close(actual, expected, atol=0.0, rtol=0.0)
+
+
+def _summed(actual: Tensor, expected: Tensor) -> None:
+    """Sums across ranks, in an order that differs from the reference's (fp32)."""
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+
 
 SHAPE = (4, 8, 12)  # every dim divides by 2 and 4
 
@@ -72,17 +83,19 @@ ALL_TO_ALL_DIMS = ((0, 1), (1, 0), (2, -3), (-1, 1))
 def _rank_checks(rank: int, ws: int) -> dict[str, Any]:
     world = dist.group.WORLD
     assert world is not None
-    kw = {"group_size": ws, "group_rank": rank}
     out: dict[str, Any] = {}
 
     def run(x: Tensor, op: CollectiveOp) -> Tensor:
-        return execute(x, op, world, **kw)
+        return execute(x, op, world, group_size=ws, group_rank=rank)
+
+    def pair(x: Tensor, fwd: CollectiveOp, bwd: CollectiveOp) -> Tensor:
+        return transition(x, fwd, bwd, world, group_size=ws, group_rank=rank)
 
     def through(
         x: Tensor, fwd: CollectiveOp, bwd: CollectiveOp, loss: Callable[[Tensor], Tensor]
     ) -> tuple[Tensor, Tensor]:
         x = x.clone().requires_grad_(True)
-        y = transition(x, fwd, bwd, world, **kw)
+        y = pair(x, fwd, bwd)
         loss(y).backward()
         assert x.grad is not None
         return y.detach(), x.grad
@@ -163,15 +176,25 @@ def _rank_checks(rank: int, ws: int) -> dict[str, Any]:
     sp = (_op("all_gather", gather_dim=1), _op("reduce_scatter", scatter_dim=1))
     with count_collectives() as outer:
         x = _chunk(full, 1, rank, ws).clone().requires_grad_(True)
-        y = transition(x, *sp, world, **kw)
-        z = transition(y, IDENTITY, _op("all_reduce"), world, **kw)
-        z = transition(
-            z, _op("local_slice", scatter_dim=0), _op("all_gather", gather_dim=0), world, **kw
-        )
+        y = pair(x, *sp)
+        z = pair(y, IDENTITY, _op("all_reduce"))
+        z = pair(z, _op("local_slice", scatter_dim=0), _op("all_gather", gather_dim=0))
         with count_collectives() as inner:
             z.sum().backward()
     out["count/outer"] = list(outer.records)
     out["count/inner"] = list(inner.records)
+
+    # -- fallbacks, as on a backend without reduce_scatter / all_to_all_single ----------------
+    _reject_native_reduce_scatter_and_all_to_all()
+    for d in SCATTER_DIMS:
+        for red in ("sum", "avg"):
+            op = _op("reduce_scatter", scatter_dim=d, reduce=red)
+            out[f"fallback/reduce_scatter/{d}/{red}"] = run(mine, op)
+    for g, s in ALL_TO_ALL_DIMS:
+        op = _op("all_to_all", gather_dim=g, scatter_dim=s)
+        out[f"fallback/all_to_all/{g}/{s}"] = run(_chunk(full, g, rank, ws), op)
+    out["fallback/marked"] = sorted(collectives._unsupported)
+    collectives._unsupported.clear()
 
     # -- group_for on a named 2-D mesh --------------------------------------------------------
     mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
@@ -187,17 +210,27 @@ def _rank_checks(rank: int, ws: int) -> dict[str, Any]:
     return out
 
 
+def _reject_native_reduce_scatter_and_all_to_all() -> None:
+    """In this rank only: make the native ops fail as an older gloo does."""
+
+    def unsupported(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("ProcessGroupGloo does not support this collective")
+
+    collectives._reduce_scatter_single = unsupported
+    dist.all_to_all_single = unsupported
+
+
 def _megatron_mlp(rank: int, ws: int) -> dict[str, Tensor]:
     """x -> f -> colwise A -> rowwise B -> g -> y; the loss is computed once on the result."""
     world = dist.group.WORLD
     assert world is not None
-    kw = {"group_size": ws, "group_rank": rank}
     x_full, a_full, b_full, target = _mlp_tensors()
     x = x_full.clone().requires_grad_(True)
     a = _chunk(a_full, 1, rank, ws).clone().requires_grad_(True)
     b = _chunk(b_full, 0, rank, ws).clone().requires_grad_(True)
-    h = transition(x, IDENTITY, _op("all_reduce"), world, **kw) @ a
-    y = transition(torch.tanh(h) @ b, _op("all_reduce"), IDENTITY, world, **kw)
+    h = transition(x, IDENTITY, _op("all_reduce"), world, group_size=ws, group_rank=rank) @ a
+    z = torch.tanh(h) @ b
+    y = transition(z, _op("all_reduce"), IDENTITY, world, group_size=ws, group_rank=rank)
     ((y - target) ** 2).mean().backward()
     assert x.grad is not None and a.grad is not None and b.grad is not None
     return {"y": y.detach(), "x": x.grad, "a": a.grad, "b": b.grad}
@@ -210,23 +243,24 @@ def _mlp_tensors() -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def _errors(rank: int, ws: int) -> dict[str, str]:
     world = dist.group.WORLD
     assert world is not None
-    kw = {"group_size": ws, "group_rank": rank}
     uneven = torch.zeros(2, ws + 1)
-    cases = {
-        "uneven": lambda: execute(uneven, _op("reduce_scatter", scatter_dim=1), world, **kw),
-        "uneven_slice": lambda: execute(uneven, _op("local_slice", scatter_dim=-1), world, **kw),
-        "missing": lambda: execute(uneven, _op("all_gather"), world, **kw),
-        "range": lambda: execute(uneven, _op("all_gather", gather_dim=2), world, **kw),
-        "same_dims": lambda: execute(
-            torch.zeros(ws, ws), _op("all_to_all", gather_dim=0, scatter_dim=-2), world, **kw
+
+    def run(x: Tensor, op: CollectiveOp) -> Tensor:
+        return execute(x, op, world, group_size=ws, group_rank=rank)
+
+    def backward_through(bwd: CollectiveOp) -> None:
+        x = uneven.clone().requires_grad_(True)
+        transition(x, IDENTITY, bwd, world, group_size=ws, group_rank=rank).sum().backward()
+
+    cases: dict[str, Callable[[], object]] = {
+        "uneven": lambda: run(uneven, _op("reduce_scatter", scatter_dim=1)),
+        "uneven_slice": lambda: run(uneven, _op("local_slice", scatter_dim=-1)),
+        "missing": lambda: run(uneven, _op("all_gather")),
+        "range": lambda: run(uneven, _op("all_gather", gather_dim=2)),
+        "same_dims": lambda: run(
+            torch.zeros(ws, ws), _op("all_to_all", gather_dim=0, scatter_dim=-2)
         ),
-        "backward": lambda: transition(
-            uneven.clone().requires_grad_(True),
-            IDENTITY,
-            _op("reduce_scatter", scatter_dim=1),
-            world,
-            **kw,
-        ).sum().backward(),
+        "backward": lambda: backward_through(_op("reduce_scatter", scatter_dim=1)),
     }
     messages = {}
     for name, call in cases.items():
@@ -249,6 +283,10 @@ def ranks(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     return ws, run_ranks(_rank_checks, ws, timeout_s=60.0)
 
 
+def _sum(terms: Iterable[Tensor]) -> Tensor:
+    return torch.stack(list(terms)).sum()
+
+
 def _grads_of(
     leaf: Tensor, loss: Callable[[Tensor], Tensor]
 ) -> tuple[Tensor, Tensor]:
@@ -263,7 +301,7 @@ def test_identity_returns_the_local_tensor(ranks: tuple[int, list[dict[str, Any]
     ws, res = ranks
     per_rank = _per_rank(ws, SHAPE, 1)
     for r in range(ws):
-        torch.testing.assert_close(res[r]["identity"], per_rank[r], **EXACT)
+        _exact(res[r]["identity"], per_rank[r])
 
 
 @pytest.mark.parametrize("reduce", ["sum", "avg"])
@@ -274,7 +312,7 @@ def test_all_reduce_sums_or_averages_every_rank(
     per_rank = _per_rank(ws, SHAPE, 1)
     expected = per_rank.sum(0) if reduce == "sum" else per_rank.mean(0)
     for r in range(ws):
-        torch.testing.assert_close(res[r][f"all_reduce/{reduce}"], expected, **SUMMED)
+        _summed(res[r][f"all_reduce/{reduce}"], expected)
 
 
 @pytest.mark.parametrize("dim", GATHER_DIMS)
@@ -284,7 +322,7 @@ def test_all_gather_concatenates_in_rank_order(
     ws, res = ranks
     full = _randn(SHAPE, 2)
     for r in range(ws):
-        torch.testing.assert_close(res[r][f"all_gather/{dim}"], full, **EXACT)
+        _exact(res[r][f"all_gather/{dim}"], full)
 
 
 def test_all_gather_accepts_a_non_contiguous_tensor(
@@ -293,12 +331,12 @@ def test_all_gather_accepts_a_non_contiguous_tensor(
     ws, res = ranks
     expected = torch.cat([_randn(SHAPE, 2).transpose(0, 2)] * ws, dim=1)
     for r in range(ws):
-        torch.testing.assert_close(res[r]["all_gather/noncontiguous"], expected, **EXACT)
+        _exact(res[r]["all_gather/noncontiguous"], expected)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "avg"])
 @pytest.mark.parametrize("dim", SCATTER_DIMS)
-def test_reduce_scatter_keeps_this_ranks_slice_of_the_reduction(
+def test_reduce_scatter_keeps_this_ranks_slice_of_the_reduction_natively_and_in_fallback(
     ranks: tuple[int, list[dict[str, Any]]], dim: int, reduce: str
 ) -> None:
     ws, res = ranks
@@ -306,7 +344,9 @@ def test_reduce_scatter_keeps_this_ranks_slice_of_the_reduction(
     reduced = per_rank.sum(0) if reduce == "sum" else per_rank.mean(0)
     for r in range(ws):
         got = res[r][f"reduce_scatter/{dim}/{reduce}"]
-        torch.testing.assert_close(got, _chunk(reduced, dim, r, ws), **SUMMED)
+        _summed(got, _chunk(reduced, dim, r, ws))
+        fallback = res[r][f"fallback/reduce_scatter/{dim}/{reduce}"]
+        _summed(fallback, _chunk(reduced, dim, r, ws))
 
 
 @pytest.mark.parametrize("dim", SCATTER_DIMS)
@@ -316,18 +356,28 @@ def test_local_slice_keeps_this_ranks_contiguous_chunk(
     ws, res = ranks
     full = _randn(SHAPE, 2)
     for r in range(ws):
-        torch.testing.assert_close(res[r][f"local_slice/{dim}"], _chunk(full, dim, r, ws), **EXACT)
+        _exact(res[r][f"local_slice/{dim}"], _chunk(full, dim, r, ws))
 
 
 @pytest.mark.parametrize(("gather", "scatter"), ALL_TO_ALL_DIMS)
-def test_all_to_all_moves_the_shard_from_gather_dim_to_scatter_dim(
+def test_all_to_all_moves_the_shard_from_gather_dim_to_scatter_dim_natively_and_in_fallback(
     ranks: tuple[int, list[dict[str, Any]]], gather: int, scatter: int
 ) -> None:
     ws, res = ranks
     full = _randn(SHAPE, 2)
     for r in range(ws):
         got = res[r][f"all_to_all/{gather}/{scatter}"]
-        torch.testing.assert_close(got, _chunk(full, scatter, r, ws), **EXACT)
+        _exact(got, _chunk(full, scatter, r, ws))
+        fallback = res[r][f"fallback/all_to_all/{gather}/{scatter}"]
+        _exact(fallback, _chunk(full, scatter, r, ws))
+
+
+def test_unsupported_native_collectives_switch_the_backend_to_fallbacks(
+    ranks: tuple[int, list[dict[str, Any]]],
+) -> None:
+    ws, res = ranks
+    for r in range(ws):
+        assert res[r]["fallback/marked"] == [("all_to_all", "gloo"), ("reduce_scatter", "gloo")]
 
 
 def test_f_identity_forward_all_reduces_the_gradient(
@@ -336,11 +386,11 @@ def test_f_identity_forward_all_reduces_the_gradient(
     ws, res = ranks
     weights = _per_rank(ws, SHAPE, 3)
     full = _randn(SHAPE, 2)
-    _, grad = _grads_of(full, lambda x: sum(((weights[r] * x).sum() for r in range(ws)), x.new_zeros(())))
+    _, grad = _grads_of(full, lambda x: _sum((weights[r] * x).sum() for r in range(ws)))
     for r in range(ws):
         y, g = res[r]["f"]
-        torch.testing.assert_close(y, full, **EXACT)
-        torch.testing.assert_close(g, grad, **SUMMED)
+        _exact(y, full)
+        _summed(g, grad)
 
 
 def test_g_all_reduce_forward_passes_the_gradient_through_not_times_world_size(
@@ -354,8 +404,8 @@ def test_g_all_reduce_forward_passes_the_gradient_through_not_times_world_size(
     assert stacked.grad is not None
     for r in range(ws):
         y, g = res[r]["g"]
-        torch.testing.assert_close(y, per_rank.sum(0), **SUMMED)
-        torch.testing.assert_close(g, stacked.grad[r], **EXACT)
+        _summed(y, per_rank.sum(0))
+        _exact(g, stacked.grad[r])
         assert not torch.allclose(g, ws * shared)
 
 
@@ -366,11 +416,11 @@ def test_sequence_parallel_gather_reduce_scatters_the_gradient(
     ws, res = ranks
     weights = _per_rank(ws, SHAPE, 3)
     full = _randn(SHAPE, 2)
-    _, grad = _grads_of(full, lambda x: sum(((weights[r] * x).sum() for r in range(ws)), x.new_zeros(())))
+    _, grad = _grads_of(full, lambda x: _sum((weights[r] * x).sum() for r in range(ws)))
     for r in range(ws):
         y, g = res[r][f"sp/{dim}"]
-        torch.testing.assert_close(y, full, **EXACT)
-        torch.testing.assert_close(g, _chunk(grad, dim, r, ws), **SUMMED)
+        _exact(y, full)
+        _summed(g, _chunk(grad, dim, r, ws))
 
 
 def test_colwise_gathered_output_slices_the_gradient(
@@ -381,8 +431,8 @@ def test_colwise_gathered_output_slices_the_gradient(
     shared = _randn(SHAPE, 4)
     for r in range(ws):
         y, g = res[r]["colwise_gather"]
-        torch.testing.assert_close(y, full, **EXACT)
-        torch.testing.assert_close(g, _chunk(shared, -1, r, ws), **EXACT)
+        _exact(y, full)
+        _exact(g, _chunk(shared, -1, r, ws))
 
 
 def test_reduce_scatter_forward_gathers_the_gradient(
@@ -393,16 +443,15 @@ def test_reduce_scatter_forward_gathers_the_gradient(
     weights = _per_rank(ws, SHAPE, 3)
     stacked = per_rank.clone().requires_grad_(True)
     reduced = stacked.sum(0)
-    loss = sum(
-        ((_chunk(weights[r], 1, r, ws) * _chunk(reduced, 1, r, ws)).sum() for r in range(ws)),
-        reduced.new_zeros(()),
+    loss = _sum(
+        (_chunk(weights[r], 1, r, ws) * _chunk(reduced, 1, r, ws)).sum() for r in range(ws)
     )
     loss.backward()
     assert stacked.grad is not None
     for r in range(ws):
         y, g = res[r]["reduce_scatter_pair"]
-        torch.testing.assert_close(y, _chunk(per_rank.sum(0), 1, r, ws), **SUMMED)
-        torch.testing.assert_close(g, stacked.grad[r], **EXACT)
+        _summed(y, _chunk(per_rank.sum(0), 1, r, ws))
+        _exact(g, stacked.grad[r])
 
 
 def test_local_slice_forward_gathers_the_gradient_on_every_rank(
@@ -413,15 +462,14 @@ def test_local_slice_forward_gathers_the_gradient_on_every_rank(
     weights = _per_rank(ws, SHAPE, 3)
     _, grad = _grads_of(
         full,
-        lambda x: sum(
-            ((_chunk(weights[r], 0, r, ws) * _chunk(x, 0, r, ws)).sum() for r in range(ws)),
-            x.new_zeros(()),
+        lambda x: _sum(
+            (_chunk(weights[r], 0, r, ws) * _chunk(x, 0, r, ws)).sum() for r in range(ws)
         ),
     )
     for r in range(ws):
         y, g = res[r]["local_slice_pair"]
-        torch.testing.assert_close(y, _chunk(full, 0, r, ws), **EXACT)
-        torch.testing.assert_close(g, grad, **EXACT)
+        _exact(y, _chunk(full, 0, r, ws))
+        _exact(g, grad)
 
 
 @pytest.mark.parametrize(("gather", "scatter"), ALL_TO_ALL_DIMS)
@@ -433,18 +481,15 @@ def test_all_to_all_gradient_is_the_reverse_all_to_all(
     weights = _per_rank(ws, SHAPE, 3)
     _, grad = _grads_of(
         full,
-        lambda x: sum(
-            (
-                (_chunk(weights[r], scatter, r, ws) * _chunk(x, scatter, r, ws)).sum()
-                for r in range(ws)
-            ),
-            x.new_zeros(()),
+        lambda x: _sum(
+            (_chunk(weights[r], scatter, r, ws) * _chunk(x, scatter, r, ws)).sum()
+            for r in range(ws)
         ),
     )
     for r in range(ws):
         y, g = res[r][f"a2a_pair/{gather}/{scatter}"]
-        torch.testing.assert_close(y, _chunk(full, scatter, r, ws), **EXACT)
-        torch.testing.assert_close(g, _chunk(grad, gather, r, ws), **EXACT)
+        _exact(y, _chunk(full, scatter, r, ws))
+        _exact(g, _chunk(grad, gather, r, ws))
 
 
 def test_identity_pair_passes_value_and_gradient_unchanged(
@@ -455,8 +500,8 @@ def test_identity_pair_passes_value_and_gradient_unchanged(
     shared = _randn(SHAPE, 4)
     for r in range(ws):
         y, g = res[r]["identity_pair"]
-        torch.testing.assert_close(y, per_rank[r], **EXACT)
-        torch.testing.assert_close(g, shared, **EXACT)
+        _exact(y, per_rank[r])
+        _exact(g, shared)
 
 
 def test_megatron_mlp_matches_the_single_process_model(
@@ -469,10 +514,10 @@ def test_megatron_mlp_matches_the_single_process_model(
     assert x.grad is not None and a.grad is not None and b.grad is not None
     for r in range(ws):
         got = res[r]["mlp"]
-        torch.testing.assert_close(got["y"], y.detach(), **SUMMED)
-        torch.testing.assert_close(got["x"], x.grad, **SUMMED)
-        torch.testing.assert_close(got["a"], _chunk(a.grad, 1, r, ws), **SUMMED)
-        torch.testing.assert_close(got["b"], _chunk(b.grad, 0, r, ws), **SUMMED)
+        _summed(got["y"], y.detach())
+        _summed(got["x"], x.grad)
+        _summed(got["a"], _chunk(a.grad, 1, r, ws))
+        _summed(got["b"], _chunk(b.grad, 0, r, ws))
 
 
 def test_shape_errors_name_the_op_the_dim_and_the_sizes(

@@ -280,15 +280,14 @@ def _collect(
                 read(rank)
             elif rank not in results and not any(f[1] == rank for f in failures):
                 procs[rank].join(_KILL_GRACE_S)
-                code = procs[rank].exitcode
-                summary = f"exited with code {code} without reporting a result"
+                summary = f"{_describe_exit(procs[rank].exitcode)} without reporting a result"
                 failures.append((time.monotonic(), rank, summary, ""))
 
     if failures:
         # Ranks that failed at about the same time (a peer noticing the first failure): read what
         # is already there so the earliest one is blamed, not the first one read.
         for rank in sorted(open_conns):
-            if rank not in results and open_conns[rank].poll(0):
+            while rank in open_conns and open_conns[rank].poll(0):
                 read(rank)
         failures.sort()
         when, rank, summary, rank_tb = failures[0]
@@ -311,6 +310,13 @@ def _collect(
     for proc in procs:
         proc.join(max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
     return [results[r] for r in range(world_size)]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _owner(

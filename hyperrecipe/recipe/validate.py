@@ -527,7 +527,7 @@ def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, 
     for f in _BOUNDARY_ONLY:
         if getattr(explicit, f) is not None:
             raise ctx.fail(f"{f} has no effect with boundary: false", (*path, f), key=True)
-    return attrs.evolve(fields, **{f: None for f in _BOUNDARY_ONLY})  # type: ignore[arg-type]
+    return attrs.evolve(fields, **{f: None for f in _BOUNDARY_ONLY})
 
 
 def _mesh_dims_of(fields: RuleFields) -> set[str]:

@@ -1,8 +1,8 @@
 """Production collectives on plain local tensors, with the gradient each transition needs.
 
-The resolver lowers every placement transition to a pair of :class:`~hyperrecipe.collective.CollectiveOp`
-(the forward op and the backward op that carries the gradient back); this module executes such
-pairs on local shards, with no DTensor dispatch:
+The resolver lowers every placement transition to a pair of
+:class:`~hyperrecipe.collective.CollectiveOp` (the forward op and the backward op that carries the
+gradient back); this module executes such pairs on local shards, with no DTensor dispatch:
 
 - :func:`transition` runs the forward op and, in backward, the backward op on the gradient, as
   one :class:`torch.autograd.Function`. Any pairing is accepted; choosing the right one is the
@@ -18,7 +18,8 @@ Semantics of each kind on a local tensor ``x`` over a group of ``n`` ranks (``r`
 - ``identity``: ``x``.
 - ``all_reduce``: the elementwise sum (``reduce="avg"``: mean) of every rank's ``x``.
 - ``all_gather``: every rank's ``x`` concatenated along ``gather_dim`` in rank order.
-- ``reduce_scatter``: the reduced tensor's ``r``-th of ``n`` contiguous chunks along ``scatter_dim``.
+- ``reduce_scatter``: the reduced tensor's ``r``-th of ``n`` contiguous chunks along
+  ``scatter_dim``.
 - ``local_slice``: ``x``'s ``r``-th of ``n`` contiguous chunks along ``scatter_dim`` (no traffic).
 - ``all_to_all``: ``x`` is sharded on ``gather_dim``; the result is sharded on ``scatter_dim``
   (``x`` is split along ``scatter_dim`` into ``n`` chunks, chunk ``j`` goes to rank ``j``, and
@@ -215,8 +216,21 @@ def execute(
 
     Raises:
         CollectiveShapeError: a dim the op needs is missing, out of range, or not divisible by
-            ``group_size``.
+            ``group_size``. Shapes are checked before anything is sent, so every rank of a
+            group fails alike and none is left waiting in a collective.
     """
+    with torch.no_grad():
+        return _execute(x, op, group, group_size, group_rank, direction)
+
+
+def _execute(
+    x: Tensor,
+    op: CollectiveOp,
+    group: ProcessGroup,
+    group_size: int,
+    group_rank: int,
+    direction: Direction,
+) -> Tensor:
     kind: str = op.kind  # a plain str: plans come from files, so guard the Literal at run time
     if kind == "identity":
         return x
@@ -308,18 +322,13 @@ class _Transition(torch.autograd.Function):
         ctx.group = group
         ctx.group_size = group_size
         ctx.group_rank = group_rank
-        return execute(x, forward, group, group_size=group_size, group_rank=group_rank)
+        return _execute(x, forward, group, group_size, group_rank, "forward")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
-        grad_x = execute(
-            grad,
-            ctx.backward_op,
-            ctx.group,
-            group_size=ctx.group_size,
-            group_rank=ctx.group_rank,
-            direction="backward",
+        grad_x = _execute(
+            grad, ctx.backward_op, ctx.group, ctx.group_size, ctx.group_rank, "backward"
         )
         return grad_x, None, None, None, None, None
 
@@ -386,8 +395,7 @@ def _reduce_scatter(
     group_size: int,
     group_rank: int,
 ) -> Tensor:
-    backend = _backend(group)
-    if ("reduce_scatter", backend) in _unsupported:
+    if _falls_back("reduce_scatter", group):
         out = _chunk(_all_reduce(x, op, group, group_size), dim, group_rank, group_size)
         return out.contiguous()
     # Chunk j (along dim) must be block j of the flat input: stack the chunks in front.
@@ -398,7 +406,7 @@ def _reduce_scatter(
     except RuntimeError as exc:
         if not _is_unsupported(exc):
             raise
-        _unsupported.add(("reduce_scatter", backend))
+        _unsupported.add(("reduce_scatter", _backend(group)))
         return _reduce_scatter(x, op, dim, group, group_size, group_rank)
     if op.reduce == "avg":
         out.div_(group_size)
@@ -413,8 +421,7 @@ def _all_to_all(
     group_size: int,
     group_rank: int,
 ) -> Tensor:
-    backend = _backend(group)
-    if ("all_to_all", backend) in _unsupported:
+    if _falls_back("all_to_all", group):
         full = _all_gather(x, gather, group, group_size)
         return _chunk(full, scatter, group_rank, group_size).contiguous()
     # Block j of the input goes to rank j; block i of the output came from rank i.
@@ -425,7 +432,7 @@ def _all_to_all(
     except RuntimeError as exc:
         if not _is_unsupported(exc):
             raise
-        _unsupported.add(("all_to_all", backend))
+        _unsupported.add(("all_to_all", _backend(group)))
         return _all_to_all(x, gather, scatter, group, group_size, group_rank)
     return torch.cat(out.unbind(0), dim=gather)
 
@@ -434,6 +441,10 @@ def _all_to_all(
 _unsupported: set[tuple[str, str]] = set()
 
 _UNSUPPORTED_MARKERS = ("not supported", "does not support", "unsupported", "not implemented")
+
+
+def _falls_back(kind: str, group: ProcessGroup) -> bool:
+    return bool(_unsupported) and (kind, _backend(group)) in _unsupported
 
 
 def _is_unsupported(exc: RuntimeError) -> bool:
