@@ -90,7 +90,8 @@ class ParamPlan:
     """How one parameter is laid out, and what its gradient needs.
 
     ``grad_reduce`` lists the backward collectives of a replicated parameter whose gradient is
-    partial (a norm inside a sequence-parallel or tensor-parallel region).
+    partial: one inside a boundary whose inputs arrive sharded (a sequence-parallel norm sees
+    only its rank's tokens).
     """
 
     fqn: str

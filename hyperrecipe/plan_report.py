@@ -166,8 +166,8 @@ def explain(plan: Plan, pattern: str) -> str:
             if p.deferred:
                 out.append("  bias deferred: added once after the boundary's reduction")
             for op in p.grad_reduce:
-                out.append(f"  gradient: {op} in backward (replicated inside a region sharded "
-                           f"on {op.mesh_dim}, so its gradient is partial)")
+                out.append(f"  gradient: {op} in backward (replicated inside a boundary whose "
+                           f"inputs are sharded on {op.mesh_dim}, so its gradient is partial)")
     for h in plan.head_counts:
         if rx.fullmatch(h.module) or rx.fullmatch(f"{h.module}.{h.attr}"):
             out.append(f"{h.module}.{h.attr}: {h.global_value} -> {h.local_value} in production "
@@ -183,7 +183,8 @@ def explain(plan: Plan, pattern: str) -> str:
                 out.append(f"  {t.stage} {t.name} on {t.mesh_dim}: {t.src} -> {t.dst}: forward "
                            f"{t.forward}, backward {t.backward}{why}")
     if not out:
-        names = [*{p.fqn for p in plan.params}, *{b.fqn for b in plan.boundaries}]
+        names = [*{p.fqn for p in plan.params}, *{p.module for p in plan.params},
+                 *{b.fqn for b in plan.boundaries}]
         near = closest(pattern, sorted({generalize_fqn(n) for n in names}), n=3)
         hint = f"; nearest: {', '.join(near)}" if near else ""
         raise ValueError(f"--explain {pattern!r} matches no parameter or boundary{hint}")

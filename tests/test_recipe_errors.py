@@ -132,35 +132,35 @@ RESOLVE_CASES = [
     ("no-match", base({"match": "layer.*.up", "style": "colwise"}), {"tp": 2}, "layer.*.up",
      '"layer.*.up"',
      "rule 0 (match 'layer.*.up') matches no module of the model @ $.rules[0].match; nearest module "
-     "FQNs: layers.*.up, layers.*, layers.*.norm"),
-    ("double-claim", base({"match": "layers.*.up", "style": "colwise"},
-                          {"match": "layers.0.up", "params": {"weight": "replicate"}}), {"tp": 2},
+     "FQNs: layers.*.mlp, layers.*.mlp.up, layers.*"),
+    ("double-claim", base({"match": "layers.*.mlp.up", "style": "colwise"},
+                          {"match": "layers.0.mlp.up", "params": {"weight": "replicate"}}), {"tp": 2},
      "replicate", '"replicate"',
-     "parameter 'layers.0.up.weight' is placed {tp: shard(0)} by rule 0 ({file}:{r0}) and "
-     "replicate by rule 1 (match 'layers.0.up') @ $.rules[1].params.weight; a parameter belongs to "
+     "parameter 'layers.0.mlp.up.weight' is placed {tp: shard(0)} by rule 0 ({file}:{r0}) and "
+     "replicate by rule 1 (match 'layers.0.mlp.up') @ $.rules[1].params.weight; a parameter belongs to "
      "exactly one rule"),
-    ("not-divisible", base({"match": "layers.*.up", "style": "colwise"}), {"tp": 3}, "layers.*.up",
-     '"layers.*.up"',
-     "parameter 'layers.0.up.weight': dim 0 (size 16) is not divisible by mesh dim tp=3 (shard(0)) "
+    ("not-divisible", base({"match": "layers.*.mlp.up", "style": "colwise"}), {"tp": 3}, "layers.*.mlp.up",
+     '"layers.*.mlp.up"',
+     "parameter 'layers.0.mlp.up.weight': dim 0 (size 16) is not divisible by mesh dim tp=3 (shard(0)) "
      "@ $.rules[0].params.weight; shape [16, 8]; each rank must hold an equal slice"),
-    ("head-count", base({"match": "layers.*", "head_counts": {"num_heads": "tp"}}), {"tp": 3},
+    ("head-count", base({"match": "layers.*.mlp", "head_counts": {"num_heads": "tp"}}), {"tp": 3},
      "num_heads", "num_heads",
-     "head count layers.0.num_heads = 4 is not divisible by mesh dim tp of size 3 "
+     "head count layers.0.mlp.num_heads = 4 is not divisible by mesh dim tp of size 3 "
      "@ $.rules[0].head_counts.num_heads; every rank must hold whole heads"),
-    ("unknown-head-attr", base({"match": "layers.*", "head_counts": {"n_heads": "tp"}}), {"tp": 2},
+    ("unknown-head-attr", base({"match": "layers.*.mlp", "head_counts": {"n_heads": "tp"}}), {"tp": 2},
      "n_heads", "n_heads",
-     "module 'layers.0' has no integer attribute 'n_heads'; did you mean 'num_heads'? "
+     "module 'layers.0.mlp' has no integer attribute 'n_heads'; did you mean 'num_heads'? "
      "@ $.rules[0].head_counts.n_heads; its integer attributes: [num_heads]"),
-    ("mesh-lacks-dim", {**base({"match": "layers.*.up", "params": {"weight": {"cp": "shard(0)"}}}),
+    ("mesh-lacks-dim", {**base({"match": "layers.*.mlp.up", "params": {"weight": {"cp": "shard(0)"}}}),
                         "mesh": ["tp", "cp"]}, {"tp": 2}, "{cp: shard(0)}", '{ cp = ',
-     "parameter 'layers.0.up.weight' is placed on mesh dim 'cp', which the mesh lacks "
+     "parameter 'layers.0.mlp.up.weight' is placed on mesh dim 'cp', which the mesh lacks "
      "@ $.rules[0].params.weight; mesh: tp=2; add cp=1 or guard the rule with `when`"),
-    ("recipe-lacks-dim", base({"match": "layers.*.up", "style": "colwise"}), {"tp": 2, "dp": 2},
+    ("recipe-lacks-dim", base({"match": "layers.*.mlp.up", "style": "colwise"}), {"tp": 2, "dp": 2},
      "[tp]", '["tp"]',
      "mesh dim 'dp' is not declared by recipe 't' @ $.mesh; declared: [tp]; mesh: tp=2,dp=2"),
-    ("impossible", base({"match": "layers.*.up", "style": "colwise", "out_dst": {"0": {"tp": "partial"}}}),
+    ("impossible", base({"match": "layers.*.mlp.up", "style": "colwise", "out_dst": {"0": {"tp": "partial"}}}),
      {"tp": 2}, "out_dst", "out_dst",
-     "'layers.0.up' output 'output' on tp: shard(-1) -> partial is impossible: no collective turns a "
+     "'layers.0.mlp.up' output 'output' on tp: shard(-1) -> partial is impossible: no collective turns a "
      "tensor into a pending reduction (partial is only ever produced by the forward itself) "
      "@ $.rules[0].out_dst"),
     ("unknown-param", base({"match": "layers.*.norm", "params": {"wieght": "replicate"}}), {"tp": 2},
@@ -171,10 +171,10 @@ RESOLVE_CASES = [
      {"tp": 2}, "hidden", "hidden",
      "in_src names argument 'hidden', which 'layers.0'.forward does not take @ $.rules[0].in_src.hidden;"
      " forward(x)"),
-    ("unclaimed-error", {**base({"match": "layers.*.up", "style": "colwise"}), "unclaimed": "error"},
+    ("unclaimed-error", {**base({"match": "layers.*.mlp.up", "style": "colwise"}), "unclaimed": "error"},
      {"tp": 2}, "error", '"error"',
      "10 parameter(s) claimed by no rule: embed.weight, layers.0.norm.weight, layers.0.norm.bias, "
-     "layers.0.down.weight, layers.0.down.bias and 5 more @ $.unclaimed; add rules for them, or set "
+     "layers.0.mlp.down.weight, layers.0.mlp.down.bias and 5 more @ $.unclaimed; add rules for them, or set "
      "`unclaimed: replicate`"),
 ]
 

@@ -96,14 +96,14 @@ def test_edited_plan_is_rejected_by_its_fingerprint(in_root: Path, tmp_path: Pat
 
 def test_megatron_lowering_one_backward_all_reduce_per_block(in_root: Path) -> None:
     plan = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2})
-    block = plan.boundary("layers.0")
+    block = plan.boundary("layers.0.mlp")
     [t] = block.transitions
     assert (t.stage, t.name, t.forward.kind, t.backward) == (
         "input", "x", "identity", CollectiveOp(kind="all_reduce", mesh_dim="tp"))
-    down = plan.boundary("layers.0.down")
+    down = plan.boundary("layers.0.mlp.down")
     assert [(t.stage, t.forward.kind, t.backward.kind) for t in down.transitions] == [
         ("output", "all_reduce", "identity")]
-    assert down.defer_bias == ("bias",) and plan.param("layers.0.down.bias").deferred
+    assert down.defer_bias == ("bias",) and plan.param("layers.0.mlp.down.bias").deferred
     head = plan.boundary("head")
     kinds = sorted((t.stage, t.forward.kind, t.backward.kind) for t in head.transitions)
     assert kinds == [("input", "identity", "all_reduce"), ("output", "all_gather", "local_slice")]
@@ -112,22 +112,33 @@ def test_megatron_lowering_one_backward_all_reduce_per_block(in_root: Path) -> N
         ("output", "identity")]
 
 
+def test_sequence_parallel_lowers_gathers_and_reduce_scatters(in_root: Path) -> None:
+    plan = compile_recipe("tests/recipes/toy-sp.yaml", toy(), {"dp": 1, "tp": 2})
+    ops = {(t.boundary, t.stage): (t.forward.kind, t.backward.kind)
+           for b in plan.boundaries for t in b.transitions}
+    assert ops[("embed", "output")] == ("reduce_scatter", "all_gather")
+    assert ops[("layers.0.mlp", "input")] == ("all_gather", "reduce_scatter")
+    assert ops[("layers.0.mlp.down", "output")] == ("reduce_scatter", "all_gather")
+    assert ops[("head", "input")] == ("all_gather", "reduce_scatter")
+    assert ("layers.0.mlp", "output") not in ops
+
+
 def test_sequence_parallel_norm_weights_get_their_gradients_all_reduced(in_root: Path) -> None:
     plan = compile_recipe("tests/recipes/toy-sp.yaml", toy(), {"dp": 1, "tp": 2})
     norm = plan.param("layers.0.norm.weight")
     assert norm.placement.is_replicate
     assert norm.grad_reduce == (CollectiveOp(kind="all_reduce", mesh_dim="tp"),)
-    assert plan.param("layers.0.down.bias").grad_reduce == (), "a deferred bias sees full data"
+    assert plan.param("layers.0.mlp.down.bias").grad_reduce == (), "a deferred bias sees full data"
     assert [e.stage for e in plan.manifest].count("param_grad") == 4
     # the refining rule overrode the base rule, and explain shows both
-    assert "overridden by rule 0 of tests/recipes/toy-sp.yaml" in norm.provenance[0].reason
+    assert "overridden by rule 1 of tests/recipes/toy-sp.yaml" in norm.provenance[0].reason
     assert norm.provenance[-1].file == "tests/recipes/toy-sp.yaml"
 
 
 def test_head_counts_are_divided_per_module(in_root: Path) -> None:
     plan = compile_recipe("tests/recipes/toy.yaml", toy(heads=8), {"tp": 4})
     assert [(h.module, h.attr, h.global_value, h.local_value) for h in plan.head_counts] == [
-        ("layers.0", "num_heads", 8, 2), ("layers.1", "num_heads", 8, 2)]
+        ("layers.0.mlp", "num_heads", 8, 2), ("layers.1.mlp", "num_heads", 8, 2)]
 
 
 def test_size_one_mesh_dims_lower_to_nothing(in_root: Path) -> None:
@@ -155,7 +166,7 @@ def test_tied_weight_claimed_through_one_alias_is_placed_for_both(tmp_path: Path
 
 def test_chunked_shard_checks_each_part_and_keeps_local_shape(tmp_path: Path) -> None:
     r = tmp_path / "r.yaml"
-    r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.up\n"
+    r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.mlp.up\n"
                  "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n")
     plan = compile_recipe(r, toy(), {"tp": 2})
     assert plan.param("layers.0.up.weight").local_shape == (8, 8)
@@ -178,10 +189,9 @@ def test_when_conditions_skip_rules_on_small_meshes(tmp_path: Path) -> None:
 def test_unclaimed_parameters_are_replicated_with_provenance(in_root: Path) -> None:
     plan = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2})
     assert plan.param("layers.0.norm.weight").placement.get("tp") == Replicate()
-    r = Path("recipes/llama.yaml")
-    del r
     p = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2})
-    assert p.param("layers.0.down.bias").provenance[-1].rule_index == 3
+    assert p.param("layers.0.mlp.down.bias").provenance[-1].rule_index == 3
+    assert p.param("layers.0.norm.weight").grad_reduce == (), "replicated input: full data"
 
 
 def test_plan_bytes_do_not_depend_on_the_hash_seed(in_root: Path, tmp_path: Path) -> None:

@@ -402,20 +402,22 @@ class _Resolver:
         return [m.fqn for m in self.tree.modules if m.fqn in is_boundary], regions
 
     def sharded_dims(self, bfqn: str, regions: dict[str, str | None],
-                     in_dst: Sequence[NamedPlacement]) -> set[str]:
-        """Mesh dims on which the boundary's own region computes on sharded data."""
-        dims: set[str] = set()
+                     in_dst: Sequence[NamedPlacement]) -> tuple[set[str], set[str]]:
+        """Mesh dims on which the boundary's own region (nested boundaries excluded) holds
+        sharded parameters, and those on which its declared inputs arrive sharded."""
+        params: set[str] = set()
         for m in self.tree.subtree(bfqn):
             if regions.get(m.fqn) != bfqn:
                 continue
             for p in m.params:
                 claim = self.get(p.tied_to or p.fqn, "params")
                 if claim is not None:
-                    dims.update(d for d, q in claim.value.dims if isinstance(q, Shard)
-                                and self.size(d) > 1)
+                    params.update(d for d, q in claim.value.dims if isinstance(q, Shard)
+                                  and self.size(d) > 1)
+        inputs: set[str] = set()
         for placement in in_dst:
-            dims.update(d for d, q in placement.dims if isinstance(q, Shard) and self.size(d) > 1)
-        return dims
+            inputs.update(d for d, q in placement.dims if isinstance(q, Shard) and self.size(d) > 1)
+        return params, inputs
 
     def build_boundary(self, fqn: str, regions: dict[str, str | None],
                        boundary_set: set[str]) -> tuple[BoundaryPlan, set[str]]:
@@ -447,11 +449,21 @@ class _Resolver:
             depth += 1
             up_parent = up.rsplit(".", 1)[0] if "." in up else ""
             up = regions.get(up_parent) if up else None
-        sharded = self.sharded_dims(fqn, regions, [a.dst for a in inputs])
-        transitions = self._transitions(fqn, inputs, outputs, sharded)
+        sharded_params, sharded_inputs = self.sharded_dims(fqn, regions, [a.dst for a in inputs])
+        transitions = self._transitions(fqn, inputs, outputs, sharded_params)
         deferred: list[str] = []
         defer = self.get(fqn, "defer_bias")
         if defer is not None and defer.value and module.param("bias") is not None:
+            first = outputs[0] if outputs else None
+            if first is None or any(isinstance(q, Partial) for _, q in first.dst.dims):
+                c = defer
+                raise RecipeError(
+                    f"defer_bias on {fqn!r}: the bias is added after this boundary's reduction, "
+                    f"but its first output leaves {first.dst if first else 'undeclared'}; "
+                    f"reduce it here (out_dst replicate or shard) or do not defer the bias",
+                    span=c.rule.span("defer_bias") if "defer_bias" in c.rule.explicit
+                    else c.rule.span("match"), path=f"{c.rule.json_path}.defer_bias",
+                    rule_index=c.rule.index)
             deferred.append("bias")
         local_region = self.get(fqn, "local_region")
         if local_region is not None and local_region.value and not outputs:
@@ -466,7 +478,7 @@ class _Resolver:
             inner_wrapper=wrapper.value if wrapper else None,
             inner_out_src=tuple(inner_out), local_region=bool(local_region and local_region.value),
             transitions=transitions, provenance=tuple(provenance))
-        return plan, sharded
+        return plan, sharded_inputs
 
     def _placed(self, claim: _Claim | None, fqn: str, field: str, key: Any) -> NamedPlacement:
         if claim is None:

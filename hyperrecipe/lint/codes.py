@@ -1,0 +1,134 @@
+"""Every code ``hyperrecipe lint`` can report, with its name — importable without libcst.
+
+The registry is data so that ``--select``/``--ignore``, configuration and suppression comments
+are validated (and the clean fast path runs) without importing the libcst rules. Each rule class
+under ``hyperrecipe/lint/rules/`` carries the same code and name; a test keeps the two in step.
+
+Codes are stable: a code is never reused for a different check.
+
+* ``HR000`` syntax-error, ``HR999`` internal-error — a file could not be linted (errors, exit 2).
+* ``HR001``-``HR099`` — Python rules. Those marked *gated* are the forward gate: they are
+  switched off in the ``rewriter`` paths of the configuration.
+* ``HR100``-``HR199`` — recipe files.
+* ``HR900``-``HR999`` — about suppression comments themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Final, Literal
+
+import attrs
+
+from hyperrecipe.errors import did_you_mean
+
+__all__ = [
+    "ALWAYS_ON",
+    "CODES",
+    "CodeInfo",
+    "SelectorError",
+    "by_code",
+    "resolve_selection",
+    "resolve_selectors",
+]
+
+CodeKind = Literal["rule", "recipe", "suppression", "error"]
+
+
+@attrs.frozen(kw_only=True)
+class CodeInfo:
+    """A code's identity.
+
+    Args:
+        code: ``HR001``.
+        name: ``forward-assignment``; accepted wherever a code is.
+        summary: one line for listings.
+        kind: which family it belongs to.
+        gated: part of the forward gate, so allowed in the configured rewriter paths.
+    """
+
+    code: str
+    name: str
+    summary: str
+    kind: CodeKind
+    gated: bool = False
+
+
+CODES: Final[tuple[CodeInfo, ...]] = (
+    CodeInfo(code="HR000", name="syntax-error", kind="error",
+             summary="the file could not be parsed, so it was not checked"),
+    CodeInfo(code="HR001", name="forward-assignment", kind="rule", gated=True,
+             summary="`x.forward = ...` (any assignment form, or `del x.forward`)"),
+    CodeInfo(code="HR002", name="forward-setattr", kind="rule", gated=True,
+             summary='`setattr(x, "forward", ...)` and the other setattr spellings'),
+    CodeInfo(code="HR003", name="forward-dict", kind="rule", gated=True,
+             summary='`x.__dict__["forward"] = ...`, `vars(x)["forward"] = ...` and dict updates'),
+    CodeInfo(code="HR004", name="class-swap", kind="rule", gated=True,
+             summary="`x.__class__ = Other` replaces every method, forward included"),
+    CodeInfo(code="HR100", name="recipe-schema", kind="recipe",
+             summary="a recipe file does not match the recipe schema"),
+    CodeInfo(code="HR900", name="unused-suppression", kind="suppression",
+             summary="a suppression comment silences nothing"),
+    CodeInfo(code="HR901", name="invalid-suppression", kind="suppression",
+             summary="a suppression comment without codes, without a reason, or with an unknown code"),
+    CodeInfo(code="HR999", name="internal-error", kind="error",
+             summary="the lint itself failed on this file (please report it)"),
+)
+
+_BY_CODE: Final[Mapping[str, CodeInfo]] = {info.code: info for info in CODES}
+_BY_NAME: Final[Mapping[str, CodeInfo]] = {info.name: info for info in CODES}
+
+#: Reported whatever the selection: silencing them would hide files that were never checked.
+ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR999"})
+SELECTABLE: Final[tuple[str, ...]] = tuple(i.code for i in CODES if i.code not in ALWAYS_ON)
+
+
+class SelectorError(ValueError):
+    """A code, name or prefix that matches nothing."""
+
+
+def by_code(code: str) -> CodeInfo:
+    """The registry entry for ``code`` (``KeyError`` if unknown)."""
+    return _BY_CODE[code]
+
+
+def resolve_selectors(selectors: Iterable[str], *, where: str) -> frozenset[str]:
+    """Turn codes (``HR001``), names (``forward-setattr``) and prefixes (``HR00``) into codes.
+
+    Args:
+        selectors: as written by the user.
+        where: where they were written, for the message (``"--select"``, ``"pyproject.toml"``).
+
+    Raises:
+        SelectorError: for a selector that matches no code; the message suggests the nearest.
+    """
+    chosen: set[str] = set()
+    for raw in selectors:
+        token = raw.strip()
+        if not token:
+            continue
+        if token in _BY_NAME:
+            chosen.add(_BY_NAME[token].code)
+            continue
+        upper = token.upper()
+        matches = [code for code in SELECTABLE if code.startswith(upper)] if upper.startswith("HR") else []
+        if not matches:
+            known = [*SELECTABLE, *(_BY_CODE[c].name for c in SELECTABLE)]
+            msg = f"{where}: unknown rule code or name {token!r}{did_you_mean(token, known)}"
+            raise SelectorError(msg)
+        chosen.update(matches)
+    return frozenset(chosen)
+
+
+def resolve_selection(
+    *,
+    select: Iterable[str] | None,
+    ignore: Iterable[str],
+    where: str,
+) -> frozenset[str]:
+    """The codes to report: ``select`` (all selectable codes when ``None``) minus ``ignore``.
+
+    ``HR000`` and ``HR999`` are always added: a file that could not be checked is never silent.
+    """
+    base = frozenset(SELECTABLE) if select is None else resolve_selectors(select, where=where)
+    return (base - resolve_selectors(ignore, where=where)) | ALWAYS_ON

@@ -1,0 +1,179 @@
+"""``[tool.hyperrecipe.lint]``: which rules run, which files are skipped, who may install forwards.
+
+The table is read from the nearest ``pyproject.toml`` *that has one*, searching upward from each
+linted file, so a monorepo can hold several projects with their own settings. Keys::
+
+    [tool.hyperrecipe.lint]
+    rewriter = ["hyperrecipe/rewriter.py"]   # files or folders allowed to install forwards
+    exclude  = [".venv*", "build"]            # globs, on top of the built-in excludes
+    select   = ["HR0"]                         # codes, names or code prefixes (default: all)
+    ignore   = ["class-swap"]
+
+Paths and globs are relative to the ``pyproject.toml`` that holds them. Without any table every
+rule is on and no path is allowed to install forwards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any, Final
+
+import attrs
+
+from hyperrecipe.errors import did_you_mean
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["DEFAULT_EXCLUDE", "ConfigError", "LintConfig", "ConfigFinder", "load_config"]
+
+#: Folders no one wants linted; always skipped, in addition to ``exclude``.
+DEFAULT_EXCLUDE: Final[tuple[str, ...]] = (
+    ".git", ".hg", ".svn", ".bzr", "__pycache__", ".mypy_cache", ".pytest_cache",
+    ".ruff_cache", ".hypothesis", ".tox", ".nox", ".venv", "venv", ".eggs", "*.egg-info",
+    "node_modules", "__pypackages__",
+)
+_KEYS: Final = ("rewriter", "exclude", "select", "ignore")
+
+
+class ConfigError(ValueError):
+    """The configuration table is malformed; the message names the file and the key."""
+
+
+@attrs.frozen(kw_only=True)
+class LintConfig:
+    """The settings that apply to one file.
+
+    Args:
+        source: the ``pyproject.toml`` they came from (``None``: defaults).
+        root: the folder paths and globs are relative to (the pyproject's folder).
+        rewriter: absolute paths (files or folders) allowed to install forwards.
+        exclude: globs from the table (the built-in :data:`DEFAULT_EXCLUDE` apply as well).
+        select: codes, names or prefixes to report; ``None`` for all.
+        ignore: codes, names or prefixes not to report.
+    """
+
+    source: Path | None = None
+    root: Path | None = None
+    rewriter: tuple[Path, ...] = ()
+    exclude: tuple[str, ...] = ()
+    select: tuple[str, ...] | None = None
+    ignore: tuple[str, ...] = ()
+
+    def allows_forward_install(self, path: Path) -> bool:
+        """Whether ``path`` (absolute) is one of the rewriter paths or inside one."""
+        return any(path == allowed or allowed in path.parents for allowed in self.rewriter)
+
+    def is_excluded(self, path: Path, *, base: Path) -> bool:
+        """Whether ``path`` (absolute, file or folder) matches an exclude glob.
+
+        Globs see the path relative to :attr:`root` (or, without a configuration or for a path
+        outside it, relative to ``base``, the folder the user asked to lint), so the folders
+        *above* what was asked for never exclude it. A glob without ``/`` matches any single
+        component (``build`` skips every ``build/`` folder); a glob with ``/`` matches the
+        relative path or one of its leading folders (``tests/fixtures`` skips all below it).
+        """
+        parts = _relative_parts(path, self.root, base)
+        for pattern in (*DEFAULT_EXCLUDE, *self.exclude):
+            pattern = pattern.strip("/")
+            if "/" not in pattern:
+                if any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+                    return True
+                continue
+            for end in range(1, len(parts) + 1):
+                if fnmatch.fnmatchcase("/".join(parts[:end]), pattern):
+                    return True
+        return False
+
+
+def _relative_parts(path: Path, root: Path | None, base: Path) -> tuple[str, ...]:
+    for folder in (root, base):
+        if folder is None:
+            continue
+        try:
+            return PurePosixPath(path.relative_to(folder).as_posix()).parts
+        except ValueError:
+            continue
+    return (path.name,)
+
+
+def _string_list(table: Mapping[str, Any], key: str, source: Path) -> tuple[str, ...] | None:
+    if key not in table:
+        return None
+    value = table[key]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        msg = (
+            f"{source}: [tool.hyperrecipe.lint] {key} must be a list of strings, "
+            f"got {value!r}"
+        )
+        raise ConfigError(msg)
+    return tuple(value)
+
+
+def load_config(pyproject: Path) -> LintConfig | None:
+    """Read ``[tool.hyperrecipe.lint]`` from ``pyproject`` (``None`` when it has no such table).
+
+    Raises:
+        ConfigError: the file is not valid TOML, or the table has unknown keys or bad values.
+    """
+    try:
+        with pyproject.open("rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        msg = f"{pyproject}: cannot read configuration: {exc}"
+        raise ConfigError(msg) from exc
+    table = data.get("tool", {}).get("hyperrecipe", {}).get("lint")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        msg = f"{pyproject}: [tool.hyperrecipe.lint] must be a table"
+        raise ConfigError(msg)
+    unknown = sorted(set(table) - set(_KEYS))
+    if unknown:
+        msg = (
+            f"{pyproject}: [tool.hyperrecipe.lint] has unknown key {unknown[0]!r}"
+            f"{did_you_mean(unknown[0], _KEYS)}; known keys: {', '.join(_KEYS)}"
+        )
+        raise ConfigError(msg)
+    root = pyproject.parent.resolve()
+    rewriter = _string_list(table, "rewriter", pyproject) or ()
+    return LintConfig(
+        source=pyproject,
+        root=root,
+        rewriter=tuple(Path(os.path.normpath(root / entry)) for entry in rewriter),
+        exclude=_string_list(table, "exclude", pyproject) or (),
+        select=_string_list(table, "select", pyproject),
+        ignore=_string_list(table, "ignore", pyproject) or (),
+    )
+
+
+class ConfigFinder:
+    """Finds the configuration for a folder, caching every folder on the way up."""
+
+    def __init__(self) -> None:
+        self._by_folder: dict[Path, LintConfig] = {}
+
+    def for_folder(self, folder: Path) -> LintConfig:
+        """The configuration that applies to files in ``folder`` (absolute)."""
+        cached = self._by_folder.get(folder)
+        if cached is not None:
+            return cached
+        candidate = folder / "pyproject.toml"
+        found = load_config(candidate) if candidate.is_file() else None
+        if found is None:
+            parent = folder.parent
+            found = LintConfig() if parent == folder else self.for_folder(parent)
+        self._by_folder[folder] = found
+        return found
+
+    def for_path(self, path: Path) -> LintConfig:
+        """The configuration for a file or folder (absolute)."""
+        return self.for_folder(path if path.is_dir() else path.parent)

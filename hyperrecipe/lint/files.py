@@ -1,0 +1,117 @@
+"""Which files a lint run looks at: Python sources and recipe files, found under the given paths."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Final, Literal
+
+import attrs
+
+from hyperrecipe.lint.config import ConfigFinder, LintConfig
+from hyperrecipe.lint.recipes import RECIPE_SUFFIXES, is_recipe_file
+
+__all__ = ["PYTHON_SUFFIXES", "Target", "discover"]
+
+PYTHON_SUFFIXES: Final = (".py", ".pyi")
+TargetKind = Literal["python", "recipe"]
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """One file to lint.
+
+    Args:
+        path: absolute path.
+        display: how it is shown (relative to the working directory when inside it).
+        kind: ``"python"`` or ``"recipe"``.
+        config: the configuration that applies to it.
+        size: bytes, to schedule big files first.
+    """
+
+    path: Path
+    display: str
+    kind: TargetKind
+    config: LintConfig
+    size: int
+
+
+def _display(path: Path, cwd: Path) -> str:
+    try:
+        return path.relative_to(cwd).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _walk(folder: Path, base: Path, finder: ConfigFinder) -> Iterator[tuple[Path, int, bool]]:
+    """Files under ``folder`` as (path, size, is_python), skipping excluded folders and files."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return
+    config = finder.for_folder(folder)
+    for entry in entries:
+        path = folder / entry.name
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                if not config.is_excluded(path, base=base):
+                    yield from _walk(path, base, finder)
+                continue
+            if not entry.is_file():
+                continue
+            suffix = os.path.splitext(entry.name)[1]
+            if suffix in PYTHON_SUFFIXES or suffix in RECIPE_SUFFIXES:
+                if not config.is_excluded(path, base=base):
+                    yield path, entry.stat().st_size, suffix in PYTHON_SUFFIXES
+        except OSError:
+            continue
+
+
+def discover(paths: Sequence[str], finder: ConfigFinder) -> tuple[list[Target], list[str]]:
+    """Expand the command-line paths into targets.
+
+    Folders are walked (recursively, not following symlinked folders) for ``.py``/``.pyi`` files
+    and for ``.yaml``/``.yml``/``.toml`` files with a top-level ``recipe`` key. A file named
+    explicitly is linted as Python unless it has a recipe suffix (pre-commit hands over scripts
+    without a suffix). Excludes apply to named files too, so pre-commit honours them.
+
+    Returns:
+        The targets (each file once, in a stable order) and the paths that do not exist.
+    """
+    cwd = Path.cwd()
+    seen: set[Path] = set()
+    targets: list[Target] = []
+    missing: list[str] = []
+
+    def add(path: Path, size: int, is_python: bool) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        if not is_python and not is_recipe_file(path):
+            return
+        targets.append(
+            Target(
+                path=path,
+                display=_display(path, cwd),
+                kind="python" if is_python else "recipe",
+                config=finder.for_folder(path.parent),
+                size=size,
+            )
+        )
+
+    for raw in paths:
+        path = Path(os.path.abspath(raw))
+        if path.is_dir():
+            if finder.for_folder(path).is_excluded(path, base=path):
+                continue
+            for found, size, is_python in _walk(path, path, finder):
+                add(found, size, is_python)
+        elif path.is_file():
+            if finder.for_folder(path.parent).is_excluded(path, base=path.parent):
+                continue
+            add(path, path.stat().st_size, path.suffix not in RECIPE_SUFFIXES)
+        else:
+            missing.append(raw)
+    return targets, missing

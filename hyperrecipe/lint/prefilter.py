@@ -1,0 +1,257 @@
+"""Deciding, cheaply and soundly, which files cannot hold a finding and so need no libcst pass.
+
+libcst is about ten times slower than the interpreter's own parser, and in a real tree almost
+no file assigns ``forward``. So each file goes through two screens first; a file is handed to the
+libcst rules unless a screen *proves* that no rule can fire in it:
+
+1. **Text.** Every finding needs one of a few spellings in the source: ``forward`` or
+   ``__class__`` as an attribute that is not immediately called, as a quoted string or a keyword
+   argument; a backslash escape of one of their letters; a string literal that is a proper
+   prefix of one of them followed by another literal (``"for" "ward"``); or a ``# hyperrecipe:``
+   comment. Non-ASCII sources are NFKC-normalised first, as the tokenizer normalises
+   identifiers (``m.ｆorward`` *is* ``m.forward``). A file with none of these is only
+   syntax-checked (``symtable``, which parses but builds no AST objects), so a broken file is
+   still reported.
+2. **AST.** A file that passes the text screen is parsed with :mod:`ast` and walked for the
+   shapes the rules look for, more loosely than the rules (any callee, any receiver), so the
+   screen is a superset of them: an attribute ``forward``/``__class__`` in store or delete
+   context; a subscript store/delete, call argument, keyword or dict key whose value is
+   statically one of those names (string literals, concatenations, placeholder-free f-strings
+   and names bound to such literals anywhere in the file).
+
+A file that fails to parse either way goes to libcst, which reports the syntax error — or, when
+libcst accepts syntax this interpreter does not, lints it. The test-suite checks that this path
+and a full libcst pass give identical findings, on ``torch/distributed`` and on tricky cases.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+import unicodedata
+from typing import Final
+
+__all__ = ["TARGET_NAMES", "needs_libcst"]
+
+#: Attribute names whose assignment the gate forbids.
+TARGET_NAMES: Final = frozenset({"forward", "__class__"})
+
+_WORD_BYTES: Final = frozenset(
+    b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_" + bytes(range(0x80, 0x100))
+)
+_QUOTES: Final = frozenset(b"\"'")
+_INLINE_SPACE: Final = frozenset(b" \t\f")
+_ANY_SPACE: Final = frozenset(b" \t\f\r\n\\")
+_DOT: Final = ord(".")
+_EQUALS: Final = ord("=")
+_NEWLINE: Final = ord("\n")
+
+# After ``.forward``: a call (``m.forward(x)``) is a read, never a store.
+_FORWARD_READ_AFTER: Final = frozenset(b"(")
+# After ``.__class__``: a call, an attribute (``x.__class__.__name__``) or an index is a read.
+_CLASS_READ_AFTER: Final = frozenset(b"(.[")
+
+_SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
+# Any escape that can spell a letter of "forward" or "__class__" (f o r w a d _ c l s).
+_LETTER_ESCAPE: Final = re.compile(
+    rb"\\(?:x|u00|U000000)(?:5[fF]|6[1346cCfF]|7[237])"
+    rb"|\\(?:137|141|143|144|146|154|157|162|163|167)"
+    rb"|\\N\{"
+)
+# A literal that is a proper prefix of a target name, followed by another literal: the start of
+# a concatenation that may spell the name ("for" "ward", "fo" + "rward", ("__cl") "ass__").
+_SPLIT_LITERAL: Final = re.compile(
+    rb"[\"'](?:f|fo|for|forw|forwa|forwar|_|__|__c|__cl|__cla|__clas|__class|__class_)[\"']"
+    rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
+)
+
+
+def _normalized(source: bytes) -> bytes:
+    """The source as the tokenizer sees identifiers: decoded per PEP 263, NFKC-normalised."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError:
+        encoding = "utf-8"
+    try:
+        text = source.decode(encoding, errors="replace")
+    except LookupError:
+        text = source.decode("utf-8", errors="replace")
+    return unicodedata.normalize("NFKC", text).encode("utf-8", errors="replace")
+
+
+def _mentions(source: bytes, word: bytes, read_after: frozenset[int]) -> bool:
+    """Whether ``word`` occurs as a possible store target, quoted string or keyword."""
+    size = len(source)
+    start = source.find(word)
+    while start != -1:
+        end = start + len(word)
+        before = source[start - 1] if start else None
+        after = source[end] if end < size else None
+        start = source.find(word, end)
+        if (before is not None and before in _WORD_BYTES) or (
+            after is not None and after in _WORD_BYTES
+        ):
+            continue  # part of a longer identifier or word (`_pre_forward`, `forwarded`)
+        if before in _QUOTES and after in _QUOTES:
+            return True  # "forward"
+        j = end
+        while j < size and source[j] in _INLINE_SPACE:
+            j += 1
+        if word == b"forward" and j + 1 < size and source[j] == _EQUALS and source[j + 1] != _EQUALS:
+            return True  # forward=... (keyword) or forward = ... (a plain name: cheap to include)
+        k = end - len(word) - 1
+        crossed_line = False
+        while k >= 0 and source[k] in _ANY_SPACE:
+            crossed_line = crossed_line or source[k] == _NEWLINE
+            k -= 1
+        if k >= 0 and source[k] == _DOT:
+            if j < size and source[j] in read_after:
+                continue  # m.forward(...), x.__class__.__name__
+            return True
+        if crossed_line:
+            # `(m.  # comment` on the line before: a comment may sit between dot and name.
+            line_start = source.rfind(b"\n", 0, k + 1) + 1
+            if b"#" in source[line_start : k + 1]:
+                return True
+    return False
+
+
+def _text_may_match(source: bytes) -> bool:
+    if b"hyperrecipe" in source and _SUPPRESSION_HINT.search(source):
+        return True
+    if b"forward" in source and _mentions(source, b"forward", _FORWARD_READ_AFTER):
+        return True
+    if b"__class__" in source and _mentions(source, b"__class__", _CLASS_READ_AFTER):
+        return True
+    if b"\\" in source and _LETTER_ESCAPE.search(source):
+        return True
+    return _SPLIT_LITERAL.search(source) is not None
+
+
+def _literal_str(node: ast.expr) -> str | None:
+    """The value of a string expression built only from literals, else ``None``."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.JoinedStr):
+        parts = []
+        for value in node.values:
+            if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+                return None
+            parts.append(value.value)
+        return "".join(parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left = _literal_str(node.left)
+        if left is None:
+            return None
+        right = _literal_str(node.right)
+        return None if right is None else left + right
+    return None
+
+
+_CALLED_ATTRIBUTES: Final = frozenset(
+    {
+        "setattr", "delattr", "__setattr__", "__delattr__",  # HR002, HR004
+        "update", "setdefault", "pop", "__setitem__", "__delitem__",  # HR003 on a namespace
+        "setitem", "delitem",  # operator.setitem(vars(x), ...)
+        "object",  # unittest.mock.patch.object
+    }
+)
+
+
+class _Screen:
+    """One walk over an AST, looking for anything a rule could report."""
+
+    def __init__(self) -> None:
+        self.constant_names: set[str] = set()  # names bound to a target-name literal
+        self.names_in_key_positions: set[str] = set()
+
+    def is_target(self, node: ast.expr | None) -> bool:
+        if node is None:
+            return False
+        if isinstance(node, ast.Name):
+            self.names_in_key_positions.add(node.id)
+            return False
+        return _literal_str(node) in TARGET_NAMES
+
+    def dict_has_target_key(self, node: ast.expr) -> bool:
+        return isinstance(node, ast.Dict) and any(self.is_target(key) for key in node.keys)
+
+    def found(self, tree: ast.AST) -> bool:
+        for node in ast.walk(tree):
+            kind = type(node)
+            if kind is ast.Attribute:
+                assert isinstance(node, ast.Attribute)
+                if node.attr in TARGET_NAMES and type(node.ctx) is not ast.Load:
+                    return True
+            elif kind is ast.Subscript:
+                assert isinstance(node, ast.Subscript)
+                if type(node.ctx) is not ast.Load and self.is_target(node.slice):
+                    return True
+            elif kind is ast.Call:
+                assert isinstance(node, ast.Call)
+                func = node.func
+                if type(func) is ast.Name or (
+                    type(func) is ast.Attribute
+                    and isinstance(func, ast.Attribute)
+                    and func.attr in _CALLED_ATTRIBUTES
+                ):
+                    for arg in node.args:
+                        if self.is_target(arg) or self.dict_has_target_key(arg):
+                            return True
+                    for keyword in node.keywords:
+                        if keyword.arg == "forward" or self.is_target(keyword.value):
+                            return True
+                        if self.dict_has_target_key(keyword.value):
+                            return True
+            elif kind is ast.AugAssign:
+                assert isinstance(node, ast.AugAssign)
+                if self.dict_has_target_key(node.value):
+                    return True
+            elif kind is ast.Assign:
+                assert isinstance(node, ast.Assign)
+                if _literal_str(node.value) in TARGET_NAMES:
+                    self.constant_names.update(
+                        t.id for t in node.targets if isinstance(t, ast.Name)
+                    )
+            elif kind is ast.AnnAssign:
+                assert isinstance(node, ast.AnnAssign)
+                if (
+                    node.value is not None
+                    and isinstance(node.target, ast.Name)
+                    and _literal_str(node.value) in TARGET_NAMES
+                ):
+                    self.constant_names.add(node.target.id)
+        return not self.constant_names.isdisjoint(self.names_in_key_positions)
+
+
+def _syntax_ok(source: bytes, filename: str) -> bool:
+    try:
+        import _symtable
+
+        _symtable.symtable(source, filename, "exec")
+    except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+        return False
+    return True
+
+
+def needs_libcst(source: bytes, filename: str) -> bool:
+    """Whether ``source`` may hold a finding (or a syntax error) and needs the libcst pass.
+
+    ``False`` is a proof: no rule can fire and the file parses. ``True`` only means "look".
+
+    Args:
+        source: the file's bytes (encoding declarations are honoured).
+        filename: for the parser's messages only.
+    """
+    screened = source if source.isascii() else _normalized(source)
+    if not _text_may_match(screened):
+        return not _syntax_ok(source, filename)
+    if b"hyperrecipe" in screened and _SUPPRESSION_HINT.search(screened):
+        return True  # suppression comments are invisible to ast; libcst checks them
+    try:
+        tree = ast.parse(source, filename)
+    except Exception:  # noqa: BLE001 - SyntaxError, ValueError, RecursionError, MemoryError
+        return True
+    return _Screen().found(tree)
