@@ -169,7 +169,7 @@ def test_chunked_shard_checks_each_part_and_keeps_local_shape(tmp_path: Path) ->
     r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.mlp.up\n"
                  "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n")
     plan = compile_recipe(r, toy(), {"tp": 2})
-    assert plan.param("layers.0.up.weight").local_shape == (8, 8)
+    assert plan.param("layers.0.mlp.up.weight").local_shape == (8, 8)
     from hyperrecipe.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"chunk of size 4 of dim 0 \(size 4\) is not divisible by "
