@@ -23,9 +23,11 @@ from hyperrecipe.errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.api import compile_recipe, load_plan, load_recipe
     from hyperrecipe.plan import Plan
+    from hyperrecipe.runtime import Installation, apply
 
 __all__ = [
     "HyperrecipeError",
+    "Installation",
     "ModelSpecError",
     "PlacementMismatchError",
     "Plan",
@@ -33,6 +35,7 @@ __all__ = [
     "PlanMismatchError",
     "RecipeError",
     "RewriteError",
+    "apply",
     "compile_recipe",
     "load_plan",
     "load_recipe",
@@ -45,6 +48,8 @@ _LAZY = {
     "load_plan": "hyperrecipe.api",
     "load_recipe": "hyperrecipe.api",
     "Plan": "hyperrecipe.plan",
+    "apply": "hyperrecipe.runtime",
+    "Installation": "hyperrecipe.runtime",
 }
 
 

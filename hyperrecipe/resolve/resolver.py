@@ -261,7 +261,7 @@ class _Resolver:
         return {k: c for (f, fld, k), c in self.claims.items() if f == fqn and fld == field}
 
     # ------------------------------------------------------------------ params
-    def params(self, deferred: set[str], regions: dict[str, str | None],
+    def params(self, deferred: dict[str, set[str]], regions: dict[str, str | None],
                sharded_regions: dict[str, set[str]]) -> tuple[ParamPlan, ...]:
         out: list[ParamPlan] = []
         unclaimed: list[str] = []
@@ -294,7 +294,7 @@ class _Resolver:
                                                 reason=f"shares storage with {p.tied_to}"),)))
                     continue
                 is_deferred = p.fqn in deferred
-                grad_reduce = self._grad_reduce(p, module, placement, is_deferred, regions,
+                grad_reduce = self._grad_reduce(p, module, placement, is_deferred, deferred, regions,
                                                 sharded_regions)
                 plan = ParamPlan(fqn=p.fqn, module=module.fqn, name=p.name, shape=p.shape,
                                  dtype=p.dtype, placement=placement,
@@ -312,10 +312,17 @@ class _Resolver:
         return tuple(out)
 
     def _grad_reduce(self, p: ParamInfo, module: ModuleInfo, placement: NamedPlacement,
-                     deferred: bool, regions: dict[str, str | None],
+                     deferred: bool, deferred_dims: dict[str, set[str]],
+                     regions: dict[str, str | None],
                      sharded_regions: dict[str, set[str]]) -> tuple[CollectiveOp, ...]:
         region = regions.get(module.fqn)
-        if region is None or deferred:
+        if deferred:
+            # added after the reduction, to an output that may be sharded (sequence parallel):
+            # then each rank's bias gradient covers only its slice and is partial
+            dims = deferred_dims.get(p.fqn, set())
+            return tuple(CollectiveOp(kind="all_reduce", mesh_dim=d)
+                         for d in self.recipe.mesh if d in dims)
+        if region is None:
             return ()
         ops = []
         for dim in self.recipe.mesh:
@@ -657,12 +664,14 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     boundary_set = set(names)
     boundaries: list[BoundaryPlan] = []
     sharded_regions: dict[str, set[str]] = {}
-    deferred: set[str] = set()
+    deferred: dict[str, set[str]] = {}
     for fqn in names:
         b, sharded = r.build_boundary(fqn, regions, boundary_set)
         boundaries.append(b)
         sharded_regions[fqn] = sharded
-        deferred.update(f"{fqn}.{n}" for n in b.defer_bias)
+        for name in b.defer_bias:
+            deferred[f"{fqn}.{name}"] = {d for d, q in b.outputs[0].dst.dims
+                                         if isinstance(q, Shard) and r.size(d) > 1}
     params = r.params(deferred, regions, sharded_regions)
     manifest: list[ManifestEntry] = []
     for b in sorted(boundaries, key=lambda b: r.order[b.fqn]):

@@ -1,5 +1,14 @@
-"""Everything that touches a live model: applying a plan, sharded parameters, boundary wrappers
-and the autograd-aware production collectives (:mod:`hyperrecipe.runtime.collectives`).
+"""The runtime: applying a plan to a live model on every rank.
 
-Placeholder: the package namespace is owned by ``apply()`` and is filled in with it.
+What lives here: ``apply`` (checks, parameter sharding, head counts, boundary install, all in
+one rewriter transaction), the boundary wrapper body shared by both modes (``boundary``), the
+per-mode converters (``layouts``), local kernels production needs (``compute``), shard layout
+math (``sharding``), production collectives with their autograd duals (``collectives``) and the
+``Installation`` handle. What does not: resolving recipes (the plan is final here) and any
+direct assignment of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).
 """
+
+from hyperrecipe.runtime.apply import Mode, apply
+from hyperrecipe.runtime.installation import Installation, StatusRow
+
+__all__ = ["Installation", "Mode", "StatusRow", "apply"]

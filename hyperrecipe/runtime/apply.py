@@ -1,0 +1,297 @@
+"""``apply``: put a compiled plan onto a live model, atomically, on every rank.
+
+Order inside one rewriter transaction: parameters (local shards, or DTensors in validate mode;
+tied parameters stay one object), head counts (production), then boundary forwards, innermost
+first. Before anything changes, the plan is checked against the model's structure, the
+``DeviceMesh`` and the other ranks' plans; after everything is installed, every rank votes, so
+a failure on one rank rolls back all of them instead of leaving ranks out of step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError, RewriteError
+from hyperrecipe.model_tree import snapshot
+from hyperrecipe.placement import Shard, to_torch_placements
+from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.rewriter import Rewrite, installed_forward_owner
+from hyperrecipe.runtime.boundary import make_boundary_forward
+from hyperrecipe.runtime.collectives import execute, group_for
+from hyperrecipe.runtime.compute import bias_free_forward, class_forward, vocab_parallel_embedding
+from hyperrecipe.runtime.installation import Installation
+from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
+from hyperrecipe.runtime.sharding import gather_full, local_shard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Mode", "apply"]
+
+Mode = Literal["production", "validate"]
+
+
+def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    have = {n: mesh.size(i) for i, n in enumerate(names)}
+    want = plan.mesh_shape
+    if have != want:
+        got = ",".join(f"{k}={v}" for k, v in have.items()) or "(unnamed)"
+        exp = ",".join(f"{k}={v}" for k, v in want.items())
+        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh is {got}; "
+               f"recompile with --mesh {got} or build the mesh the plan names")
+        raise PlanMismatchError(msg)
+
+
+def _check_model(plan: Plan, model: nn.Module) -> None:
+    for fqn, module in model.named_modules():
+        owner = installed_forward_owner(module)
+        if owner is not None:
+            msg = (f"{fqn or '<root>'} already has a forward installed by {owner!r}: restore the "
+                   f"earlier installation before applying a plan again")
+            raise RewriteError(msg)
+    tree = snapshot(model)
+    if tree.digest() == plan.model_digest:
+        return
+    want = {p.fqn: (p.shape, p.dtype) for p in plan.params}
+    have = {p.fqn: (p.shape, p.dtype) for p in tree.params()}
+    for fqn in list(want) + [f for f in have if f not in want]:
+        if want.get(fqn) != have.get(fqn):
+            w, h = want.get(fqn), have.get(fqn)
+            detail = (f"the plan has {list(w[0])} {w[1]}" if w else "the plan has no such "
+                      "parameter") + ", the model " + (f"{list(h[0])} {h[1]}" if h else "has none")
+            msg = (f"plan {plan.recipe!r} does not fit this model: parameter {fqn!r}: {detail}; "
+                   f"recompile the recipe against this model")
+            raise PlanMismatchError(msg)
+    msg = (f"plan {plan.recipe!r} does not fit this model: its module structure (names or "
+           f"classes) differs; recompile the recipe against this model")
+    raise PlanMismatchError(msg)
+
+
+def _fingerprint_words(fingerprint: str) -> list[int]:
+    return [int(fingerprint[i:i + 15], 16) for i in range(0, 60, 15)]
+
+
+def _device_for(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_ranks(plan: Plan) -> None:
+    """All ranks must hold the same plan: one small all-gather, then the same verdict everywhere."""
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    device = _device_for(None)
+    mine = torch.tensor(_fingerprint_words(plan.fingerprint), dtype=torch.int64, device=device)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine)
+    rows = everyone.view(world, -1).cpu().tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(rank)
+    if len(groups) > 1:
+        mine_key = tuple(mine.cpu().tolist())
+        others = [r for k, ranks in groups.items() if k != mine_key for r in ranks]
+        msg = (f"ranks hold different plans: this rank (rank {dist.get_rank()}) has plan "
+               f"{plan.recipe!r} with fingerprint {plan.fingerprint[:12]}, ranks {others} hold "
+               f"another; every rank must apply the same plan")
+        raise PlanMismatchError(msg)
+
+
+def _vote(ok: bool) -> list[int]:
+    """Ranks that failed (every rank gets the same answer)."""
+    if not dist.is_initialized():
+        return [] if ok else [0]
+    device = _device_for(None)
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    flags[dist.get_rank()] = 0 if ok else 1
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.cpu().tolist()) if f]
+
+
+def _regions(plan: Plan) -> dict[str, str | None]:
+    """Each parameter's module → the FQN of its nearest enclosing boundary (or None)."""
+    bfqns = sorted((b.fqn for b in plan.boundaries), key=len, reverse=True)
+    out: dict[str, str | None] = {}
+    for p in plan.params:
+        out[p.module] = next((b for b in bfqns if p.module == b or p.module.startswith(f"{b}.")),
+                             None)
+    return out
+
+
+class _Applier:
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mode: Mode) -> None:
+        self.model, self.plan, self.mesh, self.mode = model, plan, mesh, mode
+        self.mesh_dims = plan.mesh_dims
+        self.modules = dict(model.named_modules(remove_duplicate=False))
+        self.new_params: dict[str, nn.Parameter] = {}
+        self.restored: dict[str, nn.Parameter] = {}
+
+    def shard_parameters(self, tx: Rewrite) -> None:
+        regions = _regions(self.plan)
+        for p in self.plan.params:
+            module = self.modules[p.module]
+            if p.tied_to is not None:
+                new = self.new_params[p.tied_to]
+            else:
+                new = self._make_param(p, module, regions.get(p.module) is not None)
+                self.new_params[p.fqn] = new
+            tx.replace_parameter(module, p.name, new, fqn=p.module, on_restore=self._restorer(p))
+
+    def _make_param(self, p: ParamPlan, module: nn.Module, in_region: bool) -> nn.Parameter:
+        full = module._parameters[p.name]
+        assert full is not None
+        requires_grad = full.requires_grad
+        if self.mode == "production":
+            local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+            param = nn.Parameter(local, requires_grad=requires_grad)
+            for op in p.grad_reduce:
+                g = group_for(self.mesh, op.mesh_dim)
+
+                def reduce_grad(grad: Tensor, op: Any = op, g: Any = g) -> Tensor:
+                    return execute(grad, op, g.group, group_size=g.size, group_rank=g.rank,
+                                   direction="backward")
+
+                param.register_hook(reduce_grad)  # type: ignore[no-untyped-call]
+            return param
+        if not in_region:
+            if not p.placement.is_replicate:
+                msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
+                       f"needs a boundary around sharded parameters")
+                raise PlanMismatchError(msg)
+            return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
+        if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
+            msg = (f"{p.fqn}: {p.placement} has no DTensor placement; validate mode cannot run "
+                   f"chunked shards yet (production mode can)")
+            raise PlanMismatchError(msg)
+        from torch.distributed.tensor import DTensor
+
+        local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+        placements = to_torch_placements(p.placement, self.mesh_dims)
+        dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
+        param = nn.Parameter(dt, requires_grad=requires_grad)
+
+        def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
+            # a replicated parameter used on sharded data gets a partial gradient: reduce it
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+                return grad.redistribute(grad.device_mesh, placements)
+            return grad
+
+        param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
+        return param
+
+    def full_value(self, p: ParamPlan, value: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if p.placement.is_replicate:
+            return value.detach().clone()
+        return gather_full(value, p.placement, p.shape, self.mesh, self.mesh_dims)
+
+    def _restorer(self, p: ParamPlan) -> Callable[[], nn.Parameter]:
+        """Gathers the full parameter back at restore time (once per tied group)."""
+        fqn = p.tied_to or p.fqn
+
+        def restore() -> nn.Parameter:
+            if fqn not in self.restored:
+                current = self.new_params[fqn]
+                full = self.full_value(self.plan.param(fqn), current)
+                self.restored[fqn] = nn.Parameter(full, requires_grad=current.requires_grad)
+            return self.restored[fqn]
+
+        return restore
+
+    def set_head_counts(self, tx: Rewrite) -> None:
+        if self.mode != "production":
+            return  # DTensor computes with global shapes; the attributes stay global
+        for h in self.plan.head_counts:
+            tx.set_attribute(self.modules[h.module], h.attr, h.local_value, fqn=h.module)
+
+    def install_boundaries(self, tx: Rewrite) -> None:
+        redist: Redistributor = (ProductionRedistributor(self.mesh) if self.mode == "production"
+                                 else ValidateRedistributor(self.mesh, self.mesh_dims))
+        for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
+            module = self.modules[b.fqn]
+            compute, bias = self._compute(b, module)
+            forward = make_boundary_forward(b, compute, redist, deferred_bias=bias)
+            tx.install_forward(module, forward, fqn=b.fqn, companions={"_hyperrecipe_boundary": b})
+
+    def _compute(self, b: BoundaryPlan, module: nn.Module) -> tuple[Callable[..., Any], Any]:
+        compute = class_forward(module)
+        if self.mode == "production" and isinstance(module, nn.Embedding):
+            weight = self.plan.param(f"{b.fqn}.weight" if b.fqn else "weight")
+            sharded = [(d, q) for d, q in weight.placement.dims if isinstance(q, Shard)]
+            if sharded:
+                (dim, q), *rest = sharded
+                if rest or q.dim not in (0, -2):
+                    msg = (f"{b.fqn}: a vocab-parallel embedding shards the vocab dim (0) on one "
+                           f"mesh dim; found {weight.placement}")
+                    raise PlanMismatchError(msg)
+                g = group_for(self.mesh, dim)
+                compute = vocab_parallel_embedding(module, rank=g.rank, size=g.size, fqn=b.fqn)
+        bias = None
+        if "bias" in b.defer_bias:
+            bias = module._parameters["bias"]
+            compute = bias_free_forward(module, compute)
+        return compute, bias
+
+
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "production") -> Installation:
+    """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
+
+    Args:
+        model: the full, unsharded model, on this rank's device (same weights on every rank).
+        plan: from :func:`hyperrecipe.compile_recipe` or :func:`hyperrecipe.load_plan`.
+        mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
+        mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
+            (DTensor end to end, declared placements checked at every boundary).
+
+    Returns:
+        The :class:`Installation`: status, full gradients and state dicts, ``restore()``.
+
+    Raises:
+        PlanMismatchError: the plan does not fit the model or the mesh, or ranks hold different
+            plans (raised on every rank), or an install failed on another rank.
+        RewriteError: the model already has a plan applied.
+        Anything an install raised on this rank, after rolling every rank back.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("tp",))
+        inst = hyperrecipe.apply(model, hyperrecipe.load_plan("plan.json"), mesh)
+        loss = model(batch).loss; loss.backward(); opt.step()
+        inst.restore()
+    """
+    if mode not in ("production", "validate"):
+        raise ValueError(f"mode must be 'production' or 'validate', not {mode!r}")
+    _check_mesh(plan, mesh)
+    _check_model(plan, model)
+    _check_ranks(plan)
+    applier = _Applier(model, plan, mesh, mode)
+    tx = Rewrite(label=f"hyperrecipe {mode} {plan.recipe}")
+    with tx:
+        error: BaseException | None = None
+        try:
+            applier.shard_parameters(tx)
+            applier.set_head_counts(tx)
+            applier.install_boundaries(tx)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the vote
+            error = exc
+        failed = _vote(error is None)
+        if error is not None:
+            raise error
+        if failed:
+            msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
+                   f"back too (see the failing rank's error)")
+            raise PlanMismatchError(msg)
+    return Installation(model=model, plan=plan, mode=mode, rewritten=tx.result,
+                        full_value=applier.full_value, mesh=mesh, params=applier.new_params)
+

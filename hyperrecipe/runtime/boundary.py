@@ -1,0 +1,110 @@
+"""The boundary wrapper: one body for both modes, built from plan data at install time.
+
+``make_boundary_forward`` binds everything a call needs — which positional slot or keyword
+holds each declared input, the converters the mode's redistributor built, where each declared
+output sits in the result, the deferred bias — so a call only indexes and converts. The mode
+shows nowhere in the body: it is in the converters it was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.runtime.layouts import Converter, Redistributor
+
+__all__ = ["make_boundary_forward"]
+
+Forward = Callable[..., Any]
+
+
+def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
+                 ) -> tuple[tuple[int | None, str, Converter], ...]:
+    return tuple((a.position, a.name, redist.input_converter(boundary, a)) for a in layouts)
+
+
+def _get_output(out: Any, position: int, name: str) -> Any:
+    if isinstance(out, Tensor):
+        return out if position == 0 else None
+    if isinstance(out, Mapping):  # ModelOutput and dicts: by name
+        return out.get(name)
+    if isinstance(out, (tuple, list)) and position < len(out):
+        return out[position]
+    return None
+
+
+def _set_output(out: Any, position: int, name: str, value: Any) -> Any:
+    if isinstance(out, Tensor):
+        return value
+    if isinstance(out, Mapping):
+        out[name] = value  # type: ignore[index]
+        return out
+    items = list(out)
+    items[position] = value
+    return type(out)(items) if isinstance(out, list) else tuple(items)
+
+
+def make_boundary_forward(
+    boundary: BoundaryPlan,
+    compute: Forward,
+    redist: Redistributor,
+    *,
+    deferred_bias: nn.Parameter | None = None,
+) -> Forward:
+    """The forward installed on a boundary module.
+
+    Args:
+        boundary: the plan's boundary entry.
+        compute: what runs between the conversions (the class forward, or a local kernel).
+        redist: the mode's converter factory (production or validate).
+        deferred_bias: added to the first declared output right after its reduction (the
+            redistributor's output converter does it, before any hand-back to local tensors).
+
+    Returns:
+        A callable accepting the module's forward arguments (positional or by keyword).
+    """
+    inputs = _input_slots(boundary.inputs, redist, boundary)
+    outputs = tuple((a.position if a.position is not None else 0, a.name,
+                     redist.output_converter(boundary, a, deferred_bias if i == 0 else None))
+                    for i, a in enumerate(boundary.outputs))
+    undeclared = redist.undeclared_converter(boundary)
+    finish = redist.finish_outputs(boundary)
+    declared_positions = {p for p, _, _ in inputs if p is not None}
+    declared_names = {n for _, n, _ in inputs}
+    declared_outputs = {p for p, _, _ in outputs}
+    names = boundary.out_names
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args_l = list(args)
+        for position, name, convert in inputs:
+            if position is not None and position < len(args_l):
+                args_l[position] = convert(args_l[position], name)
+            elif name in kwargs:
+                kwargs[name] = convert(kwargs[name], name)
+        if undeclared is not None:
+            for i, v in enumerate(args_l):
+                if i not in declared_positions:
+                    args_l[i] = undeclared(v, f"#{i}")
+            for k, v in kwargs.items():
+                if k not in declared_names:
+                    kwargs[k] = undeclared(v, k)
+        out = compute(*args_l, **kwargs)
+        for position, name, convert in outputs:
+            value = _get_output(out, position, name)
+            if value is not None:
+                out = _set_output(out, position, name, convert(value, name))
+        if finish is not None:
+            if isinstance(out, Tensor):
+                if 0 not in declared_outputs:
+                    out = finish(out, "output")
+            elif isinstance(out, tuple):
+                out = tuple(v if i in declared_outputs else finish(v, names[i] if i < len(names)
+                                                               else f"output {i}")
+                            for i, v in enumerate(out))
+        return out
+
+    return forward
+

@@ -1,0 +1,84 @@
+"""What a boundary runs between converting its inputs and its outputs.
+
+Normally the module's own class forward. Two cases need a local kernel in production mode,
+where DTensor would have done the work implicitly:
+
+- a *deferred bias*: the forward runs without the bias, which the boundary adds once after the
+  output's reduction (rowwise linear: otherwise every rank adds it and the sum counts it ``tp``
+  times). ``nn.Linear`` computes ``F.linear(x, W)``; any other module runs with its ``bias``
+  entry set to ``None`` for the call.
+- a *vocab-parallel embedding*: each rank owns a contiguous range of rows; ids outside it are
+  looked up as row 0 and their vectors zeroed, so the all-reduce that follows sums exactly one
+  real vector per token. DTensor's embedding does the same masking itself in validate mode.
+
+The choice is made once, at install time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from hyperrecipe.errors import PlanMismatchError
+
+__all__ = ["bias_free_forward", "class_forward", "vocab_parallel_embedding"]
+
+Forward = Callable[..., Any]
+
+
+def class_forward(module: nn.Module) -> Forward:
+    """The module's class forward bound to it (what ``module.forward`` is before any rewrite)."""
+    return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
+
+
+def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
+    """``inner`` with the module's bias left out."""
+    if type(module) is nn.Linear:
+        def linear(input: Tensor) -> Tensor:
+            return F.linear(input, module.weight)
+
+        return linear
+
+    def without_bias(*args: Any, **kwargs: Any) -> Any:
+        params = module._parameters
+        bias = params["bias"]
+        params["bias"] = None
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            params["bias"] = bias
+
+    return without_bias
+
+
+def vocab_parallel_embedding(module: nn.Module, *, rank: int, size: int, fqn: str) -> Forward:
+    """A masked lookup into this rank's rows of a row-sharded ``nn.Embedding``.
+
+    Raises:
+        PlanMismatchError: the module is not an ``nn.Embedding`` or uses options (``max_norm``)
+            whose semantics need the whole table.
+    """
+    if not isinstance(module, nn.Embedding):
+        msg = (f"{fqn}: a vocab-parallel boundary needs an nn.Embedding in production mode, "
+               f"found {type(module).__name__}")
+        raise PlanMismatchError(msg)
+    if module.max_norm is not None:
+        msg = f"{fqn}: vocab-parallel embedding with max_norm is not supported"
+        raise PlanMismatchError(msg)
+    rows = module.weight.shape[0]
+    start, stop = rank * rows, (rank + 1) * rows
+    pad = module.padding_idx
+    local_pad = pad - start if pad is not None and start <= pad < stop else None
+
+    def lookup(input: Tensor) -> Tensor:
+        outside = (input < start) | (input >= stop)
+        local = torch.where(outside, torch.zeros_like(input), input - start)
+        out = F.embedding(local, module.weight, local_pad, None, module.norm_type,
+                          module.scale_grad_by_freq, module.sparse)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    return lookup

@@ -1,0 +1,208 @@
+"""Per-mode conversion of a boundary's declared tensors: the only place the modes differ.
+
+A :class:`Redistributor` is built once per boundary at install time from plan data and hands
+the boundary body two converters, one for inputs and one for outputs. The body
+(:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
+
+- :class:`ProductionRedistributor`: plain local tensors; each declared tensor goes through the
+  transitions the resolver lowered (forward op, and the backward op its gradient needs).
+- :class:`ValidateRedistributor`: DTensor. Inputs become DTensors placed ``src`` and are
+  redistributed to ``dst``; undeclared tensor arguments become replicated DTensors (DTensor
+  refuses to mix them with plain tensors); outputs are checked against ``out_src`` and raise
+  :class:`~hyperrecipe.errors.PlacementMismatchError` when DTensor propagated something else, then
+  are redistributed to ``out_dst``; the outermost boundary hands local tensors back to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import Tensor
+
+from hyperrecipe.errors import PlacementMismatchError
+from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
+from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
+from hyperrecipe.runtime.collectives import group_for, transition
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Converter", "ProductionRedistributor", "Redistributor", "ValidateRedistributor"]
+
+Converter = Callable[[Any, str], Any]
+"""(value, name) → converted value; ``name`` is the declared argument or output."""
+
+
+class Redistributor(Protocol):
+    """Builds, at install time, the converters one boundary's body calls per forward."""
+
+    def input_converter(self, boundary: BoundaryPlan, layout: ArgLayout) -> Converter: ...
+
+    def output_converter(self, boundary: BoundaryPlan, layout: ArgLayout,
+                         bias: Tensor | None = None) -> Converter: ...
+
+    def undeclared_converter(self, boundary: BoundaryPlan) -> Converter | None: ...
+
+    def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None: ...
+
+
+# ------------------------------------------------------------------------------ production
+
+
+class ProductionRedistributor:
+    """Local tensors and precompiled collectives; nothing is decided per call."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def _chain(self, steps: Sequence[Transition], bias: Tensor | None = None) -> Converter:
+        bound = []
+        for t in steps:
+            g = group_for(self.mesh, t.mesh_dim)
+            bound.append((t.forward, t.backward, g.group, g.size, g.rank))
+
+        def convert(value: Any, name: str) -> Any:
+            if not isinstance(value, Tensor):
+                return value
+            for fwd, bwd, group, size, rank in bound:
+                value = transition(value, fwd, bwd, group, group_size=size, group_rank=rank)
+            return value if bias is None else value + bias
+
+        return convert
+
+    def input_converter(self, boundary: BoundaryPlan, layout: ArgLayout) -> Converter:
+        return self._chain([t for t in boundary.transitions
+                            if t.stage == "input" and t.name == layout.name])
+
+    def output_converter(self, boundary: BoundaryPlan, layout: ArgLayout,
+                         bias: Tensor | None = None) -> Converter:
+        return self._chain([t for t in boundary.transitions
+                            if t.stage == "output" and t.name == layout.name], bias)
+
+    def undeclared_converter(self, boundary: BoundaryPlan) -> Converter | None:
+        return None
+
+    def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
+        return None
+
+
+# ------------------------------------------------------------------------------ validate
+
+
+def describe_placements(placements: Sequence[Any], mesh_dims: Sequence[str], ndim: int) -> str:
+    """Torch placements as our named-placement text, for messages."""
+    entries: dict[str, Any] = {}
+    for name, p in zip(mesh_dims, placements):
+        if p.is_shard():
+            entries[name] = Shard(dim=p.dim)
+        elif p.is_partial():
+            entries[name] = Partial()
+    return str(NamedPlacement.of(entries))
+
+
+def _same(actual: Sequence[Any], expected: NamedPlacement, mesh_dims: Sequence[str],
+          ndim: int) -> bool:
+    for name, p in zip(mesh_dims, actual):
+        q = expected.get(name)
+        if isinstance(q, Shard):
+            if not p.is_shard() or (p.dim % ndim) != (q.dim % ndim):
+                return False
+        elif isinstance(q, Partial):
+            if not p.is_partial():  # a mask-partial from a vocab-parallel lookup is partial too
+                return False
+        elif isinstance(q, Replicate) and not p.is_replicate():
+            return False
+    return True
+
+
+class ValidateRedistributor:
+    """DTensor end to end; declared output placements are checked against propagated ones."""
+
+    def __init__(self, mesh: DeviceMesh, mesh_dims: Sequence[str]) -> None:
+        self.mesh = mesh
+        self.mesh_dims = tuple(mesh_dims)
+        from torch.distributed.tensor import DTensor, Replicate as TReplicate
+
+        self._dtensor = DTensor
+        self._replicated = tuple(TReplicate() for _ in self.mesh_dims)
+
+    def _torch(self, p: NamedPlacement) -> tuple[Any, ...]:
+        return to_torch_placements(p, self.mesh_dims)
+
+    def input_converter(self, boundary: BoundaryPlan, layout: ArgLayout) -> Converter:
+        DTensor, mesh = self._dtensor, self.mesh
+        src, dst = self._torch(layout.src), self._torch(layout.dst)
+        same = src == dst
+
+        def convert(value: Any, name: str) -> Any:
+            if not isinstance(value, Tensor):
+                return value
+            if isinstance(value, DTensor):
+                if not _same(value.placements, layout.src, self.mesh_dims, value.ndim):
+                    actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
+                    raise PlacementMismatchError(boundary.fqn, f"input {name}", str(layout.src),
+                                                 actual)
+                d = value
+            else:
+                d = DTensor.from_local(value, mesh, src, run_check=False)
+            return d if same else d.redistribute(mesh, dst)
+
+        return convert
+
+    def output_converter(self, boundary: BoundaryPlan, layout: ArgLayout,
+                         bias: Tensor | None = None) -> Converter:
+        DTensor, mesh = self._dtensor, self.mesh
+        src, dst = self._torch(layout.src), self._torch(layout.dst)
+        outermost = boundary.parent is None
+
+        def convert(value: Any, name: str) -> Any:
+            if not isinstance(value, Tensor):
+                return value
+            if not isinstance(value, DTensor):
+                if not boundary.local_region:
+                    raise PlacementMismatchError(boundary.fqn, name, str(layout.src),
+                                                 "a plain torch.Tensor (not a DTensor)")
+                value = DTensor.from_local(value, mesh, src, run_check=False)
+            if not _same(value.placements, layout.src, self.mesh_dims, value.ndim):
+                actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
+                raise PlacementMismatchError(boundary.fqn, name, str(layout.src), actual)
+            if tuple(value.placements) != dst:
+                value = value.redistribute(mesh, dst)
+            if bias is not None:
+                value = value + bias
+            return value.to_local(grad_placements=dst) if outermost else value
+
+        return convert
+
+    def undeclared_converter(self, boundary: BoundaryPlan) -> Converter | None:
+        DTensor, mesh, rep = self._dtensor, self.mesh, self._replicated
+
+        def convert(value: Any, name: str) -> Any:
+            if isinstance(value, Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, mesh, rep, run_check=False)
+            if isinstance(value, tuple):
+                return tuple(convert(v, name) for v in value)
+            if isinstance(value, list):
+                return [convert(v, name) for v in value]
+            return value
+
+        return convert
+
+    def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
+        """At the outermost boundary, undeclared DTensor outputs go back to local tensors."""
+        if boundary.parent is not None:
+            return None
+        DTensor = self._dtensor
+
+        def convert(value: Any, name: str) -> Any:
+            if isinstance(value, DTensor):
+                if not all(p.is_replicate() for p in value.placements):
+                    actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
+                    raise PlacementMismatchError(boundary.fqn, name, "replicate (undeclared "
+                                                 "outputs leave replicated)", actual)
+                return value.to_local()
+            return value
+
+        return convert
+
