@@ -104,6 +104,7 @@ def test_megatron_lowering_one_backward_all_reduce_per_block(in_root: Path) -> N
     assert [(t.stage, t.forward.kind, t.backward.kind) for t in down.transitions] == [
         ("output", "all_reduce", "identity")]
     assert down.defer_bias == ("bias",) and plan.param("layers.0.mlp.down.bias").deferred
+    assert plan.param("layers.0.mlp.down.bias").grad_reduce == (), "replicated output: full data"
     head = plan.boundary("head")
     kinds = sorted((t.stage, t.forward.kind, t.backward.kind) for t in head.transitions)
     assert kinds == [("input", "identity", "all_reduce"), ("output", "all_gather", "local_slice")]
@@ -128,8 +129,10 @@ def test_sequence_parallel_norm_weights_get_their_gradients_all_reduced(in_root:
     norm = plan.param("layers.0.norm.weight")
     assert norm.placement.is_replicate
     assert norm.grad_reduce == (CollectiveOp(kind="all_reduce", mesh_dim="tp"),)
-    assert plan.param("layers.0.mlp.down.bias").grad_reduce == (), "a deferred bias sees full data"
-    assert [e.stage for e in plan.manifest].count("param_grad") == 4
+    # the deferred bias is added to a sequence-sharded output: each rank sees its tokens only
+    assert plan.param("layers.0.mlp.down.bias").grad_reduce == (
+        CollectiveOp(kind="all_reduce", mesh_dim="tp"),)
+    assert [e.stage for e in plan.manifest].count("param_grad") == 6
     # the refining rule overrode the base rule, and explain shows both
     assert "overridden by rule 1 of tests/recipes/toy-sp.yaml" in norm.provenance[0].reason
     assert norm.provenance[-1].file == "tests/recipes/toy-sp.yaml"
