@@ -1,6 +1,6 @@
 """The runtime: applying a plan to a live model on every rank.
 
-What lives here: ``apply`` (checks, parameter sharding, head counts, boundary install, all in
+What lives here: ``install.apply`` (checks, parameter sharding, head counts, boundary install, all in
 one rewriter transaction), the boundary wrapper body shared by both modes (``boundary``), the
 per-mode converters (``layouts``), local kernels production needs (``compute``), shard layout
 math (``sharding``), production collectives with their autograd duals (``collectives``) and the
@@ -8,7 +8,7 @@ math (``sharding``), production collectives with their autograd duals (``collect
 direct assignment of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).
 """
 
-from hyperrecipe.runtime.apply import Mode, apply
+from hyperrecipe.runtime.install import Mode, apply
 from hyperrecipe.runtime.installation import Installation, StatusRow
 
 __all__ = ["Installation", "Mode", "StatusRow", "apply"]
