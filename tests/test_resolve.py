@@ -210,3 +210,20 @@ def test_plan_bytes_do_not_depend_on_the_hash_seed(in_root: Path, tmp_path: Path
                         str(out)], check=True, env=env, capture_output=True)
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_reduce_grads_declares_partial_gradients_of_replicated_parameters(tmp_path: Path) -> None:
+    from hyperrecipe.errors import RecipeError
+
+    r = tmp_path / "r.yaml"
+    r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.norm\n"
+                 "    reduce_grads: {weight: tp}\n")
+    plan = compile_recipe(r, toy(), {"tp": 2})
+    assert plan.param("layers.0.norm.weight").grad_reduce == (
+        CollectiveOp(kind="all_reduce", mesh_dim="tp"),)
+    assert plan.param("layers.0.norm.bias").grad_reduce == ()
+    r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.mlp.up\n"
+                 "    style: colwise\n    reduce_grads: {weight: tp}\n")
+    with pytest.raises(RecipeError, match=r"reduce_grads: parameter 'layers.0.mlp.up.weight' is "
+                                          r"placed \{tp: shard\(0\)\}; only a replicated"):
+        compile_recipe(r, toy(), {"tp": 2})

@@ -34,6 +34,8 @@ def _kind(kind: str) -> dict[str, Any]:
                   "uniqueItems": True},
         "head_counts": {"type": "object", "propertyNames": {"pattern": _IDENT},
                         "additionalProperties": {"type": "string"}},
+        "reduce_grads": {"type": "object", "propertyNames": {"pattern": _IDENT},
+                         "additionalProperties": {"type": "string"}},
         "wrapper": {"type": "string", "anyOf": [{"enum": sorted(INNER_WRAPPERS)},
                                                  {"pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"}]},
         "string": {"type": "string"},

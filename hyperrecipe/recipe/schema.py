@@ -70,6 +70,7 @@ class RuleFields:
     out_names: tuple[str, ...] | None = None
     defer_bias: bool | None = None
     head_counts: tuple[tuple[str, str], ...] | None = None
+    reduce_grads: tuple[tuple[str, str], ...] | None = None
     inner_wrapper: str | None = None
     inner_out_src: Layout | None = None
     local_region: bool | None = None
@@ -96,6 +97,7 @@ class RuleFields:
 
 RULE_FIELD_NAMES: tuple[str, ...] = tuple(a.name for a in attrs.fields(RuleFields))
 MAPPING_FIELDS = frozenset({"params", "in_src", "in_dst", "out_src", "out_dst", "head_counts",
+                            "reduce_grads",
                             "inner_out_src"})
 
 

@@ -102,6 +102,11 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
     FieldSpec(name="head_counts", kind="head_counts",
               doc="Integer attributes of the module divided by a mesh dim's size while the plan "
                   "is applied in production mode, e.g. `{num_heads: tp}`; each must divide."),
+    FieldSpec(name="reduce_grads", kind="reduce_grads",
+              doc="Replicated parameters that only see this rank's slice of the data (a per-head "
+                  "`q_norm` after a column-wise `q_proj`), mapped to the mesh dim their gradient "
+                  "is all-reduced over in production mode, e.g. `{weight: tp}`. Sequence-parallel "
+                  "norms and deferred biases on sharded outputs are found without it."),
     FieldSpec(name="inner_wrapper", kind="wrapper",
               doc=f"A wrapper replacing the module's inner computation: a registry name "
                   f"({', '.join(sorted(INNER_WRAPPERS))}) or `pkg.mod:callable`."),
@@ -389,6 +394,22 @@ def _head_counts(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> t
     return tuple(out)
 
 
+def _reduce_grads(ctx: _Ctx, raw: Any, path: PathKey,
+                  mesh: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    ctx.want(raw, dict, path, "a mapping of parameter name to mesh dim, e.g. {weight: tp}")
+    out = []
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _IDENT.match(k):
+            raise ctx.fail(f"parameter name {k!r} is not an identifier", (*path, k), key=True)
+        ctx.want(v, str, (*path, k), "a mesh dim name")
+        if v not in mesh:
+            raise ctx.fail(f"gradient reduced over mesh dim {v!r}, which the recipe does not "
+                           f"declare{did_you_mean(v, mesh)}", (*path, k),
+                           hint=f"declared mesh dims: [{', '.join(mesh)}]")
+        out.append((k, v))
+    return tuple(out)
+
+
 def _wrapper(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> str:
     ctx.want(raw, str, path, "a wrapper registry name or `pkg.mod:callable`")
     if raw in INNER_WRAPPERS or _CALLABLE_REF.match(raw):
@@ -403,6 +424,7 @@ _FIELD_PARSERS: dict[str, Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]] 
     "layout": _layout,
     "names": _names,
     "head_counts": _head_counts,
+    "reduce_grads": _reduce_grads,
     "wrapper": _wrapper,
 }
 
@@ -536,6 +558,6 @@ def _mesh_dims_of(fields: RuleFields) -> set[str]:
         value = getattr(fields, name)
         for _, p in value or ():
             dims.update(p.mesh_dims)
-    for _, d in fields.head_counts or ():
+    for _, d in (*(fields.head_counts or ()), *(fields.reduce_grads or ())):
         dims.add(d)
     return dims

@@ -164,6 +164,12 @@ class _Resolver:
                     assert pinfo is not None
                     self._claim_param(rule, module, pinfo, value)
                     continue
+                if name == "reduce_grads":
+                    pinfo = module.param(key)
+                    if pinfo is None:
+                        raise self._no_param(rule, module, key, field="reduce_grads")
+                    self._claim(rule, module, name, key, value)
+                    continue
                 if name in ("in_src", "in_dst"):
                     key = self._input_key(rule, module, name, key)
                 self._claim(rule, module, name, key, value)
@@ -227,12 +233,13 @@ class _Resolver:
             new.overridden = [*old.overridden, old]
         self.claims[slot] = new
 
-    def _no_param(self, rule: Rule, module: ModuleInfo, key: str) -> RecipeError:
+    def _no_param(self, rule: Rule, module: ModuleInfo, key: str,
+                  field: str = "params") -> RecipeError:
         names = [p.name for p in module.params]
         return RecipeError(
             f"module {module.fqn!r} ({module.cls.rsplit('.', 1)[-1]}) has no parameter {key!r}"
-            f"{did_you_mean(key, names)}", span=rule.span("params", key, key=True),
-            path=f"{rule.json_path}.params.{key}", rule_index=rule.index,
+            f"{did_you_mean(key, names)}", span=rule.span(field, key, key=True),
+            path=f"{rule.json_path}.{field}.{key}", rule_index=rule.index,
             hint=f"its direct parameters: [{', '.join(names)}]")
 
     def _input_key(self, rule: Rule, module: ModuleInfo, field: str, key: LayoutKey) -> str:
@@ -322,14 +329,21 @@ class _Resolver:
             dims = deferred_dims.get(p.fqn, set())
             return tuple(CollectiveOp(kind="all_reduce", mesh_dim=d)
                          for d in self.recipe.mesh if d in dims)
-        if region is None:
-            return ()
-        ops = []
-        for dim in self.recipe.mesh:
-            if self.size(dim) > 1 and isinstance(placement.get(dim), Replicate) and \
-                    dim in sharded_regions.get(region, set()):
-                ops.append(CollectiveOp(kind="all_reduce", mesh_dim=dim))
-        return tuple(ops)
+        dims = set(sharded_regions.get(region, set())) if region is not None else set()
+        explicit = self.get(module.fqn, "reduce_grads", p.name)
+        if explicit is not None:
+            dim = explicit.value
+            if not isinstance(placement.get(dim), Replicate):
+                rule = explicit.rule
+                raise RecipeError(
+                    f"reduce_grads: parameter {p.fqn!r} is placed {placement}; only a replicated "
+                    f"parameter's gradient is all-reduced over {dim}",
+                    span=rule.span("reduce_grads", p.name, key=True),
+                    path=f"{rule.json_path}.reduce_grads.{p.name}", rule_index=rule.index)
+            dims.add(dim)
+        return tuple(CollectiveOp(kind="all_reduce", mesh_dim=dim) for dim in self.recipe.mesh
+                     if dim in dims and self.size(dim) > 1
+                     and isinstance(placement.get(dim), Replicate))
 
     def _check_param(self, claim: _Claim, p: ParamInfo, placement: NamedPlacement) -> None:
         rule = claim.rule
