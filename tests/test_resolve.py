@@ -175,7 +175,7 @@ def test_chunked_shard_checks_each_part_and_keeps_local_shape(tmp_path: Path) ->
     assert plan.param("layers.0.mlp.up.weight").local_shape == (8, 8)
     from hyperrecipe.errors import RecipeError
 
-    with pytest.raises(RecipeError, match=r"chunk of size 4 of dim 0 \(size 4\) is not divisible by "
+    with pytest.raises(RecipeError, match=r"chunk of size 4 of dim 0 \(size 16\) is not divisible by "
                                           r"mesh dim tp=8"):
         compile_recipe(r, toy(), {"tp": 8})
 

@@ -103,6 +103,8 @@ class _Resolver:
         # (boundary, stage, arg/output name) -> the claims that set its src and dst
         self.layout_claims: dict[tuple[str, str, str], list[_Claim]] = {}
         self.order = {m.fqn: i for i, m in enumerate(tree.modules)}
+        self._by_module: dict[str, list[tuple[str, Any, _Claim]]] | None = None
+        self._region_members: dict[str | None, list[ModuleInfo]] | None = None
 
     # ------------------------------------------------------------------ mesh
     def check_mesh(self) -> tuple[MeshDim, ...]:
@@ -205,7 +207,8 @@ class _Resolver:
                     path=f"{rule.json_path}.params.{p.name}", rule_index=rule.index)
         owner = p.tied_to or p.fqn
         slot = (owner, "params", None)
-        via = self._via(rule, "params")
+        via = ("explicit params" if p.name in rule.explicit_params or not rule.style
+               else f"style {rule.style}")
         if p.tied_to:
             via += f", through {p.fqn} (tied to {p.tied_to})"
         new = _Claim(value=value, rule=rule, via=via, through_alias=p.tied_to is not None)
@@ -264,8 +267,17 @@ class _Resolver:
     def get(self, fqn: str, field: str, key: Any = None) -> _Claim | None:
         return self.claims.get((fqn, field, key))
 
+    def claims_of(self, fqn: str) -> list[tuple[str, Any, _Claim]]:
+        """(field, key, claim) of one module, in claim order; indexed once matching is done."""
+        if self._by_module is None:
+            index: dict[str, list[tuple[str, Any, _Claim]]] = {}
+            for (f, field, key), c in self.claims.items():
+                index.setdefault(f, []).append((field, key, c))
+            self._by_module = index
+        return self._by_module.get(fqn, [])
+
     def layout(self, fqn: str, field: str) -> dict[Any, _Claim]:
-        return {k: c for (f, fld, k), c in self.claims.items() if f == fqn and fld == field}
+        return {k: c for fld, k, c in self.claims_of(fqn) if fld == field}
 
     # ------------------------------------------------------------------ params
     def params(self, deferred: dict[str, set[str]], regions: dict[str, str | None],
@@ -387,8 +399,8 @@ class _Resolver:
                 if part % ways:
                     what = f"chunk of size {part} of dim {d}" if q0.is_chunked else f"dim {d}"
                     raise RecipeError(
-                        f"parameter {p.fqn!r}: {what} (size {size if not q0.is_chunked else part})"
-                        f" is not divisible by mesh dim {dims_text} ({q0})",
+                        f"parameter {p.fqn!r}: {what} (size {size}) is not divisible by mesh dim "
+                        f"{dims_text} ({q0})",
                         span=span, path=path, rule_index=rule.index,
                         hint=f"shape {list(p.shape)}; each rank must hold an equal slice")
 
@@ -426,10 +438,13 @@ class _Resolver:
                      in_dst: Sequence[NamedPlacement]) -> tuple[set[str], set[str]]:
         """Mesh dims on which the boundary's own region (nested boundaries excluded) holds
         sharded parameters, and those on which its declared inputs arrive sharded."""
+        if self._region_members is None:
+            members: dict[str | None, list[ModuleInfo]] = {}
+            for m in self.tree.modules:
+                members.setdefault(regions.get(m.fqn), []).append(m)
+            self._region_members = members
         params: set[str] = set()
-        for m in self.tree.subtree(bfqn):
-            if regions.get(m.fqn) != bfqn:
-                continue
+        for m in self._region_members.get(bfqn, []):
             for p in m.params:
                 claim = self.get(p.tied_to or p.fqn, "params")
                 if claim is not None:
@@ -444,8 +459,8 @@ class _Resolver:
                        boundary_set: set[str]) -> tuple[BoundaryPlan, set[str]]:
         module = self.tree.module(fqn)
         provenance: list[Provenance] = []
-        for (f, field, key), c in self.claims.items():
-            if f == fqn and field != "params":
+        for field, key, c in self.claims_of(fqn):
+            if field != "params":
                 what = f"{field}[{key}]" if key is not None else field
                 provenance.extend(_provs(c, f"set {what} to", field))
         out_names_claim = self.get(fqn, "out_names")
