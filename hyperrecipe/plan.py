@@ -207,6 +207,18 @@ class Plan:
     head_counts: tuple[HeadCount, ...]
     manifest: tuple[ManifestEntry, ...]
     adapters: tuple[AdapterPlan, ...] = ()
+    checksum: str = ""
+    """sha256 of the plan's JSON with this field empty: catches hand edits of decisions, which
+    the fingerprint (over what the plan was compiled *from*) cannot."""
+
+    def sealed(self) -> Plan:
+        """This plan with its checksum set (the resolver seals every plan it makes)."""
+        return attrs.evolve(self, checksum=self.content_checksum())
+
+    def content_checksum(self) -> str:
+        body = converter.unstructure(attrs.evolve(self, checksum=""))
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -253,6 +265,9 @@ class Plan:
         except cattrs.BaseValidationError as exc:
             details = "; ".join(cattrs.transform_error(exc))
             raise PlanFormatError(f"{source}: invalid plan: {details}") from None
+        if plan.checksum != plan.content_checksum():
+            raise PlanFormatError(f"{source}: checksum does not match the plan's content; the "
+                                  f"file was edited by hand or corrupted (recompile instead)")
         expected = compute_fingerprint(plan.recipe_digest, plan.model_digest, plan.mesh)
         if plan.fingerprint != expected:
             raise PlanFormatError(f"{source}: fingerprint {plan.fingerprint[:12]} does not match "

@@ -166,8 +166,10 @@ def explain(plan: Plan, pattern: str) -> str:
             if p.deferred:
                 out.append("  bias deferred: added once after the boundary's reduction")
             for op in p.grad_reduce:
-                out.append(f"  gradient: {op} in backward (replicated inside a boundary whose "
-                           f"inputs are sharded on {op.mesh_dim}, so its gradient is partial)")
+                why = (f"deferred bias added to an output sharded on {op.mesh_dim}" if p.deferred
+                       else f"replicated, but sees only this rank's slice of the data on "
+                            f"{op.mesh_dim}")
+                out.append(f"  gradient: {op} in backward ({why}, so its gradient is partial)")
     for h in plan.head_counts:
         if rx.fullmatch(h.module) or rx.fullmatch(f"{h.module}.{h.attr}"):
             out.append(f"{h.module}.{h.attr}: {h.global_value} -> {h.local_value} in production "

@@ -86,9 +86,14 @@ def test_edited_plan_is_rejected_by_its_fingerprint(in_root: Path, tmp_path: Pat
     from hyperrecipe.errors import PlanFormatError
 
     plan = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2})
-    text = plan.to_json().replace('"size": 2', '"size": 4')
+    import attrs
+
+    from hyperrecipe.plan import MeshDim
+
+    # a consistent-looking plan (checksum re-sealed) for another mesh than it was compiled for
+    moved = attrs.evolve(plan, mesh=(MeshDim(name="tp", size=4),)).sealed()
     with pytest.raises(PlanFormatError, match="fingerprint .* does not match"):
-        Plan.from_json(text)
+        Plan.from_json(moved.to_json())
     with pytest.raises(PlanFormatError) as err:
         Plan.from_json(plan.to_json().replace('"recipe": "toy"', '"recipe": "toy", "extra": 1'))
     assert "extra fields found" in str(err.value)
@@ -227,3 +232,13 @@ def test_reduce_grads_declares_partial_gradients_of_replicated_parameters(tmp_pa
     with pytest.raises(RecipeError, match=r"reduce_grads: parameter 'layers.0.mlp.up.weight' is "
                                           r"placed \{tp: shard\(0\)\}; only a replicated"):
         compile_recipe(r, toy(), {"tp": 2})
+
+
+def test_hand_edited_decision_is_caught_by_the_checksum(in_root: Path) -> None:
+    from hyperrecipe.errors import PlanFormatError
+
+    text = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2}).to_json()
+    edited = text.replace('"placement": "{tp: shard(1)}"', '"placement": "{tp: shard(0)}"', 1)
+    assert edited != text
+    with pytest.raises(PlanFormatError, match="checksum does not match the plan's content"):
+        Plan.from_json(edited)

@@ -725,4 +725,4 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         fingerprint=compute_fingerprint(recipe.digest, model_digest, mesh),
         rules=tuple(r.rule_refs), params=params, boundaries=tuple(boundaries),
         head_counts=r.head_counts(), manifest=tuple(manifest), adapters=adapters,
-    )
+    ).sealed()
