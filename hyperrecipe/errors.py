@@ -93,20 +93,26 @@ class PlacementMismatchError(HyperrecipeError, RuntimeError):
 
     Args:
         fqn: the boundary module.
-        output: the output name.
+        output: the output (or input) name.
         declared: the placement the plan declares, formatted.
         actual: the placement DTensor propagated, formatted.
+        stage: ``"output"`` (checked against ``out_src``) or ``"input"`` (against ``in_src``).
     """
 
-    def __init__(self, fqn: str, output: str, declared: str, actual: str) -> None:
+    def __init__(self, fqn: str, output: str, declared: str, actual: str, *,
+                 stage: str = "output") -> None:
         self.fqn = fqn
         self.output = output
         self.declared = declared
         self.actual = actual
-        super().__init__(
-            f"{fqn}: output {output!r} was declared {declared} (out_src) but the forward "
-            f"produced {actual}"
-        )
+        self.stage = stage
+        if stage == "input":
+            text = (f"{fqn}: input {output!r} was declared {declared} (in_src) but arrived "
+                    f"{actual}")
+        else:
+            text = (f"{fqn}: output {output!r} was declared {declared} (out_src) but the forward "
+                    f"produced {actual}")
+        super().__init__(text)
 
 
 class RewriteError(HyperrecipeError, RuntimeError):

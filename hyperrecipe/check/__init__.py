@@ -2,8 +2,21 @@
 
 This package runs a plan on real process groups and compares what every rank computes (forward
 outputs and gradients) with the same model run in one process, reporting the first boundary that
-diverges. :mod:`hyperrecipe.check.launcher` starts the ranks (forked or spawned processes on one
-host, gloo on CPU, NCCL when there is a GPU per rank) and turns a failing or hanging rank into a
-:class:`~hyperrecipe.check.launcher.RankFailedError`. Nothing here is used on a training hot path,
-and importing this package imports nothing heavy: import the submodules you need.
+diverges. One responsibility per module:
+
+- :mod:`~hyperrecipe.check.launcher` starts the ranks (forked or spawned processes on one host,
+  gloo on CPU, NCCL when there is a GPU per rank) and turns a failing or hanging rank into a
+  :class:`~hyperrecipe.check.launcher.RankFailedError`;
+- :mod:`~hyperrecipe.check.sample`: the seeded model, the sample batch, the loss;
+- :mod:`~hyperrecipe.check.record`: forward hooks that record boundary inputs and outputs in
+  execution order, and the recorded step (gradients, SGD steps);
+- :mod:`~hyperrecipe.check.gather`: whole tensors from a rank's local shards or DTensors;
+- :mod:`~hyperrecipe.check.worker`: what each rank runs;
+- :mod:`~hyperrecipe.check.compare`: tolerances, and the first divergent boundary;
+- :mod:`~hyperrecipe.check.diagnose`: likely causes, only where a known pattern is measured;
+- :mod:`~hyperrecipe.check.run`: ``run_check``, the whole check; :mod:`~hyperrecipe.check.report`
+  renders it as text or JSON (``hyperrecipe check`` is a thin layer over these two).
+
+Nothing here is used on a training hot path, and importing this package imports nothing heavy:
+import the submodules you need.
 """

@@ -141,8 +141,8 @@ class ValidateRedistributor:
             if isinstance(value, DTensor):
                 if not _same(value.placements, layout.src, self.mesh_dims, value.ndim):
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
-                    raise PlacementMismatchError(boundary.fqn, f"input {name}", str(layout.src),
-                                                 actual)
+                    raise PlacementMismatchError(boundary.fqn, name, str(layout.src), actual,
+                                                 stage="input")
                 d = value
             else:
                 d = DTensor.from_local(value, mesh, src, run_check=False)

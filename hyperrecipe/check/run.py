@@ -1,0 +1,277 @@
+"""``hyperrecipe check`` end to end: reference in this process, every mode on local ranks, verdict.
+
+:func:`run_check` builds the model on the CPU with a fixed seed, compiles the recipe against it
+(a recipe that does not fit fails here, before any rank starts), makes the sample batch
+(:mod:`hyperrecipe.check.sample`), records the single-process reference step
+(:mod:`hyperrecipe.check.record`), then for each mode launches ``world_size`` ranks with
+:func:`~hyperrecipe.check.launcher.run_ranks` (gloo on CPU, NCCL when there is a GPU per rank),
+compares their traces with the reference (:mod:`hyperrecipe.check.compare`) and looks for a
+known cause (:mod:`hyperrecipe.check.diagnose`). Rendering is :mod:`hyperrecipe.check.report`.
+
+A rank whose step *raised* (a shape error inside a boundary, a ``PlacementMismatchError`` in
+validate mode) is a finding of that mode, attributed to the boundary it raised in. A rank that
+fails anywhere else (building the model, applying the plan) or hangs is an error:
+:class:`~hyperrecipe.check.launcher.RankFailedError` propagates, after the launcher has stopped
+every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from hyperrecipe.check.compare import ModeComparison, compare_mode
+from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
+from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ranks
+from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
+from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
+from hyperrecipe.check.worker import RankJob, check_rank, side_file
+from hyperrecipe.errors import HyperrecipeError
+from hyperrecipe.model_tree import load_model_config, snapshot
+
+__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
+
+Mode = Literal["production", "validate"]
+SGD_LR = 1e-2
+"""Learning rate of the SGD steps (``--steps``); fixed so that runs are comparable."""
+
+FP32_TOLERANCE = (1e-5, 1e-4)
+HALF_TOLERANCE = (1e-2, 1e-2)
+
+
+class CheckError(HyperrecipeError, RuntimeError):
+    """The check itself could not run (not a divergence): e.g. the model fails in one process."""
+
+
+@attrs.frozen(kw_only=True)
+class CheckOptions:
+    """What to check; the CLI flags of ``hyperrecipe check``, one for one.
+
+    Attributes:
+        recipe: recipe file or shipped recipe name.
+        model: ``pkg.module:factory`` or ``hf:<model_type>``.
+        model_config: JSON file, inline JSON or mapping of config fields.
+        mesh: mesh dim → size; the world size is their product.
+        modes: the modes to run, in order.
+        steps: SGD steps (lr :data:`SGD_LR`) after the compared step; 0 compares one step.
+        atol, rtol: ``None``: 1e-5 / 1e-4, or 1e-2 / 1e-2 for a 16-bit model.
+        seed: model initialisation (``torch.manual_seed``) and sample batch.
+        batch, seq: the sample batch shape (token ids).
+        inputs: ``pkg.module:make_inputs`` for models that take something else.
+        timeout_s: per launch (one mode), start-up included.
+        backend: process-group backend; ``None`` lets the launcher choose.
+    """
+
+    recipe: str
+    model: str
+    mesh: Mapping[str, int]
+    model_config: str | Mapping[str, Any] | None = None
+    modes: tuple[Mode, ...] = ("production", "validate")
+    steps: int = 0
+    atol: float | None = None
+    rtol: float | None = None
+    seed: int = 0
+    batch: int = 2
+    seq: int = 8
+    inputs: str | None = None
+    timeout_s: float = 300.0
+    backend: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ModeResult:
+    """One mode's verdict."""
+
+    mode: str
+    comparison: ModeComparison
+    suggestion: Suggestion | None
+    timings: dict[str, float]
+
+    @property
+    def agree(self) -> bool:
+        return self.comparison.agree
+
+
+@attrs.frozen(kw_only=True)
+class CheckReport:
+    """The whole check: what ran, each mode's result, timings and notes."""
+
+    recipe: str
+    source: str
+    recipe_files: tuple[str, ...]
+    model: str
+    mesh: dict[str, int]
+    world_size: int
+    backend: str
+    seed: int
+    sample: str
+    steps: int
+    atol: float
+    rtol: float
+    loss: float | None
+    boundaries: int
+    modes: tuple[ModeResult, ...]
+    timings: dict[str, float]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def agree(self) -> bool:
+        return all(m.agree for m in self.modes)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every mode agrees, 1 when one diverged."""
+        return 0 if self.agree else 1
+
+
+def _tolerances(model: torch.nn.Module, options: CheckOptions) -> tuple[float, float]:
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    atol, rtol = HALF_TOLERANCE if half else FP32_TOLERANCE
+    return (options.atol if options.atol is not None else atol,
+            options.rtol if options.rtol is not None else rtol)
+
+
+def _ignore(message: str) -> None:
+    del message
+
+
+def _launch_progress(mode: str, world: int, progress: Callable[[str], None]
+                     ) -> Callable[[str], None]:
+    ready = 0
+
+    def relay(message: str) -> None:
+        nonlocal ready
+        progress(f"mode {mode}: {message}")
+        if message.endswith("process group ready"):
+            ready += 1
+            if ready == world:
+                progress(f"mode {mode}: running (all {world} ranks ready)")
+
+    return relay
+
+
+def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None
+              ) -> CheckReport:
+    """Check a recipe on local ranks against a single-process reference.
+
+    Args:
+        options: what to check.
+        on_progress: called with one-line progress messages (building, reference, launching,
+            each mode running, comparing).
+
+    Returns:
+        The report; ``report.exit_code`` is 0 when every mode agrees and 1 otherwise.
+
+    Raises:
+        RecipeError: the recipe does not load or does not fit the model and mesh.
+        ModelSpecError: the model or the sample batch cannot be built.
+        CheckError: the model fails in a single process.
+        RankFailedError: a rank failed outside the compared step, or a launch timed out.
+    """
+    from hyperrecipe.recipe import load_recipe
+    from hyperrecipe.resolve import resolve_recipe
+
+    progress = on_progress if on_progress is not None else _ignore
+    t_start = time.perf_counter()
+    recipe = load_recipe(options.recipe)
+    config = load_model_config(options.model_config)
+    notes: list[str] = []
+    if (options.model.startswith("hf:") and "validate" in options.modes
+            and "attn_implementation" not in config):
+        config["attn_implementation"] = "eager"
+        notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA strategy, "
+                     "so validate mode needs eager attention; the reference uses the same)")
+    progress(f"building {options.model} on the CPU (seed {options.seed})")
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+        model = build_seeded(options.model, config, options.seed)
+    tree = snapshot(model)
+    plan = resolve_recipe(recipe, tree, options.mesh)
+    world = 1
+    for d in plan.mesh:
+        world *= d.size
+    sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
+                         seed=options.seed, inputs=options.inputs)
+    atol, rtol = _tolerances(model, options)
+    reference_params = {n: p.detach().clone()
+                        for n, p in model.named_parameters(remove_duplicate=False)}
+    fingerprint = weights_fingerprint(model)
+    t_built = time.perf_counter()
+
+    steps = f" and {options.steps} SGD step(s)" if options.steps else ""
+    progress(f"reference: one forward/backward{steps} in this process ({sample.description})")
+    tracer = Tracer(model, plan.boundaries, view=lambda v, p: (v.detach().clone(), ""))
+    try:
+        reference = run_step(
+            model, sample, tracer, steps=options.steps, lr=SGD_LR,
+            full_grads=lambda: {n: p.grad.detach().clone()
+                                for n, p in model.named_parameters(remove_duplicate=False)
+                                if p.grad is not None},
+            full_params=lambda: {n: p.detach().clone()
+                                 for n, p in model.named_parameters(remove_duplicate=False)},
+            view_output=lambda t: t.detach().clone())
+    except StepFailed as failed:
+        msg = (f"{options.model} fails in a single process, without any plan "
+               f"({failed.trace.failure.phase if failed.trace.failure else 'step'}): {failed}")
+        raise CheckError(msg) from None
+    t_ref = time.perf_counter()
+    progress(f"reference: {len(reference.events)} boundary values recorded, loss "
+             f"{reference.loss:.6g} ({t_ref - t_built:.2f} s)")
+
+    backend = options.backend or default_backend(world)
+    results: list[ModeResult] = []
+    for mode in options.modes:
+        progress(f"mode {mode}: launching {world} ranks ({backend})")
+        side_dir = tempfile.mkdtemp(prefix="hyperrecipe-check-")
+        job = RankJob(spec=options.model, config=config, seed=options.seed,
+                      plan_json=plan.to_json(), mode=mode, sample=sample, steps=options.steps,
+                      lr=SGD_LR, fingerprint=fingerprint, side_dir=side_dir)
+        t0 = time.perf_counter()
+        try:
+            payloads = run_ranks(check_rank, world, job, backend=backend,
+                                 timeout_s=options.timeout_s,
+                                 on_progress=_launch_progress(mode, world, progress))
+            traces = [Trace.from_payload(p) for p in payloads]
+            rank_ids = tuple(range(world))
+        except RankFailedError as exc:
+            path = side_file(side_dir, mode, exc.rank) if exc.rank is not None else ""
+            if not path or not os.path.exists(path):
+                msg = f"mode {mode}: {exc}"
+                raise RankFailedError(msg, rank=exc.rank, rank_traceback=exc.rank_traceback,
+                                      unfinished=exc.unfinished) from None
+            assert exc.rank is not None
+            traces = [Trace.from_payload(torch.load(path, weights_only=True))]
+            rank_ids = (exc.rank,)
+            progress(f"mode {mode}: rank {exc.rank} raised in its step; all ranks stopped")
+        finally:
+            shutil.rmtree(side_dir, ignore_errors=True)
+        t1 = time.perf_counter()
+        progress(f"mode {mode}: comparing with the reference")
+        cmp = compare_mode(mode, reference, traces, atol=atol, rtol=rtol, rank_ids=rank_ids)
+        ctx = DiagnosisContext(plan=plan, tree=tree, reference_params=reference_params,
+                               mode=mode, rank_ids=rank_ids)
+        suggestion = None if cmp.agree else suggest(cmp, reference, traces, ctx,
+                                                   atol=atol, rtol=rtol)
+        t2 = time.perf_counter()
+        timings = {"launch_s": t1 - t0, "compare_s": t2 - t1}
+        for key, value in traces[0].timings.items():
+            timings[f"rank{rank_ids[0]}_{key}"] = value
+        results.append(ModeResult(mode=mode, comparison=cmp, suggestion=suggestion,
+                                  timings=timings))
+        progress(f"mode {mode}: {'agree' if cmp.agree else 'DIVERGED'} ({t1 - t0:.2f} s)")
+
+    t_end = time.perf_counter()
+    return CheckReport(
+        recipe=plan.recipe, source=str(options.recipe), recipe_files=plan.recipe_files, model=options.model,
+        mesh=plan.mesh_shape, world_size=world, backend=backend, seed=options.seed,
+        sample=sample.description, steps=options.steps, atol=atol, rtol=rtol,
+        loss=reference.loss, boundaries=len(plan.boundaries), modes=tuple(results),
+        timings={"build_s": t_built - t_start, "reference_s": t_ref - t_built,
+                 "total_s": t_end - t_start},
+        notes=tuple(notes))

@@ -1,0 +1,175 @@
+"""What ``hyperrecipe check`` runs: the seeded model, the sample batch and the loss.
+
+The reference (in the parent) and every rank build the model the same way — ``torch.manual_seed``
+then :func:`~hyperrecipe.model_tree.build_model` on the CPU, in ``eval()`` mode so dropout cannot
+make two runs differ — and feed it the same batch. The loss is the **mean of squares of the first
+output** (the logits of a causal LM): every output element gets a non-zero gradient, no labels
+are needed, and it is the same function on every rank once the output is replicated.
+
+Nothing here knows about process groups or plans.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from hyperrecipe.errors import ModelSpecError
+from hyperrecipe.model_tree import build_model
+
+__all__ = [
+    "Sample",
+    "build_seeded",
+    "first_output",
+    "loss_of",
+    "make_sample",
+    "weights_fingerprint",
+]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Sample:
+    """Positional and keyword arguments of one forward call, and how they were made."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    description: str
+
+    def to(self, device: torch.device) -> Sample:
+        """The same sample with every tensor (also inside lists, tuples, dicts) on ``device``."""
+        from torch.utils import _pytree
+
+        def move(v: Any) -> Any:
+            return v.to(device) if isinstance(v, Tensor) else v
+
+        args, kwargs = _pytree.tree_map(move, (self.args, self.kwargs))
+        return attrs.evolve(self, args=tuple(args), kwargs=dict(kwargs))
+
+
+def build_seeded(spec: str, config: Mapping[str, Any] | None, seed: int) -> nn.Module:
+    """The model of ``spec`` on the CPU with ``torch.manual_seed(seed)`` set first, in eval mode.
+
+    Raises:
+        ModelSpecError: the spec cannot be built.
+    """
+    torch.manual_seed(seed)
+    model = build_model(spec, config, device="cpu")
+    model.eval()
+    return model
+
+
+def weights_fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...]:
+    """Per parameter: name, sum and sum of absolute values (float64). Cheap, and equal for two
+    models built from the same seed on the same device, so a rank can tell that it built the
+    reference's weights."""
+    with torch.no_grad():
+        return tuple((name, float(p.double().sum()), float(p.double().abs().sum()))
+                     for name, p in model.named_parameters())
+
+
+def _import_callable(spec: str, what: str) -> Callable[..., Any]:
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ModelSpecError(f"{what} {spec!r} is not 'pkg.module:function'")
+    try:
+        target: Any = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import {mod_name!r} for {what} {spec!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ModelSpecError(f"{mod_name!r} has no attribute {attr!r} ({what} {spec!r})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelSpecError(f"{what} {spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def _vocab_of(model: nn.Module, spec: str) -> int:
+    if spec.startswith("hf:"):
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            return vocab
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.num_embeddings)
+    msg = (f"cannot make a sample batch for {spec!r}: it has no nn.Embedding to take a vocabulary "
+           f"size from; pass --inputs pkg.module:make_inputs (called as make_inputs(model, "
+           f"batch=B, seq=L, generator=g), returning (args, kwargs))")
+    raise ModelSpecError(msg)
+
+
+def make_sample(model: nn.Module, spec: str, *, batch: int, seq: int, seed: int,
+                inputs: str | None = None) -> Sample:
+    """The batch every run of one check feeds the model.
+
+    Args:
+        model: the built model (its vocabulary size is read from it).
+        spec: the model spec; ``hf:`` models get ``input_ids`` and ``use_cache=False``.
+        batch: rows of token ids.
+        seq: tokens per row.
+        seed: seeds the generator the ids (or ``inputs``) draw from.
+        inputs: ``pkg.module:make_inputs``, called as ``make_inputs(model, batch=, seq=,
+            generator=)`` and returning ``(args, kwargs)``; overrides the token ids.
+
+    Raises:
+        ModelSpecError: no vocabulary size to draw ids from, or ``inputs`` is not usable.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if inputs is not None:
+        fn = _import_callable(inputs, "--inputs")
+        try:
+            made = fn(model, batch=batch, seq=seq, generator=g)
+        except Exception as exc:  # user code: report, don't trace
+            raise ModelSpecError(f"--inputs {inputs!r} failed: {type(exc).__name__}: {exc}") from exc
+        if (not isinstance(made, tuple) or len(made) != 2 or not isinstance(made[0], (tuple, list))
+                or not isinstance(made[1], Mapping)):
+            raise ModelSpecError(f"--inputs {inputs!r} must return (args, kwargs): a tuple of "
+                                 f"positional arguments and a dict of keyword arguments")
+        return Sample(args=tuple(made[0]), kwargs=dict(made[1]), description=f"from {inputs}")
+    vocab = _vocab_of(model, spec)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    text = f"token ids [{batch}, {seq}] < {vocab}"
+    if spec.startswith("hf:"):
+        return Sample(args=(), kwargs={"input_ids": ids, "use_cache": False}, description=text)
+    return Sample(args=(ids,), kwargs={}, description=text)
+
+
+def first_output(out: Any) -> Any:
+    """The first output of a forward: the tensor itself, the first field of a ``ModelOutput`` or
+    mapping (``logits`` when no labels were given), or the first item of a tuple or list."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping):
+        for value in out.values():
+            if value is not None:
+                return value
+        return None
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return None
+
+
+def loss_of(out: Any) -> Tensor:
+    """Mean of squares of the first output, in fp32.
+
+    A DTensor output (a plan whose root is a boundary, in validate mode) is made whole first,
+    differentiably, so the loss is the same function on every rank.
+
+    Raises:
+        ModelSpecError: the model's first output is not a floating-point tensor.
+    """
+    first = first_output(out)
+    if not isinstance(first, Tensor) or not first.is_floating_point():
+        found = type(first).__name__ if not isinstance(first, Tensor) else f"a {first.dtype} tensor"
+        raise ModelSpecError(f"the model's first output is {found}; check needs a floating-point "
+                             f"tensor to take the mean of squares of")
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(first, DTensor):
+        first = first.full_tensor()
+    return first.float().pow(2).mean()

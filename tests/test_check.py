@@ -1,0 +1,335 @@
+"""``hyperrecipe check``: recipes run on real gloo ranks against a single-process reference.
+
+Tolerances are check's defaults for fp32 (atol 1e-5, rtol 1e-4). The shipped Llama recipes must
+agree in both modes; each deliberately broken recipe in ``tests/recipes/broken-*.yaml`` must be
+caught at the right boundary with exit 1 and the matching cause; a rank that raises outside the
+step and a recipe that does not fit are errors (exit 2). The last tests feed the comparison and
+the heuristics hand-made traces, to show that a suggestion needs its pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyperrecipe.check.compare import compare_mode
+from hyperrecipe.check.diagnose import (
+    BIAS_COUNTED_TP_TIMES,
+    COLWISE_ROWWISE_SWAPPED,
+    GRADIENT_REDUCTION_MISSING,
+    HEAD_COUNT_UNDIVIDED,
+    DiagnosisContext,
+    suggest,
+)
+from hyperrecipe.check.record import Event, Trace
+from hyperrecipe.check.run import CheckOptions, CheckReport, ModeResult, run_check
+from hyperrecipe.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes/models/tiny-llama.json")
+ATTN_TOY = "tests.check_models:make_attn_toy"
+
+
+def check(recipe: str, model: str = "hf:llama", **kw: Any) -> CheckReport:
+    config = kw.pop("model_config", TINY if model.startswith("hf:") else None)
+    return run_check(CheckOptions(recipe=str(ROOT / recipe), model=model, model_config=config,
+                                  mesh={"tp": 2}, **kw))
+
+
+def mode(report: CheckReport, name: str) -> ModeResult:
+    return next(m for m in report.modes if m.mode == name)
+
+
+# ------------------------------------------------------------------------- shipped recipes
+
+
+@pytest.mark.parametrize(("recipe", "steps"), [("recipes/llama.yaml", 0),
+                                               ("recipes/llama-sp.yaml", 2)])
+def test_shipped_llama_recipe_agrees_with_one_process_in_both_modes(recipe: str,
+                                                                    steps: int) -> None:
+    report = check(recipe, steps=steps)
+    assert report.exit_code == 0
+    assert [m.mode for m in report.modes] == ["production", "validate"]
+    for m in report.modes:
+        c = m.comparison
+        assert m.agree, f"{m.mode}: {c.first}"
+        assert c.first is None and m.suggestion is None
+        assert c.events_compared > 2 * 6, "every boundary output of both layers was compared"
+        assert len(c.gradients) == 21 and not c.diverged_gradients
+        assert c.output is not None and c.output.diff.max_abs is not None
+        assert c.output.diff.max_abs < report.atol
+        assert len(c.params_after) == (21 if steps else 0)
+
+
+def test_cli_check_runs_as_a_subprocess_and_reports_json(in_root: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(in_root)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyperrecipe", "check", "recipes/llama.yaml", "--model",
+         "hf:llama", "--model-config", "recipes/models/tiny-llama.json", "--mesh", "tp=2",
+         "--format", "json"],
+        cwd=in_root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["agree"] is True and data["world_size"] == 2 and data["backend"] == "gloo"
+    assert set(data["modes"]) == {"production", "validate"}
+    for result in data["modes"].values():
+        assert result["agree"] is True and result["first_divergent"] is None
+        assert result["worst_gradient"]["max_abs"] < 1e-5
+        assert result["timings"]["launch_s"] > 0
+    for progress in ("building hf:llama", "reference: 22 boundary values recorded",
+                     "mode production: launching 2 ranks (gloo)",
+                     "mode validate: running (all 2 ranks ready)",
+                     "mode validate: comparing with the reference"):
+        assert f"hyperrecipe check: {progress}" in proc.stderr
+
+
+# ------------------------------------------------------------------------- broken recipes
+
+
+def test_swapped_colwise_rowwise_mlp_is_caught_in_the_mlp(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "tests/recipes/broken-swapped-mlp.yaml", "--model", "hf:llama",
+               "--model-config", "recipes/models/tiny-llama.json", "--mesh", "tp=2", "-q"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    lines = out.splitlines()
+    prod = next(i for i, line in enumerate(lines) if line.startswith("production"))
+    assert lines[prod].startswith(
+        "production  DIVERGED  first divergent boundary: model.layers.0.mlp (raised in forward")
+    assert "it raised in model.layers.0.mlp.gate_proj" in lines[prod + 1]
+    assert lines[prod + 2].strip() == f"likely cause: {COLWISE_ROWWISE_SWAPPED}"
+    assert ("model.layers.0.mlp.gate_proj.weight is sharded on its input features "
+            "({tp: shard(1)}, row-wise: local in_features 32) but model.layers.0.mlp.gate_proj "
+            "received an input with all 64 features") in lines[prod + 3]
+    val = next(line for line in lines if line.startswith("validate"))
+    assert val.startswith(
+        "validate    DIVERGED  first divergent boundary: model.layers.0.mlp.down_proj (raised in")
+    assert out.count(f"likely cause: {COLWISE_ROWWISE_SWAPPED}") == 2
+    assert lines[-1].startswith("diverged: production, validate")
+
+
+def test_undeferred_bias_is_named_at_o_proj_as_a_bias_counted_tp_times(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "tests/recipes/broken-no-defer-bias.yaml",
+               "--model", "tests.check_models:biased_llama",
+               "--model-config", "recipes/models/tiny-llama.json",
+               "--inputs", "tests.check_models:llama_inputs", "--mesh", "tp=2",
+               "--mode", "both", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["agree"] is False
+    prod = data["modes"]["production"]
+    first = prod["first_divergent"]
+    assert (first["fqn"], first["what"], first["rank"]) == (
+        "model.layers.0.self_attn.o_proj", "output", 0)
+    assert first["max_abs"] > 1e-2 and first["max_rel"] > 1.0
+    assert prod["suggestion"]["cause"] == BIAS_COUNTED_TP_TIMES
+    assert ("is the same at every position and equals 1.000 x "
+            "model.layers.0.self_attn.o_proj.bias: the bias is added 2 times (tp has size 2); "
+            "the plan does not defer model.layers.0.self_attn.o_proj.bias"
+            ) in prod["suggestion"]["evidence"]
+    assert prod["worst_gradient"]["max_abs"] > 1e-4
+    assert "model.layers.0.self_attn.o_proj.bias" in prod["gradients"]["diverged"]
+    # DTensor adds a replicated bias to a partial output correctly: validate mode agrees
+    assert data["modes"]["validate"]["agree"] is True
+    assert set(prod["timings"]) >= {"launch_s", "rank0_forward_s", "rank0_apply_s"}
+
+
+def test_undivided_head_count_is_named_at_the_attention_in_production_only() -> None:
+    report = check("tests/recipes/broken-head-count.yaml", ATTN_TOY)
+    assert report.exit_code == 1
+    prod = mode(report, "production")
+    first = prod.comparison.first
+    assert first is not None and (first.fqn, first.what) == ("layers.0.attn", "output")
+    assert "the input it passed to layers.0.attn.o differs" in first.detail
+    assert prod.suggestion is not None and prod.suggestion.cause == HEAD_COUNT_UNDIVIDED
+    assert prod.suggestion.evidence == (
+        "layers.0.attn.num_heads = 4 is an integer attribute named like a head count and the "
+        "plan does not divide it (HeadAttention.forward uses self.num_heads), while "
+        "layers.0.attn.q.weight is sharded {tp: shard(0)}: each rank holds 1/2 of what it "
+        "counts; add head_counts: {num_heads: tp} to the rule for layers.0.attn")
+    assert mode(report, "validate").agree, "validate computes with global head counts"
+
+
+@pytest.mark.skipif(not (ROOT / "recipes/gpt2.yaml").exists(),
+                    reason="the GPT-2 recipe (and the runtime's Conv1D support) is not here")
+def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:
+    report = check("tests/recipes/broken-gpt2-split-size.yaml", "hf:gpt2",
+                   model_config=str(ROOT / "recipes/models/tiny-gpt2.json"),
+                   modes=("production",))
+    prod = mode(report, "production")
+    first = prod.comparison.first
+    assert report.exit_code == 1
+    assert first is not None and (first.fqn, first.what) == ("transformer.h.0.attn",
+                                                             "raised in forward")
+    assert first.detail == "ValueError: not enough values to unpack (expected 3, got 2)"
+    assert prod.suggestion is not None and prod.suggestion.cause == HEAD_COUNT_UNDIVIDED
+    assert prod.suggestion.evidence.startswith(
+        "transformer.h.0.attn.split_size = 64 is an integer attribute named like a head count "
+        "and the plan does not divide it (GPT2Attention.forward uses self.split_size)")
+    assert "num_heads" not in prod.suggestion.evidence, "GPT-2 reshapes with -1: not num_heads"
+
+
+def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
+    report = check("tests/recipes/broken-no-reduce-grads.yaml", ATTN_TOY,
+                   model_config={"qk_norm": True}, modes=("production",))
+    prod = mode(report, "production")
+    c = prod.comparison
+    assert report.exit_code == 1 and c.first is None and c.forward_agrees
+    bad = {g.name for g in c.diverged_gradients}
+    assert {"layers.0.attn.q_norm.weight", "layers.1.attn.q_norm.weight"} <= bad
+    assert all(".q_norm." in n or ".k_norm." in n for n in bad)
+    assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_MISSING
+    assert "the ranks' gradients of layers.0.attn.q_norm.weight (over tp)" in prod.suggestion.evidence
+
+
+# ------------------------------------------------------------------------- errors and imports
+
+
+def test_correct_plain_torch_recipe_agrees_without_importing_transformers(in_root: Path) -> None:
+    code = ("import sys\nfrom hyperrecipe.cli import main\n"
+            "rc = main(['check', 'tests/recipes/toy-attn.yaml', '--model', "
+            "'tests.check_models:make_attn_toy', '--mesh', 'tp=2', '-q'])\n"
+            "print('transformers imported:', 'transformers' in sys.modules)\n"
+            "raise SystemExit(rc)\n")
+    env = {**os.environ, "PYTHONPATH": str(in_root)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=in_root, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all modes agree with the single-process reference" in proc.stdout
+    assert "likely cause" not in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "transformers imported: False"
+
+
+def test_rank_that_raises_is_reported_with_its_error_and_exit_2(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.monotonic()
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
+               "tests.check_models:raising_in_rank_1", "--mesh", "tp=2", "--mode", "production"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert ("hyperrecipe: error: mode production: rank 1 of 2 failed: "
+            "hyperrecipe.errors.ModelSpecError: building 'tests.check_models:raising_in_rank_1' "
+            "failed: RuntimeError: injected failure while building the model in rank 1") in err
+    assert "--- traceback of rank 1 ---" in err
+    assert multiprocessing.active_children() == [], "no rank is left running"
+    assert time.monotonic() - t0 < 60
+
+
+def test_recipe_that_does_not_fit_exits_2_before_any_rank_starts(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model", ATTN_TOY, "--mesh", "tp=3"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.splitlines()[-1] == (
+        "hyperrecipe: error: tests/recipes/toy-attn.yaml:8:12: parameter 'embed.weight': dim 0 "
+        "(size 32) is not divisible by mesh dim tp=3 (shard(0)) @ $.rules[0].params.weight; "
+        "shape [32, 16]; each rank must hold an equal slice")
+    assert "Traceback" not in captured.err and "launching" not in captured.err
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model", ATTN_TOY, "--mesh", "tp=3",
+               "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 2 and data["agree"] is False
+    assert data["error"].startswith("tests/recipes/toy-attn.yaml:8:12: parameter 'embed.weight'")
+
+
+def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "r.yaml", "--model", ATTN_TOY, "--mesh", "tp=2", "--batch", "0"])
+    assert exc.value.code == 2
+    assert "hyperrecipe: error: argument --batch: 0 is less than 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- heuristics, by hand
+
+
+@pytest.fixture(scope="module")
+def toy_plan() -> Any:
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.model_tree import build_model, snapshot
+
+    tree = snapshot(build_model(ATTN_TOY))
+    return compile_recipe(str(ROOT / "tests/recipes/toy-attn.yaml"), tree, {"tp": 2}), tree
+
+
+def _trace(*events: tuple[str, str, str | None, torch.Tensor],
+           grads: dict[str, torch.Tensor] | None = None) -> Trace:
+    return Trace(events=tuple(Event(fqn=f, call=0, kind=k, name="0", enclosing=enc, value=v)  # type: ignore[arg-type]
+                              for f, k, enc, v in events),
+                 output=torch.zeros(2), loss=0.0, grads=grads or {}, params_after=None)
+
+
+def _diagnose(toy_plan: Any, reference: Trace, ranks: list[Trace]) -> Any:
+    plan, tree = toy_plan
+    cmp = compare_mode("production", reference, ranks, atol=1e-5, rtol=1e-4)
+    ctx = DiagnosisContext(plan=plan, tree=tree, reference_params={}, mode="production",
+                           rank_ids=tuple(range(len(ranks))))
+    return cmp, suggest(cmp, reference, ranks, ctx, atol=1e-5, rtol=1e-4)
+
+
+def test_output_exactly_tp_times_the_reference_suggests_a_value_counted_tp_times(
+        toy_plan: Any) -> None:
+    b = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    ref = _trace(("embed", "output", None, b))
+    cmp, found = _diagnose(toy_plan, ref, [_trace(("embed", "output", None, 2 * b))] * 2)
+    assert cmp.first is not None and cmp.first.fqn == "embed"
+    assert found is not None and found.cause == BIAS_COUNTED_TP_TIMES
+    assert "embed's value is 2.0000 x the reference and tp has size 2" in found.evidence
+
+
+def test_ranks_partial_values_that_sum_to_the_reference_suggest_swapped_layers(
+        toy_plan: Any) -> None:
+    g = torch.Generator().manual_seed(1)
+    part = torch.randn(2, 8, 16, generator=g)
+    rest = torch.randn(2, 8, 16, generator=g)
+    ref = _trace(("embed", "output", None, part + rest))
+    ranks = [_trace(("embed", "output", None, part)), _trace(("embed", "output", None, rest))]
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == COLWISE_ROWWISE_SWAPPED
+    assert found.evidence.startswith("summing the ranks' values of embed over tp reproduces")
+
+
+def test_unstructured_error_gets_no_suggestion(toy_plan: Any) -> None:
+    g = torch.Generator().manual_seed(2)
+    b = torch.randn(2, 8, 16, generator=g)
+    noisy = 2 * b + 0.1 * torch.randn(2, 8, 16, generator=g)
+    cmp, found = _diagnose(toy_plan, _trace(("embed", "output", None, b)),
+                           [_trace(("embed", "output", None, noisy))] * 2)
+    assert not cmp.agree and cmp.first is not None and cmp.first.fqn == "embed"
+    assert found is None, "an error that is almost 2x is no evidence of anything"
+
+
+def test_input_already_wrong_inside_a_boundary_blames_the_enclosing_boundary(
+        toy_plan: Any) -> None:
+    x = torch.ones(2, 8, 16)
+    ref = _trace(("layers.0.attn", "input", None, x), ("layers.0.attn.o", "input",
+                 "layers.0.attn#0", x), ("layers.0.attn.o", "output", "layers.0.attn#0", x),
+                 ("layers.0.attn", "output", None, x))
+    rank = _trace(("layers.0.attn", "input", None, x), ("layers.0.attn.o", "input",
+                  "layers.0.attn#0", 3 * x), ("layers.0.attn.o", "output", "layers.0.attn#0",
+                  3 * x), ("layers.0.attn", "output", None, 3 * x))
+    cmp = compare_mode("production", ref, [rank], atol=1e-5, rtol=1e-4)
+    assert cmp.first is not None
+    assert (cmp.first.fqn, cmp.first.what, cmp.first.max_abs) == ("layers.0.attn", "output", 2.0)
+
+
+def test_wrong_gradient_with_a_right_forward_suggests_a_missing_reduction(
+        toy_plan: Any) -> None:
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g * 0.25}),
+             _trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g * 0.75})]
+    cmp, found = _diagnose(toy_plan, ref, ranks)
+    assert cmp.first is None and not cmp.agree
+    assert found is not None and found.cause == GRADIENT_REDUCTION_MISSING
+    assert "the ranks' gradients of layers.0.norm.weight (over tp) sum to the reference" \
+        in found.evidence
