@@ -5,8 +5,9 @@ where DTensor would have done the work implicitly:
 
 - a *deferred bias*: the forward runs without the bias, which the boundary adds once after the
   output's reduction (rowwise linear: otherwise every rank adds it and the sum counts it ``tp``
-  times). ``nn.Linear`` computes ``F.linear(x, W)``; any other module runs with its ``bias``
-  entry set to ``None`` for the call.
+  times). ``nn.Linear`` computes ``F.linear(x, W)``; transformers' ``Conv1D`` (GPT-2), whose
+  weight is stored ``[in, out]`` and whose forward cannot run without a bias (``addmm``),
+  computes ``x @ W``; any other module runs with its ``bias`` entry set to ``None`` for the call.
 - a *vocab-parallel embedding*: each rank owns a contiguous range of rows; ids outside it are
   looked up as row 0 and their vectors zeroed, so the all-reduce that follows sums exactly one
   real vector per token. DTensor's embedding does the same masking itself in validate mode.
@@ -16,6 +17,7 @@ The choice is made once, at install time.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,14 @@ def class_forward(module: nn.Module) -> Forward:
     return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is exactly transformers' ``Conv1D`` (without importing transformers:
+    an instance exists only once its module has been imported)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    return conv1d is not None and type(module) is conv1d
+
+
 def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
     """``inner`` with the module's bias left out."""
     if type(module) is nn.Linear:
@@ -42,6 +52,11 @@ def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
             return F.linear(input, module.weight)
 
         return linear
+    if _is_hf_conv1d(module):
+        def conv1d(x: Tensor) -> Tensor:
+            return torch.matmul(x, module.get_parameter("weight"))
+
+        return conv1d
 
     def without_bias(*args: Any, **kwargs: Any) -> Any:
         params = module._parameters

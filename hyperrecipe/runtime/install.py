@@ -91,7 +91,8 @@ def _check_ranks(plan: Plan) -> None:
     device = _device_for(None)
     mine = torch.tensor(_fingerprint_words(plan.fingerprint), dtype=torch.int64, device=device)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
+    gather(everyone, mine)
     rows = everyone.view(world, -1).cpu().tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, row in enumerate(rows):
@@ -167,14 +168,42 @@ class _Applier:
                        f"needs a boundary around sharded parameters")
                 raise PlanMismatchError(msg)
             return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
-        if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
-            msg = (f"{p.fqn}: {p.placement} has no DTensor placement; validate mode cannot run "
-                   f"chunked shards yet (production mode can)")
-            raise PlanMismatchError(msg)
         from torch.distributed.tensor import DTensor
 
         local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
-        placements = to_torch_placements(p.placement, self.mesh_dims)
+        placements: tuple[Any, ...]
+        if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
+            # K equal chunks of a dim sharded over one mesh dim is DTensor's
+            # _StridedShard(d, split_factor=K): rank r holds piece r of every chunk, the layout
+            # local_shard made. The DTensor keeps the parameter's global, unpermuted meaning,
+            # so every op on it and its gradient is exact (an op DTensor cannot run strided
+            # redistributes it first). Unequal chunks, or a dim that another mesh dim shards
+            # too, have no DTensor placement.
+            from torch.distributed.tensor import Replicate as TReplicate
+            from torch.distributed.tensor import Shard as TShard
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            dims = {name: (q.dim + full.ndim) % full.ndim for name, q in p.placement.dims
+                    if isinstance(q, Shard)}
+            out: list[Any] = []
+            for name in self.mesh_dims:
+                q = p.placement.get(name)
+                if not isinstance(q, Shard):
+                    out.append(TReplicate())
+                    continue
+                shared = [n for n, d in dims.items() if d == dims[name] and n != name]
+                if q.is_chunked and (len(set(q.part_sizes(full.shape[dims[name]]))) > 1
+                                     or shared):
+                    why = (f"tensor dim {dims[name]} is also sharded on {', '.join(shared)}"
+                           if shared else "unequal chunks")
+                    msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({why}); validate "
+                           f"mode cannot run it (production mode can)")
+                    raise PlanMismatchError(msg)
+                out.append(_StridedShard(dims[name], split_factor=q.chunks) if q.is_chunked
+                           else TShard(dims[name]))
+            placements = tuple(out)
+        else:
+            placements = to_torch_placements(p.placement, self.mesh_dims)
         dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
         param = nn.Parameter(dt, requires_grad=requires_grad)
 

@@ -1,0 +1,212 @@
+"""Shipped recipes for Qwen2, Qwen3, Mistral, Mixtral and GPT-2 on real gloo ranks, against one
+process: logits and every parameter's gradient, both modes, 2 and 4 ranks.
+
+Tolerances (fp32): every element within atol 2e-6, rtol 1e-5 (``runtime_harness.assert_close``),
+and every tensor's largest difference within 1e-5 of its largest value. The second check is what
+catches a missing reduction on a small gradient (the norms' are ~1e-4, below what atol alone
+resolves); measured worst cases are ~3e-7 on logits and ~2e-6 relative on gradients (the
+Mixtral router's).
+
+Validate mode runs eager attention (torch 2.13 has no DTensor strategy for CPU SDPA) and, for
+Mixtral, transformers' ``batched_mm`` experts: the default ``grouped_mm`` has no fp32 DTensor
+strategy and the ``eager`` loop calls ``nonzero``, which DTensor cannot shard. Production runs
+all three expert implementations on local shards. The batch is 4 x 8 so that DTensor's own
+choice of sharding the flattened tokens in Mixtral's backward divides at tp=4.
+
+GPT-2 runs in production mode only; ``test_gpt2_validate_mode_stops_at_c_proj`` pins down why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyperrecipe.check.launcher import RankFailedError, run_ranks
+from hyperrecipe.cli import main
+from tests.family_harness import (
+    FAMILIES,
+    TIED_BY_DEFAULT,
+    build,
+    family_worker,
+    recipe_path,
+    reference,
+)
+from tests.runtime_harness import ROOT, assert_close
+
+SCALED_TOL = 1e-5
+EAGER = {"attn_implementation": "eager"}
+VALIDATE_MIXTRAL = {**EAGER, "experts_implementation": "batched_mm"}
+
+CASES: list[tuple[str, str, int, dict[str, Any]]] = [
+    ("qwen2", "production", 2, {}),
+    ("qwen2", "validate", 2, EAGER),
+    ("qwen2", "production", 2, {"tie_word_embeddings": True}),
+    ("qwen2", "production", 4, {}),
+    ("qwen2", "validate", 4, EAGER),
+    ("qwen3", "production", 2, {}),
+    ("qwen3", "validate", 2, EAGER),
+    ("qwen3", "production", 4, {}),
+    ("qwen3", "validate", 4, EAGER),
+    ("mistral", "production", 2, {}),
+    ("mistral", "validate", 2, EAGER),
+    ("mistral", "production", 4, {}),
+    ("mistral", "validate", 4, EAGER),
+    ("mixtral", "production", 2, {}),  # grouped_mm experts (transformers' default)
+    ("mixtral", "production", 2, {"experts_implementation": "eager"}),
+    ("mixtral", "production", 2, {"experts_implementation": "batched_mm"}),
+    ("mixtral", "validate", 2, VALIDATE_MIXTRAL),
+    ("mixtral", "production", 4, {}),
+    ("mixtral", "validate", 4, VALIDATE_MIXTRAL),
+    ("gpt2", "production", 2, {}),
+    ("gpt2", "production", 4, {}),
+]
+
+
+def _case_id(family: str, mode: str, world: int, overrides: dict[str, Any]) -> str:
+    extra = "-tied" if overrides.get("tie_word_embeddings") else ""
+    if "experts_implementation" in overrides:
+        extra += f"-{overrides['experts_implementation']}"
+    return f"{family}-{mode}-tp{world}{extra}"
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert_close(actual, expected, what)
+    worst = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert worst <= SCALED_TOL * scale, f"{what}: max diff {worst:.3e} > {SCALED_TOL} x {scale:.3e}"
+
+
+@pytest.mark.parametrize(("family", "mode", "world", "overrides"), CASES,
+                         ids=[_case_id(*c) for c in CASES])
+def test_recipe_matches_single_process_logits_and_every_gradient(
+        family: str, mode: str, world: int, overrides: dict[str, Any]) -> None:
+    ref_logits, ref_grads, initial = reference(family, **overrides)
+    results = run_ranks(family_worker, world, family, mode, overrides, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert_matches(res["logits"], ref_logits, f"rank {rank} logits")
+        assert set(res["grads"]) == set(ref_grads), "every parameter has a full gradient"
+        for name, g in ref_grads.items():
+            assert_matches(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert set(res["restored"]) == set(initial)
+        for name, p in initial.items():
+            assert torch.equal(res["restored"][name], p), f"rank {rank}: restore() of {name}"
+        if family in TIED_BY_DEFAULT or overrides.get("tie_word_embeddings"):
+            assert res["tied"] is True, "the tied embedding and head stay one parameter"
+            assert res["tied_after_restore"] is True, "and are one again after restore()"
+    if mode == "production":
+        assert results[0]["counted"] == results[0]["expected"], \
+            "collectives issued in one step equal the plan's manifest"
+
+
+def test_gpt2_ties_its_head_to_the_embedding_by_default() -> None:
+    model = build("gpt2", "meta")
+    emb, head = TIED_BY_DEFAULT["gpt2"]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert params[emb] is params[head]
+
+
+def test_gpt2_validate_mode_stops_at_c_proj() -> None:
+    """DTensor holds c_attn's weight as _StridedShard(1, split_factor=3), but has no rule that
+    splits a strided-sharded dim into its chunks: GPT2Attention's ``split(split_size, dim=2)``
+    gathers q, k and v to replicate, so the attention output reaches c_proj replicated where
+    the recipe (rightly, for production) declares shard(-1). The check refuses it."""
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(family_worker, 2, "gpt2", "validate", EAGER, timeout_s=300)
+    message = str(info.value)
+    assert "PlacementMismatchError: transformer.h.0.attn.c_proj: input 'x'" in message
+    assert "declared {tp: shard(-1)}" in message and message.endswith("replicate")
+
+
+@pytest.mark.parametrize(("divisor", "agrees"), [(2, True), (1, False)])
+def test_mixtral_router_aux_loss_is_right_when_each_rank_divides_it_by_tp(
+        divisor: int, agrees: bool) -> None:
+    """The load-balancing loss is computed from replicated router logits, so its gradient is
+    whole on every rank, while the recipe's reductions (the router's reduce_grads, the MoE
+    input's all-reduce) expect partial gradients: undivided, it is counted tp times."""
+    _, ref_grads, _ = reference("mixtral", aux_loss=True)
+    res = run_ranks(family_worker, 2, "mixtral", "production", {}, divisor, timeout_s=300)[0]
+    name = "model.layers.1.mlp.gate.weight"
+    if agrees:
+        for n, g in ref_grads.items():
+            assert_matches(res["grads"][n], g, f"grad {n}")
+    else:
+        worst = (res["grads"][name] - ref_grads[name]).abs().max()
+        assert worst > 0.1 * ref_grads[name].abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compile_cli_resolves_each_shipped_recipe(family: str, in_root: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = f"recipes/models/tiny-{family}.json"
+    assert main(["compile", f"recipes/{family}.yaml", "--model", f"hf:{family}",
+                 "--model-config", cfg, "--mesh", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"plan '{family}' for mesh tp=2  fingerprint ")
+    assert "collectives per step: " in out
+
+
+def test_qwen2_and_mistral_are_llama_and_qwen3_adds_only_the_norm_reductions(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def collectives(family: str) -> str:
+        main(["compile", recipe_path(family), "--model", f"hf:{family}", "--model-config",
+              f"recipes/models/tiny-{family}.json", "--mesh", "tp=2"])
+        return next(line for line in capsys.readouterr().out.splitlines()
+                    if line.startswith("collectives per step"))
+
+    assert collectives("qwen2") == collectives("mistral") == \
+        "collectives per step: 6 forward, 5 backward (all_gather x1, all_reduce x10)"
+    # one gradient all-reduce per q_norm and k_norm weight, two layers
+    assert collectives("qwen3") == \
+        "collectives per step: 6 forward, 9 backward (all_gather x1, all_reduce x14)"
+
+
+def _validate_chunked_toy(rank: int, world: int, recipe: str) -> str:
+    from hyperrecipe import apply, compile_recipe
+    from hyperrecipe.errors import PlanMismatchError
+    from tests.runtime_harness import mesh_1d
+    from tests.toy_models import make_toy
+
+    plan = compile_recipe(recipe, make_toy(), {"tp": world})
+    try:
+        apply(make_toy(), plan, mesh_1d(world), mode="validate")
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "applied"
+
+
+def test_validate_mode_refuses_unequal_chunks(tmp_path: Path) -> None:
+    recipe = tmp_path / "chunks.yaml"
+    recipe.write_text(
+        "recipe: chunks\nversion: 1\nmesh: [tp]\nrules:\n"
+        "  - {match: layers.*.mlp, boundary: true, in_src: {x: replicate}, "
+        "out_src: {0: replicate}}\n"
+        "  - match: layers.*.mlp.up\n"
+        "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n")
+    messages = run_ranks(_validate_chunked_toy, 2, str(recipe), timeout_s=120)
+    assert messages[0] == (
+        "layers.0.mlp.up.weight: {tp: shard(0, chunks=[8, 4, 4])} has no DTensor placement "
+        "(unequal chunks); validate mode cannot run it (production mode can)")
+
+
+def test_conv1d_bias_free_forward_is_x_at_w() -> None:
+    from transformers.pytorch_utils import Conv1D
+
+    from hyperrecipe.runtime.compute import bias_free_forward, class_forward
+
+    torch.manual_seed(0)
+    conv = Conv1D(6, 4)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(2, 3, 4)
+    out = bias_free_forward(conv, class_forward(conv))(x)
+    torch.testing.assert_close(out + conv.bias, conv(x), atol=1e-6, rtol=1e-6)
+    assert conv._parameters["bias"] is not None
+
+
+def test_recipe_files_are_shipped_with_their_tiny_configs() -> None:
+    for family in FAMILIES:
+        assert (ROOT / f"recipes/{family}.yaml").read_text().startswith("# ")
+        assert (ROOT / f"recipes/models/tiny-{family}.json").is_file()
