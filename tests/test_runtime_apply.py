@@ -247,3 +247,46 @@ def _raises_worker(rank: int, world: int) -> None:
 def test_a_rank_that_raises_ends_the_run_with_its_error() -> None:
     with pytest.raises(RankFailedError, match="rank one exploded"):
         run_ranks(_raises_worker, 2, timeout_s=60)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An Embedding subclass that post-processes the lookup (as Gemma's does)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 3.0
+
+
+def scaled_toy(device: str = "cpu") -> Toy:
+    model = toy(device)
+    torch.manual_seed(5)
+    with torch.device(device):
+        model.embed = ScaledEmbedding(32, 8, padding_idx=20)
+    return model
+
+
+def _scaled_worker(rank: int, world: int) -> dict[str, Any]:
+    model = scaled_toy()
+    plan = compile_recipe(TOY, scaled_toy("meta"), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world))
+    padding_during = model.embed.padding_idx
+    ids = torch.tensor([[0, 15, 16, 20, 31], [20, 1, 17, 30, 14]])
+    out = model(ids)
+    out.pow(2).mean().backward()
+    grads = inst.full_grads()
+    inst.restore()
+    return {"out": out.detach(), "grad": grads["embed.weight"], "padding_during": padding_during,
+            "padding_after": model.embed.padding_idx}
+
+
+def test_vocab_parallel_keeps_an_embedding_subclass_forward_and_its_padding_row() -> None:
+    ref = scaled_toy()
+    ids = torch.tensor([[0, 15, 16, 20, 31], [20, 1, 17, 30, 14]])
+    expected = ref(ids)
+    expected.pow(2).mean().backward()
+    res = run_ranks(_scaled_worker, 2)
+    assert [r["padding_during"] for r in res] == [None, 4], "row 20 lives on rank 1 as local row 4"
+    assert all(r["padding_after"] == 20 for r in res)
+    assert ref.embed.weight.grad is not None
+    for r in res:
+        assert_close(r["out"], expected.detach(), "logits")
+        assert_close(r["grad"], ref.embed.weight.grad, "embedding gradient (padding row zero)")

@@ -70,8 +70,21 @@ def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
     return without_bias
 
 
-def vocab_parallel_embedding(module: nn.Module, *, rank: int, size: int, fqn: str) -> Forward:
-    """A masked lookup into this rank's rows of a row-sharded ``nn.Embedding``.
+def local_padding_idx(module: nn.Embedding, *, rank: int) -> int | None:
+    """The padding row in this rank's slice of a row-sharded table, if it owns it."""
+    rows = module.weight.shape[0]
+    pad = module.padding_idx
+    start = rank * rows
+    return pad - start if pad is not None and start <= pad < start + rows else None
+
+
+def vocab_parallel_embedding(module: nn.Module, inner: Forward, *, rank: int, fqn: str) -> Forward:
+    """A masked lookup into this rank's rows of a row-sharded ``nn.Embedding`` (or subclass).
+
+    ``inner`` (the class forward) runs on ids shifted into this rank's rows, so what a subclass
+    adds around the lookup (Gemma scales it by sqrt(hidden)) is kept; vectors of ids this rank
+    does not own are zeroed afterwards. The caller sets ``padding_idx`` to
+    :func:`local_padding_idx` for the time the plan is applied.
 
     Raises:
         PlanMismatchError: the module is not an ``nn.Embedding`` or uses options (``max_norm``)
@@ -86,14 +99,11 @@ def vocab_parallel_embedding(module: nn.Module, *, rank: int, size: int, fqn: st
         raise PlanMismatchError(msg)
     rows = module.weight.shape[0]
     start, stop = rank * rows, (rank + 1) * rows
-    pad = module.padding_idx
-    local_pad = pad - start if pad is not None and start <= pad < stop else None
 
-    def lookup(input: Tensor) -> Tensor:
+    def lookup(input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         outside = (input < start) | (input >= stop)
         local = torch.where(outside, torch.zeros_like(input), input - start)
-        out = F.embedding(local, module.weight, local_pad, None, module.norm_type,
-                          module.scale_grad_by_freq, module.sparse)
+        out: Tensor = inner(local, *args, **kwargs)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     return lookup

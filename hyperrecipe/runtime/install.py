@@ -23,7 +23,12 @@ from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.boundary import make_boundary_forward
 from hyperrecipe.runtime.collectives import execute, group_for
-from hyperrecipe.runtime.compute import bias_free_forward, class_forward, vocab_parallel_embedding
+from hyperrecipe.runtime.compute import (
+    bias_free_forward,
+    class_forward,
+    local_padding_idx,
+    vocab_parallel_embedding,
+)
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
 from hyperrecipe.runtime.sharding import gather_full, local_shard
@@ -249,11 +254,12 @@ class _Applier:
                                  else ValidateRedistributor(self.mesh, self.mesh_dims))
         for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
             module = self.modules[b.fqn]
-            compute, bias = self._compute(b, module)
+            compute, bias = self._compute(b, module, tx)
             forward = make_boundary_forward(b, compute, redist, deferred_bias=bias)
             tx.install_forward(module, forward, fqn=b.fqn, companions={"_hyperrecipe_boundary": b})
 
-    def _compute(self, b: BoundaryPlan, module: nn.Module) -> tuple[Callable[..., Any], Any]:
+    def _compute(self, b: BoundaryPlan, module: nn.Module,
+                 tx: Rewrite) -> tuple[Callable[..., Any], Any]:
         compute = class_forward(module)
         if self.mode == "production" and isinstance(module, nn.Embedding):
             weight = self.plan.param(f"{b.fqn}.weight" if b.fqn else "weight")
@@ -265,7 +271,10 @@ class _Applier:
                            f"mesh dim; found {weight.placement}")
                     raise PlanMismatchError(msg)
                 g = group_for(self.mesh, dim)
-                compute = vocab_parallel_embedding(module, rank=g.rank, size=g.size, fqn=b.fqn)
+                compute = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=b.fqn)
+                if module.padding_idx is not None:
+                    tx.set_attribute(module, "padding_idx",
+                                     local_padding_idx(module, rank=g.rank), fqn=b.fqn)
         bias = None
         if "bias" in b.defer_bias:
             bias = module._parameters["bias"]
