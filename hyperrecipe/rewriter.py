@@ -44,7 +44,9 @@ __all__ = [
 ]
 
 EntryState = Literal["pending", "installed", "restored", "failed"]
-"""Life cycle of one entry: requested, in effect, undone (rollback or restore), or it went wrong."""
+"""Life cycle of one entry: ``pending`` (requested, being validated), ``installed`` (in effect),
+``restored`` (undone, by a rollback or by :meth:`Rewritten.restore`), ``failed`` (validation or
+the change itself raised, or it could not be undone; ``error`` says why)."""
 
 EntryKind = Literal["forward", "companion", "method", "attribute", "parameter"]
 """What an entry changed."""
@@ -262,17 +264,28 @@ def validate_signature(
         >>> validate_signature(forward, lambda x: x, fqn="layers.0.attn")
         Traceback (most recent call last):
         ...
-        hyperrecipe.errors.RewriteError: layers.0.attn: the replacement forward (x) cannot stand in for forward(x, mask=None): does not accept argument 'mask'
+        hyperrecipe.errors.RewriteError: layers.0.attn: the replacement forward (x) cannot
+        stand in for forward(x, mask=None): does not accept argument 'mask'
     """
     orig_sig = _signature_of(original, fqn=fqn, role=f"original {what}")
     repl_sig = _signature_of(replacement, fqn=fqn, role=f"replacement {what}")
     problems = _signature_problems(orig_sig, repl_sig, what=what, require=require)
     if problems:
         msg = (
-            f"{fqn}: the replacement {what} {repl_sig} cannot stand in for {what}{orig_sig}: "
-            + "; ".join(problems)
+            f"{fqn}: the replacement {what} {_plain(repl_sig)} cannot stand in for "
+            f"{what}{_plain(orig_sig)}: " + "; ".join(problems)
         )
         raise RewriteError(msg)
+
+
+def _plain(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` without annotations: names, kinds and defaults are what calls depend on."""
+    return signature.replace(
+        parameters=[
+            p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
+        ],
+        return_annotation=inspect.Signature.empty,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,7 +515,10 @@ class Rewritten:
             raise RewriteError(msg)
 
     def __repr__(self) -> str:
-        return f"Rewritten(label={self._label!r}, entries={len(self._entries)}, restored={self._restored})"
+        return (
+            f"Rewritten(label={self._label!r}, entries={len(self._entries)}, "
+            f"restored={self._restored})"
+        )
 
 
 class Rewrite:

@@ -70,7 +70,7 @@ CODES: Final[tuple[CodeInfo, ...]] = (
     CodeInfo(code="HR900", name="unused-suppression", kind="suppression",
              summary="a suppression comment silences nothing"),
     CodeInfo(code="HR901", name="invalid-suppression", kind="suppression",
-             summary="a suppression comment without codes, without a reason, or with an unknown code"),
+             summary="a suppression comment without codes or reason, or with an unknown code"),
     CodeInfo(code="HR999", name="internal-error", kind="error",
              summary="the lint itself failed on this file (please report it)"),
 )
@@ -111,7 +111,7 @@ def resolve_selectors(selectors: Iterable[str], *, where: str) -> frozenset[str]
             chosen.add(_BY_NAME[token].code)
             continue
         upper = token.upper()
-        matches = [code for code in SELECTABLE if code.startswith(upper)] if upper.startswith("HR") else []
+        matches = [c for c in SELECTABLE if c.startswith(upper)] if upper.startswith("HR") else []
         if not matches:
             known = [*SELECTABLE, *(_BY_CODE[c].name for c in SELECTABLE)]
             msg = f"{where}: unknown rule code or name {token!r}{did_you_mean(token, known)}"

@@ -29,11 +29,12 @@ from __future__ import annotations
 import ast
 import io
 import re
+import symtable
 import tokenize
 import unicodedata
-from typing import Final
+from typing import Final, cast
 
-__all__ = ["TARGET_NAMES", "needs_libcst"]
+__all__ = ["SUPPRESSION_HINT", "TARGET_NAMES", "needs_libcst"]
 
 #: Attribute names whose assignment the gate forbids.
 TARGET_NAMES: Final = frozenset({"forward", "__class__"})
@@ -48,12 +49,14 @@ _DOT: Final = ord(".")
 _EQUALS: Final = ord("=")
 _NEWLINE: Final = ord("\n")
 
-# After ``.forward``: a call (``m.forward(x)``) is a read, never a store.
-_FORWARD_READ_AFTER: Final = frozenset(b"(")
-# After ``.__class__``: a call, an attribute (``x.__class__.__name__``) or an index is a read.
-_CLASS_READ_AFTER: Final = frozenset(b"(.[")
-
-_SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
+# What may follow an attribute that is a store target: `=`, `+=`, `:`, `,`, `)`, `]`, `in`
+# (for), a newline (del)... These cannot, so `.forward` followed by one of them is a read (a
+# call, an attribute or item of the forward, a string or docs): "(", ".", "[", "{", "}", quotes
+# and backticks; and any word other than `in` ("Module.forward where ...").
+_NOT_A_TARGET_AFTER: Final = frozenset(b"(.[{}\"'`")
+_IN: Final = b"in"
+#: Where a suppression comment may be (a superset: the match may sit inside a string).
+SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
 # Any escape that can spell a letter of "forward" or "__class__" (f o r w a d _ c l s).
 _LETTER_ESCAPE: Final = re.compile(
     rb"\\(?:x|u00|U000000)(?:5[fF]|6[1346cCfF]|7[237])"
@@ -81,15 +84,34 @@ def _normalized(source: bytes) -> bytes:
     return unicodedata.normalize("NFKC", text).encode("utf-8", errors="replace")
 
 
-def _mentions(source: bytes, word: bytes, read_after: frozenset[int]) -> bool:
-    """Whether ``word`` occurs as a possible store target, quoted string or keyword."""
+def _followed_by_read(source: bytes, end: int) -> bool:
+    """Whether what follows position ``end`` shows the name before it is not a store target."""
+    size = len(source)
+    j = end
+    while j < size and source[j] in _INLINE_SPACE:
+        j += 1
+    if j >= size:
+        return False
+    char = source[j]
+    if char in _NOT_A_TARGET_AFTER:
+        return True
+    if char in _WORD_BYTES:
+        k = j
+        while k < size and source[k] in _WORD_BYTES:
+            k += 1
+        return source[j:k] != _IN
+    return False
+
+
+def _mentions(source: bytes, word: bytes) -> bool:
+    """Whether ``word`` occurs as a possible store target, a quoted string or a keyword."""
     size = len(source)
     start = source.find(word)
     while start != -1:
-        end = start + len(word)
-        before = source[start - 1] if start else None
-        after = source[end] if end < size else None
+        begin, end = start, start + len(word)
         start = source.find(word, end)
+        before = source[begin - 1] if begin else None
+        after = source[end] if end < size else None
         if (before is not None and before in _WORD_BYTES) or (
             after is not None and after in _WORD_BYTES
         ):
@@ -99,17 +121,18 @@ def _mentions(source: bytes, word: bytes, read_after: frozenset[int]) -> bool:
         j = end
         while j < size and source[j] in _INLINE_SPACE:
             j += 1
-        if word == b"forward" and j + 1 < size and source[j] == _EQUALS and source[j + 1] != _EQUALS:
+        is_keyword = j + 1 < size and source[j] == _EQUALS and source[j + 1] != _EQUALS
+        if word == b"forward" and is_keyword:
             return True  # forward=... (keyword) or forward = ... (a plain name: cheap to include)
-        k = end - len(word) - 1
+        k = begin - 1
         crossed_line = False
         while k >= 0 and source[k] in _ANY_SPACE:
             crossed_line = crossed_line or source[k] == _NEWLINE
             k -= 1
         if k >= 0 and source[k] == _DOT:
-            if j < size and source[j] in read_after:
-                continue  # m.forward(...), x.__class__.__name__
-            return True
+            if not _followed_by_read(source, end):
+                return True
+            continue
         if crossed_line:
             # `(m.  # comment` on the line before: a comment may sit between dot and name.
             line_start = source.rfind(b"\n", 0, k + 1) + 1
@@ -119,11 +142,11 @@ def _mentions(source: bytes, word: bytes, read_after: frozenset[int]) -> bool:
 
 
 def _text_may_match(source: bytes) -> bool:
-    if b"hyperrecipe" in source and _SUPPRESSION_HINT.search(source):
+    if b"hyperrecipe" in source and SUPPRESSION_HINT.search(source):
         return True
-    if b"forward" in source and _mentions(source, b"forward", _FORWARD_READ_AFTER):
+    if b"forward" in source and _mentions(source, b"forward"):
         return True
-    if b"__class__" in source and _mentions(source, b"__class__", _CLASS_READ_AFTER):
+    if b"__class__" in source and _mentions(source, b"__class__"):
         return True
     if b"\\" in source and _LETTER_ESCAPE.search(source):
         return True
@@ -155,9 +178,16 @@ _CALLED_ATTRIBUTES: Final = frozenset(
         "setattr", "delattr", "__setattr__", "__delattr__",  # HR002, HR004
         "update", "setdefault", "pop", "__setitem__", "__delitem__",  # HR003 on a namespace
         "setitem", "delitem",  # operator.setitem(vars(x), ...)
-        "object",  # unittest.mock.patch.object
+        "object", "dict",  # unittest.mock.patch.object, unittest.mock.patch.dict
     }
 )
+#: Calls whose keywords (``forward=f``) can write the key: ``ns.update``, ``mock.patch.dict``.
+_UPDATE_ATTRIBUTES: Final = frozenset({"update", "dict"})
+
+
+def _has_forward_keyword(node: ast.expr) -> bool:
+    """``dict(forward=...)``-shaped: any call with a ``forward=`` keyword."""
+    return isinstance(node, ast.Call) and any(k.arg == "forward" for k in node.keywords)
 
 
 class _Screen:
@@ -188,26 +218,30 @@ class _Screen:
             elif kind is ast.Subscript:
                 assert isinstance(node, ast.Subscript)
                 if type(node.ctx) is not ast.Load and self.is_target(node.slice):
-                    return True
+                    base = node.value  # only an attribute dict: x.__dict__[...], vars(x)[...]
+                    if type(base) is ast.Call or (
+                        isinstance(base, ast.Attribute) and base.attr == "__dict__"
+                    ):
+                        return True
             elif kind is ast.Call:
                 assert isinstance(node, ast.Call)
                 func = node.func
-                if type(func) is ast.Name or (
-                    type(func) is ast.Attribute
-                    and isinstance(func, ast.Attribute)
-                    and func.attr in _CALLED_ATTRIBUTES
-                ):
+                attr = func.attr if isinstance(func, ast.Attribute) else None
+                if type(func) is ast.Name or attr in _CALLED_ATTRIBUTES:
                     for arg in node.args:
                         if self.is_target(arg) or self.dict_has_target_key(arg):
                             return True
-                    for keyword in node.keywords:
-                        if keyword.arg == "forward" or self.is_target(keyword.value):
-                            return True
-                        if self.dict_has_target_key(keyword.value):
-                            return True
+                        if attr in _UPDATE_ATTRIBUTES and _has_forward_keyword(arg):
+                            return True  # ns.update(dict(forward=f))
+                    if attr in _UPDATE_ATTRIBUTES:
+                        for keyword in node.keywords:
+                            if keyword.arg == "forward" or self.dict_has_target_key(keyword.value):
+                                return True
+                            if keyword.arg is None and _has_forward_keyword(keyword.value):
+                                return True  # ns.update(**dict(forward=f))
             elif kind is ast.AugAssign:
                 assert isinstance(node, ast.AugAssign)
-                if self.dict_has_target_key(node.value):
+                if self.dict_has_target_key(node.value) or _has_forward_keyword(node.value):
                     return True
             elif kind is ast.Assign:
                 assert isinstance(node, ast.Assign)
@@ -227,10 +261,14 @@ class _Screen:
 
 
 def _syntax_ok(source: bytes, filename: str) -> bool:
-    try:
-        import _symtable
+    """Whether the interpreter parses ``source``; cheaper than ``ast.parse`` (no AST objects).
 
-        _symtable.symtable(source, filename, "exec")
+    ``symtable`` runs the full parser and the symbol-table pass, which rejects a little more
+    than the grammar (``nonlocal`` at module level); such files simply go on to libcst. It takes
+    bytes like ``compile`` does, honouring the encoding declaration.
+    """
+    try:
+        symtable.symtable(cast(str, source), filename, "exec")
     except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
         return False
     return True
@@ -248,7 +286,7 @@ def needs_libcst(source: bytes, filename: str) -> bool:
     screened = source if source.isascii() else _normalized(source)
     if not _text_may_match(screened):
         return not _syntax_ok(source, filename)
-    if b"hyperrecipe" in screened and _SUPPRESSION_HINT.search(screened):
+    if b"hyperrecipe" in screened and SUPPRESSION_HINT.search(screened):
         return True  # suppression comments are invisible to ast; libcst checks them
     try:
         tree = ast.parse(source, filename)

@@ -27,7 +27,8 @@ RECIPE_SUFFIXES: Final = (".yaml", ".yml", ".toml")
 # A top-level mapping key starts in column 0; quoted spellings are keys too.
 _YAML_RECIPE_KEY: Final = re.compile(rb"""^(?:recipe|"recipe"|'recipe')[ \t]*:""", re.MULTILINE)
 _TOML_RECIPE_KEY: Final = re.compile(
-    rb"""^[ \t]*(?:(?:recipe|"recipe"|'recipe')[ \t]*=|\[[ \t]*(?:recipe|"recipe"|'recipe')[ \t]*[\].])""",
+    rb"""^[ \t]*(?:(?:recipe|"recipe"|'recipe')[ \t]*="""
+    rb"""|\[[ \t]*(?:recipe|"recipe"|'recipe')[ \t]*[\].])""",
     re.MULTILINE,
 )
 
@@ -80,7 +81,10 @@ def check_recipe(path: Path, display: str) -> list[Finding]:
     findings = []
     for error in errors:
         span = error.span
-        hint = f" {error.hint}" if error.hint else ""
+        # The error's own message, without the location the finding already carries.
+        message = str(error)
+        if span is not None:
+            message = message.removeprefix(f"{span}: ")
         findings.append(
             Finding(
                 path=display,
@@ -88,7 +92,7 @@ def check_recipe(path: Path, display: str) -> list[Finding]:
                 column=span.column if span is not None else 1,
                 code=info.code,
                 name=info.name,
-                message=f"{error.problem} @ {error.path}{hint}",
+                message=message,
             )
         )
     return findings

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from collections.abc import Collection, Mapping, Sequence
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Final
 
 import attrs
@@ -24,7 +25,16 @@ import libcst as cst
 if TYPE_CHECKING:
     from libcst.metadata import CodeRange, QualifiedName
 
-__all__ = ["FileContext", "Invalid", "LintRule", "Report", "Valid"]
+__all__ = ["WATCHED_NAMES", "StatementPath", "FileContext", "Invalid", "LintRule", "Report", "Valid"]
+
+#: Where a node sits: the index of its top-level statement in ``module.body``, then the index
+#: in the body of each enclosing class or function on the way down (``(3, 0, 2)``: statement
+#: 2 of the first method of the class at top-level position 3). ``None`` outside every
+#: statement (a comment in the module header).
+StatementPath = tuple[int, ...] | None
+
+#: The attribute names the rules care about; module constants are resolved only for these.
+WATCHED_NAMES: Final = frozenset({"forward", "__class__"})
 
 
 @attrs.frozen
@@ -53,13 +63,17 @@ class Invalid:
 
 @attrs.frozen
 class Report:
-    """A rule fired on ``node``; ``statement`` (if any) widens where a suppression may sit."""
+    """A rule fired on ``node``; ``statement`` (if any) widens where a suppression may sit.
+
+    ``where`` is the :data:`StatementPath` of the statement holding the node.
+    """
 
     code: str
     name: str
     message: str
     node: cst.CSTNode
     statement: cst.CSTNode | None
+    where: StatementPath
 
 
 class LintRule(cst.BatchableCSTVisitor):
@@ -106,16 +120,19 @@ class FileContext:
         self.module = module
         self.reports: list[Report] = []
         self.current_statement: cst.CSTNode | None = None
+        self.current_path: StatementPath = None
         self._wrapper: cst.MetadataWrapper | None = None
         self._qualified: Mapping[cst.CSTNode, Collection[QualifiedName]] | None = None
         self._constants: dict[str, list[tuple[cst.Name, str | None]]] | None = None
+        self._imports: dict[str, list[str]] | None = None
+        self._line_breaks_cache: dict[int, int] = {}
 
     # -- reports ------------------------------------------------------------------------------
 
     def add_report(self, rule: LintRule, node: cst.CSTNode, message: str) -> None:
         """Record that ``rule`` fired on ``node``."""
         self.reports.append(
-            Report(rule.code, rule.name, message, node, self.current_statement)
+            Report(rule.code, rule.name, message, node, self.current_statement, self.current_path)
         )
 
     # -- metadata -----------------------------------------------------------------------------
@@ -133,6 +150,82 @@ class FileContext:
 
         return self.wrapper.resolve(PositionProvider)
 
+    def locate(self, nodes: Iterable[tuple[cst.CSTNode, StatementPath]]) -> dict[cst.CSTNode, CodeRange]:
+        """The ranges :class:`~libcst.metadata.PositionProvider` gives ``nodes``, computed cheaply.
+
+        Positions cost a code generation of the whole file with bookkeeping for every node.
+        Findings are few, so only the innermost class or function body statement holding each
+        one is generated with positions — wrapped in its enclosing classes and functions cut
+        down to that one statement, so indentation is exactly as in the file — and the lines
+        before it are only counted. Code generation is compositional, so the result is what the
+        provider gives on the whole module (the test-suite checks this, node for node, on real
+        files).
+
+        Args:
+            nodes: each node with its :data:`StatementPath`; nodes outside every statement fall
+                back to the full provider.
+        """
+        from libcst.metadata import CodePosition, CodeRange, PositionProvider
+
+        found: dict[cst.CSTNode, CodeRange] = {}
+        by_path: dict[tuple[int, ...], list[cst.CSTNode]] = {}
+        module = self.module
+        body = module.body
+        for node, path in nodes:
+            if path is None:
+                found[node] = self.positions()[node]
+                continue
+            if path[0] == len(body) - 1 and not module.has_trailing_newline:
+                path = path[:1]  # the file's last line has no newline: keep the real ending
+            by_path.setdefault(path, []).append(node)
+        if not by_path:
+            return found
+
+        # Lines before each top-level statement: count once, in order, up to the last needed.
+        tops = sorted({path[0] for path in by_path})
+        lines_before_top: dict[int, int] = {}
+        lines = sum(_line_breaks(module.code_for_node(h)) for h in module.header)
+        for index in range(tops[-1] + 1):
+            if index in tops:
+                lines_before_top[index] = lines
+            if index < tops[-1]:
+                lines += self._breaks(body[index])
+
+        for path, wanted in by_path.items():
+            chain: list[cst.CSTNode] = [body[path[0]]]
+            lines = lines_before_top[path[0]]
+            for index in path[1:]:
+                block = _def_body(chain[-1])
+                lines += sum(self._breaks(statement) for statement in block.body[:index])
+                chain.append(block.body[index])
+            unit = chain[-1]
+            for parent in reversed(chain[:-1]):
+                block = _def_body(parent)
+                unit = parent.with_changes(body=block.with_changes(body=(unit,), footer=()))
+            last = len(path) == 1 and path[0] == len(body) - 1
+            alone = module.with_changes(
+                header=(),
+                body=(unit,),
+                footer=(),
+                has_trailing_newline=module.has_trailing_newline if last else True,
+            )
+            ranges = cst.MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+            for node in wanted:
+                r = ranges[node]
+                found[node] = CodeRange(
+                    CodePosition(r.start.line + lines, r.start.column),
+                    CodePosition(r.end.line + lines, r.end.column),
+                )
+        return found
+
+    def _breaks(self, node: cst.CSTNode) -> int:
+        """Line breaks in ``node``'s code (which does not depend on where it is indented)."""
+        key = id(node)
+        count = self._line_breaks_cache.get(key)
+        if count is None:
+            count = self._line_breaks_cache[key] = _line_breaks(self.module.code_for_node(node))
+        return count
+
     def qualified_names(self, node: cst.CSTNode) -> frozenset[str]:
         """The qualified names ``node`` (a name or attribute) may refer to.
 
@@ -143,14 +236,47 @@ class FileContext:
 
         if self._qualified is None:
             self._qualified = self.wrapper.resolve(QualifiedNameProvider)
-        found = self._qualified.get(node)
-        if not found:
+        found: object = self._qualified.get(node)
+        if callable(found):  # libcst computes qualified names lazily per node
+            found = found()
+        if not isinstance(found, Collection):
             return frozenset()
         return frozenset(q.name for q in found)
 
     def refers_to(self, node: cst.CSTNode, *qualified: str) -> bool:
-        """Whether ``node`` may refer to one of the ``qualified`` names."""
+        """Whether ``node`` may refer to one of the ``qualified`` names.
+
+        Scope analysis is the costly part of a lint, so it is skipped when the file's imports
+        already rule the match out: a name can only be ``builtins.dict`` if it is spelled
+        ``dict`` or was imported, and only an import from a module on the way to one of the
+        ``qualified`` names can make it one. The answer is the same either way.
+        """
+        if not self._could_refer_to(node, qualified):
+            return False
         return not self.qualified_names(node).isdisjoint(qualified)
+
+    def _could_refer_to(self, node: cst.CSTNode, qualified: tuple[str, ...]) -> bool:
+        parts: list[str] = []
+        current: cst.CSTNode = node
+        while isinstance(current, cst.Attribute):
+            parts.append(current.attr.value)
+            current = current.value
+        if not isinstance(current, cst.Name):
+            return True  # `super().x`, `f().x`: let the provider decide
+        parts.append(current.value)
+        parts.reverse()
+        spelled = ".".join(parts)
+        if self._imports is None:
+            self._imports = _imported_names(self.module)
+        sources = self._imports.get(parts[0], ())
+        for target in qualified:
+            if target.endswith("." + spelled) or target == spelled:
+                return True  # spelled as the name itself (a builtin, or `mock.patch.object`)
+            for source in sources:
+                full = source + spelled[len(parts[0]):]
+                if full == target or target.endswith("." + full) or full.endswith("." + target):
+                    return True
+        return False
 
     # -- static strings -----------------------------------------------------------------------
 
@@ -159,7 +285,9 @@ class FileContext:
 
         Literals, their concatenations (implicit or ``+``), f-strings without placeholders, and
         names bound exactly once at module level to such a literal (not shadowed where used).
-        Imported constants and computed names are not followed.
+        Names are followed only when they hold one of :data:`WATCHED_NAMES` — the only values a
+        rule compares with — so scope analysis runs only where it can matter. Imported
+        constants and computed names are not followed.
         """
         value = literal_string(node)
         if value is not None or not isinstance(node, cst.Name):
@@ -171,7 +299,7 @@ class FileContext:
         if self._constants is None:
             self._constants = _module_level_bindings(self.module)
         bindings = self._constants.get(name.value)
-        if not bindings or len(bindings) != 1 or bindings[0][1] is None:
+        if not bindings or len(bindings) != 1 or bindings[0][1] not in WATCHED_NAMES:
             return None
         target, value = bindings[0]
         from libcst.metadata import GlobalScope, ScopeProvider
@@ -184,9 +312,30 @@ class FileContext:
         if len(visible) != 1:
             return None  # reassigned (also via `global` in a function), or shadowed locally
         (assignment,) = visible
-        if not isinstance(assignment.scope, GlobalScope) or getattr(assignment, "node", None) is not target:
+        in_module_scope = isinstance(assignment.scope, GlobalScope)
+        if not in_module_scope or getattr(assignment, "node", None) is not target:
             return None
         return value
+
+
+_NEWLINE: Final = re.compile(r"\r\n?|\n")  # what PositionProvider counts as a line break
+
+
+def _line_breaks(code: str) -> int:
+    return len(_NEWLINE.findall(code))
+
+
+def is_unit(node: cst.CSTNode) -> bool:
+    """A class or function with an indented body: :meth:`FileContext.locate` can descend into it."""
+    return isinstance(node, (cst.ClassDef, cst.FunctionDef)) and isinstance(
+        node.body, cst.IndentedBlock
+    )
+
+
+def _def_body(node: cst.CSTNode) -> cst.IndentedBlock:
+    assert isinstance(node, (cst.ClassDef, cst.FunctionDef))
+    assert isinstance(node.body, cst.IndentedBlock)
+    return node.body
 
 
 def literal_string(node: cst.BaseExpression) -> str | None:
@@ -263,7 +412,7 @@ def _module_level_bindings(module: cst.Module) -> dict[str, list[tuple[cst.Name,
 
 def _blocks_of(statement: cst.BaseCompoundStatement) -> list[Sequence[cst.BaseStatement]]:
     """The statement lists directly inside a module-level compound statement (same scope)."""
-    suites: list[cst.BaseSuite] = [statement.body]
+    suites: list[object] = [getattr(statement, "body", None)]  # `match` has only cases
     other: object = getattr(statement, "orelse", None)
     while isinstance(other, (cst.If, cst.Else)):
         suites.append(other.body)
@@ -276,3 +425,49 @@ def _blocks_of(statement: cst.BaseCompoundStatement) -> list[Sequence[cst.BaseSt
     for case in getattr(statement, "cases", ()):
         suites.append(case.body)
     return [suite.body for suite in suites if isinstance(suite, cst.IndentedBlock)]
+
+
+def _imported_names(module: cst.Module) -> dict[str, list[str]]:
+    """Local name -> the dotted names imports bind it to, anywhere in the module.
+
+    ``import a.b`` binds ``a`` to ``a``; ``import a.b as c`` binds ``c`` to ``a.b``;
+    ``from a import b as c`` binds ``c`` to ``a.b``. Only statements are walked (imports are
+    statements), which is far cheaper than a full traversal.
+    """
+    bound: dict[str, list[str]] = {}
+    pending: list[Sequence[cst.BaseStatement]] = [module.body]
+    while pending:
+        for statement in pending.pop():
+            if isinstance(statement, cst.SimpleStatementLine):
+                for small in statement.body:
+                    if isinstance(small, cst.Import):
+                        for alias in small.names:
+                            dotted = _dotted(alias.name)
+                            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+                                bound.setdefault(alias.asname.name.value, []).append(dotted)
+                            else:
+                                head = dotted.split(".")[0]
+                                bound.setdefault(head, []).append(head)
+                    elif isinstance(small, cst.ImportFrom) and not isinstance(
+                        small.names, cst.ImportStar
+                    ):
+                        source = "." * len(small.relative)
+                        if small.module is not None:
+                            source += _dotted(small.module)
+                        for alias in small.names:
+                            name = _dotted(alias.name)
+                            local = name
+                            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+                                local = alias.asname.name.value
+                            bound.setdefault(local, []).append(f"{source}.{name}".lstrip("."))
+            elif isinstance(statement, cst.BaseCompoundStatement):
+                pending.extend(_blocks_of(statement))
+    return bound
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{_dotted(node.value)}.{node.attr.value}"
+    return ""

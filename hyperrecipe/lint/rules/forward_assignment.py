@@ -87,7 +87,11 @@ class ForwardAssignment(TargetVisitor):
         Invalid("del m.forward", line=1, column=5),
         Invalid("del a, (b, m.forward)"),
         Invalid("for m.forward in candidates:\n    pass", line=1, column=5),
-        Invalid("async def f():\n    async for m.forward in candidates:\n        pass", line=2, column=15),
+        Invalid(
+            "async def f():\n    async for m.forward in candidates:\n        pass",
+            line=2,
+            column=15,
+        ),
         Invalid("fns = [m(x) for m.forward in candidates]"),
         Invalid("with make() as m.forward:\n    pass", line=1, column=16),
         Invalid("with a() as x, b() as (y, m.forward):\n    pass"),

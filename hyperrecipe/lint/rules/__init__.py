@@ -1,0 +1,24 @@
+"""The Python lint rules, one module each; :data:`ALL_RULES` in code order.
+
+Importing this package imports libcst. The registry in :mod:`hyperrecipe.lint.codes` carries
+the same codes and names without that cost.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from hyperrecipe.lint.rule import LintRule
+from hyperrecipe.lint.rules.class_swap import ClassSwap
+from hyperrecipe.lint.rules.forward_assignment import ForwardAssignment
+from hyperrecipe.lint.rules.forward_dict import ForwardDict
+from hyperrecipe.lint.rules.forward_setattr import ForwardSetattr
+
+__all__ = ["ALL_RULES", "ClassSwap", "ForwardAssignment", "ForwardDict", "ForwardSetattr"]
+
+ALL_RULES: Final[tuple[type[LintRule], ...]] = (
+    ForwardAssignment,
+    ForwardSetattr,
+    ForwardDict,
+    ClassSwap,
+)

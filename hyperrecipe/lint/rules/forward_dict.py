@@ -1,0 +1,200 @@
+"""HR003 forward-dict: writing ``forward`` into an object's ``__dict__`` (or ``vars()``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final
+
+import libcst as cst
+
+from hyperrecipe.lint.rule import Invalid, LintRule, Valid
+from hyperrecipe.lint.rules._patterns import TargetVisitor, is_namespace_dict, positional_args
+
+__all__ = ["ForwardDict"]
+
+#: Methods of a dict that write or remove the key in their first argument.
+_KEYED_METHODS: Final = frozenset({"setdefault", "pop", "__setitem__", "__delitem__"})
+_OPERATOR_KEYED: Final = (
+    "operator.setitem", "operator.delitem", "_operator.setitem", "_operator.delitem",
+)
+_PATCH_DICT: Final = ("unittest.mock.patch.dict", "mock.patch.dict")
+
+
+class ForwardDict(TargetVisitor):
+    """#### What it does
+    Flags writes of the key `"forward"` into an object's attribute dict, `x.__dict__` or
+    `vars(x)`: item assignment and deletion (`x.__dict__["forward"] = f`,
+    `del vars(x)["forward"]`), `update({"forward": f})`, `update(forward=f)`,
+    `update(dict(forward=f))`, `|= {"forward": f}`, `setdefault`/`pop`/`__setitem__`/
+    `__delitem__` with the key, the unbound `dict.update(x.__dict__, ...)` forms,
+    `operator.setitem(vars(x), "forward", f)` and `unittest.mock.patch.dict(x.__dict__, ...)`.
+
+    #### Why is this bad?
+    Writing the instance dict installs an instance forward exactly as `x.forward = f` does
+    (HR001), while bypassing even `__setattr__` — none of the rewriter's checks, rollback or
+    restore apply.
+
+    #### Example
+    ```python
+    vars(module).update(forward=wrapper, _hr_spec=spec)
+    ```
+
+    #### Use instead
+    ```python
+    with Rewrite(label="apply") as tx:
+        tx.install_forward(module, wrapper, fqn=fqn, companions={"_hr_spec": spec})
+    ```
+    """
+
+    code: ClassVar[str] = "HR003"
+    name: ClassVar[str] = "forward-dict"
+    message: ClassVar[str] = (
+        "writes `forward` into an attribute dict outside the rewriter; hand the replacement "
+        "to hyperrecipe.rewriter (Rewrite.install_forward)"
+    )
+
+    VALID: ClassVar[tuple[Valid, ...]] = (
+        Valid('fn = module.__dict__["forward"]'),
+        Valid('installed = "forward" in vars(module)'),
+        Valid('module.__dict__["weight"] = w'),
+        Valid('counts["forward"] = 0  # an ordinary dict'),
+        Valid('stats["forward"]["calls"] += 1'),
+        Valid('self.comm_counts["Global"]["forward"] = defaultdict(int)'),
+        Valid('module.__dict__.get("forward")'),
+        Valid('vars(module).update(weight=w)'),
+        Valid('config.update({"forward": "fused"})  # not an attribute dict'),
+        Valid(
+            """
+            def vars(obj):  # shadows the builtin
+                return obj.settings
+
+            vars(module)["forward"] = "fast"
+            """
+        ),
+        Valid('module.__dict__.pop("forward_pre_hooks")'),
+        Valid('module.__dict__[key] = value  # a key that is not static is not guessed'),
+    )
+    INVALID: ClassVar[tuple[Invalid, ...]] = (
+        Invalid('module.__dict__["forward"] = f', line=1, column=1),
+        Invalid('vars(module)["forward"] = f', line=1, column=1),
+        Invalid('type(module).__dict__["forward"] = f'),
+        Invalid('del module.__dict__["forward"]', line=1, column=5),
+        Invalid('del vars(module)["forward"]'),
+        Invalid('module.__dict__["forward"]: Callable = f'),
+        Invalid('a, module.__dict__["forward"] = 1, f'),
+        Invalid('module.__dict__.update({"forward": f})', line=1, column=1),
+        Invalid('vars(module).update({"weight": w, "forward": f})'),
+        Invalid('module.__dict__.update(forward=f)'),
+        Invalid('module.__dict__.update(**{"forward": f})'),
+        Invalid('vars(module).update(dict(forward=f))'),
+        Invalid('vars(module).update(dict(forward=f), forward=g)'),
+        Invalid('module.__dict__ |= {"forward": f}'),
+        Invalid('vars(module).setdefault("forward", f)'),
+        Invalid('module.__dict__.pop("forward")'),
+        Invalid('module.__dict__.pop("forward", None)'),
+        Invalid('vars(module).__setitem__("forward", f)'),
+        Invalid('module.__dict__.__delitem__("forward")'),
+        Invalid('dict.update(module.__dict__, forward=f)'),
+        Invalid('dict.__setitem__(vars(module), "forward", f)'),
+        Invalid('import operator\noperator.setitem(vars(module), "forward", f)', line=2, column=1),
+        Invalid('from operator import setitem\nsetitem(module.__dict__, "forward", f)'),
+        Invalid('from unittest import mock\nmock.patch.dict(module.__dict__, {"forward": f})'),
+        Invalid('from builtins import vars as v\nv(module)["forward"] = f'),
+        Invalid('KEY = "forward"\nmodule.__dict__[KEY] = f', line=2, column=1),
+        Invalid('module.__dict__["for" "ward"] = f'),
+    )
+
+    # -- item stores and deletes: x.__dict__["forward"] = f -----------------------------------
+
+    def check_target(self, target: cst.BaseExpression, action: str) -> None:
+        if not isinstance(target, cst.Subscript):
+            return
+        if len(target.slice) != 1 or not isinstance(target.slice[0].slice, cst.Index):
+            return
+        key = self.context.string_value(target.slice[0].slice.value)
+        if key == "forward" and is_namespace_dict(target.value, self.context):
+            if action == "deletes":
+                self.report(target, "deletes `forward` from an attribute dict outside the "
+                            "rewriter; undo an installed forward with Rewritten.restore()")
+            else:
+                self.report(target)
+
+    # -- dict methods and operators -----------------------------------------------------------
+
+    def _mapping_has_key(self, node: cst.BaseExpression) -> bool:
+        """A dict display with a static "forward" key, or ``dict(forward=...)``."""
+        if isinstance(node, cst.Dict):
+            return any(
+                isinstance(element, cst.DictElement)
+                and self.context.string_value(element.key) == "forward"
+                for element in node.elements
+            )
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
+            has_key = any(
+                arg.keyword is not None and arg.keyword.value == "forward" for arg in node.args
+            )
+            return has_key and self.context.refers_to(node.func, "builtins.dict")
+        return False
+
+    def _update_writes_forward(self, args: list[cst.Arg]) -> bool:
+        for arg in args:
+            if arg.keyword is not None:
+                if arg.keyword.value == "forward":
+                    return True
+            elif arg.star == "**" or not arg.star:
+                if self._mapping_has_key(arg.value):
+                    return True
+        return False
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if isinstance(func, cst.Attribute):
+            method = func.attr.value
+            receiver = func.value
+            if method == "update":
+                # bound: ns.update(...); unbound: dict.update(ns, ...)
+                if self._update_writes_forward(list(node.args)) and is_namespace_dict(
+                    receiver, self.context
+                ):
+                    self.report(node)
+                    return
+                if (
+                    node.args
+                    and not node.args[0].star
+                    and node.args[0].keyword is None
+                    and self._update_writes_forward(list(node.args[1:]))
+                    and is_namespace_dict(node.args[0].value, self.context)
+                    and self.context.refers_to(receiver, "builtins.dict")
+                ):
+                    self.report(node)
+                return
+            if method in _KEYED_METHODS:
+                args = positional_args(node)
+                if args and self.context.string_value(args[0]) == "forward":
+                    if is_namespace_dict(receiver, self.context):
+                        self.report(node)
+                elif (
+                    len(args) >= 2
+                    and self.context.string_value(args[1]) == "forward"
+                    and is_namespace_dict(args[0], self.context)
+                    and self.context.refers_to(receiver, "builtins.dict")
+                ):
+                    self.report(node)
+                return
+        args = positional_args(node)
+        if len(args) >= 2 and self.context.string_value(args[1]) == "forward":
+            if is_namespace_dict(args[0], self.context) and self.context.refers_to(
+                func, *_OPERATOR_KEYED
+            ):
+                self.report(node)
+                return
+        if args and isinstance(func, cst.Attribute) and func.attr.value == "dict":
+            if self._update_writes_forward(list(node.args[1:])) and is_namespace_dict(
+                args[0], self.context
+            ) and self.context.refers_to(func, *_PATCH_DICT):
+                self.report(node)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        super().visit_AugAssign(node)
+        if isinstance(node.operator, cst.BitOrAssign) and self._mapping_has_key(node.value):
+            if is_namespace_dict(node.target, self.context):
+                self.report(node)

@@ -1,0 +1,162 @@
+"""HR002 forward-setattr: ``setattr(x, "forward", ...)`` and every other setattr spelling."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import libcst as cst
+
+from hyperrecipe.lint.rule import Invalid, LintRule, Valid
+from hyperrecipe.lint.rules._patterns import setattr_like
+
+__all__ = ["ForwardSetattr"]
+
+
+class ForwardSetattr(LintRule):
+    """#### What it does
+    Flags calls that set or delete an attribute named `forward` by name: `setattr` and
+    `delattr` (also imported under another name, or as `builtins.setattr`),
+    `object.__setattr__`, `nn.Module.__setattr__`, `torch.nn.Module.__setattr__`,
+    `super().__setattr__`, `type.__setattr__`, a `.setattr(obj, "forward", ...)` method such as
+    pytest's `monkeypatch.setattr`, and `unittest.mock.patch.object(obj, "forward", ...)`.
+    The name counts when it is a string literal (also concatenated, or a placeholder-free
+    f-string) or a module-level constant bound to one.
+
+    #### Why is this bad?
+    It is `x.forward = ...` (HR001) spelled so that a grep for `.forward =` misses it, with the
+    same consequences: no signature check, no rollback, no restore, double wrapping.
+
+    #### Example
+    ```python
+    FORWARD = "forward"
+    object.__setattr__(module, FORWARD, wrapper)
+    ```
+
+    #### Use instead
+    ```python
+    with Rewrite(label="apply") as tx:
+        tx.install_forward(module, wrapper, fqn=fqn)
+    ```
+    """
+
+    code: ClassVar[str] = "HR002"
+    name: ClassVar[str] = "forward-setattr"
+    message: ClassVar[str] = (
+        "sets `forward` by name outside the rewriter; hand the replacement to "
+        "hyperrecipe.rewriter (Rewrite.install_forward)"
+    )
+
+    VALID: ClassVar[tuple[Valid, ...]] = (
+        Valid('setattr(module, "weight", param)'),
+        Valid("setattr(module, name, value)  # a name that is not static is not guessed"),
+        Valid('getattr(module, "forward")(x)'),
+        Valid('hasattr(module, "forward")'),
+        Valid(
+            """
+            def setattr(obj, name, value):  # shadows the builtin: not an attribute write
+                registry[name] = value
+
+            setattr(module, "forward", f)
+            """
+        ),
+        Valid(
+            """
+            FORWARD = "forward"
+
+            def install(module, f, FORWARD="weight"):
+                setattr(module, FORWARD, f)  # the parameter shadows the constant
+            """
+        ),
+        Valid(
+            """
+            NAME = "forward"
+            NAME = "weight"
+            setattr(module, NAME, f)  # rebound: not a constant
+            """
+        ),
+        Valid('setattr(module, "ｆorward", f)  # strings are not NFKC-normalised: another name'),
+        Valid('setattr(module, b"forward", f)'),
+        Valid('module.__setattr__("weight", w)'),
+        Valid('obj.__setattr__(key, "forward")  # sets `key` to the string "forward"'),
+        Valid('mock.patch("pkg.Block.forward", f)  # dotted targets are not followed'),
+        Valid('setattr(*args)'),
+    )
+    INVALID: ClassVar[tuple[Invalid, ...]] = (
+        Invalid('setattr(module, "forward", f)', line=1, column=1),
+        Invalid("setattr(module, 'forward', f)"),
+        Invalid('delattr(module, "forward")'),
+        Invalid('import builtins\nbuiltins.setattr(module, "forward", f)', line=2, column=1),
+        Invalid('import builtins as b\nb.setattr(module, "forward", f)'),
+        Invalid('from builtins import setattr as s\ns(module, "forward", f)', line=2, column=1),
+        Invalid('object.__setattr__(module, "forward", f)'),
+        Invalid('object.__delattr__(module, "forward")'),
+        Invalid('nn.Module.__setattr__(self, "forward", f)'),
+        Invalid('torch.nn.Module.__setattr__(self, "forward", f)'),
+        Invalid('type.__setattr__(Block, "forward", f)'),
+        Invalid(
+            """
+            class Block(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    super().__setattr__("forward", self._fast)
+            """,
+            line=5,
+            column=9,
+        ),
+        Invalid('self.__setattr__("forward", f)'),
+        Invalid(
+            """
+            FORWARD = "forward"
+            setattr(module, FORWARD, f)
+            """,
+            line=3,
+            column=1,
+        ),
+        Invalid(
+            """
+            FORWARD: Final = "forward"
+
+            def install(module, f):
+                object.__setattr__(module, FORWARD, f)
+            """
+        ),
+        Invalid('setattr(module, "for" "ward", f)'),
+        Invalid('setattr(module, "for" + "ward", f)'),
+        Invalid('setattr(module, ("fo"\n    "rward"), f)'),
+        Invalid('setattr(module, f"forward", f)'),
+        Invalid('setattr(module, "\\x66orward", f)'),
+        Invalid('setattr(module, "\\N{LATIN SMALL LETTER F}orward", f)'),
+        Invalid('monkeypatch.setattr(module, "forward", f)'),
+        Invalid('from unittest import mock\nmock.patch.object(module, "forward", f)'),
+        Invalid(
+            """
+            from unittest.mock import patch
+
+            @patch.object(Block, "forward", autospec=True)
+            def test_block(mocked):
+                pass
+            """,
+            line=4,
+            column=2,
+        ),
+        Invalid('setattr(a, "forward", setattr(b, "forward", f))', count=2),
+    )
+
+    def visit_Call(self, node: cst.Call) -> None:
+        found = setattr_like(node, self.context)
+        if found is None or found[0] != "forward":
+            return
+        spelling = found[1]
+        verb = "deletes" if "del" in spelling else "sets"
+        if verb == "deletes":
+            self.report(
+                node,
+                f"deletes `forward` by name ({spelling}) outside the rewriter; undo an installed "
+                "forward with Rewritten.restore() from hyperrecipe.rewriter",
+            )
+        else:
+            self.report(
+                node,
+                f"sets `forward` by name ({spelling}) outside the rewriter; hand the replacement "
+                "to hyperrecipe.rewriter (Rewrite.install_forward)",
+            )

@@ -1,0 +1,166 @@
+"""``[tool.hyperrecipe.lint]``: discovery, the rewriter allowance, excludes and selection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperrecipe.lint.config import ConfigFinder, load_config
+from hyperrecipe.lint.runner import LintUsageError, lint_paths
+from tests.lint.conftest import WriteTree
+
+FORWARD = "m.forward = f\n"
+SETATTR = 'setattr(m, "forward", f)\n'
+
+
+def _found(paths: list[str] | None = None, **kwargs: object) -> list[tuple[str, str]]:
+    result = lint_paths(paths or ["."], jobs=1, **kwargs)  # type: ignore[arg-type]
+    return [(f.path, f.code) for f in result.findings]
+
+
+def test_without_a_pyproject_every_rule_runs_and_no_path_is_allowed(write_tree: WriteTree) -> None:
+    write_tree({"rewriter.py": FORWARD, "pkg/a.py": SETATTR})
+    assert _found() == [("pkg/a.py", "HR002"), ("rewriter.py", "HR001")]
+
+
+def test_the_rewriter_path_may_install_forwards(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["pkg/rewriter.py"]\n',
+        "pkg/rewriter.py": FORWARD + SETATTR + "m.__class__ = C\n",
+        "pkg/other.py": FORWARD,
+    })
+    assert _found() == [("pkg/other.py", "HR001")]
+
+
+def test_a_rewriter_folder_allows_every_file_inside(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["pkg/rewrite"]\n',
+        "pkg/rewrite/a.py": FORWARD,
+        "pkg/rewrite/deep/b.py": FORWARD,
+        "pkg/rewrite_not.py": FORWARD,
+    })
+    assert _found() == [("pkg/rewrite_not.py", "HR001")]
+
+
+def test_the_allowance_does_not_switch_off_suppression_checks(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["rw.py"]\n',
+        "rw.py": "m.forward = f  # hyperrecipe: ignore[HR001]\n",
+    })
+    assert _found() == [("rw.py", "HR901")]
+
+
+def test_rewriter_paths_are_relative_to_the_pyproject_not_the_working_directory(
+    write_tree: WriteTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = write_tree({
+        "proj/pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["src/rw.py"]\n',
+        "proj/src/rw.py": FORWARD,
+        "proj/src/x.py": FORWARD,
+    })
+    monkeypatch.chdir(root / "proj" / "src")
+    assert _found() == [("x.py", "HR001")]
+
+
+def test_the_nearest_pyproject_with_a_table_wins_and_one_without_is_skipped(
+    write_tree: WriteTree,
+) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nignore = ["HR002"]\n',
+        "sub/pyproject.toml": '[project]\nname = "sub"\n',  # no table: keep looking upward
+        "sub/a.py": FORWARD + SETATTR,
+        "other/pyproject.toml": '[tool.hyperrecipe.lint]\nselect = ["HR002"]\n',
+        "other/b.py": FORWARD + SETATTR,
+    })
+    assert _found() == [("other/b.py", "HR002"), ("sub/a.py", "HR001")]
+
+
+def test_select_and_ignore_from_the_table_and_from_the_command_line(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": (
+            '[tool.hyperrecipe.lint]\nselect = ["HR00"]\nignore = ["forward-setattr"]\n'
+        ),
+        "a.py": FORWARD + SETATTR + "m.__class__ = C\n",
+    })
+    assert _found() == [("a.py", "HR001"), ("a.py", "HR004")]
+    # --select replaces the configured select; --ignore adds to the configured ignore
+    assert _found(select=["HR002", "HR004"]) == [("a.py", "HR004")]
+    assert _found(ignore=["HR004"]) == [("a.py", "HR001")]
+
+
+def test_exclude_globs_match_components_and_relative_paths(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nexclude = ["gen_*", "tests/fixtures"]\n',
+        "gen_models/a.py": FORWARD,
+        "pkg/gen_x.py": FORWARD,
+        "tests/fixtures/b.py": FORWARD,
+        "tests/test_c.py": FORWARD,
+        ".venv/lib/d.py": FORWARD,  # built-in exclude
+    })
+    assert _found() == [("tests/test_c.py", "HR001")]
+
+
+def test_an_excluded_file_named_explicitly_is_still_skipped(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nexclude = ["vendored"]\n',
+        "vendored/a.py": FORWARD,
+    })
+    assert _found(["vendored/a.py"]) == []
+
+
+def test_folders_above_the_linted_path_never_exclude_it(write_tree: WriteTree) -> None:
+    root = write_tree({"venv/lib/pkg/a.py": FORWARD})
+    assert _found(["."]) == []  # `venv` is a built-in exclude below the linted folder...
+    # ... but not when it is above the folder the user asked for
+    assert _found([str(root / "venv" / "lib" / "pkg")]) == [("venv/lib/pkg/a.py", "HR001")]
+
+
+def test_unknown_configuration_key_is_a_usage_error_with_a_suggestion(
+    write_tree: WriteTree,
+) -> None:
+    table = '[tool.hyperrecipe.lint]\nrewriters = ["a.py"]\n'
+    root = write_tree({"pyproject.toml": table, "a.py": ""})
+    with pytest.raises(LintUsageError) as info:
+        lint_paths(["."])
+    assert str(info.value) == (
+        f"{root / 'pyproject.toml'}: [tool.hyperrecipe.lint] has unknown key 'rewriters'; "
+        "did you mean 'rewriter'?; known keys: rewriter, exclude, select, ignore"
+    )
+
+
+def test_a_value_of_the_wrong_type_is_a_usage_error(write_tree: WriteTree) -> None:
+    root = write_tree({"pyproject.toml": "[tool.hyperrecipe.lint]\nignore = [1]\n", "a.py": ""})
+    with pytest.raises(LintUsageError) as info:
+        lint_paths(["."])
+    assert str(info.value) == (
+        f"{root / 'pyproject.toml'}: [tool.hyperrecipe.lint] ignore must be a list of "
+        "strings, got [1]"
+    )
+
+
+def test_an_unknown_code_in_the_table_is_a_usage_error(write_tree: WriteTree) -> None:
+    table = '[tool.hyperrecipe.lint]\nselect = ["HR042"]\n'
+    root = write_tree({"pyproject.toml": table, "a.py": ""})
+    with pytest.raises(LintUsageError) as info:
+        lint_paths(["."])
+    expected = f"{root / 'pyproject.toml'}: unknown rule code or name 'HR042'"
+    assert str(info.value).startswith(expected)
+
+
+def test_invalid_toml_is_a_usage_error(write_tree: WriteTree) -> None:
+    write_tree({"pyproject.toml": "[tool.hyperrecipe.lint\n", "a.py": ""})
+    with pytest.raises(LintUsageError, match="cannot read configuration"):
+        lint_paths(["."])
+
+
+def test_this_repository_allows_exactly_the_rewriter_module() -> None:
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "pyproject.toml")
+    assert config is not None
+    assert config.rewriter == (root / "hyperrecipe" / "rewriter.py",)
+    finder = ConfigFinder()
+    rewriter = root / "hyperrecipe" / "rewriter.py"
+    assert finder.for_path(rewriter).allows_forward_install(rewriter)
+    runtime = root / "hyperrecipe" / "runtime" / "apply.py"
+    assert not finder.for_path(runtime).allows_forward_install(runtime)

@@ -1,0 +1,126 @@
+"""The screen (text + ``ast``) never changes findings; ``locate`` matches PositionProvider.
+
+The fast path skips libcst for files the screen clears. These tests run the same trees with
+and without the screen and require identical findings: on hand-made tricky cases and on the
+installed ``torch/distributed`` package (the one slow test, ~10 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from hyperrecipe.lint.rule import FileContext, StatementPath
+from hyperrecipe.lint.runner import lint_paths
+from tests.lint.tricky_cases import TRICKY
+
+# Tabs, mixed widths, a continuation line, a multi-line string with code after it, block footers
+ODD_INDENTS = (
+    b"class A:\n\tdef f(self):\n\t\ty = (1,\n  2)\n\t\tz = \"\"\"a\nb\"\"\" + c\n\t# tail\n"
+    b"\tdef g(self): return 1\n\n    # odd indent comment\nclass B:\n  @d\n  def h(self):\n"
+    b"      pass"
+)
+TORCH_DISTRIBUTED = Path(pytest.importorskip("torch").__file__).parent / "distributed"
+
+
+def _both(paths: list[str], jobs: int) -> tuple[object, object]:
+    screened = lint_paths(paths, jobs=jobs)
+    full = lint_paths(paths, jobs=jobs, screen=False)
+    return screened, full
+
+
+def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_path: Path) -> None:
+    for name, source in TRICKY.items():
+        (tmp_path / f"{name}.py").write_bytes(source)
+    screened = lint_paths([str(tmp_path)], jobs=2)
+    full = lint_paths([str(tmp_path)], jobs=2, screen=False)
+    assert screened.findings == full.findings
+    assert full.libcst_files == len(TRICKY)
+    assert screened.libcst_files < full.libcst_files  # the screen did clear some files
+    flagged = {Path(f.path).stem for f in screened.findings}
+    assert {"comment_between_dot_and_name", "latin1_ordinal_a", "escaped_string",
+            "class_concatenated", "module_constant", "alias_of_setattr", "update_dict_call",
+            "python_312_type_alias", "syntax_error_without_trigger_words", "nul_byte",
+            "unused_suppression_only", "decorated_patch", "module_level_match"} <= flagged
+    assert not flagged & {"fullwidth_string_is_another_name", "raw_string_escape_is_literal",
+                          "shadowed_setattr", "forward_called", "forward_item_store",
+                          "forward_in_docstring", "annotation_only", "class_read",
+                          "constant_rebound_by_global", "constant_shadowed_by_comprehension",
+                          "suppressed", "suppressed_own_line", "ordinary_dict_update",
+                          "suppression_in_string_only", "python_312_generic_function",
+                          "empty_file"}
+
+
+def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
+    screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2)
+    assert screened.findings == full.findings  # type: ignore[attr-defined]
+    rows = [
+        (Path(f.path).relative_to(TORCH_DISTRIBUTED).as_posix(), f.line, f.code)
+        for f in screened.findings  # type: ignore[attr-defined]
+    ]
+    assert rows == [
+        ("_composable/replicate.py", 248, "HR004"),
+        ("fsdp/_fully_shard/_fsdp_init.py", 430, "HR004"),
+        ("pipelining/_IR.py", 628, "HR001"),
+        ("pipelining/_IR.py", 1240, "HR001"),
+        ("pipelining/_IR.py", 1242, "HR001"),
+    ]
+    assert screened.libcst_files <= 10  # type: ignore[attr-defined]
+
+
+def _every_node_with_its_path(module: cst.Module) -> list[tuple[cst.CSTNode, StatementPath]]:
+    """Every node, with the statement path the engine would record for it."""
+    found: list[tuple[cst.CSTNode, StatementPath]] = []
+
+    def collect(node: cst.CSTNode, path: StatementPath, skip: set[int]) -> None:
+        class Collect(cst.CSTVisitor):
+            def on_visit(self, inner: cst.CSTNode) -> bool:
+                if id(inner) in skip:
+                    return False
+                found.append((inner, path))
+                return True
+
+        node.visit(Collect())
+
+    def statement(node: cst.CSTNode, path: tuple[int, ...]) -> None:
+        if isinstance(node, (cst.ClassDef, cst.FunctionDef)) and isinstance(
+            node.body, cst.IndentedBlock
+        ):
+            inner = node.body.body
+            collect(node, path, {id(s) for s in inner})
+            for index, child in enumerate(inner):
+                statement(child, (*path, index))
+        else:
+            collect(node, path, set())
+
+    for index, top in enumerate(module.body):
+        statement(top, (index,))
+    for line in (*module.header, *module.footer):
+        collect(line, None, set())
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        (TORCH_DISTRIBUTED / "pipelining" / "_IR.py").read_bytes(),
+        TRICKY["crlf_newlines"],
+        TRICKY["no_trailing_newline"],
+        b"# header\n\n# more\nclass A:\n    def f(self):\n        x = 1  # c\n\n\n# footer\n",
+        ODD_INDENTS,
+    ],
+    ids=["torch-_IR", "crlf", "no-trailing-newline", "header-and-footer", "odd-indents"],
+)
+def test_locate_gives_exactly_the_positions_of_the_full_provider(source: bytes) -> None:
+    module = cst.parse_module(source)
+    expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    nodes = _every_node_with_its_path(module)
+    located = FileContext(module).locate(nodes)
+    assert len(located) > 0
+    mismatches = [
+        (type(n).__name__, located[n], expected[n]) for n, _ in nodes if located[n] != expected[n]
+    ]
+    assert mismatches == []
