@@ -379,35 +379,31 @@ def _names(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[s
     return tuple(seen)
 
 
-def _head_counts(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    ctx.want(raw, dict, path, "a mapping of integer attribute to mesh dim, e.g. {num_heads: tp}")
-    out = []
-    for k, v in raw.items():
-        if not isinstance(k, str) or not _IDENT.match(k):
-            raise ctx.fail(f"attribute name {k!r} is not an identifier", (*path, k), key=True)
-        ctx.want(v, str, (*path, k), "a mesh dim name")
-        if v not in mesh:
-            raise ctx.fail(f"head count divided by mesh dim {v!r}, which the recipe does not "
-                           f"declare{did_you_mean(v, mesh)}", (*path, k),
-                           hint=f"declared mesh dims: [{', '.join(mesh)}]")
-        out.append((k, v))
-    return tuple(out)
+def _names_to_mesh_dims(subject: str, verb: str,
+                        example: str) -> Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]:
+    """A parser for ``{name: mesh_dim}`` fields (``head_counts``, ``reduce_grads``)."""
+
+    def parse(ctx: _Ctx, raw: Any, path: PathKey,
+              mesh: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+        ctx.want(raw, dict, path, f"a mapping of {subject} to mesh dim, e.g. {example}")
+        out = []
+        for k, v in raw.items():
+            if not isinstance(k, str) or not _IDENT.match(k):
+                raise ctx.fail(f"{subject} {k!r} is not an identifier", (*path, k), key=True)
+            ctx.want(v, str, (*path, k), "a mesh dim name")
+            if v not in mesh:
+                raise ctx.fail(f"{verb} mesh dim {v!r}, which the recipe does not declare"
+                               f"{did_you_mean(v, mesh)}", (*path, k),
+                               hint=f"declared mesh dims: [{', '.join(mesh)}]")
+            out.append((k, v))
+        return tuple(out)
+
+    return parse
 
 
-def _reduce_grads(ctx: _Ctx, raw: Any, path: PathKey,
-                  mesh: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    ctx.want(raw, dict, path, "a mapping of parameter name to mesh dim, e.g. {weight: tp}")
-    out = []
-    for k, v in raw.items():
-        if not isinstance(k, str) or not _IDENT.match(k):
-            raise ctx.fail(f"parameter name {k!r} is not an identifier", (*path, k), key=True)
-        ctx.want(v, str, (*path, k), "a mesh dim name")
-        if v not in mesh:
-            raise ctx.fail(f"gradient reduced over mesh dim {v!r}, which the recipe does not "
-                           f"declare{did_you_mean(v, mesh)}", (*path, k),
-                           hint=f"declared mesh dims: [{', '.join(mesh)}]")
-        out.append((k, v))
-    return tuple(out)
+_head_counts = _names_to_mesh_dims("attribute name", "head count divided by",
+                                   "{num_heads: tp}")
+_reduce_grads = _names_to_mesh_dims("parameter name", "gradient reduced over", "{weight: tp}")
 
 
 def _wrapper(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> str:
