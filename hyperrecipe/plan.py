@@ -12,7 +12,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 PLAN_FORMAT = 1
+T = TypeVar("T")
 Stage = Literal["input", "output", "param_grad"]
 Direction = Literal["forward", "backward"]
 
@@ -296,29 +298,26 @@ def compute_fingerprint(recipe_digest: str, model_digest: str, mesh: tuple[MeshD
     return h.hexdigest()
 
 
+def _from_text(parse: Callable[[str], T]) -> Callable[[Any, Any], T]:
+    """A cattrs structure hook for placements, which the plan stores in recipe syntax."""
+
+    def structure(value: Any, _: Any) -> T:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a placement string, found {value!r}")
+        try:
+            return parse(value)
+        except PlacementSyntaxError as exc:
+            raise ValueError(str(exc)) from None
+
+    return structure
+
+
 def _make_converter() -> cattrs.Converter:
     conv = make_converter(forbid_extra_keys=True, detailed_validation=True)
-
-    def structure_named(value: Any, _: Any) -> NamedPlacement:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a placement string, found {value!r}")
-        try:
-            return parse_named_text(value)
-        except PlacementSyntaxError as exc:
-            raise ValueError(str(exc)) from None
-
-    def structure_placement(value: Any, _: Any) -> Placement:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a placement string, found {value!r}")
-        try:
-            return parse_placement(value)
-        except PlacementSyntaxError as exc:
-            raise ValueError(str(exc)) from None
-
     conv.register_unstructure_hook(NamedPlacement, str)
-    conv.register_structure_hook(NamedPlacement, structure_named)
+    conv.register_structure_hook(NamedPlacement, _from_text(parse_named_text))
     conv.register_unstructure_hook(Placement, str)
-    conv.register_structure_hook(Placement, structure_placement)
+    conv.register_structure_hook(Placement, _from_text(parse_placement))
     return conv
 
 
