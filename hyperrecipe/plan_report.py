@@ -13,7 +13,7 @@ import attrs
 
 from hyperrecipe.errors import closest
 from hyperrecipe.placement import Shard
-from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.plan import ArgLayout, BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 
 __all__ = ["PlanTotals", "explain", "plan_totals", "summary"]
@@ -65,11 +65,10 @@ def _mb(n: int) -> str:
 
 
 def _layout(b: BoundaryPlan) -> str:
-    def one(prefix: str, items: Iterable[object]) -> str:
+    def one(prefix: str, items: Iterable[ArgLayout]) -> str:
         parts = []
         for a in items:
-            src, dst, name = a.src, a.dst, a.name  # type: ignore[attr-defined]
-            parts.append(f"{name} {src}" if src == dst else f"{name} {src} -> {dst}")
+            parts.append(f"{a.name} {a.src}" if a.src == a.dst else f"{a.name} {a.src} -> {a.dst}")
         return f"{prefix} " + ", ".join(parts) if parts else ""
 
     text = "; ".join(t for t in (one("in", b.inputs), one("out", b.outputs)) if t)

@@ -455,8 +455,8 @@ class _Resolver:
             inputs.update(d for d, q in placement.dims if isinstance(q, Shard) and self.size(d) > 1)
         return params, inputs
 
-    def build_boundary(self, fqn: str, regions: dict[str, str | None],
-                       boundary_set: set[str]) -> tuple[BoundaryPlan, set[str]]:
+    def build_boundary(self, fqn: str,
+                       regions: dict[str, str | None]) -> tuple[BoundaryPlan, set[str]]:
         module = self.tree.module(fqn)
         provenance: list[Provenance] = []
         for field, key, c in self.claims_of(fqn):
@@ -690,12 +690,11 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     mesh = r.check_mesh()
     r.match_rules()
     names, regions = r.boundaries()
-    boundary_set = set(names)
     boundaries: list[BoundaryPlan] = []
     sharded_regions: dict[str, set[str]] = {}
     deferred: dict[str, set[str]] = {}
     for fqn in names:
-        b, sharded = r.build_boundary(fqn, regions, boundary_set)
+        b, sharded = r.build_boundary(fqn, regions)
         boundaries.append(b)
         sharded_regions[fqn] = sharded
         for name in b.defer_bias:
