@@ -30,6 +30,7 @@ from hyperrecipe.placement import (
 )
 
 __all__ = [
+    "AdapterPlan",
     "ArgLayout",
     "BoundaryPlan",
     "HeadCount",
@@ -166,7 +167,8 @@ class BoundaryPlan:
     outputs: tuple[ArgLayout, ...]
     out_names: tuple[str, ...]
     defer_bias: tuple[str, ...]
-    inner_wrapper: str | None
+    inner_wrapper: tuple[str, ...]
+    """The inner wrapper, or a fallback chain of them (first eligible wins); empty for none."""
     inner_out_src: tuple[ArgLayout, ...]
     local_region: bool
     transitions: tuple[Transition, ...]
@@ -187,9 +189,31 @@ class ManifestEntry:
 
 @attrs.frozen(kw_only=True)
 class AdapterPlan:
+    """A third-party method the runtime adapts to DTensor arguments (``adapters:``).
+
+    ``target`` is ``pkg.mod:Class.method`` (a nested class is ``Outer.Inner.method``);
+    ``out_src`` (``marshal`` only) is the placement of the method's tensor outputs, ``None`` for
+    "those of the first DTensor argument".
+    """
+
     target: str
     mode: Literal["wrap", "marshal"]
     provenance: Provenance
+    out_src: NamedPlacement | None = None
+
+    @property
+    def module_name(self) -> str:
+        """``pkg.mod`` of the target."""
+        return self.target.partition(":")[0]
+
+    @property
+    def class_path(self) -> tuple[str, ...]:
+        """The class's qualified name, split (``("Outer", "Inner")``)."""
+        return tuple(self.target.partition(":")[2].split(".")[:-1])
+
+    @property
+    def method_name(self) -> str:
+        return self.target.rsplit(".", 1)[1]
 
 
 @attrs.frozen(kw_only=True)

@@ -13,7 +13,7 @@ import attrs
 
 from hyperrecipe.errors import closest
 from hyperrecipe.placement import Shard
-from hyperrecipe.plan import ArgLayout, BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 
 __all__ = ["PlanTotals", "explain", "plan_totals", "summary"]
@@ -76,7 +76,7 @@ def _layout(b: BoundaryPlan) -> str:
     if b.defer_bias:
         extras.append("bias deferred")
     if b.inner_wrapper:
-        extras.append(f"inner {b.inner_wrapper}")
+        extras.append(f"inner {' | '.join(b.inner_wrapper)}")
     if b.local_region:
         extras.append("local region")
     return "; ".join([text, *extras]) if extras else text
@@ -135,6 +135,8 @@ def summary(plan: Plan) -> str:
         lines.append("  ".join(cells) + "  " + row[4])
     t = plan_totals(plan)
     lines.append("")
+    if plan.adapters:
+        lines.append("method adapters: " + ", ".join(_adapter_text(a) for a in plan.adapters))
     if unclaimed:
         folded = Counter(generalize_fqn(f) for f in unclaimed)
         shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in folded.items())
@@ -149,8 +151,15 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _adapter_text(a: AdapterPlan) -> str:
+    out = f" (outputs {a.out_src})" if a.out_src is not None else ""
+    return f"{a.target} {a.mode}{out}"
+
+
 def explain(plan: Plan, pattern: str) -> str:
-    """Why each parameter and boundary whose FQN matches ``pattern`` was decided as it was.
+    """Why each parameter and boundary whose FQN matches ``pattern`` was decided as it was;
+    also each method adapter whose target (``pkg.mod:Class.method``, or ``Class.method``) it
+    names.
 
     Raises:
         ValueError: nothing matches; the message lists the nearest FQNs.
@@ -183,6 +192,13 @@ def explain(plan: Plan, pattern: str) -> str:
                 why = f"; {t.reason}" if t.reason else ""
                 out.append(f"  {t.stage} {t.name} on {t.mesh_dim}: {t.src} -> {t.dst}: forward "
                            f"{t.forward}, backward {t.backward}{why}")
+    for a in plan.adapters:
+        if pattern in (a.target, a.target.partition(":")[2]) or rx.fullmatch(a.target):
+            out.append(f"{a.target}: method adapter {a.mode}"
+                       + (f", outputs {a.out_src}" if a.out_src is not None else
+                          (", outputs placed like the first DTensor argument"
+                           if a.mode == "marshal" else "")))
+            out.append(f"  {a.provenance}")
     if not out:
         names = [*{p.fqn for p in plan.params}, *{p.module for p in plan.params},
                  *{b.fqn for b in plan.boundaries}]

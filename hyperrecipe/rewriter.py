@@ -22,9 +22,10 @@ between is a :class:`~hyperrecipe.errors.RewriteError`, never a silent double wr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Literal
 
@@ -48,7 +49,7 @@ EntryState = Literal["pending", "installed", "restored", "failed"]
 ``restored`` (undone, by a rollback or by :meth:`Rewritten.restore`), ``failed`` (validation or
 the change itself raised, or it could not be undone; ``error`` says why)."""
 
-EntryKind = Literal["forward", "companion", "method", "attribute", "parameter"]
+EntryKind = Literal["forward", "companion", "method", "attribute", "parameter", "item"]
 """What an entry changed."""
 
 _NO_COMPANIONS: Final[Mapping[str, object]] = MappingProxyType({})
@@ -395,6 +396,27 @@ class _AttributeMemento(_Memento):
             setattr(self.obj, self.name, self.previous)
         else:
             delattr(self.obj, self.name)
+
+
+@attrs.define(eq=False)
+class _ItemMemento(_Memento):
+    mapping: MutableMapping[Any, Any]
+    key: object
+    fqn: str
+    value: object
+    previous: object
+
+    def undo(self) -> None:
+        if self.mapping.get(self.key, _MISSING) is not self.value:
+            msg = (
+                f"{self.fqn}: entry {self.key!r} was changed after it was installed; leaving it "
+                "as is rather than overwriting someone else's change"
+            )
+            raise RewriteError(msg)
+        if self.previous is _MISSING:
+            del self.mapping[self.key]
+        else:
+            self.mapping[self.key] = self.previous
 
 
 @attrs.define(eq=False)
@@ -819,6 +841,54 @@ class Rewrite:
             )
 
         self._atomically(fqn, lambda: self._record(fqn, "attribute", name, install))
+
+    def set_item(self, mapping: MutableMapping[Any, Any], key: object, value: object, *,
+                 fqn: str) -> None:
+        """Set ``mapping[key]`` as part of the transaction (a third-party registry entry, such
+        as the attention function transformers looks up by name).
+
+        Restore puts back the previous value, or deletes the key when there was none.
+
+        Args:
+            mapping: any mutable mapping.
+            key: the entry.
+            value: its new value.
+            fqn: names the registry in messages and records.
+        """
+
+        def install() -> _Memento:
+            previous = mapping[key] if key in mapping else _MISSING
+            mapping[key] = value
+            return _ItemMemento(mapping=mapping, key=key, fqn=fqn, value=value, previous=previous)
+
+        self._atomically(fqn, lambda: self._record(fqn, "item", repr(key), install))
+
+    @contextlib.contextmanager
+    def attempt(self, fqn: str) -> Iterator[None]:
+        """A savepoint: if the block raises, undo what it changed and re-raise; what was done
+        before the block stays in effect.
+
+        This is how a chain of candidate implementations is tried: a candidate that fails half
+        way through installing leaves nothing behind before the next one is tried. The undone
+        entries stay in :attr:`records` as ``restored`` (or ``failed``).
+
+        Example::
+
+            >>> with Rewrite(label="apply") as tx:
+            ...     try:
+            ...         with tx.attempt("layers.0.attn"):
+            ...             install_fast_kernel(tx)
+            ...     except RuntimeError:
+            ...         install_portable_kernel(tx)
+        """
+        self._check_open(fqn)
+        first = len(self._entries)
+        try:
+            yield
+        except BaseException as exc:
+            for failure in _undo_in_reverse(self._entries[first:]):
+                _add_note(exc, f"hyperrecipe: undoing {failure} failed")
+            raise
 
     def replace_parameter(
         self,

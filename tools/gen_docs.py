@@ -57,7 +57,7 @@ KIND_SYNTAX: dict[str, str] = {
     "names": "list of identifiers, no repeats",
     "head_counts": "mapping: integer attribute of the module → mesh dim name",
     "reduce_grads": "mapping: direct parameter name → mesh dim name",
-    "wrapper": "string: an [inner wrapper](#inner-wrappers) name or `pkg.mod:callable`",
+    "wrapper": "string: an [inner wrapper](#inner-wrappers) name or `pkg.mod:callable`, or a list of them (fallback chain)",
     "string": "string",
     "version": "the integer `1`",
     "mesh_dims": "list of identifiers, no repeats",

@@ -183,11 +183,17 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     recipe = load_recipe(options.recipe)
     config = load_model_config(options.model_config)
     notes: list[str] = []
+    wraps_attention = any(rule.fields.inner_wrapper for rule in recipe.rules)
     if (options.model.startswith("hf:") and "validate" in options.modes
             and "attn_implementation" not in config):
-        config["attn_implementation"] = "eager"
-        notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA strategy, "
-                     "so validate mode needs eager attention; the reference uses the same)")
+        if wraps_attention:
+            notes.append("attn_implementation left at transformers' default (sdpa): the recipe's "
+                         "inner wrappers hook it and run attention on local tensors")
+        else:
+            config["attn_implementation"] = "eager"
+            notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA "
+                         "strategy, so validate mode needs eager attention; the reference uses "
+                         "the same)")
     progress(f"building {options.model} on the CPU (seed {options.seed})")
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
         model = build_seeded(options.model, config, options.seed)

@@ -20,6 +20,8 @@ _IDENT = r"^[A-Za-z_]\w*$"
 
 def _kind(kind: str) -> dict[str, Any]:
     named = {"$ref": "#/$defs/named_placement"}
+    wrapper_ref = {"type": "string", "anyOf": [{"enum": sorted(INNER_WRAPPERS)},
+                                               {"pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"}]}
     table: dict[str, dict[str, Any]] = {
         "pattern": {"type": "string", "minLength": 1},
         "conditions": {"type": "object", "additionalProperties": {
@@ -36,8 +38,8 @@ def _kind(kind: str) -> dict[str, Any]:
                         "additionalProperties": {"type": "string"}},
         "reduce_grads": {"type": "object", "propertyNames": {"pattern": _IDENT},
                          "additionalProperties": {"type": "string"}},
-        "wrapper": {"type": "string", "anyOf": [{"enum": sorted(INNER_WRAPPERS)},
-                                                 {"pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"}]},
+        "wrapper": {"anyOf": [wrapper_ref, {"type": "array", "items": wrapper_ref, "minItems": 1,
+                                             "uniqueItems": True}]},
         "string": {"type": "string"},
         "version": {"const": 1},
         "mesh_dims": {"type": "array", "items": {"type": "string", "pattern": _IDENT},
@@ -48,7 +50,8 @@ def _kind(kind: str) -> dict[str, Any]:
         "adapters": {"type": "array", "items": {
             "type": "object", "additionalProperties": False, "required": ["target"],
             "properties": {"target": {"type": "string", "pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\.[\w.]+$"},
-                           "mode": {"enum": ["wrap", "marshal"]}}}},
+                           "mode": {"enum": ["wrap", "marshal"]},
+                           "out_src": named}}},
     }
     return dict(table[kind])
 

@@ -71,7 +71,7 @@ class RuleFields:
     defer_bias: bool | None = None
     head_counts: tuple[tuple[str, str], ...] | None = None
     reduce_grads: tuple[tuple[str, str], ...] | None = None
-    inner_wrapper: str | None = None
+    inner_wrapper: tuple[str, ...] | None = None
     inner_out_src: Layout | None = None
     local_region: bool | None = None
 
@@ -115,13 +115,18 @@ class StyleDef:
 
 @attrs.frozen(kw_only=True)
 class AdapterSpec:
-    """A third-party method adapter (``adapters:``), carried into the plan."""
+    """A third-party method adapter (``adapters:``), carried into the plan.
+
+    ``out_src`` (``marshal`` only) declares the placements of the method's tensor outputs;
+    without it they take those of the first DTensor argument.
+    """
 
     target: str
     mode: Literal["wrap", "marshal"]
     file: str
     line: int
     column: int
+    out_src: NamedPlacement | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -17,6 +17,7 @@ from hyperrecipe.errors import RecipeError, did_you_mean
 from hyperrecipe.placement import (
     NamedPlacement,
     PlacementSyntaxError,
+    Shard,
     parse_named_placement,
     parse_placement,
 )
@@ -108,10 +109,17 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
                   "is all-reduced over in production mode, e.g. `{weight: tp}`. Sequence-parallel "
                   "norms and deferred biases on sharded outputs are found without it."),
     FieldSpec(name="inner_wrapper", kind="wrapper",
-              doc=f"A wrapper replacing the module's inner computation: a registry name "
-                  f"({', '.join(sorted(INNER_WRAPPERS))}) or `pkg.mod:callable`."),
+              doc=f"A wrapper replacing the module's inner computation (for transformers' "
+                  f"attention modules: the attention function; otherwise the module's compute), "
+                  f"run on local tensors in both modes: a registry name "
+                  f"({', '.join(sorted(INNER_WRAPPERS))}) or `pkg.mod:callable` made with "
+                  f"`@hyperrecipe.wrappers.inner_wrapper`, or a list of them: a fallback chain, of "
+                  f"which the first whose requirements hold and that installs is used."),
     FieldSpec(name="inner_out_src", kind="layout",
-              doc="Output layout the inner wrapper produces."),
+              doc="Layout of what the inner wrapper returns (by output position or name), e.g. "
+                  "`{0: {cp: shard(1)}}` for attention output `[batch, seq, heads, head_dim]`; "
+                  "validate mode wraps the wrapper's local results with it. Outputs it does not "
+                  "name are replicated."),
     FieldSpec(name="local_region", kind="bool",
               doc="Run the module's forward on local tensors in both modes (data-dependent code "
                   "such as MoE token dispatch); requires `out_src`."),
@@ -134,11 +142,17 @@ TOP_LEVEL_SPECS: tuple[FieldSpec, ...] = (
               doc="Recipe styles: name → rule fields (and optionally a base `style`)."),
     FieldSpec(name="rules", kind="rules", required=True, doc="Ordered rules."),
     FieldSpec(name="adapters", kind="adapters",
-              doc="Method adapters for third-party code: a list of `{target: pkg.mod:Class.method, "
-                  "mode: wrap|marshal}`."),
+              doc="Method adapters for third-party methods that validate mode cannot run on "
+                  "DTensors as they are: a list of `{target: pkg.mod:Class.method, mode: "
+                  "wrap|marshal, out_src: placement}`. `wrap` (default) makes plain tensor "
+                  "arguments replicated DTensors when another argument is a DTensor; `marshal` "
+                  "runs the method on the local tensors of its DTensor arguments and wraps its "
+                  "tensor outputs with `out_src` (default: the first DTensor argument's "
+                  "placements). Without DTensor arguments (production mode) both run the method "
+                  "untouched. See docs/adapters.md."),
 )
 
-ADAPTER_KEYS = ("target", "mode")
+ADAPTER_KEYS = ("target", "mode", "out_src")
 _RULE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS)
 _STYLE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS if s.name not in ("match", "when")) + ("doc",)
 _TOP_KEYS = tuple(s.name for s in TOP_LEVEL_SPECS)
@@ -246,13 +260,13 @@ def validate_document(doc: Document) -> FileContent:
     styles = data.get("styles", {})
     ctx.want(styles, dict, ("styles",), "a mapping of style name to fields")
     rules = ctx.want(data["rules"], list, ("rules",), "a list of rules")
-    adapters = _validate_adapters(ctx, data.get("adapters", []))
+    adapters = _validate_adapters(ctx, data.get("adapters", []), tuple(mesh))
     return FileContent(name=name, version=1, mesh=tuple(mesh), description=description,
                        extends=extends, unclaimed=unclaimed, raw_styles=styles, raw_rules=rules,
                        adapters=adapters)
 
 
-def _validate_adapters(ctx: _Ctx, raw: Any) -> tuple[AdapterSpec, ...]:
+def _validate_adapters(ctx: _Ctx, raw: Any, mesh: tuple[str, ...]) -> tuple[AdapterSpec, ...]:
     ctx.want(raw, list, ("adapters",), "a list of adapters")
     out: list[AdapterSpec] = []
     for i, item in enumerate(raw):
@@ -265,13 +279,26 @@ def _validate_adapters(ctx: _Ctx, raw: Any) -> tuple[AdapterSpec, ...]:
         if not _CALLABLE_REF.match(target) or "." not in target.split(":", 1)[1]:
             raise ctx.fail(f"adapter target {target!r} is not `pkg.mod:Class.method`",
                            (*path, "target"))
+        first = next((a for a in out if a.target == target), None)
+        if first is not None:
+            raise ctx.fail(f"adapter target {target!r} is listed twice (first at line "
+                           f"{first.line}); one method takes one adapter", (*path, "target"))
         mode = item.get("mode", "wrap")
         if mode not in ("wrap", "marshal"):
             raise ctx.fail(f"adapter mode must be 'wrap' or 'marshal', found {_describe(mode)}",
                            (*path, "mode"))
+        out_src = None
+        if "out_src" in item:
+            if mode != "marshal":
+                raise ctx.fail("out_src applies to mode 'marshal' only (a 'wrap' adapter returns "
+                               "the method's outputs as they are)", (*path, "out_src"), key=True)
+            out_src = _placement(ctx, item["out_src"], (*path, "out_src"), mesh)
+            if any(isinstance(q, Shard) and q.is_chunked for _, q in out_src.dims):
+                raise ctx.fail(f"adapter out_src {out_src} is a chunked shard, which has no "
+                               f"DTensor placement", (*path, "out_src"))
         span = ctx.positions.span(path)
         out.append(AdapterSpec(target=target, mode=mode, file=span.path, line=span.line,
-                               column=span.column))
+                               column=span.column, out_src=out_src))
     return tuple(out)
 
 
@@ -406,12 +433,24 @@ _head_counts = _names_to_mesh_dims("attribute name", "head count divided by",
 _reduce_grads = _names_to_mesh_dims("parameter name", "gradient reduced over", "{weight: tp}")
 
 
-def _wrapper(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> str:
-    ctx.want(raw, str, path, "a wrapper registry name or `pkg.mod:callable`")
-    if raw in INNER_WRAPPERS or _CALLABLE_REF.match(raw):
-        return str(raw)
-    raise ctx.fail(f"unknown inner wrapper {raw!r}{did_you_mean(raw, INNER_WRAPPERS)}", path,
-                   hint=f"expected one of {', '.join(sorted(INNER_WRAPPERS))} or `pkg.mod:callable`")
+def _wrapper(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[str, ...]:
+    """One wrapper, or a fallback chain of them (the first eligible one is installed)."""
+    what = "a wrapper registry name or `pkg.mod:callable`, or a list of them (a fallback chain)"
+    items = raw if isinstance(raw, list) else [raw]
+    if isinstance(raw, list) and not raw:
+        raise ctx.fail("an inner wrapper chain needs at least one wrapper", path, hint=what)
+    out: list[str] = []
+    for i, item in enumerate(items):
+        where: PathKey = (*path, i) if isinstance(raw, list) else path
+        ctx.want(item, str, where, what)
+        if not (item in INNER_WRAPPERS or _CALLABLE_REF.match(item)):
+            raise ctx.fail(f"unknown inner wrapper {item!r}{did_you_mean(item, INNER_WRAPPERS)}",
+                           where, hint=f"expected one of {', '.join(sorted(INNER_WRAPPERS))} or "
+                                       f"`pkg.mod:callable`")
+        if item in out:
+            raise ctx.fail(f"inner wrapper {item!r} appears twice in the chain", where)
+        out.append(str(item))
+    return tuple(out)
 
 
 _FIELD_PARSERS: dict[str, Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]] = {

@@ -52,6 +52,7 @@ __all__ = ["resolve_recipe"]
 INDEX_INPUTS: dict[str, frozenset[str]] = {
     "torch.nn.modules.sparse.Embedding": frozenset({"input"}),
     "torch.nn.modules.sparse.EmbeddingBag": frozenset({"input", "offsets", "per_sample_weights"}),
+    "transformers.models.mixtral.modeling_mixtral.MixtralExperts": frozenset({"top_k_index"}),
 }
 """Inputs that are integer indices: they carry no gradient, so no backward collective."""
 
@@ -508,13 +509,43 @@ class _Resolver:
                               f"must declare their placement", span=c.rule.span("local_region"),
                               path=f"{c.rule.json_path}.local_region", rule_index=c.rule.index)
         wrapper = self.get(fqn, "inner_wrapper")
+        if wrapper is not None:
+            self._check_wrappers(fqn, wrapper)
         plan = BoundaryPlan(
             fqn=fqn, module_class=module.cls, depth=depth, parent=parent, inputs=tuple(inputs),
             outputs=tuple(outputs), out_names=out_names, defer_bias=tuple(deferred),
-            inner_wrapper=wrapper.value if wrapper else None,
+            inner_wrapper=wrapper.value if wrapper else (),
             inner_out_src=tuple(inner_out), local_region=bool(local_region and local_region.value),
             transitions=transitions, provenance=tuple(provenance))
         return plan, sharded_inputs
+
+    def _check_wrappers(self, fqn: str, claim: _Claim) -> None:
+        """Every candidate of an inner-wrapper chain loads and finds its mesh dims.
+
+        Loading imports the wrapper's module (built-ins live in the runtime; nothing runs but
+        the decorator), so a typo in a custom reference fails here, not on a cluster.
+        """
+        from hyperrecipe.wrappers import load_wrapper
+
+        rule = claim.rule
+        for i, ref in enumerate(claim.value):
+            sub: tuple[str | int, ...] = ("inner_wrapper", i) if len(claim.value) > 1 else (
+                "inner_wrapper",)
+            span = rule.span(*sub) if "inner_wrapper" in rule.explicit else rule.span("match")
+            path = f"{rule.json_path}.inner_wrapper"
+            try:
+                spec = load_wrapper(ref)
+            except Exception as exc:  # noqa: BLE001 - user code: report it at the recipe line
+                raise RecipeError(f"inner wrapper of {fqn!r}: {exc}", span=span, path=path,
+                                  rule_index=rule.index) from None
+            missing = [d for d in spec.mesh_dims if d not in self.mesh_in]
+            if missing:
+                raise RecipeError(
+                    f"inner wrapper {ref!r} of {fqn!r} works over mesh dim(s) "
+                    f"{', '.join(missing)}, which the mesh lacks", span=span, path=path,
+                    rule_index=rule.index,
+                    hint=f"mesh: {_mesh_text(self.mesh_in)}; declared by the wrapper: "
+                         f"{list(spec.mesh_dims)}")
 
     def _placed(self, claim: _Claim | None, fqn: str, field: str, key: Any) -> NamedPlacement:
         if claim is None:
@@ -714,9 +745,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
             manifest.append(ManifestEntry(boundary=regions.get(p.module) or "", stage="param_grad",
                                           name=p.fqn, mesh_dim=op.mesh_dim, direction="backward",
                                           op=op))
-    adapters = tuple(AdapterPlan(target=a.target, mode=a.mode, provenance=Provenance(
-        file=a.file, line=a.line, column=a.column, rule_index=-1, reason=f"adapter {a.mode}"))
-        for a in recipe.adapters)
+    adapters = _adapter_plans(recipe)
     model_digest = tree.digest()
     return Plan(
         format=PLAN_FORMAT, recipe=recipe.name, recipe_files=recipe.files,
@@ -725,3 +754,58 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         rules=tuple(r.rule_refs), params=params, boundaries=tuple(boundaries),
         head_counts=r.head_counts(), manifest=tuple(manifest), adapters=adapters,
     ).sealed()
+
+
+def _adapter_plans(recipe: Recipe) -> tuple[AdapterPlan, ...]:
+    """The recipe's adapters, one per target: a recipe that ``extends`` another may re-declare
+    a base's adapter (its own entry wins, as its rules refine the base's); one file may not
+    declare a target twice (the loader refuses it).
+
+    Targets are not imported here: resolving stays free of import side effects, and the
+    adapted package need not be installed where the plan is compiled. A target whose module
+    the model already imported is checked, though, so a misspelt class or method of the model's
+    own code fails at compile time with its recipe line; the rest are found by ``apply``.
+
+    Raises:
+        RecipeError: a target's module is imported and lacks the class or the method.
+    """
+    chosen: dict[str, AdapterPlan] = {}
+    index_in_file: dict[str, int] = {}
+    for a in recipe.adapters:
+        i = index_in_file.get(a.file, 0)
+        index_in_file[a.file] = i + 1
+        reason = f"adapter {a.mode}" + (f" (output placement {a.out_src})" if a.out_src else "")
+        earlier = chosen.get(a.target)
+        if earlier is not None:
+            reason += f"; overrides {earlier.provenance.file}:{earlier.provenance.line}"
+        plan = AdapterPlan(target=a.target, mode=a.mode, out_src=a.out_src, provenance=Provenance(
+            file=a.file, line=a.line, column=a.column, rule_index=-1, reason=reason))
+        _check_imported_target(plan, f"$.adapters[{i}].target")
+        chosen.pop(a.target, None)
+        chosen[a.target] = plan
+    return tuple(chosen.values())
+
+
+def _check_imported_target(adapter: AdapterPlan, path: str) -> None:
+    import sys
+
+    module = sys.modules.get(adapter.module_name)
+    if module is None:
+        return
+    prov = adapter.provenance
+    span = SourceSpan(path=prov.file, line=prov.line, column=prov.column)
+    owner: Any = module
+    walked = adapter.module_name
+    for part in (*adapter.class_path, adapter.method_name):
+        if not hasattr(owner, part):
+            names = [n for n in dir(owner) if not n.startswith("_")]
+            raise RecipeError(f"adapter target {adapter.target!r}: {walked} has no attribute "
+                              f"{part!r}{did_you_mean(part, names)}", span=span, path=path)
+        owner = getattr(owner, part)
+        walked = f"{walked}{':' if walked == adapter.module_name else '.'}{part}"
+        if part != adapter.method_name and not isinstance(owner, type):
+            raise RecipeError(f"adapter target {adapter.target!r}: {walked} is not a class",
+                              span=span, path=path)
+    if not callable(owner):
+        raise RecipeError(f"adapter target {adapter.target!r} is not a method", span=span,
+                          path=path)

@@ -2,7 +2,8 @@
 
 What lives here: ``install.apply`` (checks, parameter sharding, head counts, boundary install, all in
 one rewriter transaction), the boundary wrapper body shared by both modes (``boundary``), the
-per-mode converters (``layouts``), local kernels production needs (``compute``), shard layout
+per-mode converters (``layouts``), method adapters for third-party code (``adapters``), moving
+values between DTensor and local tensors (``marshal``), local kernels production needs (``compute``), shard layout
 math (``sharding``), production collectives with their autograd duals (``collectives``) and the
 ``Installation`` handle. What does not: resolving recipes (the plan is final here) and any
 direct assignment of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).

@@ -15,15 +15,29 @@ from torch import Tensor, nn
 
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.runtime.layouts import Converter, Redistributor
+from hyperrecipe.runtime.marshal import map_tensors
 
 __all__ = ["make_boundary_forward"]
 
 Forward = Callable[..., Any]
 
 
+def _each_tensor(convert: Converter) -> Converter:
+    """A declared argument that is a tuple or list of tensors (a rotary ``(cos, sin)`` pair) has
+    every tensor in it converted alike."""
+
+    def each(value: Any, name: str) -> Any:
+        if isinstance(value, Tensor):
+            return convert(value, name)
+        return map_tensors(value, lambda t: convert(t, name))
+
+    return each
+
+
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
                  ) -> tuple[tuple[int | None, str, Converter], ...]:
-    return tuple((a.position, a.name, redist.input_converter(boundary, a)) for a in layouts)
+    return tuple((a.position, a.name, _each_tensor(redist.input_converter(boundary, a)))
+                 for a in layouts)
 
 
 def _get_output(out: Any, position: int, name: str) -> Any:

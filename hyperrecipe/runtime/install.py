@@ -1,8 +1,8 @@
 """``apply``: put a compiled plan onto a live model, atomically, on every rank.
 
 Order inside one rewriter transaction: parameters (local shards, or DTensors in validate mode;
-tied parameters stay one object), head counts (production), then boundary forwards, innermost
-first. Before anything changes, the plan is checked against the model's structure, the
+tied parameters stay one object), head counts (production), method adapters, then boundary
+forwards, innermost first. Before anything changes, the plan is checked against the model's structure, the
 ``DeviceMesh`` and the other ranks' plans; after everything is installed, every rank votes, so
 a failure on one rank rolls back all of them instead of leaving ranks out of step.
 """
@@ -21,6 +21,7 @@ from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Shard, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
+from hyperrecipe.runtime.adapters import install_adapters
 from hyperrecipe.runtime.boundary import make_boundary_forward
 from hyperrecipe.runtime.collectives import execute, group_for
 from hyperrecipe.runtime.compute import (
@@ -29,6 +30,7 @@ from hyperrecipe.runtime.compute import (
     local_padding_idx,
     vocab_parallel_embedding,
 )
+from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
 from hyperrecipe.runtime.sharding import gather_full, local_shard
@@ -139,6 +141,7 @@ class _Applier:
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
+        self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
 
     def shard_parameters(self, tx: Rewrite) -> None:
         regions = _regions(self.plan)
@@ -249,12 +252,19 @@ class _Applier:
         for h in self.plan.head_counts:
             tx.set_attribute(self.modules[h.module], h.attr, h.local_value, fqn=h.module)
 
+    def install_adapters(self, tx: Rewrite) -> None:
+        """The plan's method adapters. Before the boundaries: a boundary binds its module's
+        class forward when it is installed, and that forward may be an adapted method."""
+        install_adapters(tx, self.plan.adapters, self.mesh_dims)
+
     def install_boundaries(self, tx: Rewrite) -> None:
         redist: Redistributor = (ProductionRedistributor(self.mesh) if self.mode == "production"
                                  else ValidateRedistributor(self.mesh, self.mesh_dims))
         for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
             module = self.modules[b.fqn]
             compute, bias = self._compute(b, module, tx)
+            if b.inner_wrapper:
+                compute = self.inner.install(tx, b, module, compute)
             forward = make_boundary_forward(b, compute, redist, deferred_bias=bias)
             tx.install_forward(module, forward, fqn=b.fqn, companions={"_hyperrecipe_boundary": b})
 
@@ -320,6 +330,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         try:
             applier.shard_parameters(tx)
             applier.set_head_counts(tx)
+            applier.install_adapters(tx)
             applier.install_boundaries(tx)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
@@ -331,5 +342,6 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
     return Installation(model=model, plan=plan, mode=mode, rewritten=tx.result,
-                        full_value=applier.full_value, mesh=mesh, params=applier.new_params)
+                        full_value=applier.full_value, mesh=mesh, params=applier.new_params,
+                        wrapper_choices=applier.inner.choices)
 

@@ -6,7 +6,7 @@ every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
-from hyperrecipe.rewriter import Rewritten
+from hyperrecipe.rewriter import RewriteRecord, Rewritten
+from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.sharding import local_shard
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,7 +45,8 @@ class Installation:
 
     def __init__(self, *, model: nn.Module, plan: Plan, mode: str, rewritten: Rewritten,
                  full_value: Callable[[ParamPlan, Tensor], Tensor], mesh: DeviceMesh,
-                 params: Mapping[str, nn.Parameter]) -> None:
+                 params: Mapping[str, nn.Parameter],
+                 wrapper_choices: Sequence[WrapperChoice] = ()) -> None:
         self.model = model
         self.plan = plan
         self.mode = mode
@@ -52,12 +54,25 @@ class Installation:
         self._rewritten = rewritten
         self._full_value = full_value
         self._params = dict(params)
+        self._wrapper_choices = tuple(wrapper_choices)
 
     def status(self) -> list[StatusRow]:
-        """A row per install: fqn, what (``forward``, ``parameter weight``…), state, error."""
-        return [StatusRow(fqn=r.fqn, what=r.what if r.kind in ("forward", "method")
-                          else f"{r.kind} {r.what}", state=r.state, error=r.error)
+        """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
+        marshal``…), state, error. An adapter's fqn is its target, ``pkg.mod:Class.method``."""
+        adapters = {a.target: a.mode for a in self.plan.adapters}
+
+        def what(r: RewriteRecord) -> str:
+            if r.kind == "method" and r.fqn in adapters:
+                return f"adapter {adapters[r.fqn]}"
+            return r.what if r.kind in ("forward", "method") else f"{r.kind} {r.what}"
+
+        rows = [StatusRow(fqn=r.fqn, what=what(r), state=r.state, error=r.error)
                 for r in self._rewritten.records]
+        rows.extend(StatusRow(fqn=c.fqn, what=f"inner wrapper {c.wrapper}",
+                              state=c.state if not self.restored or c.state != "installed"
+                              else "restored", error=c.reason)
+                    for c in self._wrapper_choices)
+        return rows
 
     def _own(self) -> list[ParamPlan]:
         return [p for p in self.plan.params if p.tied_to is None]

@@ -1,0 +1,213 @@
+"""Installing a boundary's inner wrapper: the fallback chain, the hooks, the local-tensor edge.
+
+For each candidate of a boundary's ``inner_wrapper`` chain, in order: its requirements are
+checked (an unmet one makes it *ineligible*, and the reason is kept); an eligible candidate is
+built and hooked in inside a rewriter savepoint, so a candidate that raises half way through is
+rolled back before the next is tried. The first that installs is used; when none does,
+:class:`~hyperrecipe.errors.PlanMismatchError` lists every candidate and why it was passed over.
+Every decision shows in ``Installation.status()``.
+
+Hooks (:data:`~hyperrecipe.wrappers.Hook`):
+
+- ``attention``: transformers' attention modules call
+  ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``. A dispatcher is
+  set (through the rewriter) as that registry's local entry for the module's implementation;
+  it calls the module's wrapper when the module has one (a companion attribute) and the
+  original function for every other module, so other models in the process are unaffected.
+  ``eager`` is not in the registry (models call their own function directly) and cannot be
+  hooked: such a module is refused with the fix (build it with ``attn_implementation="sdpa"``).
+- ``forward``: the wrapper receives the boundary's compute (the module's forward) and replaces
+  it inside the boundary.
+
+The edge: wrappers compute on local tensors in both modes. In validate mode the DTensor
+arguments are unwrapped once (refusing ``partial`` ones, whose local values are summands) and
+the results wrapped with the boundary's ``inner_out_src`` (outputs it does not name:
+replicated). In production the arguments are local already and the edge is a pass-through.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from torch import nn
+
+from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
+from hyperrecipe.placement import REPLICATED, to_torch_placements
+from hyperrecipe.plan import BoundaryPlan
+from hyperrecipe.rewriter import Rewrite
+from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
+from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["InnerWrapperInstaller", "WrapperChoice"]
+
+ATTENTION_COMPANION = "_hyperrecipe_attention"
+_DISPATCHER_MARK = "__hyperrecipe_dispatcher__"
+
+
+@attrs.frozen(kw_only=True)
+class WrapperChoice:
+    """One candidate of one boundary's chain and what became of it."""
+
+    fqn: str
+    wrapper: str
+    state: str  # "installed", "ineligible", "failed" (rolled back), "not tried"
+    reason: str | None = None
+
+
+def _attention_registry() -> MutableMapping[str, Any] | None:
+    utils = sys.modules.get("transformers.modeling_utils")
+    registry = getattr(utils, "ALL_ATTENTION_FUNCTIONS", None)
+    return registry if isinstance(registry, MutableMapping) else None
+
+
+class InnerWrapperInstaller:
+    """Installs the inner wrappers of one ``apply`` (one per applier: it owns the dispatchers
+    it set, and refuses a registry entry another live installation set)."""
+
+    def __init__(self, *, mesh: DeviceMesh, mesh_dims: tuple[str, ...], mode: str) -> None:
+        self.mesh, self.mesh_dims, self.mode = mesh, mesh_dims, mode
+        self.choices: list[WrapperChoice] = []
+        self._dispatchers: dict[str, Callable[..., Any]] = {}
+
+    def install(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                compute: Callable[..., Any]) -> Callable[..., Any]:
+        """Install the first eligible candidate of ``boundary.inner_wrapper``; return the
+        compute the boundary runs (``compute`` itself for the attention hook).
+
+        Raises:
+            PlanMismatchError: no candidate is eligible and installs (every reason listed).
+        """
+        fqn = boundary.fqn
+        tried: list[WrapperChoice] = []
+        for i, ref in enumerate(boundary.inner_wrapper):
+            spec = load_wrapper(ref)
+            ctx = WrapperContext(fqn=fqn, module=module, mode=self.mode, mesh=self.mesh,
+                                 mesh_dims=spec.mesh_dims,
+                                 set_attribute=lambda o, n, v: tx.set_attribute(o, n, v, fqn=fqn))
+            unmet = self._unmet(spec, ctx)
+            if unmet is not None:
+                tried.append(WrapperChoice(fqn=fqn, wrapper=ref, state="ineligible", reason=unmet))
+                continue
+            try:
+                with tx.attempt(fqn):
+                    result = self._install_one(tx, spec, ctx, boundary, module, compute)
+            except Exception as exc:  # noqa: BLE001 - the next candidate is tried; all reported
+                tried.append(WrapperChoice(fqn=fqn, wrapper=ref, state="failed",
+                                           reason=f"{type(exc).__name__}: {exc}"))
+                continue
+            tried.append(WrapperChoice(fqn=fqn, wrapper=ref, state="installed"))
+            tried.extend(WrapperChoice(fqn=fqn, wrapper=rest, state="not tried")
+                         for rest in boundary.inner_wrapper[i + 1:])
+            self.choices.extend(tried)
+            return result
+        self.choices.extend(tried)
+        reasons = "; ".join(f"{c.wrapper}: {c.state} ({c.reason})" for c in tried)
+        msg = f"{fqn}: no inner wrapper of the chain could be installed: {reasons}"
+        raise PlanMismatchError(msg)
+
+    @staticmethod
+    def _unmet(spec: WrapperSpec, ctx: WrapperContext) -> str | None:
+        for need in spec.requires:
+            try:
+                reason = need.check(ctx)
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run is not met
+                reason = f"check raised {type(exc).__name__}: {exc}"
+            if reason is not None:
+                return f"requires {need.what}: {reason}"
+        return None
+
+    def _install_one(self, tx: Rewrite, spec: WrapperSpec, ctx: WrapperContext,
+                     boundary: BoundaryPlan, module: nn.Module,
+                     compute: Callable[..., Any]) -> Callable[..., Any]:
+        built: object = spec.factory(ctx)  # user code: the annotation is not a guarantee
+        if not callable(built):
+            msg = f"inner wrapper {spec.name!r} returned {type(built).__name__}, not a callable"
+            raise PlanMismatchError(msg)
+        edged = self._edge(built, boundary)
+        if spec.hook == "forward":
+            def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
+                return edged(compute, *args, **kwargs)
+
+            return wrapped_compute
+        self._hook_attention(tx, boundary.fqn, module)
+        tx.set_attribute(module, ATTENTION_COMPANION, edged, fqn=boundary.fqn)
+        return compute
+
+    def _hook_attention(self, tx: Rewrite, fqn: str, module: nn.Module) -> None:
+        config = getattr(module, "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if not isinstance(impl, str):
+            msg = (f"{fqn}: the attention hook needs a transformers attention module (one with "
+                   f"config._attn_implementation); {type(module).__name__} has none — declare "
+                   f"the wrapper with hook='forward'")
+            raise PlanMismatchError(msg)
+        registry = _attention_registry()
+        if registry is None or impl == "eager" or impl not in registry:
+            msg = (f"{fqn}: attention implementation {impl!r} is not looked up through "
+                   f"transformers' AttentionInterface (eager attention is called directly), so "
+                   f"it cannot be wrapped; build the model with attn_implementation='sdpa'")
+            raise PlanMismatchError(msg)
+        if impl in self._dispatchers:
+            return
+        current = registry[impl]
+        if getattr(current, _DISPATCHER_MARK, False):
+            msg = (f"{fqn}: attention {impl!r} is already hooked by another hyperrecipe "
+                   f"installation; restore it before applying a second plan with inner wrappers")
+            raise PlanMismatchError(msg)
+        original = current
+
+        def dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            wrapper = module.__dict__.get(ATTENTION_COMPANION)
+            if wrapper is None:
+                return original(module, *args, **kwargs)
+            return wrapper(original, module, *args, **kwargs)
+
+        setattr(dispatch, _DISPATCHER_MARK, True)
+        local = getattr(registry, "_local_mapping", None)  # transformers' per-instance overrides
+        target: MutableMapping[str, Any] = local if isinstance(local, dict) else registry
+        tx.set_item(target, impl, dispatch, fqn=f"transformers ALL_ATTENTION_FUNCTIONS[{impl!r}]")
+        self._dispatchers[impl] = dispatch
+
+    def _edge(self, fn: Callable[..., Any], boundary: BoundaryPlan) -> Callable[..., Any]:
+        """``fn`` (called as ``fn(original, *args, **kwargs)``) on local tensors."""
+        if self.mode == "production":
+            return fn
+        mesh, fqn = self.mesh, boundary.fqn
+        placements = {a.position if a.position is not None else 0:
+                      to_torch_placements(a.dst, self.mesh_dims) for a in boundary.inner_out_src}
+        replicated = to_torch_placements(REPLICATED, self.mesh_dims)
+        names = {a.position if a.position is not None else 0: a.name
+                 for a in boundary.inner_out_src}
+
+        def refuse_partial(t: Any) -> Any:
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+                raise PlacementMismatchError(fqn, "inner wrapper input", "not partial",
+                                             "partial", stage="input")
+            return t
+
+        def edged(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            map_tensors((args, kwargs), refuse_partial)
+            meshes: list[Any] = []
+            local_args = to_local_tree(args, meshes)
+            local_kwargs = to_local_tree(kwargs, meshes)
+            out = fn(original, *local_args, **local_kwargs)
+            if not meshes:
+                return out
+            where = f"{fqn} inner wrapper"
+            if not isinstance(out, (tuple, list)):
+                return wrap_local_tree(out, mesh, placements.get(0, replicated), where=where)
+            return type(out)(
+                wrap_local_tree(v, mesh, placements.get(i, replicated),
+                                where=f"{where} output {names.get(i, i)}")
+                for i, v in enumerate(out))
+
+        return edged
+

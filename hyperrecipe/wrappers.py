@@ -1,0 +1,241 @@
+"""Inner wrappers: named, declared replacements for a boundary module's inner computation.
+
+A boundary converts its inputs and outputs between layouts; an *inner wrapper* replaces what runs
+in between with code that knows the parallel layout: context-parallel attention that all-gathers
+K/V along the sequence, Ulysses' all-to-all between heads and sequence, a user's own kernel.
+
+An inner wrapper is a **factory** decorated with :func:`inner_wrapper`. The decorator declares,
+as data the resolver can read without running anything:
+
+- ``hook``: what is replaced. ``"attention"``: the attention function a transformers attention
+  module looks up by ``config._attn_implementation`` (the wrapper is called with that original
+  function and the module's query/key/value); ``"forward"``: the boundary module's own compute.
+- ``mesh_dims``: the mesh dims whose process groups the wrapper receives (``("cp",)``); a recipe
+  naming it on a mesh without them is refused at compile time.
+- ``requires``: :class:`Requirement` checks run at install time (a backend, a device, an
+  installed package, a property of the module). An unmet requirement makes the wrapper
+  *ineligible*; a recipe may give a fallback chain (``inner_wrapper: [ulysses, cp_allgather_kv]``)
+  of which the first eligible wrapper that installs is used.
+
+At install time the factory is called once per module with a :class:`WrapperContext` (the
+module, its process groups, the mode) and returns the callable used on every call; all
+decisions are made there, none per call. The callable always computes on **local tensors**: in
+validate mode the runtime unwraps DTensor arguments before the call and wraps the results with
+the recipe's ``inner_out_src``, so the same code runs in both modes.
+
+Example::
+
+    from hyperrecipe.wrappers import inner_wrapper, requires_package
+
+    @inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(requires_package("flash_attn"),))
+    def ring_flash(ctx):
+        group = ctx.group("cp")
+        def attention(original, module, query, key, value, attention_mask, **kwargs):
+            ...  # local tensors in, local (output, weights) out
+        return attention
+
+Recipes name it ``inner_wrapper: mypkg.attn:ring_flash``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import attrs
+
+from hyperrecipe.errors import PlanMismatchError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "BUILTIN_WRAPPERS",
+    "Hook",
+    "Requirement",
+    "WrapperContext",
+    "WrapperSpec",
+    "inner_wrapper",
+    "load_wrapper",
+    "requires_backend",
+    "requires_device",
+    "requires_package",
+    "requirement",
+]
+
+Hook = Literal["attention", "forward"]
+
+BUILTIN_WRAPPERS: Mapping[str, str] = {
+    "cp_allgather_kv": "hyperrecipe.runtime.context_parallel:cp_allgather_kv",
+    "ulysses": "hyperrecipe.runtime.context_parallel:ulysses",
+}
+"""Registry name → ``pkg.mod:factory`` of the built-in wrappers (imported only when used)."""
+
+
+@attrs.frozen(kw_only=True)
+class Requirement:
+    """Something a wrapper needs at install time.
+
+    ``check(ctx)`` returns ``None`` when the need is met, else the reason it is not (shown in
+    ``Installation.status()`` and in the error when no wrapper of a chain is eligible).
+    """
+
+    what: str
+    check: Callable[[WrapperContext], str | None] = attrs.field(eq=False)
+
+
+def requirement(what: str) -> Callable[[Callable[[WrapperContext], str | None]], Requirement]:
+    """Decorator form: ``@requirement("divisible kv heads") def check(ctx): ...``."""
+
+    def make(check: Callable[[WrapperContext], str | None]) -> Requirement:
+        return Requirement(what=what, check=check)
+
+    return make
+
+
+def requires_backend(*names: str) -> Requirement:
+    """The process groups of the wrapper's mesh dims use one of ``names`` (``"nccl"``)."""
+
+    def check(ctx: WrapperContext) -> str | None:
+        found = ctx.backend()
+        return None if found in names else f"backend is {found}, needs {' or '.join(names)}"
+
+    return Requirement(what=f"backend {'|'.join(names)}", check=check)
+
+
+def requires_device(device_type: str) -> Requirement:
+    """The mesh lives on ``device_type`` (``"cuda"``)."""
+
+    def check(ctx: WrapperContext) -> str | None:
+        found = ctx.mesh.device_type
+        return None if found == device_type else f"mesh is on {found}, needs {device_type}"
+
+    return Requirement(what=f"device {device_type}", check=check)
+
+
+def requires_package(name: str) -> Requirement:
+    """Package ``name`` is importable (a fused kernel's package, such as ``flash_attn``)."""
+
+    def check(ctx: WrapperContext) -> str | None:
+        return None if importlib.util.find_spec(name) is not None else f"{name} is not installed"
+
+    return Requirement(what=f"package {name}", check=check)
+
+
+@attrs.frozen(kw_only=True)
+class WrapperSpec:
+    """What :func:`inner_wrapper` declares about a factory."""
+
+    name: str
+    hook: Hook
+    mesh_dims: tuple[str, ...]
+    requires: tuple[Requirement, ...]
+    factory: Callable[[WrapperContext], Callable[..., Any]] = attrs.field(eq=False)
+
+
+_SPEC_ATTRIBUTE = "__hyperrecipe_wrapper__"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
+                  mesh_dims: Sequence[str] = (), requires: Sequence[Requirement] = ()
+                  ) -> Callable[[F], F]:
+    """Declare a factory as an inner wrapper (see the module docstring).
+
+    Args:
+        name: shown in plans and status (default: the factory's ``__name__``).
+        hook: ``"attention"`` or ``"forward"``.
+        mesh_dims: the mesh dims whose groups :meth:`WrapperContext.group` hands out.
+        requires: install-time checks; the wrapper is skipped in a chain when one fails.
+
+    Returns:
+        The factory itself, marked with its :class:`WrapperSpec`.
+    """
+    if hook not in ("attention", "forward"):
+        raise ValueError(f"hook must be 'attention' or 'forward', not {hook!r}")
+
+    def mark(factory: F) -> F:
+        spec = WrapperSpec(name=name or factory.__name__, hook=hook, mesh_dims=tuple(mesh_dims),
+                           requires=tuple(requires), factory=factory)
+        setattr(factory, _SPEC_ATTRIBUTE, spec)
+        return factory
+
+    return mark
+
+
+class WrapperError(PlanMismatchError):
+    """A wrapper reference cannot be loaded, or is not an inner wrapper."""
+
+
+def load_wrapper(ref: str) -> WrapperSpec:
+    """The spec of a built-in name or a ``pkg.mod:callable`` reference.
+
+    Raises:
+        WrapperError: the module or attribute does not exist, or it is not decorated with
+            :func:`inner_wrapper`.
+    """
+    target = BUILTIN_WRAPPERS.get(ref, ref)
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WrapperError(f"inner wrapper {ref!r}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise WrapperError(f"inner wrapper {ref!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    spec = getattr(obj, _SPEC_ATTRIBUTE, None)
+    if not isinstance(spec, WrapperSpec):
+        msg = (f"inner wrapper {ref!r} is not declared with @hyperrecipe.wrappers.inner_wrapper "
+               f"(it must be a factory taking a WrapperContext)")
+        raise WrapperError(msg)
+    return spec
+
+
+class WrapperContext:
+    """What a wrapper factory receives at install time (one per module and candidate).
+
+    Attributes:
+        fqn: the boundary module's FQN.
+        module: the module.
+        mode: ``"production"`` or ``"validate"``.
+        mesh: the whole ``DeviceMesh``.
+        mesh_dims: the wrapper's declared mesh dims.
+    """
+
+    def __init__(self, *, fqn: str, module: nn.Module, mode: str, mesh: DeviceMesh,
+                 mesh_dims: Sequence[str], set_attribute: Callable[[object, str, object], None]
+                 ) -> None:
+        self.fqn = fqn
+        self.module = module
+        self.mode = mode
+        self.mesh = mesh
+        self.mesh_dims = tuple(mesh_dims)
+        self._set_attribute = set_attribute
+
+    def group(self, mesh_dim: str) -> Any:
+        """``(group, size, rank)`` of one declared mesh dim (a ``MeshDimGroup``)."""
+        if mesh_dim not in self.mesh_dims:
+            msg = (f"{self.fqn}: the wrapper asked for mesh dim {mesh_dim!r} but declares "
+                   f"{list(self.mesh_dims)}")
+            raise PlanMismatchError(msg)
+        from hyperrecipe.runtime.collectives import group_for
+
+        return group_for(self.mesh, mesh_dim)
+
+    def backend(self) -> str:
+        """The process-group backend of the wrapper's first mesh dim (or the default group)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return "none"
+        group = self.group(self.mesh_dims[0]).group if self.mesh_dims else None
+        return str(dist.get_backend(group))
+
+    def set_attribute(self, obj: object, name: str, value: object) -> None:
+        """Change an attribute for as long as the plan is applied (through the rewriter: undone
+        if this wrapper fails to install, restored with everything else)."""
+        self._set_attribute(obj, name, value)

@@ -1,0 +1,59 @@
+"""Context-parallel attention: the offset causal mask per rank, and the shipped CP recipes through
+``hyperrecipe check`` (both modes, against one process), plus the fallback chain's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperrecipe.runtime.context_parallel import causal_mask_for_rank
+
+CHECK = ["--model", "hf:llama", "--model-config", "recipes/models/tiny-llama.json", "-q"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("window", [None, 3])
+def test_offset_causal_mask_is_the_ranks_rows_of_the_full_mask(cp: int, window: int | None) -> None:
+    seq = 8
+    full = causal_mask_for_rank(seq, seq, 0, sliding_window=window)
+    reference = torch.ones(seq, seq).tril().bool()
+    if window is not None:
+        reference &= torch.ones(seq, seq).triu(-(window - 1)).bool()
+    assert torch.equal(full, reference)
+    rows = seq // cp
+    for rank in range(cp):
+        mine = causal_mask_for_rank(rows, seq, rank * rows, sliding_window=window)
+        assert torch.equal(mine, reference[rank * rows:(rank + 1) * rows])
+
+
+def test_is_causal_top_left_alignment_would_be_wrong_off_rank_zero() -> None:
+    # what SDPA's is_causal builds for q_len != kv_len: query i sees keys 0..i
+    top_left = torch.ones(4, 8).tril().bool()
+    assert torch.equal(causal_mask_for_rank(4, 8, 0), top_left)
+    assert not torch.equal(causal_mask_for_rank(4, 8, 4), top_left)
+
+
+@pytest.mark.parametrize(("recipe", "mesh"), [("recipes/llama-cp.yaml", "cp=2"),
+                                              ("recipes/llama-tp-cp.yaml", "tp=2,cp=2")])
+def test_cp_recipes_agree_with_one_process_in_both_modes(recipe: str, mesh: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    code = main(["check", recipe, "--mesh", mesh, *CHECK])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "production  agree" in out and "validate    agree" in out
+
+
+def test_without_the_wrapper_cp_attention_diverges(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    text = open("recipes/llama-cp.yaml").read()
+    text = "\n".join(line for line in text.splitlines()
+                     if "inner_wrapper:" not in line and "inner_out_src:" not in line)
+    path = tmp_path / "nowrap.yaml"
+    path.write_text(text)
+    from hyperrecipe.cli import main
+
+    code = main(["check", str(path), "--mesh", "cp=2", "--mode", "production", *CHECK])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "first divergent boundary: model.layers.0.self_attn" in out
