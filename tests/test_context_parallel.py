@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -57,3 +59,39 @@ def test_without_the_wrapper_cp_attention_diverges(tmp_path, capsys) -> None:  #
     out = capsys.readouterr().out
     assert code == 1, out
     assert "first divergent boundary: model.layers.0.self_attn" in out
+
+
+def _chain_worker(rank: int, world: int, recipe: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrecipe import apply, compile_recipe
+    from tests.runtime_harness import llama, llama_batch, llama_step
+
+    model = llama()
+    scaling = model.model.layers[0].self_attn.scaling
+    plan = compile_recipe(recipe, llama("meta"), {"cp": world})
+    inst = apply(model, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    llama_step(model, llama_batch())
+    rows = [(r.fqn, r.what, r.state, r.error) for r in inst.status()
+            if r.what.startswith("inner wrapper")]
+    return {"rows": rows, "scaling_kept": model.model.layers[0].self_attn.scaling == scaling}
+
+
+def test_fallback_chain_skips_the_ineligible_and_rolls_back_the_failed(tmp_path: Any) -> None:
+    from hyperrecipe.check.launcher import run_ranks
+
+    text = open("recipes/llama-cp.yaml").read().replace(
+        "inner_wrapper: cp_allgather_kv",
+        "inner_wrapper: [tests.cp_chain:needs_nccl, tests.cp_chain:fails_midway, cp_allgather_kv]")
+    path = tmp_path / "chain.yaml"
+    path.write_text(text)
+    results = run_ranks(_chain_worker, 2, str(path))
+    for r in results:
+        assert r["scaling_kept"]
+        layer0 = [row for row in r["rows"] if row[0] == "model.layers.0.self_attn"]
+        assert [(w, s) for _, w, s, _ in layer0] == [
+            ("inner wrapper tests.cp_chain:needs_nccl", "ineligible"),
+            ("inner wrapper tests.cp_chain:fails_midway", "failed"),
+            ("inner wrapper cp_allgather_kv", "installed")]
+        assert "requires backend nccl: backend is gloo" in layer0[0][3]
+        assert "RuntimeError: kernel not available" in layer0[1][3]
