@@ -289,7 +289,30 @@ class _Applier:
         if "bias" in b.defer_bias:
             bias = module._parameters["bias"]
             compute = bias_free_forward(module, compute)
+        if b.local_region:
+            compute = self._local_region(b, module, compute, tx)
         return compute, bias
+
+    def _local_region(self, b: BoundaryPlan, module: nn.Module, compute: Callable[..., Any],
+                      tx: Rewrite) -> Callable[..., Any]:
+        """A local-region boundary's compute: the expert-parallel kernel where the plan shards
+        the module's experts, run on local tensors in both modes."""
+        from hyperrecipe.runtime.experts import (
+            expert_parallel_attributes,
+            expert_parallel_dim,
+            expert_parallel_forward,
+        )
+        from hyperrecipe.runtime.local_region import local_region_forward
+
+        ep_dim = expert_parallel_dim(b, self.plan)
+        if ep_dim is not None:
+            g = group_for(self.mesh, ep_dim)
+            experts = next(p for p in self.plan.params if p.module == b.fqn and len(p.shape) == 3)
+            count = experts.shape[0] // g.size
+            for attr, value in expert_parallel_attributes(module, count, fqn=b.fqn).items():
+                tx.set_attribute(module, attr, value, fqn=b.fqn)
+            compute = expert_parallel_forward(compute, first=g.rank * count, count=count)
+        return local_region_forward(module, compute, b, self.mesh_dims)
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "production") -> Installation:

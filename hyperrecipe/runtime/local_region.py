@@ -1,0 +1,114 @@
+"""Local compute regions: a boundary whose forward runs on plain local tensors in both modes.
+
+Some forwards cannot run on DTensors: MoE token dispatch picks rows by data-dependent expert ids
+(``nonzero``, ``where``, sorting by expert), and an expert-parallel kernel must see *this rank's*
+experts, not a global tensor. A boundary marked ``local_region: true`` runs its compute on local
+tensors in both modes and declares what it produces (``out_src``); the boundary's output converter
+wraps the plain result with that placement (validate mode) or runs the lowered collectives
+(production mode).
+
+:func:`local_region_forward` is the edge. In production mode the region's inputs and parameters
+are local already and it changes nothing. In validate mode:
+
+- declared DTensor inputs are unwrapped with ``to_local(grad_placements=...)``: the gradient the
+  region hands back is declared with the placement the resolver lowered production's backward
+  from, i.e. *partial* where a replicated input is consumed by parameters sharded on that mesh dim
+  (Megatron's *f*), so DTensor reduces it exactly as production does; undeclared DTensors go
+  through :func:`~hyperrecipe.runtime.marshal.to_local_tree` (their gradient keeps their placement);
+- the region's DTensor parameters are swapped for their ``to_local()`` views in
+  ``module._parameters`` for the call and put back in ``finally`` (gradients reach the DTensor
+  parameter through ``to_local``, placed as the parameter is).
+
+Which inputs get which gradient placement, and which parameters are swapped, is decided once at
+install time; a call only indexes and unwraps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from hyperrecipe.placement import to_torch_placements
+from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.runtime.marshal import to_local_tree
+
+__all__ = ["input_grad_placements", "local_region_forward"]
+
+Forward = Callable[..., Any]
+
+_PARTIAL_GRAD_OPS = ("all_reduce", "reduce_scatter")
+"""Backward ops that consume a partial gradient: the region hands that input's gradient back
+partial on the transition's mesh dim."""
+
+
+def input_grad_placements(boundary: BoundaryPlan, layout: ArgLayout,
+                          mesh_dims: Sequence[str]) -> tuple[Any, ...]:
+    """Torch placements of the gradient a local region hands back for one declared input.
+
+    The input's ``in_dst`` placement, except partial on every mesh dim whose lowered backward
+    reduces (the resolver's Megatron *f*: a replicated input consumed by sharded parameters).
+    """
+    from torch.distributed.tensor import Partial as TPartial
+
+    out = list(to_torch_placements(layout.dst, mesh_dims))
+    for t in boundary.transitions:
+        if (t.stage == "input" and t.name == layout.name
+                and t.backward.kind in _PARTIAL_GRAD_OPS):
+            out[list(mesh_dims).index(t.mesh_dim)] = TPartial(t.backward.reduce)
+    return tuple(out)
+
+
+def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+    from torch.distributed.tensor import DTensor
+
+    return tuple((m, name) for m in module.modules() for name, p in m._parameters.items()
+                 if isinstance(p, DTensor))
+
+
+def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPlan,
+                         mesh_dims: Sequence[str]) -> Forward:
+    """``inner`` run on local tensors: DTensor inputs and parameters unwrapped for the call.
+
+    Args:
+        module: the boundary module; its DTensor parameters (validate mode) are found now.
+        inner: the compute (the class forward or a local kernel); it must return plain tensors.
+        boundary: the plan's boundary entry (``local_region`` set).
+        mesh_dims: the plan's mesh dims, in mesh order.
+
+    Returns:
+        A callable with ``inner``'s arguments.
+    """
+    from torch.distributed.tensor import DTensor
+
+    declared = tuple((a.position, a.name, input_grad_placements(boundary, a, mesh_dims))
+                     for a in boundary.inputs)
+    params = _dtensor_parameters(module)
+
+    def unwrap(value: Any, grad_placements: tuple[Any, ...]) -> Any:
+        if isinstance(value, DTensor):
+            return value.to_local(grad_placements=grad_placements)
+        return value
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args_l = list(args)
+        for position, name, grads in declared:
+            if position is not None and position < len(args_l):
+                args_l[position] = unwrap(args_l[position], grads)
+            elif name in kwargs:
+                kwargs[name] = unwrap(kwargs[name], grads)
+        args_l = to_local_tree(args_l)
+        kwargs = to_local_tree(kwargs)
+        saved: list[tuple[nn.Module, str, Any]] = []  # (module, name, the DTensor parameter)
+        try:
+            for m, name in params:
+                param: Any = m._parameters[name]
+                saved.append((m, name, param))
+                m._parameters[name] = param.to_local()
+            return inner(*args_l, **kwargs)
+        finally:
+            for m, name, param in saved:
+                m._parameters[name] = param
+
+    return forward

@@ -1,0 +1,254 @@
+"""Expert parallel Mixtral through a local compute region (``recipes/mixtral-ep.yaml``).
+
+- the shipped recipe passes ``hyperrecipe check`` at ep=2 in both modes;
+- on real gloo ranks, against one process: logits and every parameter's gradient, both modes,
+  transformers' three experts implementations, the router load-balancing loss, and the
+  sharded-token (all-gather / reduce-scatter) variant ``tests/recipes/mixtral-ep-sharded-tokens.yaml``;
+  production issues exactly the plan's manifest, and ``restore()`` puts the expert count back;
+- the kernel alone (one process): each rank's partial output is the sum over its own experts,
+  computed by hand, and foreign slots get no routing-weight gradient;
+- the plans: the expected collectives, and the install-time choice of the kernel.
+
+Tolerances (fp32), as in ``tests/test_family_recipes.py``: every element within atol 2e-6, rtol
+1e-5, and every tensor's largest difference within 1e-5 of its largest value. The kernel test
+uses atol 1e-6, rtol 1e-5 (sums of the same products in a different order).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyperrecipe import compile_recipe
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.check.run import CheckOptions, run_check
+from hyperrecipe.errors import PlanMismatchError
+from tests.family_harness import build, config, reference, step
+from tests.runtime_harness import ROOT, assert_close
+
+RECIPE = str(ROOT / "recipes/mixtral-ep.yaml")
+SHARDED_TOKENS = str(ROOT / "tests/recipes/mixtral-ep-sharded-tokens.yaml")
+SCALED_TOL = 1e-5
+EAGER = {"attn_implementation": "eager"}
+EXPERTS = "model.layers.{}.mlp.experts"
+
+
+def _ep_mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+
+
+def ep_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict[str, Any],
+              aux_loss: bool) -> dict[str, Any]:
+    """Apply ``recipe`` to tiny Mixtral on an ep mesh, run one step; return what to compare."""
+    from hyperrecipe import apply
+    from hyperrecipe.runtime.collectives import count_collectives
+
+    model = build("mixtral", **overrides)
+    plan = compile_recipe(recipe, build("mixtral", "meta", **overrides), {"ep": world})
+    inst = apply(model, plan, _ep_mesh(world), mode=mode)  # type: ignore[arg-type]
+    from torch.distributed.tensor import DTensor
+
+    experts = model.get_submodule(EXPERTS.format(0))
+    weight = experts._parameters["gate_up_proj"]
+    assert weight is not None
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    applied = (experts.num_experts, experts._is_expert_parallel, tuple(local.shape))
+    with count_collectives() as log:
+        logits = step(model, 1 if aux_loss else None)
+    counted = Counter((r.kind, r.mesh_dim, r.direction) for r in log.records)
+    expected = Counter((e.op.kind, e.mesh_dim, e.direction) for e in plan.manifest)
+    grads = inst.full_grads()
+    inst.restore()
+    return {"logits": logits, "grads": grads, "counted": dict(counted),
+            "expected": dict(expected), "applied": applied,
+            "restored": (experts.num_experts, experts._is_expert_parallel)}
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert_close(actual, expected, what)
+    worst = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert worst <= SCALED_TOL * scale, f"{what}: max diff {worst:.3e} > {SCALED_TOL} x {scale:.3e}"
+
+
+# ------------------------------------------------------------------------------ hyperrecipe check
+
+
+def test_shipped_recipe_passes_check_at_ep2_in_both_modes() -> None:
+    report = run_check(CheckOptions(
+        recipe=RECIPE, model="hf:mixtral", mesh={"ep": 2},
+        model_config=str(ROOT / "recipes/models/tiny-mixtral.json")))
+    assert [m.mode for m in report.modes] == ["production", "validate"]
+    for m in report.modes:
+        assert m.agree, f"mode {m.mode} diverged: {m.comparison}"
+    assert report.exit_code == 0
+
+
+# ------------------------------------------------------------------------------ vs one process
+
+
+CASES: list[tuple[str, str, dict[str, Any], bool]] = [
+    (RECIPE, "production", {}, False),  # grouped_mm experts (transformers' default)
+    (RECIPE, "production", {"experts_implementation": "eager"}, False),
+    (RECIPE, "production", {"experts_implementation": "batched_mm"}, True),
+    (RECIPE, "validate", EAGER, True),  # grouped_mm, on local tensors inside the region
+    (RECIPE, "validate", {**EAGER, "experts_implementation": "eager"}, False),
+    (SHARDED_TOKENS, "production", {}, False),
+    (SHARDED_TOKENS, "validate", EAGER, False),
+]
+
+
+def _case_id(recipe: str, mode: str, overrides: dict[str, Any], aux_loss: bool) -> str:
+    name = "sharded-tokens" if recipe == SHARDED_TOKENS else "ep"
+    impl = overrides.get("experts_implementation", "grouped_mm")
+    return f"{name}-{mode}-{impl}" + ("-aux-loss" if aux_loss else "")
+
+
+@pytest.mark.parametrize(("recipe", "mode", "overrides", "aux_loss"), CASES,
+                         ids=[_case_id(*c) for c in CASES])
+def test_expert_parallel_matches_single_process_logits_and_every_gradient(
+        recipe: str, mode: str, overrides: dict[str, Any], aux_loss: bool) -> None:
+    ref_logits, ref_grads, _ = reference("mixtral", aux_loss=aux_loss, **overrides)
+    results = run_ranks(ep_worker, 2, recipe, mode, overrides, aux_loss, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert_matches(res["logits"], ref_logits, f"rank {rank} logits")
+        assert set(res["grads"]) == set(ref_grads), "every parameter has a full gradient"
+        for name, g in ref_grads.items():
+            assert_matches(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert res["applied"] == (2, True, (2, 128, 64)), \
+            "two local experts (held and counted), flagged expert parallel, in both modes"
+        assert res["restored"] == (4, False), "restore() puts the global count back"
+    if mode == "production":
+        assert results[0]["counted"] == results[0]["expected"], \
+            "collectives issued in one step equal the plan's manifest"
+
+
+# ------------------------------------------------------------------------------ the kernel
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from hyperrecipe.runtime.compute import class_forward
+    from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
+
+    cfg: Any = build("mixtral", "meta", experts_implementation=impl).config
+    torch.manual_seed(0)
+    full = MixtralExperts(cfg)
+    with torch.no_grad():
+        full.gate_up_proj.normal_(std=0.1)
+        full.down_proj.normal_(std=0.1)
+    E, world, T, k = full.num_experts, 2, 12, 2
+    count = E // world
+    x = torch.randn(T, cfg.hidden_size)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[0] = torch.tensor([0, 1])  # a token entirely on rank 0, one entirely on rank 1
+    ids[1] = torch.tensor([2, 3])
+    w = torch.rand(T, k)
+
+    def by_hand(rank: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t in range(T):
+            for j in range(k):
+                e = int(ids[t, j])
+                if rank * count <= e < (rank + 1) * count:
+                    gate, up = (full.gate_up_proj[e] @ x[t]).chunk(2)
+                    out[t] += w[t, j] * (full.down_proj[e] @ (full.act_fn(gate) * up))
+        return out
+
+    total = torch.zeros_like(x)
+    for rank in range(world):
+        local = MixtralExperts(cfg)
+        with torch.no_grad():
+            local.gate_up_proj = torch.nn.Parameter(
+                full.gate_up_proj[rank * count:(rank + 1) * count].clone())
+            local.down_proj = torch.nn.Parameter(
+                full.down_proj[rank * count:(rank + 1) * count].clone())
+        for attr, value in expert_parallel_attributes(local, count, fqn="experts").items():
+            setattr(local, attr, value)
+        assert local.num_experts == count
+        kernel = expert_parallel_forward(class_forward(local), first=rank * count, count=count)
+        weights = w.clone().requires_grad_(True)
+        out = kernel(x, ids, weights)
+        expected = by_hand(rank)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+        assert out[rank].abs().sum() > 0 and out[1 - rank].abs().sum() == 0, \
+            "a token routed only to the other rank's experts gets exactly zero here"
+        out.sum().backward()
+        mine = (ids >= rank * count) & (ids < (rank + 1) * count)
+        assert weights.grad is not None
+        assert torch.all(weights.grad[~mine] == 0), "foreign slots get no routing gradient"
+        assert torch.all(weights.grad[mine] != 0)
+        total += out.detach()
+    torch.testing.assert_close(total, full(x, ids, w).detach(), atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+def _manifest(recipe: str) -> Counter[tuple[str, str, str, str, str]]:
+    plan = compile_recipe(recipe, build("mixtral", "meta"), {"ep": 2})
+    return Counter((e.boundary, e.stage, e.name, e.op.kind, e.direction) for e in plan.manifest)
+
+
+def test_replicated_tokens_plan_all_reduces_the_partial_sum_and_two_input_gradients() -> None:
+    expected: Counter[tuple[str, str, str, str, str]] = Counter()
+    for layer in range(2):
+        b = EXPERTS.format(layer)
+        expected[(b, "output", "output", "all_reduce", "forward")] += 1
+        expected[(b, "input", "hidden_states", "all_reduce", "backward")] += 1
+        expected[(b, "input", "top_k_weights", "all_reduce", "backward")] += 1
+    assert _manifest(RECIPE) == expected
+
+
+def test_sharded_tokens_plan_gathers_inputs_and_reduce_scatters_the_output() -> None:
+    expected: Counter[tuple[str, str, str, str, str]] = Counter()
+    for layer in range(2):
+        b, mlp = EXPERTS.format(layer), f"model.layers.{layer}.mlp"
+        for name in ("hidden_states", "top_k_index", "top_k_weights"):
+            expected[(b, "input", name, "all_gather", "forward")] += 1
+        for name in ("hidden_states", "top_k_weights"):  # the ids carry no gradient
+            expected[(b, "input", name, "reduce_scatter", "backward")] += 1
+        expected[(b, "output", "output", "reduce_scatter", "forward")] += 1
+        expected[(b, "output", "output", "all_gather", "backward")] += 1
+        expected[(mlp, "input", "hidden_states", "all_gather", "backward")] += 1
+        expected[(mlp, "output", "output", "all_gather", "forward")] += 1
+        expected[(mlp, "param_grad", f"{mlp}.gate.weight", "all_reduce", "backward")] += 1
+    assert _manifest(SHARDED_TOKENS) == expected
+
+
+def test_kernel_is_chosen_from_the_plan() -> None:
+    from hyperrecipe.runtime.experts import expert_parallel_dim
+
+    ep = compile_recipe(RECIPE, build("mixtral", "meta"), {"ep": 2})
+    tp = compile_recipe(str(ROOT / "recipes/mixtral.yaml"), build("mixtral", "meta"), {"tp": 2})
+    b = ep.boundary(EXPERTS.format(0))
+    assert b.local_region
+    assert expert_parallel_dim(b, ep) == "ep"
+    assert expert_parallel_dim(tp.boundary("model.layers.0.mlp"), tp) is None
+
+
+def test_experts_sharded_on_different_axes_are_refused(tmp_path: Path) -> None:
+    from hyperrecipe.runtime.experts import expert_parallel_dim
+
+    text = Path(RECIPE).read_text().replace("down_proj: {ep: shard(0)}", "down_proj: {ep: shard(2)}")
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text(text)
+    plan = compile_recipe(str(recipe), build("mixtral", "meta"), {"ep": 2})
+    with pytest.raises(PlanMismatchError) as info:
+        expert_parallel_dim(plan.boundary(EXPERTS.format(0)), plan)
+    assert str(info.value) == (
+        "model.layers.0.mlp.experts: an expert-parallel region shards every 3-D expert tensor "
+        "on dim 0 over one mesh dim; found gate_up_proj: {ep: shard(0)}, "
+        "down_proj: {ep: shard(2)}")
+
+
+def test_tiny_mixtral_experts_divide_by_two() -> None:
+    assert config("mixtral")["num_local_experts"] % 2 == 0
