@@ -95,3 +95,64 @@ def test_fallback_chain_skips_the_ineligible_and_rolls_back_the_failed(tmp_path:
             ("inner wrapper cp_allgather_kv", "installed")]
         assert "requires backend nccl: backend is gloo" in layer0[0][3]
         assert "RuntimeError: kernel not available" in layer0[1][3]
+
+
+def _cp_variant(tmp_path: Any, wrapper: str) -> str:
+    text = open("recipes/llama-cp.yaml").read().replace(
+        "inner_wrapper: cp_allgather_kv", f"inner_wrapper: {wrapper}")
+    path = tmp_path / "variant.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _check_json(recipe: str, mesh: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, Any]:
+    import json
+
+    from hyperrecipe.cli import main
+
+    code = main(["check", recipe, "--mesh", mesh, "--format", "json", *CHECK])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_ulysses_agrees_with_one_process_in_both_modes(tmp_path: Any,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # tiny-llama: 4 query heads, 2 key/value heads, so cp=2 leaves whole heads on each rank
+    code, report = _check_json(_cp_variant(tmp_path, "ulysses"), "cp=2", capsys)
+    assert code == 0, report
+    for mode in ("production", "validate"):
+        m = report["modes"][mode]
+        assert m["agree"] and m["output"]["max_abs"] <= 1e-5
+        chosen = {(w["wrapper"], w["state"]) for w in m["inner_wrappers"]}
+        assert chosen == {("ulysses", "installed")}
+        assert len(m["inner_wrappers"]) == 2  # one per decoder layer of tiny-llama
+
+
+def test_chain_falls_back_from_ulysses_when_heads_do_not_divide(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = _cp_variant(tmp_path, "[ulysses, cp_allgather_kv]")
+    code, report = _check_json(recipe, "cp=4", capsys)
+    assert code == 0, report
+    for mode in ("production", "validate"):
+        rows = report["modes"][mode]["inner_wrappers"]
+        layer0 = [(w["wrapper"], w["state"]) for w in rows
+                  if w["fqn"] == "model.layers.0.self_attn"]
+        assert layer0 == [("ulysses", "ineligible"), ("cp_allgather_kv", "installed")]
+        reason = next(w["reason"] for w in rows if w["state"] == "ineligible")
+        assert "not divisible by cp=4" in reason
+    from hyperrecipe.cli import main
+
+    assert main(["check", recipe, "--mesh", "cp=4", "--mode", "production", *CHECK]) == 0
+    text = capsys.readouterr().out
+    assert "inner wrappers: ulysses ineligible on 2 modules (" in text
+    assert "cp_allgather_kv installed on 2 modules" in text
+
+
+def test_ulysses_alone_fails_naming_the_boundary_when_heads_do_not_divide(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # apply refuses before any step runs, so the run ends with an error, not a divergence
+    code, report = _check_json(_cp_variant(tmp_path, "ulysses"), "cp=4", capsys)
+    assert code == 2 and report["agree"] is False
+    error = report["error"]
+    assert "model.layers.0.self_attn: no inner wrapper of the chain could be installed" in error
+    assert "k_proj: 2 local heads; not divisible by cp=4" in error
+    assert "traceback" not in error  # our own errors are complete without our internals

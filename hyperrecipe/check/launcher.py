@@ -409,8 +409,13 @@ def _rank_main(
         conn.send(("ok", payload))
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        # hyperrecipe's own errors name the recipe, rule and module already: their traceback
+        # would only bury that message under our internals; one that wraps a user's exception
+        # keeps it, since it points into the user's code
+        own = isinstance(exc, HyperrecipeError) and exc.__cause__ is None
+        tb = "" if own else traceback.format_exc()
         with contextlib.suppress(Exception):
-            conn.send(("error", time.monotonic(), summary, traceback.format_exc()))
+            conn.send(("error", time.monotonic(), summary, tb))
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):

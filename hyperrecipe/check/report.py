@@ -6,8 +6,9 @@ The JSON object (``--format json``) has these keys: ``agree``; what ran (``recip
 ``first_divergent`` (``{fqn, what, rank, max_abs, max_rel, detail}`` or null), ``suggestion``
 (``{cause, evidence}`` or null), ``failure`` (what a rank raised, or null), ``output``,
 ``worst_gradient`` (``{name, rank, max_abs, max_rel, agree}``), ``gradients`` (``compared``,
-``diverged``), ``params_after_steps`` (null without ``--steps``), ``boundary_values_compared``
-and ``timings`` (seconds); and the overall ``timings``. Non-finite numbers are written as null.
+``diverged``), ``params_after_steps`` (null without ``--steps``), ``boundary_values_compared``,
+``inner_wrappers`` (rank 0's inner-wrapper choices, ``[{fqn, wrapper, state, reason}]``, empty
+when the recipe has none or a rank raised) and ``timings`` (seconds); and the overall ``timings``. Non-finite numbers are written as null.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _mode_json(m: ModeResult) -> dict[str, Any]:
                       "diverged": [g.name for g in c.diverged_gradients]},
         "params_after_steps": params,
         "boundary_values_compared": c.events_compared,
+        "inner_wrappers": [{"fqn": f, "wrapper": w, "state": st, "reason": why or None}
+                           for f, w, st, why in m.wrapper_choices],
         "timings": {k: round(v, 4) for k, v in m.timings.items()},
     }
 
@@ -99,6 +102,22 @@ def _indent(text: str, pad: str) -> str:
     return f"\n{pad}".join(line for line in text.splitlines() if line.strip())
 
 
+def _wrapper_text(m: ModeResult) -> str | None:
+    """One line summing up which inner wrapper each boundary got, grouped so that a chain's
+    fallback across a whole model reads as two or three phrases, not one row per layer."""
+    if not m.wrapper_choices:
+        return None
+    groups: dict[tuple[str, str, str], int] = {}
+    for _fqn, wrapper, state, reason in m.wrapper_choices:
+        key = (wrapper, state, reason)
+        groups[key] = groups.get(key, 0) + 1
+    parts = []
+    for (wrapper, state, reason), n in groups.items():
+        why = f" ({reason})" if reason and state != "installed" else ""
+        parts.append(f"{wrapper} {state} on {n} module{'s' if n != 1 else ''}{why}")
+    return "inner wrappers: " + "; ".join(parts)
+
+
 def _mode_text(m: ModeResult, width: int) -> list[str]:
     c = m.comparison
     pad = " " * (width + 2)
@@ -114,8 +133,10 @@ def _mode_text(m: ModeResult, width: int) -> list[str]:
             wp = c.worst_param
             params = (f", {len(c.params_after)} parameters after the steps"
                       + (f" (worst max abs {_g(wp.diff.max_abs)})" if wp is not None else ""))
-        return [f"{head}agree  {c.events_compared} boundary values{out}, {grads}{params}; "
-                f"{seconds}"]
+        agreed = [f"{head}agree  {c.events_compared} boundary values{out}, {grads}{params}; "
+                  f"{seconds}"]
+        wrappers = _wrapper_text(m)
+        return agreed + ([f"{pad}{wrappers}"] if wrappers else [])
     lines: list[str] = []
     if c.first is not None:
         f = c.first
@@ -151,6 +172,9 @@ def _mode_text(m: ModeResult, width: int) -> list[str]:
         lines.append(f"{pad}parameters after the steps: "
                      + (f"{len(bad_p)} of {len(c.params_after)} differ" if bad_p
                         else f"all {len(c.params_after)} agree"))
+    wrappers = _wrapper_text(m)
+    if wrappers:
+        lines.append(f"{pad}{wrappers}")
     return lines
 
 

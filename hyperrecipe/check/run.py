@@ -93,6 +93,8 @@ class ModeResult:
     comparison: ModeComparison
     suggestion: Suggestion | None
     timings: dict[str, float]
+    #: rank 0's inner-wrapper choices: ``(fqn, wrapper, state, reason)`` per candidate tried
+    wrapper_choices: tuple[tuple[str, str, str, str], ...] = ()
 
     @property
     def agree(self) -> bool:
@@ -245,6 +247,8 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                                  on_progress=_launch_progress(mode, world, progress))
             traces = [Trace.from_payload(p) for p in payloads]
             rank_ids = tuple(range(world))
+            choices = tuple((str(f), str(w), str(st), str(why))
+                            for f, w, st, why in payloads[0].get("wrapper_choices", ()))
         except RankFailedError as exc:
             path = side_file(side_dir, mode, exc.rank) if exc.rank is not None else ""
             if not path or not os.path.exists(path):
@@ -254,6 +258,7 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             assert exc.rank is not None
             traces = [Trace.from_payload(torch.load(path, weights_only=True))]
             rank_ids = (exc.rank,)
+            choices = ()
             progress(f"mode {mode}: rank {exc.rank} raised in its step; all ranks stopped")
         finally:
             shutil.rmtree(side_dir, ignore_errors=True)
@@ -269,7 +274,7 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         for key, value in traces[0].timings.items():
             timings[f"rank{rank_ids[0]}_{key}"] = value
         results.append(ModeResult(mode=mode, comparison=cmp, suggestion=suggestion,
-                                  timings=timings))
+                                  timings=timings, wrapper_choices=choices))
         progress(f"mode {mode}: {'agree' if cmp.agree else 'DIVERGED'} ({t1 - t0:.2f} s)")
 
     t_end = time.perf_counter()
