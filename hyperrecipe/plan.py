@@ -171,6 +171,9 @@ class BoundaryPlan:
     """The inner wrapper, or a fallback chain of them (first eligible wins); empty for none."""
     inner_out_src: tuple[ArgLayout, ...]
     local_region: bool
+    no_grad: tuple[str, ...] = ()
+    """Inputs that carry no gradient: no backward collective; the runtime refuses one that
+    arrives requiring grad."""
     transitions: tuple[Transition, ...]
     provenance: tuple[Provenance, ...]
 

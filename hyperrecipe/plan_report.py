@@ -148,7 +148,24 @@ def summary(plan: Plan) -> str:
     ops = ", ".join(f"{k} x{v}" for k, v in t.ops) or "none"
     lines.append(f"collectives per step: {t.forward_collectives} forward, "
                  f"{t.backward_collectives} backward ({ops})")
+    uncounted = _uncounted(plan)
+    if uncounted:
+        lines.append(f"not counted (issued by the wrapped code itself, not by layouts): "
+                     f"{uncounted}")
     return "\n".join(lines) + "\n"
+
+
+def _uncounted(plan: Plan) -> str:
+    """Where communication happens that the manifest cannot list: inner wrappers and local
+    regions decide their own collectives (a K/V all-gather, a token exchange) when they run."""
+    chains = Counter(" | ".join(b.inner_wrapper) for b in plan.boundaries if b.inner_wrapper)
+    regions = sum(1 for b in plan.boundaries if b.local_region)
+    parts = [f"inner wrapper {chain} on {n} module{'s' if n != 1 else ''}"
+             for chain, n in chains.items()]
+    if regions:
+        parts.append(f"local region{'s' if regions != 1 else ''} on {regions} "
+                     f"module{'s' if regions != 1 else ''}")
+    return "; ".join(parts)
 
 
 def _adapter_text(a: AdapterPlan) -> str:

@@ -156,3 +156,19 @@ def test_ulysses_alone_fails_naming_the_boundary_when_heads_do_not_divide(
     assert "model.layers.0.self_attn: no inner wrapper of the chain could be installed" in error
     assert "k_proj: 2 local heads; not divisible by cp=4" in error
     assert "traceback" not in error  # our own errors are complete without our internals
+
+
+def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.plan_report import summary
+    from tests.runtime_harness import llama
+
+    plan = compile_recipe("recipes/llama-cp.yaml", llama("meta"), {"cp": 2})
+    text = summary(plan)
+    assert ("not counted (issued by the wrapped code itself, not by layouts): inner wrapper "
+            "cp_allgather_kv on 2 modules") in text
+    # cos/sin and the mask are declared no_grad: slicing them plans no backward gather
+    attn = [e for e in plan.manifest
+            if e.boundary == "model.layers.0.self_attn" and e.stage == "input"]
+    assert attn == []
+    assert "collectives per step: 1 forward, 21 backward" in text

@@ -16,7 +16,8 @@ from tests.toy_models import Toy
 
 STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
 RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, out_names, "
-             "defer_bias, head_counts, reduce_grads, inner_wrapper, inner_out_src, local_region, note")
+             "defer_bias, head_counts, reduce_grads, inner_wrapper, inner_out_src, local_region, no_grad, "
+             "note")
 
 
 def base(*rules: dict[str, Any], **top: Any) -> dict[str, Any]:
@@ -171,6 +172,12 @@ RESOLVE_CASES = [
      {"tp": 2}, "hidden", "hidden",
      "in_src names argument 'hidden', which 'layers.0'.forward does not take @ $.rules[0].in_src.hidden;"
      " forward(x)"),
+    ("no-grad-undeclared", base({"match": "layers.*.mlp", "boundary": True,
+                                 "in_src": {"x": "replicate"}, "no_grad": ["xx"]}),
+     {"tp": 2}, "xx", '"xx"',
+     "no_grad names input 'xx' of 'layers.0.mlp', which has no declared layout; did you mean 'x'? "
+     "@ $.rules[0].no_grad[0]; declared inputs: x; no_grad only affects inputs named in in_src / "
+     "in_dst"),
     ("unclaimed-error", {**base({"match": "layers.*.mlp.up", "style": "colwise"}), "unclaimed": "error"},
      {"tp": 2}, "error", '"error"',
      "10 parameter(s) claimed by no rule: embed.weight, layers.0.norm.weight, layers.0.norm.bias, "

@@ -290,3 +290,48 @@ def test_vocab_parallel_keeps_an_embedding_subclass_forward_and_its_padding_row(
     for r in res:
         assert_close(r["out"], expected.detach(), "logits")
         assert_close(r["grad"], ref.embed.weight.grad, "embedding gradient (padding row zero)")
+
+
+def _no_grad_recipe(tmp_path: Path) -> str:
+    text = Path(TOY).read_text().replace(
+        "    in_src: {x: replicate}\n", "    in_src: {x: replicate}\n    no_grad: [x]\n", 1)
+    assert "no_grad" in text
+    path = tmp_path / "toy-no-grad.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_no_grad_input_drops_its_backward_collective(tmp_path: Path) -> None:
+    def backward_ops(recipe: str) -> list[tuple[str, str]]:
+        plan = toy_plan(recipe, 2)
+        return sorted((e.boundary, e.name) for e in plan.manifest
+                      if e.direction == "backward" and e.stage == "input"
+                      and e.boundary.endswith(".mlp"))
+
+    # the MLP's replicated input feeds tp-sharded weights: its gradient is partial (Megatron's f)
+    assert backward_ops(TOY) == [("layers.0.mlp", "x"), ("layers.1.mlp", "x")]
+    plan = toy_plan(_no_grad_recipe(tmp_path), 2)
+    assert plan.boundary("layers.0.mlp").no_grad == ("x",)
+    assert backward_ops(_no_grad_recipe(tmp_path)) == []
+
+
+def _no_grad_worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, Any]:
+    model = toy()
+    apply(model, toy_plan(recipe, world), mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    ids = torch.arange(8).reshape(2, 4)
+    with torch.no_grad():
+        inference = model(ids)  # nothing requires grad: the declaration holds
+    try:
+        model(ids).sum().backward()
+    except PlanMismatchError as exc:
+        return {"error": str(exc), "inference_shape": list(inference.shape)}
+    return {"error": None, "inference_shape": list(inference.shape)}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_no_grad_input_that_requires_grad_is_refused_not_silently_wrong(
+        tmp_path: Path, mode: str) -> None:
+    for r in run_ranks(_no_grad_worker, 2, _no_grad_recipe(tmp_path), mode):
+        assert r["inference_shape"] == [2, 4, 32]
+        assert r["error"] is not None and r["error"].startswith(
+            "layers.0.mlp: input 'x' is declared no_grad, but it requires grad")

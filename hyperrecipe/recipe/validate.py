@@ -123,6 +123,12 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
     FieldSpec(name="local_region", kind="bool",
               doc="Run the module's forward on local tensors in both modes (data-dependent code "
                   "such as MoE token dispatch); requires `out_src`."),
+    FieldSpec(name="no_grad", kind="names",
+              doc="Declared inputs that never carry a gradient (rotary `position_embeddings`, "
+                  "an `attention_mask`, routing indices), e.g. `[position_embeddings]`: their "
+                  "layout changes get no backward collective in the plan, and applying the plan "
+                  "fails loudly if one arrives requiring grad. Integer inputs of torch's "
+                  "`Embedding` and `EmbeddingBag` are known without it."),
     FieldSpec(name="note", kind="string", doc="Free text, shown by `compile --explain`."),
 )
 
@@ -572,7 +578,8 @@ def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, Sty
     return tuple(out)
 
 
-_BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias")
+_BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias",
+                  "no_grad")
 
 
 def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, *,

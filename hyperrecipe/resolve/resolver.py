@@ -52,9 +52,9 @@ __all__ = ["resolve_recipe"]
 INDEX_INPUTS: dict[str, frozenset[str]] = {
     "torch.nn.modules.sparse.Embedding": frozenset({"input"}),
     "torch.nn.modules.sparse.EmbeddingBag": frozenset({"input", "offsets", "per_sample_weights"}),
-    "transformers.models.mixtral.modeling_mixtral.MixtralExperts": frozenset({"top_k_index"}),
 }
-"""Inputs that are integer indices: they carry no gradient, so no backward collective."""
+"""Inputs of torch modules that are integer indices: they carry no gradient, so no backward
+collective. Any other module's are declared in the recipe (``no_grad``)."""
 
 
 @attrs.define
@@ -152,7 +152,8 @@ class _Resolver:
 
     def _claim_all(self, rule: Rule, module: ModuleInfo) -> None:
         f = rule.fields
-        for name in ("boundary", "out_names", "defer_bias", "inner_wrapper", "local_region"):
+        for name in ("boundary", "out_names", "defer_bias", "inner_wrapper", "local_region",
+                     "no_grad"):
             value = getattr(f, name)
             if value is not None:
                 self._claim(rule, module, name, None, value)
@@ -427,7 +428,7 @@ class _Resolver:
                 regions[m.fqn] = regions.get(parent) if parent is not None else None
         for (fqn, field, _), c in self.claims.items():
             if field in ("in_src", "in_dst", "out_src", "out_dst", "defer_bias", "out_names",
-                         "local_region") and fqn not in is_boundary:
+                         "local_region", "no_grad") and fqn not in is_boundary:
                 raise RecipeError(
                     f"{c.rule.label()} sets {field} on {fqn!r}, which is not a boundary",
                     span=c.rule.span(field) if field in c.rule.explicit else c.rule.span("match"),
@@ -487,7 +488,8 @@ class _Resolver:
             up_parent = up.rsplit(".", 1)[0] if "." in up else ""
             up = regions.get(up_parent) if up else None
         sharded_params, sharded_inputs = self.sharded_dims(fqn, regions, [a.dst for a in inputs])
-        transitions = self._transitions(fqn, inputs, outputs, sharded_params)
+        no_grad = self._no_grad(fqn, inputs)
+        transitions = self._transitions(fqn, inputs, outputs, sharded_params, no_grad)
         deferred: list[str] = []
         defer = self.get(fqn, "defer_bias")
         if defer is not None and defer.value and module.param("bias") is not None:
@@ -516,8 +518,30 @@ class _Resolver:
             outputs=tuple(outputs), out_names=out_names, defer_bias=tuple(deferred),
             inner_wrapper=wrapper.value if wrapper else (),
             inner_out_src=tuple(inner_out), local_region=bool(local_region and local_region.value),
-            transitions=transitions, provenance=tuple(provenance))
+            no_grad=no_grad, transitions=transitions, provenance=tuple(provenance))
         return plan, sharded_inputs
+
+    def _no_grad(self, fqn: str, inputs: Sequence[ArgLayout]) -> tuple[str, ...]:
+        """The boundary's gradient-free inputs: declared ones (each must be a declared input,
+        or there would be nothing to skip) and the integer inputs of torch's own modules."""
+        claim = self.get(fqn, "no_grad")
+        declared = [a.name for a in inputs]
+        names: list[str] = list(claim.value) if claim else []
+        for i, name in enumerate(names):
+            if name not in declared:
+                assert claim is not None
+                sub: tuple[str | int, ...] = ("no_grad", i)
+                span = (claim.rule.span(*sub) if "no_grad" in claim.rule.explicit
+                        else claim.rule.span("match"))
+                raise RecipeError(
+                    f"no_grad names input {name!r} of {fqn!r}, which has no declared layout"
+                    f"{did_you_mean(name, declared)}", span=span,
+                    path=f"{claim.rule.json_path}.no_grad[{i}]", rule_index=claim.rule.index,
+                    hint=f"declared inputs: {', '.join(declared) or 'none'}; no_grad only "
+                         f"affects inputs named in in_src / in_dst")
+        known = INDEX_INPUTS.get(self.tree.module(fqn).cls, frozenset())
+        names += [n for n in declared if n in known and n not in names]
+        return tuple(names)
 
     def _check_wrappers(self, fqn: str, claim: _Claim) -> None:
         """Every candidate of an inner-wrapper chain loads and finds its mesh dims.
@@ -611,7 +635,7 @@ class _Resolver:
             hint="name outputs with `out_names: [...]`, or use positions (0, 1, ...)")
 
     def _transitions(self, fqn: str, inputs: Sequence[ArgLayout], outputs: Sequence[ArgLayout],
-                     sharded: set[str]) -> tuple[Transition, ...]:
+                     sharded: set[str], no_grad: Sequence[str]) -> tuple[Transition, ...]:
         out: list[Transition] = []
         for stage, layouts in (("input", inputs), ("output", outputs)):
             for arg in layouts:
@@ -619,13 +643,14 @@ class _Resolver:
                     if dim not in self.mesh_in:
                         continue
                     s, d = arg.src.get(dim), arg.dst.get(dim)
-                    t = self._lower(fqn, stage, arg.name, dim, s, d, sharded)  # type: ignore[arg-type]
+                    t = self._lower(fqn, stage, arg.name, dim, s, d, sharded,  # type: ignore[arg-type]
+                                    no_grad=stage == "input" and arg.name in no_grad)
                     if t is not None:
                         out.append(t)
         return tuple(out)
 
     def _lower(self, fqn: str, stage: Stage, name: str, dim: str, s: Placement, d: Placement,
-               sharded: set[str]) -> Transition | None:
+               sharded: set[str], *, no_grad: bool = False) -> Transition | None:
         try:
             fwd = lower_transition(s, d, dim)
         except ImpossibleTransition as exc:
@@ -641,8 +666,8 @@ class _Resolver:
                 if rule else None,
                 path=f"{rule.json_path}.{field}" if rule else "$", rule_index=rule.index if rule
                 else None) from None
-        if stage == "input" and name in INDEX_INPUTS.get(self.tree.module(fqn).cls, ()):
-            reason = f"integer indices {s} -> {d}: no gradient"
+        if no_grad:
+            reason = f"{s} -> {d}, no gradient (no_grad): no backward collective"
             bwd = IDENTITY
         elif stage == "input":
             inner_grad = canonical_grad(d)

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.runtime.layouts import Converter, Redistributor
 from hyperrecipe.runtime.marshal import map_tensors
@@ -34,10 +36,30 @@ def _each_tensor(convert: Converter) -> Converter:
     return each
 
 
+def _gradient_free(convert: Converter, fqn: str) -> Converter:
+    """An input the plan declared ``no_grad`` got no backward collective: refuse one that
+    requires grad rather than let its gradient skip the communication it needs."""
+
+    def guarded(value: Any, name: str) -> Any:
+        if isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled():
+            msg = (f"{fqn}: input {name!r} is declared no_grad, but it requires grad; the plan "
+                   f"has no backward collective for it, so its gradient would be wrong. Drop "
+                   f"{name!r} from the boundary's no_grad (or detach it before the call)")
+            raise PlanMismatchError(msg)
+        return convert(value, name)
+
+    return guarded
+
+
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
                  ) -> tuple[tuple[int | None, str, Converter], ...]:
-    return tuple((a.position, a.name, _each_tensor(redist.input_converter(boundary, a)))
-                 for a in layouts)
+    slots = []
+    for a in layouts:
+        convert = redist.input_converter(boundary, a)
+        if a.name in boundary.no_grad:
+            convert = _gradient_free(convert, boundary.fqn)
+        slots.append((a.position, a.name, _each_tensor(convert)))
+    return tuple(slots)
 
 
 def _get_output(out: Any, position: int, name: str) -> Any:
