@@ -9,7 +9,6 @@ Building the module (``pkg.mod:factory`` or a Hugging Face config) also lives he
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from hyperrecipe.errors import ModelSpecError
+from hyperrecipe.refs import RefError, resolve_ref
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -242,14 +242,9 @@ def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
         raise ModelSpecError(f"model spec {spec!r} is neither 'pkg.module:factory' nor "
                              f"'hf:<model_type>'")
     try:
-        module = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ModelSpecError(f"cannot import {mod_name!r} for model spec {spec!r}: {exc}") from None
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ModelSpecError(f"{mod_name!r} has no attribute {attr!r} (model spec {spec!r})")
-        target = getattr(target, part)
+        target = resolve_ref(spec, "model spec")
+    except RefError as exc:
+        raise ModelSpecError(str(exc)) from None
     if not callable(target):
         raise ModelSpecError(f"{spec!r} is not callable")
     return lambda: target(**fields)

@@ -39,7 +39,6 @@ Recipes name it ``inner_wrapper: mypkg.attn:ring_flash``.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import attrs
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.refs import RefError, resolve_ref
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -177,16 +177,10 @@ def load_wrapper(ref: str) -> WrapperSpec:
         WrapperError: the module or attribute does not exist, or it is not decorated with
             :func:`inner_wrapper`.
     """
-    target = BUILTIN_WRAPPERS.get(ref, ref)
-    module_name, _, attr = target.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WrapperError(f"inner wrapper {ref!r}: cannot import {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise WrapperError(f"inner wrapper {ref!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = resolve_ref(BUILTIN_WRAPPERS.get(ref, ref), "inner wrapper")
+    except RefError as exc:
+        raise WrapperError(str(exc)) from None
     spec = getattr(obj, _SPEC_ATTRIBUTE, None)
     if not isinstance(spec, WrapperSpec):
         msg = (f"inner wrapper {ref!r} is not declared with @hyperrecipe.wrappers.inner_wrapper "

@@ -172,3 +172,28 @@ def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
             if e.boundary == "model.layers.0.self_attn" and e.stage == "input"]
     assert attn == []
     assert "collectives per step: 1 forward, 21 backward" in text
+
+
+@pytest.mark.parametrize(("ref", "message"), [
+    ("no_such_pkg.attn:ring", "cannot import 'no_such_pkg.attn' for inner wrapper "
+                              "'no_such_pkg.attn:ring': No module named 'no_such_pkg'"),
+    ("tests.cp_chain:nope", "'tests.cp_chain' has no attribute 'nope' (inner wrapper "
+                            "'tests.cp_chain:nope')"),
+    ("tests.toy_models:make_toy", "inner wrapper 'tests.toy_models:make_toy' is not declared with "
+                                  "@hyperrecipe.wrappers.inner_wrapper"),
+])
+def test_a_wrapper_reference_that_does_not_load_is_refused_at_compile_time(
+        tmp_path: Any, ref: str, message: str) -> None:
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.errors import RecipeError
+    from tests.toy_models import Toy
+
+    path = tmp_path / "w.yaml"
+    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
+                    f"  - {{match: layers.*.mlp, boundary: true, inner_wrapper: '{ref}'}}\n")
+    with torch.device("meta"):
+        model = Toy()
+    with pytest.raises(RecipeError) as err:
+        compile_recipe(str(path), model, {"cp": 2})
+    text = str(err.value)
+    assert text.startswith(f"{path}:5:") and message in text, text

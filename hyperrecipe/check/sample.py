@@ -11,7 +11,6 @@ Nothing here knows about process groups or plans.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import ModelSpecError
+from hyperrecipe.refs import RefError, resolve_ref
 from hyperrecipe.model_tree import build_model
 
 __all__ = [
@@ -73,17 +73,10 @@ def weights_fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...
 
 
 def _import_callable(spec: str, what: str) -> Callable[..., Any]:
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ModelSpecError(f"{what} {spec!r} is not 'pkg.module:function'")
     try:
-        target: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ModelSpecError(f"cannot import {mod_name!r} for {what} {spec!r}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ModelSpecError(f"{mod_name!r} has no attribute {attr!r} ({what} {spec!r})")
-        target = getattr(target, part)
+        target = resolve_ref(spec, what)
+    except RefError as exc:
+        raise ModelSpecError(str(exc)) from None
     if not callable(target):
         raise ModelSpecError(f"{what} {spec!r} is not callable")
     return target  # type: ignore[no-any-return]
