@@ -14,7 +14,6 @@ from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Replicate, Shard
 from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import load_recipe
-from hyperrecipe.resolve import resolve_recipe
 from tests.toy_models import Toy
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from hyperrecipe.placement import REPLICATED, NamedPlacement
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.check.sample import Sample, first_output, loss_of
+from hyperrecipe.runtime.arguments import declared_argument, get_output
 
 __all__ = ["Event", "Failure", "StepFailed", "Trace", "Tracer", "Viewer", "run_step"]
 
@@ -142,23 +143,6 @@ class StepFailed(Exception):
         super().__init__(trace.failure.error)
 
 
-def _argument(args: Sequence[Any], kwargs: Mapping[str, Any], layout: ArgLayout) -> Any:
-    if layout.position is not None and layout.position < len(args):
-        return args[layout.position]
-    return kwargs.get(layout.name)
-
-
-def _output(out: Any, position: int, name: str) -> Any:
-    """A declared output, found as the boundary wrapper finds it."""
-    if isinstance(out, Tensor):
-        return out if position == 0 else None
-    if isinstance(out, Mapping):
-        return out.get(name)
-    if isinstance(out, (tuple, list)) and position < len(out):
-        return out[position]
-    return None
-
-
 def _shapes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
     from torch.distributed.tensor import DTensor
 
@@ -242,8 +226,8 @@ class Tracer:
             call = self.calls[b.fqn]
             if self.recording:
                 for layout in b.inputs:
-                    self._record(b, call, "input", layout.name, _argument(args, kwargs, layout),
-                                 layout.src)
+                    value = declared_argument(args, kwargs, layout.position, layout.name)
+                    self._record(b, call, "input", layout.name, value, layout.src)
             self.boundary_stack.append(f"{b.fqn}#{call}")
 
         return hook
@@ -260,7 +244,7 @@ class Tracer:
                 self.boundary_stack.pop()
             if self.recording:
                 for layout in layouts:
-                    value = _output(out, layout.position or 0, layout.name)
+                    value = get_output(out, layout.position or 0, layout.name)
                     if value is None and not b.outputs:
                         value = first_output(out)
                     self._record(b, call, "output", layout.name, value, layout.dst)

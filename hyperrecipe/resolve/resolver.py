@@ -19,7 +19,6 @@ from hyperrecipe.collective import IDENTITY, CollectiveOp
 from hyperrecipe.errors import RecipeError, SourceSpan, closest, did_you_mean
 from hyperrecipe.model_tree import ModelTree, ModuleInfo, ParamInfo
 from hyperrecipe.placement import (
-    REPLICATE,
     REPLICATED,
     NamedPlacement,
     Partial,

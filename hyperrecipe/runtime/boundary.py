@@ -8,7 +8,7 @@ shows nowhere in the body: it is in the converters it was given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.runtime.arguments import Slot, get_output, map_declared, set_output
 from hyperrecipe.runtime.layouts import Converter, Redistributor
 from hyperrecipe.runtime.marshal import map_tensors
 
@@ -51,36 +52,19 @@ def _gradient_free(convert: Converter, fqn: str) -> Converter:
     return guarded
 
 
+def _named(convert: Converter, name: str) -> Callable[[Any], Any]:
+    return lambda value: convert(value, name)
+
+
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
-                 ) -> tuple[tuple[int | None, str, Converter], ...]:
-    slots = []
+                 ) -> tuple[Slot, ...]:
+    slots: list[Slot] = []
     for a in layouts:
         convert = redist.input_converter(boundary, a)
         if a.name in boundary.no_grad:
             convert = _gradient_free(convert, boundary.fqn)
-        slots.append((a.position, a.name, _each_tensor(convert)))
+        slots.append((a.position, a.name, _named(_each_tensor(convert), a.name)))
     return tuple(slots)
-
-
-def _get_output(out: Any, position: int, name: str) -> Any:
-    if isinstance(out, Tensor):
-        return out if position == 0 else None
-    if isinstance(out, Mapping):  # ModelOutput and dicts: by name
-        return out.get(name)
-    if isinstance(out, (tuple, list)) and position < len(out):
-        return out[position]
-    return None
-
-
-def _set_output(out: Any, position: int, name: str, value: Any) -> Any:
-    if isinstance(out, Tensor):
-        return value
-    if isinstance(out, Mapping):
-        out[name] = value  # type: ignore[index]
-        return out
-    items = list(out)
-    items[position] = value
-    return type(out)(items) if isinstance(out, list) else tuple(items)
 
 
 def make_boundary_forward(
@@ -115,11 +99,7 @@ def make_boundary_forward(
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
-        for position, name, convert in inputs:
-            if position is not None and position < len(args_l):
-                args_l[position] = convert(args_l[position], name)
-            elif name in kwargs:
-                kwargs[name] = convert(kwargs[name], name)
+        map_declared(args_l, kwargs, inputs)
         if undeclared is not None:
             for i, v in enumerate(args_l):
                 if i not in declared_positions:
@@ -129,9 +109,9 @@ def make_boundary_forward(
                     kwargs[k] = undeclared(v, k)
         out = compute(*args_l, **kwargs)
         for position, name, convert in outputs:
-            value = _get_output(out, position, name)
+            value = get_output(out, position, name)
             if value is not None:
-                out = _set_output(out, position, name, convert(value, name))
+                out = set_output(out, position, name, convert(value, name))
         if finish is not None:
             if isinstance(out, Tensor):
                 if 0 not in declared_outputs:

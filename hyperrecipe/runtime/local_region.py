@@ -25,6 +25,7 @@ install time; a call only indexes and unwraps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.runtime.arguments import Slot, map_declared
 from hyperrecipe.runtime.marshal import to_local_tree
 
 __all__ = ["input_grad_placements", "local_region_forward"]
@@ -82,22 +84,20 @@ def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPl
     """
     from torch.distributed.tensor import DTensor
 
-    declared = tuple((a.position, a.name, input_grad_placements(boundary, a, mesh_dims))
-                     for a in boundary.inputs)
-    params = _dtensor_parameters(module)
-
     def unwrap(value: Any, grad_placements: tuple[Any, ...]) -> Any:
         if isinstance(value, DTensor):
             return value.to_local(grad_placements=grad_placements)
         return value
 
+    declared: tuple[Slot, ...] = tuple(
+        (a.position, a.name, functools.partial(
+            unwrap, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
+        for a in boundary.inputs)
+    params = _dtensor_parameters(module)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
-        for position, name, grads in declared:
-            if position is not None and position < len(args_l):
-                args_l[position] = unwrap(args_l[position], grads)
-            elif name in kwargs:
-                kwargs[name] = unwrap(kwargs[name], grads)
+        map_declared(args_l, kwargs, declared)
         args_l = to_local_tree(args_l)
         kwargs = to_local_tree(kwargs)
         saved: list[tuple[nn.Module, str, Any]] = []  # (module, name, the DTensor parameter)

@@ -6,7 +6,7 @@ from typing import ClassVar, Final
 
 import libcst as cst
 
-from hyperrecipe.lint.rule import Invalid, LintRule, Valid
+from hyperrecipe.lint.rule import Invalid, Valid
 from hyperrecipe.lint.rules._patterns import TargetVisitor, is_namespace_dict, positional_args
 
 __all__ = ["ForwardDict"]
