@@ -3,7 +3,9 @@
 - the shipped recipe passes ``hyperrecipe check`` at ep=2 in both modes;
 - on real gloo ranks, against one process: logits and every parameter's gradient, both modes,
   transformers' three experts implementations, the router load-balancing loss, and the
-  sharded-token (all-gather / reduce-scatter) variant ``tests/recipes/mixtral-ep-sharded-tokens.yaml``;
+  sharded-token variants: the all-gather / reduce-scatter fallback
+  ``tests/recipes/mixtral-ep-sharded-tokens.yaml`` and the all-to-all token dispatch
+  ``tests/recipes/mixtral-ep-dispatch.yaml``;
   production issues exactly the plan's manifest, and ``restore()`` puts the expert count back;
 - the kernel alone (one process): each rank's partial output is the sum over its own experts,
   computed by hand, and foreign slots get no routing-weight gradient;
@@ -32,6 +34,7 @@ from tests.runtime_harness import ROOT, assert_close
 
 RECIPE = str(ROOT / "recipes/mixtral-ep.yaml")
 SHARDED_TOKENS = str(ROOT / "tests/recipes/mixtral-ep-sharded-tokens.yaml")
+DISPATCH = str(ROOT / "tests/recipes/mixtral-ep-dispatch.yaml")
 SCALED_TOL = 1e-5
 EAGER = {"attn_implementation": "eager"}
 EXPERTS = "model.layers.{}.mlp.experts"
@@ -101,11 +104,15 @@ CASES: list[tuple[str, str, dict[str, Any], bool]] = [
     (RECIPE, "validate", {**EAGER, "experts_implementation": "eager"}, False),
     (SHARDED_TOKENS, "production", {}, False),
     (SHARDED_TOKENS, "validate", EAGER, False),
+    (DISPATCH, "production", {}, False),
+    (DISPATCH, "production", {"experts_implementation": "eager"}, False),
+    (DISPATCH, "production", {"experts_implementation": "batched_mm"}, False),
+    (DISPATCH, "validate", EAGER, False),
 ]
 
 
 def _case_id(recipe: str, mode: str, overrides: dict[str, Any], aux_loss: bool) -> str:
-    name = "sharded-tokens" if recipe == SHARDED_TOKENS else "ep"
+    name = {SHARDED_TOKENS: "sharded-tokens", DISPATCH: "dispatch"}.get(recipe, "ep")
     impl = overrides.get("experts_implementation", "grouped_mm")
     return f"{name}-{mode}-{impl}" + ("-aux-loss" if aux_loss else "")
 

@@ -26,15 +26,16 @@ Everything is decided once at install time from plan data (:func:`expert_paralle
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.placement import Shard
+from hyperrecipe.placement import Partial, Shard
 from hyperrecipe.plan import BoundaryPlan, Plan
 
-__all__ = ["expert_parallel_attributes", "expert_parallel_dim", "expert_parallel_forward"]
+__all__ = ["expert_parallel_attributes", "expert_parallel_dim", "expert_parallel_forward",
+           "expert_parallel_kernel"]
 
 Forward = Callable[..., Any]
 
@@ -66,6 +67,42 @@ def expert_parallel_dim(boundary: BoundaryPlan, plan: Plan) -> str | None:
                f"dim 0 over one mesh dim; found {layout}")
         raise PlanMismatchError(msg)
     return dims.pop()
+
+
+def expert_parallel_kernel(boundary: BoundaryPlan, ep_dim: str) -> Literal["partial", "dispatch"]:
+    """Which kernel the region's declared layouts on ``ep_dim`` call for.
+
+    ``"partial"``: every declared input is whole on ``ep_dim`` (replicated tokens); each rank
+    runs its experts on every token and the output is partial (``out_src {ep: partial}``).
+    ``"dispatch"``: every declared input is sharded on dim 0 (each rank holds its own tokens);
+    tokens travel to their experts' ranks and back (:mod:`~hyperrecipe.runtime.token_dispatch`)
+    and the output is this rank's tokens, complete (``out_src {ep: shard(0)}``).
+
+    Raises:
+        PlanMismatchError: inputs disagree, or the first output's declared layout is not the
+            one the kernel produces (the region would hand back values the plan misdescribes).
+    """
+    sharded = {a.name: isinstance(a.dst.get(ep_dim), Shard) for a in boundary.inputs}
+    if not sharded:
+        kind: Literal["partial", "dispatch"] = "partial"
+    elif all(sharded.values()) and all(a.dst.get(ep_dim) == Shard(dim=0) for a in boundary.inputs):
+        kind = "dispatch"
+    elif not any(sharded.values()):
+        kind = "partial"
+    else:
+        layout = ", ".join(f"{a.name}: {a.dst}" for a in boundary.inputs)
+        msg = (f"{boundary.fqn}: an expert-parallel region takes its inputs either whole on "
+               f"{ep_dim} (each rank runs its experts on every token) or all sharded on dim 0 "
+               f"(tokens dispatched to their experts' ranks); found {layout}")
+        raise PlanMismatchError(msg)
+    out = boundary.outputs[0].src.get(ep_dim) if boundary.outputs else None
+    want = Partial() if kind == "partial" else Shard(dim=0)
+    if out != want:
+        msg = (f"{boundary.fqn}: with inputs {'sharded' if kind == 'dispatch' else 'whole'} on "
+               f"{ep_dim} the expert-parallel region produces {{{ep_dim}: {want}}} outputs; the "
+               f"plan declares out_src {{{ep_dim}: {out}}}")
+        raise PlanMismatchError(msg)
+    return kind
 
 
 def expert_parallel_attributes(module: nn.Module, num_local: int, *, fqn: str

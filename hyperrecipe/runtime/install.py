@@ -301,7 +301,9 @@ class _Applier:
             expert_parallel_attributes,
             expert_parallel_dim,
             expert_parallel_forward,
+            expert_parallel_kernel,
         )
+        from hyperrecipe.runtime.token_dispatch import dispatch_forward
         from hyperrecipe.runtime.local_region import local_region_forward
 
         ep_dim = expert_parallel_dim(b, self.plan)
@@ -311,7 +313,11 @@ class _Applier:
             count = experts.shape[0] // g.size
             for attr, value in expert_parallel_attributes(module, count, fqn=b.fqn).items():
                 tx.set_attribute(module, attr, value, fqn=b.fqn)
-            compute = expert_parallel_forward(compute, first=g.rank * count, count=count)
+            if expert_parallel_kernel(b, ep_dim) == "dispatch":
+                compute = dispatch_forward(compute, first=g.rank * count, count=count,
+                                           group=g.group, size=g.size)
+            else:
+                compute = expert_parallel_forward(compute, first=g.rank * count, count=count)
         return local_region_forward(module, compute, b, self.mesh_dims)
 
 

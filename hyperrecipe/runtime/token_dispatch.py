@@ -1,0 +1,109 @@
+"""Expert-parallel token dispatch: each (token, expert) pair travels to its expert's rank and back.
+
+When every rank of the expert-parallel mesh dim ``X`` holds its *own* tokens (``X`` doubling as
+data parallel, or after a sequence split), the experts a token is routed to mostly live on other
+ranks. :func:`dispatch_forward` is the local kernel of such a region, run on local tensors in
+both modes:
+
+1. each of this rank's ``T * k`` routing slots goes to the rank that owns its expert
+   (``expert_id // E_local``); slots are sorted by destination and the per-destination counts
+   are exchanged (an all-to-all of ``X`` integers), so every rank knows how many rows it will
+   receive from each other rank;
+2. an all-to-all with those uneven splits moves each slot's hidden state, its routing weight and
+   its *local* expert id to the owner;
+3. the owner runs the experts module's own class forward on what it received, one expert per
+   row (``top_k = 1``), weighted by the routing weight, so transformers' implementation
+   (``eager``, ``batched_mm``, ``grouped_mm``) and its numerics stay in charge;
+4. a second all-to-all with the splits reversed brings each weighted expert output home, where
+   the ``k`` outputs of a token are summed (``index_add``).
+
+Gradients take the same paths backwards (:class:`_Exchange` is its own dual with the splits
+swapped), so hidden states and routing weights get their gradients on the rank that holds them
+and each expert's weights get theirs from every token routed to it: nothing is partial
+afterwards, and the region's output is this rank's tokens, complete (``out_src {X: shard(0)}``).
+Traffic per layer is ``2 * T * k`` rows of ``H`` values out and back, against the all-gather
+fallback's ``X * T`` rows gathered and reduce-scattered.
+
+Expert ids are integers: they travel without autograd, and the region's recipe should declare
+``top_k_index`` as ``no_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["dispatch_forward"]
+
+Forward = Callable[..., Any]
+
+
+def _exchange_plain(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv,
+                           input_split_sizes=send, group=group)
+    return out
+
+
+def _exchange(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+    out: Tensor = _Exchange.apply(x, send, recv, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows ``send[i]`` of ``x`` go to rank ``i``; rows ``recv[j]`` arrive from rank ``j``.
+    The backward is the same exchange with ``send`` and ``recv`` swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange_plain(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _exchange_plain(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def dispatch_forward(inner: Forward, *, first: int, count: int, group: Any, size: int) -> Forward:
+    """``inner`` (the experts' class forward, seeing ``count`` local experts) run where each
+    routed token's expert lives; ``first`` is this rank's first global expert id.
+
+    Args:
+        inner: called as ``inner(hidden [N, H], local_ids [N, 1], weights [N, 1])``.
+        first: global id of this rank's first expert (``rank * count``).
+        count: experts per rank.
+        group: the expert-parallel mesh dim's process group.
+        size: its size.
+    """
+
+    def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                        *args: Any, **kwargs: Any) -> Any:
+        tokens, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        owner = torch.div(ids, count, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        token_of_slot = torch.arange(tokens, device=ids.device).repeat_interleave(k)[order]
+        send_counts = torch.bincount(owner, minlength=size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+
+        rows = _exchange(hidden_states[token_of_slot], send, recv, group)
+        weights = _exchange(top_k_weights.reshape(-1)[order].unsqueeze(1), send, recv, group)
+        local_ids = _exchange_plain((ids[order] - owner[order] * count).unsqueeze(1), send,
+                                    recv, group)
+        if not torch.equal(local_ids.clamp(0, count - 1), local_ids):
+            msg = (f"expert dispatch received expert ids outside this rank's {count} experts "
+                   f"[{first}, {first + count}): the router's ids do not match the plan's "
+                   f"expert sharding")
+            raise RuntimeError(msg)
+        done = inner(rows, local_ids, weights, *args, **kwargs)
+        back = _exchange(done, recv, send, group)
+        out = hidden_states.new_zeros((tokens, back.shape[-1]))
+        return out.index_add(0, token_of_slot, back.to(out.dtype))
+
+    return experts_forward
