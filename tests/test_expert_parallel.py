@@ -83,9 +83,10 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
 # ------------------------------------------------------------------------------ hyperrecipe check
 
 
-def test_shipped_recipe_passes_check_at_ep2_in_both_modes() -> None:
+@pytest.mark.parametrize("recipe", [RECIPE, DISPATCH], ids=["shipped", "dispatch"])
+def test_recipe_passes_check_at_ep2_in_both_modes(recipe: str) -> None:
     report = run_check(CheckOptions(
-        recipe=RECIPE, model="hf:mixtral", mesh={"ep": 2},
+        recipe=recipe, model="hf:mixtral", mesh={"ep": 2},
         model_config=str(ROOT / "recipes/models/tiny-mixtral.json")))
     assert [m.mode for m in report.modes] == ["production", "validate"]
     for m in report.modes:
@@ -229,6 +230,64 @@ def test_sharded_tokens_plan_gathers_inputs_and_reduce_scatters_the_output() -> 
         expected[(mlp, "output", "output", "all_gather", "forward")] += 1
         expected[(mlp, "param_grad", f"{mlp}.gate.weight", "all_reduce", "backward")] += 1
     assert _manifest(SHARDED_TOKENS) == expected
+
+
+def test_dispatch_plan_has_no_layout_collective_at_the_experts() -> None:
+    """The experts' inputs and output stay sharded: only the MoE block's slice and gather (and
+    the router's gradient) are layout collectives; the token all-to-alls are the kernel's own."""
+    expected: Counter[tuple[str, str, str, str, str]] = Counter()
+    for layer in range(2):
+        mlp = f"model.layers.{layer}.mlp"
+        expected[(mlp, "input", "hidden_states", "all_gather", "backward")] += 1
+        expected[(mlp, "output", "output", "all_gather", "forward")] += 1
+        expected[(mlp, "param_grad", f"{mlp}.gate.weight", "all_reduce", "backward")] += 1
+    assert _manifest(DISPATCH) == expected
+
+
+def _experts_boundary(tmp_path: Path, recipe: str, old: str, new: str) -> Any:
+    text = Path(recipe).read_text()
+    assert old in text
+    path = tmp_path / "edited.yaml"
+    path.write_text(text.replace(old, new))
+    return compile_recipe(str(path), build("mixtral", "meta"), {"ep": 2}).boundary(
+        EXPERTS.format(0))
+
+
+def test_kernel_follows_the_declared_inputs() -> None:
+    from hyperrecipe.runtime.experts import expert_parallel_kernel
+
+    for recipe, kind in ((RECIPE, "partial"), (DISPATCH, "dispatch")):
+        plan = compile_recipe(recipe, build("mixtral", "meta"), {"ep": 2})
+        assert expert_parallel_kernel(plan.boundary(EXPERTS.format(0)), "ep") == kind
+
+
+def test_inputs_partly_sharded_are_refused(tmp_path: Path) -> None:
+    from hyperrecipe.runtime.experts import expert_parallel_kernel
+
+    b = _experts_boundary(tmp_path, DISPATCH, "top_k_weights: {ep: shard(0)}",
+                          "top_k_weights: replicate")
+    with pytest.raises(PlanMismatchError) as info:
+        expert_parallel_kernel(b, "ep")
+    assert str(info.value).startswith(
+        "model.layers.0.mlp.experts: an expert-parallel region takes its inputs either whole on "
+        "ep (each rank runs its experts on every token) or all sharded on dim 0")
+    assert "top_k_weights: replicate" in str(info.value)
+
+
+@pytest.mark.parametrize(("recipe", "old", "new", "want", "declared"), [
+    (DISPATCH, "out_src: {0: {ep: shard(0)}}\n    params", "out_src: {0: {ep: partial}}\n    params",
+     "{ep: shard(0)}", "partial"),
+    (RECIPE, "out_src: {0: {ep: partial}}", "out_src: {0: replicate}", "{ep: partial}", "replicate"),
+], ids=["dispatch-declared-partial", "replicated-declared-whole"])
+def test_an_output_layout_the_kernel_does_not_produce_is_refused(
+        tmp_path: Path, recipe: str, old: str, new: str, want: str, declared: str) -> None:
+    from hyperrecipe.runtime.experts import expert_parallel_kernel
+
+    b = _experts_boundary(tmp_path, recipe, old, new)
+    with pytest.raises(PlanMismatchError) as info:
+        expert_parallel_kernel(b, "ep")
+    assert f"produces {want} outputs; the plan declares out_src {{ep: {declared}}}" in \
+        str(info.value)
 
 
 def test_kernel_is_chosen_from_the_plan() -> None:
