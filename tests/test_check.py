@@ -70,6 +70,27 @@ def test_shipped_llama_recipe_agrees_with_one_process_in_both_modes(recipe: str,
         assert len(c.params_after) == (21 if steps else 0)
 
 
+MIXTRAL = str(ROOT / "recipes/models/tiny-mixtral.json")
+BATCHED_NOTE = "experts_implementation=batched_mm for every run"
+
+
+def test_tensor_parallel_experts_run_batched_in_validate_mode_and_agree() -> None:
+    """grouped_mm cannot run on float32 DTensors on the CPU; check switches every run to
+    batched_mm (and says so) rather than report a divergence the recipe did not cause."""
+    report = check("recipes/mixtral.yaml", "hf:mixtral", model_config=MIXTRAL)
+    assert any(n.startswith(BATCHED_NOTE) for n in report.notes), report.notes
+    assert report.exit_code == 0
+    assert [m.agree for m in report.modes] == [True, True]
+
+
+def test_experts_in_a_local_region_keep_transformers_default() -> None:
+    report = run_check(CheckOptions(recipe=str(ROOT / "recipes/mixtral-ep.yaml"),
+                                    model="hf:mixtral", model_config=MIXTRAL, mesh={"ep": 2},
+                                    modes=("validate",)))
+    assert not any(n.startswith(BATCHED_NOTE) for n in report.notes), report.notes
+    assert report.exit_code == 0
+
+
 def test_cli_check_runs_as_a_subprocess_and_reports_json(in_root: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(in_root)}
     proc = subprocess.run(

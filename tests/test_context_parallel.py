@@ -197,3 +197,23 @@ def test_a_wrapper_reference_that_does_not_load_is_refused_at_compile_time(
         compile_recipe(str(path), model, {"cp": 2})
     text = str(err.value)
     assert text.startswith(f"{path}:5:") and message in text, text
+
+
+def test_the_documented_custom_wrapper_agrees_with_one_process(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/context-parallel.md's example wrapper, as written there, through ``check``."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs/context-parallel.md").read_text()
+    found = re.search(r"```python\n# file: user_cp\.py\n(.*?)```", doc, re.S)
+    assert found, "docs/context-parallel.md shows user_cp.py"
+    (tmp_path / "user_cp.py").write_text(found.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, report = _check_json(_cp_variant(tmp_path, "user_cp:gather_kv"), "cp=2", capsys)
+    assert code == 0, report
+    for mode in ("production", "validate"):
+        m = report["modes"][mode]
+        assert m["agree"], m
+        assert {(w["wrapper"], w["state"]) for w in m["inner_wrappers"]} == {
+            ("user_cp:gather_kv", "installed")}

@@ -250,3 +250,23 @@ def test_plan_doc_manifest_example_is_the_toy_plans(tmp_path: Path,
     rows = [line.split() for line in body.splitlines()]
     assert rows == [[e.boundary, e.stage, e.name, e.mesh_dim, e.direction, str(e.op)]
                     for e in plan.manifest]
+
+
+def test_readme_lists_every_shipped_recipe() -> None:
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(recipes/[\w.-]+\.yaml)` \|", readme, re.M))
+    shipped = {f"recipes/{p.name}" for p in (REPO / "recipes").glob("*.yaml")}
+    assert listed == shipped
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(
+    f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+def test_relative_links_resolve(doc: str) -> None:
+    path = REPO / doc
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file = target.split("#")[0]
+        if file:
+            assert (path.parent / file).exists(), f"{doc}: link to {target} is broken"

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import attrs
 import torch
+from torch import nn
 
 from hyperrecipe.check.compare import ModeComparison, compare_mode
 from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
@@ -35,6 +36,7 @@ from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerpr
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
 from hyperrecipe.errors import HyperrecipeError
 from hyperrecipe.model_tree import load_model_config, snapshot
+from hyperrecipe.plan import Plan
 
 __all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
 
@@ -159,6 +161,33 @@ def _launch_progress(mode: str, world: int, progress: Callable[[str], None]
     return relay
 
 
+def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -> str | None:
+    """Switch transformers' fused experts from ``grouped_mm`` to ``batched_mm`` for every run
+    when validate mode would run them on DTensors; return the note saying so, else ``None``.
+
+    ``aten._grouped_mm`` has no float32 path under DTensor on the CPU (its meta kernel requires
+    bf16), so validate mode would fail inside the experts for a reason that is not the recipe's.
+    Experts in a local region compute on local tensors and keep transformers' default.
+    """
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return None
+    regions = [b.fqn for b in plan.boundaries if b.local_region]
+
+    def local(fqn: str) -> bool:
+        return any(fqn == r or fqn.startswith(f"{r}.") for r in regions)
+
+    experts = [n for n, m in model.named_modules()
+               if "_is_expert_parallel" in vars(m) and not local(n)]
+    setter = getattr(model, "set_experts_implementation", None)
+    if not experts or not callable(setter):
+        return None
+    setter("batched_mm")
+    config["experts_implementation"] = "batched_mm"
+    return (f"experts_implementation=batched_mm for every run ({len(experts)} experts modules run "
+            f"on DTensors in validate mode, where grouped_mm has no float32 CPU path; the "
+            f"reference uses the same)")
+
+
 def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None
               ) -> CheckReport:
     """Check a recipe on local ranks against a single-process reference.
@@ -201,6 +230,10 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         model = build_seeded(options.model, config, options.seed)
     tree = snapshot(model)
     plan = resolve_recipe(recipe, tree, options.mesh)
+    if "validate" in options.modes and "experts_implementation" not in config:
+        note = _run_experts_batched(model, plan, config)
+        if note is not None:
+            notes.append(note)
     world = 1
     for d in plan.mesh:
         world *= d.size

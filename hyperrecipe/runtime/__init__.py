@@ -1,12 +1,24 @@
 """The runtime: applying a plan to a live model on every rank.
 
-What lives here: ``install.apply`` (checks, parameter sharding, head counts, boundary install, all in
-one rewriter transaction), the boundary wrapper body shared by both modes (``boundary``), the
-per-mode converters (``layouts``), method adapters for third-party code (``adapters``), moving
-values between DTensor and local tensors (``marshal``), local kernels production needs (``compute``), shard layout
-math (``sharding``), production collectives with their autograd duals (``collectives``) and the
-``Installation`` handle. What does not: resolving recipes (the plan is final here) and any
-direct assignment of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).
+What lives here, one responsibility per module:
+
+- ``install``: ``apply`` (checks, parameter sharding, head counts, boundaries, inner wrappers
+  and adapters, all in one rewriter transaction) and ``installation``: the ``Installation``
+  handle (status, full state dicts, restore).
+- ``boundary``: the wrapper body shared by both modes; ``arguments``: finding declared
+  arguments and outputs; ``layouts``: the per-mode converters; ``marshal``: moving values
+  between DTensor and local tensors; ``compute``: the local kernels production needs;
+  ``sharding``: shard layout math; ``collectives``: production collectives with their autograd
+  duals, counted per step.
+- ``inner``: installing inner wrappers (fallback chains, hooks, the local-tensor edge);
+  ``context_parallel``: the built-in attention wrappers (``cp_allgather_kv``, ``ulysses``).
+- ``local_region``: boundaries whose forward runs on local tensors in both modes; ``experts``:
+  the expert-parallel kernel such a region runs; ``token_dispatch``: its all-to-all token
+  exchange when tokens are sharded.
+- ``adapters``: method adapters for third-party code.
+
+What does not live here: resolving recipes (the plan is final here) and any direct assignment
+of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).
 """
 
 from hyperrecipe.runtime.install import Mode, apply
