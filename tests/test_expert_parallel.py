@@ -94,6 +94,18 @@ def test_recipe_passes_check_at_ep2_in_both_modes(recipe: str) -> None:
     assert report.exit_code == 0
 
 
+def test_tensor_times_expert_parallel_passes_check_on_four_ranks() -> None:
+    """Attention over tp, experts over ep (tests/recipes/mixtral-tp-ep.yaml): each layout is
+    replicated over the dim it does not name, on a 2 x 2 mesh."""
+    report = run_check(CheckOptions(
+        recipe=str(ROOT / "tests/recipes/mixtral-tp-ep.yaml"), model="hf:mixtral",
+        mesh={"tp": 2, "ep": 2}, model_config=str(ROOT / "recipes/models/tiny-mixtral.json")))
+    for m in report.modes:
+        assert m.agree, f"mode {m.mode} diverged: {m.comparison}"
+        assert len(m.comparison.gradients) == 21
+    assert report.exit_code == 0
+
+
 # ------------------------------------------------------------------------------ vs one process
 
 
