@@ -210,6 +210,114 @@ def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
     torch.testing.assert_close(total, full(x, ids, w).detach(), atol=1e-6, rtol=1e-5)
 
 
+def _experts_case(impl: str, world: int, skew: bool) -> dict[str, Any]:
+    """A full experts module and one batch of every rank's tokens, the same in every process."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg: Any = build("mixtral", "meta", experts_implementation=impl).config
+    torch.manual_seed(0)
+    full = MixtralExperts(cfg)
+    with torch.no_grad():
+        full.gate_up_proj.normal_(std=0.1)
+        full.down_proj.normal_(std=0.1)
+    E, T, k = full.num_experts, 3, 2
+    pool = E // world if skew else E  # skew: every slot goes to rank 0's experts
+    ids = torch.stack([torch.randperm(pool)[:k] for _ in range(world * T)])
+    return {"full": full, "x": torch.randn(world * T, cfg.hidden_size), "ids": ids,
+            "w": torch.rand(world * T, k), "cotangent": torch.randn(world * T, cfg.hidden_size),
+            "T": T, "count": E // world}
+
+
+def dispatch_worker(rank: int, world: int, impl: str, skew: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from hyperrecipe.runtime.compute import class_forward
+    from hyperrecipe.runtime.experts import expert_parallel_attributes
+    from hyperrecipe.runtime.reach import reaching_forward
+    from hyperrecipe.runtime.token_dispatch import dispatch_forward
+
+    c = _experts_case(impl, world, skew)
+    full, count, mine = c["full"], c["count"], slice(rank * c["T"], (rank + 1) * c["T"])
+    local = type(full)(full.config)
+    local.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[rank * count:][:count].detach().clone())
+    local.down_proj = torch.nn.Parameter(full.down_proj[rank * count:][:count].detach().clone())
+    for attr, value in expert_parallel_attributes(local, count, fqn="experts").items():
+        setattr(local, attr, value)
+    kernel = dispatch_forward(reaching_forward(class_forward(local), local), count=count,
+                              group=dist.group.WORLD, size=world)  # as apply builds it
+    x = c["x"][mine].clone().requires_grad_(True)
+    w = c["w"][mine].clone().requires_grad_(True)
+    out = kernel(x, c["ids"][mine], w)
+    (out * c["cotangent"][mine]).sum().backward()
+    return {"out": out, "x": x.grad, "w": w.grad, "gate_up_proj": local.gate_up_proj.grad,
+            "down_proj": local.down_proj.grad}
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "all-to-rank-0"])
+def test_dispatch_matches_the_whole_module_even_when_a_rank_receives_nothing(
+        impl: str, skew: bool) -> None:
+    """Every rank's tokens, expert outputs and gradients (tokens, routing weights, its experts)
+    equal one process running the whole module on every token. With every slot routed to rank
+    0's experts, rank 1 receives no rows and must still take part in every backward exchange
+    (eager experts return an output that depends on nothing when no expert is hit)."""
+    world = 2
+    c = _experts_case(impl, world, skew)
+    x = c["x"].clone().requires_grad_(True)
+    w = c["w"].clone().requires_grad_(True)
+    full = c["full"]
+    out = full(x, c["ids"], w)
+    (out * c["cotangent"]).sum().backward()
+    results = run_ranks(dispatch_worker, world, impl, skew, timeout_s=60)
+    T, count = c["T"], c["count"]
+    for rank, res in enumerate(results):
+        mine, experts = slice(rank * T, (rank + 1) * T), slice(rank * count, (rank + 1) * count)
+        for name, got, want in [("output", res["out"], out[mine]), ("x grad", res["x"], x.grad[mine]),
+                                ("w grad", res["w"], w.grad[mine]),
+                                ("gate_up_proj grad", res["gate_up_proj"],
+                                 full.gate_up_proj.grad[experts]),
+                                ("down_proj grad", res["down_proj"], full.down_proj.grad[experts])]:
+            assert got is not None, f"rank {rank}: no {name}"
+            torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
+def test_experts_that_used_nothing_still_hand_back_zero_gradients() -> None:
+    """transformers' eager experts, with no slot for this rank's experts, return zeros that
+    depend on nothing; tied, backward reaches the inputs and every parameter with zeros."""
+    from hyperrecipe.runtime.compute import class_forward
+    from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
+    from hyperrecipe.runtime.reach import reaching_forward
+
+    c = _experts_case("eager", 2, skew=True)  # every slot on rank 0's experts
+    count = c["count"]
+    experts = type(c["full"])(c["full"].config)  # rank 1's experts
+    experts.gate_up_proj = torch.nn.Parameter(c["full"].gate_up_proj[count:].detach().clone())
+    experts.down_proj = torch.nn.Parameter(c["full"].down_proj[count:].detach().clone())
+    for attr, value in expert_parallel_attributes(experts, count, fqn="experts").items():
+        setattr(experts, attr, value)
+    x = c["x"].clone().requires_grad_(True)
+    w = c["w"].clone().requires_grad_(True)
+    foreign = expert_parallel_forward(class_forward(experts), first=count, count=count)
+    assert not foreign(x, c["ids"], w).requires_grad, "the failure mode this guards against"
+    tied = expert_parallel_forward(reaching_forward(class_forward(experts), experts),
+                                   first=count, count=count)
+    out = tied(x, c["ids"], w)
+    assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for name, t in [("x", x), ("w", w), ("gate_up_proj", experts.gate_up_proj),
+                    ("down_proj", experts.down_proj)]:
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t)), name
+
+
+def test_an_output_that_requires_grad_is_returned_untouched() -> None:
+    from hyperrecipe.runtime.reach import tie_unreached
+
+    x = torch.randn(3, requires_grad=True)
+    out = (x * 2, torch.arange(3))
+    assert tie_unreached(out, [x]) is out
+
+
 # ------------------------------------------------------------------------------ plans
 
 

@@ -14,7 +14,8 @@ What lives here, one responsibility per module:
   ``context_parallel``: the built-in attention wrappers (``cp_allgather_kv``, ``ulysses``).
 - ``local_region``: boundaries whose forward runs on local tensors in both modes; ``experts``:
   the expert-parallel kernel such a region runs; ``token_dispatch``: its all-to-all token
-  exchange when tokens are sharded.
+  exchange when tokens are sharded; ``reach``: keeping every rank's backward in step when a
+  region's code used nothing on one rank.
 - ``adapters``: method adapters for third-party code.
 
 What does not live here: resolving recipes (the plan is final here) and any direct assignment

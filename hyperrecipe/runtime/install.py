@@ -296,16 +296,19 @@ class _Applier:
     def _local_region(self, b: BoundaryPlan, module: nn.Module, compute: Callable[..., Any],
                       tx: Rewrite) -> Callable[..., Any]:
         """A local-region boundary's compute: the expert-parallel kernel where the plan shards
-        the module's experts, run on local tensors in both modes."""
+        the module's experts, run on local tensors in both modes; the module's own compute
+        always reaches its inputs and parameters in backward (:mod:`~hyperrecipe.runtime.reach`)."""
         from hyperrecipe.runtime.experts import (
             expert_parallel_attributes,
             expert_parallel_dim,
             expert_parallel_forward,
             expert_parallel_kernel,
         )
-        from hyperrecipe.runtime.token_dispatch import dispatch_forward
         from hyperrecipe.runtime.local_region import local_region_forward
+        from hyperrecipe.runtime.reach import reaching_forward
+        from hyperrecipe.runtime.token_dispatch import dispatch_forward
 
+        compute = reaching_forward(compute, module)
         ep_dim = expert_parallel_dim(b, self.plan)
         if ep_dim is not None:
             g = group_for(self.mesh, ep_dim)
@@ -314,8 +317,7 @@ class _Applier:
             for attr, value in expert_parallel_attributes(module, count, fqn=b.fqn).items():
                 tx.set_attribute(module, attr, value, fqn=b.fqn)
             if expert_parallel_kernel(b, ep_dim) == "dispatch":
-                compute = dispatch_forward(compute, first=g.rank * count, count=count,
-                                           group=g.group, size=g.size)
+                compute = dispatch_forward(compute, count=count, group=g.group, size=g.size)
             else:
                 compute = expert_parallel_forward(compute, first=g.rank * count, count=count)
         return local_region_forward(module, compute, b, self.mesh_dims)

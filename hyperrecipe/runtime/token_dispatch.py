@@ -21,6 +21,14 @@ Gradients take the same paths backwards (:class:`_Exchange` is its own dual with
 swapped), so hidden states and routing weights get their gradients on the rank that holds them
 and each expert's weights get theirs from every token routed to it: nothing is partial
 afterwards, and the region's output is this rank's tokens, complete (``out_src {X: shard(0)}``).
+
+Every rank must issue the same backward exchanges in the same order, whatever its tokens: the
+hidden states and routing weights travel through *one* autograd node (one backward, its two
+exchanges in a fixed order). ``inner`` must reach its inputs even when this rank received no
+rows: ``apply`` passes the experts' compute through
+:func:`~hyperrecipe.runtime.reach.reaching_forward` (transformers' ``eager`` experts return a
+tensor that depends on nothing when no expert is hit, and this rank would skip the backward
+exchanges its peers wait in).
 Traffic per layer is ``2 * T * k`` rows of ``H`` values out and back, against the all-gather
 fallback's ``X * T`` rows gathered and reduce-scattered.
 
@@ -55,26 +63,35 @@ def _exchange(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor
 
 
 class _Exchange(torch.autograd.Function):
-    """Rows ``send[i]`` of ``x`` go to rank ``i``; rows ``recv[j]`` arrive from rank ``j``.
-    The backward is the same exchange with ``send`` and ``recv`` swapped."""
+    """Rows ``send[i]`` of each input go to rank ``i``; rows ``recv[j]`` arrive from rank
+    ``j``. The backward is the same exchange with ``send`` and ``recv`` swapped, input by input
+    in a fixed order, so one node carries several tensors without reordering across ranks."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange_plain(x, send, recv, group)
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any,
+                *more: Tensor) -> Any:
+        ctx.send, ctx.recv, ctx.group, ctx.many = send, recv, group, bool(more)
+        outs = tuple(_exchange_plain(t, send, recv, group) for t in (x, *more))
+        return outs if more else outs[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return _exchange_plain(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        back = [_exchange_plain(g, ctx.recv, ctx.send, ctx.group) for g in grads]
+        return (back[0], None, None, None, *back[1:])
 
 
-def dispatch_forward(inner: Forward, *, first: int, count: int, group: Any, size: int) -> Forward:
+def _exchange_pair(x: Tensor, y: Tensor, send: list[int], recv: list[int], group: Any
+                   ) -> tuple[Tensor, Tensor]:
+    a, b = _Exchange.apply(x, send, recv, group, y)  # type: ignore[no-untyped-call]
+    return a, b
+
+
+def dispatch_forward(inner: Forward, *, count: int, group: Any, size: int) -> Forward:
     """``inner`` (the experts' class forward, seeing ``count`` local experts) run where each
-    routed token's expert lives; ``first`` is this rank's first global expert id.
+    routed token's expert lives (global expert ``e`` lives on rank ``e // count``).
 
     Args:
         inner: called as ``inner(hidden [N, H], local_ids [N, 1], weights [N, 1])``.
-        first: global id of this rank's first expert (``rank * count``).
         count: experts per rank.
         group: the expert-parallel mesh dim's process group.
         size: its size.
@@ -88,19 +105,19 @@ def dispatch_forward(inner: Forward, *, first: int, count: int, group: Any, size
         order = torch.argsort(owner, stable=True)
         token_of_slot = torch.arange(tokens, device=ids.device).repeat_interleave(k)[order]
         send_counts = torch.bincount(owner, minlength=size)
+        if send_counts.numel() != size:  # a router/plan mismatch, found before this rank sends
+            msg = (f"expert dispatch: the router chose expert {int(ids.max())}, beyond the "
+                   f"{size} x {count} experts of the plan's expert sharding")
+            raise RuntimeError(msg)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
 
-        rows = _exchange(hidden_states[token_of_slot], send, recv, group)
-        weights = _exchange(top_k_weights.reshape(-1)[order].unsqueeze(1), send, recv, group)
+        rows, weights = _exchange_pair(hidden_states[token_of_slot],
+                                       top_k_weights.reshape(-1)[order].unsqueeze(1),
+                                       send, recv, group)
         local_ids = _exchange_plain((ids[order] - owner[order] * count).unsqueeze(1), send,
                                     recv, group)
-        if not torch.equal(local_ids.clamp(0, count - 1), local_ids):
-            msg = (f"expert dispatch received expert ids outside this rank's {count} experts "
-                   f"[{first}, {first + count}): the router's ids do not match the plan's "
-                   f"expert sharding")
-            raise RuntimeError(msg)
         done = inner(rows, local_ids, weights, *args, **kwargs)
         back = _exchange(done, recv, send, group)
         out = hidden_states.new_zeros((tokens, back.shape[-1]))
