@@ -16,6 +16,10 @@ as data the resolver can read without running anything:
   installed package, a property of the module). An unmet requirement makes the wrapper
   *ineligible*; a recipe may give a fallback chain (``inner_wrapper: [ulysses, cp_allgather_kv]``)
   of which the first eligible wrapper that installs is used.
+- ``inner_out_src``: the layout of what the callable returns, by output position, over the
+  wrapper's own mesh dims (``{0: {"cp": "shard(1)"}}``). It is the default of the recipe field of
+  the same name; the resolver refuses to use it where the boundary is also sharded on a dim the
+  declaration does not name (heads over ``tp``, say), since the wrapper cannot know that layout.
 
 At install time the factory is called once per module with a :class:`WrapperContext` (the
 module, its process groups, the mode) and returns the callable used on every call; all
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import attrs
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.placement import NamedPlacement, PlacementSyntaxError, parse_named_placement
 from hyperrecipe.refs import RefError, resolve_ref
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,6 +138,7 @@ class WrapperSpec:
     hook: Hook
     mesh_dims: tuple[str, ...]
     requires: tuple[Requirement, ...]
+    inner_out_src: tuple[tuple[int, NamedPlacement], ...] = ()
     factory: Callable[[WrapperContext], Callable[..., Any]] = attrs.field(eq=False)
 
 
@@ -141,7 +147,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
-                  mesh_dims: Sequence[str] = (), requires: Sequence[Requirement] = ()
+                  mesh_dims: Sequence[str] = (), requires: Sequence[Requirement] = (),
+                  inner_out_src: Mapping[int, str | Mapping[str, str]] | None = None
                   ) -> Callable[[F], F]:
     """Declare a factory as an inner wrapper (see the module docstring).
 
@@ -150,20 +157,46 @@ def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
         hook: ``"attention"`` or ``"forward"``.
         mesh_dims: the mesh dims whose groups :meth:`WrapperContext.group` hands out.
         requires: install-time checks; the wrapper is skipped in a chain when one fails.
+        inner_out_src: output position → placement in recipe syntax (``"replicate"`` or
+            ``{"cp": "shard(1)"}``) over ``mesh_dims``; the default of the recipe's field.
 
     Returns:
         The factory itself, marked with its :class:`WrapperSpec`.
+
+    Raises:
+        ValueError: an unknown hook, or an ``inner_out_src`` that does not parse, is not keyed
+            by positions, or names a mesh dim outside ``mesh_dims``.
     """
     if hook not in ("attention", "forward"):
         raise ValueError(f"hook must be 'attention' or 'forward', not {hook!r}")
+    declared = _declared_layout(inner_out_src or {}, tuple(mesh_dims))
 
     def mark(factory: F) -> F:
         spec = WrapperSpec(name=name or factory.__name__, hook=hook, mesh_dims=tuple(mesh_dims),
-                           requires=tuple(requires), factory=factory)
+                           requires=tuple(requires), inner_out_src=declared, factory=factory)
         setattr(factory, _SPEC_ATTRIBUTE, spec)
         return factory
 
     return mark
+
+
+def _declared_layout(raw: Mapping[int, str | Mapping[str, str]], mesh_dims: tuple[str, ...]
+                     ) -> tuple[tuple[int, NamedPlacement], ...]:
+    out: list[tuple[int, NamedPlacement]] = []
+    for key, value in raw.items():
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ValueError(f"inner_out_src is keyed by output position (0, 1, ...), not {key!r}")
+        try:
+            placement = parse_named_placement(value)
+        except PlacementSyntaxError as exc:
+            raise ValueError(f"inner_out_src[{key}]: {exc}") from None
+        foreign = [d for d in placement.mesh_dims if d not in mesh_dims]
+        if foreign:
+            msg = (f"inner_out_src[{key}] names mesh dim(s) {', '.join(foreign)}, which the "
+                   f"wrapper does not declare in mesh_dims {list(mesh_dims)}")
+            raise ValueError(msg)
+        out.append((key, placement))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
 class WrapperError(PlanMismatchError):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -217,3 +218,89 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
         assert m["agree"], m
         assert {(w["wrapper"], w["state"]) for w in m["inner_wrappers"]} == {
             ("user_cp:gather_kv", "installed")}
+
+
+def _toy_wrapper_error(tmp_path: Any, wrapper: str, extra: str = "") -> str:
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.errors import RecipeError
+    from tests.toy_models import Toy
+
+    path = tmp_path / "w.yaml"
+    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
+                    f"  - {{match: layers.*.mlp, boundary: true, inner_wrapper: {wrapper}{extra}}}\n")
+    with torch.device("meta"):
+        model = Toy()
+    with pytest.raises(RecipeError) as err:
+        compile_recipe(str(path), model, {"cp": 2})
+    text = str(err.value)
+    assert text.startswith(f"{path}:5:"), text
+    return text
+
+
+def test_the_wrappers_declared_output_layout_is_the_default() -> None:
+    from hyperrecipe import compile_recipe
+    from tests.runtime_harness import llama
+
+    b = compile_recipe("recipes/llama-cp.yaml", llama("meta"), {"cp": 2}).boundary(
+        "model.layers.0.self_attn")
+    assert [(a.name, a.position, str(a.src)) for a in b.inner_out_src] == [
+        ("attn_output", 0, "{cp: shard(1)}")]
+    assert any("inner_out_src to the wrappers' declaration: attn_output {cp: shard(1)}"
+               in p.reason for p in b.provenance)
+
+
+def test_a_wrapper_declaring_no_output_layout_needs_inner_out_src(tmp_path: Any) -> None:
+    text = _toy_wrapper_error(tmp_path, "tests.cp_chain:undeclared")
+    assert ("inner wrapper 'tests.cp_chain:undeclared' of 'layers.0.mlp' declares no output "
+            "layout, so the rule must give inner_out_src") in text
+
+
+def test_a_rule_inner_out_src_overrides_the_declarations(tmp_path: Any) -> None:
+    from hyperrecipe import compile_recipe
+    from tests.toy_models import Toy
+
+    path = tmp_path / "w.yaml"
+    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
+                    "  - {match: layers.*.mlp, boundary: true, inner_out_src: {0: replicate},\n"
+                    "     inner_wrapper: [tests.cp_chain:undeclared, tests.cp_chain:fails_midway]}\n")
+    with torch.device("meta"):
+        model = Toy()
+    b = compile_recipe(str(path), model, {"cp": 2}).boundary("layers.0.mlp")
+    assert [str(a.src) for a in b.inner_out_src] == ["replicate"]
+
+
+def test_a_chain_declaring_different_layouts_needs_inner_out_src(tmp_path: Any) -> None:
+    text = _toy_wrapper_error(tmp_path, "[tests.cp_chain:fails_midway, "
+                                        "tests.cp_chain:replicated_out]")
+    assert ("the inner wrappers of 'layers.0.mlp' declare different output layouts "
+            "(tests.cp_chain:fails_midway: 0: {cp: shard(1)}; tests.cp_chain:replicated_out: "
+            "0: replicate)") in text
+
+
+def test_a_declaration_silent_on_a_sharded_dim_is_refused(tmp_path: Any) -> None:
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.errors import RecipeError
+    from tests.runtime_harness import llama
+
+    text = "\n".join(line for line in open("recipes/llama-tp-cp.yaml").read().splitlines()
+                     if "inner_out_src:" not in line)
+    path = tmp_path / "tpcp.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        compile_recipe(str(path), llama("meta"), {"tp": 2, "cp": 2})
+    assert ("inner wrapper 'cp_allgather_kv' of 'model.layers.0.self_attn' declares its output "
+            "layout over cp (0: {cp: shard(1)}), but 'model.layers.0.self_attn' is also sharded "
+            "over tp; give inner_out_src naming every dim") in str(err.value)
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    ({"attn_output": {"cp": "shard(1)"}}, "keyed by output position (0, 1, ...), not 'attn_output'"),
+    ({0: {"tp": "shard(2)"}}, "names mesh dim(s) tp, which the wrapper does not declare"),
+    ({0: {"cp": "shard(x)"}}, "inner_out_src[0]: "),
+    ({0: "shard(1)"}, "must name its mesh dim"),
+])
+def test_a_malformed_declaration_fails_at_decoration(declared: Any, message: str) -> None:
+    from hyperrecipe.wrappers import inner_wrapper
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        inner_wrapper(mesh_dims=("cp",), inner_out_src=declared)

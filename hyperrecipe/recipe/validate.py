@@ -119,7 +119,10 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
               doc="Layout of what the inner wrapper returns (by output position or name), e.g. "
                   "`{0: {cp: shard(1)}}` for attention output `[batch, seq, heads, head_dim]`; "
                   "validate mode wraps the wrapper's local results with it. Outputs it does not "
-                  "name are replicated."),
+                  "name are replicated. Default: the layout the wrappers declare "
+                  "(`@inner_wrapper(inner_out_src=...)`; the built-ins declare "
+                  "`{0: {cp: shard(1)}}`), refused when candidates disagree or the boundary is "
+                  "also sharded on a dim the declaration does not name."),
     FieldSpec(name="local_region", kind="bool",
               doc="Run the module's forward on local tensors in both modes (data-dependent code "
                   "such as MoE token dispatch); requires `out_src`."),

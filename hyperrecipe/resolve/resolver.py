@@ -11,7 +11,7 @@ the same plan, byte for byte.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -45,6 +45,9 @@ from hyperrecipe.plan import (
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 from hyperrecipe.recipe.schema import MAPPING_FIELDS, RULE_FIELD_NAMES, LayoutKey, Recipe, Rule
 from hyperrecipe.resolve.lowering import ImpossibleTransition, canonical_grad, lower_transition
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.wrappers import WrapperSpec
 
 __all__ = ["resolve_recipe"]
 
@@ -511,7 +514,14 @@ class _Resolver:
                               path=f"{c.rule.json_path}.local_region", rule_index=c.rule.index)
         wrapper = self.get(fqn, "inner_wrapper")
         if wrapper is not None:
-            self._check_wrappers(fqn, wrapper)
+            specs = self._check_wrappers(fqn, wrapper)
+            if not inner_out:
+                inner_out = self._declared_inner_out(fqn, wrapper, specs, out_names,
+                                                     sharded_params | sharded_inputs)
+                provenance.append(_prov(
+                    wrapper.rule, f"set inner_out_src to the wrappers' declaration: "
+                    f"{', '.join(f'{a.name} {a.src}' for a in inner_out)}",
+                    *(("inner_wrapper",) if "inner_wrapper" in wrapper.rule.explicit else ())))
         plan = BoundaryPlan(
             fqn=fqn, module_class=module.cls, depth=depth, parent=parent, inputs=tuple(inputs),
             outputs=tuple(outputs), out_names=out_names, defer_bias=tuple(deferred),
@@ -542,14 +552,72 @@ class _Resolver:
         names += [n for n in declared if n in known and n not in names]
         return tuple(names)
 
-    def _check_wrappers(self, fqn: str, claim: _Claim) -> None:
-        """Every candidate of an inner-wrapper chain loads and finds its mesh dims.
+    def _wrapper_span(self, claim: _Claim) -> tuple[SourceSpan, str]:
+        rule = claim.rule
+        span = rule.span("inner_wrapper") if "inner_wrapper" in rule.explicit else rule.span(
+            "match")
+        return span, f"{rule.json_path}.inner_wrapper"
+
+    def _declared_inner_out(self, fqn: str, claim: _Claim, specs: Sequence[WrapperSpec],
+                            out_names: tuple[str, ...], sharded: set[str]) -> list[ArgLayout]:
+        """``inner_out_src`` from the chain's own declarations, when the recipe gives none.
+
+        Every candidate must declare the same layout (whichever installs, validate mode wraps
+        its results with the one plan entry), and the boundary must not be sharded on a mesh
+        dim the declaration leaves out: a wrapper over ``cp`` cannot know that its inputs are
+        also split over ``tp`` heads.
+        """
+        span, path = self._wrapper_span(claim)
+        rule = claim.rule
+        refs = list(claim.value)
+        example = ("e.g. `inner_out_src: {0: {cp: shard(1)}}` for attention output "
+                   "[batch, seq, heads, head_dim] over a sequence split on cp, or "
+                   "`{0: replicate}`")
+        layouts = {ref: spec.inner_out_src for ref, spec in zip(refs, specs, strict=True)}
+        if not all(layouts.values()):
+            missing = [r for r, lay in layouts.items() if not lay]
+            raise RecipeError(
+                f"inner wrapper {', '.join(map(repr, missing))} of {fqn!r} declares no output "
+                f"layout, so the rule must give inner_out_src: the layout of the local tensors "
+                f"the wrapper returns (validate mode wraps them with it)", span=span, path=path,
+                rule_index=rule.index, hint=example)
+        if len(set(layouts.values())) > 1:
+            found = "; ".join(f"{r}: " + ", ".join(f"{k}: {v}" for k, v in lay)
+                              for r, lay in layouts.items())
+            raise RecipeError(
+                f"the inner wrappers of {fqn!r} declare different output layouts ({found}); "
+                f"give inner_out_src for the one plan entry whichever installs", span=span,
+                path=path, rule_index=rule.index, hint=example)
+        declared = layouts[refs[0]]
+        named = {d for _, placement in declared for d in placement.mesh_dims}
+        other = sorted(d for d in sharded if d not in named and self.size(d) > 1)
+        if other:
+            layout = ", ".join(f"{k}: {v}" for k, v in declared)
+            raise RecipeError(
+                f"inner wrapper {refs[0]!r} of {fqn!r} declares its output layout over "
+                f"{', '.join(sorted(named)) or 'no mesh dim'} ({layout}), but {fqn!r} is also "
+                f"sharded over {', '.join(other)}; give inner_out_src naming every dim",
+                span=span, path=path, rule_index=rule.index,
+                hint="e.g. `inner_out_src: {attn_output: {tp: shard(2), cp: shard(1)}}` for "
+                     "attention heads over tp and the sequence over cp")
+        out: list[ArgLayout] = []
+        for pos, placement in declared:
+            name = out_names[pos] if pos < len(out_names) else ("output" if pos == 0
+                                                                else f"output{pos}")
+            placed = placement.canonical(self.recipe.mesh)
+            out.append(ArgLayout(name=name, position=pos, src=placed, dst=placed))
+        return out
+
+    def _check_wrappers(self, fqn: str, claim: _Claim) -> list[WrapperSpec]:
+        """Every candidate of an inner-wrapper chain loads and finds its mesh dims; returns
+        their specs.
 
         Loading imports the wrapper's module (built-ins live in the runtime; nothing runs but
         the decorator), so a typo in a custom reference fails here, not on a cluster.
         """
         from hyperrecipe.wrappers import load_wrapper
 
+        specs: list[WrapperSpec] = []
         rule = claim.rule
         for i, ref in enumerate(claim.value):
             sub: tuple[str | int, ...] = ("inner_wrapper", i) if len(claim.value) > 1 else (
@@ -569,6 +637,8 @@ class _Resolver:
                     rule_index=rule.index,
                     hint=f"mesh: {_mesh_text(self.mesh_in)}; declared by the wrapper: "
                          f"{list(spec.mesh_dims)}")
+            specs.append(spec)
+        return specs
 
     def _placed(self, claim: _Claim | None, fqn: str, field: str, key: Any) -> NamedPlacement:
         if claim is None:

@@ -41,6 +41,9 @@ from hyperrecipe.wrappers import WrapperContext, inner_wrapper, requirement
 __all__ = ["causal_mask_for_rank", "cp_allgather_kv", "ulysses"]
 
 _SEQ = 2  # [batch, heads, seq, head_dim], as transformers hands q/k/v to attention functions
+_SEQUENCE_SHARDED = {0: {"cp": "shard(1)"}}
+"""What both wrappers return: this rank's positions of the attention output, which transformers'
+attention functions hand back as ``[batch, seq, heads, head_dim]``."""
 
 
 def causal_mask_for_rank(q_len: int, kv_len: int, q_offset: int, *,
@@ -79,7 +82,7 @@ def _check_mask(mask: Tensor, q_len: int, kv_len: int, fqn: str) -> None:
         raise PlanMismatchError(msg)
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",))
+@inner_wrapper(hook="attention", mesh_dims=("cp",), inner_out_src=_SEQUENCE_SHARDED)
 def cp_allgather_kv(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-gathering K/V along the sequence (module docstring)."""
     cp = ctx.group("cp")
@@ -134,7 +137,8 @@ def _heads_divisible(ctx: WrapperContext) -> str | None:
     return None
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_heads_divisible,))
+@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_heads_divisible,),
+               inner_out_src=_SEQUENCE_SHARDED)
 def ulysses(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-to-all between heads and sequence (module docstring)."""
     cp = ctx.group("cp")
