@@ -304,3 +304,23 @@ def test_a_malformed_declaration_fails_at_decoration(declared: Any, message: str
 
     with pytest.raises(ValueError, match=re.escape(message)):
         inner_wrapper(mesh_dims=("cp",), inner_out_src=declared)
+
+
+@pytest.mark.parametrize("wrapper", ["cp_allgather_kv", "ulysses"])
+def test_mistral_sliding_window_attention_agrees_at_cp4(
+        tmp_path: Any, wrapper: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another family through the Llama CP recipe (same module names): tiny Mistral's window of
+    4 keys over 16 positions spans rank boundaries at cp=4 (4 positions per rank), and the mask
+    the model builds is sliced to each rank's query rows; 8 query / 4 kv heads suit Ulysses."""
+    import json
+
+    from hyperrecipe.cli import main
+
+    code = main(["check", _cp_variant(tmp_path, wrapper), "--mesh", "cp=4", "--seq", "16",
+                 "--model", "hf:mistral", "--model-config", "recipes/models/tiny-mistral.json",
+                 "--format", "json", "-q"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    for mode in ("production", "validate"):
+        m = report["modes"][mode]
+        assert m["agree"] and {w["state"] for w in m["inner_wrappers"]} == {"installed"}
