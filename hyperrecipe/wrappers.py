@@ -102,11 +102,14 @@ def requirement(what: str) -> Callable[[Callable[[WrapperContext], str | None]],
 
 
 def requires_backend(*names: str) -> Requirement:
-    """The process groups of the wrapper's mesh dims use one of ``names`` (``"nccl"``)."""
+    """The process groups of the wrapper's mesh dims use one of ``names`` (``"nccl"``), alone
+    or as one of several per-device backends (``"cpu:gloo,cuda:nccl"``)."""
 
     def check(ctx: WrapperContext) -> str | None:
         found = ctx.backend()
-        return None if found in names else f"backend is {found}, needs {' or '.join(names)}"
+        # a group may name one backend per device: "cpu:gloo,cuda:nccl"
+        parts = {part.rsplit(":", 1)[-1].strip() for part in found.split(",")}
+        return None if parts & set(names) else f"backend is {found}, needs {' or '.join(names)}"
 
     return Requirement(what=f"backend {'|'.join(names)}", check=check)
 

@@ -324,3 +324,73 @@ def test_mistral_sliding_window_attention_agrees_at_cp4(
     for mode in ("production", "validate"):
         m = report["modes"][mode]
         assert m["agree"] and {w["state"] for w in m["inner_wrappers"]} == {"installed"}
+
+
+def _forward_hook_worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrecipe import apply, compile_recipe
+    from tests.toy_models import Toy
+
+    torch.manual_seed(0)
+    model = Toy()
+    with torch.device("meta"):
+        meta = Toy()
+    plan = compile_recipe(recipe, meta, {"cp": world})
+    inst = apply(model, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)),
+                 mode=mode)  # type: ignore[arg-type]
+    tokens = torch.arange(8).reshape(2, 4) % 32
+    out = model(tokens)
+    from torch.distributed.tensor import DTensor
+
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    out.sum().backward()
+    rows = [(r.fqn, r.state) for r in inst.status() if r.what.startswith("inner wrapper")]
+    return {"out": out, "grads": inst.full_grads(), "rows": rows}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_forward_hook_wrapper_runs_the_compute_on_local_tensors(tmp_path: Any, mode: str) -> None:
+    """A ``hook="forward"`` wrapper calls the boundary's compute on local tensors in both modes
+    (validate mode swaps the module's DTensor parameters for local views for the call)."""
+    from hyperrecipe.check.launcher import run_ranks
+    from tests.toy_models import Toy
+
+    path = tmp_path / "fwd.yaml"
+    path.write_text("recipe: fwd\nversion: 1\nmesh: [cp]\nrules:\n"
+                    "  - {match: layers.*.mlp, boundary: true, in_src: {x: replicate},\n"
+                    "     out_src: {0: replicate}, inner_wrapper: tests.cp_chain:replicated_out}\n")
+    torch.manual_seed(0)
+    ref = Toy()
+    ref(torch.arange(8).reshape(2, 4) % 32).sum().backward()
+    for res in run_ranks(_forward_hook_worker, 2, str(path), mode):
+        torch.testing.assert_close(res["out"], ref(torch.arange(8).reshape(2, 4) % 32).detach())
+        for name, p in ref.named_parameters():
+            assert p.grad is not None
+            torch.testing.assert_close(res["grads"][name], p.grad, atol=1e-6, rtol=1e-5)
+        assert {state for _, state in res["rows"]} == {"installed"} and res["rows"]
+
+
+@pytest.mark.parametrize(("backend", "met"), [("nccl", True), ("cpu:gloo,cuda:nccl", True),
+                                              ("cpu:gloo", False), ("gloo", False)])
+def test_requires_backend_reads_per_device_backend_strings(backend: str, met: bool) -> None:
+    from types import SimpleNamespace
+
+    from hyperrecipe.wrappers import requires_backend
+
+    reason = requires_backend("nccl").check(SimpleNamespace(backend=lambda: backend))  # type: ignore[arg-type]
+    assert (reason is None) == met, reason
+
+
+def test_the_built_in_wrappers_require_sdpa(tmp_path: Any, capsys: pytest.CaptureFixture[str]
+                                            ) -> None:
+    from hyperrecipe.cli import main
+
+    code = main(["check", _cp_variant(tmp_path, "[ulysses, cp_allgather_kv]"), "--mesh", "cp=2",
+                 "--model", "hf:llama", "--model-config",
+                 '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                 '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, '
+                 '"attn_implementation": "eager"}', "--mode", "production", "-q"])
+    out = capsys.readouterr()
+    assert code == 2
+    assert "requires sdpa attention: attn_implementation is 'eager'" in out.out + out.err

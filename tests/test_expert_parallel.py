@@ -438,3 +438,35 @@ def test_experts_sharded_on_different_axes_are_refused(tmp_path: Path) -> None:
 
 def test_tiny_mixtral_experts_divide_by_two() -> None:
     assert config("mixtral")["num_local_experts"] % 2 == 0
+
+
+def bad_ids_worker(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from hyperrecipe.runtime.token_dispatch import dispatch_forward
+
+    kernel = dispatch_forward(lambda h, i, w: h * w, count=2, group=dist.group.WORLD, size=world)
+    ids = torch.tensor([[0, 1], [2, 3]]) if rank == 0 else torch.tensor([[0, 9], [1, 2]])
+    try:
+        kernel(torch.randn(2, 4), ids, torch.rand(2, 2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_expert_id_beyond_the_plan_fails_every_rank_without_a_hang() -> None:
+    """Only rank 1's router is wrong; both ranks learn it from the count exchange and raise."""
+    messages = run_ranks(bad_ids_worker, 2, timeout_s=60)
+    assert all("a router chose an expert id outside [0, 4)" in m for m in messages), messages
+    assert messages[0].endswith("(on another rank)") and messages[1].endswith("(here: 0..9)")
+
+
+def test_the_tie_is_exactly_zero_even_when_a_source_overflows() -> None:
+    from hyperrecipe.runtime.reach import tie_unreached
+
+    big = torch.full((4096, 64), 60000.0, dtype=torch.float16, requires_grad=True)
+    assert torch.isinf(big.sum()), "the sum itself overflows fp16"
+    tied = tie_unreached(torch.zeros(3, dtype=torch.float16), [big])
+    assert tied.requires_grad and torch.equal(tied, torch.zeros(3, dtype=torch.float16))
+    tied.sum().backward()
+    assert big.grad is not None and torch.equal(big.grad, torch.zeros_like(big))

@@ -82,7 +82,16 @@ def _check_mask(mask: Tensor, q_len: int, kv_len: int, fqn: str) -> None:
         raise PlanMismatchError(msg)
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",), inner_out_src=_SEQUENCE_SHARDED)
+@requirement("sdpa attention")
+def _sdpa(ctx: WrapperContext) -> str | None:
+    """The wrappers pass SDPA's calling convention (a 4-D boolean mask, ``is_causal=False``);
+    another implementation (flash attention's padding masks) would misread it."""
+    impl = getattr(getattr(ctx.module, "config", None), "_attn_implementation", None)
+    return None if impl == "sdpa" else f"attn_implementation is {impl!r}"
+
+
+@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_sdpa,),
+               inner_out_src=_SEQUENCE_SHARDED)
 def cp_allgather_kv(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-gathering K/V along the sequence (module docstring)."""
     cp = ctx.group("cp")
@@ -137,7 +146,7 @@ def _heads_divisible(ctx: WrapperContext) -> str | None:
     return None
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_heads_divisible,),
+@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_sdpa, _heads_divisible),
                inner_out_src=_SEQUENCE_SHARDED)
 def ulysses(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-to-all between heads and sequence (module docstring)."""

@@ -16,8 +16,8 @@ Hooks (:data:`~hyperrecipe.wrappers.Hook`):
   original function for every other module, so other models in the process are unaffected.
   ``eager`` is not in the registry (models call their own function directly) and cannot be
   hooked: such a module is refused with the fix (build it with ``attn_implementation="sdpa"``).
-- ``forward``: the wrapper receives the boundary's compute (the module's forward) and replaces
-  it inside the boundary.
+- ``forward``: the wrapper receives the boundary's compute (the module's forward, run with the
+  module's parameters as local tensors) and replaces it inside the boundary.
 
 The edge: wrappers compute on local tensors in both modes. In validate mode the DTensor
 arguments are unwrapped once (refusing ``partial`` ones, whose local values are summands) and
@@ -38,6 +38,7 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
+from hyperrecipe.runtime.local_region import with_local_parameters
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
 
@@ -131,8 +132,11 @@ class InnerWrapperInstaller:
             raise PlanMismatchError(msg)
         edged = self._edge(built, boundary)
         if spec.hook == "forward":
+            # the wrapper computes on local tensors, so the compute it calls must too
+            local_compute = with_local_parameters(module, compute)
+
             def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
-                return edged(compute, *args, **kwargs)
+                return edged(local_compute, *args, **kwargs)
 
             return wrapped_compute
         self._hook_attention(tx, boundary.fqn, module)
@@ -204,10 +208,10 @@ class InnerWrapperInstaller:
             where = f"{fqn} inner wrapper"
             if not isinstance(out, (tuple, list)):
                 return wrap_local_tree(out, mesh, placements.get(0, replicated), where=where)
-            return type(out)(
-                wrap_local_tree(v, mesh, placements.get(i, replicated),
-                                where=f"{where} output {names.get(i, i)}")
-                for i, v in enumerate(out))
+            items = [wrap_local_tree(v, mesh, placements.get(i, replicated),
+                                     where=f"{where} output {names.get(i, i)}")
+                     for i, v in enumerate(out)]
+            return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
         return edged
 

@@ -36,7 +36,7 @@ from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.runtime.arguments import Slot, map_declared
 from hyperrecipe.runtime.marshal import to_local_tree
 
-__all__ = ["input_grad_placements", "local_region_forward"]
+__all__ = ["input_grad_placements", "local_region_forward", "with_local_parameters"]
 
 Forward = Callable[..., Any]
 
@@ -69,6 +69,29 @@ def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
                  if isinstance(p, DTensor))
 
 
+def with_local_parameters(module: nn.Module, inner: Forward) -> Forward:
+    """``inner`` called while ``module``'s DTensor parameters (found now) are swapped for their
+    ``to_local()`` views in ``_parameters``, put back in ``finally``; gradients reach the DTensor
+    parameters through ``to_local``. With no DTensor parameter (production) it is ``inner``."""
+    params = _dtensor_parameters(module)
+    if not params:
+        return inner
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        saved: list[tuple[nn.Module, str, Any]] = []  # (module, name, the DTensor parameter)
+        try:
+            for m, name in params:
+                param: Any = m._parameters[name]
+                saved.append((m, name, param))
+                m._parameters[name] = param.to_local()
+            return inner(*args, **kwargs)
+        finally:
+            for m, name, param in saved:
+                m._parameters[name] = param
+
+    return forward
+
+
 def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPlan,
                          mesh_dims: Sequence[str]) -> Forward:
     """``inner`` run on local tensors: DTensor inputs and parameters unwrapped for the call.
@@ -93,22 +116,11 @@ def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPl
         (a.position, a.name, functools.partial(
             unwrap, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
         for a in boundary.inputs)
-    params = _dtensor_parameters(module)
+    local_inner = with_local_parameters(module, inner)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
         map_declared(args_l, kwargs, declared)
-        args_l = to_local_tree(args_l)
-        kwargs = to_local_tree(kwargs)
-        saved: list[tuple[nn.Module, str, Any]] = []  # (module, name, the DTensor parameter)
-        try:
-            for m, name in params:
-                param: Any = m._parameters[name]
-                saved.append((m, name, param))
-                m._parameters[name] = param.to_local()
-            return inner(*args_l, **kwargs)
-        finally:
-            for m, name, param in saved:
-                m._parameters[name] = param
+        return local_inner(*to_local_tree(args_l), **to_local_tree(kwargs))
 
     return forward

@@ -48,7 +48,10 @@ def tie_unreached(out: Any, sources: Iterable[Tensor]) -> Any:
     first = next((t for t in found if t.is_floating_point()), None)
     if not needed or first is None:
         return out
-    zero = sum((s.sum() * 0 for s in needed), start=torch.zeros((), device=first.device))
+    # the sum of an empty slice: exactly 0 whatever the values (s.sum() * 0 is NaN when a
+    # sum overflows), yet it reaches s, whose gradient is then zeros
+    zero = sum((s.reshape(-1)[:0].sum() for s in needed),
+               start=torch.zeros((), device=first.device))
     tied = first + zero.to(first.dtype)
     done = False
 

@@ -15,7 +15,7 @@ both modes:
    row (``top_k = 1``), weighted by the routing weight, so transformers' implementation
    (``eager``, ``batched_mm``, ``grouped_mm``) and its numerics stay in charge;
 4. a second all-to-all with the splits reversed brings each weighted expert output home, where
-   the ``k`` outputs of a token are summed (``index_add``).
+   the slots are put back in order and the ``k`` outputs of a token summed in one reduction.
 
 Gradients take the same paths backwards (:class:`_Exchange` is its own dual with the splits
 swapped), so hidden states and routing weights get their gradients on the rank that holds them
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 __all__ = ["dispatch_forward"]
 
@@ -75,6 +76,7 @@ class _Exchange(torch.autograd.Function):
         return outs if more else outs[0]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> Any:
         back = [_exchange_plain(g, ctx.recv, ctx.send, ctx.group) for g in grads]
         return (back[0], None, None, None, *back[1:])
@@ -101,16 +103,21 @@ def dispatch_forward(inner: Forward, *, count: int, group: Any, size: int) -> Fo
                         *args: Any, **kwargs: Any) -> Any:
         tokens, k = top_k_index.shape
         ids = top_k_index.reshape(-1)
-        owner = torch.div(ids, count, rounding_mode="floor")
+        bad = bool(((ids < 0) | (ids >= size * count)).any())
+        owner = torch.div(ids, count, rounding_mode="floor").clamp(0, size - 1)
         order = torch.argsort(owner, stable=True)
         token_of_slot = torch.arange(tokens, device=ids.device).repeat_interleave(k)[order]
         send_counts = torch.bincount(owner, minlength=size)
-        if send_counts.numel() != size:  # a router/plan mismatch, found before this rank sends
-            msg = (f"expert dispatch: the router chose expert {int(ids.max())}, beyond the "
-                   f"{size} x {count} experts of the plan's expert sharding")
-            raise RuntimeError(msg)
+        if bad:  # tell every peer through the counts, so all ranks fail together, none hangs
+            send_counts = torch.full_like(send_counts, -1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
+        if bool((recv_counts < 0).any()):
+            msg = (f"expert dispatch: a router chose an expert id outside [0, {size * count}), "
+                   f"the {size} x {count} experts of the plan's expert sharding"
+                   + (f" (here: {int(ids.min())}..{int(ids.max())})" if bad else
+                      " (on another rank)"))
+            raise RuntimeError(msg)
         send, recv = send_counts.tolist(), recv_counts.tolist()
 
         rows, weights = _exchange_pair(hidden_states[token_of_slot],
@@ -120,7 +127,9 @@ def dispatch_forward(inner: Forward, *, count: int, group: Any, size: int) -> Fo
                                     recv, group)
         done = inner(rows, local_ids, weights, *args, **kwargs)
         back = _exchange(done, recv, send, group)
-        out = hidden_states.new_zeros((tokens, back.shape[-1]))
-        return out.index_add(0, token_of_slot, back.to(out.dtype))
+        # slots back in (token, k) order, summed over k in one reduction as transformers'
+        # experts do (deterministic, unlike index_add with repeated indices on CUDA)
+        slots = back.index_select(0, torch.argsort(order))
+        return slots.view(tokens, k, slots.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
     return experts_forward
