@@ -175,6 +175,24 @@ def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
     assert "collectives per step: 1 forward, 21 backward" in text
 
 
+def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:
+    """The error compiling one toy rule naming ``wrapper``; it must point at that rule's line."""
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.errors import RecipeError
+    from tests.toy_models import Toy
+
+    path = tmp_path / "w.yaml"
+    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
+                    f"  - {{match: layers.*.mlp, boundary: true, inner_wrapper: {wrapper}}}\n")
+    with torch.device("meta"):
+        model = Toy()
+    with pytest.raises(RecipeError) as err:
+        compile_recipe(str(path), model, {"cp": 2})
+    text = str(err.value)
+    assert text.startswith(f"{path}:5:"), text
+    return text
+
+
 @pytest.mark.parametrize(("ref", "message"), [
     ("no_such_pkg.attn:ring", "cannot import 'no_such_pkg.attn' for inner wrapper "
                               "'no_such_pkg.attn:ring': No module named 'no_such_pkg'"),
@@ -185,19 +203,8 @@ def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
 ])
 def test_a_wrapper_reference_that_does_not_load_is_refused_at_compile_time(
         tmp_path: Any, ref: str, message: str) -> None:
-    from hyperrecipe import compile_recipe
-    from hyperrecipe.errors import RecipeError
-    from tests.toy_models import Toy
-
-    path = tmp_path / "w.yaml"
-    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
-                    f"  - {{match: layers.*.mlp, boundary: true, inner_wrapper: '{ref}'}}\n")
-    with torch.device("meta"):
-        model = Toy()
-    with pytest.raises(RecipeError) as err:
-        compile_recipe(str(path), model, {"cp": 2})
-    text = str(err.value)
-    assert text.startswith(f"{path}:5:") and message in text, text
+    text = _toy_wrapper_error(tmp_path, f"'{ref}'")
+    assert message in text, text
 
 
 def test_the_documented_custom_wrapper_agrees_with_one_process(
@@ -218,23 +225,6 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
         assert m["agree"], m
         assert {(w["wrapper"], w["state"]) for w in m["inner_wrappers"]} == {
             ("user_cp:gather_kv", "installed")}
-
-
-def _toy_wrapper_error(tmp_path: Any, wrapper: str, extra: str = "") -> str:
-    from hyperrecipe import compile_recipe
-    from hyperrecipe.errors import RecipeError
-    from tests.toy_models import Toy
-
-    path = tmp_path / "w.yaml"
-    path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
-                    f"  - {{match: layers.*.mlp, boundary: true, inner_wrapper: {wrapper}{extra}}}\n")
-    with torch.device("meta"):
-        model = Toy()
-    with pytest.raises(RecipeError) as err:
-        compile_recipe(str(path), model, {"cp": 2})
-    text = str(err.value)
-    assert text.startswith(f"{path}:5:"), text
-    return text
 
 
 def test_the_wrappers_declared_output_layout_is_the_default() -> None:

@@ -152,12 +152,9 @@ def test_expert_parallel_matches_single_process_logits_and_every_gradient(
 # ------------------------------------------------------------------------------ the kernel
 
 
-@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
-def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
+def _full_experts(impl: str) -> Any:
+    """Tiny Mixtral's whole experts module, seeded, with weights large enough to matter."""
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
 
     cfg: Any = build("mixtral", "meta", experts_implementation=impl).config
     torch.manual_seed(0)
@@ -165,6 +162,29 @@ def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
     with torch.no_grad():
         full.gate_up_proj.normal_(std=0.1)
         full.down_proj.normal_(std=0.1)
+    return full
+
+
+def _local_experts(full: Any, rank: int, count: int) -> Any:
+    """Rank ``rank``'s ``count`` experts of ``full``, set up as ``apply`` sets them."""
+    from hyperrecipe.runtime.experts import expert_parallel_attributes
+
+    local = type(full)(full.config)
+    experts = slice(rank * count, (rank + 1) * count)
+    local.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[experts].detach().clone())
+    local.down_proj = torch.nn.Parameter(full.down_proj[experts].detach().clone())
+    for attr, value in expert_parallel_attributes(local, count, fqn="experts").items():
+        setattr(local, attr, value)
+    return local
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
+    from hyperrecipe.runtime.compute import class_forward
+    from hyperrecipe.runtime.experts import expert_parallel_forward
+
+    full = _full_experts(impl)
+    cfg = full.config
     E, world, T, k = full.num_experts, 2, 12, 2
     count = E // world
     x = torch.randn(T, cfg.hidden_size)
@@ -185,14 +205,7 @@ def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
 
     total = torch.zeros_like(x)
     for rank in range(world):
-        local = MixtralExperts(cfg)
-        with torch.no_grad():
-            local.gate_up_proj = torch.nn.Parameter(
-                full.gate_up_proj[rank * count:(rank + 1) * count].clone())
-            local.down_proj = torch.nn.Parameter(
-                full.down_proj[rank * count:(rank + 1) * count].clone())
-        for attr, value in expert_parallel_attributes(local, count, fqn="experts").items():
-            setattr(local, attr, value)
+        local = _local_experts(full, rank, count)
         assert local.num_experts == count
         kernel = expert_parallel_forward(class_forward(local), first=rank * count, count=count)
         weights = w.clone().requires_grad_(True)
@@ -212,14 +225,8 @@ def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
 
 def _experts_case(impl: str, world: int, skew: bool) -> dict[str, Any]:
     """A full experts module and one batch of every rank's tokens, the same in every process."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    cfg: Any = build("mixtral", "meta", experts_implementation=impl).config
-    torch.manual_seed(0)
-    full = MixtralExperts(cfg)
-    with torch.no_grad():
-        full.gate_up_proj.normal_(std=0.1)
-        full.down_proj.normal_(std=0.1)
+    full = _full_experts(impl)
+    cfg = full.config
     E, T, k = full.num_experts, 3, 2
     pool = E // world if skew else E  # skew: every slot goes to rank 0's experts
     ids = torch.stack([torch.randperm(pool)[:k] for _ in range(world * T)])
@@ -232,17 +239,12 @@ def dispatch_worker(rank: int, world: int, impl: str, skew: bool) -> dict[str, A
     import torch.distributed as dist
 
     from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.experts import expert_parallel_attributes
     from hyperrecipe.runtime.reach import reaching_forward
     from hyperrecipe.runtime.token_dispatch import dispatch_forward
 
     c = _experts_case(impl, world, skew)
     full, count, mine = c["full"], c["count"], slice(rank * c["T"], (rank + 1) * c["T"])
-    local = type(full)(full.config)
-    local.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[rank * count:][:count].detach().clone())
-    local.down_proj = torch.nn.Parameter(full.down_proj[rank * count:][:count].detach().clone())
-    for attr, value in expert_parallel_attributes(local, count, fqn="experts").items():
-        setattr(local, attr, value)
+    local = _local_experts(full, rank, count)
     kernel = dispatch_forward(reaching_forward(class_forward(local), local), count=count,
                               group=dist.group.WORLD, size=world)  # as apply builds it
     x = c["x"][mine].clone().requires_grad_(True)
@@ -286,16 +288,12 @@ def test_experts_that_used_nothing_still_hand_back_zero_gradients() -> None:
     """transformers' eager experts, with no slot for this rank's experts, return zeros that
     depend on nothing; tied, backward reaches the inputs and every parameter with zeros."""
     from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
+    from hyperrecipe.runtime.experts import expert_parallel_forward
     from hyperrecipe.runtime.reach import reaching_forward
 
     c = _experts_case("eager", 2, skew=True)  # every slot on rank 0's experts
     count = c["count"]
-    experts = type(c["full"])(c["full"].config)  # rank 1's experts
-    experts.gate_up_proj = torch.nn.Parameter(c["full"].gate_up_proj[count:].detach().clone())
-    experts.down_proj = torch.nn.Parameter(c["full"].down_proj[count:].detach().clone())
-    for attr, value in expert_parallel_attributes(experts, count, fqn="experts").items():
-        setattr(experts, attr, value)
+    experts = _local_experts(c["full"], 1, count)  # rank 1's experts
     x = c["x"].clone().requires_grad_(True)
     w = c["w"].clone().requires_grad_(True)
     foreign = expert_parallel_forward(class_forward(experts), first=count, count=count)
