@@ -10,18 +10,33 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
 __all__ = [
+    "CheckError",
+    "CollectiveShapeError",
     "HyperrecipeError",
+    "ExplainError",
+    "ImpossibleTransition",
+    "LaunchError",
+    "ModeError",
     "ModelSpecError",
+    "PatternError",
+    "PlacementError",
     "PlacementMismatchError",
+    "PlacementSyntaxError",
     "PlanFormatError",
     "PlanMismatchError",
+    "RankFailedError",
     "RecipeError",
+    "RefError",
     "RewriteError",
     "SourceSpan",
+    "StepFailed",
+    "WrapperDeclarationError",
+    "WrapperError",
     "closest",
     "did_you_mean",
 ]
@@ -117,6 +132,115 @@ class PlacementMismatchError(HyperrecipeError, RuntimeError):
 
 class RewriteError(HyperrecipeError, RuntimeError):
     """A forward could not be installed or restored; nothing was left half-done."""
+
+
+# ----------------------------------------------------------------------------- placements
+
+
+class PlacementError(HyperrecipeError, ValueError):
+    """A placement cannot be expressed where it was asked for (a chunked shard has no single
+    torch placement; a plan's DTensor placement text is malformed)."""
+
+
+class PlacementSyntaxError(PlacementError):
+    """A placement string does not follow the grammar; the recipe loader adds the location."""
+
+
+class PatternError(HyperrecipeError, ValueError):
+    """A rule's ``match`` pattern is malformed; the recipe validator adds the location."""
+
+
+class RefError(HyperrecipeError, ValueError):
+    """A ``pkg.mod:attr`` reference is malformed, its module does not import, or an attribute
+    is missing."""
+
+
+class ExplainError(HyperrecipeError, ValueError):
+    """``--explain`` names nothing in the plan; the message lists the nearest FQNs."""
+
+
+class ImpossibleTransition(HyperrecipeError, ValueError):
+    """No collective produces ``dst`` from ``src``; the resolver adds the recipe location."""
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+class ModeError(HyperrecipeError, ValueError):
+    """``apply`` was given a mode that is neither ``"production"`` nor ``"validate"``."""
+
+
+class WrapperError(PlanMismatchError):
+    """An inner-wrapper reference cannot be loaded, or is not an inner wrapper."""
+
+
+class WrapperDeclarationError(HyperrecipeError, ValueError):
+    """``@inner_wrapper`` was given a declaration it cannot use (an unknown hook, a layout that
+    does not parse or names a mesh dim the wrapper does not declare)."""
+
+
+class CollectiveShapeError(HyperrecipeError, ValueError):
+    """A tensor's shape does not fit the collective: a dim is missing, out of range or uneven.
+
+    Args:
+        message: the full message, naming the op, the dim and the sizes.
+        op: the op that could not run (a :class:`~hyperrecipe.collective.CollectiveOp`).
+        shape: the shape of the local tensor it was given.
+    """
+
+    def __init__(self, message: str, *, op: object, shape: tuple[int, ...]) -> None:
+        self.op = op
+        self.shape = shape
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------- check
+
+
+class CheckError(HyperrecipeError, RuntimeError):
+    """The check itself could not run (not a divergence): e.g. the model fails in one process."""
+
+
+class StepFailed(HyperrecipeError, RuntimeError):
+    """A recorded training step raised; ``trace`` holds what was recorded, with its failure.
+    The original exception is ``__cause__``.
+
+    Args:
+        trace: the partial :class:`~hyperrecipe.check.record.Trace` (its ``failure`` is set).
+    """
+
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
+        assert trace.failure is not None
+        super().__init__(trace.failure.error)
+
+
+class LaunchError(HyperrecipeError, ValueError):
+    """``run_ranks`` was called with arguments or in a state it cannot launch from."""
+
+
+class RankFailedError(HyperrecipeError, RuntimeError):
+    """A rank raised, died, or did not finish before the timeout; all ranks have been stopped.
+
+    Args:
+        message: the full message (built by the launcher).
+        rank: the rank that failed first, or ``None`` when the launch timed out.
+        rank_traceback: the failing rank's formatted traceback (``""`` when it had none).
+        unfinished: the ranks that had not finished when the launch was stopped.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None,
+        rank_traceback: str = "",
+        unfinished: tuple[int, ...] = (),
+    ) -> None:
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+        self.unfinished = unfinished
+        super().__init__(message)
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

@@ -65,12 +65,21 @@ class ArgInfo:
 
 @attrs.frozen(kw_only=True)
 class ModuleInfo:
+    """One module. ``torch_bases`` are the ``torch.nn`` classes it is an instance of (qualified
+    names, most derived first), so the resolver can tell an ``nn.Embedding`` subclass from its
+    class name alone; they are not part of the structure digest."""
+
     fqn: str
     cls: str
     params: tuple[ParamInfo, ...]
     int_attrs: tuple[tuple[str, int], ...]
     signature: tuple[ArgInfo, ...]
     children: tuple[str, ...]
+    torch_bases: tuple[str, ...] = ()
+
+    def is_a(self, qualified_class: str) -> bool:
+        """Whether the module is an instance of a ``torch.nn`` class (``"torch.nn.modules.sparse.Embedding"``)."""
+        return self.cls == qualified_class or qualified_class in self.torch_bases
 
     def param(self, name: str) -> ParamInfo | None:
         for p in self.params:
@@ -166,9 +175,12 @@ def snapshot(model: nn.Module) -> ModelTree:
                             if isinstance(v, int) and not isinstance(v, bool)
                             and not k.startswith("_")))
         children = tuple(f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children())
+        bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__
+                      if c.__module__.startswith("torch.nn."))
         modules.append(ModuleInfo(fqn=fqn, cls=f"{type(mod).__module__}.{type(mod).__qualname__}",
                                   params=tuple(params), int_attrs=ints,
-                                  signature=_signature(mod), children=children))
+                                  signature=_signature(mod), children=children,
+                                  torch_bases=bases))
     return ModelTree(modules=tuple(modules))
 
 

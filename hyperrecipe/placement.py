@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Literal, Union
 
 import attrs
 
+from hyperrecipe.errors import PlacementError, PlacementSyntaxError
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
@@ -34,6 +36,8 @@ __all__ = [
     "PlacementSyntaxError",
     "Replicate",
     "Shard",
+    "dtensor_layout",
+    "from_dtensor_text",
     "parse_named_placement",
     "parse_placement",
     "to_torch_placements",
@@ -93,10 +97,6 @@ class Shard:
 
 Placement = Union[Shard, Replicate, Partial]
 REPLICATE = Replicate()
-
-
-class PlacementSyntaxError(ValueError):
-    """A placement string does not follow the grammar; the recipe loader adds the location."""
 
 
 _SHARD_RE = re.compile(
@@ -249,7 +249,7 @@ def to_torch_placements(p: NamedPlacement, mesh_dims: Sequence[str]) -> tuple[To
     Chunked shards have no single torch placement; the runtime lays those out itself.
 
     Raises:
-        ValueError: a chunked shard was given.
+        PlacementError: a chunked shard was given (a ``ValueError``).
     """
     from torch.distributed.tensor import Partial as TPartial
     from torch.distributed.tensor import Replicate as TReplicate
@@ -261,10 +261,71 @@ def to_torch_placements(p: NamedPlacement, mesh_dims: Sequence[str]) -> tuple[To
         if isinstance(q, Shard):
             if q.is_chunked:
                 msg = f"{q} has no torch placement; lay it out with the runtime's chunked shard"
-                raise ValueError(msg)
+                raise PlacementError(msg)
             out.append(TShard(q.dim))
         elif isinstance(q, Partial):
             out.append(TPartial(q.reduce))
+        else:
+            out.append(TReplicate())
+    return tuple(out)
+
+
+def dtensor_layout(p: NamedPlacement, shape: Sequence[int], mesh_dims: Sequence[str]
+                   ) -> tuple[tuple[str, ...], str | None]:
+    """The DTensor placement of a parameter placed ``p``, one text per mesh dim, or why none.
+
+    ``replicate`` and ``shard(d)`` are DTensor's own; ``k`` equal chunks of dim ``d`` sharded over
+    one mesh dim are ``strided_shard(d, k)`` (DTensor's ``_StridedShard(d, split_factor=k)``:
+    rank ``r`` holds piece ``r`` of every chunk, the layout of the runtime's chunked shard, while
+    the DTensor keeps the parameter's global, unpermuted meaning). Unequal chunks, or a chunked
+    dim that another mesh dim shards too, have no DTensor placement.
+
+    Returns:
+        ``(placements, None)``, or ``((), reason)`` when DTensor cannot represent the shard.
+    """
+    nd = len(shape)
+    dims = {name: (q.dim + nd) % nd for name, q in p.dims if isinstance(q, Shard) and nd}
+    chunked = any(isinstance(q, Shard) and q.is_chunked for _, q in p.dims)
+    out: list[str] = []
+    for name in mesh_dims:
+        q = p.get(name)
+        if not isinstance(q, Shard):
+            out.append("replicate")
+        elif not chunked:
+            out.append(f"shard({q.dim})")
+        else:
+            shared = [n for n, d in dims.items() if d == dims[name] and n != name]
+            if q.is_chunked and (len(set(q.part_sizes(shape[dims[name]]))) > 1 or shared):
+                why = (f"tensor dim {dims[name]} is also sharded on {', '.join(shared)}"
+                       if shared else "unequal chunks")
+                return (), why
+            out.append(f"strided_shard({dims[name]}, {q.chunks})" if q.is_chunked
+                       else f"shard({dims[name]})")
+    return tuple(out), None
+
+
+_DTENSOR_TEXT = re.compile(r"^(replicate|shard\((-?\d+)\)|strided_shard\((\d+), (\d+)\))$")
+
+
+def from_dtensor_text(texts: Sequence[str]) -> tuple[TorchPlacement, ...]:
+    """Torch placements from the texts :func:`dtensor_layout` wrote (the plan's ``dtensor``).
+
+    Raises:
+        PlacementError: a text that is none of ``replicate``, ``shard(d)``, ``strided_shard(d, k)``.
+    """
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[TorchPlacement] = []
+    for text in texts:
+        m = _DTENSOR_TEXT.match(text)
+        if m is None:
+            raise PlacementError(f"{text!r} is not a DTensor placement of a plan")
+        if m.group(2) is not None:
+            out.append(TShard(int(m.group(2))))
+        elif m.group(3) is not None:
+            out.append(_StridedShard(int(m.group(3)), split_factor=int(m.group(4))))
         else:
             out.append(TReplicate())
     return tuple(out)

@@ -33,6 +33,7 @@ __all__ = [
     "AdapterPlan",
     "ArgLayout",
     "BoundaryPlan",
+    "ExpertParallel",
     "HeadCount",
     "ManifestEntry",
     "MeshDim",
@@ -46,7 +47,10 @@ __all__ = [
     "converter",
 ]
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
+"""Version of the plan's JSON shape. 2: parameters record their enclosing boundary and their
+DTensor placement (or why they have none); boundaries record the vocab-parallel lookup and the
+expert-parallel layout, so the runtime reads these decisions instead of re-deriving them."""
 T = TypeVar("T")
 Stage = Literal["input", "output", "param_grad"]
 Direction = Literal["forward", "backward"]
@@ -95,6 +99,14 @@ class ParamPlan:
     ``grad_reduce`` lists the backward collectives of a replicated parameter whose gradient is
     partial: one inside a boundary whose inputs arrive sharded (a sequence-parallel norm sees
     only its rank's tokens).
+
+    ``boundary`` is the nearest boundary enclosing the parameter's module (the module itself
+    when it is one), ``None`` outside every boundary. ``dtensor`` is the parameter's DTensor
+    placement, one entry per mesh dim in mesh order (``replicate``, ``shard(d)``, or
+    ``strided_shard(d, k)`` for ``k`` equal chunks of dim ``d`` sharded in turn); it is empty,
+    and ``no_dtensor`` says why, when DTensor cannot represent the shard (unequal chunks, or
+    a chunked dim that another mesh dim shards too): production mode runs such a shard,
+    validate mode refuses it.
     """
 
     fqn: str
@@ -107,6 +119,9 @@ class ParamPlan:
     tied_to: str | None = None
     deferred: bool = False
     grad_reduce: tuple[CollectiveOp, ...] = ()
+    boundary: str | None = None
+    dtensor: tuple[str, ...] = ()
+    no_dtensor: str | None = None
     provenance: tuple[Provenance, ...] = ()
 
 
@@ -153,6 +168,23 @@ class HeadCount:
 
 
 @attrs.frozen(kw_only=True)
+class ExpertParallel:
+    """The expert-parallel kernel of a local-region boundary (a fused experts module whose 3-D
+    expert tensors are sharded on dim 0 over ``mesh_dim``).
+
+    ``kernel``: ``"partial"`` (tokens whole on ``mesh_dim``; each rank runs its experts on every
+    token and the output is partial) or ``"dispatch"`` (tokens sharded on dim 0; each travels to
+    its experts' rank and back). Rank ``r`` holds experts ``[r * local_experts,
+    (r + 1) * local_experts)`` of ``experts``.
+    """
+
+    mesh_dim: str
+    kernel: Literal["partial", "dispatch"]
+    experts: int
+    local_experts: int
+
+
+@attrs.frozen(kw_only=True)
 class BoundaryPlan:
     """A module whose inputs and outputs are converted between declared layouts.
 
@@ -174,6 +206,11 @@ class BoundaryPlan:
     no_grad: tuple[str, ...] = ()
     """Inputs that carry no gradient: no backward collective; the runtime refuses one that
     arrives requiring grad."""
+    vocab_parallel: str | None = None
+    """The mesh dim of a vocab-parallel lookup: an ``nn.Embedding`` boundary whose table is
+    sharded on the vocab dim; production mode runs the masked local lookup."""
+    expert_parallel: ExpertParallel | None = None
+    """The expert-parallel kernel of a local region, when its experts are sharded."""
     transitions: tuple[Transition, ...]
     provenance: tuple[Provenance, ...]
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from hyperrecipe.errors import closest
+from hyperrecipe.errors import ExplainError, closest
 from hyperrecipe.placement import Shard
 from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
@@ -179,7 +179,7 @@ def explain(plan: Plan, pattern: str) -> str:
     names.
 
     Raises:
-        ValueError: nothing matches; the message lists the nearest FQNs.
+        ExplainError: nothing matches (a ``ValueError``); the message lists the nearest FQNs.
     """
     rx = compile_pattern(pattern)
     out: list[str] = []
@@ -221,5 +221,5 @@ def explain(plan: Plan, pattern: str) -> str:
                  *{b.fqn for b in plan.boundaries}]
         near = closest(pattern, sorted({generalize_fqn(n) for n in names}), n=3)
         hint = f"; nearest: {', '.join(near)}" if near else ""
-        raise ValueError(f"--explain {pattern!r} matches no parameter or boundary{hint}")
+        raise ExplainError(f"--explain {pattern!r} matches no parameter or boundary{hint}")
     return "\n".join(out) + "\n"

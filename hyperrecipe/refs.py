@@ -12,11 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hyperrecipe.errors import RefError
+
 __all__ = ["RefError", "resolve_ref"]
-
-
-class RefError(Exception):
-    """A reference is malformed, its module does not import, or an attribute is missing."""
 
 
 def resolve_ref(ref: str, what: str) -> Any:

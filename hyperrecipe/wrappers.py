@@ -39,6 +39,12 @@ Example::
         return attention
 
 Recipes name it ``inner_wrapper: mypkg.attn:ring_flash``.
+
+This module is the wrapper *registry*, below both the resolver and the runtime, and imports no
+torch: the built-in wrappers are declared here as data (:data:`BUILTIN_WRAPPERS`), so compiling
+a recipe that names one reads its declaration (:func:`declared_wrapper`) and imports nothing;
+their factories live in the runtime and are imported only by ``apply`` (:func:`load_wrapper`).
+A custom ``pkg.mod:factory`` reference is imported at compile time to read its declaration.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import PlanMismatchError, WrapperDeclarationError, WrapperError
 from hyperrecipe.placement import NamedPlacement, PlacementSyntaxError, parse_named_placement
 from hyperrecipe.refs import RefError, resolve_ref
 
@@ -60,6 +66,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BUILTIN_WRAPPERS",
     "Hook",
+    "WrapperDeclaration",
+    "WrapperDeclarationError",
+    "WrapperError",
+    "builtin_wrapper",
+    "declared_wrapper",
     "Requirement",
     "WrapperContext",
     "WrapperSpec",
@@ -72,13 +83,6 @@ __all__ = [
 ]
 
 Hook = Literal["attention", "forward"]
-
-BUILTIN_WRAPPERS: Mapping[str, str] = {
-    "cp_allgather_kv": "hyperrecipe.runtime.context_parallel:cp_allgather_kv",
-    "ulysses": "hyperrecipe.runtime.context_parallel:ulysses",
-}
-"""Registry name → ``pkg.mod:factory`` of the built-in wrappers (imported only when used)."""
-
 
 @attrs.frozen(kw_only=True)
 class Requirement:
@@ -134,8 +138,44 @@ def requires_package(name: str) -> Requirement:
 
 
 @attrs.frozen(kw_only=True)
+class WrapperDeclaration:
+    """What the resolver knows about an inner wrapper: data only, nothing to run.
+
+    ``factory`` is the ``pkg.mod:attr`` of the factory, imported only by ``apply``.
+    """
+
+    name: str
+    hook: Hook
+    mesh_dims: tuple[str, ...]
+    inner_out_src: tuple[tuple[int, NamedPlacement], ...] = ()
+    factory: str
+    summary: str = ""
+
+
+BUILTIN_WRAPPERS: Mapping[str, WrapperDeclaration] = {
+    d.name: d for d in (
+        WrapperDeclaration(
+            name="cp_allgather_kv", hook="attention", mesh_dims=("cp",),
+            inner_out_src=((0, parse_named_placement({"cp": "shard(1)"})),),
+            factory="hyperrecipe.runtime.context_parallel:cp_allgather_kv",
+            summary="context parallel attention: K/V all-gathered along the sequence, "
+                    "offset-aware causal mask"),
+        WrapperDeclaration(
+            name="ulysses", hook="attention", mesh_dims=("cp",),
+            inner_out_src=((0, parse_named_placement({"cp": "shard(1)"})),),
+            factory="hyperrecipe.runtime.context_parallel:ulysses",
+            summary="context parallel attention: all-to-all between heads and sequence "
+                    "(Ulysses)"),
+    )
+}
+"""The built-in inner wrappers by registry name: their declarations (the attention output
+``[batch, seq, heads, head_dim]`` comes back sharded on the sequence over ``cp``); the
+factories are in :mod:`hyperrecipe.runtime.context_parallel`."""
+
+
+@attrs.frozen(kw_only=True)
 class WrapperSpec:
-    """What :func:`inner_wrapper` declares about a factory."""
+    """What :func:`inner_wrapper` declares about a factory, with the factory itself."""
 
     name: str
     hook: Hook
@@ -143,6 +183,11 @@ class WrapperSpec:
     requires: tuple[Requirement, ...]
     inner_out_src: tuple[tuple[int, NamedPlacement], ...] = ()
     factory: Callable[[WrapperContext], Callable[..., Any]] = attrs.field(eq=False)
+
+    def declaration(self, ref: str) -> WrapperDeclaration:
+        """The data part of this spec, for the factory found at ``ref``."""
+        return WrapperDeclaration(name=self.name, hook=self.hook, mesh_dims=self.mesh_dims,
+                                  inner_out_src=self.inner_out_src, factory=ref)
 
 
 _SPEC_ATTRIBUTE = "__hyperrecipe_wrapper__"
@@ -167,11 +212,12 @@ def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
         The factory itself, marked with its :class:`WrapperSpec`.
 
     Raises:
-        ValueError: an unknown hook, or an ``inner_out_src`` that does not parse, is not keyed
-            by positions, or names a mesh dim outside ``mesh_dims``.
+        WrapperDeclarationError: an unknown hook, or an ``inner_out_src`` that does not parse,
+            is not keyed by positions, or names a mesh dim outside ``mesh_dims`` (a
+            ``ValueError``).
     """
     if hook not in ("attention", "forward"):
-        raise ValueError(f"hook must be 'attention' or 'forward', not {hook!r}")
+        raise WrapperDeclarationError(f"hook must be 'attention' or 'forward', not {hook!r}")
     declared = _declared_layout(inner_out_src or {}, tuple(mesh_dims))
 
     def mark(factory: F) -> F:
@@ -183,38 +229,66 @@ def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
     return mark
 
 
+def builtin_wrapper(name: str, *, requires: Sequence[Requirement] = ()) -> Callable[[F], F]:
+    """Mark the factory of the built-in wrapper ``name`` with its registry declaration (the
+    factory adds only its install-time ``requires``), so the two cannot drift apart."""
+    d = BUILTIN_WRAPPERS[name]
+
+    def mark(factory: F) -> F:
+        spec = WrapperSpec(name=d.name, hook=d.hook, mesh_dims=d.mesh_dims,
+                           requires=tuple(requires), inner_out_src=d.inner_out_src,
+                           factory=factory)
+        setattr(factory, _SPEC_ATTRIBUTE, spec)
+        return factory
+
+    return mark
+
+
 def _declared_layout(raw: Mapping[int, str | Mapping[str, str]], mesh_dims: tuple[str, ...]
                      ) -> tuple[tuple[int, NamedPlacement], ...]:
     out: list[tuple[int, NamedPlacement]] = []
     for key, value in raw.items():
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
-            raise ValueError(f"inner_out_src is keyed by output position (0, 1, ...), not {key!r}")
+            msg = f"inner_out_src is keyed by output position (0, 1, ...), not {key!r}"
+            raise WrapperDeclarationError(msg)
         try:
             placement = parse_named_placement(value)
         except PlacementSyntaxError as exc:
-            raise ValueError(f"inner_out_src[{key}]: {exc}") from None
+            raise WrapperDeclarationError(f"inner_out_src[{key}]: {exc}") from None
         foreign = [d for d in placement.mesh_dims if d not in mesh_dims]
         if foreign:
             msg = (f"inner_out_src[{key}] names mesh dim(s) {', '.join(foreign)}, which the "
                    f"wrapper does not declare in mesh_dims {list(mesh_dims)}")
-            raise ValueError(msg)
+            raise WrapperDeclarationError(msg)
         out.append((key, placement))
     return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
-class WrapperError(PlanMismatchError):
-    """A wrapper reference cannot be loaded, or is not an inner wrapper."""
+def declared_wrapper(ref: str) -> WrapperDeclaration:
+    """What the resolver reads about a wrapper: a built-in's registry entry (nothing is
+    imported), or the declaration of a ``pkg.mod:factory`` (its module is imported; nothing
+    runs but the decorator).
+
+    Raises:
+        WrapperError: the reference cannot be loaded or is not an inner wrapper.
+    """
+    builtin = BUILTIN_WRAPPERS.get(ref)
+    if builtin is not None:
+        return builtin
+    return load_wrapper(ref).declaration(ref)
 
 
 def load_wrapper(ref: str) -> WrapperSpec:
-    """The spec of a built-in name or a ``pkg.mod:callable`` reference.
+    """The spec, with its factory, of a built-in name or a ``pkg.mod:callable`` reference
+    (``apply`` calls this; a built-in's factory module is imported here).
 
     Raises:
-        WrapperError: the module or attribute does not exist, or it is not decorated with
-            :func:`inner_wrapper`.
+        WrapperError: the module or attribute does not exist, it is not decorated with
+            :func:`inner_wrapper`, or a built-in's factory disagrees with its declaration.
     """
+    builtin = BUILTIN_WRAPPERS.get(ref)
     try:
-        obj = resolve_ref(BUILTIN_WRAPPERS.get(ref, ref), "inner wrapper")
+        obj = resolve_ref(builtin.factory if builtin else ref, "inner wrapper")
     except RefError as exc:
         raise WrapperError(str(exc)) from None
     spec = getattr(obj, _SPEC_ATTRIBUTE, None)
@@ -222,11 +296,18 @@ def load_wrapper(ref: str) -> WrapperSpec:
         msg = (f"inner wrapper {ref!r} is not declared with @hyperrecipe.wrappers.inner_wrapper "
                f"(it must be a factory taking a WrapperContext)")
         raise WrapperError(msg)
+    if builtin is not None and spec.declaration(builtin.factory) != attrs.evolve(builtin,
+                                                                                summary=""):
+        msg = f"built-in inner wrapper {ref!r}: its factory's declaration differs from the registry"
+        raise WrapperError(msg)
     return spec
 
 
 class WrapperContext:
     """What a wrapper factory receives at install time (one per module and candidate).
+
+    The runtime builds it, handing in how to reach a mesh dim's process group (``groups``) and
+    how to change an attribute through the rewriter (``set_attribute``).
 
     Attributes:
         fqn: the boundary module's FQN.
@@ -237,14 +318,15 @@ class WrapperContext:
     """
 
     def __init__(self, *, fqn: str, module: nn.Module, mode: str, mesh: DeviceMesh,
-                 mesh_dims: Sequence[str], set_attribute: Callable[[object, str, object], None]
-                 ) -> None:
+                 mesh_dims: Sequence[str], set_attribute: Callable[[object, str, object], None],
+                 groups: Callable[[str], Any]) -> None:
         self.fqn = fqn
         self.module = module
         self.mode = mode
         self.mesh = mesh
         self.mesh_dims = tuple(mesh_dims)
         self._set_attribute = set_attribute
+        self._groups = groups
 
     def group(self, mesh_dim: str) -> Any:
         """``(group, size, rank)`` of one declared mesh dim (a ``MeshDimGroup``)."""
@@ -252,9 +334,7 @@ class WrapperContext:
             msg = (f"{self.fqn}: the wrapper asked for mesh dim {mesh_dim!r} but declares "
                    f"{list(self.mesh_dims)}")
             raise PlanMismatchError(msg)
-        from hyperrecipe.runtime.collectives import group_for
-
-        return group_for(self.mesh, mesh_dim)
+        return self._groups(mesh_dim)
 
     def backend(self) -> str:
         """The process-group backend of the wrapper's first mesh dim (or the default group)."""

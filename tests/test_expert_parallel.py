@@ -9,7 +9,8 @@
   production issues exactly the plan's manifest, and ``restore()`` puts the expert count back;
 - the kernel alone (one process): each rank's partial output is the sum over its own experts,
   computed by hand, and foreign slots get no routing-weight gradient;
-- the plans: the expected collectives, and the install-time choice of the kernel.
+- the plans: the expected collectives, the recorded kernel and expert counts, and the
+  compile-time refusal (at the recipe line) of a layout no kernel fits.
 
 Tolerances (fp32), as in ``tests/test_family_recipes.py``: every element within atol 2e-6, rtol
 1e-5, and every tensor's largest difference within 1e-5 of its largest value. The kernel test
@@ -28,7 +29,7 @@ import torch
 from hyperrecipe import compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.check.run import CheckOptions, run_check
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import RecipeError
 from tests.family_harness import build, config, reference, step
 from tests.runtime_harness import ROOT, assert_close
 
@@ -362,34 +363,43 @@ def test_dispatch_plan_has_no_layout_collective_at_the_experts() -> None:
     assert _manifest(DISPATCH) == expected
 
 
-def _experts_boundary(tmp_path: Path, recipe: str, old: str, new: str) -> Any:
+def _compile_edited(tmp_path: Path, recipe: str, old: str, new: str) -> tuple[Any, Path]:
     text = Path(recipe).read_text()
     assert old in text
     path = tmp_path / "edited.yaml"
     path.write_text(text.replace(old, new))
-    return compile_recipe(str(path), build("mixtral", "meta"), {"ep": 2}).boundary(
-        EXPERTS.format(0))
+    return compile_recipe(str(path), build("mixtral", "meta"), {"ep": 2}), path
 
 
-def test_kernel_follows_the_declared_inputs() -> None:
-    from hyperrecipe.runtime.experts import expert_parallel_kernel
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
+
+def _refusal(tmp_path: Path, recipe: str, old: str, new: str) -> tuple[RecipeError, Path]:
+    with pytest.raises(RecipeError) as info:
+        _compile_edited(tmp_path, recipe, old, new)
+    return info.value, tmp_path / "edited.yaml"
+
+
+def test_the_plan_records_the_kernel_the_declared_inputs_call_for() -> None:
     for recipe, kind in ((RECIPE, "partial"), (DISPATCH, "dispatch")):
         plan = compile_recipe(recipe, build("mixtral", "meta"), {"ep": 2})
-        assert expert_parallel_kernel(plan.boundary(EXPERTS.format(0)), "ep") == kind
+        ep = plan.boundary(EXPERTS.format(0)).expert_parallel
+        assert ep is not None
+        experts = config("mixtral")["num_local_experts"]
+        assert (ep.mesh_dim, ep.kernel, ep.experts, ep.local_experts) == (
+            "ep", kind, experts, experts // 2)
 
 
-def test_inputs_partly_sharded_are_refused(tmp_path: Path) -> None:
-    from hyperrecipe.runtime.experts import expert_parallel_kernel
-
-    b = _experts_boundary(tmp_path, DISPATCH, "top_k_weights: {ep: shard(0)}",
-                          "top_k_weights: replicate")
-    with pytest.raises(PlanMismatchError) as info:
-        expert_parallel_kernel(b, "ep")
-    assert str(info.value).startswith(
+def test_inputs_partly_sharded_are_refused_at_compile_time(tmp_path: Path) -> None:
+    error, path = _refusal(tmp_path, DISPATCH, "top_k_weights: {ep: shard(0)}",
+                           "top_k_weights: replicate")
+    assert error.problem.startswith(
         "model.layers.0.mlp.experts: an expert-parallel region takes its inputs either whole on "
         "ep (each rank runs its experts on every token) or all sharded on dim 0")
-    assert "top_k_weights: replicate" in str(info.value)
+    assert "top_k_weights: replicate" in error.problem
+    assert error.span is not None and error.span.path == str(path)
+    assert error.span.line == _line_of(path, "top_k_weights: replicate")
 
 
 @pytest.mark.parametrize(("recipe", "old", "new", "want", "declared"), [
@@ -397,41 +407,31 @@ def test_inputs_partly_sharded_are_refused(tmp_path: Path) -> None:
      "{ep: shard(0)}", "partial"),
     (RECIPE, "out_src: {0: {ep: partial}}", "out_src: {0: replicate}", "{ep: partial}", "replicate"),
 ], ids=["dispatch-declared-partial", "replicated-declared-whole"])
-def test_an_output_layout_the_kernel_does_not_produce_is_refused(
+def test_an_output_layout_the_kernel_does_not_produce_is_refused_at_compile_time(
         tmp_path: Path, recipe: str, old: str, new: str, want: str, declared: str) -> None:
-    from hyperrecipe.runtime.experts import expert_parallel_kernel
-
-    b = _experts_boundary(tmp_path, recipe, old, new)
-    with pytest.raises(PlanMismatchError) as info:
-        expert_parallel_kernel(b, "ep")
-    assert f"produces {want} outputs; the plan declares out_src {{ep: {declared}}}" in \
-        str(info.value)
+    error, path = _refusal(tmp_path, recipe, old, new)
+    assert f"produces {want} outputs; the recipe declares out_src {{ep: {declared}}}" in \
+        error.problem
+    assert error.span is not None and error.span.line == _line_of(path, new.split("\n")[0])
 
 
-def test_kernel_is_chosen_from_the_plan() -> None:
-    from hyperrecipe.runtime.experts import expert_parallel_dim
-
+def test_expert_parallel_is_recorded_only_where_the_experts_are_sharded() -> None:
     ep = compile_recipe(RECIPE, build("mixtral", "meta"), {"ep": 2})
     tp = compile_recipe(str(ROOT / "recipes/mixtral.yaml"), build("mixtral", "meta"), {"tp": 2})
     b = ep.boundary(EXPERTS.format(0))
     assert b.local_region
-    assert expert_parallel_dim(b, ep) == "ep"
-    assert expert_parallel_dim(tp.boundary("model.layers.0.mlp"), tp) is None
+    assert b.expert_parallel is not None and b.expert_parallel.mesh_dim == "ep"
+    assert tp.boundary("model.layers.0.mlp").expert_parallel is None
 
 
-def test_experts_sharded_on_different_axes_are_refused(tmp_path: Path) -> None:
-    from hyperrecipe.runtime.experts import expert_parallel_dim
-
-    text = Path(RECIPE).read_text().replace("down_proj: {ep: shard(0)}", "down_proj: {ep: shard(2)}")
-    recipe = tmp_path / "mixed.yaml"
-    recipe.write_text(text)
-    plan = compile_recipe(str(recipe), build("mixtral", "meta"), {"ep": 2})
-    with pytest.raises(PlanMismatchError) as info:
-        expert_parallel_dim(plan.boundary(EXPERTS.format(0)), plan)
-    assert str(info.value) == (
+def test_experts_sharded_on_different_axes_are_refused_at_compile_time(tmp_path: Path) -> None:
+    error, path = _refusal(tmp_path, RECIPE, "down_proj: {ep: shard(0)}",
+                           "down_proj: {ep: shard(2)}")
+    assert error.problem == (
         "model.layers.0.mlp.experts: an expert-parallel region shards every 3-D expert tensor "
         "on dim 0 over one mesh dim; found gate_up_proj: {ep: shard(0)}, "
         "down_proj: {ep: shard(2)}")
+    assert error.span is not None and error.span.line == _line_of(path, "down_proj: {ep: shard(2)}")
 
 
 def test_tiny_mixtral_experts_divide_by_two() -> None:

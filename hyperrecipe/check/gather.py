@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hyperrecipe.errors import CheckError
 from hyperrecipe.placement import NamedPlacement, Partial, Shard
 from hyperrecipe.runtime.collectives import group_for
 from hyperrecipe.runtime.sharding import gather_full
@@ -36,7 +37,7 @@ _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_int
 def _shapes_everywhere(x: Tensor) -> list[tuple[int, ...]]:
     """Every rank's shape of ``x`` (a collective over the world)."""
     if x.ndim > _MAX_NDIM:
-        raise ValueError(f"cannot compare tensors of more than {_MAX_NDIM} dims")
+        raise CheckError(f"cannot compare tensors of more than {_MAX_NDIM} dims")
     row = torch.full((_MAX_NDIM + 1,), -1, dtype=torch.int64, device=x.device)
     row[0] = x.ndim
     if x.ndim:

@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal, TypeVar
 
-from hyperrecipe.errors import HyperrecipeError
+from hyperrecipe.errors import HyperrecipeError, LaunchError, RankFailedError
 
 __all__ = ["LaunchError", "RankFailedError", "StartMethod", "default_backend", "run_ranks"]
 
@@ -56,34 +56,6 @@ _KILL_GRACE_S = 1.0
 
 _EXIT_GRACE_S = 30.0
 """How long a rank that reported its result gets to tear its process group down and exit."""
-
-
-class LaunchError(HyperrecipeError, ValueError):
-    """:func:`run_ranks` was called with arguments or in a state it cannot launch from."""
-
-
-class RankFailedError(HyperrecipeError, RuntimeError):
-    """A rank raised, died, or did not finish before the timeout; all ranks have been stopped.
-
-    Args:
-        message: the full message (built by the launcher).
-        rank: the rank that failed first, or ``None`` when the launch timed out.
-        rank_traceback: the failing rank's formatted traceback (``""`` when it had none).
-        unfinished: the ranks that had not finished when the launch was stopped.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int | None,
-        rank_traceback: str = "",
-        unfinished: tuple[int, ...] = (),
-    ) -> None:
-        self.rank = rank
-        self.rank_traceback = rank_traceback
-        self.unfinished = unfinished
-        super().__init__(message)
 
 
 def default_backend(world_size: int) -> str:

@@ -32,6 +32,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from hyperrecipe.errors import StepFailed
 from hyperrecipe.placement import REPLICATED, NamedPlacement
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.check.sample import Sample, first_output, loss_of
@@ -131,16 +132,6 @@ class Trace:
             output=data["output"], loss=data["loss"], grads=dict(data["grads"]),
             params_after=None if data["params_after"] is None else dict(data["params_after"]),
             failure=failure, timings=dict(data["timings"]))
-
-
-class StepFailed(Exception):
-    """:func:`run_step` raised; ``trace`` holds what was recorded, with its :class:`Failure`.
-    The original exception is ``__cause__``."""
-
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
-        assert trace.failure is not None
-        super().__init__(trace.failure.error)
 
 
 def _shapes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:

@@ -34,22 +34,20 @@ from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ran
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
-from hyperrecipe.errors import HyperrecipeError
+from hyperrecipe.errors import CheckError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
+from hyperrecipe.runtime.mode import ModeName
 
 __all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
 
-Mode = Literal["production", "validate"]
+Mode = ModeName
+"""The mode names a check runs (the same as ``apply``'s)."""
 SGD_LR = 1e-2
 """Learning rate of the SGD steps (``--steps``); fixed so that runs are comparable."""
 
 FP32_TOLERANCE = (1e-5, 1e-4)
 HALF_TOLERANCE = (1e-2, 1e-2)
-
-
-class CheckError(HyperrecipeError, RuntimeError):
-    """The check itself could not run (not a divergence): e.g. the model fails in one process."""
 
 
 @attrs.frozen(kw_only=True)

@@ -10,11 +10,9 @@ from __future__ import annotations
 import functools
 import re
 
+from hyperrecipe.errors import PatternError
+
 __all__ = ["PatternError", "compile_pattern", "generalize_fqn"]
-
-
-class PatternError(ValueError):
-    """The pattern is malformed; the recipe validator adds the location."""
 
 
 @functools.lru_cache(maxsize=4096)

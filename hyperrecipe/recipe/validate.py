@@ -32,6 +32,7 @@ from hyperrecipe.recipe.schema import (
     StyleDef,
 )
 from hyperrecipe.recipe.source import Document, PathKey, Positions, format_path
+from hyperrecipe.wrappers import BUILTIN_WRAPPERS
 
 __all__ = [
     "FieldSpec",
@@ -45,12 +46,9 @@ __all__ = [
     "validate_styles",
 ]
 
-INNER_WRAPPERS: dict[str, str] = {
-    "cp_allgather_kv": "context parallel attention: K/V all-gathered along the sequence, "
-    "offset-aware causal mask",
-    "ulysses": "context parallel attention: all-to-all between heads and sequence (Ulysses)",
-}
-"""Built-in inner wrappers, by registry name (implemented by the runtime)."""
+INNER_WRAPPERS: dict[str, str] = {name: d.summary for name, d in BUILTIN_WRAPPERS.items()}
+"""Built-in inner wrappers, by registry name, with their summaries (read from the wrapper
+registry, :data:`hyperrecipe.wrappers.BUILTIN_WRAPPERS`; implemented by the runtime)."""
 
 _CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")

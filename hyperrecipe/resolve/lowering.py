@@ -18,13 +18,10 @@ Forward lowering::
 from __future__ import annotations
 
 from hyperrecipe.collective import IDENTITY, CollectiveOp
+from hyperrecipe.errors import ImpossibleTransition
 from hyperrecipe.placement import REPLICATE, Partial, Placement, Replicate, Shard
 
 __all__ = ["ImpossibleTransition", "canonical_grad", "lower_transition"]
-
-
-class ImpossibleTransition(ValueError):
-    """No collective produces ``dst`` from ``src``; the resolver adds the location."""
 
 
 def canonical_grad(p: Placement) -> Placement:

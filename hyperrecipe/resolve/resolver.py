@@ -11,7 +11,7 @@ the same plan, byte for byte.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -25,12 +25,14 @@ from hyperrecipe.placement import (
     Placement,
     Replicate,
     Shard,
+    dtensor_layout,
 )
 from hyperrecipe.plan import (
     PLAN_FORMAT,
     AdapterPlan,
     ArgLayout,
     BoundaryPlan,
+    ExpertParallel,
     HeadCount,
     ManifestEntry,
     MeshDim,
@@ -47,9 +49,11 @@ from hyperrecipe.recipe.schema import MAPPING_FIELDS, RULE_FIELD_NAMES, LayoutKe
 from hyperrecipe.resolve.lowering import ImpossibleTransition, canonical_grad, lower_transition
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.wrappers import WrapperSpec
+    from hyperrecipe.wrappers import WrapperDeclaration
 
 __all__ = ["resolve_recipe"]
+
+EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
 INDEX_INPUTS: dict[str, frozenset[str]] = {
     "torch.nn.modules.sparse.Embedding": frozenset({"input"}),
@@ -106,6 +110,7 @@ class _Resolver:
         # (boundary, stage, arg/output name) -> the claims that set its src and dst
         self.layout_claims: dict[tuple[str, str, str], list[_Claim]] = {}
         self.order = {m.fqn: i for i, m in enumerate(tree.modules)}
+        self.mesh_dims = tuple(d for d in recipe.mesh if d in self.mesh_in)
         self._by_module: dict[str, list[tuple[str, Any, _Claim]]] | None = None
         self._region_members: dict[str | None, list[ModuleInfo]] | None = None
 
@@ -309,6 +314,7 @@ class _Resolver:
                     base = owners[p.tied_to]
                     out.append(attrs.evolve(base, fqn=p.fqn, module=module.fqn, name=p.name,
                                             tied_to=p.tied_to, grad_reduce=(),
+                                            boundary=regions.get(module.fqn),
                                             provenance=(*provenance, Provenance(
                                                 file=provenance[-1].file,
                                                 line=provenance[-1].line,
@@ -319,11 +325,13 @@ class _Resolver:
                 is_deferred = p.fqn in deferred
                 grad_reduce = self._grad_reduce(p, module, placement, is_deferred, deferred, regions,
                                                 sharded_regions)
+                dtensor, no_dtensor = dtensor_layout(placement, p.shape, self.mesh_dims)
                 plan = ParamPlan(fqn=p.fqn, module=module.fqn, name=p.name, shape=p.shape,
                                  dtype=p.dtype, placement=placement,
                                  local_shape=self._local_shape(p.shape, placement),
                                  deferred=is_deferred, grad_reduce=grad_reduce,
-                                 provenance=provenance)
+                                 boundary=regions.get(module.fqn), dtensor=dtensor,
+                                 no_dtensor=no_dtensor, provenance=provenance)
                 owners[p.fqn] = plan
                 out.append(plan)
         if unclaimed:
@@ -522,13 +530,152 @@ class _Resolver:
                     wrapper.rule, f"set inner_out_src to the wrappers' declaration: "
                     f"{', '.join(f'{a.name} {a.src}' for a in inner_out)}",
                     *(("inner_wrapper",) if "inner_wrapper" in wrapper.rule.explicit else ())))
+        is_region = bool(local_region and local_region.value)
+        expert_parallel = (self._expert_parallel(module, local_region, inputs, outputs)
+                           if local_region is not None and is_region else None)
         plan = BoundaryPlan(
             fqn=fqn, module_class=module.cls, depth=depth, parent=parent, inputs=tuple(inputs),
             outputs=tuple(outputs), out_names=out_names, defer_bias=tuple(deferred),
             inner_wrapper=wrapper.value if wrapper else (),
-            inner_out_src=tuple(inner_out), local_region=bool(local_region and local_region.value),
-            no_grad=no_grad, transitions=transitions, provenance=tuple(provenance))
+            inner_out_src=tuple(inner_out), local_region=is_region,
+            no_grad=no_grad, vocab_parallel=self._vocab_parallel(module),
+            expert_parallel=expert_parallel, transitions=transitions,
+            provenance=tuple(provenance))
         return plan, sharded_inputs
+
+    def _param_claim_span(self, claim: _Claim, name: str) -> tuple[SourceSpan, str]:
+        rule = claim.rule
+        span = rule.span("params", name) if name in rule.explicit_params else rule.span("match")
+        return span, f"{rule.json_path}.params.{name}"
+
+    def _vocab_parallel(self, module: ModuleInfo) -> str | None:
+        """The mesh dim of an ``nn.Embedding`` boundary's vocab-parallel lookup, or ``None``.
+
+        Production mode computes a sharded table's lookup with a local kernel (each rank looks
+        up the ids it owns); that kernel exists for the vocab dim sharded over one mesh dim.
+
+        Raises:
+            RecipeError: the table is sharded some other way (at the rule that placed it).
+        """
+        if not module.is_a(EMBEDDING) or module.param("weight") is None:
+            return None
+        weight = module.param("weight")
+        assert weight is not None
+        claim = self.get(weight.tied_to or weight.fqn, "params")
+        if claim is None:
+            return None
+        placement: NamedPlacement = claim.value.canonical(self.recipe.mesh)
+        sharded = [(d, q) for d, q in placement.dims if isinstance(q, Shard)]
+        if not sharded:
+            return None
+        (dim, q), *rest = sharded
+        if rest or q.dim not in (0, -2):
+            span, path = self._param_claim_span(claim, weight.name)
+            raise RecipeError(
+                f"{module.fqn}: a vocab-parallel embedding shards the vocab dim (0) on one mesh "
+                f"dim; found {placement}", span=span, path=path, rule_index=claim.rule.index,
+                hint="use `style: vocab_parallel` (weight {tp: shard(0)}), or replicate the "
+                     "table")
+        return dim
+
+    def _expert_parallel(self, module: ModuleInfo, region: _Claim, inputs: Sequence[ArgLayout],
+                         outputs: Sequence[ArgLayout]) -> ExpertParallel | None:
+        """The expert-parallel kernel of a local region, or ``None`` when its experts are whole.
+
+        The region's own 3-D parameters sharded on dim 0 (the expert axis, plain ``shard(0)``)
+        over one mesh dim make it expert parallel; the declared inputs choose the kernel (all
+        whole on that dim: ``partial``; all ``shard(0)``: ``dispatch``), and the first output
+        must be declared as the kernel produces it.
+
+        Raises:
+            RecipeError: 3-D parameters sharded on different mesh dims or only some of them,
+                inputs that agree on neither kernel, an output layout the kernel does not
+                produce, or a module without an integer ``num_experts``.
+        """
+        fqn = module.fqn
+        experts = [p for p in module.params if len(p.shape) == 3]
+        on: dict[str, set[str]] = {}
+        placed: dict[str, NamedPlacement] = {}
+        claims: dict[str, _Claim] = {}
+        for p in experts:
+            claim = self.get(p.tied_to or p.fqn, "params")
+            placement = claim.value.canonical(self.recipe.mesh) if claim else REPLICATED
+            placed[p.name] = placement
+            if claim is not None:
+                claims[p.name] = claim
+            on[p.name] = {d for d, q in placement.dims if isinstance(q, Shard)
+                          and not q.is_chunked and q.dim in (0, -3)}
+        dims: set[str] = set().union(*on.values()) if on else set()
+        if not dims:
+            return None
+        if len(dims) > 1 or any(s != dims for s in on.values()):
+            layout = ", ".join(f"{p.name}: {placed[p.name]}" for p in experts)
+            odd = next((n for n, s in on.items() if s != dims), experts[-1].name)
+            claim = claims.get(odd) or next(iter(claims.values()))
+            span, path = self._param_claim_span(claim, odd)
+            raise RecipeError(
+                f"{fqn}: an expert-parallel region shards every 3-D expert tensor on dim 0 over "
+                f"one mesh dim; found {layout}", span=span, path=path,
+                rule_index=claim.rule.index)
+        ep_dim = dims.pop()
+        kernel = self._expert_kernel(fqn, ep_dim, inputs, outputs)
+        total = experts[0].shape[0]
+        if module.int_attr("num_experts") is None:
+            span, path = self._span_of(region, "local_region")
+            raise RecipeError(
+                f"{fqn}: an expert-parallel region needs the experts module's integer "
+                f"'num_experts' attribute; {module.cls.rsplit('.', 1)[-1]} has none",
+                span=span, path=path, rule_index=region.rule.index)
+        return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
+                              local_experts=total // self.size(ep_dim))
+
+    def _expert_kernel(self, fqn: str, ep_dim: str, inputs: Sequence[ArgLayout],
+                       outputs: Sequence[ArgLayout]) -> Literal["partial", "dispatch"]:
+        sharded = {a.name: isinstance(a.dst.get(ep_dim), Shard) for a in inputs}
+        if not sharded or not any(sharded.values()):
+            kind: Literal["partial", "dispatch"] = "partial"
+        elif all(sharded.values()) and all(a.dst.get(ep_dim) == Shard(dim=0) for a in inputs):
+            kind = "dispatch"
+        else:
+            layout = ", ".join(f"{a.name}: {a.dst}" for a in inputs)
+            odd = next(a.name for a in inputs if not sharded[a.name]
+                       or a.dst.get(ep_dim) != Shard(dim=0))
+            span, path, index = self._layout_span(fqn, "input", odd, "in")
+            raise RecipeError(
+                f"{fqn}: an expert-parallel region takes its inputs either whole on {ep_dim} "
+                f"(each rank runs its experts on every token) or all sharded on dim 0 (tokens "
+                f"dispatched to their experts' ranks); found {layout}", span=span, path=path,
+                rule_index=index)
+        out = outputs[0].src.get(ep_dim) if outputs else None
+        want = Partial() if kind == "partial" else Shard(dim=0)
+        if out != want:
+            span, path, index = self._layout_span(fqn, "output", outputs[0].name if outputs
+                                                  else "output", "out", prefer="src")
+            raise RecipeError(
+                f"{fqn}: with inputs {'sharded' if kind == 'dispatch' else 'whole'} on {ep_dim} "
+                f"the expert-parallel region produces {{{ep_dim}: {want}}} outputs; the recipe "
+                f"declares out_src {{{ep_dim}: {out}}}", span=span, path=path,
+                rule_index=index)
+        return kind
+
+    def _span_of(self, claim: _Claim, field: str) -> tuple[SourceSpan, str]:
+        rule = claim.rule
+        span = rule.span(field) if field in rule.explicit else rule.span("match")
+        return span, f"{rule.json_path}.{field}"
+
+    def _layout_span(self, fqn: str, stage: str, name: str, prefix: str, *,
+                     prefer: str = "dst") -> tuple[SourceSpan | None, str, int | None]:
+        """Where the layout of one declared input or output was written (its rule's field)."""
+        claims = self.layout_claims.get((fqn, stage, name), [])
+        order = (f"{prefix}_{prefer}", f"{prefix}_{'src' if prefer == 'dst' else 'dst'}")
+        for field in order:
+            for c in claims:
+                if getattr(c.rule.fields, field):
+                    rule = c.rule
+                    span = (rule.span(field, name, key=True) if field in rule.explicit
+                            else rule.span("match"))
+                    return span, f"{rule.json_path}.{field}.{name}", rule.index
+        return None, "$", None
 
     def _no_grad(self, fqn: str, inputs: Sequence[ArgLayout]) -> tuple[str, ...]:
         """The boundary's gradient-free inputs: declared ones (each must be a declared input,
@@ -558,7 +705,7 @@ class _Resolver:
             "match")
         return span, f"{rule.json_path}.inner_wrapper"
 
-    def _declared_inner_out(self, fqn: str, claim: _Claim, specs: Sequence[WrapperSpec],
+    def _declared_inner_out(self, fqn: str, claim: _Claim, specs: Sequence[WrapperDeclaration],
                             out_names: tuple[str, ...], sharded: set[str]) -> list[ArgLayout]:
         """``inner_out_src`` from the chain's own declarations, when the recipe gives none.
 
@@ -608,16 +755,17 @@ class _Resolver:
             out.append(ArgLayout(name=name, position=pos, src=placed, dst=placed))
         return out
 
-    def _check_wrappers(self, fqn: str, claim: _Claim) -> list[WrapperSpec]:
-        """Every candidate of an inner-wrapper chain loads and finds its mesh dims; returns
-        their specs.
+    def _check_wrappers(self, fqn: str, claim: _Claim) -> list[WrapperDeclaration]:
+        """Every candidate of an inner-wrapper chain is declared and finds its mesh dims;
+        returns their declarations.
 
-        Loading imports the wrapper's module (built-ins live in the runtime; nothing runs but
-        the decorator), so a typo in a custom reference fails here, not on a cluster.
+        A built-in's declaration is registry data (nothing is imported); a custom reference's
+        module is imported (nothing runs but the decorator), so a typo fails here, not on a
+        cluster.
         """
-        from hyperrecipe.wrappers import load_wrapper
+        from hyperrecipe.wrappers import declared_wrapper
 
-        specs: list[WrapperSpec] = []
+        specs: list[WrapperDeclaration] = []
         rule = claim.rule
         for i, ref in enumerate(claim.value):
             sub: tuple[str | int, ...] = ("inner_wrapper", i) if len(claim.value) > 1 else (
@@ -625,7 +773,7 @@ class _Resolver:
             span = rule.span(*sub) if "inner_wrapper" in rule.explicit else rule.span("match")
             path = f"{rule.json_path}.inner_wrapper"
             try:
-                spec = load_wrapper(ref)
+                spec = declared_wrapper(ref)
             except Exception as exc:  # noqa: BLE001 - user code: report it at the recipe line
                 raise RecipeError(f"inner wrapper of {fqn!r}: {exc}", span=span, path=path,
                                   rule_index=rule.index) from None

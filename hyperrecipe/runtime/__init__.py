@@ -5,6 +5,8 @@ What lives here, one responsibility per module:
 - ``install``: ``apply`` (checks, parameter sharding, head counts, boundaries, inner wrappers
   and adapters, all in one rewriter transaction) and ``installation``: the ``Installation``
   handle (status, full state dicts, restore).
+- ``mode``: the ``Mode`` object ``apply`` chooses once (production or validate), the only code
+  that knows which mode runs.
 - ``boundary``: the wrapper body shared by both modes; ``arguments``: finding declared
   arguments and outputs; ``layouts``: the per-mode converters; ``marshal``: moving values
   between DTensor and local tensors; ``compute``: the local kernels production needs;
@@ -18,11 +20,15 @@ What lives here, one responsibility per module:
   region's code used nothing on one rank.
 - ``adapters``: method adapters for third-party code.
 
-What does not live here: resolving recipes (the plan is final here) and any direct assignment
-of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).
+What does not live here: resolving recipes or re-deciding anything the plan records (the
+enclosing boundary of a parameter, its DTensor placement, the vocab-parallel lookup, the
+expert-parallel kernel: the runtime reads them), wrapper declarations (the torch-free registry
+in :mod:`hyperrecipe.wrappers`), and any direct assignment of ``forward`` (only
+:mod:`hyperrecipe.rewriter` does that). Compiling a recipe imports no module of this package.
 """
 
-from hyperrecipe.runtime.install import Mode, apply
+from hyperrecipe.runtime.install import apply
 from hyperrecipe.runtime.installation import Installation, StatusRow
+from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode
 
-__all__ = ["Installation", "Mode", "StatusRow", "apply"]
+__all__ = ["PRODUCTION", "VALIDATE", "Installation", "Mode", "StatusRow", "apply"]

@@ -57,7 +57,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hyperrecipe.collective import CollectiveKind, CollectiveOp
-from hyperrecipe.errors import HyperrecipeError, PlanMismatchError, did_you_mean
+from hyperrecipe.errors import (
+    CollectiveShapeError,
+    PlanFormatError,
+    PlanMismatchError,
+    did_you_mean,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -76,21 +81,6 @@ __all__ = [
 ]
 
 Direction = Literal["forward", "backward"]
-
-
-class CollectiveShapeError(HyperrecipeError, ValueError):
-    """A tensor's shape does not fit the collective: a dim is missing, out of range or uneven.
-
-    Args:
-        message: the full message, naming the op, the dim and the sizes.
-        op: the op that could not run.
-        shape: the shape of the local tensor it was given.
-    """
-
-    def __init__(self, message: str, *, op: CollectiveOp, shape: tuple[int, ...]) -> None:
-        self.op = op
-        self.shape = shape
-        super().__init__(message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +249,8 @@ def _execute(
             raise CollectiveShapeError(msg, op=op, shape=tuple(x.shape))
         _record(op, direction)
         return _all_to_all(x, gather, scatter, group, group_size, group_rank)
-    msg = f"unknown collective kind {kind!r} in {op!r}"
-    raise ValueError(msg)
+    msg = f"unknown collective kind {kind!r} in {op!r}; recompile the plan with this hyperrecipe"
+    raise PlanFormatError(msg)
 
 
 def transition(

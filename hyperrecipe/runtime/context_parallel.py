@@ -36,14 +36,11 @@ from torch import Tensor
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.runtime.collectives import execute, transition
-from hyperrecipe.wrappers import WrapperContext, inner_wrapper, requirement
+from hyperrecipe.wrappers import WrapperContext, builtin_wrapper, requirement
 
 __all__ = ["causal_mask_for_rank", "cp_allgather_kv", "ulysses"]
 
 _SEQ = 2  # [batch, heads, seq, head_dim], as transformers hands q/k/v to attention functions
-_SEQUENCE_SHARDED = {0: {"cp": "shard(1)"}}
-"""What both wrappers return: this rank's positions of the attention output, which transformers'
-attention functions hand back as ``[batch, seq, heads, head_dim]``."""
 
 
 def causal_mask_for_rank(q_len: int, kv_len: int, q_offset: int, *,
@@ -90,8 +87,7 @@ def _sdpa(ctx: WrapperContext) -> str | None:
     return None if impl == "sdpa" else f"attn_implementation is {impl!r}"
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_sdpa,),
-               inner_out_src=_SEQUENCE_SHARDED)
+@builtin_wrapper("cp_allgather_kv", requires=(_sdpa,))
 def cp_allgather_kv(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-gathering K/V along the sequence (module docstring)."""
     cp = ctx.group("cp")
@@ -146,8 +142,7 @@ def _heads_divisible(ctx: WrapperContext) -> str | None:
     return None
 
 
-@inner_wrapper(hook="attention", mesh_dims=("cp",), requires=(_sdpa, _heads_divisible),
-               inner_out_src=_SEQUENCE_SHARDED)
+@builtin_wrapper("ulysses", requires=(_sdpa, _heads_divisible))
 def ulysses(ctx: WrapperContext) -> Any:
     """Context-parallel attention by all-to-all between heads and sequence (module docstring)."""
     cp = ctx.group("cp")

@@ -20,89 +20,23 @@ attributes ``apply`` sets for as long as the plan is applied (``num_experts``, a
 ``_is_expert_parallel`` where the module has it), through the rewriter, restored with everything
 else. Nothing is changed per call.
 
-Everything is decided once at install time from plan data (:func:`expert_parallel_dim`).
+Nothing is decided here: the resolver records the mesh dim, the kernel (``partial`` or
+``dispatch``) and the expert counts in the plan (``BoundaryPlan.expert_parallel``), refusing a
+layout no kernel fits at compile time with its recipe line; ``apply`` reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.placement import Partial, Shard
-from hyperrecipe.plan import BoundaryPlan, Plan
 
-__all__ = ["expert_parallel_attributes", "expert_parallel_dim", "expert_parallel_forward",
-           "expert_parallel_kernel"]
+__all__ = ["expert_parallel_attributes", "expert_parallel_forward"]
 
 Forward = Callable[..., Any]
-
-
-def expert_parallel_dim(boundary: BoundaryPlan, plan: Plan) -> str | None:
-    """The mesh dim an expert-parallel kernel runs on for this boundary, or ``None``.
-
-    A local-region boundary whose module's own 3-D parameters are sharded on dim 0 (the expert
-    axis, plain ``shard(0)``) over one mesh dim.
-
-    Raises:
-        PlanMismatchError: some 3-D parameters are expert-sharded and others are not, or on
-            different mesh dims (rank r would pair expert e of one tensor with another expert
-            of the next).
-    """
-    if not boundary.local_region:
-        return None
-    experts = [p for p in plan.params if p.module == boundary.fqn and len(p.shape) == 3]
-    on: dict[str, set[str]] = {}
-    for p in experts:
-        on[p.name] = {d for d, q in p.placement.dims if isinstance(q, Shard)
-                      and not q.is_chunked and q.dim in (0, -3)}
-    dims = set().union(*on.values()) if on else set()
-    if not dims:
-        return None
-    if len(dims) > 1 or any(s != dims for s in on.values()):
-        layout = ", ".join(f"{p.name}: {p.placement}" for p in experts)
-        msg = (f"{boundary.fqn}: an expert-parallel region shards every 3-D expert tensor on "
-               f"dim 0 over one mesh dim; found {layout}")
-        raise PlanMismatchError(msg)
-    return dims.pop()
-
-
-def expert_parallel_kernel(boundary: BoundaryPlan, ep_dim: str) -> Literal["partial", "dispatch"]:
-    """Which kernel the region's declared layouts on ``ep_dim`` call for.
-
-    ``"partial"``: every declared input is whole on ``ep_dim`` (replicated tokens); each rank
-    runs its experts on every token and the output is partial (``out_src {ep: partial}``).
-    ``"dispatch"``: every declared input is sharded on dim 0 (each rank holds its own tokens);
-    tokens travel to their experts' ranks and back (:mod:`~hyperrecipe.runtime.token_dispatch`)
-    and the output is this rank's tokens, complete (``out_src {ep: shard(0)}``).
-
-    Raises:
-        PlanMismatchError: inputs disagree, or the first output's declared layout is not the
-            one the kernel produces (the region would hand back values the plan misdescribes).
-    """
-    sharded = {a.name: isinstance(a.dst.get(ep_dim), Shard) for a in boundary.inputs}
-    if not sharded:
-        kind: Literal["partial", "dispatch"] = "partial"
-    elif all(sharded.values()) and all(a.dst.get(ep_dim) == Shard(dim=0) for a in boundary.inputs):
-        kind = "dispatch"
-    elif not any(sharded.values()):
-        kind = "partial"
-    else:
-        layout = ", ".join(f"{a.name}: {a.dst}" for a in boundary.inputs)
-        msg = (f"{boundary.fqn}: an expert-parallel region takes its inputs either whole on "
-               f"{ep_dim} (each rank runs its experts on every token) or all sharded on dim 0 "
-               f"(tokens dispatched to their experts' ranks); found {layout}")
-        raise PlanMismatchError(msg)
-    out = boundary.outputs[0].src.get(ep_dim) if boundary.outputs else None
-    want = Partial() if kind == "partial" else Shard(dim=0)
-    if out != want:
-        msg = (f"{boundary.fqn}: with inputs {'sharded' if kind == 'dispatch' else 'whole'} on "
-               f"{ep_dim} the expert-parallel region produces {{{ep_dim}: {want}}} outputs; the "
-               f"plan declares out_src {{{ep_dim}: {out}}}")
-        raise PlanMismatchError(msg)
-    return kind
 
 
 def expert_parallel_attributes(module: nn.Module, num_local: int, *, fqn: str

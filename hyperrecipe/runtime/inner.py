@@ -40,12 +40,14 @@ from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.local_region import with_local_parameters
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
+from hyperrecipe.runtime.collectives import group_for
+from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["InnerWrapperInstaller", "WrapperChoice"]
+__all__ = ["InnerWrapperInstaller", "WrapperChoice", "dtensor_edge"]
 
 ATTENTION_COMPANION = "_hyperrecipe_attention"
 _DISPATCHER_MARK = "__hyperrecipe_dispatcher__"
@@ -71,8 +73,8 @@ class InnerWrapperInstaller:
     """Installs the inner wrappers of one ``apply`` (one per applier: it owns the dispatchers
     it set, and refuses a registry entry another live installation set)."""
 
-    def __init__(self, *, mesh: DeviceMesh, mesh_dims: tuple[str, ...], mode: str) -> None:
-        self.mesh, self.mesh_dims, self.mode = mesh, mesh_dims, mode
+    def __init__(self, *, mesh: DeviceMesh, mesh_dims: tuple[str, ...], mode: Mode | str) -> None:
+        self.mesh, self.mesh_dims, self.mode = mesh, mesh_dims, as_mode(mode)
         self.choices: list[WrapperChoice] = []
         self._dispatchers: dict[str, Callable[..., Any]] = {}
 
@@ -88,9 +90,10 @@ class InnerWrapperInstaller:
         tried: list[WrapperChoice] = []
         for i, ref in enumerate(boundary.inner_wrapper):
             spec = load_wrapper(ref)
-            ctx = WrapperContext(fqn=fqn, module=module, mode=self.mode, mesh=self.mesh,
+            ctx = WrapperContext(fqn=fqn, module=module, mode=self.mode.name, mesh=self.mesh,
                                  mesh_dims=spec.mesh_dims,
-                                 set_attribute=lambda o, n, v: tx.set_attribute(o, n, v, fqn=fqn))
+                                 set_attribute=lambda o, n, v: tx.set_attribute(o, n, v, fqn=fqn),
+                                 groups=lambda dim: group_for(self.mesh, dim))
             unmet = self._unmet(spec, ctx)
             if unmet is not None:
                 tried.append(WrapperChoice(fqn=fqn, wrapper=ref, state="ineligible", reason=unmet))
@@ -130,7 +133,7 @@ class InnerWrapperInstaller:
         if not callable(built):
             msg = f"inner wrapper {spec.name!r} returned {type(built).__name__}, not a callable"
             raise PlanMismatchError(msg)
-        edged = self._edge(built, boundary)
+        edged = self.mode.wrapper_edge(built, boundary, self.mesh, self.mesh_dims)
         if spec.hook == "forward":
             # the wrapper computes on local tensors, so the compute it calls must too
             local_compute = with_local_parameters(module, compute)
@@ -178,40 +181,41 @@ class InnerWrapperInstaller:
         tx.set_item(target, impl, dispatch, fqn=f"transformers ALL_ATTENTION_FUNCTIONS[{impl!r}]")
         self._dispatchers[impl] = dispatch
 
-    def _edge(self, fn: Callable[..., Any], boundary: BoundaryPlan) -> Callable[..., Any]:
-        """``fn`` (called as ``fn(original, *args, **kwargs)``) on local tensors."""
-        if self.mode == "production":
-            return fn
-        mesh, fqn = self.mesh, boundary.fqn
-        placements = {a.position if a.position is not None else 0:
-                      to_torch_placements(a.dst, self.mesh_dims) for a in boundary.inner_out_src}
-        replicated = to_torch_placements(REPLICATED, self.mesh_dims)
-        names = {a.position if a.position is not None else 0: a.name
-                 for a in boundary.inner_out_src}
 
-        def refuse_partial(t: Any) -> Any:
-            from torch.distributed.tensor import DTensor
+def dtensor_edge(fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
+                 mesh_dims: tuple[str, ...]) -> Callable[..., Any]:
+    """``fn`` (called as ``fn(original, *args, **kwargs)``) on local tensors, between DTensor
+    values: validate mode's edge (:meth:`~hyperrecipe.runtime.mode.Mode.wrapper_edge`)."""
+    fqn = boundary.fqn
+    placements = {a.position if a.position is not None else 0:
+                  to_torch_placements(a.dst, mesh_dims) for a in boundary.inner_out_src}
+    replicated = to_torch_placements(REPLICATED, mesh_dims)
+    names = {a.position if a.position is not None else 0: a.name
+             for a in boundary.inner_out_src}
 
-            if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-                raise PlacementMismatchError(fqn, "inner wrapper input", "not partial",
-                                             "partial", stage="input")
-            return t
+    def refuse_partial(t: Any) -> Any:
+        from torch.distributed.tensor import DTensor
 
-        def edged(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            map_tensors((args, kwargs), refuse_partial)
-            meshes: list[Any] = []
-            local_args = to_local_tree(args, meshes)
-            local_kwargs = to_local_tree(kwargs, meshes)
-            out = fn(original, *local_args, **local_kwargs)
-            if not meshes:
-                return out
-            where = f"{fqn} inner wrapper"
-            if not isinstance(out, (tuple, list)):
-                return wrap_local_tree(out, mesh, placements.get(0, replicated), where=where)
-            items = [wrap_local_tree(v, mesh, placements.get(i, replicated),
-                                     where=f"{where} output {names.get(i, i)}")
-                     for i, v in enumerate(out)]
-            return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+        if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+            raise PlacementMismatchError(fqn, "inner wrapper input", "not partial",
+                                         "partial", stage="input")
+        return t
 
-        return edged
+    def edged(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        map_tensors((args, kwargs), refuse_partial)
+        meshes: list[Any] = []
+        local_args = to_local_tree(args, meshes)
+        local_kwargs = to_local_tree(kwargs, meshes)
+        out = fn(original, *local_args, **local_kwargs)
+        if not meshes:
+            return out
+        where = f"{fqn} inner wrapper"
+        if not isinstance(out, (tuple, list)):
+            return wrap_local_tree(out, mesh, placements.get(0, replicated), where=where)
+        items = [wrap_local_tree(v, mesh, placements.get(i, replicated),
+                                 where=f"{where} output {names.get(i, i)}")
+                 for i, v in enumerate(out)]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+    return edged
 

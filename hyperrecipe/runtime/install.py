@@ -10,7 +10,7 @@ a failure on one rank rolls back all of them instead of leaving ranks out of ste
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
-from hyperrecipe.placement import Shard, to_torch_placements
+from hyperrecipe.placement import from_dtensor_text
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
@@ -32,15 +32,13 @@ from hyperrecipe.runtime.compute import (
 )
 from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
-from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
+from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Mode", "apply"]
-
-Mode = Literal["production", "validate"]
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -124,33 +122,23 @@ def _vote(ok: bool) -> list[int]:
     return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
-def _regions(plan: Plan) -> dict[str, str | None]:
-    """Each parameter's module → the FQN of its nearest enclosing boundary (or None)."""
-    bfqns = sorted((b.fqn for b in plan.boundaries), key=len, reverse=True)
-    out: dict[str, str | None] = {}
-    for p in plan.params:
-        out[p.module] = next((b for b in bfqns if p.module == b or p.module.startswith(f"{b}.")),
-                             None)
-    return out
-
-
 class _Applier:
-    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mode: Mode) -> None:
-        self.model, self.plan, self.mesh, self.mode = model, plan, mesh, mode
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                 mode: Mode | ModeName) -> None:
+        self.model, self.plan, self.mesh, self.mode = model, plan, mesh, as_mode(mode)
         self.mesh_dims = plan.mesh_dims
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
-        self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
+        self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=self.mode)
 
     def shard_parameters(self, tx: Rewrite) -> None:
-        regions = _regions(self.plan)
         for p in self.plan.params:
             module = self.modules[p.module]
             if p.tied_to is not None:
                 new = self.new_params[p.tied_to]
             else:
-                new = self._make_param(p, module, regions.get(p.module) is not None)
+                new = self._make_param(p, module, p.boundary is not None)
                 self.new_params[p.fqn] = new
             tx.replace_parameter(module, p.name, new, fqn=p.module, on_restore=self._restorer(p))
 
@@ -158,7 +146,7 @@ class _Applier:
         full = module._parameters[p.name]
         assert full is not None
         requires_grad = full.requires_grad
-        if self.mode == "production":
+        if not self.mode.dtensor_parameters:
             local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
             param = nn.Parameter(local, requires_grad=requires_grad)
             for op in p.grad_reduce:
@@ -178,40 +166,14 @@ class _Applier:
             return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
         from torch.distributed.tensor import DTensor
 
+        if p.no_dtensor is not None:
+            where = f" (placed at {p.provenance[-1].file}:{p.provenance[-1].line})" \
+                if p.provenance else ""
+            msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({p.no_dtensor}); validate "
+                   f"mode cannot run it (production mode can){where}")
+            raise PlanMismatchError(msg)
         local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
-        placements: tuple[Any, ...]
-        if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
-            # K equal chunks of a dim sharded over one mesh dim is DTensor's
-            # _StridedShard(d, split_factor=K): rank r holds piece r of every chunk, the layout
-            # local_shard made. The DTensor keeps the parameter's global, unpermuted meaning,
-            # so every op on it and its gradient is exact (an op DTensor cannot run strided
-            # redistributes it first). Unequal chunks, or a dim that another mesh dim shards
-            # too, have no DTensor placement.
-            from torch.distributed.tensor import Replicate as TReplicate
-            from torch.distributed.tensor import Shard as TShard
-            from torch.distributed.tensor.placement_types import _StridedShard
-
-            dims = {name: (q.dim + full.ndim) % full.ndim for name, q in p.placement.dims
-                    if isinstance(q, Shard)}
-            out: list[Any] = []
-            for name in self.mesh_dims:
-                q = p.placement.get(name)
-                if not isinstance(q, Shard):
-                    out.append(TReplicate())
-                    continue
-                shared = [n for n, d in dims.items() if d == dims[name] and n != name]
-                if q.is_chunked and (len(set(q.part_sizes(full.shape[dims[name]]))) > 1
-                                     or shared):
-                    why = (f"tensor dim {dims[name]} is also sharded on {', '.join(shared)}"
-                           if shared else "unequal chunks")
-                    msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({why}); validate "
-                           f"mode cannot run it (production mode can)")
-                    raise PlanMismatchError(msg)
-                out.append(_StridedShard(dims[name], split_factor=q.chunks) if q.is_chunked
-                           else TShard(dims[name]))
-            placements = tuple(out)
-        else:
-            placements = to_torch_placements(p.placement, self.mesh_dims)
+        placements = from_dtensor_text(p.dtensor)
         dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
         param = nn.Parameter(dt, requires_grad=requires_grad)
 
@@ -247,7 +209,7 @@ class _Applier:
         return restore
 
     def set_head_counts(self, tx: Rewrite) -> None:
-        if self.mode != "production":
+        if not self.mode.local_kernels:
             return  # DTensor computes with global shapes; the attributes stay global
         for h in self.plan.head_counts:
             tx.set_attribute(self.modules[h.module], h.attr, h.local_value, fqn=h.module)
@@ -258,8 +220,7 @@ class _Applier:
         install_adapters(tx, self.plan.adapters, self.mesh_dims)
 
     def install_boundaries(self, tx: Rewrite) -> None:
-        redist: Redistributor = (ProductionRedistributor(self.mesh) if self.mode == "production"
-                                 else ValidateRedistributor(self.mesh, self.mesh_dims))
+        redist = self.mode.redistributor(self.mesh, self.mesh_dims)
         for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
             module = self.modules[b.fqn]
             compute, bias = self._compute(b, module, tx)
@@ -271,20 +232,12 @@ class _Applier:
     def _compute(self, b: BoundaryPlan, module: nn.Module,
                  tx: Rewrite) -> tuple[Callable[..., Any], Any]:
         compute = class_forward(module)
-        if self.mode == "production" and isinstance(module, nn.Embedding):
-            weight = self.plan.param(f"{b.fqn}.weight" if b.fqn else "weight")
-            sharded = [(d, q) for d, q in weight.placement.dims if isinstance(q, Shard)]
-            if sharded:
-                (dim, q), *rest = sharded
-                if rest or q.dim not in (0, -2):
-                    msg = (f"{b.fqn}: a vocab-parallel embedding shards the vocab dim (0) on one "
-                           f"mesh dim; found {weight.placement}")
-                    raise PlanMismatchError(msg)
-                g = group_for(self.mesh, dim)
-                compute = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=b.fqn)
-                if module.padding_idx is not None:
-                    tx.set_attribute(module, "padding_idx",
-                                     local_padding_idx(module, rank=g.rank), fqn=b.fqn)
+        if self.mode.local_kernels and b.vocab_parallel is not None:
+            g = group_for(self.mesh, b.vocab_parallel)
+            compute = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=b.fqn)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                tx.set_attribute(module, "padding_idx",
+                                 local_padding_idx(module, rank=g.rank), fqn=b.fqn)
         bias = None
         if "bias" in b.defer_bias:
             bias = module._parameters["bias"]
@@ -298,32 +251,27 @@ class _Applier:
         """A local-region boundary's compute: the expert-parallel kernel where the plan shards
         the module's experts, run on local tensors in both modes; the module's own compute
         always reaches its inputs and parameters in backward (:mod:`~hyperrecipe.runtime.reach`)."""
-        from hyperrecipe.runtime.experts import (
-            expert_parallel_attributes,
-            expert_parallel_dim,
-            expert_parallel_forward,
-            expert_parallel_kernel,
-        )
+        from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
         from hyperrecipe.runtime.local_region import local_region_forward
         from hyperrecipe.runtime.reach import reaching_forward
         from hyperrecipe.runtime.token_dispatch import dispatch_forward
 
         compute = reaching_forward(compute, module)
-        ep_dim = expert_parallel_dim(b, self.plan)
-        if ep_dim is not None:
-            g = group_for(self.mesh, ep_dim)
-            experts = next(p for p in self.plan.params if p.module == b.fqn and len(p.shape) == 3)
-            count = experts.shape[0] // g.size
+        ep = b.expert_parallel
+        if ep is not None:
+            g = group_for(self.mesh, ep.mesh_dim)
+            count = ep.local_experts
             for attr, value in expert_parallel_attributes(module, count, fqn=b.fqn).items():
                 tx.set_attribute(module, attr, value, fqn=b.fqn)
-            if expert_parallel_kernel(b, ep_dim) == "dispatch":
+            if ep.kernel == "dispatch":
                 compute = dispatch_forward(compute, count=count, group=g.group, size=g.size)
             else:
                 compute = expert_parallel_forward(compute, first=g.rank * count, count=count)
         return local_region_forward(module, compute, b, self.mesh_dims)
 
 
-def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "production") -> Installation:
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
+          mode: Mode | ModeName = "production") -> Installation:
     """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
 
     Args:
@@ -331,7 +279,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         plan: from :func:`hyperrecipe.compile_recipe` or :func:`hyperrecipe.load_plan`.
         mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
         mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
-            (DTensor end to end, declared placements checked at every boundary).
+            (DTensor end to end, declared placements checked at every boundary), or the
+            :class:`~hyperrecipe.runtime.mode.Mode` object itself; chosen once, here.
 
     Returns:
         The :class:`Installation`: status, full gradients and state dicts, ``restore()``.
@@ -340,6 +289,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         PlanMismatchError: the plan does not fit the model or the mesh, or ranks hold different
             plans (raised on every rank), or an install failed on another rank.
         RewriteError: the model already has a plan applied.
+        ModeError: ``mode`` is neither ``"production"`` nor ``"validate"``.
         Anything an install raised on this rank, after rolling every rank back.
 
     Example::
@@ -349,13 +299,12 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         loss = model(batch).loss; loss.backward(); opt.step()
         inst.restore()
     """
-    if mode not in ("production", "validate"):
-        raise ValueError(f"mode must be 'production' or 'validate', not {mode!r}")
+    chosen = as_mode(mode)
     _check_mesh(plan, mesh)
     _check_model(plan, model)
     _check_ranks(plan)
-    applier = _Applier(model, plan, mesh, mode)
-    tx = Rewrite(label=f"hyperrecipe {mode} {plan.recipe}")
+    applier = _Applier(model, plan, mesh, chosen)
+    tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
     with tx:
         error: BaseException | None = None
         try:
@@ -372,7 +321,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
             msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
-    return Installation(model=model, plan=plan, mode=mode, rewritten=tx.result,
+    return Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result,
                         full_value=applier.full_value, mesh=mesh, params=applier.new_params,
                         wrapper_choices=applier.inner.choices)
 

@@ -18,6 +18,7 @@ from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.sharding import local_shard
+from hyperrecipe.runtime.mode import Mode, as_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,17 +40,18 @@ class Installation:
     """A plan applied to a model on this rank.
 
     Attributes:
-        mode: ``"production"`` or ``"validate"``.
+        mode: the :class:`~hyperrecipe.runtime.mode.Mode` it runs in (equal to its name,
+            ``"production"`` or ``"validate"``).
         plan: the plan that was applied.
     """
 
-    def __init__(self, *, model: nn.Module, plan: Plan, mode: str, rewritten: Rewritten,
+    def __init__(self, *, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritten,
                  full_value: Callable[[ParamPlan, Tensor], Tensor], mesh: DeviceMesh,
                  params: Mapping[str, nn.Parameter],
                  wrapper_choices: Sequence[WrapperChoice] = ()) -> None:
         self.model = model
         self.plan = plan
-        self.mode = mode
+        self.mode = as_mode(mode)
         self.mesh = mesh
         self._rewritten = rewritten
         self._full_value = full_value
@@ -120,7 +122,7 @@ class Installation:
             param = self._params[p.fqn]
             target: Any = param.to_local() if isinstance(param, DTensor) else param
             with torch.no_grad():
-                if isinstance(param, DTensor) or self.mode == "production":
+                if isinstance(param, DTensor) or not self.mode.dtensor_parameters:
                     target.copy_(local_shard(full.to(target.device), p.placement, self.mesh,
                                              self.plan.mesh_dims))
                 else:

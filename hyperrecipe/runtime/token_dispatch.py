@@ -46,6 +46,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from hyperrecipe.errors import PlanMismatchError
+
 __all__ = ["dispatch_forward"]
 
 Forward = Callable[..., Any]
@@ -117,7 +119,7 @@ def dispatch_forward(inner: Forward, *, count: int, group: Any, size: int) -> Fo
                    f"the {size} x {count} experts of the plan's expert sharding"
                    + (f" (here: {int(ids.min())}..{int(ids.max())})" if bad else
                       " (on another rank)"))
-            raise RuntimeError(msg)
+            raise PlanMismatchError(msg)
         send, recv = send_counts.tolist(), recv_counts.tolist()
 
         rows, weights = _exchange_pair(hidden_states[token_of_slot],

@@ -1,0 +1,113 @@
+"""The arrows between rooms: compiling imports no runtime; the mode is one object; the errors
+have one root.
+
+- compiling every shipped recipe (llama-cp and its built-in wrappers included) against its tiny
+  model imports no ``hyperrecipe.runtime`` module, checked in a fresh interpreter;
+- the wrapper registry declares the built-ins exactly as their runtime factories do;
+- ``apply`` takes the mode as a string or as the :class:`Mode` object, and refuses others;
+- every exception class the package defines derives from ``HyperrecipeError`` and a builtin.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hyperrecipe
+from hyperrecipe.errors import HyperrecipeError, ModeError
+from tests.runtime_harness import ROOT
+
+COMPILE_ALL = """
+import json, sys
+from pathlib import Path
+from hyperrecipe import compile_recipe, load_recipe
+from hyperrecipe.model_tree import build_model
+
+root = Path(sys.argv[1])
+compiled = []
+for path in sorted((root / "recipes").glob("*.yaml")):
+    recipe = load_recipe(str(path))
+    family = path.stem.split("-")[0]
+    model = build_model(f"hf:{family}", str(root / "recipes/models" / f"tiny-{family}.json"))
+    plan = compile_recipe(recipe, model, {d: 2 for d in recipe.mesh})
+    compiled.append(plan.recipe)
+runtime = sorted(m for m in sys.modules if m.startswith("hyperrecipe.runtime"))
+print(json.dumps({"compiled": compiled, "runtime": runtime}))
+"""
+
+
+def test_compiling_every_shipped_recipe_imports_no_runtime_module() -> None:
+    done = subprocess.run([sys.executable, "-c", COMPILE_ALL, str(ROOT)], capture_output=True,
+                          text=True, timeout=600, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    shipped = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+    assert len(result["compiled"]) == len(shipped) and "llama-cp" in shipped
+    assert result["runtime"] == []
+
+
+def test_the_registry_declares_the_built_in_wrappers_as_their_factories_do() -> None:
+    from hyperrecipe.wrappers import BUILTIN_WRAPPERS, load_wrapper
+
+    for name, declared in BUILTIN_WRAPPERS.items():
+        spec = load_wrapper(name)
+        assert (spec.name, spec.hook, spec.mesh_dims, spec.inner_out_src) == (
+            declared.name, declared.hook, declared.mesh_dims, declared.inner_out_src)
+        assert declared.factory.startswith("hyperrecipe.runtime.")
+
+
+def test_the_mode_is_one_object_chosen_from_its_name() -> None:
+    from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, as_mode
+
+    assert as_mode("production") is PRODUCTION and as_mode("validate") is VALIDATE
+    assert as_mode(VALIDATE) is VALIDATE
+    assert PRODUCTION == "production" and VALIDATE != "production"
+    assert (PRODUCTION.dtensor_parameters, VALIDATE.dtensor_parameters) == (False, True)
+    assert (PRODUCTION.local_kernels, VALIDATE.local_kernels) == (True, False)
+    with pytest.raises(ModeError, match="mode must be 'production' or 'validate', not 'fast'"):
+        as_mode("fast")
+    assert issubclass(ModeError, ValueError)
+
+
+def test_apply_refuses_an_unknown_mode_before_touching_the_model() -> None:
+    from torch import nn
+
+    from hyperrecipe import apply
+
+    model = nn.Linear(2, 2)
+    before = model.weight
+    with pytest.raises(ModeError):
+        apply(model, None, None, mode="fast")  # type: ignore[arg-type]
+    assert model.weight is before
+
+
+def _package_exceptions() -> list[type[BaseException]]:
+    found: list[type[BaseException]] = []
+    for info in pkgutil.walk_packages(hyperrecipe.__path__, "hyperrecipe."):
+        if info.name.startswith("hyperrecipe.lint") or info.name == "hyperrecipe.__main__":
+            continue
+        module = __import__(info.name, fromlist=["_"])
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == info.name:
+                found.append(obj)
+    return found
+
+
+def test_every_exception_outside_lint_lives_in_errors_and_has_one_root() -> None:
+    classes = _package_exceptions()
+    assert classes
+    assert HyperrecipeError in classes
+    for cls in classes:
+        assert cls.__module__ == "hyperrecipe.errors", cls
+        if cls is HyperrecipeError:
+            continue
+        assert issubclass(cls, HyperrecipeError), cls
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"
+                   and b not in (object, BaseException, Exception)]
+        assert builtin, f"{cls.__name__} derives from no fitting builtin"
