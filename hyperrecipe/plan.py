@@ -306,6 +306,16 @@ class Plan:
                 return b
         raise KeyError(fqn)
 
+    def boundary_chain(self, boundary: str | None) -> tuple[str, ...]:
+        """``boundary`` and every boundary enclosing it, innermost first (empty for ``None``):
+        with a parameter's ``boundary``, every boundary the parameter lies in."""
+        parents = {b.fqn: b.parent for b in self.boundaries}
+        out: list[str] = []
+        while boundary is not None:
+            out.append(boundary)
+            boundary = parents.get(boundary)
+        return tuple(out)
+
     def to_json(self) -> str:
         """Deterministic JSON: same plan, same bytes."""
         return json.dumps(converter.unstructure(self), sort_keys=True, indent=1) + "\n"

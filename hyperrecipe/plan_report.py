@@ -82,11 +82,16 @@ def _layout(b: BoundaryPlan) -> str:
     return "; ".join([text, *extras]) if extras else text
 
 
-def _tree_order(with_params: list[str], boundary_fqns: list[str]) -> list[str]:
-    """Interleave boundaries with parameter-holding modules, each boundary before its subtree."""
+def _tree_order(plan: Plan, with_params: list[str], boundary_fqns: list[str]) -> list[str]:
+    """Interleave boundaries with parameter-holding modules, each boundary before its subtree
+    (the modules whose parameters the plan places inside it)."""
     rank: dict[str, float] = {m: float(i) for i, m in enumerate(with_params)}
+    within: dict[str, set[str]] = {}
+    for p in plan.params:
+        for b in plan.boundary_chain(p.boundary):
+            within.setdefault(b, set()).add(p.module)
     for j, b in enumerate(boundary_fqns):
-        inside = [rank[m] for m in with_params if m == b or m.startswith(f"{b}.")]
+        inside = [rank[m] for m in with_params if m in within.get(b, ())]
         rank[b] = min(inside) - 0.5 if inside and b not in rank else rank.get(b, len(rank) + j)
     return sorted(dict.fromkeys([*with_params, *boundary_fqns]), key=lambda m: rank[m])
 
@@ -104,7 +109,7 @@ def summary(plan: Plan) -> str:
                                          f"{e.op.kind}"] += 1
     rows: dict[tuple[str, str, str, str, str], int] = {}
     order: list[tuple[str, str, str, str, str]] = []
-    modules = _tree_order(list(by_module), list(boundaries))
+    modules = _tree_order(plan, list(by_module), list(boundaries))
     unclaimed: list[str] = []
     for fqn in modules:
         params = [p for p in by_module.get(fqn, []) if p.tied_to is None or fqn in boundaries
@@ -190,6 +195,9 @@ def explain(plan: Plan, pattern: str) -> str:
             out.extend(f"  {prov}" for prov in p.provenance)
             if p.deferred:
                 out.append("  bias deferred: added once after the boundary's reduction")
+            if p.no_dtensor is not None:
+                out.append(f"  no DTensor placement ({p.no_dtensor}): production mode runs it, "
+                           f"validate mode refuses it")
             for op in p.grad_reduce:
                 why = (f"deferred bias added to an output sharded on {op.mesh_dim}" if p.deferred
                        else f"replicated, but sees only this rank's slice of the data on "
@@ -205,6 +213,13 @@ def explain(plan: Plan, pattern: str) -> str:
             parent = f", inside {b.parent}" if b.parent else ""
             out.append(f"{b.fqn}: boundary (depth {b.depth}{parent})  {_layout(b)}")
             out.extend(f"  {prov}" for prov in b.provenance)
+            if b.vocab_parallel is not None:
+                out.append(f"  vocab-parallel lookup over {b.vocab_parallel}: production mode "
+                           f"looks up the ids this rank owns, others read as zero rows")
+            ep = b.expert_parallel
+            if ep is not None:
+                out.append(f"  expert parallel over {ep.mesh_dim}: {ep.kernel} kernel, "
+                           f"{ep.local_experts} of {ep.experts} experts per rank")
             for t in b.transitions:
                 why = f"; {t.reason}" if t.reason else ""
                 out.append(f"  {t.stage} {t.name} on {t.mesh_dim}: {t.src} -> {t.dst}: forward "

@@ -178,6 +178,14 @@ RESOLVE_CASES = [
      "no_grad names input 'xx' of 'layers.0.mlp', which has no declared layout; did you mean 'x'? "
      "@ $.rules[0].no_grad[0]; declared inputs: x; no_grad only affects inputs named in in_src / "
      "in_dst"),
+    ("embedding-not-vocab-parallel", base({"match": "embed", "boundary": True,
+                                           "in_src": {"input": "replicate"},
+                                           "out_src": {"0": "replicate"},
+                                           "params": {"weight": {"tp": "shard(1)"}}}),
+     {"tp": 2}, "{tp: shard(1)}", "{ tp = ",
+     "embed: a vocab-parallel embedding shards the vocab dim (0) on one mesh dim; found "
+     "{tp: shard(1)} @ $.rules[0].params.weight; shard the table's dim 0 over one mesh dim (as "
+     "`style: vocab_parallel` does), or replicate it"),
     ("unclaimed-error", {**base({"match": "layers.*.mlp.up", "style": "colwise"}), "unclaimed": "error"},
      {"tp": 2}, "error", '"error"',
      "10 parameter(s) claimed by no rule: embed.weight, layers.0.norm.weight, layers.0.norm.bias, "

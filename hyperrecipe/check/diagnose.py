@@ -287,7 +287,9 @@ def _rowwise_without_reduction(fqn: str, ctx: DiagnosisContext) -> list[str]:
     boundaries = {b.fqn for b in ctx.plan.boundaries}
     out: list[str] = []
     for p in ctx.plan.params:
-        if p.name != "weight" or len(p.shape) != 2 or not _in(p.module, fqn):
+        inside = (_in(p.module, fqn) if fqn not in boundaries
+                  else fqn in ctx.plan.boundary_chain(p.boundary))
+        if p.name != "weight" or len(p.shape) != 2 or not inside:
             continue
         if p.module in boundaries:
             continue

@@ -169,13 +169,10 @@ def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -
     """
     if getattr(getattr(model, "config", None), "_experts_implementation", None) != "grouped_mm":
         return None
-    regions = [b.fqn for b in plan.boundaries if b.local_region]
-
-    def local(fqn: str) -> bool:
-        return any(fqn == r or fqn.startswith(f"{r}.") for r in regions)
-
+    regions = {b.fqn for b in plan.boundaries if b.local_region}
+    local = {p.module for p in plan.params if regions.intersection(plan.boundary_chain(p.boundary))}
     experts = [n for n, m in model.named_modules()
-               if "_is_expert_parallel" in vars(m) and not local(n)]
+               if "_is_expert_parallel" in vars(m) and n not in local]
     setter = getattr(model, "set_experts_implementation", None)
     if not experts or not callable(setter):
         return None

@@ -1,0 +1,142 @@
+"""The local kernels a boundary's layout calls for, decided here so the runtime only reads them.
+
+- :func:`vocab_parallel`: an ``nn.Embedding`` boundary whose table is sharded on the vocab dim
+  over one mesh dim is looked up with production's masked local kernel; any other sharding of
+  such a table has no kernel and is refused.
+- :func:`expert_parallel`: a local region whose own 3-D expert tensors are sharded on dim 0
+  over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
+  when they are whole on that dim, ``dispatch`` when they are all ``shard(0)``), and its first
+  output must be declared as that kernel produces it.
+
+Every refusal names the recipe line that placed the offending tensor or declared the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from hyperrecipe.errors import RecipeError, SourceSpan
+from hyperrecipe.model_tree import ModuleInfo
+from hyperrecipe.placement import REPLICATED, NamedPlacement, Partial, Shard
+from hyperrecipe.plan import ArgLayout, ExpertParallel
+from hyperrecipe.resolve.claims import ClaimTable
+from hyperrecipe.resolve.context import Claim, ResolveInput, span_of
+from hyperrecipe.resolve.layouts import DeclaredLayouts
+
+__all__ = ["EMBEDDING", "expert_parallel", "vocab_parallel"]
+
+EMBEDDING = "torch.nn.modules.sparse.Embedding"
+
+
+def _param_span(claim: Claim, name: str) -> tuple[SourceSpan, str]:
+    rule = claim.rule
+    span = rule.span("params", name) if name in rule.explicit_params else rule.span("match")
+    return span, f"{rule.json_path}.params.{name}"
+
+
+def vocab_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo) -> str | None:
+    """The mesh dim of an ``nn.Embedding`` boundary's vocab-parallel lookup, or ``None``.
+
+    Production mode computes a sharded table's lookup with a local kernel (each rank looks
+    up the ids it owns); that kernel exists for the vocab dim sharded over one mesh dim.
+
+    Raises:
+        RecipeError: the table is sharded some other way (at the rule that placed it).
+    """
+    weight = module.param("weight")
+    if not module.is_a(EMBEDDING) or weight is None:
+        return None
+    claim = claims.get(weight.tied_to or weight.fqn, "params")
+    if claim is None:
+        return None
+    placement: NamedPlacement = claim.value.canonical(inp.recipe.mesh)
+    sharded = [(d, q) for d, q in placement.dims if isinstance(q, Shard)]
+    if not sharded:
+        return None
+    (dim, q), *rest = sharded
+    if rest or q.dim not in (0, -2):
+        span, path = _param_span(claim, weight.name)
+        raise RecipeError(
+            f"{module.fqn}: a vocab-parallel embedding shards the vocab dim (0) on one mesh "
+            f"dim; found {placement}", span=span, path=path, rule_index=claim.rule.index,
+            hint="shard the table's dim 0 over one mesh dim (as `style: vocab_parallel` "
+                 "does), or replicate it")
+    return dim
+
+
+def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, region: Claim,
+                    layouts: DeclaredLayouts) -> ExpertParallel | None:
+    """The expert-parallel kernel of a local region, or ``None`` when its experts are whole.
+
+    Raises:
+        RecipeError: 3-D parameters sharded on different mesh dims or only some of them,
+            inputs that agree on neither kernel, an output layout the kernel does not
+            produce, or a module without an integer ``num_experts``.
+    """
+    fqn = module.fqn
+    experts = [p for p in module.params if len(p.shape) == 3]
+    on: dict[str, set[str]] = {}
+    placed: dict[str, NamedPlacement] = {}
+    owners: dict[str, Claim] = {}
+    for p in experts:
+        claim = claims.get(p.tied_to or p.fqn, "params")
+        placement = claim.value.canonical(inp.recipe.mesh) if claim else REPLICATED
+        placed[p.name] = placement
+        if claim is not None:
+            owners[p.name] = claim
+        on[p.name] = {d for d, q in placement.dims if isinstance(q, Shard)
+                      and not q.is_chunked and q.dim in (0, -3)}
+    dims: set[str] = set().union(*on.values()) if on else set()
+    if not dims:
+        return None
+    if len(dims) > 1 or any(s != dims for s in on.values()):
+        layout = ", ".join(f"{p.name}: {placed[p.name]}" for p in experts)
+        odd = next((n for n, s in on.items() if s != dims), experts[-1].name)
+        blamed = owners.get(odd) or next(iter(owners.values()))
+        span, path = _param_span(blamed, odd)
+        raise RecipeError(
+            f"{fqn}: an expert-parallel region shards every 3-D expert tensor on dim 0 over "
+            f"one mesh dim; found {layout}", span=span, path=path,
+            rule_index=blamed.rule.index)
+    ep_dim = dims.pop()
+    kernel = _kernel(fqn, ep_dim, layouts)
+    if module.int_attr("num_experts") is None:
+        span, path = span_of(region, "local_region")
+        raise RecipeError(
+            f"{fqn}: an expert-parallel region needs the experts module's integer "
+            f"'num_experts' attribute; {module.cls.rsplit('.', 1)[-1]} has none",
+            span=span, path=path, rule_index=region.rule.index)
+    total = experts[0].shape[0]
+    return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
+                          local_experts=total // inp.size(ep_dim))
+
+
+def _kernel(fqn: str, ep_dim: str, layouts: DeclaredLayouts) -> Literal["partial", "dispatch"]:
+    inputs: Sequence[ArgLayout] = layouts.inputs
+    outputs: Sequence[ArgLayout] = layouts.outputs
+    sharded = {a.name: isinstance(a.dst.get(ep_dim), Shard) for a in inputs}
+    if not sharded or not any(sharded.values()):
+        kind: Literal["partial", "dispatch"] = "partial"
+    elif all(sharded.values()) and all(a.dst.get(ep_dim) == Shard(dim=0) for a in inputs):
+        kind = "dispatch"
+    else:
+        layout = ", ".join(f"{a.name}: {a.dst}" for a in inputs)
+        odd = next(a.name for a in inputs if not sharded[a.name]
+                   or a.dst.get(ep_dim) != Shard(dim=0))
+        span, path, index = layouts.span("input", odd)
+        raise RecipeError(
+            f"{fqn}: an expert-parallel region takes its inputs either whole on {ep_dim} "
+            f"(each rank runs its experts on every token) or all sharded on dim 0 (tokens "
+            f"dispatched to their experts' ranks); found {layout}", span=span, path=path,
+            rule_index=index)
+    out = outputs[0].src.get(ep_dim) if outputs else None
+    want = Partial() if kind == "partial" else Shard(dim=0)
+    if out != want:
+        span, path, index = layouts.span("output", outputs[0].name if outputs else "output",
+                                         prefer="src")
+        raise RecipeError(
+            f"{fqn}: with inputs {'sharded' if kind == 'dispatch' else 'whole'} on {ep_dim} "
+            f"the expert-parallel region produces {{{ep_dim}: {want}}} outputs; the recipe "
+            f"declares out_src {{{ep_dim}: {out}}}", span=span, path=path, rule_index=index)
+    return kind
