@@ -7,8 +7,9 @@ count) and hands it here; only this module assigns ``forward``. ``hyperrecipe li
 Funnelling the assignments through one module buys three guarantees that a trainer relies on:
 
 * **Validated.** A replacement forward must accept every argument of the forward it replaces, by
-  name and in positional order (:func:`validate_signature`), so a wrapped model still accepts the
-  calls its callers make. The check runs before anything is touched.
+  name and in positional order (:func:`~hyperrecipe.signature.validate_signature`, in its own
+  module and re-exported here), so a wrapped model still accepts the calls its callers make. The
+  check runs before anything is touched.
 * **Atomic.** Changes are grouped in a :class:`Rewrite` transaction. If anything inside the
   ``with`` block raises, everything done so far is undone in reverse order and the exception
   propagates: a model is never left half-rewritten.
@@ -33,6 +34,7 @@ import attrs
 import torch
 
 from hyperrecipe.errors import RewriteError, did_you_mean
+from hyperrecipe.signature import validate_signature
 
 __all__ = [
     "EntryKind",
@@ -78,218 +80,6 @@ class RewriteRecord:
 
 
 # --------------------------------------------------------------------------------------------
-# Signature validation (pure)
-# --------------------------------------------------------------------------------------------
-
-_POSITIONAL_KINDS: Final = (
-    inspect.Parameter.POSITIONAL_ONLY,
-    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-)
-_KEYWORD_KINDS: Final = (
-    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    inspect.Parameter.KEYWORD_ONLY,
-)
-
-
-def _signature_of(obj: object, *, fqn: str, role: str) -> inspect.Signature:
-    if isinstance(obj, inspect.Signature):
-        return obj
-    if not callable(obj):
-        msg = f"{fqn}: the {role} is not callable (got {type(obj).__name__})"
-        raise RewriteError(msg)
-    try:
-        return inspect.signature(obj)
-    except (TypeError, ValueError) as exc:
-        msg = f"{fqn}: cannot read the signature of the {role}: {exc}"
-        raise RewriteError(msg) from exc
-
-
-def _signature_problems(
-    original: inspect.Signature,
-    replacement: inspect.Signature,
-    *,
-    what: str,
-    require: Literal["all", "required"],
-) -> list[str]:
-    orig_params = list(original.parameters.values())
-    repl_params = list(replacement.parameters.values())
-    var_kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    repl_by_name = {p.name: p for p in repl_params if p.kind not in var_kinds}
-    repl_positional = [p for p in repl_params if p.kind in _POSITIONAL_KINDS]
-    repl_position_of = {p.name: i for i, p in enumerate(repl_positional)}
-    repl_has_args = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in repl_params)
-    repl_has_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in repl_params)
-    orig_names = {p.name for p in orig_params}
-    problems: list[str] = []
-
-    position = 0
-    for param in orig_params:
-        index = position
-        if param.kind in _POSITIONAL_KINDS:
-            position += 1
-        if require == "required" and (
-            param.default is not inspect.Parameter.empty or param.kind in var_kinds
-        ):
-            continue
-        if param.kind is inspect.Parameter.VAR_POSITIONAL:
-            if not repl_has_args:
-                problems.append(f"does not accept extra positional arguments (*{param.name})")
-            continue
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            if not repl_has_kwargs:
-                problems.append(f"does not accept extra keyword arguments (**{param.name})")
-            continue
-
-        same = repl_by_name.get(param.name)
-        if param.kind in _POSITIONAL_KINDS:
-            # Callers may pass it at `index`: that slot of the replacement must receive it.
-            where = repl_position_of.get(param.name)
-            if index < len(repl_positional):
-                at_index = repl_positional[index]
-                if (
-                    param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-                    and at_index.name != param.name
-                ):
-                    if where is not None:
-                        problems.append(
-                            f"takes {param.name!r} at position {where}, the original {what} "
-                            f"at position {index}"
-                        )
-                    else:
-                        problems.append(
-                            f"has {at_index.name!r} at position {index} where the original "
-                            f"{what} has {param.name!r}"
-                        )
-                    continue
-            elif where is not None and param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
-                problems.append(
-                    f"takes {param.name!r} at position {where}, the original {what} at "
-                    f"position {index}"
-                )
-                continue
-            elif same is not None and same.kind is inspect.Parameter.KEYWORD_ONLY:
-                problems.append(
-                    f"accepts {param.name!r} only by keyword; the original {what} takes it at "
-                    f"position {index}"
-                )
-                continue
-            elif not repl_has_args:
-                if same is None and not repl_has_kwargs:
-                    problems.append(f"does not accept argument {param.name!r}")
-                else:
-                    problems.append(
-                        f"does not accept {param.name!r} at position {index} (no parameter "
-                        "there and no *args)"
-                    )
-                continue
-        if param.kind in _KEYWORD_KINDS:
-            keyword_ok = (same is not None and same.kind in _KEYWORD_KINDS) or (
-                same is None and repl_has_kwargs
-            )
-            if not keyword_ok:
-                if same is not None:  # positional-only in the replacement
-                    problems.append(
-                        f"accepts {param.name!r} only by position; the original {what} also "
-                        "takes it by keyword"
-                    )
-                elif param.kind is inspect.Parameter.KEYWORD_ONLY:
-                    problems.append(f"does not accept argument {param.name!r}")
-                else:
-                    problems.append(
-                        f"does not accept {param.name!r} by keyword (it has *args but no "
-                        "**kwargs)"
-                    )
-                continue
-        if (
-            same is not None
-            and same.default is inspect.Parameter.empty
-            and param.default is not inspect.Parameter.empty
-        ):
-            problems.append(f"requires {param.name!r}, which the original {what} makes optional")
-
-    orig_positional = [p for p in orig_params if p.kind in _POSITIONAL_KINDS]
-    for param in repl_params:
-        if param.kind in var_kinds:
-            continue
-        slot = repl_position_of.get(param.name)
-        if (
-            slot is not None
-            and slot < len(orig_positional)
-            and orig_positional[slot].kind is inspect.Parameter.POSITIONAL_ONLY
-        ):
-            continue  # receives the original's positional-only argument; its name is private
-        if param.name not in orig_names and param.default is inspect.Parameter.empty:
-            problems.append(
-                f"requires argument {param.name!r}, which the original {what} does not have"
-            )
-    return problems
-
-
-def validate_signature(
-    original: Callable[..., Any] | inspect.Signature,
-    replacement: Callable[..., Any] | inspect.Signature,
-    *,
-    fqn: str,
-    what: str = "forward",
-    require: Literal["all", "required"] = "all",
-) -> None:
-    """Check that ``replacement`` can stand in for ``original`` at every existing call site.
-
-    Callers of a module call ``module(x, mask)`` or ``module(x, mask=m)``; once the forward is
-    swapped they must keep working. So the replacement must accept each argument of the original
-    *by name and in the same positional slot*. ``*args``/``**kwargs`` in the replacement cover
-    what they can receive (extra positionals, unknown keywords). A replacement may add parameters
-    only if they have defaults.
-
-    This function is pure (it reads signatures and raises), so recipes and tests can check a
-    replacement without a model.
-
-    Args:
-        original: the forward (or method) being replaced, or its signature. Pass bound methods
-            (``module.forward``) so ``self`` is not part of the comparison.
-        replacement: the callable that will be installed, or its signature.
-        fqn: the module FQN (or qualified method name), used in the message.
-        what: what is being replaced, for the message (``"forward"``, ``"method"``).
-        require: ``"all"`` (a forward wrapper: every argument of the original must be
-            accepted) or ``"required"`` (a compute function: only the original's required
-            arguments must be accepted; optional ones and ``*args``/``**kwargs`` may be left out).
-
-    Raises:
-        RewriteError: naming ``fqn``, every offending argument, and both signatures.
-
-    Example::
-
-        >>> def forward(x, mask=None): ...
-        >>> def wrapper(x, mask=None, **kwargs): ...
-        >>> validate_signature(forward, wrapper, fqn="layers.0.attn")  # fine
-        >>> validate_signature(forward, lambda x: x, fqn="layers.0.attn")
-        Traceback (most recent call last):
-        ...
-        hyperrecipe.errors.RewriteError: layers.0.attn: the replacement forward (x) cannot
-        stand in for forward(x, mask=None): does not accept argument 'mask'
-    """
-    orig_sig = _signature_of(original, fqn=fqn, role=f"original {what}")
-    repl_sig = _signature_of(replacement, fqn=fqn, role=f"replacement {what}")
-    problems = _signature_problems(orig_sig, repl_sig, what=what, require=require)
-    if problems:
-        msg = (
-            f"{fqn}: the replacement {what} {_plain(repl_sig)} cannot stand in for "
-            f"{what}{_plain(orig_sig)}: " + "; ".join(problems)
-        )
-        raise RewriteError(msg)
-
-
-def _plain(signature: inspect.Signature) -> inspect.Signature:
-    """``signature`` without annotations: names, kinds and defaults are what calls depend on."""
-    return signature.replace(
-        parameters=[
-            p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
-        ],
-        return_annotation=inspect.Signature.empty,
-    )
-
-
-# --------------------------------------------------------------------------------------------
 # Registries: what is currently installed (for the double-install check)
 # --------------------------------------------------------------------------------------------
 
@@ -323,6 +113,13 @@ class _Memento:
         raise NotImplementedError
 
 
+def _changed_since_install(fqn: str, what: str) -> RewriteError:
+    """Undo refuses to overwrite a change someone else made after ours."""
+    msg = (f"{fqn}: {what} was changed after it was installed; leaving it as is rather than "
+           f"overwriting someone else's change")
+    return RewriteError(msg)
+
+
 def _put_back_instance_attribute(obj: object, name: str, previous: object) -> None:
     if previous is _MISSING:
         object.__delattr__(obj, name)
@@ -340,11 +137,7 @@ class _ForwardMemento(_Memento):
     def undo(self) -> None:
         current = vars(self.module).get("forward", _MISSING)
         if current is not self.replacement:
-            msg = (
-                f"{self.fqn}: forward was changed after it was installed; leaving it as is "
-                "rather than overwriting someone else's change"
-            )
-            raise RewriteError(msg)
+            raise _changed_since_install(self.fqn, "forward")
         _put_back_instance_attribute(self.module, "forward", self.previous)
         _FORWARD_OWNERS.pop(self.module, None)
 
@@ -370,11 +163,7 @@ class _MethodMemento(_Memento):
     def undo(self) -> None:
         current = vars(self.cls).get(self.name, _MISSING)
         if current is not self.replacement:
-            msg = (
-                f"{self.fqn}: {self.cls.__qualname__}.{self.name} was changed after it was "
-                "installed; leaving it as is rather than overwriting someone else's change"
-            )
-            raise RewriteError(msg)
+            raise _changed_since_install(self.fqn, f"{self.cls.__qualname__}.{self.name}")
         if self.previous is _MISSING:
             delattr(self.cls, self.name)
         else:
@@ -408,11 +197,7 @@ class _ItemMemento(_Memento):
 
     def undo(self) -> None:
         if self.mapping.get(self.key, _MISSING) is not self.value:
-            msg = (
-                f"{self.fqn}: entry {self.key!r} was changed after it was installed; leaving it "
-                "as is rather than overwriting someone else's change"
-            )
-            raise RewriteError(msg)
+            raise _changed_since_install(self.fqn, f"entry {self.key!r}")
         if self.previous is _MISSING:
             del self.mapping[self.key]
         else:
@@ -644,19 +429,11 @@ class Rewrite:
         entry.set_state("installed")
 
     def _atomically(self, fqn: str, operation: Callable[[], None]) -> None:
-        """Run an operation of several entries; if it fails, undo the entries it made.
-
-        So each public call is all-or-nothing even when the caller catches its exception and
-        carries on inside the ``with`` block.
-        """
-        self._check_open(fqn)
-        first = len(self._entries)
-        try:
+        """Run an operation of several entries inside its own savepoint (:meth:`attempt`), so
+        each public call is all-or-nothing even when the caller catches its exception and
+        carries on inside the ``with`` block."""
+        with self.attempt(fqn):
             operation()
-        except BaseException as exc:
-            for failure in _undo_in_reverse(self._entries[first:]):
-                _add_note(exc, f"hyperrecipe: undoing {failure} failed")
-            raise
 
     # -- operations -------------------------------------------------------------------------
 

@@ -1,9 +1,19 @@
 """Resolving recipes against models: the pure function from (Recipe, ModelTree, mesh) to Plan.
 
-What lives here: rule matching and merging, every check that needs the model or the mesh
-(coverage, uniqueness, divisibility, head counts, mesh dims), and the lowering of placement
-transitions to collectives (``lowering``). What does not: process groups, real tensors, or any
-mutation of a model; resolving imports torch not at all.
+What lives here, one stage per module, each a function over the frozen output of the ones
+before (``resolver`` only orders them): ``context`` (the checked inputs, claims, provenance),
+``claims`` (rule matching and merging into a claim table), ``boundaries`` (regions and each
+boundary's plan) with ``layouts`` (declared layouts), ``transitions`` and ``lowering``
+(placement transitions to collectives), ``wrappers`` (inner-wrapper chains against their
+declarations) and ``kernels`` (the vocab-parallel lookup and the expert-parallel kernel),
+``params`` (placements, divisibility, local shapes, DTensor placements, gradient reductions),
+``head_counts``, ``manifest`` (the expected collectives) and ``adapters``. Every decision the
+runtime needs is made here and recorded in the plan, and every refusal is a
+:class:`~hyperrecipe.errors.RecipeError` at a recipe line.
+
+What does not: process groups, real tensors, any mutation of a model, or any module of
+:mod:`hyperrecipe.runtime` (built-in wrappers are read from the torch-free registry in
+:mod:`hyperrecipe.wrappers`); resolving imports torch not at all.
 """
 
 from hyperrecipe.resolve.lowering import canonical_grad, lower_transition
