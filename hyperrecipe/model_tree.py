@@ -188,7 +188,8 @@ def snapshot(model: nn.Module) -> ModelTree:
 
 
 def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """A model config from a JSON file path, inline JSON text, or a mapping."""
+    """A model config from a JSON file path, inline JSON text, a shipped tiny config's name
+    (``tiny-llama``, see :mod:`hyperrecipe.shipped`), or a mapping."""
     if config is None:
         return {}
     if isinstance(config, Mapping):
@@ -200,10 +201,16 @@ def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
         except json.JSONDecodeError as exc:
             raise ModelSpecError(f"--model-config is not valid JSON: {exc}") from None
     else:
+        from hyperrecipe.shipped import model_config_file, model_configs
+
         path = Path(config)
         if not path.is_file():
-            raise ModelSpecError(f"--model-config {config!r}: no such file (give a JSON file or "
-                                 f"inline JSON such as '{{\"num_hidden_layers\": 2}}')")
+            path = model_config_file(config) or path
+        if not path.is_file():
+            raise ModelSpecError(f"--model-config {config!r}: no such file and no shipped tiny "
+                                 f"config of that name (give a JSON file, inline JSON such as "
+                                 f"'{{\"num_hidden_layers\": 2}}', or one of "
+                                 f"{', '.join(model_configs()) or 'the shipped configs'})")
         try:
             value = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:

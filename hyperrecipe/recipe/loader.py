@@ -29,7 +29,9 @@ def shipped_recipe_dir() -> Path:
     env = os.environ.get("HYPERRECIPE_RECIPES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "recipes"
+    from hyperrecipe.shipped import shipped_dir
+
+    return shipped_dir()
 
 
 def shipped_recipes() -> dict[str, Path]:
