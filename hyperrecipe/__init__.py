@@ -1,8 +1,12 @@
 """hyperrecipe: declarative model-parallel recipes compiled to frozen plans.
 
 This namespace is the trainer API and nothing else: load and compile recipes, load plans, apply
-them, and the errors all of that raises. Everything else lives in subpackages. Names resolve
-lazily (PEP 562) so that ``hyperrecipe lint`` and the recipe loader never import torch.
+them, and the errors all of that raises. Everything else lives in subpackages and modules, in the
+order data flows (``docs/architecture.md``): ``errors`` and ``placement``; ``recipe`` and
+``shipped``; ``wrappers`` (the torch-free wrapper registry); ``model_tree``; ``resolve``;
+``plan``; ``rewriter`` and ``signature``; ``runtime``; ``check`` and ``plan_report``; ``lint``
+and ``cli``. Names resolve lazily (PEP 562) so that ``hyperrecipe lint``, the recipe loader and
+compiling never import the runtime.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ What lives here: the schema (attrs classes in ``schema``), YAML/TOML reading wit
 positions (``source``), validation of one document (``validate``), built-in styles
 (``styles``), ``match`` patterns (``patterns``), ``extends`` and shipped recipes (``loader``) and
 the JSON Schema export (``jsonschema``). What does not: anything about a model or torch — this
-package must stay importable by the lint, which never imports torch.
+package must stay importable by the lint, which never imports torch —, where the shipped files
+are (:mod:`hyperrecipe.shipped`), and the built-in inner wrappers (their names and declarations
+are read from the registry in :mod:`hyperrecipe.wrappers`).
 """
 
 from hyperrecipe.recipe.loader import check_recipe_file, load_recipe, shipped_recipes
