@@ -39,6 +39,7 @@ from hyperrecipe.check.record import Failure, Trace
 from hyperrecipe.model_tree import ModelTree
 from hyperrecipe.placement import Shard
 from hyperrecipe.plan import Plan
+from hyperrecipe.runtime.mode import as_mode
 
 __all__ = [
     "BIAS_COUNTED_TP_TIMES",
@@ -249,8 +250,8 @@ def _undivided_heads(fqn: str, ctx: DiagnosisContext) -> str | None:
     """Evidence that a head-count attribute in ``fqn`` was left global while its module's
     parameters are sharded: named like a head count, divisible by a mesh dim, not divided by the
     plan, and used by the module's forward (when its source can be read)."""
-    if ctx.mode != "production":
-        return None
+    if not as_mode(ctx.mode).local_kernels:
+        return None  # head counts are divided only where modules compute on local shards
     divided = {(h.module, h.attr) for h in ctx.plan.head_counts}
     for m in ctx.tree.subtree(fqn):
         uses = _forward_uses(m.cls)
