@@ -468,3 +468,16 @@ def test_the_tie_is_exactly_zero_even_when_a_source_overflows() -> None:
     assert tied.requires_grad and torch.equal(tied, torch.zeros(3, dtype=torch.float16))
     tied.sum().backward()
     assert big.grad is not None and torch.equal(big.grad, torch.zeros_like(big))
+
+
+def test_explain_reads_the_recorded_kernels() -> None:
+    from hyperrecipe.plan_report import explain
+
+    experts = config("mixtral")["num_local_experts"]
+    ep = compile_recipe(RECIPE, build("mixtral", "meta"), {"ep": 2})
+    assert (f"  expert parallel over ep: partial kernel, {experts // 2} of {experts} experts per "
+            f"rank") in explain(ep, EXPERTS.format(0)).splitlines()
+    tp = compile_recipe(str(ROOT / "recipes/mixtral.yaml"), build("mixtral", "meta"), {"tp": 2})
+    assert tp.boundary("model.embed_tokens").vocab_parallel == "tp"
+    assert ("  vocab-parallel lookup over tp: production mode looks up the ids this rank owns, "
+            "others read as zero rows") in explain(tp, "model.embed_tokens").splitlines()

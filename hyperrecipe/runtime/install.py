@@ -122,6 +122,13 @@ def _vote(ok: bool) -> list[int]:
     return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
+def _placed_at(p: ParamPlan) -> str:
+    """`` (placed at file:line)``: the recipe line behind a parameter's placement."""
+    if not p.provenance:
+        return ""
+    return f" (placed at {p.provenance[-1].file}:{p.provenance[-1].line})"
+
+
 class _Applier:
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh,
                  mode: Mode | ModeName) -> None:
@@ -161,16 +168,14 @@ class _Applier:
         if not in_region:
             if not p.placement.is_replicate:
                 msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
-                       f"needs a boundary around sharded parameters")
+                       f"needs a boundary around sharded parameters{_placed_at(p)}")
                 raise PlanMismatchError(msg)
             return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
         from torch.distributed.tensor import DTensor
 
         if p.no_dtensor is not None:
-            where = f" (placed at {p.provenance[-1].file}:{p.provenance[-1].line})" \
-                if p.provenance else ""
             msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({p.no_dtensor}); validate "
-                   f"mode cannot run it (production mode can){where}")
+                   f"mode cannot run it (production mode can){_placed_at(p)}")
             raise PlanMismatchError(msg)
         local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
         placements = from_dtensor_text(p.dtensor)
