@@ -1,8 +1,9 @@
-"""Per-mode conversion of a boundary's declared tensors: the only place the modes differ.
+"""Per-mode conversion of a boundary's declared tensors.
 
-A :class:`Redistributor` is built once per boundary at install time from plan data and hands
-the boundary body two converters, one for inputs and one for outputs. The body
-(:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
+A :class:`Redistributor` is built once per ``apply`` by the
+:class:`~hyperrecipe.runtime.mode.Mode` it chose; at install time it builds, for each boundary
+and from plan data, the converters the boundary body calls, one for inputs and one for outputs.
+The body (:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
 
 - :class:`ProductionRedistributor`: plain local tensors; each declared tensor goes through the
   transitions the resolver lowered (forward op, and the backward op its gradient needs).
