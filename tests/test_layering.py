@@ -15,7 +15,6 @@ import json
 import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +24,6 @@ from tests.runtime_harness import ROOT
 
 COMPILE_ALL = """
 import json, sys
-from pathlib import Path
 from hyperrecipe import compile_recipe, load_recipe
 from hyperrecipe.model_tree import build_model
 

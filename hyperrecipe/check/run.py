@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
