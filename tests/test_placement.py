@@ -92,3 +92,35 @@ def test_torch_conversion_orders_by_mesh_and_refuses_chunked_shards() -> None:
     assert to_torch_placements(p, ["dp", "tp", "cp"]) == (TP("sum"), TS(0), TR())
     with pytest.raises(ValueError, match="no torch placement"):
         to_torch_placements(parse_named_placement({"tp": "shard(0, chunks=3)"}), ["tp"])
+
+
+@pytest.mark.parametrize(("text", "shape", "mesh", "want", "why"), [
+    ("{tp: shard(-1)}", (8, 4), ("dp", "tp"), ("replicate", "shard(-1)"), None),
+    ("{tp: shard(0, chunks=3)}", (12, 4), ("tp",), ("strided_shard(0, 3)",), None),
+    ("{dp: shard(1), tp: shard(0, chunks=2)}", (8, 4), ("dp", "tp"),
+     ("shard(1)", "strided_shard(0, 2)"), None),
+    ("{tp: shard(0, chunks=[8, 4, 4])}", (16, 4), ("tp",), (), "unequal chunks"),
+    ("{dp: shard(0), tp: shard(0, chunks=2)}", (8, 4), ("dp", "tp"), (),
+     "tensor dim 0 is also sharded on dp"),
+], ids=["plain", "equal-chunks", "chunks-and-another-dim", "unequal-chunks", "shared-dim"])
+def test_dtensor_layout_names_the_placement_or_why_there_is_none(
+        text: str, shape: tuple[int, ...], mesh: tuple[str, ...], want: tuple[str, ...],
+        why: str | None) -> None:
+    from hyperrecipe.placement import dtensor_layout, parse_named_text
+
+    assert dtensor_layout(parse_named_text(text), shape, mesh) == (want, why)
+
+
+def test_dtensor_texts_become_torch_placements() -> None:
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hyperrecipe.errors import PlacementError
+    from hyperrecipe.placement import from_dtensor_text
+
+    got = from_dtensor_text(("replicate", "shard(-1)", "strided_shard(0, 3)"))
+    assert got == (TReplicate(), TShard(-1), _StridedShard(0, split_factor=3))
+    with pytest.raises(PlacementError) as info:
+        from_dtensor_text(("shard(x)",))
+    assert str(info.value) == "'shard(x)' is not a DTensor placement of a plan"
