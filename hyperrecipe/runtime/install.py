@@ -32,6 +32,12 @@ from hyperrecipe.runtime.compute import (
 )
 from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
+from hyperrecipe.runtime.materialize import (
+    allocate_unloaded,
+    is_meta,
+    materialize_buffers,
+    mesh_device,
+)
 from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 
@@ -142,6 +148,9 @@ class _Applier:
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
+        self.device = mesh_device(mesh)
+        self.unloaded: list[str] = []
+        """Parameters and persistent buffers allocated on the meta device's behalf: no value yet."""
 
     def shard_parameters(self, tx: Rewrite) -> None:
         regions = _regions(self.plan)
@@ -159,7 +168,7 @@ class _Applier:
         assert full is not None
         requires_grad = full.requires_grad
         if self.mode == "production":
-            local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+            local = self._local(p, full)
             param = nn.Parameter(local, requires_grad=requires_grad)
             for op in p.grad_reduce:
                 g = group_for(self.mesh, op.mesh_dim)
@@ -175,10 +184,10 @@ class _Applier:
                 msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
                        f"needs a boundary around sharded parameters")
                 raise PlanMismatchError(msg)
-            return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
+            return nn.Parameter(self._local(p, full), requires_grad=requires_grad)
         from torch.distributed.tensor import DTensor
 
-        local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+        local = self._local(p, full)
         placements: tuple[Any, ...]
         if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
             # K equal chunks of a dim sharded over one mesh dim is DTensor's
@@ -223,6 +232,17 @@ class _Applier:
 
         param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
         return param
+
+    def _local(self, p: ParamPlan, full: Tensor) -> Tensor:
+        """This rank's shard of ``full``: sliced once from a real tensor, or allocated (unset)
+        on the mesh's device when the model was built on the meta device."""
+        if is_meta(full):
+            self.unloaded.append(p.fqn)
+            return allocate_unloaded(p.local_shape, full.dtype, self.device)
+        return local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+
+    def materialize_buffers(self, tx: Rewrite) -> None:
+        self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
 
     def full_value(self, p: ParamPlan, value: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor
@@ -327,7 +347,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
     """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
 
     Args:
-        model: the full, unsharded model, on this rank's device (same weights on every rank).
+        model: the full, unsharded model, on this rank's device (same weights on every rank), or
+            the model built on the meta device: then only this rank's shards are allocated, on
+            the mesh's device, unset (NaN) until :meth:`Installation.load_weights`;
+            non-persistent buffers (rotary ``inv_freq``) are recomputed.
         plan: from :func:`hyperrecipe.compile_recipe` or :func:`hyperrecipe.load_plan`.
         mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
         mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
@@ -360,6 +383,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
+            applier.materialize_buffers(tx)
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
@@ -374,5 +398,5 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
             raise PlanMismatchError(msg)
     return Installation(model=model, plan=plan, mode=mode, rewritten=tx.result,
                         full_value=applier.full_value, mesh=mesh, params=applier.new_params,
-                        wrapper_choices=applier.inner.choices)
+                        wrapper_choices=applier.inner.choices, unloaded=applier.unloaded)
 
