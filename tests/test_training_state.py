@@ -251,3 +251,67 @@ def _stale_worker(rank: int, world: int) -> str:
 def test_state_dict_refuses_parameters_replaced_after_apply() -> None:
     msg = run_ranks(_stale_worker, 2)[0]
     assert msg.startswith("PlanMismatchError: model.embed_tokens.weight is on the meta device")
+
+
+# -- torch's own state-dict API on a production-mode model ----------------------------------
+
+
+def _torch_api_save_worker(rank: int, world: int, folder: str, ckpt: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    return losses
+
+
+def _torch_api_resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model, inst = _meta_applied(world, "production")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    kinds = sorted({type(v).__name__ for v in model_sd.values()})
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    moments = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0})
+    plain = not any(isinstance(p, DTensor) for p in model.parameters())
+    inst.restore()
+    return {"kinds": kinds, "moments": moments, "plain": plain}
+
+
+def _torch_api_continue_worker(rank: int, world: int, ckpt: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, inst = _meta_applied(world, "production")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _train(model, opt, range(3, 6))
+
+
+@pytest.mark.parametrize("resume_world", [1, 2])
+def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
+        hf_checkpoint: Path, tmp_path: Path, resume_world: int) -> None:
+    """torch's get_state_dict/set_state_dict on local shards: DTensors out, shards back in."""
+    ckpt = str(tmp_path / "dcp")
+    ref = _reference_run()
+    saved = run_ranks(_torch_api_save_worker, 2, str(hf_checkpoint), ckpt)[0]
+    assert saved == pytest.approx(ref[:3], abs=LOSS_ATOL)
+    info = run_ranks(_torch_api_resume_worker, resume_world, ckpt)[0]
+    if resume_world > 1:
+        assert "DTensor" in info["kinds"] and info["moments"] == ["Tensor"] and info["plain"]
+    resumed = run_ranks(_torch_api_continue_worker, resume_world, ckpt)
+    for losses in resumed:
+        assert losses == pytest.approx(ref[3:], abs=LOSS_ATOL)

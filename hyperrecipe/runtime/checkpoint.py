@@ -94,19 +94,27 @@ class LiveParams:
             raise PlanMismatchError(msg)
         return value
 
-    def local(self, p: ParamPlan) -> Tensor:
+    def local(self, p: ParamPlan, *, gather_wrapped: bool = False) -> Tensor:
         """This rank's shard as the plan lays it out (a plain tensor sharing the parameter's
-        storage), or a refusal naming what replaced the parameter."""
+        storage), or a refusal naming what replaced the parameter.
+
+        With ``gather_wrapped``, a parameter that ``fully_shard`` wrapped after apply (a DTensor
+        on its ``dp`` mesh holding pieces of this rank's shard) is gathered back into the shard
+        (a collective over that mesh, and a copy): what full-tensor exports need. Without it
+        such a parameter is refused, since its storage is not the shard.
+        """
         from torch.distributed.tensor import DTensor
 
         value = self.param(p)
         if isinstance(value, DTensor):
-            if value.device_mesh is not self.mesh and value.device_mesh != self.mesh:
+            if value.device_mesh != self.mesh:
+                if gather_wrapped and tuple(value.shape) == p.local_shape:
+                    return value.full_tensor()
                 msg = (f"{p.fqn} is now a DTensor on another mesh "
-                       f"({value.device_mesh.mesh_dim_names}); it was wrapped after apply "
-                       f"(fully_shard?). Take state dicts through that wrapper's own API "
-                       f"(torch.distributed.checkpoint.state_dict.get_model_state_dict), or "
-                       f"apply hyperrecipe after it")
+                       f"({value.device_mesh.mesh_dim_names}): it was wrapped after apply "
+                       f"(fully_shard?), and its DTensor does not say where this rank's tensor "
+                       f"parallel shard lies, so a checkpoint of it would be wrong; use "
+                       f"Installation.full_state_dict() for full weights")
                 raise PlanMismatchError(msg)
             value = value._local_tensor
         if tuple(value.shape) != p.local_shape and not (self.mode == "validate"
@@ -138,7 +146,7 @@ class LiveParams:
         if _stores_exactly(placements):
             assert placements is not None
             return DTensor.from_local(local.detach(), self.mesh, placements, run_check=False,
-                                      shape=torch.Size(p.shape), stride=_contiguous_stride(p.shape))
+                                      shape=torch.Size(p.shape), stride=contiguous_stride(p.shape))
         full = self.full(p, local)
         return DTensor.from_local(full, self.mesh, tuple(Replicate() for _ in self.plan.mesh_dims),
                                   run_check=False)
@@ -170,7 +178,7 @@ class LiveParams:
         return local_shard(value, p.placement, self.mesh, self.plan.mesh_dims)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
         stride.append(acc)

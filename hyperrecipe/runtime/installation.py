@@ -21,6 +21,7 @@ from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
 from hyperrecipe.runtime.sharding import local_shard
+from hyperrecipe.runtime.state_hooks import install_optimizer_hooks, install_state_hooks
 from hyperrecipe.runtime.weights import (
     LoadAttempt,
     WeightLoadError,
@@ -71,6 +72,8 @@ class Installation:
         self._unloaded = set(unloaded)
         self._loads: list[LoadAttempt] = []
         del params  # looked up live: the model's parameters may be replaced after apply
+        self._hooks = ([*install_state_hooks(model, self._live),
+                        *install_optimizer_hooks(self._live)] if mode == "production" else [])
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
@@ -107,8 +110,8 @@ class Installation:
     def full_state_dict(self) -> dict[str, Tensor]:
         """FQN → full tensor for every parameter (tied names included) and buffer."""
         self._check_live()
-        full = {p.fqn: self._full_value(p, self._live.param(p)) for p in self._own()
-                if self._live.local(p) is not None}
+        full = {p.fqn: self._live.full(p, self._live.local(p, gather_wrapped=True))
+                for p in self._own()}
         out: dict[str, Tensor] = {}
         for p in self.plan.params:
             out[p.fqn] = full[p.tied_to or p.fqn]
@@ -123,7 +126,7 @@ class Installation:
         for p in self._own():
             g = self._live.param(p).grad
             if g is not None:
-                grads[p.fqn] = self._full_value(p, g)
+                grads[p.fqn] = self._full_value(p, g)  # (not after fully_shard: it owns grads)
         for p in self.plan.params:
             if p.tied_to is not None and p.tied_to in grads:
                 grads[p.fqn] = grads[p.tied_to]
@@ -255,6 +258,9 @@ class Installation:
         """Put the original forwards back and full parameters in place of the shards
         (gathered: call on every rank), and restore rewritten attributes."""
         self._rewritten.restore()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     @property
     def restored(self) -> bool:
