@@ -315,3 +315,58 @@ def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
     resumed = run_ranks(_torch_api_continue_worker, resume_world, ckpt)
     for losses in resumed:
         assert losses == pytest.approx(ref[3:], abs=LOSS_ATOL)
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def _export_worker(rank: int, world: int, folder: str, out: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(2))
+    inst.save_pretrained(out, max_shard_bytes=60_000)
+    still_applied = not inst.restored and "forward" in vars(model.model.layers[0].self_attn)
+    return {"full": inst.full_state_dict(), "still_applied": still_applied}
+
+
+def test_save_pretrained_writes_what_from_pretrained_loads(hf_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    res = run_ranks(_export_worker, 2, str(hf_checkpoint), str(out))[0]
+    assert res["still_applied"]
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    assert len(list(out.glob("*.safetensors"))) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    state = loaded.state_dict()
+    for name, value in res["full"].items():
+        if name in state:
+            torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=name)
+    trained = res["full"]["model.layers.0.mlp.up_proj.weight"]
+    original = llama(**_overrides()).state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(trained, original), "the export holds the trained weights"
+
+
+def _one_rank_export_worker(rank: int, world: int, out: str) -> str:
+    model = llama(**_overrides())
+    plan = compile_recipe(LLAMA, llama("meta", **_overrides()), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode="production")
+    inst.collective_timeout_s = 2.0
+    if rank == 0:
+        try:
+            inst.save_pretrained(out)
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    import time
+
+    time.sleep(4.0)  # rank 1 is busy elsewhere, as under `if rank == 0: save`
+    return "skipped"
+
+
+def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Path) -> None:
+    msg = run_ranks(_one_rank_export_worker, 2, str(tmp_path / "x"), timeout_s=60)[0]
+    assert msg.startswith("PlanMismatchError: Installation.save_pretrained() is a collective: "
+                          "every rank must call it")

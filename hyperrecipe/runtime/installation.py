@@ -13,6 +13,7 @@ import os
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
@@ -20,6 +21,7 @@ from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
+from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.sharding import local_shard
 from hyperrecipe.runtime.state_hooks import install_optimizer_hooks, install_state_hooks
 from hyperrecipe.runtime.weights import (
@@ -43,6 +45,16 @@ class StatusRow:
     what: str
     state: str
     error: str | None = None
+
+
+def _barrier_group() -> Any:
+    """A gloo group for monitored barriers (gloo is the only backend that has them): the
+    world group when it is gloo, otherwise a new one, made while every rank is in apply."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
 
 
 class Installation:
@@ -72,6 +84,7 @@ class Installation:
         self._unloaded = set(unloaded)
         self._loads: list[LoadAttempt] = []
         del params  # looked up live: the model's parameters may be replaced after apply
+        self._barrier_group = _barrier_group()
         self._hooks = ([*install_state_hooks(model, self._live),
                         *install_optimizer_hooks(self._live)] if mode == "production" else [])
 
@@ -108,8 +121,10 @@ class Installation:
         return [p for p in self.plan.params if p.tied_to is None]
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """FQN → full tensor for every parameter (tied names included) and buffer."""
+        """FQN → full tensor for every parameter (tied names included) and buffer (a
+        collective: call on every rank)."""
         self._check_live()
+        self._enter_collective("full_state_dict")
         full = {p.fqn: self._live.full(p, self._live.local(p, gather_wrapped=True))
                 for p in self._own()}
         out: dict[str, Tensor] = {}
@@ -253,6 +268,55 @@ class Installation:
                 raise PlanMismatchError("load_state_dict: an optimizer was given but the state "
                                         "holds none; save with Installation.state_dict(optimizer)")
             load_optimizer_state(self._live, optimizer, state["optimizer"])
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *,
+                        max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
+        """Write consolidated safetensors that ``from_pretrained`` loads (call on every rank).
+
+        Each tensor is gathered in turn (a collective) and streamed by ``writer_rank`` into its
+        file, so the extra memory is about one full tensor; files are split at
+        ``max_shard_bytes`` with an index; the model's ``config`` is saved beside them. The model
+        stays applied and keeps training. Tied parameters are written once, under their owner's
+        name, as ``save_pretrained`` does.
+
+        Raises:
+            PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
+                instead of hanging until the process group's watchdog.
+        """
+        self._check_live()
+        self._enter_collective("save_pretrained")
+        items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
+                            gather=lambda p=p: self._live.full(  # type: ignore[misc]
+                                p, self._live.local(p, gather_wrapped=True)))
+                 for p in self._own()]
+        items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
+                                gather=lambda buf=buf: buf)  # type: ignore[misc]
+                     for name, buf in persistent_buffers(self.model))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        write_safetensors(folder, items, writer=rank == writer_rank,
+                          max_shard_bytes=max_shard_bytes, model=self.model)
+
+    collective_timeout_s: float = 60.0
+    """How long a gathering call waits for every rank to enter it before refusing."""
+
+    def _enter_collective(self, what: str) -> None:
+        """Every rank must call gathering methods; one that does not would leave the others
+        waiting in the gather until the watchdog (minutes, then an opaque error). A monitored
+        barrier first fails within ``collective_timeout_s`` and names the missing ranks."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        import datetime
+
+        if self._barrier_group is None:
+            return
+        try:
+            dist.monitored_barrier(group=self._barrier_group, wait_all_ranks=True,
+                                   timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        except RuntimeError as exc:
+            msg = (f"Installation.{what}() is a collective: every rank must call it (rank "
+                   f"{dist.get_rank()} waited {self.collective_timeout_s:.0f} s: {exc}). Call it "
+                   f"on every rank; only one rank writes")
+            raise PlanMismatchError(msg) from None
 
     def restore(self) -> None:
         """Put the original forwards back and full parameters in place of the shards
