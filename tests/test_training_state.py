@@ -370,3 +370,65 @@ def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Pat
     msg = run_ranks(_one_rank_export_worker, 2, str(tmp_path / "x"), timeout_s=60)[0]
     assert msg.startswith("PlanMismatchError: Installation.save_pretrained() is a collective: "
                           "every rank must call it")
+
+
+# -- FSDP2 over dp after apply on tp --------------------------------------------------------
+
+DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+
+
+def _fsdp_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    meta = llama("meta", **_overrides())
+    plan = compile_recipe(DP_TP, meta, {"dp": 2, "tp": 2})
+    inst = apply(meta, plan, mesh, mode="production")
+    inst.load_weights(folder)
+    for layer in meta.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(meta, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(meta.parameters(), lr=1e-2, weight_decay=0.1)
+    dp = mesh.get_local_rank("dp")
+    losses = []
+    for step in range(3):
+        ids = _batch(step)[dp:dp + 1]  # each dp rank its half of the batch
+        loss = _loss(meta, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    try:
+        inst.state_dict()
+        refusal = "no error"
+    except Exception as exc:  # noqa: BLE001
+        refusal = f"{type(exc).__name__}: {exc}"
+    return {"losses": losses, "full": inst.full_state_dict(), "refusal": refusal}
+
+
+def test_fully_shard_on_dp_after_apply_trains_like_one_process(hf_checkpoint: Path) -> None:
+    """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards over dp; losses (mean over dp) and
+    the trained weights equal one process on the whole batch. Weights to atol 1e-4: AdamW
+    divides by the root of the second moment, so a 1e-7 difference in a near-zero gradient
+    (reduction order over dp) moves a weight by up to a few 1e-5 over three lr=1e-2 steps."""
+    model = llama(**_overrides())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for step in range(3):
+        halves = [_loss(model, _batch(step)[i:i + 1]) for i in range(2)]
+        loss = (halves[0] + halves[1]) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append([float(h.detach()) for h in halves])
+    results = run_ranks(_fsdp_worker, 4, str(hf_checkpoint), timeout_s=300)
+    for rank, res in enumerate(results):
+        dp = rank // 2
+        assert res["losses"] == pytest.approx([pair[dp] for pair in ref_losses], abs=LOSS_ATOL)
+        assert res["refusal"].startswith("PlanMismatchError: model.embed_tokens.weight is now "
+                                         "a DTensor on another mesh")
+        for name, value in model.state_dict().items():
+            if name in res["full"]:
+                torch.testing.assert_close(res["full"][name], value, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m, name=name: f"{name}: {m}")
