@@ -94,22 +94,16 @@ class LiveParams:
             raise PlanMismatchError(msg)
         return value
 
-    def local(self, p: ParamPlan, *, gather_wrapped: bool = False) -> Tensor:
+    def local(self, p: ParamPlan) -> Tensor:
         """This rank's shard as the plan lays it out (a plain tensor sharing the parameter's
-        storage), or a refusal naming what replaced the parameter.
-
-        With ``gather_wrapped``, a parameter that ``fully_shard`` wrapped after apply (a DTensor
-        on its ``dp`` mesh holding pieces of this rank's shard) is gathered back into the shard
-        (a collective over that mesh, and a copy): what full-tensor exports need. Without it
-        such a parameter is refused, since its storage is not the shard.
-        """
+        storage), or a refusal naming what replaced the parameter (a parameter that
+        ``fully_shard`` wrapped after apply holds only pieces of the shard: see
+        :meth:`full_of`)."""
         from torch.distributed.tensor import DTensor
 
         value = self.param(p)
         if isinstance(value, DTensor):
             if value.device_mesh != self.mesh:
-                if gather_wrapped and tuple(value.shape) == p.local_shape:
-                    return value.full_tensor()
                 msg = (f"{p.fqn} is now a DTensor on another mesh "
                        f"({value.device_mesh.mesh_dim_names}): it was wrapped after apply "
                        f"(fully_shard?), and its DTensor does not say where this rank's tensor "
@@ -150,6 +144,24 @@ class LiveParams:
         full = self.full(p, local)
         return DTensor.from_local(full, self.mesh, tuple(Replicate() for _ in self.plan.mesh_dims),
                                   run_check=False)
+
+    def full_of(self, p: ParamPlan, value: Tensor) -> Tensor:
+        """The full tensor of a parameter-shaped ``value`` in any of the layouts a live
+        parameter or gradient can have: a plain local shard, a DTensor on this mesh (validate),
+        or a DTensor that ``fully_shard`` made of this rank's shard. A collective."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            if value.device_mesh == self.mesh:
+                value = value._local_tensor
+            elif tuple(value.shape) == p.local_shape:
+                value = value.full_tensor()
+            else:
+                msg = (f"{p.fqn}: a DTensor of shape {list(value.shape)} on mesh "
+                       f"{value.device_mesh.mesh_dim_names} is neither this plan's layout nor "
+                       f"a wrapper's of this rank's shard {list(p.local_shape)}")
+                raise PlanMismatchError(msg)
+        return self.full(p, value)
 
     def full(self, p: ParamPlan, local: Tensor) -> Tensor:
         """The full tensor from every rank's ``local`` (a collective when sharded)."""

@@ -125,8 +125,7 @@ class Installation:
         collective: call on every rank)."""
         self._check_live()
         self._enter_collective("full_state_dict")
-        full = {p.fqn: self._live.full(p, self._live.local(p, gather_wrapped=True))
-                for p in self._own()}
+        full = {p.fqn: self._live.full_of(p, self._live.param(p)) for p in self._own()}
         out: dict[str, Tensor] = {}
         for p in self.plan.params:
             out[p.fqn] = full[p.tied_to or p.fqn]
@@ -141,7 +140,7 @@ class Installation:
         for p in self._own():
             g = self._live.param(p).grad
             if g is not None:
-                grads[p.fqn] = self._full_value(p, g)  # (not after fully_shard: it owns grads)
+                grads[p.fqn] = self._live.full_of(p, g)
         for p in self.plan.params:
             if p.tied_to is not None and p.tied_to in grads:
                 grads[p.fqn] = grads[p.tied_to]
@@ -286,8 +285,8 @@ class Installation:
         self._check_live()
         self._enter_collective("save_pretrained")
         items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
-                            gather=lambda p=p: self._live.full(  # type: ignore[misc]
-                                p, self._live.local(p, gather_wrapped=True)))
+                            gather=lambda p=p: self._live.full_of(  # type: ignore[misc]
+                                p, self._live.param(p)))
                  for p in self._own()]
         items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
                                 gather=lambda buf=buf: buf)  # type: ignore[misc]
