@@ -445,3 +445,82 @@ def test_fully_shard_on_dp_after_apply_trains_like_one_process(hf_checkpoint: Pa
         moved = (res["full"]["model.layers.0.mlp.up_proj.weight"]
                  - start["model.layers.0.mlp.up_proj.weight"]).abs().max()
         assert moved > 5e-3
+
+
+# -- fused (chunked) shards and validate mode -----------------------------------------------
+
+GPT2 = str(ROOT / "recipes/gpt2.yaml")
+TINY_GPT2 = json.loads((ROOT / "recipes/models/tiny-gpt2.json").read_text())
+
+
+def _gpt2(device: str = "cpu") -> nn.Module:
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    return build_model("hf:gpt2", TINY_GPT2, device=device)
+
+
+def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    meta = _gpt2("meta")
+    plan = compile_recipe(GPT2, meta, {"tp": world})
+    inst = apply(meta, plan, mesh_1d(world), mode="production")
+    if save:
+        inst.load_weights(folder)
+        strided = type(meta.state_dict()["transformer.h.0.attn.c_attn.weight"]).__name__
+        dcp.save(inst.state_dict(), checkpoint_id=ckpt)
+        return {"full": inst.full_state_dict(), "strided": strided}
+    state = inst.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    inst.load_state_dict(state)
+    return {"full": inst.full_state_dict()}
+
+
+def test_fused_qkv_loads_its_slices_and_reshards_through_dcp(tmp_path: Path) -> None:
+    """GPT-2's c_attn is shard(1, chunks=3): each rank reads its piece of q, k and v from the
+    file, and the DCP checkpoint (stored whole for such layouts) loads at tp=1 and tp=4."""
+    folder = tmp_path / "hf-gpt2"
+    original = _gpt2()
+    original.save_pretrained(folder, max_shard_size="60KB")
+    expected = original.state_dict()
+    ckpt = str(tmp_path / "dcp")
+    saved = run_ranks(_gpt2_worker, 2, str(folder), ckpt, True)[0]
+    assert saved["strided"] == "DTensor"
+    for world in (1, 4):
+        loaded = run_ranks(_gpt2_worker, world, str(folder), ckpt, False)[0]
+        for name, value in saved["full"].items():
+            torch.testing.assert_close(loaded["full"][name], value, atol=0, rtol=0)
+    for name, value in saved["full"].items():
+        if name in expected:
+            torch.testing.assert_close(value, expected[name], atol=0, rtol=0, msg=name)
+
+
+def _validate_worker(rank: int, world: int, folder: str, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    model, inst = _meta_applied(world, "validate")
+    inst.load_weights(folder)
+    dtensors = isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
+    dcp.save(inst.state_dict(), checkpoint_id=ckpt)
+    return {"full": inst.full_state_dict(), "dtensors": dtensors}
+
+
+def _production_reader(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(ckpt)
+    return {"full": inst.full_state_dict()}
+
+
+def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path,
+                                                              tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "dcp")
+    res = run_ranks(_validate_worker, 2, str(hf_checkpoint), ckpt)[0]
+    assert res["dtensors"]
+    expected = llama(**_overrides()).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(res["full"][name], value, atol=0, rtol=0, msg=name)
+    back = run_ranks(_production_reader, 1, ckpt)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(back["full"][name], value, atol=0, rtol=0, msg=name)
