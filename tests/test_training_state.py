@@ -524,3 +524,39 @@ def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path
     back = run_ranks(_production_reader, 1, ckpt)[0]
     for name, value in expected.items():
         torch.testing.assert_close(back["full"][name], value, atol=0, rtol=0, msg=name)
+
+
+# -- the documented trainer, under torchrun -----------------------------------------------------
+
+
+def _torchrun(nproc: int, *args: str) -> list[float]:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         str(ROOT / "tools/train.py"), *args],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in proc.stdout.splitlines()
+            if line.startswith("{")]
+
+
+def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
+                                                                    tmp_path: Path) -> None:
+    """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed
+    after step 2 and resumed at tp=1 it prints the same losses; its export loads."""
+    from transformers import AutoModelForCausalLM
+
+    whole = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "a"),
+                      "--steps", "4", "--save-every", "2")
+    assert len(whole) == 4
+    first = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
+                      "--steps", "2", "--save-every", "2")
+    resumed = _torchrun(1, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
+                        "--steps", "4", "--save-every", "2")
+    assert first + resumed == pytest.approx(whole, abs=LOSS_ATOL)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final")
+    assert exported.config.hidden_size == CFG["hidden_size"]
