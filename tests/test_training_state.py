@@ -560,3 +560,49 @@ def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint
     assert first + resumed == pytest.approx(whole, abs=LOSS_ATOL)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final")
     assert exported.config.hidden_size == CFG["hidden_size"]
+
+
+# -- a materialized model: originals dropped as shards appear, rollback still exact --------
+
+
+def _shard_failure_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    import hyperrecipe.runtime.install as install_mod
+    from hyperrecipe.errors import PlanMismatchError
+    from tests.test_runtime_apply import same_state, snapshot_state, toy, toy_plan
+
+    model = toy(tie=True)
+    before = snapshot_state(model)
+    real = install_mod.local_shard
+    calls = {"n": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 4:  # rank 1 fails while sharding its 4th parameter
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    install_mod.local_shard = failing  # type: ignore[assignment]
+    try:
+        apply(model, toy_plan(str(ROOT / "tests/recipes/toy.yaml"), world, tie=True),
+              mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        error = "none"
+    except MemoryError:
+        error = "MemoryError"
+    except PlanMismatchError as exc:
+        error = f"PlanMismatchError: {exc}"
+    finally:
+        install_mod.local_shard = real
+    return {"error": error, "unchanged": same_state(before, snapshot_state(model)),
+            "tied": model.head.weight is model.embed.weight}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_failure_while_sharding_on_one_rank_rolls_every_rank_back_exactly(mode: str) -> None:
+    """Originals give up their storage as soon as their shard exists; a rank that fails midway
+    keeps its remaining originals, and every rank's rollback gathers the same tensors in the
+    same order, so nobody hangs and every parameter object comes back with its exact value."""
+    res = run_ranks(_shard_failure_worker, 2, mode, timeout_s=120)
+    assert res[1]["error"] == "MemoryError"
+    assert res[0]["error"].startswith("PlanMismatchError: applying plan 'toy' failed on rank(s) [1]")
+    for r in res:
+        assert r["unchanged"] and r["tied"]

@@ -4,7 +4,7 @@ Three ways, each in fresh gloo ranks (fork), on one Llama checkpoint written by
 ``save_pretrained`` (safetensors, several files):
 
 - ``meta``: build on the meta device, ``hyperrecipe.apply``, ``Installation.load_weights``;
-- ``materialized``: ``from_pretrained``-style full model on every rank, then ``apply``;
+- ``materialized``: the full model built in memory on every rank, then ``apply``;
 - ``parallelize_module``: the same full model through PyTorch's ``parallelize_module`` with a
   column/row-wise plan (the reference the issue names).
 
@@ -85,9 +85,11 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
         inst = hyperrecipe.apply(model, plan, mesh, mode="production")
         inst.load_weights(folder)
     else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        # A model materialized in process memory (as a trainer that builds, then loads, has
+        # it): from_pretrained would leave the weights in mmapped file pages, which RssAnon
+        # does not count.
+        torch.manual_seed(0)
+        model = build_model("hf:llama", cfg, device="cpu")
         if how == "materialized":
             meta = build_model("hf:llama", cfg, device="meta")
             plan = hyperrecipe.compile_recipe(LLAMA, meta, {"tp": world})

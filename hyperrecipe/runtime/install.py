@@ -147,21 +147,71 @@ class _Applier:
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
+        self.released: dict[str, nn.Parameter] = {}
+        """Originals whose storage was dropped once their shard existed (by owner FQN)."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
         self.device = mesh_device(mesh)
         self.unloaded: list[str] = []
         """Parameters and persistent buffers allocated on the meta device's behalf: no value yet."""
 
     def shard_parameters(self, tx: Rewrite) -> None:
+        """Replace every parameter by this rank's shard, dropping each original as soon as its
+        shard exists (a materialized model is never held twice).
+
+        A rollback then rebuilds originals by gathering shards, a collective, so every rank
+        must hold one parameter memento per plan parameter whatever happens: once making a
+        shard fails on this rank, the remaining originals are re-registered as they are, with a
+        restorer that takes part in the same gathers as its peers' (and keeps the original).
+        The error is raised after the loop; the vote then rolls every rank back in step.
+        """
         regions = _regions(self.plan)
+        failure: Exception | None = None
         for p in self.plan.params:
             module = self.modules[p.module]
+            original = module._parameters[p.name]
+            assert original is not None
+            in_region = regions.get(p.module) is not None
+            new: nn.Parameter | None = None
             if p.tied_to is not None:
-                new = self.new_params[p.tied_to]
-            else:
-                new = self._make_param(p, module, regions.get(p.module) is not None)
-                self.new_params[p.fqn] = new
-            tx.replace_parameter(module, p.name, new, fqn=p.module, on_restore=self._restorer(p))
+                new = self.new_params.get(p.tied_to)  # None when its owner was not sharded
+            elif failure is None:
+                try:
+                    new = self._make_param(p, module, in_region)
+                    self.new_params[p.fqn] = new
+                except Exception as exc:  # noqa: BLE001 - raised after the loop
+                    failure = exc
+            if new is None:
+                tx.replace_parameter(module, p.name, original, fqn=p.module,
+                                     on_restore=self._keeper(p, original), keep_original=False)
+                continue
+            # A meta original costs nothing and needs no gather to put back: keep it. A real
+            # one keeps its identity but gives up its storage now; a rollback or restore
+            # gathers its value back into the same object.
+            tx.replace_parameter(module, p.name, new, fqn=p.module,
+                                 on_restore=self._restorer(p), keep_original=is_meta(original))
+            if p.tied_to is None and not is_meta(original):
+                self.released[p.fqn] = original
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+        if failure is not None:
+            raise failure
+
+    def _keeper(self, p: ParamPlan, original: nn.Parameter) -> Callable[[], nn.Parameter]:
+        """The restorer of a parameter this rank never sharded: joins its peers' gather (see
+        :meth:`_restorer`) with its own slice of the original, then puts the original back."""
+
+        def restore() -> nn.Parameter:
+            if p.tied_to is None and not is_meta(original):  # peers gather only real shards
+                self._gather_local(p, local_shard(original.detach(), p.placement, self.mesh,
+                                                  self.mesh_dims))
+            return original
+
+        return restore
+
+    def _gather_local(self, p: ParamPlan, local: Tensor) -> Tensor:
+        """The full tensor from every rank's plain local shard: the same collectives in both
+        modes and for every way a rank came to hold its shard, so restores and rollbacks on
+        different ranks always meet in the same gathers."""
+        return gather_full(local.detach(), p.placement, p.shape, self.mesh, self.mesh_dims)
 
     def _make_param(self, p: ParamPlan, module: nn.Module, in_region: bool) -> nn.Parameter:
         full = module._parameters[p.name]
@@ -259,9 +309,19 @@ class _Applier:
 
         def restore() -> nn.Parameter:
             if fqn not in self.restored:
+                from torch.distributed.tensor import DTensor
+
                 current = self.new_params[fqn]
-                full = self.full_value(self.plan.param(fqn), current)
-                self.restored[fqn] = nn.Parameter(full, requires_grad=current.requires_grad)
+                local = current._local_tensor if isinstance(current, DTensor) else current
+                full = self._gather_local(self.plan.param(fqn), local)
+                if full is local or full.data_ptr() == local.data_ptr():
+                    full = full.clone()
+                original = self.released.get(fqn)
+                if original is not None:  # the very object the model had, its data back
+                    original.data = full
+                    self.restored[fqn] = original
+                else:
+                    self.restored[fqn] = nn.Parameter(full, requires_grad=current.requires_grad)
             return self.restored[fqn]
 
         return restore
