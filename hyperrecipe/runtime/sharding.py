@@ -84,14 +84,18 @@ def read_ranges(read: Callable[[tuple[slice, ...]], Tensor], ranges: Ranges) -> 
     ``read(slices)``: a full tensor's ``__getitem__`` or a safetensors slice's, so a file is read
     only where this rank needs it. Blocks are concatenated dim by dim; one block is returned as
     ``read`` gave it (a view when ``read`` is indexing)."""
+    return _read_block(read, ranges, (), 0)
 
-    def build(prefix: tuple[slice, ...], dim: int) -> Tensor:
-        if dim == len(ranges):
-            return read(prefix)
-        blocks = [build(prefix + (slice(a, b),), dim + 1) for a, b in ranges[dim]]
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
-    return build((), 0)
+def _read_block(read: Callable[[tuple[slice, ...]], Tensor], ranges: Ranges,
+                prefix: tuple[slice, ...], dim: int) -> Tensor:
+    # A module-level recursion, not a nested closure: a closure that refers to itself is a
+    # reference cycle, which would keep ``read`` (and the full tensor it indexes) alive until
+    # the garbage collector runs, so a model being sharded would be held twice.
+    if dim == len(ranges):
+        return read(prefix)
+    blocks = [_read_block(read, ranges, prefix + (slice(a, b),), dim + 1) for a, b in ranges[dim]]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
 
 def local_shard(full: Tensor, placement: NamedPlacement, mesh: DeviceMesh,
