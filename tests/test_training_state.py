@@ -205,14 +205,28 @@ def _resume_worker(rank: int, world: int, ckpt: str, mode: str) -> dict[str, Any
     return {"losses": _train(model, opt, range(3, 6)), "unset": unset}
 
 
+@pytest.fixture(scope="module")
+def reference_losses() -> list[float]:
+    """Six AdamW steps of one process on the whole model: the uninterrupted run."""
+    return _reference_run()
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+                   reference_losses: list[float]) -> str:
+    """A DCP checkpoint of model and AdamW state after three steps at tp=2 (the run goes on to
+    six steps, which equal the uninterrupted run's)."""
+    ckpt = str(tmp_path_factory.mktemp("dcp") / "step-3")
+    saved = run_ranks(_save_worker, 2, str(hf_checkpoint), ckpt, "production")[0]
+    assert saved == pytest.approx(reference_losses, abs=LOSS_ATOL)
+    return ckpt
+
+
 @pytest.mark.parametrize("resume_world", [1, 2, 4])
 def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_run(
-        hf_checkpoint: Path, tmp_path: Path, resume_world: int) -> None:
-    ckpt = str(tmp_path / "dcp")
-    ref = _reference_run()
-    saved = run_ranks(_save_worker, 2, str(hf_checkpoint), ckpt, "production")[0]
-    assert saved == pytest.approx(ref, abs=LOSS_ATOL)
-    resumed = run_ranks(_resume_worker, resume_world, ckpt, "production")
+        tp2_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
+    ref = reference_losses
+    resumed = run_ranks(_resume_worker, resume_world, tp2_checkpoint, "production")
     for res in resumed:
         assert res["unset"] == []
         assert res["losses"] == pytest.approx(ref[3:], abs=LOSS_ATOL)
@@ -225,10 +239,8 @@ def _dcp_weights_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {"rows": rows, "full": inst.full_state_dict()}
 
 
-def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(
-        hf_checkpoint: Path, tmp_path: Path) -> None:
-    ckpt = str(tmp_path / "dcp")
-    run_ranks(_save_worker, 2, str(hf_checkpoint), ckpt, "production")
+def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(tp2_checkpoint: str) -> None:
+    ckpt = tp2_checkpoint
     trained = run_ranks(_dcp_weights_worker, 2, ckpt)[0]
     assert trained["rows"] == {"weights safetensors": "ineligible", "weights dcp": "loaded"}
     again = run_ranks(_dcp_weights_worker, 1, ckpt)[0]
@@ -284,37 +296,29 @@ def _torch_api_resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]
     moments = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0})
     plain = not any(isinstance(p, DTensor) for p in model.parameters())
-    inst.restore()
-    return {"kinds": kinds, "moments": moments, "plain": plain}
+    return {"kinds": kinds, "moments": moments, "plain": plain,
+            "losses": _train(model, opt, range(3, 6))}
 
 
-def _torch_api_continue_worker(rank: int, world: int, ckpt: str) -> list[float]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model, inst = _meta_applied(world, "production")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _train(model, opt, range(3, 6))
+@pytest.fixture(scope="module")
+def torch_api_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+                         reference_losses: list[float]) -> str:
+    ckpt = str(tmp_path_factory.mktemp("dcp-torch-api") / "step-3")
+    saved = run_ranks(_torch_api_save_worker, 2, str(hf_checkpoint), ckpt)[0]
+    assert saved == pytest.approx(reference_losses[:3], abs=LOSS_ATOL)
+    return ckpt
 
 
 @pytest.mark.parametrize("resume_world", [1, 2])
 def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
-        hf_checkpoint: Path, tmp_path: Path, resume_world: int) -> None:
+        torch_api_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
     """torch's get_state_dict/set_state_dict on local shards: DTensors out, shards back in."""
-    ckpt = str(tmp_path / "dcp")
-    ref = _reference_run()
-    saved = run_ranks(_torch_api_save_worker, 2, str(hf_checkpoint), ckpt)[0]
-    assert saved == pytest.approx(ref[:3], abs=LOSS_ATOL)
-    info = run_ranks(_torch_api_resume_worker, resume_world, ckpt)[0]
-    if resume_world > 1:
-        assert "DTensor" in info["kinds"] and info["moments"] == ["Tensor"] and info["plain"]
-    resumed = run_ranks(_torch_api_continue_worker, resume_world, ckpt)
-    for losses in resumed:
-        assert losses == pytest.approx(ref[3:], abs=LOSS_ATOL)
+    ckpt = torch_api_checkpoint
+    ref = reference_losses
+    for info in run_ranks(_torch_api_resume_worker, resume_world, ckpt):
+        if resume_world > 1:  # DTensors out of get_state_dict, local shards back in
+            assert "DTensor" in info["kinds"] and info["moments"] == ["Tensor"] and info["plain"]
+        assert info["losses"] == pytest.approx(ref[3:], abs=LOSS_ATOL)
 
 
 # -- export -----------------------------------------------------------------------------------
