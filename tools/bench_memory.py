@@ -92,6 +92,9 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
         # does not count.
         torch.manual_seed(0)
         model = build_model("hf:llama", cfg, device="cpu")
+        gc.collect()
+        built = _rss_anon()
+        during = _Peak()  # what sharding adds on top of the materialized model
         if how == "materialized":
             hyperrecipe.apply(model, plan, mesh, mode="production")
         else:
@@ -113,11 +116,13 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
                 input_layouts=torch.distributed.tensor.Replicate()), "lm_head": ColwiseParallel()})
     gc.collect()
     top = peak.stop()
+    over_built = during.stop() - built if how != "meta" else 0
     shard = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         shard += local.numel() * local.element_size()
-    return {"peak": top - base, "shard": shard, "after": _rss_anon() - base, "base": base}
+    return {"peak": top - base, "shard": shard, "after": _rss_anon() - base, "base": base,
+            "over_built": over_built}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     results["meta_over_ideal"] = meta["peak"] / meta["shard"]
     results["meta_total_over_ideal"] = (meta["base"] + meta["peak"]) / (meta["base"] + meta["shard"])
     results["materialized_over_parallelize_module"] = mat["peak"] / pm["peak"]
+    results["sharding_over_built"] = {"materialized": mat["over_built"],
+                                      "parallelize_module": pm["over_built"]}
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
           f"shard: {results['meta_over_ideal']:.2f}")
     print(f"  materialized / parallelize_module: "
           f"{results['materialized_over_parallelize_module']:.2f}  (target <= 1.0)")
+    print(f"  peak above the built model while sharding it: apply "
+          f"{mat['over_built'] / mib:.1f} MiB, parallelize_module {pm['over_built'] / mib:.1f} MiB")
     return 0
 
 
