@@ -610,3 +610,24 @@ def test_failure_while_sharding_on_one_rank_rolls_every_rank_back_exactly(mode: 
     assert res[0]["error"].startswith("PlanMismatchError: applying plan 'toy' failed on rank(s) [1]")
     for r in res:
         assert r["unchanged"] and r["tied"]
+
+
+def _single_file_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(path)
+    return {"full": inst.full_state_dict(),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
+        tmp_path: Path) -> None:
+    """One ``model.safetensors`` in bfloat16 (no index), given as the file itself; the fp32
+    model gets each value converted; the tied-free lm_head and the rest all found."""
+    source = llama(**_overrides()).to(torch.bfloat16)
+    source.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    assert path.is_file() and not (tmp_path / "model.safetensors.index.json").exists()
+    res = run_ranks(_single_file_worker, 2, str(path))[0]
+    assert res["dtypes"] == ["torch.float32"]
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(res["full"][name], value.float(), atol=0, rtol=0, msg=name)
