@@ -34,7 +34,14 @@ import tokenize
 import unicodedata
 from typing import Final, cast
 
-__all__ = ["SUPPRESSION_HINT", "TARGET_NAMES", "needs_libcst"]
+__all__ = [
+    "SUPPRESSION_HINT",
+    "TARGET_NAMES",
+    "InterpreterLimit",
+    "check_interpreter_limits",
+    "interpreter_limit",
+    "needs_libcst",
+]
 
 #: Attribute names whose assignment the gate forbids.
 TARGET_NAMES: Final = frozenset({"forward", "__class__"})
@@ -260,16 +267,59 @@ class _Screen:
         return not self.constant_names.isdisjoint(self.names_in_key_positions)
 
 
+#: The interpreter's messages for sources it refuses because of a limit, not the grammar.
+_LIMIT_MESSAGES: Final = ("too many nested parentheses", "too many levels of indentation",
+                          "too many statically nested blocks")
+
+
+class InterpreterLimit(Exception):
+    """The interpreter refuses the source for one of its limits (nesting, parser stack).
+
+    Such a file is not Python any interpreter runs, and the same nesting can overflow libcst's
+    native parser (a crash, not an error), so it is reported as a syntax error and never handed
+    to libcst. Attributes: ``message``, ``line``, ``column`` (1-based).
+    """
+
+    def __init__(self, message: str, line: int, column: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.column = column
+
+
+def interpreter_limit(error: BaseException) -> InterpreterLimit | None:
+    """``error`` (from compiling a source) as an :class:`InterpreterLimit`, if it is one."""
+    if isinstance(error, RecursionError):
+        return InterpreterLimit(f"too deeply nested for the interpreter ({error})", 1, 1)
+    if isinstance(error, MemoryError):
+        return InterpreterLimit("too deeply nested for the interpreter (parser stack overflow)",
+                                1, 1)
+    if isinstance(error, SyntaxError) and error.msg in _LIMIT_MESSAGES:
+        return InterpreterLimit(error.msg, error.lineno or 1, error.offset or 1)
+    return None
+
+
+def check_interpreter_limits(source: bytes, filename: str) -> None:
+    """Raise :class:`InterpreterLimit` if the interpreter refuses ``source`` for a limit."""
+    _syntax_ok(source, filename)
+
+
 def _syntax_ok(source: bytes, filename: str) -> bool:
     """Whether the interpreter parses ``source``; cheaper than ``ast.parse`` (no AST objects).
 
     ``symtable`` runs the full parser and the symbol-table pass, which rejects a little more
     than the grammar (``nonlocal`` at module level); such files simply go on to libcst. It takes
     bytes like ``compile`` does, honouring the encoding declaration.
+
+    Raises:
+        InterpreterLimit: the interpreter refuses the source for a nesting limit.
     """
     try:
         symtable.symtable(cast(str, source), filename, "exec")
-    except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+        limit = interpreter_limit(exc)
+        if limit is not None:
+            raise limit from None
         return False
     return True
 
@@ -282,14 +332,22 @@ def needs_libcst(source: bytes, filename: str) -> bool:
     Args:
         source: the file's bytes (encoding declarations are honoured).
         filename: for the parser's messages only.
+
+    Raises:
+        InterpreterLimit: the interpreter refuses the source for a nesting limit; report it,
+            do not hand it to libcst.
     """
     screened = source if source.isascii() else _normalized(source)
     if not _text_may_match(screened):
         return not _syntax_ok(source, filename)
     if b"hyperrecipe" in screened and SUPPRESSION_HINT.search(screened):
+        _syntax_ok(source, filename)  # raises for a limit
         return True  # suppression comments are invisible to ast; libcst checks them
     try:
         tree = ast.parse(source, filename)
-    except Exception:  # noqa: BLE001 - SyntaxError, ValueError, RecursionError, MemoryError
+    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError, RecursionError, MemoryError
+        limit = interpreter_limit(exc)
+        if limit is not None:
+            raise limit from None
         return True
     return _Screen().found(tree)

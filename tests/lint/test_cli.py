@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +42,7 @@ def test_text_format_prints_path_line_column_code_name_message(
     assert err == "hyperrecipe lint: 1 finding in 1 file checked\n"
 
 
-def test_json_format_is_a_list_of_objects_with_the_six_keys(
+def test_json_format_is_a_list_of_objects_with_the_eight_keys_end_included(
     write_tree: WriteTree, capsys: pytest.CaptureFixture[str]
 ) -> None:
     write_tree({"a.py": 'x = 1\nsetattr(m, "forward", f)\n'})
@@ -52,7 +51,8 @@ def test_json_format_is_a_list_of_objects_with_the_six_keys(
     assert err == ""
     assert json.loads(out) == [
         {
-            "path": "a.py", "line": 2, "column": 1, "code": "HR002", "name": "forward-setattr",
+            "path": "a.py", "line": 2, "column": 1, "end_line": 2, "end_column": 25,
+            "code": "HR002", "name": "forward-setattr",
             "message": "sets `forward` by name (setattr()) outside the rewriter; hand the "
                        "replacement to hyperrecipe.rewriter (Rewrite.install_forward)",
         }
@@ -73,7 +73,8 @@ def test_github_format_prints_workflow_error_commands(
     code, out, _ = _run(["--format", "github"], capsys)
     assert code == 1
     assert out == (
-        f"::error file=a%2Cb.py,line=1,col=1,title=HR001 forward-assignment::{HR001_MESSAGE}\n"
+        "::error file=a%2Cb.py,line=1,col=1,endLine=1,endColumn=10,"
+        f"title=HR001 forward-assignment::{HR001_MESSAGE}\n"
     )
 
 
@@ -202,23 +203,33 @@ def test_command_on_this_repository_is_clean() -> None:
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 
-def test_lint_never_imports_torch_and_starts_fast(tmp_path: Path) -> None:
+def test_lint_never_imports_torch_even_in_its_workers(tmp_path: Path) -> None:
+    """The pre-commit environment has no torch: linting must not need it, in any process.
+
+    torch is made unimportable (``sys.modules["torch"] = None``; forked workers inherit that),
+    so an import anywhere would turn into an ``HR999``/``HR998`` error or a traceback. How fast
+    the command starts is a benchmark (``tools/bench_lint.py``), not a unit test.
+    """
     (tmp_path / "clean.py").write_text("x = 1\n")
     (tmp_path / "hit.py").write_text("m.forward = f\n")
+    (tmp_path / "recipe.yaml").write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules: []\n")
+    many = tmp_path / "many"
+    many.mkdir()
+    for index in range(12):  # over the pool threshold: several workers
+        (many / f"m{index}.py").write_text(f"m{index}.forward = f\n" if index % 3 else "x = 1\n")
     script = (
-        "import sys, time\n"
-        "start = time.perf_counter()\n"
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
         "from hyperrecipe.cli import main\n"
         f"clean = main(['lint', {str(tmp_path / 'clean.py')!r}])\n"
         "clean_libcst = 'libcst' in sys.modules\n"
         f"hit = main(['lint', {str(tmp_path / 'hit.py')!r}])\n"
-        "print(clean, clean_libcst, hit, 'torch' in sys.modules, time.perf_counter() - start)\n"
+        f"recipe = main(['lint', {str(tmp_path / 'recipe.yaml')!r}])\n"
+        f"many = main(['lint', '--jobs', '2', '--statistics', {str(many)!r}])\n"
+        "print(clean, clean_libcst, hit, recipe, many, sys.modules['torch'] is None)\n"
     )
-    started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
-    wall = time.perf_counter() - started
-    clean, clean_libcst, hit, torch_imported, inside = done.stdout.split()[-5:]
-    assert (clean, clean_libcst, hit, torch_imported) == ("0", "False", "1", "False")
-    assert float(inside) < 1.0, f"import and lint of two files took {inside}s"
-    assert wall < 3.0
+                          timeout=120, check=True)
+    assert done.stdout.split()[-6:] == ["0", "False", "1", "0", "1", "True"], done.stdout
+    assert "8\tHR001\tforward-assignment" in done.stdout
+    assert "Traceback" not in done.stderr
