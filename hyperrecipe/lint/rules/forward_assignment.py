@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import libcst as cst
 
-from hyperrecipe.lint.rule import Invalid, Valid
+from hyperrecipe.lint.rule import ENTRY_NAMES, Invalid, Valid
 from hyperrecipe.lint.rules._patterns import TargetVisitor, identifier
 
 __all__ = ["ForwardAssignment"]
@@ -18,7 +18,11 @@ class ForwardAssignment(TargetVisitor):
     (`self.forward = f`, `model.layer.forward = f`) or a class (`Linear.forward = f`,
     `type(m).forward = f`) — in every binding form: plain and chained `=`, annotated with a
     value, augmented, tuple/list/starred unpacking, `for` and comprehension targets,
-    `with ... as` targets, and `del x.forward`.
+    `with ... as` targets, and `del x.forward`. The same goes for the other attributes that
+    decide what `m(x)` runs: `nn.Module`'s call implementations `_call_impl` and
+    `_compiled_call_impl` (`m._call_impl = f` makes `m(x)` run `f`), and `__call__`
+    (`Block.__call__ = f` replaces the call of every instance; on an instance it is flagged
+    too, since it only looks like it does).
 
     #### Why is this bad?
     A forward installed by hand skips what `hyperrecipe.rewriter` guarantees: the replacement's
@@ -70,6 +74,10 @@ class ForwardAssignment(TargetVisitor):
         Valid("model.register_forward_hook(hook)"),
         Valid("(a, b) = model.forward, other"),
         Valid("for layer in model.layers:\n    out = layer.forward(out)"),
+        Valid("out = m._call_impl(x)"),
+        Valid("m._wrapped_call_impl_count = 0"),
+        Valid("class Block:\n    __call__ = _wrapped_call_impl  # a class-body definition"),
+        Valid("fn = type(m).__call__"),
     )
     INVALID: ClassVar[tuple[Invalid, ...]] = (
         Invalid("model.forward = f", line=1, column=1),
@@ -109,16 +117,30 @@ class ForwardAssignment(TargetVisitor):
         ),
         Invalid("if ok: m.forward = f", line=1, column=8),
         Invalid("m.forward = f; n.forward = g", count=2),
+        Invalid("m._call_impl = f", line=1, column=1),
+        Invalid("m._compiled_call_impl = torch.compile(f)", line=1, column=1),
+        Invalid("Block.__call__ = f", line=1, column=1),
+        Invalid("type(m).__call__ = patched_call"),
+        Invalid("del m._compiled_call_impl"),
+        Invalid("m._call_impl, m.forward = f, g", count=2),
     )
 
     def check_target(self, target: cst.BaseExpression, action: str) -> None:
-        if isinstance(target, cst.Attribute) and identifier(target.attr) == "forward":
-            if action == "deletes":
-                self.report(
-                    target,
-                    "deletes `forward` outside the rewriter; undo an installed forward with "
-                    "Rewritten.restore() from hyperrecipe.rewriter",
-                )
-            else:
-                self.report(target, f"{action} `forward` outside the rewriter; hand the "
-                            "replacement to hyperrecipe.rewriter (Rewrite.install_forward)")
+        if not isinstance(target, cst.Attribute):
+            return
+        name = identifier(target.attr)
+        if name not in ENTRY_NAMES:
+            return
+        if action == "deletes":
+            self.report(
+                target,
+                f"deletes `{name}` outside the rewriter; undo an installed forward with "
+                "Rewritten.restore() from hyperrecipe.rewriter",
+            )
+        elif name == "forward":
+            self.report(target, f"{action} `forward` outside the rewriter; hand the "
+                        "replacement to hyperrecipe.rewriter (Rewrite.install_forward)")
+        else:
+            self.report(target, f"{action} `{name}` outside the rewriter, which changes what "
+                        "`m(x)` runs; install a forward through hyperrecipe.rewriter "
+                        "(Rewrite.install_forward) instead")
