@@ -175,8 +175,8 @@ def load_config(pyproject: Path) -> LintConfig | None:
     try:
         with pyproject.open("rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        msg = f"{pyproject}: cannot read configuration: {exc}"
+    except (OSError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        msg = f"{pyproject}: cannot read configuration: {type(exc).__name__}: {exc}"
         raise ConfigError(msg) from exc
     table = data.get("tool", {}).get("hyperrecipe", {}).get("lint")
     if table is None:

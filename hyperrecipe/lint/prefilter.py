@@ -330,12 +330,16 @@ class InterpreterLimit(Exception):
 
 
 def interpreter_limit(error: BaseException) -> InterpreterLimit | None:
-    """``error`` (from compiling a source) as an :class:`InterpreterLimit`, if it is one."""
+    """``error`` (from compiling a source) as an :class:`InterpreterLimit`, if it is one.
+
+    A ``MemoryError`` is not one: the parser raises it both for a stack overflow (deep
+    nesting) and for a real lack of memory, so it propagates and the worker reports the file
+    as over its budget (``HR998``), naming both causes.
+    """
+    if isinstance(error, MemoryError):
+        raise error
     if isinstance(error, RecursionError):
         return InterpreterLimit(f"too deeply nested for the interpreter ({error})", 1, 1)
-    if isinstance(error, MemoryError):
-        return InterpreterLimit("too deeply nested for the interpreter (parser stack overflow)",
-                                1, 1)
     if isinstance(error, SyntaxError) and error.msg in _LIMIT_MESSAGES:
         return InterpreterLimit(error.msg, error.lineno or 1, error.offset or 1)
     return None

@@ -100,7 +100,10 @@ def _worker(conn: Connection, function: Callable[[Any], Any], memory_mib: int | 
         try:
             result: object = function(argument)
         except MemoryError:
-            result = TaskFailure(reason=f"it needs more than the memory budget ({memory_mib} MiB)")
+            result = TaskFailure(
+                reason=f"it needs more than the memory budget ({memory_mib} MiB), or is nested "
+                "too deeply for the interpreter's parser (MemoryError)"
+            )
         except RecursionError:
             result = TaskFailure(reason="it is nested too deeply to check (RecursionError)")
         conn.send(result)
