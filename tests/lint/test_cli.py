@@ -166,13 +166,96 @@ def test_more_files_than_the_pool_threshold_give_the_same_findings_in_parallel(
     assert [f["path"] for f in json.loads(serial[1])] == ["m07.py", "m13.py"]
 
 
+# -- ruff's habits ---------------------------------------------------------------------------
+
+
+def test_stdin_is_linted_as_the_stdin_filename_with_its_configuration(
+    write_tree: WriteTree,
+) -> None:
+    root = write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["pkg/rewriter.py"]\n'
+                          'exclude = ["gen"]\n',
+        "pkg/rewriter.py": "",
+    })
+    source = "x = 1\nm.forward = f\n"
+    shown = _command("-", "--stdin-filename", "pkg/a.py", cwd=root, stdin=source)
+    assert (shown.returncode, shown.stdout) == (
+        1, f"pkg/a.py:2:1: HR001 forward-assignment {HR001_MESSAGE}\n"
+    )
+    bare = _command("-", cwd=root, stdin=source)
+    assert bare.stdout == f"-:2:1: HR001 forward-assignment {HR001_MESSAGE}\n"
+    allowed = _command("-", "--stdin-filename", "pkg/rewriter.py", cwd=root, stdin=source)
+    assert (allowed.returncode, allowed.stdout) == (0, "")
+    excluded = _command("-", "--stdin-filename", "gen/a.py", "--force-exclude", cwd=root,
+                        stdin=source)
+    assert (excluded.returncode, excluded.stdout) == (0, "")
+
+
+def test_stdin_filename_without_stdin_is_a_usage_error(
+    write_tree: WriteTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_tree({"a.py": "x = 1\n"})
+    assert _run(["--stdin-filename", "a.py", "a.py"], capsys) == (
+        2, "", "hyperrecipe lint: error: --stdin-filename needs `-` among the paths\n"
+    )
+
+
+def test_exit_zero_keeps_the_output_and_exits_0_unless_a_file_was_not_linted(
+    write_tree: WriteTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_tree({"a.py": "m.forward = f\n"})
+    code, out, _ = _run(["--exit-zero"], capsys)
+    assert (code, out) == (0, f"a.py:1:1: HR001 forward-assignment {HR001_MESSAGE}\n")
+    write_tree({"b.py": "def f(:\n"})
+    assert _run(["--exit-zero"], capsys)[0] == 2  # a file that could not be checked
+
+
+def test_statistics_counts_findings_per_code_most_frequent_first(
+    write_tree: WriteTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_tree({"a.py": "m.forward = f\nn.forward = g\nsetattr(m, 'forward', f)\n",
+                "b.py": "o.forward = h\n"})
+    code, out, _ = _run(["--statistics"], capsys)
+    assert (code, out) == (1, "3\tHR001\tforward-assignment\n1\tHR002\tforward-setattr\n")
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert _run(["--version"], capsys) == (0, f"hyperrecipe lint {version('hyperrecipe')}\n", "")
+
+
+def test_sarif_output_is_a_sarif_2_1_0_log_with_rules_and_located_results(
+    write_tree: WriteTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_tree({"sub dir/a.py": "x = 1\nsetattr(m, 'forward',\n        f)\n"})
+    code, out, _ = _run(["--format", "sarif"], capsys)
+    assert code == 1
+    log = json.loads(out)
+    assert log["version"] == "2.1.0"
+    (run,) = log["runs"]
+    rules = run["tool"]["driver"]["rules"]
+    assert [rule["id"] for rule in rules][:3] == ["HR000", "HR001", "HR002"]
+    (result,) = run["results"]
+    assert result["ruleId"] == "HR002"
+    assert rules[result["ruleIndex"]]["name"] == "forward-setattr"
+    assert result["locations"] == [{
+        "physicalLocation": {
+            "artifactLocation": {"uri": "sub%20dir/a.py"},
+            "region": {"startLine": 2, "startColumn": 1, "endLine": 3, "endColumn": 11},
+        }
+    }]
+    assert log["$schema"] == "https://json.schemastore.org/sarif-2.1.0.json"
+    assert run["tool"]["driver"]["name"] == "hyperrecipe-lint"
+
+
 # -- the real command ----------------------------------------------------------------------
 
 
-def _command(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _command(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hyperrecipe", "lint", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=60, check=False,
+        cwd=cwd, capture_output=True, text=True, timeout=60, check=False, input=stdin,
     )
 
 
