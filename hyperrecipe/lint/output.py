@@ -18,7 +18,6 @@ __all__ = ["FORMATS", "OutputFormat", "render", "statistics"]
 OutputFormat = Literal["text", "json", "github", "sarif"]
 FORMATS: Final[tuple[OutputFormat, ...]] = ("text", "json", "github", "sarif")
 _SARIF_SCHEMA: Final = "https://json.schemastore.org/sarif-2.1.0.json"
-_DOCS: Final = "docs/lint.md"
 
 
 def _github_data(value: str) -> str:
@@ -44,7 +43,7 @@ def _sarif(findings: Sequence[Finding], version: str) -> dict[str, Any]:
             "id": info.code,
             "name": info.name,
             "shortDescription": {"text": info.summary},
-            "helpUri": f"{_DOCS}#{info.code.lower()}-{info.name}",
+            "help": {"text": f"hyperrecipe lint --explain {info.code} (docs/lint.md)"},
             "defaultConfiguration": {"level": "error"},
         }
         for info in CODES
@@ -81,7 +80,6 @@ def _sarif(findings: Sequence[Finding], version: str) -> dict[str, Any]:
                     "driver": {
                         "name": "hyperrecipe-lint",
                         "version": version,
-                        "informationUri": "https://github.com/hyperrecipe/hyperrecipe",
                         "rules": rules,
                     }
                 },
