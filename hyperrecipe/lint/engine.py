@@ -172,11 +172,22 @@ class _CommentCollector(cst.BatchableCSTVisitor):
         self._take(node.comment, own_line=False)
 
 
-def _finding(display: str, line: int, column: int, code: str, message: str) -> Finding:
+def _finding(
+    display: str,
+    line: int,
+    column: int,
+    code: str,
+    message: str,
+    *,
+    end_line: int | None = None,
+    end_column: int | None = None,
+) -> Finding:
     info = by_code(code)
     severity: Severity = "error" if info.kind == "error" else "finding"
     return Finding(path=display, line=line, column=column, code=code, name=info.name,
-                   message=message, severity=severity)
+                   message=message, severity=severity,
+                   end_line=line if end_line is None else end_line,
+                   end_column=column if end_column is None else end_column)
 
 
 def _syntax_error(source: bytes, display: str, error: Exception) -> Finding:
@@ -310,11 +321,12 @@ def _lint_module(
             )
 
     for index, (comment, _, _) in enumerate(spans):
-        start = positions[comment.node].start
+        start, end = positions[comment.node].start, positions[comment.node].end
         line, column = start.line, start.column + 1
+        extent = {"end_line": end.line, "end_column": end.column + 1}
         if "HR901" in codes:
             for problem in comment.suppression.problems:
-                findings.append(_finding(display, line, column, "HR901", problem))
+                findings.append(_finding(display, line, column, "HR901", problem, **extent))
         if "HR900" in codes:
             for code in comment.suppression.codes:
                 if code in checked and (index, code) not in used:
@@ -322,6 +334,6 @@ def _lint_module(
                     findings.append(
                         _finding(display, line, column, "HR900",
                                  f"unused suppression: no {code} ({info.name}) finding here "
-                                 "to silence; remove the comment")
+                                 "to silence; remove the comment", **extent)
                     )
     return findings
