@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         fulls.append(full_run["seconds"])
 
     identical = lint_run["findings"] == full_run["findings"]
-    rows = [(Path(p).relative_to(root).as_posix(), line, code)
+    rows = [(Path(p).absolute().relative_to(root).as_posix(), line, code)
             for p, line, _, code, _ in lint_run["findings"]]
     forward = [row for row in rows if row[2] in ("HR001", "HR002", "HR003")]
     others = [row for row in rows if row[2] not in ("HR001", "HR002", "HR003")]
