@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{one['file_with_finding']:.3f} s (+{one['finding_over_pass']:.3f})")
     if "transformers" in results:
         t = results["transformers"]
-        print(f"transformers {t['files']} files, {t['lines']} lines: floor {t['ast_floor_min']:.3f} s"
+        print(f"transformers {t['files']} files, {t['lines']} lines: "
+              f"floor {t['ast_floor_min']:.3f} s"
               f" (cpu {t['ast_floor_cpu_min']:.3f}), lint {t['lint_min']:.3f} s (cpu "
               f"{t['lint_cpu_min']:.3f}; {t['ratio_cpu']:.2f} x floor cpu), libcst on "
               f"{t['libcst_files']} files, {t['findings']} findings {t['codes']}")

@@ -132,7 +132,8 @@ def resolve_selection(
 ) -> frozenset[str]:
     """The codes to report: ``select`` (all selectable codes when ``None``) minus ``ignore``.
 
-    ``HR000``, ``HR998`` and ``HR999`` are always added: a file that could not be checked is never silent.
+    ``HR000``, ``HR998`` and ``HR999`` are always added: a file that could not be checked is
+    never silent.
     """
     base = frozenset(SELECTABLE) if select is None else resolve_selectors(select, where=where)
     return (base - resolve_selectors(ignore, where=where)) | ALWAYS_ON

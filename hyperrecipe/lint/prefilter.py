@@ -362,7 +362,7 @@ def _syntax_ok(source: bytes, filename: str) -> bool:
     """
     try:
         symtable.symtable(cast(str, source), filename, "exec")
-    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), ...
         limit = interpreter_limit(exc)
         if limit is not None:
             raise limit from None

@@ -338,7 +338,7 @@ class FileContext:
         return None
 
     def module_constant(self, name: cst.Name) -> str | None:
-        """The literal string a constant holds, if ``name`` refers to one (see :meth:`string_value`)."""
+        """The literal string a constant holds, if ``name`` refers to one (:meth:`string_value`)."""
         return self.string_value(name)
 
 

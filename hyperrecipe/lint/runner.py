@@ -286,8 +286,8 @@ def lint_paths(
 
         second = [job for _, job in needs]
         workers = cpus if cpus > 1 and len(needs) > 1 else 1
-        for index, result in run_bounded(_lint_screened if screen else _lint_unscreened, second, workers=workers,
-                                         budget=budget):
+        lint = _lint_screened if screen else _lint_unscreened
+        for index, result in run_bounded(lint, second, workers=workers, budget=budget):
             if isinstance(result, TaskFailure):
                 findings.append(_not_checked(second[index][1], result.reason))
             else:

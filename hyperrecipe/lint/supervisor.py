@@ -26,7 +26,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 
@@ -130,7 +130,7 @@ def _death_reason(exitcode: int | None) -> str:
     return f"the checking process exited with status {exitcode}"
 
 
-class _Slot(Generic[T]):
+class _Slot:
     """One worker process and the task it holds."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
@@ -164,12 +164,12 @@ def run_bounded(
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    slots: list[_Slot[T]] = []
+    slots: list[_Slot] = []
     pending = list(range(len(arguments)))
     pending.reverse()  # pop() from the end takes the first argument first
     count = max(1, min(workers, len(arguments)))
 
-    def start() -> _Slot[T]:
+    def start() -> _Slot:
         parent_end, child_end = context.Pipe(duplex=True)
         process = context.Process(
             target=_worker, args=(child_end, function, budget.memory_mib), daemon=True
@@ -178,7 +178,7 @@ def run_bounded(
         child_end.close()
         return _Slot(process, parent_end)
 
-    def give(slot: _Slot[T]) -> None:
+    def give(slot: _Slot) -> None:
         if pending:
             index = pending.pop()
             slot.task = index
@@ -187,7 +187,7 @@ def run_bounded(
         else:
             slot.task = None
 
-    def retire(slot: _Slot[T], *, kill: bool) -> None:
+    def retire(slot: _Slot, *, kill: bool) -> None:
         if kill and slot.process.is_alive():
             slot.process.kill()
         slot.process.join()
