@@ -15,6 +15,7 @@ __all__ = [
     "identifier",
     "is_namespace_dict",
     "keyword_arg",
+    "looks_like_class",
     "patch_multiple_names",
     "positional_args",
     "setattr_like",
@@ -193,6 +194,26 @@ def patch_multiple_names(call: cst.Call, context: FileContext) -> list[str]:
                     if key is not None:
                         names.append(key)
     return names
+
+
+def looks_like_class(node: cst.BaseExpression) -> bool:
+    """Whether ``node`` is spelled as a class: ``Block``, ``nn.Linear``, ``cls``, ``type(m)``,
+    ``m.__class__``.
+
+    ``__call__`` is looked up on the type, so assigning it changes what ``m(x)`` runs only on a
+    class; an instance attribute named ``__call__`` is never called by ``m(x)``. The rules
+    cannot know types, so they go by spelling (PEP 8 class names), and a class reached through
+    a lower-case variable other than ``cls`` is missed (a documented false negative).
+    """
+    if isinstance(node, cst.Name):
+        name = identifier(node)
+        return name == "cls" or name[:1].isupper()
+    if isinstance(node, cst.Attribute):
+        name = identifier(node.attr)
+        return name == "__class__" or name[:1].isupper()
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
+        return node.func.value == "type" and len(node.args) == 1
+    return False
 
 
 def is_namespace_dict(node: cst.BaseExpression, context: FileContext) -> bool:

@@ -7,7 +7,7 @@ from typing import ClassVar
 import libcst as cst
 
 from hyperrecipe.lint.rule import ENTRY_NAMES, Invalid, Valid
-from hyperrecipe.lint.rules._patterns import TargetVisitor, identifier
+from hyperrecipe.lint.rules._patterns import TargetVisitor, identifier, looks_like_class
 
 __all__ = ["ForwardAssignment"]
 
@@ -20,9 +20,9 @@ class ForwardAssignment(TargetVisitor):
     value, augmented, tuple/list/starred unpacking, `for` and comprehension targets,
     `with ... as` targets, and `del x.forward`. The same goes for the other attributes that
     decide what `m(x)` runs: `nn.Module`'s call implementations `_call_impl` and
-    `_compiled_call_impl` (`m._call_impl = f` makes `m(x)` run `f`), and `__call__`
-    (`Block.__call__ = f` replaces the call of every instance; on an instance it is flagged
-    too, since it only looks like it does).
+    `_compiled_call_impl` (`m._call_impl = f` makes `m(x)` run `f`), and `__call__` on a class
+    (`Block.__call__ = f`, `type(m).__call__ = f`, `cls.__call__ = f` replace the call of every
+    instance; `obj.__call__ = f` on an instance changes nothing `obj(x)` runs and is not flagged).
 
     #### Why is this bad?
     A forward installed by hand skips what `hyperrecipe.rewriter` guarantees: the replacement's
@@ -78,6 +78,8 @@ class ForwardAssignment(TargetVisitor):
         Valid("m._wrapped_call_impl_count = 0"),
         Valid("class Block:\n    __call__ = _wrapped_call_impl  # a class-body definition"),
         Valid("fn = type(m).__call__"),
+        Valid("criteria.__call__ = compiled  # an instance: `criteria(x)` still calls the class's"),
+        Valid("self.__call__ = self._fast"),
     )
     INVALID: ClassVar[tuple[Invalid, ...]] = (
         Invalid("model.forward = f", line=1, column=1),
@@ -121,6 +123,9 @@ class ForwardAssignment(TargetVisitor):
         Invalid("m._compiled_call_impl = torch.compile(f)", line=1, column=1),
         Invalid("Block.__call__ = f", line=1, column=1),
         Invalid("type(m).__call__ = patched_call"),
+        Invalid("nn.Module.__call__ = patched_call"),
+        Invalid("m.__class__.__call__ = patched_call"),
+        Invalid("def patch(cls, f):\n    cls.__call__ = f", line=2, column=5),
         Invalid("del m._compiled_call_impl"),
         Invalid("m._call_impl, m.forward = f, g", count=2),
     )
@@ -131,6 +136,8 @@ class ForwardAssignment(TargetVisitor):
         name = identifier(target.attr)
         if name not in ENTRY_NAMES:
             return
+        if name == "__call__" and not looks_like_class(target.value):
+            return  # an instance's `__call__` is never what `m(x)` calls
         if action == "deletes":
             self.report(
                 target,

@@ -22,6 +22,9 @@ _OPERATOR_KEYED: Final = (
     "operator.setitem", "operator.delitem", "_operator.setitem", "_operator.delitem",
 )
 _PATCH_DICT: Final = ("unittest.mock.patch.dict", "mock.patch.dict")
+#: Keys whose write into an attribute dict changes what ``m(x)`` runs. Not ``__call__``: an
+#: instance's is never called by ``m(x)``, and a class's ``__dict__`` is a read-only proxy.
+_DICT_NAMES: Final = ENTRY_NAMES - {"__call__"}
 
 
 class ForwardDict(TargetVisitor):
@@ -36,8 +39,8 @@ class ForwardDict(TargetVisitor):
     ...)`, an update from a name bound once to a dict display with the key
     (`d = {"forward": f}; m.__dict__.update(d)`), and copying another object's attribute dict
     (`m.__dict__.update(other.__dict__)`, `vars(m).update(vars(other))`), which brings its
-    `forward` along if it has one. The other attributes that decide what `m(x)` runs
-    (`_call_impl`, `_compiled_call_impl`, `__call__`; see HR001) count as `forward` does.
+    `forward` along if it has one. `nn.Module`'s call implementations `_call_impl` and
+    `_compiled_call_impl` (see HR001) count as `forward` does.
 
     #### Why is this bad?
     Writing the instance dict installs an instance forward exactly as `x.forward = f` does
@@ -88,6 +91,7 @@ class ForwardDict(TargetVisitor):
         Valid('module.__dict__.update(defaults)  # a mapping whose keys are not known'),
         Valid('state.update(other.__dict__)  # copies into an ordinary dict'),
         Valid('d = {"weight": w}\nmodule.__dict__.update(d)'),
+        Valid('vars(criteria)["__call__"] = compiled  # an instance dict: its call is unchanged'),
     )
     INVALID: ClassVar[tuple[Invalid, ...]] = (
         Invalid('module.__dict__["forward"] = f', line=1, column=1),
@@ -145,7 +149,7 @@ class ForwardDict(TargetVisitor):
         if len(target.slice) != 1 or not isinstance(target.slice[0].slice, cst.Index):
             return
         key = self.context.string_value(target.slice[0].slice.value)
-        if key in ENTRY_NAMES and is_namespace_dict(target.value, self.context):
+        if key in _DICT_NAMES and is_namespace_dict(target.value, self.context):
             if action == "deletes":
                 self.report(target, "deletes `forward` from an attribute dict outside the "
                             "rewriter; undo an installed forward with Rewritten.restore()")
@@ -159,12 +163,12 @@ class ForwardDict(TargetVisitor):
         if isinstance(node, cst.Dict):
             return any(
                 isinstance(element, cst.DictElement)
-                and self.context.string_value(element.key) in ENTRY_NAMES
+                and self.context.string_value(element.key) in _DICT_NAMES
                 for element in node.elements
             )
         if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
             has_key = any(
-                arg.keyword is not None and arg.keyword.value in ENTRY_NAMES for arg in node.args
+                arg.keyword is not None and arg.keyword.value in _DICT_NAMES for arg in node.args
             )
             return has_key and self.context.refers_to(node.func, "builtins.dict")
         if isinstance(node, cst.Name):
@@ -175,7 +179,7 @@ class ForwardDict(TargetVisitor):
     def _update_writes_forward(self, args: list[cst.Arg]) -> bool:
         for arg in args:
             if arg.keyword is not None:
-                if arg.keyword.value in ENTRY_NAMES:
+                if arg.keyword.value in _DICT_NAMES:
                     return True
             elif arg.star == "**" or not arg.star:
                 if self._mapping_has_key(arg.value):
@@ -208,12 +212,12 @@ class ForwardDict(TargetVisitor):
                 return
             if method in _KEYED_METHODS:
                 args = positional_args(node)
-                if args and self.context.string_value(args[0]) in ENTRY_NAMES:
+                if args and self.context.string_value(args[0]) in _DICT_NAMES:
                     if is_namespace_dict(receiver, self.context):
                         self.report(node)
                 elif (
                     len(args) >= 2
-                    and self.context.string_value(args[1]) in ENTRY_NAMES
+                    and self.context.string_value(args[1]) in _DICT_NAMES
                     and is_namespace_dict(args[0], self.context)
                     and self.context.refers_to(receiver, "builtins.dict")
                 ):
@@ -226,13 +230,13 @@ class ForwardDict(TargetVisitor):
                 if (
                     namespace is not None
                     and key is not None
-                    and self.context.string_value(key) in ENTRY_NAMES
+                    and self.context.string_value(key) in _DICT_NAMES
                     and is_namespace_dict(namespace, self.context)
                 ):
                     self.report(node)
                     return
         args = positional_args(node)
-        if len(args) >= 2 and self.context.string_value(args[1]) in ENTRY_NAMES:
+        if len(args) >= 2 and self.context.string_value(args[1]) in _DICT_NAMES:
             if is_namespace_dict(args[0], self.context) and self.context.refers_to(
                 func, *_OPERATOR_KEYED
             ):

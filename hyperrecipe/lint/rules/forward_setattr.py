@@ -7,7 +7,13 @@ from typing import ClassVar
 import libcst as cst
 
 from hyperrecipe.lint.rule import ENTRY_NAMES, Invalid, LintRule, Valid
-from hyperrecipe.lint.rules._patterns import patch_multiple_names, setattr_like
+from hyperrecipe.lint.rules._patterns import (
+    keyword_arg,
+    looks_like_class,
+    patch_multiple_names,
+    positional_args,
+    setattr_like,
+)
 
 __all__ = ["ForwardSetattr"]
 
@@ -21,8 +27,8 @@ class ForwardSetattr(LintRule):
     pytest's `monkeypatch.setattr` (also with `name="forward"`), `patch.object(obj,
     "forward", ...)` on any `patch` (`unittest.mock.patch`, pytest-mock's `mocker.patch`; also
     with `attribute="forward"`), and `patch.multiple(obj, forward=f)`. The same holds for the
-    other attributes that decide what `m(x)` runs (`_call_impl`, `_compiled_call_impl`,
-    `__call__`; see HR001). The name counts when it is a string literal (also concatenated, or
+    other attributes that decide what `m(x)` runs (`_call_impl`, `_compiled_call_impl`, and
+    `__call__` on a receiver spelled as a class; see HR001). The name counts when it is a string literal (also concatenated, or
     a placeholder-free f-string) or a name bound exactly once, in the module or in the
     function using it, to such a literal.
 
@@ -85,6 +91,7 @@ class ForwardSetattr(LintRule):
         Valid('mock.patch("pkg.Block.forward", f)  # dotted targets are not followed'),
         Valid('setattr(*args)'),
         Valid('mocker.patch.object(module, "weight", w)'),
+        Valid('setattr(criteria, "__call__", compiled)  # an instance: its call is unchanged'),
         Valid('monkeypatch.setattr(module, name="weight", value=w)'),
         Valid('from unittest import mock\nmock.patch.multiple(module, weight=w)'),
         Valid(
@@ -182,11 +189,15 @@ class ForwardSetattr(LintRule):
         Invalid('setattr(module, "_call_impl", f)'),
         Invalid('object.__setattr__(module, "_compiled_call_impl", f)'),
         Invalid('setattr(Block, "__call__", f)'),
+        Invalid('type.__setattr__(Block, "__call__", f)'),
         Invalid('monkeypatch.setattr(Block, "__call__", f)'),
     )
 
     def visit_Call(self, node: cst.Call) -> None:
         for name in patch_multiple_names(node, self.context):
+            args = positional_args(node)
+            if name == "__call__" and not (args and looks_like_class(args[0])):
+                continue  # an instance's `__call__` is never what `m(x)` calls
             if name in ENTRY_NAMES:
                 self.report(node, f"sets `{name}` by name (patch.multiple()) outside the "
                             "rewriter; hand the replacement to hyperrecipe.rewriter "
@@ -196,6 +207,11 @@ class ForwardSetattr(LintRule):
         if found is None or found[0] not in ENTRY_NAMES:
             return
         name, spelling = found
+        if name == "__call__":
+            args = positional_args(node)
+            receiver = args[0] if args else keyword_arg(node, "target")
+            if receiver is None or not looks_like_class(receiver):
+                return  # an instance's `__call__` is never what `m(x)` calls
         verb = "deletes" if "del" in spelling else "sets"
         if verb == "deletes":
             self.report(
