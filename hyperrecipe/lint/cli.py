@@ -129,7 +129,9 @@ def main(argv: Sequence[str]) -> int:
     if args.statistics:
         sys.stdout.write(statistics(result.findings))
     else:
-        sys.stdout.write(render(result.findings, args.format, version=_version()))
+        # (importlib.metadata costs ~0.1 s: only SARIF names the version.)
+        version = _version() if args.format == "sarif" else ""
+        sys.stdout.write(render(result.findings, args.format, version=version))
     if args.format == "text" and result.findings:
         count = sum(f.severity == "finding" for f in result.findings)
         errors = len(result.findings) - count

@@ -115,12 +115,20 @@ def _screen(job: _Job) -> list[Finding] | None:
             gc.enable()
 
 
-def _first_phase(task: tuple[str, _Job | _RecipeJob]) -> list[Finding] | None:
+def _first_phase(
+    task: tuple[str, _Job | _RecipeJob],
+) -> list[Finding] | tuple[list[Finding]] | None:
+    """A recipe check, a screen (``None``: libcst must look), or — for ``"python+libcst"``, a
+    run on one worker — the screen and then the libcst pass in the same worker, whose findings
+    come back wrapped in a 1-tuple (so the caller knows libcst ran)."""
     kind, job = task
     if kind == "recipe":
         return check_recipe(Path(job[0]), job[1])
     assert len(job) == 4
-    return _screen(job)
+    screened = _screen(job)
+    if screened is None and kind == "python+libcst":
+        return (_lint_screened(job),)
+    return screened
 
 
 def _lint_with_libcst(job: _Job, screened: bool) -> list[Finding]:
@@ -262,14 +270,23 @@ def lint_paths(
     first.sort(key=lambda item: -item[0])
     tasks = [task for _, task in first]
     parallel = cpus > 1 and len(python) >= POOL_MIN_FILES
+    if not parallel and screen:
+        # One worker: a file the screen cannot clear goes on to libcst in the same worker (it
+        # imports libcst itself), sparing the parent the import and a second fork.
+        tasks = [("python+libcst", job) if kind == "python" else (kind, job)
+                 for kind, job in tasks]
     outcomes = run_bounded(_first_phase, tasks, workers=cpus if parallel else 1, budget=budget)
     imported = False
+    in_first_phase = 0
     for index, outcome in outcomes:
         kind, job = tasks[index]
         if isinstance(outcome, TaskFailure):
             findings.append(_not_checked(job[1], outcome.reason))
+        elif isinstance(outcome, tuple):
+            findings.extend(outcome[0])
+            in_first_phase += 1
         elif outcome is None:
-            assert kind == "python" and len(job) == 4
+            assert kind != "recipe" and len(job) == 4
             needs.append((first[index][0], job))
         else:
             findings.extend(outcome)
@@ -297,7 +314,7 @@ def lint_paths(
     return LintResult(
         findings=tuple(findings),
         files=len(python) + len(recipes),
-        libcst_files=len(needs),
+        libcst_files=len(needs) + in_first_phase,
     )
 
 
