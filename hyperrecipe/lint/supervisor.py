@@ -19,6 +19,7 @@ what a failed task reports.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -131,13 +132,20 @@ def _death_reason(exitcode: int | None) -> str:
 
 
 class _Slot:
-    """One worker process and the task it holds."""
+    """One worker process and the tasks sent to it, in order; the first is running."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
         self.process = process
         self.conn = conn
-        self.task: int | None = None
-        self.started = 0.0
+        self.tasks: collections.deque[int] = collections.deque()
+        self.started = 0.0  # when the first of ``tasks`` started
+
+
+#: At least this many tasks are sent to a worker ahead of its results, and about a sixth of
+#: its share with many tasks, so it never waits on the parent between files — not even while
+#: the parent imports libcst for the next phase.
+_MIN_IN_FLIGHT: Final = 2
+_SHARES_IN_FLIGHT: Final = 6
 
 
 def run_bounded(
@@ -148,6 +156,11 @@ def run_bounded(
     budget: Budget,
 ) -> Iterator[tuple[int, R | TaskFailure]]:
     """Run ``function`` on each argument in forked workers, each call bounded by ``budget``.
+
+    Each worker has several tasks in flight (the next waits in its pipe, so the worker does
+    not idle while the parent is busy); a task's time starts when the parent sees the one
+    before it on that worker finish (so a busy parent only makes the budget more lenient). When a worker fails, its running task gets the failure and the
+    tasks queued behind it go to a fresh worker.
 
     Args:
         function: a module-level function (workers are forked, so it need not be importable
@@ -165,9 +178,9 @@ def run_bounded(
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     slots: list[_Slot] = []
-    pending = list(range(len(arguments)))
-    pending.reverse()  # pop() from the end takes the first argument first
+    pending: collections.deque[int] = collections.deque(range(len(arguments)))
     count = max(1, min(workers, len(arguments)))
+    in_flight = max(_MIN_IN_FLIGHT, len(arguments) // (count * _SHARES_IN_FLIGHT))
 
     def start() -> _Slot:
         parent_end, child_end = context.Pipe(duplex=True)
@@ -178,65 +191,66 @@ def run_bounded(
         child_end.close()
         return _Slot(process, parent_end)
 
-    def give(slot: _Slot) -> None:
-        if pending:
-            index = pending.pop()
-            slot.task = index
-            slot.started = time.monotonic()
+    def fill(slot: _Slot, now: float) -> None:
+        while pending and len(slot.tasks) < in_flight:
+            index = pending.popleft()
+            if not slot.tasks:
+                slot.started = now
+            slot.tasks.append(index)
             slot.conn.send(arguments[index])
-        else:
-            slot.task = None
 
-    def retire(slot: _Slot, *, kill: bool) -> None:
-        if kill and slot.process.is_alive():
+    def retire(slot: _Slot) -> None:
+        if slot.process.is_alive():
             slot.process.kill()
         slot.process.join()
         slot.conn.close()
 
     try:
         for _ in range(count):
-            slot = start()
-            slots.append(slot)
-            give(slot)
-        while any(slot.task is not None for slot in slots):
-            busy = [slot for slot in slots if slot.task is not None]
+            slots.append(start())
+        for slot in slots:
+            fill(slot, time.monotonic())
+        while any(slot.tasks for slot in slots):
+            busy = [slot for slot in slots if slot.tasks]
             timeout: float | None = None
             if budget.seconds is not None:
                 now = time.monotonic()
                 timeout = max(0.0, min(s.started + budget.seconds - now for s in busy))
             ready = wait([slot.conn for slot in busy], timeout)
             now = time.monotonic()
-            for slot in busy:
-                index = slot.task
-                assert index is not None
-                replace = False
+            for position, slot in enumerate(slots):
+                if not slot.tasks:
+                    continue
+                index = slot.tasks[0]
+                failed = False
                 if slot.conn in ready:
                     try:
                         result: R | TaskFailure = slot.conn.recv()
                     except (EOFError, OSError):
                         slot.process.join()
                         result = TaskFailure(reason=_death_reason(slot.process.exitcode))
-                        replace = True
+                        failed = True
                     else:
-                        replace = isinstance(result, TaskFailure)  # a MemoryError: start afresh
+                        failed = isinstance(result, TaskFailure)  # a MemoryError: start afresh
                 elif budget.seconds is not None and now - slot.started >= budget.seconds:
                     result = TaskFailure(
                         reason=f"it took longer than the time budget ({budget.seconds:g} s)"
                     )
-                    replace = True
+                    failed = True
                 else:
                     continue
+                slot.tasks.popleft()
                 yield index, result
-                if replace:
-                    retire(slot, kill=True)
-                    position = slots.index(slot)
+                now = time.monotonic()
+                if failed:
+                    pending.extendleft(reversed(slot.tasks))  # queued, never started
+                    slot.tasks.clear()
+                    retire(slot)
                     if pending:
-                        slots[position] = start()
-                        give(slots[position])
-                    else:
-                        slots[position].task = None
+                        slots[position] = slot = start()
                 else:
-                    give(slot)
+                    slot.started = now
+                fill(slot, now)
     finally:
         for slot in slots:
             if slot.process.is_alive():
@@ -244,4 +258,4 @@ def run_bounded(
                     slot.conn.send(None)
         for slot in slots:
             slot.process.join(timeout=1.0)
-            retire(slot, kill=True)
+            retire(slot)
