@@ -78,17 +78,20 @@ def test_a_file_the_interpreter_refuses_for_nesting_does_not_lint_clean(
         assert result.exit_code == 2
 
 
-def test_a_crashing_worker_reports_its_task_and_the_others_finish() -> None:
-    results = dict(run_bounded(_crash_on_three, list(range(6)), workers=2, budget=Budget()))
+@pytest.mark.parametrize("crash", [2, 3], ids=["with-a-task-queued-behind", "last-queued"])
+def test_a_crashing_worker_reports_its_task_and_the_others_finish(crash: int) -> None:
+    results = dict(run_bounded(_crash_on, [(value, crash) for value in range(6)], workers=2,
+                               budget=Budget()))
     assert sorted(results) == list(range(6))
-    failure = results.pop(3)
+    failure = results.pop(crash)
     assert isinstance(failure, TaskFailure)
     assert failure.reason.startswith("the parser crashed (SIGSEGV")
-    assert results == {0: 0, 1: 10, 2: 20, 4: 40, 5: 50}
+    assert results == {value: value * 10 for value in range(6) if value != crash}
 
 
-def _crash_on_three(value: int) -> int:
-    if value == 3:
+def _crash_on(task: tuple[int, int]) -> int:
+    value, crash = task
+    if value == crash:
         faulthandler.disable()  # pytest enables it; the worker's dump would only be noise
         ctypes.string_at(0)  # a real segmentation fault, as libcst's parser has on deep nesting
     return value * 10
