@@ -35,6 +35,7 @@ __all__ = [
     "RewriteError",
     "SourceSpan",
     "StepFailed",
+    "WeightLoadError",
     "WrapperDeclarationError",
     "WrapperError",
     "closest",
@@ -168,6 +169,13 @@ class ImpossibleTransition(HyperrecipeError, ValueError):
 
 class ModeError(HyperrecipeError, ValueError):
     """``apply`` was given a mode that is neither ``"production"`` nor ``"validate"``."""
+
+
+class WeightLoadError(HyperrecipeError, ValueError):
+    """A checkpoint does not fit the model (every offending tensor named) or cannot be read.
+
+    The model is left as it was before the call.
+    """
 
 
 class WrapperError(PlanMismatchError):
