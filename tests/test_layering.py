@@ -24,6 +24,7 @@ from tests.runtime_harness import ROOT
 
 COMPILE_ALL = """
 import json, sys
+from pathlib import Path
 from hyperrecipe import compile_recipe, load_recipe
 from hyperrecipe.model_tree import build_model
 
