@@ -242,7 +242,7 @@ def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
         raise ModelSpecError(f"model spec {spec!r} is neither 'pkg.module:factory' nor "
                              f"'hf:<model_type>'")
     try:
-        target = resolve_ref(spec, "model spec")
+        target = resolve_ref(spec, "model spec", named_by_user=True)
     except RefError as exc:
         raise ModelSpecError(str(exc)) from None
     if not callable(target):

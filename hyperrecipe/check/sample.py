@@ -74,7 +74,7 @@ def weights_fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...
 
 def _import_callable(spec: str, what: str) -> Callable[..., Any]:
     try:
-        target = resolve_ref(spec, what)
+        target = resolve_ref(spec, what, named_by_user=True)
     except RefError as exc:
         raise ModelSpecError(str(exc)) from None
     if not callable(target):

@@ -52,9 +52,9 @@ INNER_WRAPPERS: dict[str, str] = {
 }
 """Built-in inner wrappers, by registry name (implemented by the runtime)."""
 
-_CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-_IDENT = re.compile(r"^[A-Za-z_]\w*$")
-_CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)\s*$")
+_CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
+_IDENT = re.compile(r"^[A-Za-z_]\w*\Z")
+_CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*([0-9]{1,18})\s*$", re.ASCII)
 
 
 @attrs.frozen(kw_only=True)
@@ -343,15 +343,16 @@ def _layout(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> Layo
         key: LayoutKey
         if isinstance(k, int) and not isinstance(k, bool):
             key = k
-        elif isinstance(k, str) and k.isdigit():
+        elif isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9:
             key = int(k)
         elif isinstance(k, str) and _IDENT.match(k):
             key = k
         else:
             raise ctx.fail(f"layout key {k!r} is neither an argument name nor a position",
                            (*path, k), key=True)
-        if isinstance(key, int) and key < 0:
-            raise ctx.fail(f"layout position {key} is negative", (*path, k), key=True)
+        if isinstance(key, int) and not 0 <= key < 10**9:
+            raise ctx.fail(f"layout position {key} is negative or too large", (*path, k),
+                           key=True)
         out.append((key, _placement(ctx, v, (*path, k), mesh)))
     return tuple(out)
 
@@ -371,7 +372,8 @@ def _conditions(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> 
         text = str(cond) if isinstance(cond, int) and not isinstance(cond, bool) else cond
         m = _CONDITION.match(text) if isinstance(text, str) else None
         if m is None:
-            raise ctx.fail(f"condition {cond!r} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
+            shown = repr(cond) if len(repr(cond)) <= 80 else repr(cond)[:77] + "..."
+            raise ctx.fail(f"condition {shown} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
                            (*path, dim))
         out.append(Condition(mesh_dim=dim, op=m.group(1) or "==",  # type: ignore[arg-type]
                              value=int(m.group(2))))

@@ -25,7 +25,6 @@ entry (``plan.AdapterPlan``), assigning class attributes (only the rewriter does
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from torch import Tensor
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import AdapterPlan
+from hyperrecipe.refs import RefError, UntrustedCodeError, import_trusted_module
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
 
@@ -64,9 +64,12 @@ def locate_target(adapter: AdapterPlan) -> tuple[type, str]:
     """
     where = _where(adapter)
     try:
-        owner: Any = importlib.import_module(adapter.module_name)
-    except ImportError as exc:
-        msg = f"{where}: cannot import {adapter.module_name!r}: {exc}"
+        owner: Any = import_trusted_module(adapter.module_name, "adapter target", adapter.target)
+    except UntrustedCodeError as exc:
+        raise PlanMismatchError(f"{where}: {exc}") from None
+    except RefError as exc:
+        cause = exc.__cause__ or exc.__context__
+        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
         raise PlanMismatchError(msg) from exc
     walked = adapter.module_name
     for part in adapter.class_path:

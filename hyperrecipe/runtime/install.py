@@ -22,6 +22,7 @@ from hyperrecipe.placement import Shard, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
+from hyperrecipe.runtime.agreement import agree_before_apply, vote
 from hyperrecipe.runtime.boundary import make_boundary_forward
 from hyperrecipe.runtime.collectives import execute, group_for
 from hyperrecipe.runtime.compute import (
@@ -78,50 +79,6 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
     msg = (f"plan {plan.recipe!r} does not fit this model: its module structure (names or "
            f"classes) differs; recompile the recipe against this model")
     raise PlanMismatchError(msg)
-
-
-def _fingerprint_words(fingerprint: str) -> list[int]:
-    return [int(fingerprint[i:i + 15], 16) for i in range(0, 60, 15)]
-
-
-def _device_for(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_ranks(plan: Plan) -> None:
-    """All ranks must hold the same plan: one small all-gather, then the same verdict everywhere."""
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    device = _device_for(None)
-    mine = torch.tensor(_fingerprint_words(plan.fingerprint), dtype=torch.int64, device=device)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
-    gather(everyone, mine)
-    rows = everyone.view(world, -1).cpu().tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, row in enumerate(rows):
-        groups.setdefault(tuple(row), []).append(rank)
-    if len(groups) > 1:
-        mine_key = tuple(mine.cpu().tolist())
-        others = [r for k, ranks in groups.items() if k != mine_key for r in ranks]
-        msg = (f"ranks hold different plans: this rank (rank {dist.get_rank()}) has plan "
-               f"{plan.recipe!r} with fingerprint {plan.fingerprint[:12]}, ranks {others} hold "
-               f"another; every rank must apply the same plan")
-        raise PlanMismatchError(msg)
-
-
-def _vote(ok: bool) -> list[int]:
-    """Ranks that failed (every rank gets the same answer)."""
-    if not dist.is_initialized():
-        return [] if ok else [0]
-    device = _device_for(None)
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
-    flags[dist.get_rank()] = 0 if ok else 1
-    dist.all_reduce(flags)
-    return [r for r, f in enumerate(flags.cpu().tolist()) if f]
 
 
 def _regions(plan: Plan) -> dict[str, str | None]:
@@ -351,9 +308,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
     """
     if mode not in ("production", "validate"):
         raise ValueError(f"mode must be 'production' or 'validate', not {mode!r}")
-    _check_mesh(plan, mesh)
-    _check_model(plan, model)
-    _check_ranks(plan)
+    agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
     applier = _Applier(model, plan, mesh, mode)
     tx = Rewrite(label=f"hyperrecipe {mode} {plan.recipe}")
     with tx:
@@ -363,9 +318,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the vote
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
-        failed = _vote(error is None)
+        failed = vote(error is None)
         if error is not None:
             raise error
         if failed:
