@@ -112,6 +112,29 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     k.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
                    help="seconds allowed per mode's launch (default 300)")
     k.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    _add_trust(k)
+
+
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-code", action="store_true",
+                   help="import code the recipe names (inner wrappers, adapter targets) from any "
+                        "module; without it only built-in, already imported and entry-point-"
+                        "declared code is (docs/security.md)")
+    p.add_argument("--trust", action="append", default=[], metavar="MODULE",
+                   help="trust this module and its submodules (repeatable)")
+
+
+def _apply_trust(args: argparse.Namespace) -> None:
+    """The opt-in goes through the environment, so the ranks ``check`` launches inherit it."""
+    import os
+
+    from hyperrecipe.refs import TRUST_ENV
+
+    if args.trust_code:
+        os.environ[TRUST_ENV] = "1"
+    elif args.trust:
+        before = os.environ.get(TRUST_ENV, "")
+        os.environ[TRUST_ENV] = ",".join(p for p in (before, *args.trust) if p)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="text summary (default) or the plan JSON on stdout")
     c.add_argument("--explain", metavar="FQN_GLOB",
                    help="say which rules decided each matching parameter/boundary and why")
+    _add_trust(c)
     e = sub.add_parser("explain", help="explain decisions recorded in a saved plan")
     e.add_argument("plan", help="plan JSON written by compile -o")
     e.add_argument("fqn", help="FQN pattern (same syntax as recipe `match`)")
@@ -152,8 +176,10 @@ def run(argv: Sequence[str]) -> int:
             print(explain(Plan.load(args.plan), args.fqn), end="")
             return 0
         if args.command == "compile":
+            _apply_trust(args)
             return _compile(args)
         if args.command == "check":
+            _apply_trust(args)
             return _check(args)
     except HyperrecipeError as exc:
         print(f"hyperrecipe: error: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.placement import parse_named_text
 from hyperrecipe.plan import AdapterPlan, Plan, Provenance
 from hyperrecipe.plan_report import explain, summary
+from hyperrecipe.refs import TRUST_ENV
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.adapters import install_adapters, make_method_adapter
 from tests import adapter_models
@@ -169,7 +170,9 @@ def test_a_misspelt_method_of_an_imported_module_fails_at_compile_time(tmp_path:
         "@ $.adapters[0].target")
 
 
-def test_a_target_whose_module_is_not_imported_is_found_by_apply(tmp_path: Path) -> None:
+def test_a_target_whose_module_is_not_imported_is_found_by_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRUST_ENV, "no_such_pkg")  # trusted, so the import is tried and fails
     path = tmp_path / "demo.yaml"
     path.write_text(HEADER + '  - {target: "no_such_pkg.attn:Kernel.run"}\n', encoding="utf-8")
     with torch.device("meta"):

@@ -9,9 +9,17 @@ from typing import Any
 import pytest
 import torch
 
+from hyperrecipe.refs import TRUST_ENV
 from hyperrecipe.runtime.context_parallel import causal_mask_for_rank
 
 CHECK = ["--model", "hf:llama", "--model-config", "recipes/models/tiny-llama.json", "-q"]
+
+
+@pytest.fixture(autouse=True)
+def _trust_test_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy wrappers live in ``tests``: these tests opt in to them as a user would
+    (docs/security.md); tests/test_trust.py covers the refusal."""
+    monkeypatch.setenv(TRUST_ENV, "tests")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -194,8 +202,8 @@ def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:
 
 
 @pytest.mark.parametrize(("ref", "message"), [
-    ("no_such_pkg.attn:ring", "cannot import 'no_such_pkg.attn' for inner wrapper "
-                              "'no_such_pkg.attn:ring': No module named 'no_such_pkg'"),
+    ("no_such_pkg.attn:ring", "inner wrapper 'no_such_pkg.attn:ring' names module "
+                              "'no_such_pkg.attn', which is not trusted; "),
     ("tests.cp_chain:nope", "'tests.cp_chain' has no attribute 'nope' (inner wrapper "
                             "'tests.cp_chain:nope')"),
     ("tests.toy_models:make_toy", "inner wrapper 'tests.toy_models:make_toy' is not declared with "
@@ -218,6 +226,7 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
     assert found, "docs/context-parallel.md shows user_cp.py"
     (tmp_path / "user_cp.py").write_text(found.group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(TRUST_ENV, "user_cp")  # as the doc says: the user opts in to their module
     code, report = _check_json(_cp_variant(tmp_path, "user_cp:gather_kv"), "cp=2", capsys)
     assert code == 0, report
     for mode in ("production", "validate"):

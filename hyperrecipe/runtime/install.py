@@ -9,7 +9,7 @@ a failure on one rank rolls back all of them instead of leaving ranks out of ste
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -20,6 +20,7 @@ from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Shard, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
 from hyperrecipe.runtime.agreement import agree_before_apply, vote
@@ -280,7 +281,8 @@ class _Applier:
         return local_region_forward(module, compute, b, self.mesh_dims)
 
 
-def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "production") -> Installation:
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "production",
+          trust_code: bool | Sequence[str] = False) -> Installation:
     """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
 
     Args:
@@ -289,6 +291,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
         mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
             (DTensor end to end, declared placements checked at every boundary).
+        trust_code: also import the inner wrappers and adapter targets the plan names from
+            any module (``True``) or from these module prefixes (docs/security.md); without
+            it only built-in, already imported and entry-point-declared code is imported.
 
     Returns:
         The :class:`Installation`: status, full gradients and state dicts, ``restore()``.
@@ -311,7 +316,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
     applier = _Applier(model, plan, mesh, mode)
     tx = Rewrite(label=f"hyperrecipe {mode} {plan.recipe}")
-    with tx:
+    with tx, trusting(trust_code):
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
