@@ -138,7 +138,7 @@ def parse_placement(text: str) -> Placement:
         if raw.startswith("["):
             parts = [p.strip() for p in raw[1:-1].split(",") if p.strip()]
             if any(len(p) > 9 for p in parts):
-                msg = f"chunks=[...] sizes have at most 9 digits, found {text[:80]!r}"
+                msg = f"chunks=[...] sizes have at most 9 digits, found {_short(text)!r}"
                 raise PlacementSyntaxError(msg)
             sizes = tuple(int(p) for p in parts)
             if len(sizes) < 2 or any(v <= 0 for v in sizes):

@@ -95,8 +95,8 @@ def repeat(node: Node, low: int, high: int | None) -> Node:
         raise PatternSyntaxError(f"repeat {{{low},{high}}}: the maximum is below the minimum")
     copies = max(low, 1) if high is None else high
     if copies > MAX_NFA_STATES or (node.size + 1) * copies > MAX_NFA_STATES:
-        msg = (f"repeat {{{low},{'' if high is None else high}}} makes the pattern larger than "
-               f"{MAX_NFA_STATES} states")
+        count = f"{low}" if high == low else f"{low},{'' if high is None else high}"
+        msg = f"repeat {{{count}}} makes the pattern larger than {MAX_NFA_STATES} states"
         raise PatternSyntaxError(msg)
     return _sized(Node(kind="rep", parts=(node,), low=low, high=high,
                        size=(node.size + 1) * copies + 1))
@@ -211,6 +211,7 @@ class _RegexParser:
                                                   for p in (low, high))
 
     def quantified(self, atom: Node) -> Node:
+        start = self.i
         ch = self.peek()
         if ch == "*":
             low, high, self.i = 0, None, self.i + 1
@@ -238,6 +239,7 @@ class _RegexParser:
         try:
             return repeat(atom, low, high)
         except PatternSyntaxError as exc:
+            self.i = start
             raise self.error(str(exc)) from None
 
     def escape(self, *, in_class: bool) -> Node:

@@ -372,7 +372,7 @@ def _conditions(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> 
         text = str(cond) if isinstance(cond, int) and not isinstance(cond, bool) else cond
         m = _CONDITION.match(text) if isinstance(text, str) else None
         if m is None:
-            shown = repr(cond) if len(repr(cond)) <= 80 else repr(cond)[:77] + "..."
+            shown = repr(cond) if len(repr(cond)) <= 80 else repr(str(cond)[:77] + "...")
             raise ctx.fail(f"condition {shown} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
                            (*path, dim))
         out.append(Condition(mesh_dim=dim, op=m.group(1) or "==",  # type: ignore[arg-type]
