@@ -3,7 +3,7 @@
 Python's ``re`` backtracks: ``re:(.*)*Z`` against a 30-character FQN runs for minutes, and
 ``re:a{99999999999}`` overflows its compiler. A recipe is data from someone else, so its patterns
 are compiled here instead, to a Thompson NFA whose subsets become DFA states lazily (cached per
-pattern, up to :data:`MAX_CACHED_STEPS` transitions; past that each step is computed afresh). Matching
+pattern, up to :data:`MAX_DFA_STATES` states; past that the cache starts afresh). Matching
 is one step per character whatever the pattern, and the NFA's size is bounded by
 :data:`MAX_NFA_STATES`, checked *before* a counted repeat is expanded.
 
@@ -21,14 +21,14 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-__all__ = ["MAX_CACHED_STEPS", "MAX_NFA_STATES", "MAX_PATTERN_LENGTH", "Automaton", "Node",
+__all__ = ["MAX_DFA_STATES", "MAX_NFA_STATES", "MAX_PATTERN_LENGTH", "Automaton", "Node",
            "PatternSyntaxError", "any_char", "char_class", "concat", "alternation", "literal",
            "parse_regex", "repeat"]
 
 MAX_NFA_STATES = 20_000
 """Largest NFA a pattern may compile to (``a{20001}`` is refused)."""
-MAX_CACHED_STEPS = 32_768
-"""DFA transitions cached per pattern; past that, steps are computed afresh (still linear)."""
+MAX_DFA_STATES = 4_096
+"""DFA states cached per pattern; past that the cache starts afresh (matching stays linear)."""
 MAX_PATTERN_LENGTH = 4_096
 """Longest pattern text accepted."""
 MAX_GROUP_DEPTH = 32
@@ -326,8 +326,7 @@ def parse_regex(text: str) -> Node:
 
 # ----------------------------------------------------------------------------- automaton
 
-_SPLIT = -1
-_MATCH = -2
+_DEAD = -1
 
 
 class Automaton:
@@ -342,9 +341,14 @@ class Automaton:
         self._next: list[tuple[int, ...]] = []
         start = self._build(node, self._new_state(None, ()))
         self._final = 0
-        self._start = self._closure((start,))
-        self._dfa: dict[tuple[frozenset[int], str], frozenset[int]] = {}
+        self._numbers: dict[frozenset[int], int] = {}
+        self._sets: list[frozenset[int]] = []
+        self._moves: list[dict[str, int]] = []
+        self._accepting: list[bool] = []
+        self._start_set = self._closure((start,))
+        self._start = self._dfa_state(self._start_set)
         self._literal = _literal_text(node)
+        self._prefix, self._suffix = _affixes(node)
 
     # NFA construction: _build(node, next_state) returns the entry state of node's fragment,
     # built backwards so each state's successors already exist.
@@ -393,31 +397,75 @@ class Automaton:
                 stack.extend(self._next[s])
         return frozenset(seen)
 
-    def _step(self, current: frozenset[int], ch: str) -> frozenset[int]:
-        key = (current, ch)
-        found = self._dfa.get(key)
-        if found is not None:
-            return found
+    def _dfa_state(self, nfa_states: frozenset[int]) -> int:
+        """The DFA state number of a set of NFA states (numbered on first sight; -1 is dead)."""
+        if not nfa_states:
+            return _DEAD
+        found = self._numbers.get(nfa_states)
+        if found is None:
+            found = len(self._sets)
+            self._numbers[nfa_states] = found
+            self._sets.append(nfa_states)
+            self._moves.append({})
+            self._accepting.append(self._final in nfa_states)
+        return found
+
+    def _step(self, state: int, ch: str) -> int:
+        """The DFA move from ``state`` on ``ch``, computed from the NFA and cached. When
+        :data:`MAX_DFA_STATES` states exist, the cache starts afresh (in place, so a match in
+        progress keeps going): memory stays bounded and each step stays linear in the NFA."""
         moved: list[int] = []
-        for s in current:
+        for s in self._sets[state]:
             test = self._tests[s]
             if test is not None and test(ch):
                 moved.extend(self._next[s])
-        result = self._closure(moved)
-        if len(self._dfa) < MAX_CACHED_STEPS:
-            self._dfa[key] = result
+        closure = self._closure(moved)
+        if not closure:
+            self._moves[state][ch] = _DEAD
+            return _DEAD
+        if closure not in self._numbers and len(self._sets) >= MAX_DFA_STATES:
+            self._numbers.clear()
+            self._sets.clear()
+            self._moves.clear()
+            self._accepting.clear()
+            self._start = self._dfa_state(self._start_set)
+            return self._dfa_state(closure)
+        result = self._dfa_state(closure)
+        self._moves[state][ch] = result
         return result
 
     def fullmatch(self, text: str) -> bool:
         """Whether the whole of ``text`` matches."""
         if self._literal is not None:
             return text == self._literal
-        current = self._start
+        if not (text.startswith(self._prefix) and text.endswith(self._suffix)):
+            return False
+        moves = self._moves
+        state = self._start
         for ch in text:
-            current = self._step(current, ch)
-            if not current:
+            nxt = moves[state].get(ch)
+            if nxt is None:
+                nxt = self._step(state, ch)
+            if nxt == _DEAD:
                 return False
-        return self._final in current
+            state = nxt
+        return self._accepting[state]
+
+
+def _affixes(node: Node) -> tuple[str, str]:
+    """Literal text every match starts and ends with (a cheap filter before the automaton)."""
+    parts = node.parts if node.kind == "cat" else (node,)
+    prefix = ""
+    for p in parts:
+        if not (p.kind == "char" and p.text):
+            break
+        prefix += p.text
+    suffix = ""
+    for p in reversed(parts):
+        if not (p.kind == "char" and p.text):
+            break
+        suffix = p.text + suffix
+    return prefix, suffix
 
 
 def _literal_text(node: Node) -> str | None:

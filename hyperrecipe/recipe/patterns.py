@@ -35,13 +35,21 @@ class PatternError(ValueError):
 
 
 class FqnPattern:
-    """A compiled ``match`` pattern; ``fullmatch(fqn)`` is true when it matches the whole FQN."""
+    """A compiled ``match`` pattern; ``fullmatch(fqn)`` is true when it matches the whole FQN.
 
-    def __init__(self, pattern: str, automaton: Automaton) -> None:
+    Matched by the automaton, or by Python's ``re`` for the plain globs of
+    :func:`_plain_glob_regex`, whose backtracking is bounded (and which are most of a recipe's
+    patterns: ``re`` runs them about eight times faster).
+    """
+
+    def __init__(self, pattern: str, automaton: Automaton, plain: re.Pattern[str] | None) -> None:
         self.pattern = pattern
         self._automaton = automaton
+        self._plain = plain
 
     def fullmatch(self, fqn: str) -> bool:
+        if self._plain is not None:
+            return self._plain.fullmatch(fqn) is not None
         return self._automaton.fullmatch(fqn)
 
     def __repr__(self) -> str:
@@ -71,7 +79,50 @@ def compile_pattern(pattern: str) -> FqnPattern:
             node = _glob(pattern, 0)
     except PatternSyntaxError as exc:
         raise PatternError(str(exc)) from None
-    return FqnPattern(pattern, Automaton(node))
+    plain = None if pattern.startswith("re:") else _plain_glob_regex(pattern)
+    return FqnPattern(pattern, Automaton(node), None if plain is None else re.compile(plain))
+
+
+_LITERAL_ALTERNATIVES = re.compile(r"\{[A-Za-z0-9_\-]+(?:,[A-Za-z0-9_\-]+)*\}", re.ASCII)
+
+
+def _plain_glob_regex(pattern: str) -> str | None:
+    """A Python regex for a glob whose backtracking is bounded, else ``None``.
+
+    Plain means: at most one ``*`` per segment (``[^.]*`` cannot cross a dot, so one star
+    retries at most a segment's length), at most two ``**`` segments, and braces holding only
+    dot-free literal words. Backtracking is then polynomial of low degree in the FQN's length;
+    anything else (``*a*a*b``, ``{a*,b.c}``, ``**.x.**.y.**``) goes to the automaton.
+    """
+    split = pattern.split(".")
+    segs = [s for i, s in enumerate(split) if not (s == "**" and i and split[i - 1] == "**")]
+    if sum(s == "**" for s in segs) > 2:
+        return None
+    out: list[str] = []
+    for i, seg in enumerate(segs):
+        if seg == "**":
+            out.append(r"(?:[^.]+\.)*" if i == 0 else r"(?:\.[^.]+)*")
+            continue
+        if "**" in seg or seg.count("*") > 1:
+            return None
+        text = ""
+        pos = 0
+        for m in _LITERAL_ALTERNATIVES.finditer(seg):
+            text += _plain_segment(seg[pos:m.start()])
+            text += "(?:" + "|".join(re.escape(a) for a in m.group()[1:-1].split(",")) + ")"
+            pos = m.end()
+        rest = seg[pos:]
+        if "{" in rest or "}" in rest:
+            return None
+        text += _plain_segment(rest)
+        out.append(("" if i == 0 or (i == 1 and segs[0] == "**") else r"\.") + text)
+    if segs == ["**"]:
+        return r"[^.]+(?:\.[^.]+)*"
+    return "".join(out)
+
+
+def _plain_segment(text: str) -> str:
+    return "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in text)
 
 
 def _split_top(text: str, sep: str) -> list[str]:
