@@ -58,8 +58,8 @@ def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "text", "line", "col"), [
-    ("deep.yaml", HEAD + "rules: " + "[" * 1000 + "]" * 1000 + "\n", 4, 7 + MAX_NESTING),
-    ("deepmap.yaml", HEAD + "rules: []\nstyles: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n",
+    ("deep.yaml", HEAD + "rules: " + "[" * 500 + "]" * 500 + "\n", 4, 7 + MAX_NESTING),
+    ("deepmap.yaml", HEAD + "rules: []\nstyles: " + "{a: " * 500 + "1" + "}" * 500 + "\n",
      5, 8 + MAX_NESTING * 4 - 3),
     ("deep.toml", TOML_HEAD + "rules = " + "[" * 1000 + "]" * 1000 + "\n", 4, 9 + MAX_NESTING),
     ("deeptable.toml", TOML_HEAD + "rules = []\nstyles = " + "{a = " * 1000 + "1" + "}" * 1000
@@ -70,6 +70,14 @@ def test_nesting_beyond_the_bound_is_refused_where_it_happens(
     err = _error(tmp_path, name, text)
     assert err.problem == f"the document nests deeper than {MAX_NESTING} levels"
     assert _where(err) == (name, line, col)
+
+
+def test_yaml_nested_a_thousand_deep_is_a_located_recipe_error(tmp_path: Path) -> None:
+    """libyaml refuses this itself (its own limit is 1000), before an event reaches ours."""
+    err = _error(tmp_path, "deep.yaml", HEAD + "rules: " + "[" * 1000 + "]" * 1000 + "\n")
+    assert err.problem in ("invalid YAML: exceeded maximum nesting depth",
+                           f"the document nests deeper than {MAX_NESTING} levels"), err.problem
+    assert _where(err)[:2] in (("deep.yaml", 4), ("deep.yaml", 1))
 
 
 def test_dotted_toml_keys_nest_too(tmp_path: Path) -> None:

@@ -141,12 +141,18 @@ def parse_yaml(text: str, name: str) -> Document:
     more than :data:`MAX_ALIAS_VALUES` values, a recursive alias, a tag outside YAML's core
     schema and an integer beyond :data:`MAX_INT` are each a located :class:`RecipeError`.
     """
+    pure_python = _NoDatesLoader is _PyNoDatesLoader
+    if pure_python and _bracket_depth(text) > MAX_NESTING:
+        # PyYAML's scanner is quadratic in flow depth before any event reaches the check
+        msg = f"the document nests deeper than {MAX_NESTING} levels"
+        raise RecipeError(msg, span=SourceSpan(path=name, line=1, column=1))
     try:
         try:
             _check_yaml_events(text, name, _NoDatesLoader)
             node = yaml.compose(text, Loader=_NoDatesLoader)
         except yaml.YAMLError:
-            if _NoDatesLoader is _PyNoDatesLoader or len(text) > _REPARSE_BYTES:
+            if (pure_python or len(text) > _REPARSE_BYTES
+                    or _bracket_depth(text) > MAX_NESTING):
                 raise
             # libyaml's messages are terser than PyYAML's ("did not find expected ','"):
             # the pure-Python parser finds the same error and says what it got instead
@@ -167,6 +173,19 @@ def parse_yaml(text: str, name: str) -> Document:
 
 _CORE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null",
                                                           "seq", "map"))
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest ``[``/``{`` nesting of the raw text, quotes ignored: an upper bound of the flow
+    depth, used only to keep the pure-Python scanner away from deep text."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}" and depth:
+            depth -= 1
+    return deepest
 
 
 def _span_at(name: str, mark: Any) -> SourceSpan:
