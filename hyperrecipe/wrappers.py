@@ -210,7 +210,8 @@ def load_wrapper(ref: str) -> WrapperSpec:
     """The spec of a built-in name or a ``pkg.mod:callable`` reference.
 
     Raises:
-        WrapperError: the module or attribute does not exist, or it is not decorated with
+        WrapperError: the module is not trusted (:mod:`hyperrecipe.refs`; it is then not
+            imported), the module or attribute does not exist, or it is not decorated with
             :func:`inner_wrapper`.
     """
     try:

@@ -51,6 +51,16 @@ def test_billion_laughs_stops_at_the_alias_budget(tmp_path: Path) -> None:
     assert name == "laughs.yaml" and 5 <= line <= 13
 
 
+def test_aliases_of_nested_nodes_nest_within_the_bound(tmp_path: Path) -> None:
+    lines = [HEAD + "rules: []", "a0: &a0 " + "[" * 40 + "x" + "]" * 40]
+    for i in range(1, 200):  # each anchor nests the previous one 40 levels deeper
+        lines.append(f"a{i}: &a{i} " + "[" * 40 + f"*a{i - 1}" + "]" * 40)
+    err = _error(tmp_path, "nest.yaml", "\n".join(lines) + "\n")
+    assert err.problem == (f"the document nests deeper than {MAX_NESTING} levels (through "
+                           f"aliases)")
+    assert _where(err)[0] == "nest.yaml"
+
+
 def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
     err = _error(tmp_path, "rec.yaml", HEAD + "rules: &r [*r]\n")
     assert err.problem == "recursive alias: a node contains itself"

@@ -1,10 +1,12 @@
 """Recipes: the file format users write, loaded and validated without a model.
 
 What lives here: the schema (attrs classes in ``schema``), YAML/TOML reading with source
-positions (``source``), validation of one document (``validate``), built-in styles
-(``styles``), ``match`` patterns (``patterns``), ``extends`` and shipped recipes (``loader``) and
-the JSON Schema export (``jsonschema``). What does not: anything about a model or torch — this
-package must stay importable by the lint, which never imports torch.
+positions, bounded against hostile files (``source``), validation of one document
+(``validate``), built-in styles (``styles``), ``match`` patterns (``patterns``) and the
+non-backtracking automaton they compile to (``automaton``), ``extends`` and shipped recipes
+(``loader``) and the JSON Schema export (``jsonschema``). What does not: anything about a model
+or torch — this package must stay importable by the lint, which never imports torch — and
+importing code a recipe names (``hyperrecipe.refs`` decides whether that is trusted).
 """
 
 from hyperrecipe.recipe.loader import check_recipe_file, load_recipe, shipped_recipes

@@ -238,6 +238,9 @@ class _YamlBuilder:
         key = id(node)
         if key in self.active:
             raise self.fail("recursive alias: a node contains itself", node, path)
+        if len(path) > MAX_NESTING:  # aliases of nested nodes inside nested nodes
+            raise self.fail(f"the document nests deeper than {MAX_NESTING} levels (through "
+                            f"aliases)", node, path[:8])
         if key in self.seen and not isinstance(node, yaml.ScalarNode):
             self.repeated += _node_count(node)
             if self.repeated > MAX_ALIAS_VALUES:
