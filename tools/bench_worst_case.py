@@ -36,6 +36,7 @@ from hyperrecipe.errors import HyperrecipeError  # noqa: E402
 from hyperrecipe.model_tree import snapshot  # noqa: E402
 from hyperrecipe.plan import Plan  # noqa: E402
 from hyperrecipe.recipe import load_recipe  # noqa: E402
+from hyperrecipe.recipe.patterns import compile_pattern  # noqa: E402
 from hyperrecipe.resolve import resolve_recipe  # noqa: E402
 from tests.toy_models import Toy  # noqa: E402
 
@@ -95,6 +96,14 @@ _case("5000-digit integer", ".yaml", lambda: "recipe: t\nversion: " + "9" * 5000
       + "\nmesh: [tp]\nrules: []\n")
 RECIPE_CASES["1200-file extends chain"] = lambda folder: _extends_chain(folder, 1200)
 
+MATCH_CASES: dict[str, str] = {  # matched against a 5,000-character name (Python's re: hours)
+    # no literal suffix, so the prefix/suffix filter cannot answer: the automaton runs
+    "match re:(.*)*(Z|Y), 5000-char FQN": "re:(.*)*(Z|Y)",
+    "match re:(a|a)*(b|c), 5000-char FQN": "re:(a|a)*(b|c)",
+    "match *a*a*a*a*a*a*a*a*{b,c}, 5000-char FQN": "*a*a*a*a*a*a*a*a*{b,c}",
+}
+MATCH_SUBJECT = "a" * 5000
+
 PLAN_CASES: dict[str, str] = {
     "plan 100000-deep JSON": "[" * 100_000 + "]" * 100_000,
     "plan 5000-digit integer": '{"format": ' + "9" * 5000 + "}",
@@ -115,6 +124,14 @@ def _time_recipe(make: Callable[[Path], Path], tree: Any) -> Timing:
         except HyperrecipeError as exc:
             outcome = f"{type(exc).__name__}: {str(exc).split(': ', 1)[-1][:70]}"
         return time.perf_counter() - t0, time.process_time() - c0, outcome
+
+
+def _time_match(pattern: str) -> Timing:
+    t0, c0 = time.perf_counter(), time.process_time()
+    matched = compile_pattern(pattern).fullmatch(MATCH_SUBJECT)
+    compile_pattern.cache_clear()
+    return (time.perf_counter() - t0, time.process_time() - c0,
+            "matches" if matched else "no match")
 
 
 def _time_plan(text: str) -> Timing:
@@ -145,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         rows.append(_row(name, [_time_recipe(make, tree) for _ in range(args.repeats)]))
+    for name, pattern in MATCH_CASES.items():
+        if args.only and name not in args.only:
+            continue
+        rows.append(_row(name, [_time_match(pattern) for _ in range(args.repeats)]))
     for name, text in PLAN_CASES.items():
         if args.only and name not in args.only:
             continue
