@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
           f"slowest of {args.repeats}:\n")
     print("| input | slowest wall (s) | slowest CPU (s) | outcome |\n|---|---:|---:|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['slowest_s']:.2f} | {r['slowest_cpu_s']:.2f} | "
-              f"{r['outcome'].replace('|', '/')} |")
+        case, outcome = (r["case"].replace("|", "\\|"), r["outcome"].replace("|", "\\|"))
+        print(f"| {case} | {r['slowest_s']:.2f} | {r['slowest_cpu_s']:.2f} | {outcome} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "load": load}, indent=1))
     return 0
