@@ -17,6 +17,8 @@ What lives here, one responsibility per module:
   exchange when tokens are sharded; ``reach``: keeping every rank's backward in step when a
   region's code used nothing on one rank.
 - ``adapters``: method adapters for third-party code.
+- ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
+  mesh, every local check passed; the vote), each with a bounded wait.
 
 What does not live here: resolving recipes (the plan is final here) and any direct assignment
 of ``forward`` (only :mod:`hyperrecipe.rewriter` does that).

@@ -3,8 +3,9 @@
 Order inside one rewriter transaction: parameters (local shards, or DTensors in validate mode;
 tied parameters stay one object), head counts (production), method adapters, then boundary
 forwards, innermost first. Before anything changes, the plan is checked against the model's structure, the
-``DeviceMesh`` and the other ranks' plans; after everything is installed, every rank votes, so
-a failure on one rank rolls back all of them instead of leaving ranks out of step.
+``DeviceMesh`` and the other ranks' plans (:mod:`~hyperrecipe.runtime.agreement`: bounded
+waits); after everything is installed, every rank votes, so a failure on one rank rolls back
+all of them instead of leaving ranks out of step.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
