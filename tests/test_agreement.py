@@ -129,3 +129,35 @@ def test_a_rank_that_never_arrives_fails_its_peer_after_the_agreement_timeout(
     assert r0.startswith("PlanMismatchError: rank 0: not every rank reached the plan agreement "
                          "within 1 s"), r0
     assert r1 == "absent"
+
+
+def _slow_worker(rank: int, world: int) -> str:
+    from hyperrecipe.runtime import install
+
+    plan, model = _plan_and_model()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    if rank == 1:
+        original = install._Applier.install_boundaries
+
+        def slow(self: Any, tx: Any) -> None:
+            time.sleep(8)  # hung in its own code past the peers' wait
+            original(self, tx)
+
+        install._Applier.install_boundaries = slow  # type: ignore[method-assign]
+    mesh = _mesh("tp")
+    torch.distributed.barrier()  # both reach apply together: only the install is slow
+    outcome = _outcome(lambda: apply(model, plan, mesh))
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return f"{outcome} | unchanged={unchanged}"
+
+
+def test_a_rank_slower_than_the_wait_rolls_back_with_its_peers(monkeypatch: Any) -> None:
+    """The late rank finds its peer's buffered "arrived" word but no vote: neither keeps the
+    plan."""
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    r0, r1 = run_ranks(_slow_worker, 2, timeout_s=90)
+    assert r0.startswith("PlanMismatchError: rank 0: not every rank reached the vote after "
+                         "installing within 3 s"), r0
+    assert r1.startswith("PlanMismatchError: rank 1: not every rank reached the vote after "
+                         "installing within 3 s"), r1
+    assert r0.endswith("| unchanged=True") and r1.endswith("| unchanged=True")

@@ -146,9 +146,16 @@ def agree_before_apply(plan: Plan, mesh: DeviceMesh, *local_checks: Callable[[],
 
 def vote(ok: bool) -> list[int]:
     """Ranks that failed (every rank gets the same answer, or a PlanMismatchError when a rank
-    did not vote within :func:`agreement_timeout`)."""
+    did not vote within :func:`agreement_timeout`).
+
+    Two exchanges: every rank first says it has arrived, then votes. A rank that gives up
+    waiting has then only said "arrived", never "ok": a peer arriving after the timeout passes
+    the first exchange on that rank's buffered word, but meets nobody in the second and rolls
+    back too, instead of keeping a plan its peer rolled back.
+    """
     if not dist.is_initialized():
         return [] if ok else [0]
+    _all_gather_rows([_OK], "the vote after installing")
     rows = _all_gather_rows([_OK if ok else _FAILED], "the vote after installing")
     return [r for r, (flag,) in enumerate(rows) if flag != _OK]
 
