@@ -234,3 +234,24 @@ def test_a_plan_file_that_is_not_utf8_is_a_plan_format_error(tmp_path: Path) -> 
     with pytest.raises(PlanFormatError) as err:
         Plan.load(path)
     assert str(err.value) == f"{path}: not a plan: not UTF-8 text (invalid start byte at byte 12)"
+
+
+@pytest.mark.parametrize(("text", "lint_exit"), [
+    (HEAD + "rules: []\n" + _laughs(9), 1),
+    (HEAD + "rules: &r [*r]\n", 1),
+    (HEAD + "rules:\n  - match: 're:(.*)*Z'\n", 0),  # valid syntax; compile finds no module
+    (HEAD + "rules: []\ndescription: !!timestamp abc\n", 1),
+])
+def test_the_cli_reports_hostile_recipes_without_a_traceback(
+        tmp_path: Path, text: str, lint_exit: int, capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    assert main(["compile", str(path), "--model", "tests.toy_models:make_toy", "--mesh",
+                 "tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hyperrecipe: error: {path}:") and "Traceback" not in err, err
+    assert main(["lint", str(path)]) == lint_exit
+    out = capsys.readouterr().out
+    assert (out.startswith(f"{path}:") and " HR100 recipe-schema " in out) == bool(lint_exit)
