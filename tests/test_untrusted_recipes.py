@@ -113,6 +113,19 @@ def test_tags_outside_the_core_schema_are_refused_on_scalars_lists_and_mappings(
     assert _where(err) == ("tag.yaml", 5, 14)
 
 
+@pytest.mark.parametrize(("value", "tag", "what"), [
+    ("!!str {a: 1}", "tag:yaml.org,2002:str", "a mapping"),
+    ("!!int [1]", "tag:yaml.org,2002:int", "a list"),
+    ("!!map [1]", "tag:yaml.org,2002:map", "a list"),
+    ("!!seq x", "tag:yaml.org,2002:seq", "a scalar"),
+])
+def test_a_core_tag_on_the_wrong_kind_of_node_is_refused_not_dropped(
+        tmp_path: Path, value: str, tag: str, what: str) -> None:
+    err = _error(tmp_path, "kind.yaml", HEAD + f"rules: []\ndescription: {value}\n")
+    assert err.problem == f"YAML tag {tag!r} cannot be put on {what}"
+    assert _where(err) == ("kind.yaml", 5, 14)
+
+
 def test_a_core_tag_on_a_value_it_cannot_hold_is_a_located_error(tmp_path: Path) -> None:
     err = _error(tmp_path, "fl.yaml", HEAD + "rules: []\ndescription: !!float llama\n")
     assert err.problem == ("invalid YAML value 'llama' (tag:yaml.org,2002:float): could not "

@@ -173,6 +173,7 @@ def parse_yaml(text: str, name: str) -> Document:
 
 _CORE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null",
                                                           "seq", "map"))
+_COLLECTION_TAGS = frozenset(("tag:yaml.org,2002:seq", "tag:yaml.org,2002:map"))
 
 
 def _bracket_depth(text: str) -> int:
@@ -207,6 +208,14 @@ def _check_yaml_events(text: str, name: str, loader: Any) -> None:
             msg = (f"YAML tag {tag!r} is not allowed: recipes use only the core schema (str, "
                    f"int, float, bool, null, seq, map)")
             raise RecipeError(msg, span=_span_at(name, event.start_mark))
+        if tag is not None and tag != "!":
+            kind = ("map" if isinstance(event, yaml.MappingStartEvent) else
+                    "seq" if isinstance(event, yaml.SequenceStartEvent) else "scalar")
+            if (kind == "scalar") == (tag in _COLLECTION_TAGS) or (
+                    kind != "scalar" and tag != f"tag:yaml.org,2002:{kind}"):
+                what = "a mapping" if kind == "map" else "a list" if kind == "seq" else "a scalar"
+                msg = f"YAML tag {tag!r} cannot be put on {what}"
+                raise RecipeError(msg, span=_span_at(name, event.start_mark))
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
             if depth > MAX_NESTING:
