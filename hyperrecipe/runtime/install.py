@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
