@@ -17,11 +17,14 @@ every rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -34,11 +37,12 @@ from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ran
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
-from hyperrecipe.errors import HyperrecipeError
+from hyperrecipe.errors import HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 
-__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
+__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR",
+           "build_deadline", "run_check"]
 
 Mode = Literal["production", "validate"]
 SGD_LR = 1e-2
@@ -188,14 +192,75 @@ def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -
             f"reference uses the same)")
 
 
-def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None
-              ) -> CheckReport:
+def _refuse_default_config(options: CheckOptions) -> None:
+    """``hf:<type>`` with no config at all builds transformers' default, usually billions of
+    parameters, for real in this process and on every rank: refuse, say how big it is and how to
+    ask for it on purpose (``--model-config '{}'``)."""
+    from hyperrecipe.model_tree import build_model, default_config_note, shipped_tiny_config
+
+    with build_deadline(options.model, options.timeout_s):
+        meta = build_model(options.model, None)
+    note = default_config_note(options.model, meta, tiny_config=shipped_tiny_config(options.model))
+    world = 1
+    for size in options.mesh.values():
+        world *= size
+    msg = (f"{note}. check builds that model for real, in this process and on each of the "
+           f"{world} ranks; to check the default config on purpose, pass --model-config '{{}}'")
+    raise ModelSpecError(msg)
+
+
+class _DeadlinePassed(BaseException):
+    """Raised by the ``SIGALRM`` handler; a ``BaseException`` so that neither the factory's own
+    ``except Exception`` nor :func:`~hyperrecipe.model_tree.build_model`'s wrapping catch it."""
+
+
+@contextlib.contextmanager
+def build_deadline(spec: str, timeout_s: float) -> Iterator[None]:
+    """Stop a model build in this process that takes longer than ``timeout_s`` seconds.
+
+    The ranks' launches have their own timeout; this covers the parent's part, where a factory
+    that hangs would otherwise never be stopped. It uses ``SIGALRM``, so it works on the main
+    thread of a POSIX process (the CLI's case) and waits without a limit elsewhere. Python code,
+    ``time.sleep`` and blocking system calls are interrupted; a C extension that loops without
+    returning to the interpreter is not.
+
+    Raises:
+        CheckError: the deadline passed; the message names the spec and the limit.
+    """
+    if (not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        del signum, frame
+        raise _DeadlinePassed
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left, _interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _DeadlinePassed:
+        msg = (f"building {spec} in this process did not finish within {timeout_s:g} s "
+               f"(--timeout); the model factory hangs or is too slow for this check")
+        raise CheckError(msg) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # someone else's timer was running: give it back what it had left
+            signal.setitimer(signal.ITIMER_REAL, left)
+
+
+def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None, *,
+              started: float | None = None) -> CheckReport:
     """Check a recipe on local ranks against a single-process reference.
 
     Args:
         options: what to check.
-        on_progress: called with one-line progress messages (building, reference, launching,
-            each mode running, comparing).
+        on_progress: called with one-line progress messages, one per phase (recipe loaded,
+            model built, plan compiled, reference, each mode launching, running, compared).
+        started: ``time.perf_counter()`` the total time is counted from (the CLI passes the
+            moment the command started, so that imports count); default: when this is called.
 
     Returns:
         The report; ``report.exit_code`` is 0 when every mode agrees and 1 otherwise.
@@ -205,14 +270,18 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         ModelSpecError: the model or the sample batch cannot be built.
         CheckError: the model fails in a single process.
         RankFailedError: a rank failed outside the compared step, or a launch timed out.
+        CheckError: building the model in this process took longer than ``timeout_s``.
     """
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
 
     progress = on_progress if on_progress is not None else _ignore
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() if started is None else started
     recipe = load_recipe(options.recipe)
     config = load_model_config(options.model_config)
+    if options.model.startswith("hf:") and options.model_config is None:
+        _refuse_default_config(options)
+    progress(f"recipe {recipe.name!r} loaded ({len(recipe.rules)} rules)")
     notes: list[str] = []
     wraps_attention = any(rule.fields.inner_wrapper for rule in recipe.rules)
     if (options.model.startswith("hf:") and "validate" in options.modes
@@ -226,9 +295,13 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                          "strategy, so validate mode needs eager attention; the reference uses "
                          "the same)")
     progress(f"building {options.model} on the CPU (seed {options.seed})")
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+    t_build = time.perf_counter()
+    with torch.random.fork_rng(devices=[]), build_deadline(options.model, options.timeout_s):
         model = build_seeded(options.model, config, options.seed)
     tree = snapshot(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress(f"built {options.model}: {len(tree.modules)} modules, {n_params:,} parameters "
+             f"({time.perf_counter() - t_build:.2f} s); compiling the recipe")
     plan = resolve_recipe(recipe, tree, options.mesh)
     if "validate" in options.modes and "experts_implementation" not in config:
         note = _run_experts_batched(model, plan, config)
@@ -244,6 +317,8 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                         for n, p in model.named_parameters(remove_duplicate=False)}
     fingerprint = weights_fingerprint(model)
     t_built = time.perf_counter()
+    progress(f"plan compiled: {len(plan.boundaries)} boundaries, {len(plan.params)} parameters, "
+             f"world size {world}")
 
     steps = f" and {options.steps} SGD step(s)" if options.steps else ""
     progress(f"reference: one forward/backward{steps} in this process ({sample.description})")
