@@ -183,14 +183,16 @@ def run(argv: Sequence[str], *, started: float | None = None, end_process: bool 
         argv: the arguments after ``hyperrecipe``.
         started: ``time.perf_counter()`` when the command started; ``check`` counts its progress
             times and its total from it (default: now).
-        end_process: end the process with ``os._exit`` right after ``check`` has printed its
-            verdict (stdout and stderr flushed), skipping the interpreter's teardown of torch
-            and transformers. Only the process's own entry point passes ``True``.
+        end_process: end the process with ``os._exit`` as soon as the command has printed its
+            result (stdout and stderr flushed, every file it wrote closed), skipping the
+            interpreter's teardown of torch and transformers: on a loaded 2-core machine that
+            teardown took 3-18 s after ``check``'s verdict or ``compile``'s summary
+            (docs/benchmarks.md). Only the process's own entry point passes ``True``.
     """
     t0 = time.perf_counter() if started is None else started
     args = _parser().parse_args(list(argv))
     code = _dispatch(args, t0)
-    if end_process and args.command == "check":
+    if end_process:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -21,10 +21,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` (``sys.argv[1:]`` when ``None``) and return its exit code.
 
     With ``argv=None`` this is the process's entry point (the ``hyperrecipe`` script and
-    ``python -m hyperrecipe``): after ``check`` has printed its verdict the process ends at once
-    (``os._exit`` once stdout and stderr are flushed) instead of waiting for the interpreter to
-    tear torch and transformers down, which took longer than the check's own ranks. Called
-    with a list (tests, other Python code) it always returns.
+    ``python -m hyperrecipe``): once ``compile``, ``explain``, ``schema`` or ``check`` has
+    printed its result the process ends at once (``os._exit`` once stdout and stderr are
+    flushed) instead of waiting for the interpreter to tear torch and transformers down, which
+    took longer than ``check``'s own ranks. Called with a list (tests, other Python code) it
+    always returns.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "lint":

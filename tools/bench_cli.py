@@ -36,7 +36,8 @@ def _pump(stream: IO[str], name: str, out: queue.Queue[tuple[float, str, str]]) 
         out.put((time.perf_counter(), name, line.rstrip("\n")))
 
 
-def time_once(command: list[str], *, echo: bool) -> dict[str, float | None]:
+def time_once(command: list[str], *, echo: bool,
+              verdicts: tuple[str, ...] = VERDICTS) -> dict[str, float | None]:
     """Run ``command`` once; return the first-line, verdict and exit times (seconds)."""
     lines: queue.Queue[tuple[float, str, str]] = queue.Queue()
     t0 = time.perf_counter()
@@ -56,7 +57,7 @@ def time_once(command: list[str], *, echo: bool) -> dict[str, float | None]:
         t, name, text = lines.get()
         t -= t0
         first = t if first is None else min(first, t)
-        if verdict is None and text.startswith(VERDICTS):
+        if verdict is None and text.startswith(verdicts):
             verdict = t
         if echo:
             print(f"{t:7.2f} {name} {text}")
@@ -68,12 +69,15 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", help="write the runs here")
     parser.add_argument("--quiet", action="store_true", help="do not echo the stamped lines")
+    parser.add_argument("--verdict", action="append", metavar="PREFIX",
+                        help="a line starting with PREFIX is the verdict (default: check's)")
     parser.add_argument("command", nargs="*", help="the command (after --); default README check")
     args = parser.parse_args()
     command = args.command or README_CHECK
     print(f"command: {' '.join(command)}  (load average {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} cores)")
-    runs = [time_once(command, echo=not args.quiet) for _ in range(args.runs)]
+    verdicts = tuple(args.verdict) if args.verdict else VERDICTS
+    runs = [time_once(command, echo=not args.quiet, verdicts=verdicts) for _ in range(args.runs)]
     for i, r in enumerate(runs):
         gap = (r["exit_s"] - r["verdict_s"]) if r["verdict_s"] is not None else None  # type: ignore[operator]
         print(f"run {i}: first line {r['first_line_s']:.2f} s, verdict "
