@@ -112,8 +112,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="make_inputs(model, batch=, seq=, generator=) -> (args, kwargs), for "
                         "models that do not take token ids")
     k.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
-                   help="seconds allowed for building the model in this process, and again "
-                        "for each mode's launch (default 300)")
+                   help="seconds allowed for each step in this process (building the model, "
+                        "the sample batch, the reference step) and for each mode's launch "
+                        "(default 300)")
     k.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 

@@ -111,3 +111,11 @@ def hanging_in_the_parent(**kwargs: Any) -> AttnToy:
     if "RANK" not in os.environ:
         time.sleep(3600)
     return AttnToy(**kwargs)
+
+
+def forward_hanging_in_the_parent(**kwargs: Any) -> AttnToy:
+    """Builds everywhere; its forward never returns in the process that runs the check."""
+    model = AttnToy(**kwargs)
+    if "RANK" not in os.environ:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(3600))
+    return model

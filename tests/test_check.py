@@ -276,7 +276,7 @@ def test_recipe_that_does_not_fit_exits_2_before_any_rank_starts(
     assert data["error"].startswith("tests/recipes/toy-attn.yaml:8:12: parameter 'embed.weight'")
 
 
-def test_timeout_stops_a_model_factory_that_hangs_in_the_parent(
+def test_timeout_stops_a_model_factory_or_forward_that_hangs_in_the_parent(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
                "tests.check_models:hanging_in_the_parent", "--mesh", "tp=2", "--timeout", "1"])
@@ -287,6 +287,14 @@ def test_timeout_stops_a_model_factory_that_hangs_in_the_parent(
         "did not finish within 1 s (--timeout); the model factory hangs or is too slow for this "
         "check")
     assert "launching" not in err and multiprocessing.active_children() == []
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
+               "tests.check_models:forward_hanging_in_the_parent", "--mesh", "tp=2",
+               "--timeout", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines()[-1] == (
+        "hyperrecipe: error: the reference step in this process did not finish within 1 s "
+        "(--timeout); the model's forward or backward hangs or is too slow for this check")
 
 
 def test_hf_model_without_a_config_is_refused_with_its_size_and_the_opt_in(

@@ -42,7 +42,7 @@ from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 
 __all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR",
-           "build_deadline", "run_check"]
+           "parent_deadline", "run_check"]
 
 Mode = Literal["production", "validate"]
 SGD_LR = 1e-2
@@ -198,7 +198,7 @@ def _refuse_default_config(options: CheckOptions) -> None:
     ask for it on purpose (``--model-config '{}'``)."""
     from hyperrecipe.model_tree import build_model, default_config_note, shipped_tiny_config
 
-    with build_deadline(options.model, options.timeout_s):
+    with parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY):
         meta = build_model(options.model, None)
     note = default_config_note(options.model, meta, tiny_config=shipped_tiny_config(options.model))
     world = 1
@@ -209,23 +209,32 @@ def _refuse_default_config(options: CheckOptions) -> None:
     raise ModelSpecError(msg)
 
 
+_SLOW_FACTORY = "the model factory hangs or is too slow for this check"
+
+
 class _DeadlinePassed(BaseException):
     """Raised by the ``SIGALRM`` handler; a ``BaseException`` so that neither the factory's own
     ``except Exception`` nor :func:`~hyperrecipe.model_tree.build_model`'s wrapping catch it."""
 
 
 @contextlib.contextmanager
-def build_deadline(spec: str, timeout_s: float) -> Iterator[None]:
-    """Stop a model build in this process that takes longer than ``timeout_s`` seconds.
+def parent_deadline(timeout_s: float, what: str, cause: str) -> Iterator[None]:
+    """Stop work in this process (the one that runs the check) that takes longer than
+    ``timeout_s`` seconds: building the model, making the sample batch, the reference step.
 
-    The ranks' launches have their own timeout; this covers the parent's part, where a factory
-    that hangs would otherwise never be stopped. It uses ``SIGALRM``, so it works on the main
-    thread of a POSIX process (the CLI's case) and waits without a limit elsewhere. Python code,
-    ``time.sleep`` and blocking system calls are interrupted; a C extension that loops without
-    returning to the interpreter is not.
+    The ranks' launches have their own timeout; this covers the parent's part, where a model
+    factory or forward that hangs would otherwise never be stopped. It uses ``SIGALRM``, so it
+    works on the main thread of a POSIX process (the CLI's case) and waits without a limit
+    elsewhere. Python code, ``time.sleep`` and blocking system calls are interrupted; a C
+    extension that loops without returning to the interpreter is not.
+
+    Args:
+        timeout_s: the limit (``--timeout``).
+        what: what is running, for the message (``"building hf:llama"``).
+        cause: the likely cause, for the message.
 
     Raises:
-        CheckError: the deadline passed; the message names the spec and the limit.
+        CheckError: the deadline passed; the message names what ran, the limit and the cause.
     """
     if (not hasattr(signal, "setitimer")
             or threading.current_thread() is not threading.main_thread()):
@@ -241,8 +250,8 @@ def build_deadline(spec: str, timeout_s: float) -> Iterator[None]:
     try:
         yield
     except _DeadlinePassed:
-        msg = (f"building {spec} in this process did not finish within {timeout_s:g} s "
-               f"(--timeout); the model factory hangs or is too slow for this check")
+        msg = (f"{what} in this process did not finish within {timeout_s:g} s (--timeout); "
+               f"{cause}")
         raise CheckError(msg) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -296,7 +305,8 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                          "the same)")
     progress(f"building {options.model} on the CPU (seed {options.seed})")
     t_build = time.perf_counter()
-    with torch.random.fork_rng(devices=[]), build_deadline(options.model, options.timeout_s):
+    with (torch.random.fork_rng(devices=[]),
+          parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY)):
         model = build_seeded(options.model, config, options.seed)
     tree = snapshot(model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -310,8 +320,10 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     world = 1
     for d in plan.mesh:
         world *= d.size
-    sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
-                         seed=options.seed, inputs=options.inputs)
+    with parent_deadline(options.timeout_s, "making the sample batch",
+                         "--inputs hangs or is too slow for this check"):
+        sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
+                             seed=options.seed, inputs=options.inputs)
     atol, rtol = _tolerances(model, options)
     reference_params = {n: p.detach().clone()
                         for n, p in model.named_parameters(remove_duplicate=False)}
@@ -323,15 +335,17 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     steps = f" and {options.steps} SGD step(s)" if options.steps else ""
     progress(f"reference: one forward/backward{steps} in this process ({sample.description})")
     tracer = Tracer(model, plan.boundaries, view=lambda v, p: (v.detach().clone(), ""))
+    slow_step = "the model's forward or backward hangs or is too slow for this check"
     try:
-        reference = run_step(
-            model, sample, tracer, steps=options.steps, lr=SGD_LR,
-            full_grads=lambda: {n: p.grad.detach().clone()
-                                for n, p in model.named_parameters(remove_duplicate=False)
-                                if p.grad is not None},
-            full_params=lambda: {n: p.detach().clone()
-                                 for n, p in model.named_parameters(remove_duplicate=False)},
-            view_output=lambda t: t.detach().clone())
+        with parent_deadline(options.timeout_s, "the reference step", slow_step):
+            reference = run_step(
+                model, sample, tracer, steps=options.steps, lr=SGD_LR,
+                full_grads=lambda: {n: p.grad.detach().clone()
+                                    for n, p in model.named_parameters(remove_duplicate=False)
+                                    if p.grad is not None},
+                full_params=lambda: {n: p.detach().clone()
+                                     for n, p in model.named_parameters(remove_duplicate=False)},
+                view_output=lambda t: t.detach().clone())
     except StepFailed as failed:
         msg = (f"{options.model} fails in a single process, without any plan "
                f"({failed.trace.failure.phase if failed.trace.failure else 'step'}): {failed}")
