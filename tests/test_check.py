@@ -229,6 +229,7 @@ def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
 # ------------------------------------------------------------------------- errors and imports
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_correct_plain_torch_recipe_agrees_without_importing_transformers(in_root: Path) -> None:
     code = ("import sys\nfrom hyperrecipe.cli import main\n"
             "rc = main(['check', 'tests/recipes/toy-attn.yaml', '--model', "

@@ -79,8 +79,9 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     assert worst <= SCALED_TOL * scale, f"{what}: max diff {worst:.3e} > {SCALED_TOL} x {scale:.3e}"
 
 
-@pytest.mark.parametrize(("family", "mode", "world", "overrides"), CASES,
-                         ids=[_case_id(*c) for c in CASES])
+@pytest.mark.parametrize(("family", "mode", "world", "overrides"), [
+    pytest.param(*c, id=_case_id(*c), marks=[pytest.mark.slow] if c[2] > 2 else [])  # 4 ranks
+    for c in CASES])
 def test_recipe_matches_single_process_logits_and_every_gradient(
         family: str, mode: str, world: int, overrides: dict[str, Any]) -> None:
     ref_logits, ref_grads, initial = reference(family, **overrides)
