@@ -7,6 +7,7 @@ set-up of the torch-backed commands, and each command imports its parts only whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -192,10 +193,18 @@ def run(argv: Sequence[str], *, started: float | None = None, end_process: bool 
     """
     t0 = time.perf_counter() if started is None else started
     args = _parser().parse_args(list(argv))
-    code = _dispatch(args, t0)
+    try:
+        code = _dispatch(args, t0)
+    except BrokenPipeError:
+        if not end_process:
+            raise
+        # the reader went away (`hyperrecipe compile ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     if end_process:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError):  # a closed pipe (| head) is not our error
+                stream.flush()
         os._exit(code)
     return code
 

@@ -34,4 +34,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return lint_main(args[1:])
     from hyperrecipe._cli_commands import run
 
-    return run(args, started=STARTED, end_process=argv is None)
+    entry = argv is None  # the process's own command: its clock started with the process
+    return run(args, started=STARTED if entry else None, end_process=entry)

@@ -102,6 +102,7 @@ def test_schema_is_json_and_lists_rule_fields(capsys: pytest.CaptureFixture[str]
     assert "params" in schema["$defs"]["rule"]["properties"]
 
 
+@pytest.mark.slow  # a fresh interpreter; CI also runs this command itself (.ci/run)
 def test_python_dash_m_and_compile_of_hf_llama(in_root: Path) -> None:
     r = run_cli("compile", "recipes/llama.yaml", "--model", "hf:llama", "--model-config",
                 "recipes/models/tiny-llama.json", "--mesh", "tp=2", cwd=in_root)
