@@ -276,10 +276,13 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
 
     Raises:
         RecipeError: the recipe does not load or does not fit the model and mesh.
-        ModelSpecError: the model or the sample batch cannot be built.
+        ModelSpecError: the model or the sample batch cannot be built, or ``hf:<type>`` was
+            given without ``model_config`` (transformers' default config, built for real on
+            every rank, is refused with its size; pass ``{}`` to mean it).
         CheckError: the model fails in a single process.
         RankFailedError: a rank failed outside the compared step, or a launch timed out.
-        CheckError: building the model in this process took longer than ``timeout_s``.
+        CheckError: a step in this process (building the model, the sample batch, the
+            reference step) took longer than ``timeout_s``.
     """
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
