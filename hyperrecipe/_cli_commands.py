@@ -272,8 +272,7 @@ def _check(args: argparse.Namespace, started: float) -> int:
 
     say = _quiet if args.quiet else progress
     # The first line comes before torch is imported: that import alone takes seconds.
-    say(f"checking {args.recipe} on {_mesh_text(args.mesh)}: importing torch"
-        + (" and transformers" if args.model.startswith("hf:") else ""))
+    say(f"checking {args.recipe} on {_mesh_text(args.mesh)}: importing torch")
     from hyperrecipe.check.report import render_text, report_json
     from hyperrecipe.check.run import CheckOptions, Mode, run_check
 

@@ -306,7 +306,8 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA "
                          "strategy, so validate mode needs eager attention; the reference uses "
                          "the same)")
-    progress(f"building {options.model} on the CPU (seed {options.seed})")
+    first = "; transformers is imported first" if options.model.startswith("hf:") else ""
+    progress(f"building {options.model} on the CPU (seed {options.seed}{first})")
     t_build = time.perf_counter()
     with (torch.random.fork_rng(devices=[]),
           parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY)):
