@@ -634,3 +634,37 @@ def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
     assert res["dtypes"] == ["torch.float32"]
     for name, value in source.state_dict().items():
         torch.testing.assert_close(res["full"][name], value.float(), atol=0, rtol=0, msg=name)
+
+
+# -- activation checkpointing and torch.compile after apply ---------------------------------
+
+
+def _after_apply_worker(rank: int, world: int, folder: str, how: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    model.train()
+    if how == "checkpointing":
+        model.gradient_checkpointing_enable()
+        step_model: Any = model
+    else:
+        step_model = torch.compile(model)
+    loss = _loss(step_model, _batch(0))
+    loss.backward()
+    return {"loss": loss.detach(), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("how", ["checkpointing",
+                                 pytest.param("compile", marks=pytest.mark.slow)])
+def test_training_features_after_apply_match_one_process(hf_checkpoint: Path, how: str) -> None:
+    """transformers' gradient checkpointing enabled after apply, or torch.compile of the applied
+    model: loss and every gradient equal one process (fp32, atol 2e-6 / rtol 1e-5)."""
+    ref = llama(**_overrides())
+    ref.train()
+    if how == "checkpointing":
+        ref.gradient_checkpointing_enable()
+    ref_loss = _loss(ref, _batch(0))
+    ref_loss.backward()
+    res = run_ranks(_after_apply_worker, 2, str(hf_checkpoint), how)[0]
+    torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=2e-6, rtol=1e-5)
+    for name, g in grads_of(ref).items():
+        assert_close(res["grads"][name], g, f"grad {name}")
