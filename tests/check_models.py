@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -102,3 +103,19 @@ def llama_inputs(model: nn.Module, *, batch: int, seq: int,
     vocab = model.config.vocab_size  # type: ignore[union-attr]
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
     return (), {"input_ids": ids, "use_cache": False}
+
+
+def hanging_in_the_parent(**kwargs: Any) -> AttnToy:
+    """Never returns in the process that runs ``hyperrecipe check`` (no ``RANK`` set): a factory
+    that waits on something that never comes."""
+    if "RANK" not in os.environ:
+        time.sleep(3600)
+    return AttnToy(**kwargs)
+
+
+def forward_hanging_in_the_parent(**kwargs: Any) -> AttnToy:
+    """Builds everywhere; its forward never returns in the process that runs the check."""
+    model = AttnToy(**kwargs)
+    if "RANK" not in os.environ:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(3600))
+    return model

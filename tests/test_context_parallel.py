@@ -44,8 +44,10 @@ def test_is_causal_top_left_alignment_would_be_wrong_off_rank_zero() -> None:
     assert not torch.equal(causal_mask_for_rank(4, 8, 4), top_left)
 
 
-@pytest.mark.parametrize(("recipe", "mesh"), [("recipes/llama-cp.yaml", "cp=2"),
-                                              ("recipes/llama-tp-cp.yaml", "tp=2,cp=2")])
+@pytest.mark.parametrize(("recipe", "mesh"), [
+    ("recipes/llama-cp.yaml", "cp=2"),
+    pytest.param("recipes/llama-tp-cp.yaml", "tp=2,cp=2", marks=pytest.mark.slow),  # four ranks
+])
 def test_cp_recipes_agree_with_one_process_in_both_modes(recipe: str, mesh: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     from hyperrecipe.cli import main
@@ -136,6 +138,7 @@ def test_ulysses_agrees_with_one_process_in_both_modes(tmp_path: Any,
         assert len(m["inner_wrappers"]) == 2  # one per decoder layer of tiny-llama
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_chain_falls_back_from_ulysses_when_heads_do_not_divide(
         tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     recipe = _cp_variant(tmp_path, "[ulysses, cp_allgather_kv]")
@@ -156,6 +159,7 @@ def test_chain_falls_back_from_ulysses_when_heads_do_not_divide(
     assert "cp_allgather_kv installed on 2 modules" in text
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_ulysses_alone_fails_naming_the_boundary_when_heads_do_not_divide(
         tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     # apply refuses before any step runs, so the run ends with an error, not a divergence
@@ -305,6 +309,7 @@ def test_a_malformed_declaration_fails_at_decoration(declared: Any, message: str
         inner_wrapper(mesh_dims=("cp",), inner_out_src=declared)
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("wrapper", ["cp_allgather_kv", "ulysses"])
 def test_mistral_sliding_window_attention_agrees_at_cp4(
         tmp_path: Any, wrapper: str, capsys: pytest.CaptureFixture[str]) -> None:

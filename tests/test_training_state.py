@@ -222,7 +222,8 @@ def tp2_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     return ckpt
 
 
-@pytest.mark.parametrize("resume_world", [1, 2, 4])
+@pytest.mark.parametrize("resume_world", [
+    1, 2, pytest.param(4, marks=pytest.mark.slow)])  # four ranks (docs/benchmarks.md#test-suite)
 def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_run(
         tp2_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
     ref = reference_losses
@@ -413,6 +414,7 @@ def _fsdp_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "full": inst.full_state_dict(), "refusal": refusal}
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_fully_shard_on_dp_after_apply_trains_like_one_process(hf_checkpoint: Path) -> None:
     """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards over dp. The first step's gradients
     (gathered through FSDP's and the plan's layouts) equal one process on the whole batch to
@@ -548,6 +550,7 @@ def _torchrun(nproc: int, *args: str) -> list[float]:
             if line.startswith("{")]
 
 
+@pytest.mark.slow  # starts fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
                                                                     tmp_path: Path) -> None:
     """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed
@@ -631,3 +634,37 @@ def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
     assert res["dtypes"] == ["torch.float32"]
     for name, value in source.state_dict().items():
         torch.testing.assert_close(res["full"][name], value.float(), atol=0, rtol=0, msg=name)
+
+
+# -- activation checkpointing and torch.compile after apply ---------------------------------
+
+
+def _after_apply_worker(rank: int, world: int, folder: str, how: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    model.train()
+    if how == "checkpointing":
+        model.gradient_checkpointing_enable()
+        step_model: Any = model
+    else:
+        step_model = torch.compile(model)
+    loss = _loss(step_model, _batch(0))
+    loss.backward()
+    return {"loss": loss.detach(), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("how", ["checkpointing",
+                                 pytest.param("compile", marks=pytest.mark.slow)])
+def test_training_features_after_apply_match_one_process(hf_checkpoint: Path, how: str) -> None:
+    """transformers' gradient checkpointing enabled after apply, or torch.compile of the applied
+    model: loss and every gradient equal one process (fp32, atol 2e-6 / rtol 1e-5)."""
+    ref = llama(**_overrides())
+    ref.train()
+    if how == "checkpointing":
+        ref.gradient_checkpointing_enable()
+    ref_loss = _loss(ref, _batch(0))
+    ref_loss.backward()
+    res = run_ranks(_after_apply_worker, 2, str(hf_checkpoint), how)[0]
+    torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=2e-6, rtol=1e-5)
+    for name, g in grads_of(ref).items():
+        assert_close(res["grads"][name], g, f"grad {name}")

@@ -17,11 +17,14 @@ every rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -34,11 +37,12 @@ from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ran
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
-from hyperrecipe.errors import HyperrecipeError
+from hyperrecipe.errors import HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 
-__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
+__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR",
+           "parent_deadline", "run_check"]
 
 Mode = Literal["production", "validate"]
 SGD_LR = 1e-2
@@ -188,31 +192,108 @@ def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -
             f"reference uses the same)")
 
 
-def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None
-              ) -> CheckReport:
+def _refuse_default_config(options: CheckOptions) -> None:
+    """``hf:<type>`` with no config at all builds transformers' default, usually billions of
+    parameters, for real in this process and on every rank: refuse, say how big it is and how to
+    ask for it on purpose (``--model-config '{}'``)."""
+    from hyperrecipe.model_tree import build_model, default_config_note, shipped_tiny_config
+
+    with parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY):
+        meta = build_model(options.model, None)
+    note = default_config_note(options.model, meta, tiny_config=shipped_tiny_config(options.model))
+    world = 1
+    for size in options.mesh.values():
+        world *= size
+    msg = (f"{note}. check builds that model for real, in this process and on each of the "
+           f"{world} ranks; to check the default config on purpose, pass --model-config '{{}}'")
+    raise ModelSpecError(msg)
+
+
+_SLOW_FACTORY = "the model factory hangs or is too slow for this check"
+
+
+class _DeadlinePassed(BaseException):
+    """Raised by the ``SIGALRM`` handler; a ``BaseException`` so that neither the factory's own
+    ``except Exception`` nor :func:`~hyperrecipe.model_tree.build_model`'s wrapping catch it."""
+
+
+@contextlib.contextmanager
+def parent_deadline(timeout_s: float, what: str, cause: str) -> Iterator[None]:
+    """Stop work in this process (the one that runs the check) that takes longer than
+    ``timeout_s`` seconds: building the model, making the sample batch, the reference step.
+
+    The ranks' launches have their own timeout; this covers the parent's part, where a model
+    factory or forward that hangs would otherwise never be stopped. It uses ``SIGALRM``, so it
+    works on the main thread of a POSIX process (the CLI's case) and waits without a limit
+    elsewhere. Python code, ``time.sleep`` and blocking system calls are interrupted; a C
+    extension that loops without returning to the interpreter is not.
+
+    Args:
+        timeout_s: the limit (``--timeout``).
+        what: what is running, for the message (``"building hf:llama"``).
+        cause: the likely cause, for the message.
+
+    Raises:
+        CheckError: the deadline passed; the message names what ran, the limit and the cause.
+    """
+    if (not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        del signum, frame
+        raise _DeadlinePassed
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left, _interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _DeadlinePassed:
+        msg = (f"{what} in this process did not finish within {timeout_s:g} s (--timeout); "
+               f"{cause}")
+        raise CheckError(msg) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # someone else's timer was running: give it back what it had left
+            signal.setitimer(signal.ITIMER_REAL, left)
+
+
+def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None, *,
+              started: float | None = None) -> CheckReport:
     """Check a recipe on local ranks against a single-process reference.
 
     Args:
         options: what to check.
-        on_progress: called with one-line progress messages (building, reference, launching,
-            each mode running, comparing).
+        on_progress: called with one-line progress messages, one per phase (recipe loaded,
+            model built, plan compiled, reference, each mode launching, running, compared).
+        started: ``time.perf_counter()`` the total time is counted from (the CLI passes the
+            moment the command started, so that imports count); default: when this is called.
 
     Returns:
         The report; ``report.exit_code`` is 0 when every mode agrees and 1 otherwise.
 
     Raises:
         RecipeError: the recipe does not load or does not fit the model and mesh.
-        ModelSpecError: the model or the sample batch cannot be built.
+        ModelSpecError: the model or the sample batch cannot be built, or ``hf:<type>`` was
+            given without ``model_config`` (transformers' default config, built for real on
+            every rank, is refused with its size; pass ``{}`` to mean it).
         CheckError: the model fails in a single process.
         RankFailedError: a rank failed outside the compared step, or a launch timed out.
+        CheckError: a step in this process (building the model, the sample batch, the
+            reference step) took longer than ``timeout_s``.
     """
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
 
     progress = on_progress if on_progress is not None else _ignore
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() if started is None else started
     recipe = load_recipe(options.recipe)
     config = load_model_config(options.model_config)
+    if options.model.startswith("hf:") and options.model_config is None:
+        _refuse_default_config(options)
+    progress(f"recipe {recipe.name!r} loaded ({len(recipe.rules)} rules)")
     notes: list[str] = []
     wraps_attention = any(rule.fields.inner_wrapper for rule in recipe.rules)
     if (options.model.startswith("hf:") and "validate" in options.modes
@@ -225,10 +306,16 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA "
                          "strategy, so validate mode needs eager attention; the reference uses "
                          "the same)")
-    progress(f"building {options.model} on the CPU (seed {options.seed})")
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+    first = "; transformers is imported first" if options.model.startswith("hf:") else ""
+    progress(f"building {options.model} on the CPU (seed {options.seed}{first})")
+    t_build = time.perf_counter()
+    with (torch.random.fork_rng(devices=[]),
+          parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY)):
         model = build_seeded(options.model, config, options.seed)
     tree = snapshot(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress(f"built {options.model}: {len(tree.modules)} modules, {n_params:,} parameters "
+             f"({time.perf_counter() - t_build:.2f} s); compiling the recipe")
     plan = resolve_recipe(recipe, tree, options.mesh)
     if "validate" in options.modes and "experts_implementation" not in config:
         note = _run_experts_batched(model, plan, config)
@@ -237,26 +324,32 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     world = 1
     for d in plan.mesh:
         world *= d.size
-    sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
-                         seed=options.seed, inputs=options.inputs)
+    with parent_deadline(options.timeout_s, "making the sample batch",
+                         "--inputs hangs or is too slow for this check"):
+        sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
+                             seed=options.seed, inputs=options.inputs)
     atol, rtol = _tolerances(model, options)
     reference_params = {n: p.detach().clone()
                         for n, p in model.named_parameters(remove_duplicate=False)}
     fingerprint = weights_fingerprint(model)
     t_built = time.perf_counter()
+    progress(f"plan compiled: {len(plan.boundaries)} boundaries, {len(plan.params)} parameters, "
+             f"world size {world}")
 
     steps = f" and {options.steps} SGD step(s)" if options.steps else ""
     progress(f"reference: one forward/backward{steps} in this process ({sample.description})")
     tracer = Tracer(model, plan.boundaries, view=lambda v, p: (v.detach().clone(), ""))
+    slow_step = "the model's forward or backward hangs or is too slow for this check"
     try:
-        reference = run_step(
-            model, sample, tracer, steps=options.steps, lr=SGD_LR,
-            full_grads=lambda: {n: p.grad.detach().clone()
-                                for n, p in model.named_parameters(remove_duplicate=False)
-                                if p.grad is not None},
-            full_params=lambda: {n: p.detach().clone()
-                                 for n, p in model.named_parameters(remove_duplicate=False)},
-            view_output=lambda t: t.detach().clone())
+        with parent_deadline(options.timeout_s, "the reference step", slow_step):
+            reference = run_step(
+                model, sample, tracer, steps=options.steps, lr=SGD_LR,
+                full_grads=lambda: {n: p.grad.detach().clone()
+                                    for n, p in model.named_parameters(remove_duplicate=False)
+                                    if p.grad is not None},
+                full_params=lambda: {n: p.detach().clone()
+                                     for n, p in model.named_parameters(remove_duplicate=False)},
+                view_output=lambda t: t.detach().clone())
     except StepFailed as failed:
         msg = (f"{options.model} fails in a single process, without any plan "
                f"({failed.trace.failure.phase if failed.trace.failure else 'step'}): {failed}")
