@@ -106,6 +106,8 @@ class _Applier:
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
         self.released: dict[str, nn.Parameter] = {}
+        self.peers_lost = False
+        """Set when a rank did not vote in time: a rollback then gathers nothing."""
         """Originals whose storage was dropped once their shard existed (by owner FQN)."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
         self.device = mesh_device(mesh)
@@ -158,7 +160,8 @@ class _Applier:
         :meth:`_restorer`) with its own slice of the original, then puts the original back."""
 
         def restore() -> nn.Parameter:
-            if p.tied_to is None and not is_meta(original):  # peers gather only real shards
+            if p.tied_to is None and not is_meta(original) and not self.peers_lost:
+                # peers gather only real shards, and only while they are all here
                 self._gather_local(p, local_shard(original.detach(), p.placement, self.mesh,
                                                   self.mesh_dims))
             return original
@@ -271,11 +274,16 @@ class _Applier:
 
                 current = self.new_params[fqn]
                 local = current._local_tensor if isinstance(current, DTensor) else current
-                full = self._gather_local(self.plan.param(fqn), local)
+                p_owner = self.plan.param(fqn)
+                if self.peers_lost and local.shape != torch.Size(p_owner.shape):
+                    # no gather without the peers: the value is gone, say so with meta
+                    local = torch.empty(p_owner.shape, dtype=local.dtype, device="meta")
+                full = (local if local.is_meta
+                        else self._gather_local(p_owner, local))
                 if full is local or full.data_ptr() == local.data_ptr():
                     full = full.clone()
                 original = self.released.get(fqn)
-                if original is not None:  # the very object the model had, its data back
+                if original is not None and not full.is_meta:  # the model's own object, back
                     original.data = full
                     self.restored[fqn] = original
                 else:
@@ -409,7 +417,18 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
             applier.install_boundaries(tx)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
-        failed = vote(error is None)
+        try:
+            failed = vote(error is None)
+        except PlanMismatchError as exc:
+            # A rank did not vote in time: it may still be installing, so this rank's
+            # rollback must not start collectives it would meet half-way.
+            applier.peers_lost = True
+            if applier.released:
+                exc.add_note(
+                    f"hyperrecipe: {len(applier.released)} parameters had released their full "
+                    f"storage once sharded and cannot be gathered back without the missing "
+                    f"rank(s); they are left on the meta device: rebuild or reload the model")
+            raise
         if error is not None:
             raise error
         if failed:
