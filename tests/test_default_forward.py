@@ -9,7 +9,7 @@ length exactly, and the generated token ids exactly.
 GPT-2 runs in production mode only (its validate mode stops at ``c_proj`` for a reason of its
 own, ``test_gpt2_validate_mode_stops_at_c_proj``). The sequence-sharded recipes (``llama-sp``,
 ``llama-cp``) run the default forward; they cannot decode one token at a time (one token does
-not split over two ranks), which production refuses by name.
+not split over two ranks), which both modes refuse by name.
 """
 
 from __future__ import annotations
@@ -68,10 +68,48 @@ def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dic
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
 
 
-def test_sequence_parallel_decoding_is_refused_by_name_in_production() -> None:
+@pytest.mark.parametrize(("mode", "message"), [
+    ("production", "CollectiveShapeError: local_slice[tp](scatter_dim=1) (forward): scatter_dim=1 "
+                   "of a tensor of shape (2, 1, 64) has size 1, which does not divide evenly "
+                   "into 2 shards"),
+    ("validate", "PlanMismatchError: model.layers.0: input 'hidden_states' of shape (2, 1, 64) "
+                 "is redistributed to {tp: shard(1)}, but dim 1 (size 1) does not divide evenly "
+                 "into tp=2 shards; production mode refuses it too (its shards are equal)"),
+])
+def test_sequence_parallel_decoding_is_refused_by_name_in_both_modes(mode: str,
+                                                                    message: str) -> None:
     path = str(ROOT / "recipes/llama-sp.yaml")
+    overrides = overrides_for("llama", mode, path)
     with pytest.raises(RankFailedError) as info:
-        run_ranks(generate_worker, 2, "llama", path, TP2, "production", {}, timeout_s=300)
-    assert ("CollectiveShapeError: local_slice[tp](scatter_dim=1) (forward): scatter_dim=1 of a "
-            "tensor of shape (2, 1, 64) has size 1, which does not divide evenly into 2 shards"
-            in str(info.value))
+        run_ranks(generate_worker, 2, "llama", path, TP2, mode, overrides, timeout_s=300)
+    assert message in str(info.value)
+
+
+def _scope_worker(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hyperrecipe.runtime.validate_scope import validate_compute
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    keys = DTensor.from_local(torch.ones(2, 3), mesh, (Shard(1),))
+
+    def grow() -> tuple[torch.Tensor, torch.Tensor]:
+        first = torch.cat([torch.tensor([]), keys], dim=-2)  # a cache's first update
+        return first, torch.cat(tensors=[first, keys], dim=0)
+
+    first, second = validate_compute(grow)()
+    try:
+        validate_compute(lambda: torch.cat([torch.zeros(2, 6), keys]))()
+        mixed = "accepted"
+    except RuntimeError as exc:
+        mixed = str(exc)
+    return {"first": (type(first).__name__, tuple(first.shape), str(first.placements)),
+            "second": tuple(second.shape), "mixed": mixed}
+
+
+def test_only_legacy_empty_tensors_concatenate_with_dtensors_in_a_validate_compute() -> None:
+    (res,) = run_ranks(_scope_worker, 1, timeout_s=60)
+    assert res["first"] == ("DTensor", (2, 3), "(Shard(dim=1),)")
+    assert res["second"] == (4, 3)
+    assert str(res["mixed"]).startswith("aten.cat.default got mixed torch.Tensor and DTensor")

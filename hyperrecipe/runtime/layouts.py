@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
-from hyperrecipe.errors import PlacementMismatchError
+from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.collectives import group_for, transition
@@ -144,6 +144,18 @@ class ValidateRedistributor:
         DTensor, mesh = self._dtensor, self.mesh
         src, dst = self._torch(layout.src), self._torch(layout.dst)
         same = src == dst
+        # dims the redistribution splits: DTensor would split them unevenly, production refuses
+        splits = [(q.dim, mesh.size(i), self.mesh_dims[i]) for i, q in enumerate(dst)
+                  if q.is_shard() and q != src[i]]
+
+        def check_even(d: Any, name: str) -> None:
+            for dim, n, mesh_dim in splits:
+                if d.shape[dim] % n:
+                    msg = (f"{boundary.fqn}: input {name!r} of shape {tuple(d.shape)} is "
+                           f"redistributed to {layout.dst}, but dim {dim} (size "
+                           f"{d.shape[dim]}) does not divide evenly into {mesh_dim}={n} shards; "
+                           f"production mode refuses it too (its shards are equal)")
+                    raise PlanMismatchError(msg)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -156,7 +168,10 @@ class ValidateRedistributor:
                 d = value
             else:
                 d = DTensor.from_local(value, mesh, src, run_check=False)
-            return d if same else d.redistribute(mesh, dst)
+            if same:
+                return d
+            check_even(d, name)
+            return d.redistribute(mesh, dst)
 
         return convert
 

@@ -53,11 +53,11 @@ class _SkipLegacyEmpty(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _CONCATENATIONS and args and isinstance(args[0], (list, tuple)):
+        kwargs = dict(kwargs or {})
+        tensors = args[0] if args else kwargs.get("tensors")
+        if func in _CONCATENATIONS and isinstance(tensors, (list, tuple)):
             from torch.distributed.tensor import DTensor
 
-            tensors = args[0]
             if any(isinstance(t, DTensor) for t in tensors):
                 kept = [t for t in tensors if isinstance(t, DTensor) or not _legacy_empty(t)]
                 if len(kept) == 1 and len(tensors) > 1 and "out" not in kwargs:
@@ -65,7 +65,10 @@ class _SkipLegacyEmpty(TorchFunctionMode):
                     # gather a dim sharded along the concatenation, a sequence split on cp)
                     return kept[0].clone()
                 if len(kept) != len(tensors):
-                    args = (kept, *args[1:])
+                    if args:
+                        args = (kept, *args[1:])
+                    else:
+                        kwargs["tensors"] = kept
         return func(*args, **kwargs)
 
 
