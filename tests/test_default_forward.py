@@ -8,8 +8,8 @@ length exactly, and the generated token ids exactly.
 
 GPT-2 runs in production mode only (its validate mode stops at ``c_proj`` for a reason of its
 own, ``test_gpt2_validate_mode_stops_at_c_proj``). The sequence-sharded recipes (``llama-sp``,
-``llama-cp``) run the default forward; they cannot decode one token at a time (one token does
-not split over two ranks), which both modes refuse by name.
+``llama-cp``, ``llama-tp-cp`` on 4 ranks) run the default forward; they cannot decode one token
+at a time (one token does not split over two ranks), which both modes refuse by name.
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ def test_default_forward_and_greedy_generate_equal_one_process(
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
-@pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2})])
+@pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2}),
+                                           ("llama-tp-cp.yaml", {"tp": 2, "cp": 2})])
 def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dict[str, int],
                                                           mode: str) -> None:
     path = str(ROOT / "recipes" / recipe)
     overrides = overrides_for("llama", mode, path)
     ref = reference("llama", overrides)
-    for rank, res in enumerate(run_ranks(generate_worker, 2, "llama", path, mesh, mode,
-                                         overrides, False, timeout_s=300)):
+    for rank, res in enumerate(run_ranks(generate_worker, _world(mesh), "llama", path, mesh,
+                                         mode, overrides, False, timeout_s=300)):
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
 
 
