@@ -44,7 +44,11 @@ from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.arguments import Slot, map_declared
-from hyperrecipe.runtime.local_region import input_grad_placements, with_local_parameters
+from hyperrecipe.runtime.local_region import (
+    input_grad_placements,
+    unwrap_declared,
+    with_local_parameters,
+)
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
 from hyperrecipe.runtime.validate_scope import running_local_code
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
@@ -66,14 +70,6 @@ class WrapperChoice:
     wrapper: str
     state: str  # "installed", "ineligible", "failed" (rolled back), "not tried"
     reason: str | None = None
-
-
-def _unwrap_declared(value: Any, grad_placements: tuple[Any, ...]) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.to_local(grad_placements=grad_placements)
-    return value
 
 
 def _note_mesh(t: Any, meshes: list[Any]) -> Any:
@@ -217,7 +213,7 @@ class InnerWrapperInstaller:
         slots: tuple[Slot, ...] = ()
         if declared:
             slots = tuple((a.position, a.name, functools.partial(
-                _unwrap_declared, grad_placements=input_grad_placements(boundary, a,
+                unwrap_declared, grad_placements=input_grad_placements(boundary, a,
                                                                         self.mesh_dims)))
                           for a in boundary.inputs)
         placements = {a.position if a.position is not None else 0:

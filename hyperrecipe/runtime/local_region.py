@@ -41,7 +41,8 @@ from hyperrecipe.rewriter import installed_forward_owner
 from hyperrecipe.runtime.marshal import to_local_tree
 from hyperrecipe.runtime.validate_scope import running_local_code
 
-__all__ = ["input_grad_placements", "local_region_forward", "with_local_parameters"]
+__all__ = ["input_grad_placements", "local_region_forward", "unwrap_declared",
+           "with_local_parameters"]
 
 Forward = Callable[..., Any]
 
@@ -65,6 +66,16 @@ def input_grad_placements(boundary: BoundaryPlan, layout: ArgLayout,
                 and t.backward.kind in _PARTIAL_GRAD_OPS):
             out[list(mesh_dims).index(t.mesh_dim)] = TPartial(t.backward.reduce)
     return tuple(out)
+
+
+def unwrap_declared(value: Any, grad_placements: tuple[Any, ...]) -> Any:
+    """A declared input's local tensor, its gradient declared ``grad_placements``
+    (:func:`input_grad_placements`); anything but a DTensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local(grad_placements=grad_placements)
+    return value
 
 
 def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
@@ -123,16 +134,9 @@ def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPl
     Returns:
         A callable with ``inner``'s arguments.
     """
-    from torch.distributed.tensor import DTensor
-
-    def unwrap(value: Any, grad_placements: tuple[Any, ...]) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local(grad_placements=grad_placements)
-        return value
-
     declared: tuple[Slot, ...] = tuple(
         (a.position, a.name, functools.partial(
-            unwrap, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
+            unwrap_declared, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
         for a in boundary.inputs)
     local_inner = with_local_parameters(module, inner)
 
