@@ -18,6 +18,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hyperrecipe.lint.cli import main as lint_main
 
         return lint_main(args[1:])
-    from hyperrecipe._cli_commands import run
+    try:
+        from hyperrecipe._cli_commands import run
 
-    return run(args)
+        return run(args)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        # torch is an extra (pre-commit installs the lint without it): say how to get it.
+        sys.stderr.write(
+            f"hyperrecipe: error: `hyperrecipe {args[0] if args else ''}` needs torch, which is "
+            "not installed; install your torch build, or `pip install 'hyperrecipe[torch]'` "
+            "(only `hyperrecipe lint` works without it)\n"
+        )
+        return 2

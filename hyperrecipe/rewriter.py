@@ -1025,13 +1025,17 @@ class Rewrite:
         *,
         fqn: str,
         on_restore: Callable[[], torch.nn.Parameter] | None = None,
+        keep_original: bool = True,
     ) -> None:
         """Swap a registered parameter (e.g. for its local shard) as part of the transaction.
 
         While the transaction is open the original is kept so a rollback can put it back. After
         commit, if ``on_restore`` is given, the original is dropped and ``on_restore()`` is called
         at restore time to rebuild the parameter to put back (e.g. all-gather the shards), so a
-        sharded model does not keep a full copy of every weight alive.
+        sharded model does not keep a full copy of every weight alive. With
+        ``keep_original=False`` the original is dropped at once and a rollback rebuilds it with
+        ``on_restore()`` too, so that sharding a model never holds it twice (the caller makes
+        that rebuild safe to run wherever a rollback may run it).
 
         Args:
             module: the module owning the parameter.
@@ -1060,6 +1064,9 @@ class Rewrite:
                     f"{did_you_mean(name, known)} (parameters: {known})"
                 )
                 raise RewriteError(msg)
+            if not keep_original and on_restore is None:
+                msg = f"{fqn}: dropping the original parameter {name!r} needs on_restore"
+                raise RewriteError(msg)
             candidate: object = new_param  # callers are not always type-checked
             if not isinstance(candidate, torch.nn.Parameter):
                 msg = (
@@ -1077,7 +1084,7 @@ class Rewrite:
                 name=name,
                 fqn=fqn,
                 installed=new_param,
-                original=original,
+                original=original if keep_original else None,
                 on_restore=on_restore,
             )
 

@@ -6,7 +6,8 @@ under ``hyperrecipe/lint/rules/`` carries the same code and name; a test keeps t
 
 Codes are stable: a code is never reused for a different check.
 
-* ``HR000`` syntax-error, ``HR999`` internal-error — a file could not be linted (errors, exit 2).
+* ``HR000`` syntax-error, ``HR998`` file-not-checked, ``HR999`` internal-error — a file could not
+  be linted (errors, exit 2).
 * ``HR001``-``HR099`` — Python rules. Those marked *gated* are the forward gate: they are
   switched off in the ``rewriter`` paths of the configuration.
 * ``HR100``-``HR199`` — recipe files.
@@ -71,6 +72,9 @@ CODES: Final[tuple[CodeInfo, ...]] = (
              summary="a suppression comment silences nothing"),
     CodeInfo(code="HR901", name="invalid-suppression", kind="suppression",
              summary="a suppression comment without codes or reason, or with an unknown code"),
+    CodeInfo(code="HR998", name="file-not-checked", kind="error",
+             summary="the file was not checked: it ran over its time or memory budget, or "
+                     "crashed the parser"),
     CodeInfo(code="HR999", name="internal-error", kind="error",
              summary="the lint itself failed on this file (please report it)"),
 )
@@ -79,7 +83,7 @@ _BY_CODE: Final[Mapping[str, CodeInfo]] = {info.code: info for info in CODES}
 _BY_NAME: Final[Mapping[str, CodeInfo]] = {info.name: info for info in CODES}
 
 #: Reported whatever the selection: silencing them would hide files that were never checked.
-ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR999"})
+ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR998", "HR999"})
 SELECTABLE: Final[tuple[str, ...]] = tuple(i.code for i in CODES if i.code not in ALWAYS_ON)
 
 
@@ -128,7 +132,8 @@ def resolve_selection(
 ) -> frozenset[str]:
     """The codes to report: ``select`` (all selectable codes when ``None``) minus ``ignore``.
 
-    ``HR000`` and ``HR999`` are always added: a file that could not be checked is never silent.
+    ``HR000``, ``HR998`` and ``HR999`` are always added: a file that could not be checked is
+    never silent.
     """
     base = frozenset(SELECTABLE) if select is None else resolve_selectors(select, where=where)
     return (base - resolve_selectors(ignore, where=where)) | ALWAYS_ON

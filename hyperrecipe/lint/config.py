@@ -8,6 +8,8 @@ linted file, so a monorepo can hold several projects with their own settings. Ke
     exclude  = [".venv*", "build"]            # globs, on top of the built-in excludes
     select   = ["HR0"]                         # codes, names or code prefixes (default: all)
     ignore   = ["class-swap"]
+    [tool.hyperrecipe.lint.per-file-ignores]
+    "tests/*" = ["HR001"]                      # glob -> codes not reported in matching files
 
 Paths and globs are relative to the ``pyproject.toml`` that holds them. Without any table every
 rule is on and no path is allowed to install forwards.
@@ -15,6 +17,7 @@ rule is on and no path is allowed to install forwards.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import sys
@@ -25,6 +28,7 @@ from typing import Any, Final
 import attrs
 
 from hyperrecipe.errors import did_you_mean
+from hyperrecipe.lint.codes import SelectorError, resolve_selectors
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,7 +43,7 @@ DEFAULT_EXCLUDE: Final[tuple[str, ...]] = (
     ".ruff_cache", ".hypothesis", ".tox", ".nox", ".venv", "venv", ".eggs", "*.egg-info",
     "node_modules", "__pypackages__",
 )
-_KEYS: Final = ("rewriter", "exclude", "select", "ignore")
+_KEYS: Final = ("rewriter", "exclude", "select", "ignore", "per-file-ignores")
 
 
 class ConfigError(ValueError):
@@ -57,6 +61,8 @@ class LintConfig:
         exclude: globs from the table (the built-in :data:`DEFAULT_EXCLUDE` apply as well).
         select: codes, names or prefixes to report; ``None`` for all.
         ignore: codes, names or prefixes not to report.
+        per_file_ignores: ``(glob, codes)`` pairs: codes not reported in the files the glob
+            matches (see :meth:`ignores_for`).
     """
 
     source: Path | None = None
@@ -65,42 +71,84 @@ class LintConfig:
     exclude: tuple[str, ...] = ()
     select: tuple[str, ...] | None = None
     ignore: tuple[str, ...] = ()
+    per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def ignores_for(self, path: Path) -> tuple[str, ...]:
+        """The ``per-file-ignores`` codes that apply to ``path`` (absolute), as ruff matches them.
+
+        A glob without ``/`` matches the file name (``"conftest.py"``, ``"test_*.py"``); a glob
+        with ``/`` matches the path relative to :attr:`root`, ``*`` crossing folders
+        (``"tests/*"`` is every file below ``tests/``).
+        """
+        if not self.per_file_ignores:
+            return ()
+        relative = path.name
+        if self.root is not None:
+            with contextlib.suppress(ValueError):
+                relative = path.relative_to(self.root).as_posix()
+        found: list[str] = []
+        for pattern, codes in self.per_file_ignores:
+            subject = relative if "/" in pattern.strip("/") else path.name
+            if fnmatch.fnmatchcase(subject, pattern.strip("/")):
+                found.extend(codes)
+        return tuple(found)
 
     def allows_forward_install(self, path: Path) -> bool:
         """Whether ``path`` (absolute) is one of the rewriter paths or inside one."""
         return any(path == allowed or allowed in path.parents for allowed in self.rewriter)
 
-    def is_excluded(self, path: Path, *, base: Path) -> bool:
+    def is_excluded(self, path: Path, *, named: Path, force: bool = False) -> bool:
         """Whether ``path`` (absolute, file or folder) matches an exclude glob.
 
+        ``named`` is the path the user named (on the command line, or pre-commit for them) that
+        ``path`` was found under, or ``path`` itself. As in ruff, only what lies *below* a named
+        path can be excluded: the named path itself and the folders above it never are, so
+        ``hyperrecipe lint .venv/lib/.../torch/distributed`` lints that folder although
+        ``.venv*`` is excluded. With ``force`` (``--force-exclude``, which the pre-commit hooks
+        pass) the named path and its folders up to :attr:`root` are matched too, so the files
+        pre-commit hands over honour ``exclude``.
+
         Globs see the path relative to :attr:`root` (or, without a configuration or for a path
-        outside it, relative to ``base``, the folder the user asked to lint), so the folders
-        *above* what was asked for never exclude it. A glob without ``/`` matches any single
-        component (``build`` skips every ``build/`` folder); a glob with ``/`` matches the
+        outside it, relative to the folder holding ``named``). A glob without ``/`` matches any
+        single component (``build`` skips every ``build/`` folder); a glob with ``/`` matches the
         relative path or one of its leading folders (``tests/fixtures`` skips all below it).
         """
-        parts = _relative_parts(path, self.root, base)
+        parts, named_parts = _relative_parts(path, named, self.root)
+        first = 0 if force else len(named_parts)  # components that may exclude start here
+        if first >= len(parts):
+            return False
         for pattern in (*DEFAULT_EXCLUDE, *self.exclude):
             pattern = pattern.strip("/")
             if "/" not in pattern:
-                if any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+                if any(fnmatch.fnmatchcase(part, pattern) for part in parts[first:]):
                     return True
                 continue
-            for end in range(1, len(parts) + 1):
+            for end in range(first + 1, len(parts) + 1):
                 if fnmatch.fnmatchcase("/".join(parts[:end]), pattern):
                     return True
         return False
 
 
-def _relative_parts(path: Path, root: Path | None, base: Path) -> tuple[str, ...]:
-    for folder in (root, base):
-        if folder is None:
-            continue
+def _relative_parts(
+    path: Path, named: Path, root: Path | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``path`` and ``named`` as components relative to ``root`` (or to ``named``'s folder).
+
+    ``named`` counts as ``()`` when it lies above the folder (a run over a parent of the
+    project): then every component of ``path`` below that folder may exclude it.
+    """
+    folders = (root, named.parent) if root is not None else (named.parent,)
+    for folder in folders:
         try:
-            return PurePosixPath(path.relative_to(folder).as_posix()).parts
+            relative = PurePosixPath(path.relative_to(folder).as_posix()).parts
         except ValueError:
             continue
-    return (path.name,)
+        try:
+            named_relative = PurePosixPath(named.relative_to(folder).as_posix()).parts
+        except ValueError:
+            named_relative = ()
+        return relative, named_relative
+    return (path.name,), ()
 
 
 def _string_list(table: Mapping[str, Any], key: str, source: Path) -> tuple[str, ...] | None:
@@ -127,8 +175,8 @@ def load_config(pyproject: Path) -> LintConfig | None:
     try:
         with pyproject.open("rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        msg = f"{pyproject}: cannot read configuration: {exc}"
+    except (OSError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        msg = f"{pyproject}: cannot read configuration: {type(exc).__name__}: {exc}"
         raise ConfigError(msg) from exc
     table = data.get("tool", {}).get("hyperrecipe", {}).get("lint")
     if table is None:
@@ -152,7 +200,29 @@ def load_config(pyproject: Path) -> LintConfig | None:
         exclude=_string_list(table, "exclude", pyproject) or (),
         select=_string_list(table, "select", pyproject),
         ignore=_string_list(table, "ignore", pyproject) or (),
+        per_file_ignores=_per_file_ignores(table, pyproject),
     )
+
+
+def _per_file_ignores(
+    table: Mapping[str, Any], source: Path
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    value = table.get("per-file-ignores", {})
+    if not isinstance(value, dict):
+        msg = (f"{source}: [tool.hyperrecipe.lint] per-file-ignores must be a table of "
+               f"glob = [codes], got {value!r}")
+        raise ConfigError(msg)
+    pairs = []
+    for pattern in value:
+        listed = _string_list(value, pattern, source)
+        if listed is None:  # pragma: no cover - the key is there
+            continue
+        try:
+            resolve_selectors(listed, where=f"{source}: per-file-ignores {pattern!r}")
+        except SelectorError as exc:
+            raise ConfigError(str(exc)) from exc
+        pairs.append((pattern, listed))
+    return tuple(pairs)
 
 
 class ConfigFinder:

@@ -17,7 +17,11 @@ import libcst as cst
 
 from hyperrecipe.lint.codes import by_code
 from hyperrecipe.lint.findings import Finding, Severity
-from hyperrecipe.lint.prefilter import SUPPRESSION_HINT
+from hyperrecipe.lint.prefilter import (
+    SUPPRESSION_HINT,
+    InterpreterLimit,
+    check_interpreter_limits,
+)
 from hyperrecipe.lint.rule import FileContext, LintRule, StatementPath, is_unit
 from hyperrecipe.lint.rules import ALL_RULES
 from hyperrecipe.lint.suppressions import DIRECTIVE, Suppression, parse_suppression
@@ -168,11 +172,22 @@ class _CommentCollector(cst.BatchableCSTVisitor):
         self._take(node.comment, own_line=False)
 
 
-def _finding(display: str, line: int, column: int, code: str, message: str) -> Finding:
+def _finding(
+    display: str,
+    line: int,
+    column: int,
+    code: str,
+    message: str,
+    *,
+    end_line: int | None = None,
+    end_column: int | None = None,
+) -> Finding:
     info = by_code(code)
     severity: Severity = "error" if info.kind == "error" else "finding"
     return Finding(path=display, line=line, column=column, code=code, name=info.name,
-                   message=message, severity=severity)
+                   message=message, severity=severity,
+                   end_line=line if end_line is None else end_line,
+                   end_column=column if end_column is None else end_column)
 
 
 def _syntax_error(source: bytes, display: str, error: Exception) -> Finding:
@@ -206,6 +221,7 @@ def lint_source(
     display: str,
     codes: Collection[str],
     allow_gated: bool = False,
+    screened: bool = False,
 ) -> list[Finding]:
     """Lint one Python file with libcst.
 
@@ -214,11 +230,20 @@ def lint_source(
         display: the path to show in findings.
         codes: the codes to report (see :func:`hyperrecipe.lint.codes.resolve_selection`).
         allow_gated: the file is a configured rewriter path: forward-gate rules do not run.
+        screened: the screen already compiled the file; otherwise a source the interpreter
+            refuses for a nesting limit is reported here (``HR000``) before libcst, whose native
+            parser may crash on it, sees it.
 
     Returns:
         Findings and errors, unsorted. A file that does not parse yields one ``HR000`` error; a
         crash of the lint itself one ``HR999`` error; never an exception.
     """
+    if not screened:
+        try:
+            check_interpreter_limits(source, display)
+        except InterpreterLimit as limit:
+            return [_finding(display, limit.line, limit.column, "HR000",
+                             f"cannot parse: {limit.message}")]
     try:
         module = cst.parse_module(source)
     except Exception as exc:  # noqa: BLE001 - ParserSyntaxError, UnicodeDecodeError, ...
@@ -291,15 +316,17 @@ def _lint_module(
         if not silenced:
             findings.append(
                 Finding(path=display, line=where.start.line, column=where.start.column + 1,
-                        code=report.code, name=report.name, message=report.message)
+                        code=report.code, name=report.name, message=report.message,
+                        end_line=where.end.line, end_column=where.end.column + 1)
             )
 
     for index, (comment, _, _) in enumerate(spans):
-        start = positions[comment.node].start
+        start, end = positions[comment.node].start, positions[comment.node].end
         line, column = start.line, start.column + 1
+        extent = {"end_line": end.line, "end_column": end.column + 1}
         if "HR901" in codes:
             for problem in comment.suppression.problems:
-                findings.append(_finding(display, line, column, "HR901", problem))
+                findings.append(_finding(display, line, column, "HR901", problem, **extent))
         if "HR900" in codes:
             for code in comment.suppression.codes:
                 if code in checked and (index, code) not in used:
@@ -307,6 +334,6 @@ def _lint_module(
                     findings.append(
                         _finding(display, line, column, "HR900",
                                  f"unused suppression: no {code} ({info.name}) finding here "
-                                 "to silence; remove the comment")
+                                 "to silence; remove the comment", **extent)
                     )
     return findings

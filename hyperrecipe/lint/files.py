@@ -12,7 +12,7 @@ import attrs
 from hyperrecipe.lint.config import ConfigFinder, LintConfig
 from hyperrecipe.lint.recipes import RECIPE_SUFFIXES, is_recipe_file
 
-__all__ = ["PYTHON_SUFFIXES", "Target", "discover"]
+__all__ = ["PYTHON_SUFFIXES", "Target", "discover", "display_path"]
 
 PYTHON_SUFFIXES: Final = (".py", ".pyi")
 TargetKind = Literal["python", "recipe"]
@@ -28,6 +28,7 @@ class Target:
         kind: ``"python"`` or ``"recipe"``.
         config: the configuration that applies to it.
         size: bytes, to schedule big files first.
+        from_stdin: the source is standard input (``-``); ``path`` is ``--stdin-filename``.
     """
 
     path: Path
@@ -35,16 +36,17 @@ class Target:
     kind: TargetKind
     config: LintConfig
     size: int
+    from_stdin: bool = False
 
 
-def _display(path: Path, cwd: Path) -> str:
+def display_path(path: Path, cwd: Path) -> str:
     try:
         return path.relative_to(cwd).as_posix()
     except ValueError:
         return str(path)
 
 
-def _walk(folder: Path, base: Path, finder: ConfigFinder) -> Iterator[tuple[Path, int, bool]]:
+def _walk(folder: Path, named: Path, finder: ConfigFinder) -> Iterator[tuple[Path, int, bool]]:
     """Files under ``folder`` as (path, size, is_python), skipping excluded folders and files."""
     try:
         with os.scandir(folder) as it:
@@ -56,26 +58,30 @@ def _walk(folder: Path, base: Path, finder: ConfigFinder) -> Iterator[tuple[Path
         path = folder / entry.name
         try:
             if entry.is_dir(follow_symlinks=False):
-                if not config.is_excluded(path, base=base):
-                    yield from _walk(path, base, finder)
+                if not config.is_excluded(path, named=named):
+                    yield from _walk(path, named, finder)
                 continue
             if not entry.is_file():
                 continue
             suffix = os.path.splitext(entry.name)[1]
             if suffix in PYTHON_SUFFIXES or suffix in RECIPE_SUFFIXES:
-                if not config.is_excluded(path, base=base):
+                if not config.is_excluded(path, named=named):
                     yield path, entry.stat().st_size, suffix in PYTHON_SUFFIXES
         except OSError:
             continue
 
 
-def discover(paths: Sequence[str], finder: ConfigFinder) -> tuple[list[Target], list[str]]:
+def discover(
+    paths: Sequence[str], finder: ConfigFinder, *, force_exclude: bool = False
+) -> tuple[list[Target], list[str]]:
     """Expand the command-line paths into targets.
 
     Folders are walked (recursively, not following symlinked folders) for ``.py``/``.pyi`` files
     and for ``.yaml``/``.yml``/``.toml`` files with a top-level ``recipe`` key. A file named
     explicitly is linted as Python unless it has a recipe suffix (pre-commit hands over scripts
-    without a suffix). Excludes apply to named files too, so pre-commit honours them.
+    without a suffix). A named file or folder is linted even where ``exclude`` matches it or a
+    folder above it, unless ``force_exclude`` (ruff's ``--force-exclude``; the pre-commit hooks
+    pass it, so the files pre-commit hands over honour ``exclude``).
 
     Returns:
         The targets (each file once, in a stable order) and the paths that do not exist.
@@ -94,7 +100,7 @@ def discover(paths: Sequence[str], finder: ConfigFinder) -> tuple[list[Target], 
         targets.append(
             Target(
                 path=path,
-                display=_display(path, cwd),
+                display=display_path(path, cwd),
                 kind="python" if is_python else "recipe",
                 config=finder.for_folder(path.parent),
                 size=size,
@@ -104,12 +110,12 @@ def discover(paths: Sequence[str], finder: ConfigFinder) -> tuple[list[Target], 
     for raw in paths:
         path = Path(os.path.abspath(raw))
         if path.is_dir():
-            if finder.for_folder(path).is_excluded(path, base=path):
+            if finder.for_folder(path).is_excluded(path, named=path, force=force_exclude):
                 continue
             for found, size, is_python in _walk(path, path, finder):
                 add(found, size, is_python)
         elif path.is_file():
-            if finder.for_folder(path.parent).is_excluded(path, base=path.parent):
+            if finder.for_folder(path.parent).is_excluded(path, named=path, force=force_exclude):
                 continue
             add(path, path.stat().st_size, path.suffix not in RECIPE_SUFFIXES)
         else:

@@ -24,6 +24,9 @@ class Finding:
         message: what is wrong and what to do instead.
         severity: ``"finding"`` for a rule violation (exit 1), ``"error"`` for a file that could
             not be linted at all (exit 2 when there are no findings).
+        end_line: 1-based line where the reported code ends (``line`` when it has no extent).
+        end_column: 1-based column just past its end, as ruff reports it (``column`` when it
+            has no extent).
     """
 
     path: str
@@ -33,6 +36,12 @@ class Finding:
     name: str
     message: str
     severity: Severity = "finding"
+    end_line: int = attrs.field(
+        default=attrs.Factory(lambda self: self.line, takes_self=True)
+    )
+    end_column: int = attrs.field(
+        default=attrs.Factory(lambda self: self.column, takes_self=True)
+    )
 
     def sort_key(self) -> tuple[str, int, int, str, str]:
         """Order of output: by file, position, code."""

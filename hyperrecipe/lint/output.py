@@ -1,17 +1,23 @@
-"""Printing findings: ``text`` for people, ``json`` for tools, ``github`` for CI annotations."""
+"""Printing findings: ``text`` for people, ``json`` for tools, ``github`` for CI annotations,
+``sarif`` for code-scanning services; and the ``--statistics`` table."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
-from typing import Final, Literal
+from pathlib import PurePath
+from typing import Any, Final, Literal
+from urllib.parse import quote
 
+from hyperrecipe.lint.codes import CODES
 from hyperrecipe.lint.findings import Finding
 
-__all__ = ["FORMATS", "OutputFormat", "render"]
+__all__ = ["FORMATS", "OutputFormat", "render", "statistics"]
 
-OutputFormat = Literal["text", "json", "github"]
-FORMATS: Final[tuple[OutputFormat, ...]] = ("text", "json", "github")
+OutputFormat = Literal["text", "json", "github", "sarif"]
+FORMATS: Final[tuple[OutputFormat, ...]] = ("text", "json", "github", "sarif")
+_SARIF_SCHEMA: Final = "https://json.schemastore.org/sarif-2.1.0.json"
 
 
 def _github_data(value: str) -> str:
@@ -22,28 +28,108 @@ def _github_property(value: str) -> str:
     return _github_data(value).replace(":", "%3A").replace(",", "%2C")
 
 
-def render(findings: Sequence[Finding], fmt: OutputFormat) -> str:
-    """The findings in one format, one per line (``json``: one list), ending in a newline.
+def _uri(path: str) -> str:
+    """A SARIF artifact URI: relative paths stay relative (to the checkout), others ``file://``."""
+    pure = PurePath(path)
+    if pure.is_absolute():
+        return "file://" + quote(pure.as_posix())
+    return quote(pure.as_posix())
+
+
+def _sarif(findings: Sequence[Finding], version: str) -> dict[str, Any]:
+    """A SARIF 2.1.0 log with one run: every code as a rule, every finding as a result."""
+    rules = [
+        {
+            "id": info.code,
+            "name": info.name,
+            "shortDescription": {"text": info.summary},
+            "help": {"text": f"hyperrecipe lint --explain {info.code} (docs/lint.md)"},
+            "defaultConfiguration": {"level": "error"},
+        }
+        for info in CODES
+    ]
+    index = {info.code: position for position, info in enumerate(CODES)}
+    results = [
+        {
+            "ruleId": f.code,
+            "ruleIndex": index[f.code],
+            "level": "error",
+            "message": {"text": f.message},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": _uri(f.path)},
+                        "region": {
+                            "startLine": f.line,
+                            "startColumn": f.column,
+                            "endLine": f.end_line,
+                            "endColumn": f.end_column,
+                        },
+                    }
+                }
+            ],
+        }
+        for f in findings
+    ]
+    return {
+        "$schema": _SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "hyperrecipe-lint",
+                        "version": version,
+                        "rules": rules,
+                    }
+                },
+                "columnKind": "unicodeCodePoints",
+                "results": results,
+            }
+        ],
+    }
+
+
+def render(findings: Sequence[Finding], fmt: OutputFormat, *, version: str = "") -> str:
+    """The findings in one format, one per line (``json``, ``sarif``: one document), ending in a
+    newline.
 
     * ``text``: ``path:line:col: HR001 forward-assignment message``
-    * ``json``: a list of objects with ``path``, ``line``, ``column``, ``code``, ``name`` and
-      ``message`` (``[]`` when clean)
-    * ``github``: ``::error file=…,line=…,col=…,title=HR001 forward-assignment::message``
-      workflow commands, which GitHub Actions turns into annotations on the diff
+    * ``json``: a list of objects with ``path``, ``line``, ``column``, ``end_line``,
+      ``end_column``, ``code``, ``name`` and ``message`` (``[]`` when clean)
+    * ``github``: ``::error file=…,line=…,col=…,endLine=…,endColumn=…,title=HR001
+      forward-assignment::message`` workflow commands, which GitHub Actions turns into
+      annotations on the diff
+    * ``sarif``: a SARIF 2.1.0 log (``version`` is the tool version it names), for GitHub code
+      scanning and other code-scanning services
+
+    End positions are where the reported code ends; the end column is one past its last
+    character, as ruff reports it.
     """
     if fmt == "json":
         rows = [
-            {"path": f.path, "line": f.line, "column": f.column, "code": f.code, "name": f.name,
-             "message": f.message}
+            {"path": f.path, "line": f.line, "column": f.column, "end_line": f.end_line,
+             "end_column": f.end_column, "code": f.code, "name": f.name, "message": f.message}
             for f in findings
         ]
         return json.dumps(rows, indent=2) + "\n"
+    if fmt == "sarif":
+        return json.dumps(_sarif(findings, version), indent=2) + "\n"
     if fmt == "github":
         lines = [
             f"::error file={_github_property(f.path)},line={f.line},col={f.column},"
+            f"endLine={f.end_line},endColumn={f.end_column},"
             f"title={_github_property(f'{f.code} {f.name}')}::{_github_data(f.message)}"
             for f in findings
         ]
     else:
         lines = [f"{f.path}:{f.line}:{f.column}: {f.code} {f.name} {f.message}" for f in findings]
     return "".join(line + "\n" for line in lines)
+
+
+def statistics(findings: Sequence[Finding]) -> str:
+    """``--statistics``: one line per code, most frequent first: ``count code name``."""
+    counts = Counter((f.code, f.name) for f in findings)
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0][0]))
+    width = max((len(str(count)) for _, count in ordered), default=1)
+    return "".join(f"{count:>{width}}\t{code}\t{name}\n" for (code, name), count in ordered)

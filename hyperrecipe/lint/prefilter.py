@@ -34,10 +34,20 @@ import tokenize
 import unicodedata
 from typing import Final, cast
 
-__all__ = ["SUPPRESSION_HINT", "TARGET_NAMES", "needs_libcst"]
+__all__ = [
+    "ENTRY_NAMES",
+    "SUPPRESSION_HINT",
+    "TARGET_NAMES",
+    "InterpreterLimit",
+    "check_interpreter_limits",
+    "interpreter_limit",
+    "needs_libcst",
+]
 
+#: The attributes that decide what ``m(x)`` runs (the rules import this: one source of truth).
+ENTRY_NAMES: Final = frozenset({"forward", "_call_impl", "_compiled_call_impl", "__call__"})
 #: Attribute names whose assignment the gate forbids.
-TARGET_NAMES: Final = frozenset({"forward", "__class__"})
+TARGET_NAMES: Final = ENTRY_NAMES | {"__class__"}
 
 _WORD_BYTES: Final = frozenset(
     b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_" + bytes(range(0x80, 0x100))
@@ -57,18 +67,22 @@ _NOT_A_TARGET_AFTER: Final = frozenset(b"(.[{}\"'`")
 _IN: Final = b"in"
 #: Where a suppression comment may be (a superset: the match may sit inside a string).
 SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
-# Any escape that can spell a letter of "forward" or "__class__" (f o r w a d _ c l s).
+# Any escape that can spell a letter of a target name (f o r w a d _ c l s i m p e).
 _LETTER_ESCAPE: Final = re.compile(
-    rb"\\(?:x|u00|U000000)(?:5[fF]|6[1346cCfF]|7[237])"
-    rb"|\\(?:137|141|143|144|146|154|157|162|163|167)"
+    rb"\\(?:x|u00|U000000)(?:5[fF]|6[134569cCdDfF]|7[0237])"
+    rb"|\\(?:137|141|143|144|145|146|151|154|155|157|160|162|163|167)"
     rb"|\\N\{"
 )
 # A literal that is a proper prefix of a target name, followed by another literal: the start of
 # a concatenation that may spell the name ("for" "ward", "fo" + "rward", ("__cl") "ass__").
+_PREFIXES: Final = sorted({name[:end] for name in TARGET_NAMES for end in range(1, len(name))})
 _SPLIT_LITERAL: Final = re.compile(
-    rb"[\"'](?:f|fo|for|forw|forwa|forwar|_|__|__c|__cl|__cla|__clas|__class|__class_)[\"']"
+    rb"[\"'](?:" + b"|".join(re.escape(p.encode()) for p in _PREFIXES) + rb")[\"']"
     rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
 )
+# A copy of another object's attribute dict needs both words (`vars` also when aliased).
+_UPDATE: Final = b"update"
+_NAMESPACE_WORDS: Final = (b"__dict__", b"vars")
 
 
 def _normalized(source: bytes) -> bytes:
@@ -122,7 +136,7 @@ def _mentions(source: bytes, word: bytes) -> bool:
         while j < size and source[j] in _INLINE_SPACE:
             j += 1
         is_keyword = j + 1 < size and source[j] == _EQUALS and source[j + 1] != _EQUALS
-        if word == b"forward" and is_keyword:
+        if word != b"__class__" and is_keyword:
             return True  # forward=... (keyword) or forward = ... (a plain name: cheap to include)
         k = begin - 1
         crossed_line = False
@@ -141,12 +155,16 @@ def _mentions(source: bytes, word: bytes) -> bool:
     return False
 
 
+_WORDS: Final = tuple(sorted(name.encode() for name in TARGET_NAMES))
+
+
 def _text_may_match(source: bytes) -> bool:
     if b"hyperrecipe" in source and SUPPRESSION_HINT.search(source):
         return True
-    if b"forward" in source and _mentions(source, b"forward"):
-        return True
-    if b"__class__" in source and _mentions(source, b"__class__"):
+    for word in _WORDS:
+        if word in source and _mentions(source, word):
+            return True
+    if _UPDATE in source and any(word in source for word in _NAMESPACE_WORDS):
         return True
     if b"\\" in source and _LETTER_ESCAPE.search(source):
         return True
@@ -178,16 +196,29 @@ _CALLED_ATTRIBUTES: Final = frozenset(
         "setattr", "delattr", "__setattr__", "__delattr__",  # HR002, HR004
         "update", "setdefault", "pop", "__setitem__", "__delitem__",  # HR003 on a namespace
         "setitem", "delitem",  # operator.setitem(vars(x), ...)
-        "object", "dict",  # unittest.mock.patch.object, unittest.mock.patch.dict
+        "object", "dict", "multiple",  # patch.object, patch.dict, patch.multiple
     }
 )
-#: Calls whose keywords (``forward=f``) can write the key: ``ns.update``, ``mock.patch.dict``.
-_UPDATE_ATTRIBUTES: Final = frozenset({"update", "dict"})
+#: Calls whose keywords (``forward=f``) can write the key: ``ns.update``, ``mock.patch.dict``,
+#: ``patch.multiple``.
+_UPDATE_ATTRIBUTES: Final = frozenset({"update", "dict", "multiple"})
 
 
 def _has_forward_keyword(node: ast.expr) -> bool:
-    """``dict(forward=...)``-shaped: any call with a ``forward=`` keyword."""
-    return isinstance(node, ast.Call) and any(k.arg == "forward" for k in node.keywords)
+    """``dict(forward=...)``-shaped: any call with a ``forward=`` (or other entry) keyword."""
+    return isinstance(node, ast.Call) and any(k.arg in ENTRY_NAMES for k in node.keywords)
+
+
+def _namespace_like(node: ast.expr) -> bool:
+    """``x.__dict__`` or any call (``vars(x)``, also aliased): may be an attribute dict."""
+    return type(node) is ast.Call or (isinstance(node, ast.Attribute) and node.attr == "__dict__")
+
+
+def _dict_with_target_key(node: ast.expr) -> bool:
+    """A dict display with a target-name key: a name bound to it may feed ``ns.update(d)``."""
+    return isinstance(node, ast.Dict) and any(
+        key is not None and _literal_str(key) in TARGET_NAMES for key in node.keys
+    )
 
 
 class _Screen:
@@ -207,6 +238,13 @@ class _Screen:
 
     def dict_has_target_key(self, node: ast.expr) -> bool:
         return isinstance(node, ast.Dict) and any(self.is_target(key) for key in node.keys)
+
+    def copies_namespace(self, call: ast.Call, func: ast.Attribute) -> bool:
+        """``ns.update(other_ns)`` or ``dict.update(ns, other_ns)`` (also ``**other_ns``)."""
+        sources = [*call.args, *(k.value for k in call.keywords if k.arg is None)]
+        if _namespace_like(func.value) and any(_namespace_like(a) for a in sources):
+            return True
+        return sum(_namespace_like(a) for a in call.args) >= 2
 
     def found(self, tree: ast.AST) -> bool:
         for node in ast.walk(tree):
@@ -233,9 +271,17 @@ class _Screen:
                             return True
                         if attr in _UPDATE_ATTRIBUTES and _has_forward_keyword(arg):
                             return True  # ns.update(dict(forward=f))
+                    for keyword in node.keywords:  # setattr(m, name="forward"), attribute=...
+                        if self.is_target(keyword.value):
+                            return True
+                    if attr == "update" and isinstance(func, ast.Attribute):
+                        if self.copies_namespace(node, func):
+                            return True
                     if attr in _UPDATE_ATTRIBUTES:
                         for keyword in node.keywords:
-                            if keyword.arg == "forward" or self.dict_has_target_key(keyword.value):
+                            if keyword.arg in ENTRY_NAMES or self.dict_has_target_key(
+                                keyword.value
+                            ):
                                 return True
                             if keyword.arg is None and _has_forward_keyword(keyword.value):
                                 return True  # ns.update(**dict(forward=f))
@@ -245,7 +291,7 @@ class _Screen:
                     return True
             elif kind is ast.Assign:
                 assert isinstance(node, ast.Assign)
-                if _literal_str(node.value) in TARGET_NAMES:
+                if _literal_str(node.value) in TARGET_NAMES or _dict_with_target_key(node.value):
                     self.constant_names.update(
                         t.id for t in node.targets if isinstance(t, ast.Name)
                     )
@@ -254,10 +300,54 @@ class _Screen:
                 if (
                     node.value is not None
                     and isinstance(node.target, ast.Name)
-                    and _literal_str(node.value) in TARGET_NAMES
+                    and (
+                        _literal_str(node.value) in TARGET_NAMES
+                        or _dict_with_target_key(node.value)
+                    )
                 ):
                     self.constant_names.add(node.target.id)
         return not self.constant_names.isdisjoint(self.names_in_key_positions)
+
+
+#: The interpreter's messages for sources it refuses because of a limit, not the grammar.
+_LIMIT_MESSAGES: Final = ("too many nested parentheses", "too many levels of indentation",
+                          "too many statically nested blocks")
+
+
+class InterpreterLimit(Exception):
+    """The interpreter refuses the source for one of its limits (nesting, parser stack).
+
+    Such a file is not Python any interpreter runs, and the same nesting can overflow libcst's
+    native parser (a crash, not an error), so it is reported as a syntax error and never handed
+    to libcst. Attributes: ``message``, ``line``, ``column`` (1-based).
+    """
+
+    def __init__(self, message: str, line: int, column: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.column = column
+
+
+def interpreter_limit(error: BaseException) -> InterpreterLimit | None:
+    """``error`` (from compiling a source) as an :class:`InterpreterLimit`, if it is one.
+
+    A ``MemoryError`` is not one: the parser raises it both for a stack overflow (deep
+    nesting) and for a real lack of memory, so it propagates and the worker reports the file
+    as over its budget (``HR998``), naming both causes.
+    """
+    if isinstance(error, MemoryError):
+        raise error
+    if isinstance(error, RecursionError):
+        return InterpreterLimit(f"too deeply nested for the interpreter ({error})", 1, 1)
+    if isinstance(error, SyntaxError) and error.msg in _LIMIT_MESSAGES:
+        return InterpreterLimit(error.msg, error.lineno or 1, error.offset or 1)
+    return None
+
+
+def check_interpreter_limits(source: bytes, filename: str) -> None:
+    """Raise :class:`InterpreterLimit` if the interpreter refuses ``source`` for a limit."""
+    _syntax_ok(source, filename)
 
 
 def _syntax_ok(source: bytes, filename: str) -> bool:
@@ -266,10 +356,16 @@ def _syntax_ok(source: bytes, filename: str) -> bool:
     ``symtable`` runs the full parser and the symbol-table pass, which rejects a little more
     than the grammar (``nonlocal`` at module level); such files simply go on to libcst. It takes
     bytes like ``compile`` does, honouring the encoding declaration.
+
+    Raises:
+        InterpreterLimit: the interpreter refuses the source for a nesting limit.
     """
     try:
         symtable.symtable(cast(str, source), filename, "exec")
-    except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), ...
+        limit = interpreter_limit(exc)
+        if limit is not None:
+            raise limit from None
         return False
     return True
 
@@ -282,14 +378,22 @@ def needs_libcst(source: bytes, filename: str) -> bool:
     Args:
         source: the file's bytes (encoding declarations are honoured).
         filename: for the parser's messages only.
+
+    Raises:
+        InterpreterLimit: the interpreter refuses the source for a nesting limit; report it,
+            do not hand it to libcst.
     """
     screened = source if source.isascii() else _normalized(source)
     if not _text_may_match(screened):
         return not _syntax_ok(source, filename)
     if b"hyperrecipe" in screened and SUPPRESSION_HINT.search(screened):
+        _syntax_ok(source, filename)  # raises for a limit
         return True  # suppression comments are invisible to ast; libcst checks them
     try:
         tree = ast.parse(source, filename)
-    except Exception:  # noqa: BLE001 - SyntaxError, ValueError, RecursionError, MemoryError
+    except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError, RecursionError, MemoryError
+        limit = interpreter_limit(exc)
+        if limit is not None:
+            raise limit from None
         return True
     return _Screen().found(tree)

@@ -49,7 +49,8 @@ def is_recipe_file(path: Path) -> bool:
     if path.suffix == ".toml":
         try:
             return "recipe" in tomllib.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+            # (RecursionError: nested too deeply for tomllib; the check reports it, bounded.)
             return _TOML_RECIPE_KEY.search(data) is not None
     return _YAML_RECIPE_KEY.search(data) is not None
 
@@ -71,6 +72,13 @@ def check_recipe(path: Path, display: str) -> list[Finding]:
         ]
     try:
         errors = check_recipe_file(path)
+    except RecursionError:
+        unchecked = by_code("HR998")
+        return [
+            Finding(path=display, line=1, column=1, code=unchecked.code, name=unchecked.name,
+                    message="not checked: it is nested too deeply to load (RecursionError)",
+                    severity="error")
+        ]
     except Exception as exc:  # noqa: BLE001 - a checker bug must not become a traceback
         internal = by_code("HR999")
         return [

@@ -22,10 +22,15 @@ from typing import TYPE_CHECKING, ClassVar, Final
 import attrs
 import libcst as cst
 
+from hyperrecipe.lint.prefilter import ENTRY_NAMES, TARGET_NAMES
+
 if TYPE_CHECKING:
     from libcst.metadata import CodeRange, QualifiedName
 
-__all__ = ["WATCHED_NAMES", "StatementPath", "FileContext", "Invalid", "LintRule", "Report", "Valid"]
+__all__ = [
+    "ENTRY_NAMES",
+    "WATCHED_NAMES",
+    "StatementPath", "FileContext", "Invalid", "LintRule", "Report", "Valid"]
 
 #: Where a node sits: the index of its top-level statement in ``module.body``, then the index
 #: in the body of each enclosing class or function on the way down (``(3, 0, 2)``: statement
@@ -33,8 +38,11 @@ __all__ = ["WATCHED_NAMES", "StatementPath", "FileContext", "Invalid", "LintRule
 #: statement (a comment in the module header).
 StatementPath = tuple[int, ...] | None
 
-#: The attribute names the rules care about; module constants are resolved only for these.
-WATCHED_NAMES: Final = frozenset({"forward", "__class__"})
+#: The attribute names the rules care about; name constants are resolved only for these.
+#: :data:`ENTRY_NAMES` are the attributes that decide what ``m(x)`` runs: ``forward``, the
+#: ``nn.Module.__call__`` implementations it dispatches through (``_call_impl``, and the
+#: ``_compiled_call_impl`` that ``Module.compile`` installs), and ``__call__`` itself.
+WATCHED_NAMES: Final = TARGET_NAMES
 
 
 @attrs.frozen
@@ -123,7 +131,7 @@ class FileContext:
         self.current_path: StatementPath = None
         self._wrapper: cst.MetadataWrapper | None = None
         self._qualified: Mapping[cst.CSTNode, Collection[QualifiedName]] | None = None
-        self._constants: dict[str, list[tuple[cst.Name, str | None]]] | None = None
+        self._constants: dict[str, list[tuple[cst.Name, cst.BaseExpression]]] | None = None
         self._imports: dict[str, list[str]] | None = None
         self._line_breaks_cache: dict[int, int] = {}
 
@@ -284,25 +292,36 @@ class FileContext:
         """The value of ``node`` when it is statically a string, else ``None``.
 
         Literals, their concatenations (implicit or ``+``), f-strings without placeholders, and
-        names bound exactly once at module level to such a literal (not shadowed where used).
-        Names are followed only when they hold one of :data:`WATCHED_NAMES` — the only values a
-        rule compares with — so scope analysis runs only where it can matter. Imported
-        constants and computed names are not followed.
+        names bound exactly once in their scope (the module, or the function using them) to
+        such a literal, and not otherwise rebound or shadowed where used. Names are followed
+        only when they hold one of :data:`WATCHED_NAMES` — the only values a rule compares
+        with — so scope analysis runs only where it can matter. Imported constants and
+        computed names are not followed.
         """
         value = literal_string(node)
         if value is not None or not isinstance(node, cst.Name):
             return value
-        return self.module_constant(node)
-
-    def module_constant(self, name: cst.Name) -> str | None:
-        """The literal string a module-level constant holds, if ``name`` refers to one."""
-        if self._constants is None:
-            self._constants = _module_level_bindings(self.module)
-        bindings = self._constants.get(name.value)
-        if not bindings or len(bindings) != 1 or bindings[0][1] not in WATCHED_NAMES:
+        bound = self.bound_value(node)
+        if bound is None:
             return None
-        target, value = bindings[0]
-        from libcst.metadata import GlobalScope, ScopeProvider
+        value = literal_string(bound)
+        return value if value in WATCHED_NAMES else None
+
+    def bound_value(self, name: cst.Name) -> cst.BaseExpression | None:
+        """The expression ``name`` is bound to, if it is bound exactly once where it is used.
+
+        Only ``NAME = value``/``NAME: T = value`` bindings whose value is a watched string
+        literal or a dict display with a watched literal key are followed (anything else is
+        ``None`` without scope analysis). Scope analysis then requires that the one binding
+        visible at the use is that assignment: a parameter, a second assignment, a ``global``
+        rebinding or a ``for`` target make it ``None``.
+        """
+        if self._constants is None:
+            self._constants = _literal_bindings(self.module)
+        bindings = self._constants.get(name.value)
+        if not bindings:
+            return None
+        from libcst.metadata import ScopeProvider
 
         scopes = self.wrapper.resolve(ScopeProvider)
         scope = scopes.get(name)
@@ -312,10 +331,15 @@ class FileContext:
         if len(visible) != 1:
             return None  # reassigned (also via `global` in a function), or shadowed locally
         (assignment,) = visible
-        in_module_scope = isinstance(assignment.scope, GlobalScope)
-        if not in_module_scope or getattr(assignment, "node", None) is not target:
-            return None
-        return value
+        node = getattr(assignment, "node", None)
+        for target, value in bindings:
+            if node is target:
+                return value
+        return None
+
+    def module_constant(self, name: cst.Name) -> str | None:
+        """The literal string a constant holds, if ``name`` refers to one (:meth:`string_value`)."""
+        return self.string_value(name)
 
 
 _NEWLINE: Final = re.compile(r"\r\n?|\n")  # what PositionProvider counts as a line break
@@ -376,42 +400,52 @@ def literal_string(node: cst.BaseExpression) -> str | None:
     return None
 
 
-def _module_level_bindings(module: cst.Module) -> dict[str, list[tuple[cst.Name, str | None]]]:
-    """Names bound by plain assignment at module level, with their literal value (or ``None``).
+def _literal_bindings(
+    module: cst.Module,
+) -> dict[str, list[tuple[cst.Name, cst.BaseExpression]]]:
+    """Names bound by plain assignment anywhere, to a watched literal or a dict display with one.
 
-    Only ``NAME = literal``/``NAME: T = literal`` count as constant bindings; the scope check in
-    :meth:`FileContext.module_constant` rejects names that are bound any other way as well.
+    Only ``NAME = value``/``NAME: T = value`` count; :meth:`FileContext.bound_value` rejects
+    names that are bound any other way as well. Only statements are walked, all the way into
+    functions and classes, which is far cheaper than a full traversal.
     """
-    bindings: dict[str, list[tuple[cst.Name, str | None]]] = {}
+    bindings: dict[str, list[tuple[cst.Name, cst.BaseExpression]]] = {}
+
+    def record(target: cst.BaseExpression, value: cst.BaseExpression) -> None:
+        if isinstance(target, cst.Name) and _is_watched_value(value):
+            bindings.setdefault(target.value, []).append((target, value))
+
     pending: list[Sequence[cst.BaseStatement]] = [module.body]
     while pending:
         for statement in pending.pop():
             if isinstance(statement, cst.SimpleStatementLine):
                 for small in statement.body:
                     if isinstance(small, cst.Assign):
-                        value = literal_string(small.value)
                         for target in small.targets:
-                            if isinstance(target.target, cst.Name):
-                                bindings.setdefault(target.target.value, []).append(
-                                    (target.target, value)
-                                )
-                    elif (
-                        isinstance(small, cst.AnnAssign)
-                        and small.value is not None
-                        and isinstance(small.target, cst.Name)
-                    ):
-                        bindings.setdefault(small.target.value, []).append(
-                            (small.target, literal_string(small.value))
-                        )
-            elif isinstance(statement, cst.BaseCompoundStatement) and not isinstance(
-                statement, (cst.FunctionDef, cst.ClassDef)
-            ):
+                            record(target.target, small.value)
+                    elif isinstance(small, cst.AnnAssign) and small.value is not None:
+                        record(small.target, small.value)
+            elif isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+                if isinstance(statement.body, cst.IndentedBlock):
+                    pending.append(statement.body.body)
+                elif isinstance(statement.body, cst.SimpleStatementSuite):
+                    pending.append([cst.SimpleStatementLine(body=statement.body.body)])
+            elif isinstance(statement, cst.BaseCompoundStatement):
                 pending.extend(_blocks_of(statement))
     return bindings
 
 
+def _is_watched_value(value: cst.BaseExpression) -> bool:
+    if isinstance(value, cst.Dict):
+        return any(
+            isinstance(element, cst.DictElement) and literal_string(element.key) in WATCHED_NAMES
+            for element in value.elements
+        )
+    return literal_string(value) in WATCHED_NAMES
+
+
 def _blocks_of(statement: cst.BaseCompoundStatement) -> list[Sequence[cst.BaseStatement]]:
-    """The statement lists directly inside a module-level compound statement (same scope)."""
+    """The statement lists directly inside a compound statement (same scope)."""
     suites: list[object] = [getattr(statement, "body", None)]  # `match` has only cases
     other: object = getattr(statement, "orelse", None)
     while isinstance(other, (cst.If, cst.Else)):

@@ -1,35 +1,38 @@
 """Running a lint over paths: discovery, configuration, screening, libcst, in parallel.
 
 Per Python file the work is: read it, screen it (:mod:`hyperrecipe.lint.prefilter`), and run the
-libcst rules only when the screen cannot rule a finding out. The screen costs about two thirds
-of an ``ast.parse`` of the file, so with more than a few files it runs in a ``fork``-ed process
-pool (biggest files first, in batches). Meanwhile the parent imports libcst; the files the
-screen could not clear then go to a second pool forked from the parent, which inherits the
-import instead of paying it once per worker. Recipe files are checked in the parent.
+libcst rules only when the screen cannot rule a finding out. Every file is handled in a forked
+worker with a time and memory budget (:mod:`hyperrecipe.lint.supervisor`), so a file that
+crashes or exhausts the parser is reported (``HR998``) and the others' findings are kept. With
+more than a few files the screen runs on every CPU (biggest files first); meanwhile the parent
+imports libcst, and the files the screen could not clear go to workers forked from the parent
+afterwards, which inherit the import instead of paying it once each. Recipe files are checked
+in the first-phase workers as well (bounded: a YAML full of aliases must not hang the run).
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from pathlib import Path
 from typing import Final
 
 import attrs
 
 from hyperrecipe.lint.codes import by_code, resolve_selection, resolve_selectors
 from hyperrecipe.lint.config import ConfigError, ConfigFinder, LintConfig
-from hyperrecipe.lint.files import Target, discover
+from hyperrecipe.lint.files import Target, discover, display_path
 from hyperrecipe.lint.findings import Finding
-from hyperrecipe.lint.recipes import check_recipe
+from hyperrecipe.lint.recipes import RECIPE_SUFFIXES, check_recipe
+from hyperrecipe.lint.supervisor import Budget, TaskFailure, run_bounded
 
-__all__ = ["LintResult", "LintUsageError", "lint_paths"]
+__all__ = ["STDIN_PATH", "Budget", "LintResult", "LintUsageError", "lint_paths"]
 
-#: Below this many Python files, a process pool costs more than it saves.
+#: Below this many Python files, more than one worker costs more than it saves.
 POOL_MIN_FILES: Final = 8
-_BATCHES_PER_WORKER: Final = 6
+#: The path that stands for standard input, as in ruff.
+STDIN_PATH: Final = "-"
 
 
 class LintUsageError(ValueError):
@@ -62,52 +65,92 @@ class LintResult:
 
 # A job crosses the process boundary, so it is plain data: path, display, codes, allowed.
 _Job = tuple[str, str, frozenset[str], bool]
+# A recipe job: path, display.
+_RecipeJob = tuple[str, str]
+
+
+def _error(display: str, code: str, message: str, line: int = 1, column: int = 1) -> Finding:
+    info = by_code(code)
+    return Finding(path=display, line=line, column=column, code=info.code, name=info.name,
+                   message=message, severity="error")
 
 
 def _read(job: _Job) -> bytes | Finding:
     path, display = job[0], job[1]
+    if path == STDIN_PATH:
+        return _stdin_source()
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        info = by_code("HR000")
-        return Finding(path=display, line=1, column=1, code=info.code, name=info.name,
-                       message=f"cannot read: {exc.strerror or exc}", severity="error")
+        return _error(display, "HR000", f"cannot read: {exc.strerror or exc}")
+
+
+#: ``lint_paths`` reads standard input once, before any worker starts; workers inherit it.
+_STDIN: list[bytes] = []
+
+
+def _stdin_source() -> bytes:
+    return _STDIN[0] if _STDIN else b""
 
 
 def _screen(job: _Job) -> list[Finding] | None:
     """The file's findings if the screen settles it (usually none); ``None``: libcst must look."""
-    from hyperrecipe.lint.prefilter import needs_libcst
+    from hyperrecipe.lint.prefilter import InterpreterLimit, needs_libcst
 
     source = _read(job)
     if isinstance(source, Finding):
         return [source]
-    return None if needs_libcst(source, job[1]) else []
-
-
-def _screen_batch(jobs: Sequence[_Job]) -> list[list[Finding] | None]:
     # ast trees hold no reference cycles, so the cyclic collector only costs time here (~15%
     # of the screen: every parse allocates enough objects to trigger collections).
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return [_screen(job) for job in jobs]
+        return None if needs_libcst(source, job[1]) else []
+    except InterpreterLimit as limit:
+        return [_error(job[1], "HR000", f"cannot parse: {limit.message}", limit.line,
+                       limit.column)]
     finally:
         if enabled:
             gc.enable()
 
 
-def _lint_with_libcst(job: _Job) -> list[Finding]:
+def _first_phase(
+    task: tuple[str, _Job | _RecipeJob],
+) -> list[Finding] | tuple[list[Finding]] | None:
+    """A recipe check, a screen (``None``: libcst must look), or — for ``"python+libcst"``, a
+    run on one worker — the screen and then the libcst pass in the same worker, whose findings
+    come back wrapped in a 1-tuple (so the caller knows libcst ran)."""
+    kind, job = task
+    if kind == "recipe":
+        return check_recipe(Path(job[0]), job[1])
+    assert len(job) == 4
+    screened = _screen(job)
+    if screened is None and kind == "python+libcst":
+        return (_lint_screened(job),)
+    return screened
+
+
+def _lint_with_libcst(job: _Job, screened: bool) -> list[Finding]:
     from hyperrecipe.lint.engine import lint_source
 
     source = _read(job)
     if isinstance(source, Finding):
         return [source]
-    return lint_source(source, display=job[1], codes=job[2], allow_gated=job[3])
+    return lint_source(source, display=job[1], codes=job[2], allow_gated=job[3],
+                       screened=screened)
 
 
-def _libcst_batch(jobs: Sequence[_Job]) -> list[list[Finding]]:
-    return [_lint_with_libcst(job) for job in jobs]
+def _lint_screened(job: _Job) -> list[Finding]:
+    return _lint_with_libcst(job, screened=True)
+
+
+def _lint_unscreened(job: _Job) -> list[Finding]:
+    return _lint_with_libcst(job, screened=False)
+
+
+def _not_checked(display: str, reason: str) -> Finding:
+    return _error(display, "HR998", f"not checked: {reason}; the other files' findings stand")
 
 
 def _available_cpus() -> int:
@@ -117,32 +160,6 @@ def _available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _batches(
-    jobs: list[tuple[int, _Job]], count: int
-) -> list[list[tuple[int, _Job]]]:
-    """Split size-sorted (biggest first) jobs into about ``count`` batches of similar bytes."""
-    total = sum(size for size, _ in jobs) or 1
-    target = total / max(count, 1)
-    batches: list[list[tuple[int, _Job]]] = []
-    current: list[tuple[int, _Job]] = []
-    current_size = 0
-    for size, job in jobs:
-        current.append((size, job))
-        current_size += size
-        if current_size >= target:
-            batches.append(current)
-            current, current_size = [], 0
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _pool(workers: int) -> Executor:
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork") if "fork" in methods else None
-    return ProcessPoolExecutor(max_workers=workers, mp_context=context)
-
-
 def lint_paths(
     paths: Sequence[str] = (".",),
     *,
@@ -150,16 +167,27 @@ def lint_paths(
     ignore: Iterable[str] = (),
     jobs: int | None = None,
     screen: bool = True,
+    force_exclude: bool = False,
+    stdin: bytes | None = None,
+    stdin_filename: str | None = None,
+    budget: Budget | None = None,
 ) -> LintResult:
     """Lint files and folders.
 
     Args:
         paths: files and folders; folders are walked (see :func:`hyperrecipe.lint.files.discover`).
+            ``-`` stands for ``stdin``.
         select: codes/names/prefixes to report, replacing the configuration's ``select``.
         ignore: codes/names/prefixes not to report, added to the configuration's ``ignore``.
-        jobs: worker processes (default: the usable CPUs; 1 runs everything in this process).
+        jobs: worker processes (default: the usable CPUs).
         screen: skip libcst for files the text/``ast`` screen clears. ``False`` runs libcst on
             every file; findings are the same, only slower (the equivalence tests use it).
+        force_exclude: apply ``exclude`` to the named paths themselves (ruff's
+            ``--force-exclude``; the pre-commit hooks pass it).
+        stdin: the source that ``-`` stands for (read by the caller).
+        stdin_filename: the path ``-`` is shown as and configured as (``-`` when ``None``).
+        budget: time and memory per file (default :class:`Budget`); a file over it is an
+            ``HR998`` error and every other file's findings are kept.
 
     Returns:
         The sorted findings and counts.
@@ -176,98 +204,136 @@ def lint_paths(
     """
     select = None if select is None else tuple(select)
     ignore = tuple(ignore)
+    budget = Budget() if budget is None else budget
+    named = [p for p in paths if p != STDIN_PATH]
     try:
         if select is not None:
             resolve_selectors(select, where="--select")
         resolve_selectors(ignore, where="--ignore")
         finder = ConfigFinder()
-        targets, missing = discover(paths, finder)
+        targets, missing = discover(named, finder, force_exclude=force_exclude)
+        if len(named) != len(paths):
+            targets.extend(_stdin_target(stdin, stdin_filename, finder, force_exclude))
     except (ConfigError, ValueError) as exc:
         raise LintUsageError(str(exc)) from exc
     if missing:
         msg = "no such file or folder: " + ", ".join(missing)
         raise LintUsageError(msg)
 
-    selections: dict[LintConfig, frozenset[str]] = {}
+    selections: dict[tuple[LintConfig, tuple[str, ...]], frozenset[str]] = {}
 
-    def codes_for(config: LintConfig) -> frozenset[str]:
-        if config not in selections:
+    def codes_for(target: Target) -> frozenset[str]:
+        config = target.config
+        extra = config.ignores_for(target.path)
+        key = (config, extra)
+        if key not in selections:
             where = str(config.source) if config.source is not None else "configuration"
             try:
-                selections[config] = resolve_selection(
+                selections[key] = resolve_selection(
                     select=select if select is not None else config.select,
-                    ignore=(*config.ignore, *ignore),
+                    ignore=(*config.ignore, *extra, *ignore),
                     where=where,
                 )
             except ValueError as exc:
                 raise LintUsageError(str(exc)) from exc
-        return selections[config]
+        return selections[key]
 
     python: list[tuple[int, _Job]] = []
-    recipes: list[Target] = []
+    recipes: list[tuple[int, _RecipeJob]] = []
     for target in targets:
-        codes = codes_for(target.config)
+        codes = codes_for(target)
         if target.kind == "recipe":
             if "HR100" in codes:
-                recipes.append(target)
+                recipes.append((target.size, (str(target.path), target.display)))
             continue
         allowed = target.config.allows_forward_install(target.path)
-        python.append((target.size, (str(target.path), target.display, codes, allowed)))
+        job_path = STDIN_PATH if target.from_stdin else str(target.path)
+        python.append((target.size, (job_path, target.display, codes, allowed)))
     python.sort(key=lambda item: -item[0])  # biggest first: the pool balances better
 
-    workers = min(jobs if jobs is not None else _available_cpus(), len(python))
-    parallel = workers > 1 and len(python) >= POOL_MIN_FILES
+    _STDIN[:] = [stdin or b""]
+    cpus = jobs if jobs is not None else _available_cpus()
     findings: list[Finding] = []
-    for recipe in recipes:
-        findings.extend(check_recipe(recipe.path, recipe.display))
 
-    # Phase 1: screen. Phase 2: libcst on what the screen could not clear. The phases run in
-    # separate pools so that the parent can import libcst while the screen runs and the
+    # Phase 1: screen (and recipe checks). Phase 2: libcst on what the screen could not clear.
+    # Both run in bounded, forked workers (:mod:`hyperrecipe.lint.supervisor`). The phases use
+    # separate workers so that the parent can import libcst while the screen runs and the
     # phase-2 workers inherit it through fork, instead of every worker importing it (~0.25 s).
+    first: list[tuple[int, tuple[str, _Job | _RecipeJob]]] = [
+        *((size, ("recipe", job)) for size, job in recipes),
+        *((size, ("python", job)) for size, job in python),
+    ]
     needs: list[tuple[int, _Job]] = []
     if not screen:
-        needs = python
-    elif parallel:
-        batches = _batches(python, workers * _BATCHES_PER_WORKER)
-        with _pool(min(workers, len(batches))) as pool:
-            pending = {
-                pool.submit(_screen_batch, [job for _, job in batch]): batch for batch in batches
-            }
+        needs = list(python)
+        first = [item for item in first if item[1][0] == "recipe"]
+    first.sort(key=lambda item: -item[0])
+    tasks = [task for _, task in first]
+    parallel = cpus > 1 and len(python) >= POOL_MIN_FILES
+    if not parallel and screen:
+        # One worker: a file the screen cannot clear goes on to libcst in the same worker (it
+        # imports libcst itself), sparing the parent the import and a second fork.
+        tasks = [("python+libcst", job) if kind == "python" else (kind, job)
+                 for kind, job in tasks]
+    outcomes = run_bounded(_first_phase, tasks, workers=cpus if parallel else 1, budget=budget)
+    imported = False
+    in_first_phase = 0
+    for index, outcome in outcomes:
+        kind, job = tasks[index]
+        if isinstance(outcome, TaskFailure):
+            findings.append(_not_checked(job[1], outcome.reason))
+        elif isinstance(outcome, tuple):
+            findings.extend(outcome[0])
+            in_first_phase += 1
+        elif outcome is None:
+            assert kind != "recipe" and len(job) == 4
+            needs.append((first[index][0], job))
+        else:
+            findings.extend(outcome)
+        if parallel and not imported:
             # While the workers screen, import libcst here, so phase-2 workers inherit it.
             # (Speculative: a tree the screen clears entirely pays ~0.2 s CPU for nothing.)
             import hyperrecipe.lint.engine  # noqa: F401
-            for future in as_completed(pending):
-                for (size, job), outcome in zip(pending[future], future.result()):
-                    if outcome is None:
-                        needs.append((size, job))
-                    else:
-                        findings.extend(outcome)
-    else:
-        for (size, job), outcome in zip(python, _screen_batch([job for _, job in python])):
-            if outcome is None:
-                needs.append((size, job))
-            else:
-                findings.extend(outcome)
+
+            imported = True
 
     needs.sort(key=lambda item: -item[0])
-    if parallel and len(needs) > 1:
+    if needs:
         import hyperrecipe.lint.engine  # noqa: F401 - imported once here, inherited by fork
 
-        batches = _batches(needs, workers * _BATCHES_PER_WORKER)
-        with _pool(min(workers, len(batches))) as pool:
-            for batch_findings in pool.map(_libcst_batch, [[j for _, j in b] for b in batches]):
-                for file_findings in batch_findings:
-                    findings.extend(file_findings)
-    else:
-        for _, job in needs:
-            findings.extend(_lint_with_libcst(job))
+        second = [job for _, job in needs]
+        workers = cpus if cpus > 1 and len(needs) > 1 else 1
+        lint = _lint_screened if screen else _lint_unscreened
+        for index, result in run_bounded(lint, second, workers=workers, budget=budget):
+            if isinstance(result, TaskFailure):
+                findings.append(_not_checked(second[index][1], result.reason))
+            else:
+                findings.extend(result)
 
     findings.sort(key=Finding.sort_key)
     return LintResult(
         findings=tuple(findings),
         files=len(python) + len(recipes),
-        libcst_files=len(needs),
+        libcst_files=len(needs) + in_first_phase,
     )
+
+
+def _stdin_target(
+    source: bytes | None, filename: str | None, finder: ConfigFinder, force_exclude: bool
+) -> list[Target]:
+    """The target ``-`` stands for: shown and configured as ``filename`` when given."""
+    shown = filename if filename is not None else STDIN_PATH
+    path = Path(os.path.abspath(shown))
+    config = finder.for_folder(path.parent)
+    if filename is not None and config.is_excluded(path, named=path, force=force_exclude):
+        return []
+    if path.suffix in RECIPE_SUFFIXES:
+        msg = (f"--stdin-filename {shown}: recipe files cannot be read from standard input "
+               "(their `extends:` are relative to the file); name the file instead")
+        raise LintUsageError(msg)
+    display = shown if filename is None else display_path(path, Path.cwd())
+    return [Target(path=path, display=display, kind="python", config=config,
+                   size=len(source or b""), from_stdin=True)]
 
 
 def explain(code_or_name: str) -> str:

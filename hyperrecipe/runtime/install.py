@@ -32,6 +32,12 @@ from hyperrecipe.runtime.compute import (
 )
 from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
+from hyperrecipe.runtime.materialize import (
+    allocate_unloaded,
+    is_meta,
+    materialize_buffers,
+    mesh_device,
+)
 from hyperrecipe.runtime.layouts import ProductionRedistributor, Redistributor, ValidateRedistributor
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 
@@ -141,25 +147,78 @@ class _Applier:
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.new_params: dict[str, nn.Parameter] = {}
         self.restored: dict[str, nn.Parameter] = {}
+        self.released: dict[str, nn.Parameter] = {}
+        """Originals whose storage was dropped once their shard existed (by owner FQN)."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=mode)
+        self.device = mesh_device(mesh)
+        self.unloaded: list[str] = []
+        """Parameters and persistent buffers allocated on the meta device's behalf: no value yet."""
 
     def shard_parameters(self, tx: Rewrite) -> None:
+        """Replace every parameter by this rank's shard, dropping each original as soon as its
+        shard exists (a materialized model is never held twice).
+
+        A rollback then rebuilds originals by gathering shards, a collective, so every rank
+        must hold one parameter memento per plan parameter whatever happens: once making a
+        shard fails on this rank, the remaining originals are re-registered as they are, with a
+        restorer that takes part in the same gathers as its peers' (and keeps the original).
+        The error is raised after the loop; the vote then rolls every rank back in step.
+        """
         regions = _regions(self.plan)
+        failure: Exception | None = None
         for p in self.plan.params:
             module = self.modules[p.module]
+            original = module._parameters[p.name]
+            assert original is not None
+            in_region = regions.get(p.module) is not None
+            new: nn.Parameter | None = None
             if p.tied_to is not None:
-                new = self.new_params[p.tied_to]
-            else:
-                new = self._make_param(p, module, regions.get(p.module) is not None)
-                self.new_params[p.fqn] = new
-            tx.replace_parameter(module, p.name, new, fqn=p.module, on_restore=self._restorer(p))
+                new = self.new_params.get(p.tied_to)  # None when its owner was not sharded
+            elif failure is None:
+                try:
+                    new = self._make_param(p, module, in_region)
+                    self.new_params[p.fqn] = new
+                except Exception as exc:  # noqa: BLE001 - raised after the loop
+                    failure = exc
+            if new is None:
+                tx.replace_parameter(module, p.name, original, fqn=p.module,
+                                     on_restore=self._keeper(p, original), keep_original=False)
+                continue
+            # A meta original costs nothing and needs no gather to put back: keep it. A real
+            # one keeps its identity but gives up its storage now; a rollback or restore
+            # gathers its value back into the same object.
+            tx.replace_parameter(module, p.name, new, fqn=p.module,
+                                 on_restore=self._restorer(p), keep_original=is_meta(original))
+            if p.tied_to is None and not is_meta(original):
+                self.released[p.fqn] = original
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+        if failure is not None:
+            raise failure
+
+    def _keeper(self, p: ParamPlan, original: nn.Parameter) -> Callable[[], nn.Parameter]:
+        """The restorer of a parameter this rank never sharded: joins its peers' gather (see
+        :meth:`_restorer`) with its own slice of the original, then puts the original back."""
+
+        def restore() -> nn.Parameter:
+            if p.tied_to is None and not is_meta(original):  # peers gather only real shards
+                self._gather_local(p, local_shard(original.detach(), p.placement, self.mesh,
+                                                  self.mesh_dims))
+            return original
+
+        return restore
+
+    def _gather_local(self, p: ParamPlan, local: Tensor) -> Tensor:
+        """The full tensor from every rank's plain local shard: the same collectives in both
+        modes and for every way a rank came to hold its shard, so restores and rollbacks on
+        different ranks always meet in the same gathers."""
+        return gather_full(local.detach(), p.placement, p.shape, self.mesh, self.mesh_dims)
 
     def _make_param(self, p: ParamPlan, module: nn.Module, in_region: bool) -> nn.Parameter:
         full = module._parameters[p.name]
         assert full is not None
         requires_grad = full.requires_grad
         if self.mode == "production":
-            local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+            local = self._local(p, full)
             param = nn.Parameter(local, requires_grad=requires_grad)
             for op in p.grad_reduce:
                 g = group_for(self.mesh, op.mesh_dim)
@@ -175,10 +234,10 @@ class _Applier:
                 msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
                        f"needs a boundary around sharded parameters")
                 raise PlanMismatchError(msg)
-            return nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
+            return nn.Parameter(self._local(p, full), requires_grad=requires_grad)
         from torch.distributed.tensor import DTensor
 
-        local = local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+        local = self._local(p, full)
         placements: tuple[Any, ...]
         if any(isinstance(q, Shard) and q.is_chunked for _, q in p.placement.dims):
             # K equal chunks of a dim sharded over one mesh dim is DTensor's
@@ -224,6 +283,17 @@ class _Applier:
         param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
         return param
 
+    def _local(self, p: ParamPlan, full: Tensor) -> Tensor:
+        """This rank's shard of ``full``: sliced once from a real tensor, or allocated (unset)
+        on the mesh's device when the model was built on the meta device."""
+        if is_meta(full):
+            self.unloaded.append(p.fqn)
+            return allocate_unloaded(p.local_shape, full.dtype, self.device)
+        return local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+
+    def materialize_buffers(self, tx: Rewrite) -> None:
+        self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
+
     def full_value(self, p: ParamPlan, value: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor
 
@@ -239,9 +309,19 @@ class _Applier:
 
         def restore() -> nn.Parameter:
             if fqn not in self.restored:
+                from torch.distributed.tensor import DTensor
+
                 current = self.new_params[fqn]
-                full = self.full_value(self.plan.param(fqn), current)
-                self.restored[fqn] = nn.Parameter(full, requires_grad=current.requires_grad)
+                local = current._local_tensor if isinstance(current, DTensor) else current
+                full = self._gather_local(self.plan.param(fqn), local)
+                if full is local or full.data_ptr() == local.data_ptr():
+                    full = full.clone()
+                original = self.released.get(fqn)
+                if original is not None:  # the very object the model had, its data back
+                    original.data = full
+                    self.restored[fqn] = original
+                else:
+                    self.restored[fqn] = nn.Parameter(full, requires_grad=current.requires_grad)
             return self.restored[fqn]
 
         return restore
@@ -327,7 +407,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
     """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
 
     Args:
-        model: the full, unsharded model, on this rank's device (same weights on every rank).
+        model: the full, unsharded model, on this rank's device (same weights on every rank), or
+            the model built on the meta device: then only this rank's shards are allocated, on
+            the mesh's device, unset (NaN) until :meth:`Installation.load_weights`;
+            non-persistent buffers (rotary ``inv_freq``) are recomputed.
         plan: from :func:`hyperrecipe.compile_recipe` or :func:`hyperrecipe.load_plan`.
         mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
         mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
@@ -360,6 +443,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
+            applier.materialize_buffers(tx)
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
@@ -374,5 +458,5 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *, mode: Mode = "produ
             raise PlanMismatchError(msg)
     return Installation(model=model, plan=plan, mode=mode, rewritten=tx.result,
                         full_value=applier.full_value, mesh=mesh, params=applier.new_params,
-                        wrapper_choices=applier.inner.choices)
+                        wrapper_choices=applier.inner.choices, unloaded=applier.unloaded)
 

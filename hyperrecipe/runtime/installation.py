@@ -9,15 +9,27 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import os
+
 import attrs
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
+from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
+from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.sharding import local_shard
+from hyperrecipe.runtime.state_hooks import install_optimizer_hooks, install_state_hooks
+from hyperrecipe.runtime.weights import (
+    LoadAttempt,
+    WeightLoadError,
+    persistent_buffers,
+    load_weights,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,8 +47,21 @@ class StatusRow:
     error: str | None = None
 
 
+def _barrier_group() -> Any:
+    """A gloo group for monitored barriers (gloo is the only backend that has them): the
+    world group when it is gloo, otherwise a new one, made while every rank is in apply."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
 class Installation:
     """A plan applied to a model on this rank.
+
+    Everything that produces or consumes full tensors gathers or slices shards, so it is a
+    collective: call it on every rank (a rank that does not would leave the others waiting).
 
     Attributes:
         mode: ``"production"`` or ``"validate"``.
@@ -46,21 +71,31 @@ class Installation:
     def __init__(self, *, model: nn.Module, plan: Plan, mode: str, rewritten: Rewritten,
                  full_value: Callable[[ParamPlan, Tensor], Tensor], mesh: DeviceMesh,
                  params: Mapping[str, nn.Parameter],
-                 wrapper_choices: Sequence[WrapperChoice] = ()) -> None:
+                 wrapper_choices: Sequence[WrapperChoice] = (),
+                 unloaded: Sequence[str] = ()) -> None:
         self.model = model
         self.plan = plan
         self.mode = mode
         self.mesh = mesh
         self._rewritten = rewritten
         self._full_value = full_value
-        self._params = dict(params)
         self._wrapper_choices = tuple(wrapper_choices)
+        self._live = LiveParams(model, plan, mesh, mode)
+        self._unloaded = set(unloaded)
+        self._loads: list[LoadAttempt] = []
+        del params  # looked up live: the model's parameters may be replaced after apply
+        self._barrier_group = _barrier_group()
+        self._hooks = ([*install_state_hooks(model, self._live),
+                        *install_optimizer_hooks(self._live)] if mode == "production" else [])
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
         marshal``…), state, error. A method adapter's fqn is its target,
         ``pkg.mod:Class.method``; a function adapter has a row per module it is scoped to (fqn:
-        the module; what: ``adapter marshal pkg.mod:function``)."""
+        the module; what: ``adapter marshal pkg.mod:function``). Then a row per weight-loading
+        strategy tried (``weights safetensors``: ``loaded``, ``ineligible``, ``failed``, ``not
+        tried``) and, while a meta-built model has tensors with no value yet, one ``weights``
+        row ``unset`` naming how many."""
         adapters = {a.target: a.mode for a in self.plan.adapters}
 
         def what(r: RewriteRecord) -> str:
@@ -76,15 +111,25 @@ class Installation:
                               state=c.state if not self.restored or c.state != "installed"
                               else "restored", error=c.reason)
                     for c in self._wrapper_choices)
+        rows.extend(StatusRow(fqn=a.source, what=f"weights {a.strategy}", state=a.state,
+                              error=a.detail) for a in self._loads)
+        if self._unloaded:
+            names = sorted(self._unloaded)
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            rows.append(StatusRow(fqn="<model>", what="weights", state="unset",
+                                  error=f"{len(names)} tensors have no value yet ({shown}); "
+                                        f"call load_weights()"))
         return rows
 
     def _own(self) -> list[ParamPlan]:
         return [p for p in self.plan.params if p.tied_to is None]
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """FQN → full tensor for every parameter (tied names included) and buffer."""
+        """FQN → full tensor for every parameter (tied names included) and buffer (a
+        collective: call on every rank)."""
         self._check_live()
-        full = {p.fqn: self._full_value(p, self._params[p.fqn]) for p in self._own()}
+        self._enter_collective("full_state_dict")
+        full = {p.fqn: self._live.full_of(p, self._live.param(p)) for p in self._own()}
         out: dict[str, Tensor] = {}
         for p in self.plan.params:
             out[p.fqn] = full[p.tied_to or p.fqn]
@@ -97,9 +142,9 @@ class Installation:
         self._check_live()
         grads: dict[str, Tensor] = {}
         for p in self._own():
-            g = self._params[p.fqn].grad
+            g = self._live.param(p).grad
             if g is not None:
-                grads[p.fqn] = self._full_value(p, g)
+                grads[p.fqn] = self._live.full_of(p, g)
         for p in self.plan.params:
             if p.tied_to is not None and p.tied_to in grads:
                 grads[p.fqn] = grads[p.tied_to]
@@ -112,8 +157,6 @@ class Installation:
             PlanMismatchError: a parameter is missing or has the wrong shape.
         """
         self._check_live()
-        from torch.distributed.tensor import DTensor
-
         for p in self._own():
             if p.fqn not in state_dict:
                 raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} is missing")
@@ -121,23 +164,170 @@ class Installation:
             if tuple(full.shape) != p.shape:
                 raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} has shape "
                                         f"{list(full.shape)}, the model {list(p.shape)}")
-            param = self._params[p.fqn]
-            target: Any = param.to_local() if isinstance(param, DTensor) else param
+        for p in self._own():
+            target = self._live.local(p)
+            full = state_dict[p.fqn].to(target.device)
             with torch.no_grad():
-                if isinstance(param, DTensor) or self.mode == "production":
-                    target.copy_(local_shard(full.to(target.device), p.placement, self.mesh,
-                                             self.plan.mesh_dims))
-                else:
+                if tuple(target.shape) == p.shape:
                     target.copy_(full)
+                else:
+                    target.copy_(local_shard(full, p.placement, self.mesh, self.plan.mesh_dims))
+            self._unloaded.discard(p.fqn)
         for name, buf in self.model.named_buffers():
             if name in state_dict:
                 with torch.no_grad():
                     buf.copy_(state_dict[name])
+                self._unloaded.discard(name)
+
+    def load_weights(self, source: str | os.PathLike[str]) -> None:
+        """Load a checkpoint, each rank reading only its slices (call on every rank).
+
+        ``source`` is a ``.safetensors`` file, a Hugging Face checkpoint folder (one file or an
+        indexed ``model.safetensors.index.json``), or a ``torch.distributed.checkpoint`` folder
+        (saved from :meth:`state_dict` or a model state dict, on any mesh). Strategies are tried
+        in that order; :meth:`status` shows which loaded and why the others were skipped.
+        Dtypes are converted to the model's; tied parameters load from whichever of their
+        names the checkpoint holds.
+
+        Raises:
+            WeightLoadError: the checkpoint does not fit (every missing, unexpected and
+                mis-shaped tensor named, with its file), or cannot be read; the model is left
+                as it was before the call.
+        """
+        self._check_live()
+        try:
+            attempts = load_weights(self._live, self.model, source, self._unloaded)
+        except WeightLoadError as exc:
+            self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
+                                       detail=str(exc))]
+            raise
+        self._loads = attempts
+
+    def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Training state for ``torch.distributed.checkpoint``, in both modes (collective).
+
+        Returns ``{"model": {fqn: DTensor}}`` (plus ``"optimizer"``: the optimizer's state keyed
+        by FQN, when given). Every tensor is a DTensor with the plan's placements over this
+        mesh, sharing the live shard's storage, so ``dcp.save`` stores each shard once and
+        ``dcp.load`` into it reads a checkpoint saved on any mesh; chunked (fused) parameters,
+        which DCP cannot store shard by shard, are gathered and stored replicated. Tied
+        parameters appear under every name, as in ``model.state_dict()``; persistent buffers
+        are plain tensors (the same on every rank).
+
+        Example::
+
+            dcp.save(inst.state_dict(opt), checkpoint_id=f"ckpt/{step}")
+            # resume, on any mesh:
+            state = inst.state_dict(opt)
+            dcp.load(state, checkpoint_id="ckpt/100")
+            inst.load_state_dict(state, opt)
+        """
+        self._check_live()
+        own = {p.fqn: self._live.as_dtensor(p, self._live.local(p)) for p in self._own()}
+        model: dict[str, Any] = {p.fqn: own[p.tied_to or p.fqn] for p in self.plan.params}
+        for name, buf in persistent_buffers(self.model):
+            model[name] = buf
+        out: dict[str, Any] = {"model": model}
+        if optimizer is not None:
+            out["optimizer"] = optimizer_state(self._live, optimizer)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Put back a :meth:`state_dict` (after ``dcp.load``, or full tensors): each rank keeps
+        its shard of every parameter and of the optimizer's state (collective).
+
+        Raises:
+            PlanMismatchError: a parameter is missing or has another global shape; an
+                optimizer was given but the state has none, or other parameter groups.
+        """
+        self._check_live()
+        model = state.get("model")
+        if not isinstance(model, Mapping):
+            raise PlanMismatchError("load_state_dict: the state has no 'model' entry; pass what "
+                                    "Installation.state_dict() returned (after dcp.load)")
+        missing = [p.fqn for p in self._own()
+                   if p.fqn not in model and not any(q.tied_to == p.fqn and q.fqn in model
+                                                     for q in self.plan.params)]
+        if missing:
+            raise PlanMismatchError(f"load_state_dict: missing {missing}")
+        shards = {}
+        for p in self._own():
+            value = model[p.fqn] if p.fqn in model else next(
+                model[q.fqn] for q in self.plan.params if q.tied_to == p.fqn and q.fqn in model)
+            shards[p.fqn] = self._live.shard_of(p, value)
+        with torch.no_grad():
+            for p in self._own():
+                target = self._live.local(p)
+                if target.data_ptr() != shards[p.fqn].data_ptr():
+                    target.copy_(shards[p.fqn])
+                self._unloaded.discard(p.fqn)
+            for name, buf in persistent_buffers(self.model):
+                if name in model and model[name] is not buf:
+                    buf.copy_(model[name])
+                self._unloaded.discard(name)
+        if optimizer is not None:
+            if "optimizer" not in state:
+                raise PlanMismatchError("load_state_dict: an optimizer was given but the state "
+                                        "holds none; save with Installation.state_dict(optimizer)")
+            load_optimizer_state(self._live, optimizer, state["optimizer"])
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *,
+                        max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
+        """Write consolidated safetensors that ``from_pretrained`` loads (call on every rank).
+
+        Each tensor is gathered in turn (a collective) and streamed by ``writer_rank`` into its
+        file, so the extra memory is about one full tensor; files are split at
+        ``max_shard_bytes`` with an index; the model's ``config`` is saved beside them. The model
+        stays applied and keeps training. Tied parameters are written once, under their owner's
+        name, as ``save_pretrained`` does.
+
+        Raises:
+            PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
+                instead of hanging until the process group's watchdog.
+        """
+        self._check_live()
+        self._enter_collective("save_pretrained")
+        items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
+                            gather=lambda p=p: self._live.full_of(  # type: ignore[misc]
+                                p, self._live.param(p)))
+                 for p in self._own()]
+        items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
+                                gather=lambda buf=buf: buf)  # type: ignore[misc]
+                     for name, buf in persistent_buffers(self.model))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        write_safetensors(folder, items, writer=rank == writer_rank,
+                          max_shard_bytes=max_shard_bytes, model=self.model)
+
+    collective_timeout_s: float = 60.0
+    """How long a gathering call waits for every rank to enter it before refusing."""
+
+    def _enter_collective(self, what: str) -> None:
+        """Every rank must call gathering methods; one that does not would leave the others
+        waiting in the gather until the watchdog (minutes, then an opaque error). A monitored
+        barrier first fails within ``collective_timeout_s`` and names the missing ranks."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        import datetime
+
+        if self._barrier_group is None:
+            return
+        try:
+            dist.monitored_barrier(group=self._barrier_group, wait_all_ranks=True,
+                                   timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        except RuntimeError as exc:
+            msg = (f"Installation.{what}() is a collective: every rank must call it (rank "
+                   f"{dist.get_rank()} waited {self.collective_timeout_s:.0f} s: {exc}). Call it "
+                   f"on every rank; only one rank writes")
+            raise PlanMismatchError(msg) from None
 
     def restore(self) -> None:
         """Put the original forwards back and full parameters in place of the shards
         (gathered: call on every rank), and restore rewritten attributes."""
         self._rewritten.restore()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     @property
     def restored(self) -> bool:

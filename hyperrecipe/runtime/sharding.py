@@ -8,7 +8,7 @@ concatenates the slices, so every rank holds whole heads of each of q, k and v.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +21,7 @@ from hyperrecipe.runtime.collectives import execute, group_for
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["gather_full", "local_shard"]
+__all__ = ["Ranges", "gather_full", "local_shard", "read_ranges", "shard_ranges"]
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -39,23 +39,74 @@ def _split_parts(x: Tensor, q: Shard, dim: int, full_size: int, ways: int) -> li
     return list(torch.split(x, sizes, dim=dim))
 
 
-def local_shard(full: Tensor, placement: NamedPlacement, mesh: DeviceMesh,
-                mesh_dims: Sequence[str]) -> Tensor:
-    """This rank's slice of ``full`` (a new contiguous tensor, never a view of ``full``)."""
-    x = full
+Ranges = tuple[tuple[tuple[int, int], ...], ...]
+"""Per tensor dim, the ``(start, stop)`` index ranges of the full tensor a rank holds, in order."""
+
+
+def shard_ranges(placement: NamedPlacement, full_shape: Sequence[int], mesh: DeviceMesh,
+                 mesh_dims: Sequence[str]) -> Ranges:
+    """Which slices of the full tensor this rank's shard is made of.
+
+    A sharded dim splits into equal contiguous slices per mesh dim, in mesh order; a chunked
+    shard splits each fused part in turn, so the rank holds several ranges of that dim. The
+    ranges are computed on index vectors with the very split :func:`local_shard` performs, so a
+    loader that reads only these ranges from a file gets exactly the shard ``local_shard`` makes.
+    """
+    ndim = len(full_shape)
+    index = [torch.arange(n) for n in full_shape]
     ways: dict[int, int] = {}
     for name in mesh_dims:
         q = placement.get(name)
         if not isinstance(q, Shard):
             continue
-        d = _norm(q.dim, full.ndim)
+        d = _norm(q.dim, ndim)
         n = _size(mesh, name)
         r = mesh.get_local_rank(name)
         before = ways.get(d, 1)
-        parts = _split_parts(x, q, d, full.shape[d], before)
-        x = torch.cat([torch.chunk(p, n, dim=d)[r] for p in parts], dim=d)
+        parts = _split_parts(index[d], q, 0, full_shape[d], before)
+        index[d] = torch.cat([torch.chunk(p, n)[r] for p in parts])
         ways[d] = before * n
-    return x.detach().clone().contiguous()
+    return tuple(_runs(ix.tolist()) for ix in index)
+
+
+def _runs(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return tuple(runs)
+
+
+def read_ranges(read: Callable[[tuple[slice, ...]], Tensor], ranges: Ranges) -> Tensor:
+    """The tensor made of ``ranges`` (see :func:`shard_ranges`), reading each block with
+    ``read(slices)``: a full tensor's ``__getitem__`` or a safetensors slice's, so a file is read
+    only where this rank needs it. Blocks are concatenated dim by dim; one block is returned as
+    ``read`` gave it (a view when ``read`` is indexing)."""
+    return _read_block(read, ranges, (), 0)
+
+
+def _read_block(read: Callable[[tuple[slice, ...]], Tensor], ranges: Ranges,
+                prefix: tuple[slice, ...], dim: int) -> Tensor:
+    # A module-level recursion, not a nested closure: a closure that refers to itself is a
+    # reference cycle, which would keep ``read`` (and the full tensor it indexes) alive until
+    # the garbage collector runs, so a model being sharded would be held twice.
+    if dim == len(ranges):
+        return read(prefix)
+    blocks = [_read_block(read, ranges, prefix + (slice(a, b),), dim + 1) for a, b in ranges[dim]]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
+
+
+def local_shard(full: Tensor, placement: NamedPlacement, mesh: DeviceMesh,
+                mesh_dims: Sequence[str]) -> Tensor:
+    """This rank's slice of ``full`` (a new contiguous tensor, never a view of ``full``),
+    copied once."""
+    ranges = shard_ranges(placement, full.shape, mesh, mesh_dims)
+    x = read_ranges(lambda slices: full.detach()[slices], ranges)
+    if all(len(r) == 1 for r in ranges):  # one block: a view of ``full`` so far
+        return x.clone(memory_format=torch.contiguous_format)
+    return x  # torch.cat made a new contiguous tensor
 
 
 def gather_full(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],

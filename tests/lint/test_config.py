@@ -101,12 +101,19 @@ def test_exclude_globs_match_components_and_relative_paths(write_tree: WriteTree
     assert _found() == [("tests/test_c.py", "HR001")]
 
 
-def test_an_excluded_file_named_explicitly_is_still_skipped(write_tree: WriteTree) -> None:
+def test_an_excluded_file_named_explicitly_is_linted_unless_force_exclude(
+    write_tree: WriteTree,
+) -> None:
     write_tree({
         "pyproject.toml": '[tool.hyperrecipe.lint]\nexclude = ["vendored"]\n',
         "vendored/a.py": FORWARD,
+        "vendored/sub/b.py": FORWARD,
     })
-    assert _found(["vendored/a.py"]) == []
+    assert _found(["."]) == []
+    assert _found(["vendored/a.py"]) == [("vendored/a.py", "HR001")]  # as ruff does
+    # pre-commit's hooks pass --force-exclude: the files it hands over honour `exclude`
+    assert _found(["vendored/a.py", "vendored/sub/b.py"], force_exclude=True) == []
+    assert _found(["vendored"], force_exclude=True) == []
 
 
 def test_folders_above_the_linted_path_never_exclude_it(write_tree: WriteTree) -> None:
@@ -114,6 +121,55 @@ def test_folders_above_the_linted_path_never_exclude_it(write_tree: WriteTree) -
     assert _found(["."]) == []  # `venv` is a built-in exclude below the linted folder...
     # ... but not when it is above the folder the user asked for
     assert _found([str(root / "venv" / "lib" / "pkg")]) == [("venv/lib/pkg/a.py", "HR001")]
+
+
+def test_an_excluded_folder_in_the_project_does_not_hide_a_path_named_inside_it(
+    write_tree: WriteTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README layout: `.venv` inside the repository, and `exclude` naming it."""
+    root = write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nexclude = [".venv*", "build"]\n',
+        ".venv/lib/site-packages/torch/distributed/a.py": FORWARD,
+        ".venv/lib/site-packages/torch/distributed/build/b.py": FORWARD,
+        ".venv/lib/site-packages/torch/distributed/.venv-x/c.py": FORWARD,
+    })
+    named = root / ".venv/lib/site-packages/torch/distributed"
+    expected = [(".venv/lib/site-packages/torch/distributed/a.py", "HR001")]
+    assert _found([str(named)]) == expected  # excludes below the named folder still apply
+    assert _found([str(named.relative_to(root))]) == expected
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # by absolute path from another folder
+    assert [code for _, code in _found([str(named)])] == ["HR001"]
+    assert _found([str(named)], force_exclude=True) == []
+
+
+def test_per_file_ignores_match_file_names_and_relative_globs(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": (
+            "[tool.hyperrecipe.lint]\n"
+            "[tool.hyperrecipe.lint.per-file-ignores]\n"
+            '"tests/*" = ["HR001"]\n'
+            '"conftest.py" = ["forward-setattr", "HR004"]\n'
+        ),
+        "tests/deep/test_a.py": FORWARD + SETATTR,
+        "pkg/conftest.py": FORWARD + SETATTR,
+        "pkg/b.py": FORWARD,
+    })
+    assert _found() == [
+        ("pkg/b.py", "HR001"), ("pkg/conftest.py", "HR001"), ("tests/deep/test_a.py", "HR002"),
+    ]
+
+
+def test_per_file_ignores_with_an_unknown_code_is_a_usage_error(write_tree: WriteTree) -> None:
+    write_tree({
+        "pyproject.toml": (
+            '[tool.hyperrecipe.lint.per-file-ignores]\n"tests/*" = ["HR0O1"]\n'
+        ),
+        "a.py": "x = 1\n",
+    })
+    with pytest.raises(LintUsageError, match=r"per-file-ignores 'tests/\*': unknown rule code"):
+        lint_paths(["."])
 
 
 def test_unknown_configuration_key_is_a_usage_error_with_a_suggestion(
@@ -125,7 +181,7 @@ def test_unknown_configuration_key_is_a_usage_error_with_a_suggestion(
         lint_paths(["."])
     assert str(info.value) == (
         f"{root / 'pyproject.toml'}: [tool.hyperrecipe.lint] has unknown key 'rewriters'; "
-        "did you mean 'rewriter'?; known keys: rewriter, exclude, select, ignore"
+        "did you mean 'rewriter'?; known keys: rewriter, exclude, select, ignore, per-file-ignores"
     )
 
 

@@ -6,6 +6,22 @@ They are strings (not files) so that linting this repository does not lint them.
 from __future__ import annotations
 
 TRICKY: dict[str, bytes] = {
+    "call_impl_escaped": b'setattr(m, "_call_\\x69mpl", f)\n',
+    "compiled_call_impl_split": b'setattr(m, "_compiled" "_call_impl", f)\n',
+    "dunder_call_octal": b'setattr(Block, "__\\143all__", f)\n',
+    "call_impl_keyword_update": b"vars(m).update(_call_impl=f)\n",
+    "namespace_copy_with_aliased_vars": (
+        b"from builtins import vars as v\nv(m).update(v(other))\n"
+    ),
+    "namespace_copy_unbound": b"dict.update(m.__dict__, other.__dict__)\n",
+    "namespace_copy_into_ordinary_dict": b"state.update(other.__dict__)\n",
+    "local_constant_in_method": (
+        b'class A:\n    def go(self, m, f):\n        key = "forward"\n'
+        b"        monkeypatch.setattr(m, name=key, value=f)\n"
+    ),
+    "bound_mapping_update": b'def go(m, f):\n    d = {"forward": f}\n    m.__dict__.update(d)\n',
+    "patch_multiple_on_mocker": b"mocker.patch.multiple(m, forward=f)\n",
+    "call_impl_read": b"out = m._call_impl(x)\nfn = type(m).__call__\n",
     "comment_between_dot_and_name": b"(m.  # a comment\n    forward) = f\n",
     "backslash_continuation": b"m. \\\n    forward = f\n",
     "tab_and_formfeed": b"m .\t\x0cforward = f\n",

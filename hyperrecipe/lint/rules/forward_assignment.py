@@ -6,8 +6,8 @@ from typing import ClassVar
 
 import libcst as cst
 
-from hyperrecipe.lint.rule import Invalid, Valid
-from hyperrecipe.lint.rules._patterns import TargetVisitor, identifier
+from hyperrecipe.lint.rule import ENTRY_NAMES, Invalid, Valid
+from hyperrecipe.lint.rules._patterns import TargetVisitor, identifier, looks_like_class
 
 __all__ = ["ForwardAssignment"]
 
@@ -18,7 +18,11 @@ class ForwardAssignment(TargetVisitor):
     (`self.forward = f`, `model.layer.forward = f`) or a class (`Linear.forward = f`,
     `type(m).forward = f`) — in every binding form: plain and chained `=`, annotated with a
     value, augmented, tuple/list/starred unpacking, `for` and comprehension targets,
-    `with ... as` targets, and `del x.forward`.
+    `with ... as` targets, and `del x.forward`. The same goes for the other attributes that
+    decide what `m(x)` runs: `nn.Module`'s call implementations `_call_impl` and
+    `_compiled_call_impl` (`m._call_impl = f` makes `m(x)` run `f`), and `__call__` on a class
+    (`Block.__call__ = f`, `type(m).__call__ = f`, `cls.__call__ = f` replace the call of every
+    instance; `obj.__call__ = f` on an instance changes nothing `obj(x)` runs and is not flagged).
 
     #### Why is this bad?
     A forward installed by hand skips what `hyperrecipe.rewriter` guarantees: the replacement's
@@ -70,6 +74,12 @@ class ForwardAssignment(TargetVisitor):
         Valid("model.register_forward_hook(hook)"),
         Valid("(a, b) = model.forward, other"),
         Valid("for layer in model.layers:\n    out = layer.forward(out)"),
+        Valid("out = m._call_impl(x)"),
+        Valid("m._wrapped_call_impl_count = 0"),
+        Valid("class Block:\n    __call__ = _wrapped_call_impl  # a class-body definition"),
+        Valid("fn = type(m).__call__"),
+        Valid("criteria.__call__ = compiled  # an instance: `criteria(x)` still calls the class's"),
+        Valid("self.__call__ = self._fast"),
     )
     INVALID: ClassVar[tuple[Invalid, ...]] = (
         Invalid("model.forward = f", line=1, column=1),
@@ -109,16 +119,35 @@ class ForwardAssignment(TargetVisitor):
         ),
         Invalid("if ok: m.forward = f", line=1, column=8),
         Invalid("m.forward = f; n.forward = g", count=2),
+        Invalid("m._call_impl = f", line=1, column=1),
+        Invalid("m._compiled_call_impl = torch.compile(f)", line=1, column=1),
+        Invalid("Block.__call__ = f", line=1, column=1),
+        Invalid("type(m).__call__ = patched_call"),
+        Invalid("nn.Module.__call__ = patched_call"),
+        Invalid("m.__class__.__call__ = patched_call"),
+        Invalid("def patch(cls, f):\n    cls.__call__ = f", line=2, column=5),
+        Invalid("del m._compiled_call_impl"),
+        Invalid("m._call_impl, m.forward = f, g", count=2),
     )
 
     def check_target(self, target: cst.BaseExpression, action: str) -> None:
-        if isinstance(target, cst.Attribute) and identifier(target.attr) == "forward":
-            if action == "deletes":
-                self.report(
-                    target,
-                    "deletes `forward` outside the rewriter; undo an installed forward with "
-                    "Rewritten.restore() from hyperrecipe.rewriter",
-                )
-            else:
-                self.report(target, f"{action} `forward` outside the rewriter; hand the "
-                            "replacement to hyperrecipe.rewriter (Rewrite.install_forward)")
+        if not isinstance(target, cst.Attribute):
+            return
+        name = identifier(target.attr)
+        if name not in ENTRY_NAMES:
+            return
+        if name == "__call__" and not looks_like_class(target.value):
+            return  # an instance's `__call__` is never what `m(x)` calls
+        if action == "deletes":
+            self.report(
+                target,
+                f"deletes `{name}` outside the rewriter; undo an installed forward with "
+                "Rewritten.restore() from hyperrecipe.rewriter",
+            )
+        elif name == "forward":
+            self.report(target, f"{action} `forward` outside the rewriter; hand the "
+                        "replacement to hyperrecipe.rewriter (Rewrite.install_forward)")
+        else:
+            self.report(target, f"{action} `{name}` outside the rewriter, which changes what "
+                        "`m(x)` runs; install a forward through hyperrecipe.rewriter "
+                        "(Rewrite.install_forward) instead")

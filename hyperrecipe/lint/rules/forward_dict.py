@@ -6,8 +6,13 @@ from typing import ClassVar, Final
 
 import libcst as cst
 
-from hyperrecipe.lint.rule import Invalid, Valid
-from hyperrecipe.lint.rules._patterns import TargetVisitor, is_namespace_dict, positional_args
+from hyperrecipe.lint.rule import ENTRY_NAMES, Invalid, Valid
+from hyperrecipe.lint.rules._patterns import (
+    TargetVisitor,
+    is_namespace_dict,
+    keyword_arg,
+    positional_args,
+)
 
 __all__ = ["ForwardDict"]
 
@@ -17,6 +22,9 @@ _OPERATOR_KEYED: Final = (
     "operator.setitem", "operator.delitem", "_operator.setitem", "_operator.delitem",
 )
 _PATCH_DICT: Final = ("unittest.mock.patch.dict", "mock.patch.dict")
+#: Keys whose write into an attribute dict changes what ``m(x)`` runs. Not ``__call__``: an
+#: instance's is never called by ``m(x)``, and a class's ``__dict__`` is a read-only proxy.
+_DICT_NAMES: Final = ENTRY_NAMES - {"__call__"}
 
 
 class ForwardDict(TargetVisitor):
@@ -26,7 +34,13 @@ class ForwardDict(TargetVisitor):
     `del vars(x)["forward"]`), `update({"forward": f})`, `update(forward=f)`,
     `update(dict(forward=f))`, `|= {"forward": f}`, `setdefault`/`pop`/`__setitem__`/
     `__delitem__` with the key, the unbound `dict.update(x.__dict__, ...)` forms,
-    `operator.setitem(vars(x), "forward", f)` and `unittest.mock.patch.dict(x.__dict__, ...)`.
+    `operator.setitem(vars(x), "forward", f)`, a `.setitem`/`.delitem` method such as pytest's
+    `monkeypatch.setitem(m.__dict__, "forward", f)`, `unittest.mock.patch.dict(x.__dict__,
+    ...)`, an update from a name bound once to a dict display with the key
+    (`d = {"forward": f}; m.__dict__.update(d)`), and copying another object's attribute dict
+    (`m.__dict__.update(other.__dict__)`, `vars(m).update(vars(other))`), which brings its
+    `forward` along if it has one. `nn.Module`'s call implementations `_call_impl` and
+    `_compiled_call_impl` (see HR001) count as `forward` does.
 
     #### Why is this bad?
     Writing the instance dict installs an instance forward exactly as `x.forward = f` does
@@ -72,6 +86,12 @@ class ForwardDict(TargetVisitor):
         ),
         Valid('module.__dict__.pop("forward_pre_hooks")'),
         Valid('module.__dict__[key] = value  # a key that is not static is not guessed'),
+        Valid('monkeypatch.setitem(module.__dict__, "weight", w)'),
+        Valid('monkeypatch.setitem(config, "forward", "fused")  # not an attribute dict'),
+        Valid('module.__dict__.update(defaults)  # a mapping whose keys are not known'),
+        Valid('state.update(other.__dict__)  # copies into an ordinary dict'),
+        Valid('d = {"weight": w}\nmodule.__dict__.update(d)'),
+        Valid('vars(criteria)["__call__"] = compiled  # an instance dict: its call is unchanged'),
     )
     INVALID: ClassVar[tuple[Invalid, ...]] = (
         Invalid('module.__dict__["forward"] = f', line=1, column=1),
@@ -98,6 +118,24 @@ class ForwardDict(TargetVisitor):
         Invalid('import operator\noperator.setitem(vars(module), "forward", f)', line=2, column=1),
         Invalid('from operator import setitem\nsetitem(module.__dict__, "forward", f)'),
         Invalid('from unittest import mock\nmock.patch.dict(module.__dict__, {"forward": f})'),
+        Invalid('monkeypatch.setitem(module.__dict__, "forward", f)', line=1, column=1),
+        Invalid('monkeypatch.delitem(vars(module), "forward")'),
+        Invalid('monkeypatch.setitem(dic=module.__dict__, name="forward", value=f)'),
+        Invalid('module.__dict__.update(other.__dict__)', line=1, column=1),
+        Invalid('vars(module).update(vars(other))'),
+        Invalid('module.__dict__.update(**other.__dict__)'),
+        Invalid('patch = {"forward": f}\nmodule.__dict__.update(patch)', line=2, column=1),
+        Invalid(
+            """
+            def install(module, f):
+                extra = {"forward": f, "_hr": 1}
+                vars(module).update(extra)
+            """,
+            line=4,
+            column=5,
+        ),
+        Invalid('module.__dict__["_call_impl"] = f'),
+        Invalid('vars(module).update(_compiled_call_impl=f)'),
         Invalid('from builtins import vars as v\nv(module)["forward"] = f'),
         Invalid('KEY = "forward"\nmodule.__dict__[KEY] = f', line=2, column=1),
         Invalid('module.__dict__["for" "ward"] = f'),
@@ -111,7 +149,7 @@ class ForwardDict(TargetVisitor):
         if len(target.slice) != 1 or not isinstance(target.slice[0].slice, cst.Index):
             return
         key = self.context.string_value(target.slice[0].slice.value)
-        if key == "forward" and is_namespace_dict(target.value, self.context):
+        if key in _DICT_NAMES and is_namespace_dict(target.value, self.context):
             if action == "deletes":
                 self.report(target, "deletes `forward` from an attribute dict outside the "
                             "rewriter; undo an installed forward with Rewritten.restore()")
@@ -125,24 +163,29 @@ class ForwardDict(TargetVisitor):
         if isinstance(node, cst.Dict):
             return any(
                 isinstance(element, cst.DictElement)
-                and self.context.string_value(element.key) == "forward"
+                and self.context.string_value(element.key) in _DICT_NAMES
                 for element in node.elements
             )
         if isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
             has_key = any(
-                arg.keyword is not None and arg.keyword.value == "forward" for arg in node.args
+                arg.keyword is not None and arg.keyword.value in _DICT_NAMES for arg in node.args
             )
             return has_key and self.context.refers_to(node.func, "builtins.dict")
+        if isinstance(node, cst.Name):
+            bound = self.context.bound_value(node)  # `d = {"forward": f}` once in scope
+            return isinstance(bound, cst.Dict) and self._mapping_has_key(bound)
         return False
 
     def _update_writes_forward(self, args: list[cst.Arg]) -> bool:
         for arg in args:
             if arg.keyword is not None:
-                if arg.keyword.value == "forward":
+                if arg.keyword.value in _DICT_NAMES:
                     return True
             elif arg.star == "**" or not arg.star:
                 if self._mapping_has_key(arg.value):
                     return True
+                if is_namespace_dict(arg.value, self.context):
+                    return True  # another object's attribute dict: its forward comes along
         return False
 
     def visit_Call(self, node: cst.Call) -> None:
@@ -169,19 +212,31 @@ class ForwardDict(TargetVisitor):
                 return
             if method in _KEYED_METHODS:
                 args = positional_args(node)
-                if args and self.context.string_value(args[0]) == "forward":
+                if args and self.context.string_value(args[0]) in _DICT_NAMES:
                     if is_namespace_dict(receiver, self.context):
                         self.report(node)
                 elif (
                     len(args) >= 2
-                    and self.context.string_value(args[1]) == "forward"
+                    and self.context.string_value(args[1]) in _DICT_NAMES
                     and is_namespace_dict(args[0], self.context)
                     and self.context.refers_to(receiver, "builtins.dict")
                 ):
                     self.report(node)
                 return
+            if method in ("setitem", "delitem"):  # pytest's monkeypatch.setitem(dic, name, ...)
+                args = positional_args(node)
+                namespace = args[0] if args else keyword_arg(node, "dic")
+                key = args[1] if len(args) >= 2 else keyword_arg(node, "name")
+                if (
+                    namespace is not None
+                    and key is not None
+                    and self.context.string_value(key) in _DICT_NAMES
+                    and is_namespace_dict(namespace, self.context)
+                ):
+                    self.report(node)
+                    return
         args = positional_args(node)
-        if len(args) >= 2 and self.context.string_value(args[1]) == "forward":
+        if len(args) >= 2 and self.context.string_value(args[1]) in _DICT_NAMES:
             if is_namespace_dict(args[0], self.context) and self.context.refers_to(
                 func, *_OPERATOR_KEYED
             ):

@@ -1,0 +1,147 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` of a production-mode model, made right.
+
+Production mode trains on plain local shards registered under the original names, so the
+model's own state dict has the same keys on every rank with different contents. Handed to
+``torch.distributed.checkpoint`` (directly or through ``get_state_dict``), that is silently
+deduplicated into one rank's pieces. While a plan is applied in production mode the root
+module therefore carries two hooks, removed by ``restore()``:
+
+- a state-dict post-hook that hands out each sharded parameter as a DTensor with the plan's
+  placements over the mesh (no copy, no collective), so DCP stores every shard once. A fused
+  (chunked) shard becomes a ``_StridedShard`` DTensor: exact for ``full_tensor()``, refused by
+  DCP with an error rather than stored wrong; ``Installation.state_dict()`` stores those too.
+  A layout DTensor cannot express at all is refused here, naming ``Installation.state_dict``.
+- a load pre-hook that turns DTensors (any placement, any mesh layout of the same global
+  shape) and full tensors into this rank's shard before ``load_state_dict`` copies them.
+
+Optimizers over those shards have the same problem with their moments;
+:func:`install_optimizer_hooks` gives them the same pair of hooks.
+
+Validate mode needs none of this: its parameters (and so its optimizer state) are DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.plan import ParamPlan
+from hyperrecipe.runtime.checkpoint import LiveParams, contiguous_stride, dtensor_placements
+
+__all__ = ["install_optimizer_hooks", "install_state_hooks"]
+
+
+def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
+    """Register both hooks on ``model``; returns their handles (``.remove()`` each)."""
+    names: dict[str, Any] = {}
+    for p in live.plan.params:
+        names[p.fqn] = live.plan.param(p.tied_to) if p.tied_to else p
+
+    def to_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
+                    local_metadata: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for fqn, p in names.items():
+            key = prefix + fqn
+            if key not in state or tuple(p.shape) == tuple(p.local_shape):
+                continue
+            placements = dtensor_placements(p, live.plan.mesh_dims)
+            if placements is None:
+                msg = (f"model.state_dict(): {fqn} is laid out as {p.placement}, which no "
+                       f"DTensor placement expresses, so a checkpoint of the local shard would "
+                       f"be wrong; use Installation.state_dict() (it stores such tensors whole)")
+                raise PlanMismatchError(msg)
+            state[key] = DTensor.from_local(live.local(p).detach(), live.mesh, placements,
+                                            run_check=False, shape=torch.Size(p.shape),
+                                            stride=contiguous_stride(p.shape))
+
+    def from_dtensors(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for fqn, p in names.items():
+            key = prefix + fqn
+            value = state.get(key)
+            if not isinstance(value, Tensor) or tuple(p.shape) == tuple(p.local_shape):
+                continue
+            if isinstance(value, DTensor) or tuple(value.shape) == tuple(p.shape):
+                state[key] = live.shard_of(p, value)
+
+    return [model.register_state_dict_post_hook(to_dtensors),  # type: ignore[no-untyped-call]
+            model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
+
+
+def install_optimizer_hooks(live: LiveParams) -> list[Any]:
+    """Make the state dict of every optimizer over this model's local shards DTensors too.
+
+    Optimizers are created after apply, so they are found where they first act: a global
+    step pre-hook (one set lookup per step) registers, once per optimizer that holds one of
+    the plan's parameters, a state-dict post-hook (moments and other parameter-shaped state as
+    DTensors with the parameter's placements) and a load pre-hook (back to this rank's shard).
+    ``get_state_dict``/``set_state_dict`` step an optimizer that has no state yet before
+    reading it, so they always meet the hooks. Returns handles (``.remove()`` each).
+    """
+    import weakref
+
+    import torch
+
+    seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+    handles: list[Any] = []
+
+    def by_key(optimizer: torch.optim.Optimizer,
+               state: dict[str, Any]) -> Iterator[tuple[ParamPlan, dict[str, Any]]]:
+        """(plan, state entry) of each of the plan's parameters in an optimizer state dict,
+        matched through the param groups' order (keys are indices or, from torch's
+        ``set_state_dict``, FQNs)."""
+        plans = {id(live.param(p)): p for p in live.own}
+        for saved, group in zip(state.get("param_groups", ()), optimizer.param_groups,
+                                strict=False):
+            for key, param in zip(saved["params"], group["params"], strict=False):
+                p = plans.get(id(param))
+                entry = state["state"].get(key)
+                if p is not None and entry is not None and tuple(p.shape) != p.local_shape:
+                    yield p, entry
+
+    def to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p, entry in by_key(optimizer, state):
+            placements = dtensor_placements(p, live.plan.mesh_dims)
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(
+                        value.shape) == tuple(p.local_shape):
+                    if placements is None:
+                        msg = (f"optimizer.state_dict(): the state of {p.fqn} ({p.placement}) "
+                               f"has no DTensor layout; use Installation.state_dict(optimizer)")
+                        raise PlanMismatchError(msg)
+                    entry[key] = DTensor.from_local(value, live.mesh, placements,
+                                                    run_check=False, shape=torch.Size(p.shape),
+                                                    stride=contiguous_stride(p.shape))
+
+    def from_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p, entry in by_key(optimizer, state):
+            for key, value in entry.items():
+                if isinstance(value, DTensor):
+                    entry[key] = live.shard_of(p, value)
+
+    def holds_plan_params(optimizer: torch.optim.Optimizer) -> bool:
+        ids = {id(live.param(p)) for p in live.own}
+        return any(id(q) in ids for g in optimizer.param_groups for q in g["params"])
+
+    def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer in seen:
+            return
+        seen.add(optimizer)
+        if holds_plan_params(optimizer):
+            handles.append(optimizer.register_state_dict_post_hook(to_dtensors))
+            handles.append(optimizer.register_load_state_dict_pre_hook(from_dtensors))
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handles.append(register_optimizer_step_pre_hook(on_step))
+    return handles

@@ -1,0 +1,667 @@
+"""Training state on real gloo ranks: apply on meta, load_weights, DCP checkpoints, resume on
+another tp size, export. Checkpoints are real: ``save_pretrained`` of a tiny transformers Llama
+split into several safetensors files, and real ``torch.distributed.checkpoint`` folders.
+
+Numerical comparisons are against one process with the same weights and batches, fp32,
+atol 2e-6 / rtol 1e-5 (logits and gradients), and losses of resumed runs to atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hyperrecipe import apply, compile_recipe
+from hyperrecipe.check.launcher import RankFailedError, run_ranks
+from hyperrecipe.runtime.weights import WeightLoadError
+from tests.runtime_harness import ROOT, TINY_LLAMA, assert_close, grads_of, llama, mesh_1d
+
+LLAMA = str(ROOT / "recipes/llama.yaml")
+CFG = {**TINY_LLAMA, "num_key_value_heads": 4}  # whole heads at tp=4 too
+LOSS_ATOL = 1e-5
+
+
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, CFG["vocab_size"], (2, 8), generator=g)
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss  # the model's own defaults otherwise
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Hugging Face checkpoint folder, split into several safetensors files."""
+    folder = tmp_path_factory.mktemp("hf-llama")
+    model = llama(**{k: v for k, v in CFG.items() if k not in TINY_LLAMA or TINY_LLAMA[k] != v})
+    model.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
+def _meta_applied(world: int, mode: str) -> tuple[nn.Module, Any]:
+    meta = llama("meta", **_overrides())
+    plan = compile_recipe(LLAMA, meta, {"tp": world})
+    inst = apply(meta, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    return meta, inst
+
+
+def _overrides() -> dict[str, Any]:
+    return {k: v for k, v in CFG.items() if TINY_LLAMA.get(k) != v}
+
+
+# -- apply on meta + load_weights ----------------------------------------------------------
+
+
+def _meta_load_worker(rank: int, world: int, folder: str, mode: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, mode)
+    before = [r.state for r in inst.status() if r.what == "weights"]
+    devices = {p.device.type for p in model.parameters()}
+    inst.load_weights(folder)
+    rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
+    local_numel = sum(p.numel() if not hasattr(p, "to_local") else p.to_local().numel()
+                      for p in model.parameters())
+    loss = _loss(model, _batch(0))
+    loss.backward()
+    return {"loss": loss.detach(), "grads": inst.full_grads(), "before": before, "rows": rows,
+            "devices": sorted(devices), "local_numel": local_numel,
+            "inv_freq": model.model.rotary_emb.inv_freq.clone()}
+
+
+@pytest.mark.parametrize("mode", ["production"])
+def test_meta_apply_then_load_weights_matches_one_process(hf_checkpoint: Path, mode: str) -> None:
+    ref = llama(**_overrides())
+    ref_loss = _loss(ref, _batch(0))
+    ref_loss.backward()
+    ref_grads = grads_of(ref)
+    full_numel = sum(p.numel() for p in ref.parameters())
+    results = run_ranks(_meta_load_worker, 2, str(hf_checkpoint), mode)
+    for res in results:
+        assert res["before"] == ["unset"], "status says the meta-built model has no values yet"
+        assert res["rows"] == {"weights safetensors": "loaded", "weights dcp": "not tried"}
+        assert res["devices"] == ["cpu"]
+        assert res["local_numel"] < 0.6 * full_numel, "each rank allocated only its shards"
+        torch.testing.assert_close(res["inv_freq"], ref.model.rotary_emb.inv_freq)
+        torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=2e-6, rtol=1e-5)
+        for name, g in ref_grads.items():
+            assert_close(res["grads"][name], g, f"grad {name}")
+
+
+def _bad_load_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    try:
+        inst.load_weights(folder)
+    except WeightLoadError as exc:
+        still_unset = all(torch.isnan(p).all() for p in model.parameters())
+        return {"error": str(exc), "still_unset": still_unset,
+                "rows": [(r.what, r.state) for r in inst.status() if r.what.startswith("weights")]}
+    return {"error": None}
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _file_of(folder: Path, key: str) -> str:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return str(index["weight_map"][key])
+
+
+def test_truncated_checkpoint_names_the_file_and_leaves_the_model_unset(
+        hf_checkpoint: Path, tmp_path: Path) -> None:
+    folder = _copy_checkpoint(hf_checkpoint, tmp_path / "ckpt")
+    victim = folder / _file_of(folder, "model.layers.1.mlp.down_proj.weight")
+    victim.write_bytes(victim.read_bytes()[:-100])
+    res = run_ranks(_bad_load_worker, 2, str(folder))[0]
+    assert res["error"] is not None
+    assert f"{victim}: cannot be read" in res["error"]
+    assert res["still_unset"]
+    assert ("weights safetensors", "failed") in res["rows"] or res["rows"][0][1] == "failed"
+
+
+def test_missing_and_misshaped_tensors_are_named_together_with_their_files(
+        hf_checkpoint: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy_checkpoint(hf_checkpoint, tmp_path / "ckpt")
+    gone = "model.layers.0.self_attn.k_proj.weight"
+    wrong = "model.layers.1.mlp.up_proj.weight"
+    for key in (gone, wrong):
+        path = folder / _file_of(folder, key)
+        tensors = load_file(str(path))
+        if key == gone:
+            del tensors[key]
+        else:
+            tensors[key] = tensors[key][:, :-1].contiguous()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][gone]
+    index["weight_map"]["model.extra.weight"] = index["weight_map"][wrong]
+    index_path.write_text(json.dumps(index))
+    path = folder / index["weight_map"][wrong]
+    tensors = load_file(str(path))
+    tensors["model.extra.weight"] = torch.zeros(3)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    res = run_ranks(_bad_load_worker, 2, str(folder))[0]
+    err = res["error"]
+    assert err is not None and "does not fit the model (3 problems)" in err
+    assert f"missing {gone!r} (shape [64, 64])" in err
+    assert f"{wrong!r} in {index['weight_map'][wrong]}: shape [128, 63], the model expects [128, 64]" in err
+    assert f"unexpected 'model.extra.weight' in {index['weight_map'][wrong]}" in err
+    assert res["still_unset"]
+
+
+# -- DCP checkpoints: save at tp=2, resume at tp=1, 2 and 4 -----------------------------------
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = _loss(model, _batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _reference_run() -> list[float]:
+    model = llama(**_overrides())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return _train(model, opt, range(6))
+
+
+def _save_worker(rank: int, world: int, folder: str, ckpt: str, mode: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+
+    model, inst = _meta_applied(world, mode)
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, range(3))
+    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
+    return losses + _train(model, opt, range(3, 6))
+
+
+def _resume_worker(rank: int, world: int, ckpt: str, mode: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model, inst = _meta_applied(world, mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    state = inst.state_dict(opt)  # optimizer state created, so DCP has somewhere to load
+    dcp.load(state, checkpoint_id=ckpt)
+    inst.load_state_dict(state, opt)
+    unset = [r for r in inst.status() if r.what == "weights"]
+    return {"losses": _train(model, opt, range(3, 6)), "unset": unset}
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> list[float]:
+    """Six AdamW steps of one process on the whole model: the uninterrupted run."""
+    return _reference_run()
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+                   reference_losses: list[float]) -> str:
+    """A DCP checkpoint of model and AdamW state after three steps at tp=2 (the run goes on to
+    six steps, which equal the uninterrupted run's)."""
+    ckpt = str(tmp_path_factory.mktemp("dcp") / "step-3")
+    saved = run_ranks(_save_worker, 2, str(hf_checkpoint), ckpt, "production")[0]
+    assert saved == pytest.approx(reference_losses, abs=LOSS_ATOL)
+    return ckpt
+
+
+@pytest.mark.parametrize("resume_world", [1, 2, 4])
+def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_run(
+        tp2_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
+    ref = reference_losses
+    resumed = run_ranks(_resume_worker, resume_world, tp2_checkpoint, "production")
+    for res in resumed:
+        assert res["unset"] == []
+        assert res["losses"] == pytest.approx(ref[3:], abs=LOSS_ATOL)
+
+
+def _dcp_weights_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(ckpt)
+    rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
+    return {"rows": rows, "full": inst.full_state_dict()}
+
+
+def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(tp2_checkpoint: str) -> None:
+    ckpt = tp2_checkpoint
+    trained = run_ranks(_dcp_weights_worker, 2, ckpt)[0]
+    assert trained["rows"] == {"weights safetensors": "ineligible", "weights dcp": "loaded"}
+    again = run_ranks(_dcp_weights_worker, 1, ckpt)[0]
+    for name, value in trained["full"].items():
+        torch.testing.assert_close(again["full"][name], value, atol=0, rtol=0)
+
+
+def _stale_worker(rank: int, world: int) -> str:
+    model = llama(**_overrides())
+    plan = compile_recipe(LLAMA, llama("meta", **_overrides()), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode="production")
+    model.to_empty(device="meta")  # replaces the parameter objects behind the installation
+    try:
+        inst.state_dict()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_state_dict_refuses_parameters_replaced_after_apply() -> None:
+    msg = run_ranks(_stale_worker, 2)[0]
+    assert msg.startswith("PlanMismatchError: model.embed_tokens.weight is on the meta device")
+
+
+# -- torch's own state-dict API on a production-mode model ----------------------------------
+
+
+def _torch_api_save_worker(rank: int, world: int, folder: str, ckpt: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    return losses
+
+
+def _torch_api_resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model, inst = _meta_applied(world, "production")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    kinds = sorted({type(v).__name__ for v in model_sd.values()})
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    moments = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0})
+    plain = not any(isinstance(p, DTensor) for p in model.parameters())
+    return {"kinds": kinds, "moments": moments, "plain": plain,
+            "losses": _train(model, opt, range(3, 6))}
+
+
+@pytest.fixture(scope="module")
+def torch_api_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+                         reference_losses: list[float]) -> str:
+    ckpt = str(tmp_path_factory.mktemp("dcp-torch-api") / "step-3")
+    saved = run_ranks(_torch_api_save_worker, 2, str(hf_checkpoint), ckpt)[0]
+    assert saved == pytest.approx(reference_losses[:3], abs=LOSS_ATOL)
+    return ckpt
+
+
+@pytest.mark.parametrize("resume_world", [1, 2])
+def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
+        torch_api_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
+    """torch's get_state_dict/set_state_dict on local shards: DTensors out, shards back in."""
+    ckpt = torch_api_checkpoint
+    ref = reference_losses
+    for info in run_ranks(_torch_api_resume_worker, resume_world, ckpt):
+        if resume_world > 1:  # DTensors out of get_state_dict, local shards back in
+            assert "DTensor" in info["kinds"] and info["moments"] == ["Tensor"] and info["plain"]
+        assert info["losses"] == pytest.approx(ref[3:], abs=LOSS_ATOL)
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def _export_worker(rank: int, world: int, folder: str, out: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(2))
+    inst.save_pretrained(out, max_shard_bytes=60_000)
+    still_applied = not inst.restored and "forward" in vars(model.model.layers[0].self_attn)
+    return {"full": inst.full_state_dict(), "still_applied": still_applied}
+
+
+def test_save_pretrained_writes_what_from_pretrained_loads(hf_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    res = run_ranks(_export_worker, 2, str(hf_checkpoint), str(out))[0]
+    assert res["still_applied"]
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    assert len(list(out.glob("*.safetensors"))) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    state = loaded.state_dict()
+    for name, value in res["full"].items():
+        if name in state:
+            torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=name)
+    trained = res["full"]["model.layers.0.mlp.up_proj.weight"]
+    original = llama(**_overrides()).state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(trained, original), "the export holds the trained weights"
+
+
+def _one_rank_export_worker(rank: int, world: int, out: str) -> str:
+    model = llama(**_overrides())
+    plan = compile_recipe(LLAMA, llama("meta", **_overrides()), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode="production")
+    inst.collective_timeout_s = 2.0
+    if rank == 0:
+        try:
+            inst.save_pretrained(out)
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    import time
+
+    time.sleep(4.0)  # rank 1 is busy elsewhere, as under `if rank == 0: save`
+    return "skipped"
+
+
+def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Path) -> None:
+    msg = run_ranks(_one_rank_export_worker, 2, str(tmp_path / "x"), timeout_s=60)[0]
+    assert msg.startswith("PlanMismatchError: Installation.save_pretrained() is a collective: "
+                          "every rank must call it")
+
+
+# -- FSDP2 over dp after apply on tp --------------------------------------------------------
+
+DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+
+
+def _fsdp_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    meta = llama("meta", **_overrides())
+    plan = compile_recipe(DP_TP, meta, {"dp": 2, "tp": 2})
+    inst = apply(meta, plan, mesh, mode="production")
+    inst.load_weights(folder)
+    for layer in meta.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(meta, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(meta.parameters(), lr=1e-2, weight_decay=0.1)
+    dp = mesh.get_local_rank("dp")
+    losses = []
+    for step in range(3):
+        ids = _batch(step)[dp:dp + 1]  # each dp rank its half of the batch
+        loss = _loss(meta, ids)
+        loss.backward()
+        if step == 0:
+            grads = inst.full_grads()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    try:
+        inst.state_dict()
+        refusal = "no error"
+    except Exception as exc:  # noqa: BLE001
+        refusal = f"{type(exc).__name__}: {exc}"
+    return {"losses": losses, "grads": grads, "full": inst.full_state_dict(), "refusal": refusal}
+
+
+def test_fully_shard_on_dp_after_apply_trains_like_one_process(hf_checkpoint: Path) -> None:
+    """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards over dp. The first step's gradients
+    (gathered through FSDP's and the plan's layouts) equal one process on the whole batch to
+    atol 2e-6; losses over three AdamW steps to 1e-5. The trained weights read back through
+    full_state_dict() to atol 1e-3 only: AdamW divides by the root of the second moment, so a
+    1e-7 reduction-order difference in a near-zero gradient moves a weight by up to ~1e-4 over
+    three lr=1e-2 steps; what this part checks is that the weights are the trained ones (they
+    moved by ~1e-2 from the start), not a stale copy."""
+    model = llama(**_overrides())
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for step in range(3):
+        halves = [_loss(model, _batch(step)[i:i + 1]) for i in range(2)]
+        loss = (halves[0] + halves[1]) / 2
+        loss.backward()
+        if step == 0:
+            ref_grads = grads_of(model)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append([float(h.detach()) for h in halves])
+    results = run_ranks(_fsdp_worker, 4, str(hf_checkpoint), timeout_s=300)
+    for rank, res in enumerate(results):
+        dp = rank // 2
+        assert res["losses"] == pytest.approx([pair[dp] for pair in ref_losses], abs=LOSS_ATOL)
+        assert res["refusal"].startswith("PlanMismatchError: model.embed_tokens.weight is now "
+                                         "a DTensor on another mesh")
+        for name, g in ref_grads.items():
+            assert_close(res["grads"][name], g, f"step 0 grad {name}")
+        for name, value in model.state_dict().items():
+            if name in res["full"]:
+                torch.testing.assert_close(res["full"][name], value, atol=1e-3, rtol=0,
+                                           msg=lambda m, name=name: f"{name}: {m}")
+        moved = (res["full"]["model.layers.0.mlp.up_proj.weight"]
+                 - start["model.layers.0.mlp.up_proj.weight"]).abs().max()
+        assert moved > 5e-3
+
+
+# -- fused (chunked) shards and validate mode -----------------------------------------------
+
+GPT2 = str(ROOT / "recipes/gpt2.yaml")
+TINY_GPT2 = json.loads((ROOT / "recipes/models/tiny-gpt2.json").read_text())
+
+
+def _gpt2(device: str = "cpu") -> nn.Module:
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    return build_model("hf:gpt2", TINY_GPT2, device=device)
+
+
+def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    meta = _gpt2("meta")
+    plan = compile_recipe(GPT2, meta, {"tp": world})
+    inst = apply(meta, plan, mesh_1d(world), mode="production")
+    if save:
+        inst.load_weights(folder)
+        strided = type(meta.state_dict()["transformer.h.0.attn.c_attn.weight"]).__name__
+        dcp.save(inst.state_dict(), checkpoint_id=ckpt)
+        return {"full": inst.full_state_dict(), "strided": strided}
+    state = inst.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    inst.load_state_dict(state)
+    return {"full": inst.full_state_dict()}
+
+
+def test_fused_qkv_loads_its_slices_and_reshards_through_dcp(tmp_path: Path) -> None:
+    """GPT-2's c_attn is shard(1, chunks=3): each rank reads its piece of q, k and v from the
+    file, and the DCP checkpoint (stored whole for such layouts) loads at tp=1 and tp=4."""
+    folder = tmp_path / "hf-gpt2"
+    original = _gpt2()
+    original.save_pretrained(folder, max_shard_size="60KB")
+    expected = original.state_dict()
+    ckpt = str(tmp_path / "dcp")
+    saved = run_ranks(_gpt2_worker, 2, str(folder), ckpt, True)[0]
+    assert saved["strided"] == "DTensor"
+    for world in (1, 4):
+        loaded = run_ranks(_gpt2_worker, world, str(folder), ckpt, False)[0]
+        for name, value in saved["full"].items():
+            torch.testing.assert_close(loaded["full"][name], value, atol=0, rtol=0)
+    for name, value in saved["full"].items():
+        if name in expected:
+            torch.testing.assert_close(value, expected[name], atol=0, rtol=0, msg=name)
+
+
+def _validate_worker(rank: int, world: int, folder: str, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    model, inst = _meta_applied(world, "validate")
+    inst.load_weights(folder)
+    dtensors = isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
+    dcp.save(inst.state_dict(), checkpoint_id=ckpt)
+    return {"full": inst.full_state_dict(), "dtensors": dtensors}
+
+
+def _production_reader(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(ckpt)
+    return {"full": inst.full_state_dict()}
+
+
+def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path,
+                                                              tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "dcp")
+    res = run_ranks(_validate_worker, 2, str(hf_checkpoint), ckpt)[0]
+    assert res["dtensors"]
+    expected = llama(**_overrides()).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(res["full"][name], value, atol=0, rtol=0, msg=name)
+    back = run_ranks(_production_reader, 1, ckpt)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(back["full"][name], value, atol=0, rtol=0, msg=name)
+
+
+# -- the documented trainer, under torchrun -----------------------------------------------------
+
+
+def _torchrun(nproc: int, *args: str) -> list[float]:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         str(ROOT / "tools/train.py"), *args],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in proc.stdout.splitlines()
+            if line.startswith("{")]
+
+
+def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
+                                                                    tmp_path: Path) -> None:
+    """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed
+    after step 2 and resumed at tp=1 it prints the same losses; its export loads."""
+    from transformers import AutoModelForCausalLM
+
+    whole = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "a"),
+                      "--steps", "4", "--save-every", "2")
+    assert len(whole) == 4
+    first = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
+                      "--steps", "2", "--save-every", "2")
+    resumed = _torchrun(1, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
+                        "--steps", "4", "--save-every", "2")
+    assert first + resumed == pytest.approx(whole, abs=LOSS_ATOL)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final")
+    assert exported.config.hidden_size == CFG["hidden_size"]
+
+
+# -- a materialized model: originals dropped as shards appear, rollback still exact --------
+
+
+def _shard_failure_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    import hyperrecipe.runtime.install as install_mod
+    from hyperrecipe.errors import PlanMismatchError
+    from tests.test_runtime_apply import same_state, snapshot_state, toy, toy_plan
+
+    model = toy(tie=True)
+    before = snapshot_state(model)
+    real = install_mod.local_shard
+    calls = {"n": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 4:  # rank 1 fails while sharding its 4th parameter
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    install_mod.local_shard = failing  # type: ignore[assignment]
+    try:
+        apply(model, toy_plan(str(ROOT / "tests/recipes/toy.yaml"), world, tie=True),
+              mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        error = "none"
+    except MemoryError:
+        error = "MemoryError"
+    except PlanMismatchError as exc:
+        error = f"PlanMismatchError: {exc}"
+    finally:
+        install_mod.local_shard = real
+    return {"error": error, "unchanged": same_state(before, snapshot_state(model)),
+            "tied": model.head.weight is model.embed.weight}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_failure_while_sharding_on_one_rank_rolls_every_rank_back_exactly(mode: str) -> None:
+    """Originals give up their storage as soon as their shard exists; a rank that fails midway
+    keeps its remaining originals, and every rank's rollback gathers the same tensors in the
+    same order, so nobody hangs and every parameter object comes back with its exact value."""
+    res = run_ranks(_shard_failure_worker, 2, mode, timeout_s=120)
+    assert res[1]["error"] == "MemoryError"
+    assert res[0]["error"].startswith("PlanMismatchError: applying plan 'toy' failed on rank(s) [1]")
+    for r in res:
+        assert r["unchanged"] and r["tied"]
+
+
+def _single_file_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(path)
+    return {"full": inst.full_state_dict(),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
+        tmp_path: Path) -> None:
+    """One ``model.safetensors`` in bfloat16 (no index), given as the file itself; the fp32
+    model gets each value converted; the tied-free lm_head and the rest all found."""
+    source = llama(**_overrides()).to(torch.bfloat16)
+    source.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    assert path.is_file() and not (tmp_path / "model.safetensors.index.json").exists()
+    res = run_ranks(_single_file_worker, 2, str(path))[0]
+    assert res["dtypes"] == ["torch.float32"]
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(res["full"][name], value.float(), atol=0, rtol=0, msg=name)
+
+
+# -- activation checkpointing and torch.compile after apply ---------------------------------
+
+
+def _after_apply_worker(rank: int, world: int, folder: str, how: str) -> dict[str, Any]:
+    model, inst = _meta_applied(world, "production")
+    inst.load_weights(folder)
+    model.train()
+    if how == "checkpointing":
+        model.gradient_checkpointing_enable()
+        step_model: Any = model
+    else:
+        step_model = torch.compile(model)
+    loss = _loss(step_model, _batch(0))
+    loss.backward()
+    return {"loss": loss.detach(), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("how", ["checkpointing",
+                                 pytest.param("compile", marks=pytest.mark.slow)])
+def test_training_features_after_apply_match_one_process(hf_checkpoint: Path, how: str) -> None:
+    """transformers' gradient checkpointing enabled after apply, or torch.compile of the applied
+    model: loss and every gradient equal one process (fp32, atol 2e-6 / rtol 1e-5)."""
+    ref = llama(**_overrides())
+    ref.train()
+    if how == "checkpointing":
+        ref.gradient_checkpointing_enable()
+    ref_loss = _loss(ref, _batch(0))
+    ref_loss.backward()
+    res = run_ranks(_after_apply_worker, 2, str(hf_checkpoint), how)[0]
+    torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=2e-6, rtol=1e-5)
+    for name, g in grads_of(ref).items():
+        assert_close(res["grads"][name], g, f"grad {name}")
