@@ -318,6 +318,8 @@ def _check(args: argparse.Namespace, started: float) -> int:
         print(json.dumps(report_json(report), indent=2))
     else:
         print(render_text(report), end="")
+    for failed in report.errors:  # after every mode's verdict is out
+        print(f"hyperrecipe: error: mode {failed.mode}: {failed.error}", file=sys.stderr)
     return report.exit_code
 
 

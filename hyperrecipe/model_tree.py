@@ -73,6 +73,11 @@ class ModuleInfo:
     int_attrs: tuple[tuple[str, int], ...]
     signature: tuple[ArgInfo, ...]
     children: tuple[str, ...]
+    #: forward arguments that are integer indices (no gradient, so no backward collective): an
+    #: ``nn.Embedding``'s first argument, and an ``nn.EmbeddingBag``'s offsets and sample
+    #: weights too — for subclasses as well (Gemma's ``GemmaTextScaledWordEmbedding``, whose
+    #: forward names its ids ``input_ids``). Not part of the structure digest.
+    index_inputs: tuple[str, ...] = ()
 
     def param(self, name: str) -> ParamInfo | None:
         for p in self.params:
@@ -151,6 +156,17 @@ def _signature(module: nn.Module) -> tuple[ArgInfo, ...]:
     )
 
 
+def _index_inputs(module: nn.Module, signature: tuple[ArgInfo, ...]) -> tuple[str, ...]:
+    from torch import nn
+
+    positional = [a.name for a in signature if a.kind in ("positional", "positional_only")]
+    if not positional or not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return ()
+    names = {a.name for a in signature}
+    extra = (("offsets", "per_sample_weights") if isinstance(module, nn.EmbeddingBag) else ())
+    return (positional[0], *(n for n in extra if n in names))
+
+
 def snapshot(model: nn.Module) -> ModelTree:
     """Take the structure of ``model`` (on any device; meta is cheapest)."""
     owner: dict[int, str] = {}
@@ -168,9 +184,11 @@ def snapshot(model: nn.Module) -> ModelTree:
                             if isinstance(v, int) and not isinstance(v, bool)
                             and not k.startswith("_")))
         children = tuple(f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children())
+        signature = _signature(mod)
         modules.append(ModuleInfo(fqn=fqn, cls=f"{type(mod).__module__}.{type(mod).__qualname__}",
-                                  params=tuple(params), int_attrs=ints,
-                                  signature=_signature(mod), children=children))
+                                  params=tuple(params), int_attrs=ints, signature=signature,
+                                  children=children,
+                                  index_inputs=_index_inputs(mod, signature)))
     return ModelTree(modules=tuple(modules))
 
 

@@ -192,17 +192,24 @@ class ManifestEntry:
 
 @attrs.frozen(kw_only=True)
 class AdapterPlan:
-    """A third-party method the runtime adapts to DTensor arguments (``adapters:``).
+    """A third-party method or function the runtime adapts to DTensor arguments (``adapters:``).
 
-    ``target`` is ``pkg.mod:Class.method`` (a nested class is ``Outer.Inner.method``);
-    ``out_src`` (``marshal`` only) is the placement of the method's tensor outputs, ``None`` for
-    "those of the first DTensor argument".
+    ``target`` is ``pkg.mod:Class.method`` (a nested class is ``Outer.Inner.method``) or
+    ``pkg.mod:function``; ``out_src`` (``marshal`` only) is the placement of the tensor outputs,
+    ``None`` for "those of the first DTensor argument". ``within`` (functions only) lists the
+    FQNs of the modules whose forward sees the replacement, resolved from the recipe's pattern.
     """
 
     target: str
     mode: Literal["wrap", "marshal"]
     provenance: Provenance
     out_src: NamedPlacement | None = None
+    within: tuple[str, ...] = ()
+
+    @property
+    def is_function(self) -> bool:
+        """A module-level function (``pkg.mod:function``), not a method."""
+        return "." not in self.target.partition(":")[2]
 
     @property
     def module_name(self) -> str:
@@ -216,7 +223,8 @@ class AdapterPlan:
 
     @property
     def method_name(self) -> str:
-        return self.target.rsplit(".", 1)[1]
+        """The method's name (a function adapter's: the function's)."""
+        return self.target.partition(":")[2].rsplit(".", 1)[-1]
 
 
 @attrs.frozen(kw_only=True)

@@ -84,7 +84,7 @@ def test_adapter_out_src_is_parsed_as_a_named_placement(tmp_path: Path) -> None:
      f"6); one method takes one adapter @ $.adapters[1].target"),
     (f'  - {{target: "{HELPERS}.plain", out: replicate}}\n',
      "/path/to/demo.yaml:6:52: unknown key 'out' in an adapter; did you mean 'out_src'? "
-     "@ $.adapters[0].out; expected one of: target, mode, out_src"),
+     "@ $.adapters[0].out; expected one of: target, mode, out_src, within"),
 ])
 def test_adapter_field_errors_name_file_line_and_column(tmp_path: Path, adapters: str,
                                                         message: str | None) -> None:

@@ -10,9 +10,10 @@ known cause (:mod:`hyperrecipe.check.diagnose`). Rendering is :mod:`hyperrecipe.
 
 A rank whose step *raised* (a shape error inside a boundary, a ``PlacementMismatchError`` in
 validate mode) is a finding of that mode, attributed to the boundary it raised in. A rank that
-fails anywhere else (building the model, applying the plan) or hangs is an error:
-:class:`~hyperrecipe.check.launcher.RankFailedError` propagates, after the launcher has stopped
-every rank.
+fails anywhere else (building the model, applying the plan, an op DTensor has no strategy for)
+or hangs is an *error of that mode*: the launcher stops every rank, the mode's result carries
+the error (:attr:`ModeResult.error`), and the next mode still runs, so one mode's failure never
+hides another mode's verdict. The report's exit code is then 2.
 """
 
 from __future__ import annotations
@@ -93,18 +94,21 @@ class CheckOptions:
 
 @attrs.frozen(kw_only=True)
 class ModeResult:
-    """One mode's verdict."""
+    """One mode's verdict: a comparison, or the error that kept the mode from producing one."""
 
     mode: str
-    comparison: ModeComparison
+    comparison: ModeComparison | None
     suggestion: Suggestion | None
     timings: dict[str, float]
     #: rank 0's inner-wrapper choices: ``(fqn, wrapper, state, reason)`` per candidate tried
     wrapper_choices: tuple[tuple[str, str, str, str], ...] = ()
+    #: why the mode has no comparison: a rank failed outside the compared step, or the launch
+    #: timed out (the launcher's message, the failing rank's traceback included)
+    error: str | None = None
 
     @property
     def agree(self) -> bool:
-        return self.comparison.agree
+        return self.comparison is not None and self.comparison.agree
 
 
 @attrs.frozen(kw_only=True)
@@ -134,9 +138,14 @@ class CheckReport:
         return all(m.agree for m in self.modes)
 
     @property
+    def errors(self) -> tuple[ModeResult, ...]:
+        """The modes that could not run to a comparison."""
+        return tuple(m for m in self.modes if m.error is not None)
+
+    @property
     def exit_code(self) -> int:
-        """0 when every mode agrees, 1 when one diverged."""
-        return 0 if self.agree else 1
+        """0 when every mode agrees, 1 when one diverged, 2 when one could not run."""
+        return 2 if self.errors else 0 if self.agree else 1
 
 
 def _tolerances(model: torch.nn.Module, options: CheckOptions) -> tuple[float, float]:
@@ -272,7 +281,8 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             moment the command started, so that imports count); default: when this is called.
 
     Returns:
-        The report; ``report.exit_code`` is 0 when every mode agrees and 1 otherwise.
+        The report; ``report.exit_code`` is 0 when every mode agrees, 1 when one diverged and 2
+        when one could not run.
 
     Raises:
         RecipeError: the recipe does not load or does not fit the model and mesh.
@@ -280,9 +290,11 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             given without ``model_config`` (transformers' default config, built for real on
             every rank, is refused with its size; pass ``{}`` to mean it).
         CheckError: the model fails in a single process.
-        RankFailedError: a rank failed outside the compared step, or a launch timed out.
         CheckError: a step in this process (building the model, the sample batch, the
             reference step) took longer than ``timeout_s``.
+
+    A rank that fails outside the compared step, or a launch that times out, does not raise:
+    that mode's :attr:`ModeResult.error` says what happened and the other modes still run.
     """
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
@@ -378,9 +390,11 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         except RankFailedError as exc:
             path = side_file(side_dir, mode, exc.rank) if exc.rank is not None else ""
             if not path or not os.path.exists(path):
-                msg = f"mode {mode}: {exc}"
-                raise RankFailedError(msg, rank=exc.rank, rank_traceback=exc.rank_traceback,
-                                      unfinished=exc.unfinished) from None
+                elapsed = time.perf_counter() - t0
+                results.append(ModeResult(mode=mode, comparison=None, suggestion=None,
+                                          timings={"launch_s": elapsed}, error=str(exc)))
+                progress(f"mode {mode}: ERROR ({elapsed:.2f} s)")
+                continue
             assert exc.rank is not None
             traces = [Trace.from_payload(torch.load(path, weights_only=True))]
             rank_ids = (exc.rank,)

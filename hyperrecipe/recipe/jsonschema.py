@@ -61,9 +61,10 @@ def _kind(kind: str) -> dict[str, Any]:
         "rules": {"type": "array", "items": {"$ref": "#/$defs/rule"}},
         "adapters": {"type": "array", "items": {
             "type": "object", "additionalProperties": False, "required": ["target"],
-            "properties": {"target": {"type": "string", "pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\.[\w.]+$"},
+            "properties": {"target": {"type": "string", "pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"},
                            "mode": {"enum": ["wrap", "marshal"]},
-                           "out_src": named}}},
+                           "out_src": named,
+                           "within": {"type": "string"}}}},
     }
     return dict(table[kind])
 

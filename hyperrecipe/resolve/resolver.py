@@ -43,21 +43,20 @@ from hyperrecipe.plan import (
     compute_fingerprint,
 )
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
-from hyperrecipe.recipe.schema import MAPPING_FIELDS, RULE_FIELD_NAMES, LayoutKey, Recipe, Rule
+from hyperrecipe.recipe.schema import (
+    MAPPING_FIELDS,
+    RULE_FIELD_NAMES,
+    AdapterSpec,
+    LayoutKey,
+    Recipe,
+    Rule,
+)
 from hyperrecipe.resolve.lowering import ImpossibleTransition, canonical_grad, lower_transition
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.wrappers import WrapperSpec
 
 __all__ = ["resolve_recipe"]
-
-INDEX_INPUTS: dict[str, frozenset[str]] = {
-    "torch.nn.modules.sparse.Embedding": frozenset({"input"}),
-    "torch.nn.modules.sparse.EmbeddingBag": frozenset({"input", "offsets", "per_sample_weights"}),
-}
-"""Inputs of torch modules that are integer indices: they carry no gradient, so no backward
-collective. Any other module's are declared in the recipe (``no_grad``)."""
-
 
 @attrs.define
 class _Claim:
@@ -548,7 +547,7 @@ class _Resolver:
                     path=f"{claim.rule.json_path}.no_grad[{i}]", rule_index=claim.rule.index,
                     hint=f"declared inputs: {', '.join(declared) or 'none'}; no_grad only "
                          f"affects inputs named in in_src / in_dst")
-        known = INDEX_INPUTS.get(self.tree.module(fqn).cls, frozenset())
+        known = frozenset(self.tree.module(fqn).index_inputs)
         names += [n for n in declared if n in known and n not in names]
         return tuple(names)
 
@@ -839,7 +838,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
             manifest.append(ManifestEntry(boundary=regions.get(p.module) or "", stage="param_grad",
                                           name=p.fqn, mesh_dim=op.mesh_dim, direction="backward",
                                           op=op))
-    adapters = _adapter_plans(recipe)
+    adapters = _adapter_plans(recipe, tree)
     model_digest = tree.digest()
     return Plan(
         format=PLAN_FORMAT, recipe=recipe.name, recipe_files=recipe.files,
@@ -850,7 +849,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     ).sealed()
 
 
-def _adapter_plans(recipe: Recipe) -> tuple[AdapterPlan, ...]:
+def _adapter_plans(recipe: Recipe, tree: ModelTree) -> tuple[AdapterPlan, ...]:
     """The recipe's adapters, one per target: a recipe that ``extends`` another may re-declare
     a base's adapter (its own entry wins, as its rules refine the base's); one file may not
     declare a target twice (the loader refuses it).
@@ -873,11 +872,30 @@ def _adapter_plans(recipe: Recipe) -> tuple[AdapterPlan, ...]:
         if earlier is not None:
             reason += f"; overrides {earlier.provenance.file}:{earlier.provenance.line}"
         plan = AdapterPlan(target=a.target, mode=a.mode, out_src=a.out_src, provenance=Provenance(
-            file=a.file, line=a.line, column=a.column, rule_index=-1, reason=reason))
+            file=a.file, line=a.line, column=a.column, rule_index=-1, reason=reason),
+            within=_adapter_within(a, tree, f"$.adapters[{i}].within"))
         _check_imported_target(plan, f"$.adapters[{i}].target")
         chosen.pop(a.target, None)
         chosen[a.target] = plan
     return tuple(chosen.values())
+
+
+def _adapter_within(a: AdapterSpec, tree: ModelTree, path: str) -> tuple[str, ...]:
+    """The FQNs a function adapter's ``within`` pattern matches (none for a method adapter).
+
+    Raises:
+        RecipeError: the pattern matches no module; the nearest FQNs are listed.
+    """
+    if a.within is None:
+        return ()
+    rx = compile_pattern(a.within)
+    found = tuple(m.fqn for m in tree.modules if rx.fullmatch(m.fqn))
+    if not found:
+        near = did_you_mean(a.within, sorted({generalize_fqn(m.fqn) for m in tree.modules}))
+        raise RecipeError(f"adapter {a.target!r}: within {a.within!r} matches no module of the "
+                          f"model{near}", span=SourceSpan(path=a.file, line=a.line,
+                                                          column=a.column), path=path)
+    return found
 
 
 def _check_imported_target(adapter: AdapterPlan, path: str) -> None:

@@ -301,7 +301,7 @@ class _Applier:
     def install_adapters(self, tx: Rewrite) -> None:
         """The plan's method adapters. Before the boundaries: a boundary binds its module's
         class forward when it is installed, and that forward may be an adapted method."""
-        install_adapters(tx, self.plan.adapters, self.mesh_dims)
+        install_adapters(tx, self.plan.adapters, self.mesh_dims, self.modules)
 
     def install_boundaries(self, tx: Rewrite) -> None:
         redist: Redistributor = (ProductionRedistributor(self.mesh) if self.mode == "production"
