@@ -107,9 +107,13 @@ def locate_function(adapter: AdapterPlan) -> tuple[ModuleType, str]:
     """
     where = _where(adapter)
     try:
-        module = importlib.import_module(adapter.module_name)
-    except ImportError as exc:
-        msg = f"{where}: cannot import {adapter.module_name!r}: {exc}"
+        module: ModuleType = import_trusted_module(adapter.module_name, "adapter target",
+                                                   adapter.target)
+    except UntrustedCodeError as exc:
+        raise PlanMismatchError(f"{where}: {exc}") from None
+    except RefError as exc:
+        cause = exc.__cause__ or exc.__context__
+        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
         raise PlanMismatchError(msg) from exc
     name = adapter.method_name
     if not callable(getattr(module, name, None)):
