@@ -7,8 +7,11 @@ set-up of the torch-backed commands, and each command imports its parts only whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from hyperrecipe.errors import HyperrecipeError
@@ -110,14 +113,70 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="make_inputs(model, batch=, seq=, generator=) -> (args, kwargs), for "
                         "models that do not take token ids")
     k.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
-                   help="seconds allowed per mode's launch (default 300)")
+                   help="seconds allowed for each step in this process (building the model, "
+                        "the sample batch, the reference step) and for each mode's launch "
+                        "(default 300)")
     k.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    _add_trust(k)
+
+
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-code", action="store_true",
+                   help="import code the recipe names (inner wrappers, adapter targets) from any "
+                        "module; without it only built-in, already imported and entry-point-"
+                        "declared code is (docs/security.md)")
+    p.add_argument("--trust", action="append", default=[], metavar="MODULE",
+                   help="trust this module and its submodules (repeatable)")
+
+
+def _apply_trust(args: argparse.Namespace) -> None:
+    """The opt-in goes through the environment, so the ranks ``check`` launches inherit it."""
+    import os
+
+    from hyperrecipe.refs import TRUST_ENV
+
+    if args.trust_code:
+        os.environ[TRUST_ENV] = "1"
+    elif args.trust:
+        before = os.environ.get(TRUST_ENV, "")
+        os.environ[TRUST_ENV] = ",".join(p for p in (before, *args.trust) if p)
+
+
+def _version() -> str:
+    import platform
+
+    from hyperrecipe import __version__
+
+    return f"hyperrecipe {__version__} (Python {platform.python_version()})"
+
+
+_COMPILE_DESCRIPTION = (
+    "Load a recipe (YAML or TOML), build the model on the meta device (no weights, no memory), "
+    "resolve the recipe against it and the mesh shape, and print a summary of the plan: each "
+    "rule's matches, the placements, the collectives per step and the memory per rank. -o writes "
+    "the plan JSON for `hyperrecipe explain` and for apply() in a trainer; --explain says which "
+    "recipe lines decided a module or parameter. Nothing runs on a device. Exit 0 on success, 2 "
+    "on errors (recipe errors name file:line:col and the rule).")
+_EXPLAIN_DESCRIPTION = (
+    "Say why each parameter and boundary whose FQN matches the pattern was placed as it is, from "
+    "a plan saved with `hyperrecipe compile -o`: its placements, local and global shapes, and "
+    "the recipe file, line and rule of every decision. The model is not built. Exit 0, or 2 when "
+    "the plan does not load or the pattern matches nothing (the nearest FQNs are listed).")
+_SCHEMA_DESCRIPTION = (
+    "Print the JSON Schema (draft-07) of the recipe format on stdout, for editors and "
+    "validators: completion of keys and built-in styles, the placement grammar, descriptions "
+    "on hover. recipes/recipe.schema.json is the same schema, checked in for the "
+    "`# yaml-language-server: $schema=` line of the shipped recipes (docs/editor.md). The schema "
+    "checks a file's shape; `hyperrecipe lint` and `compile` check the rest.")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hyperrecipe", description="Declarative model-parallel recipes for PyTorch.")
+    p.add_argument("--version", action="version", version=_version(),
+                   help="print hyperrecipe's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    c = sub.add_parser("compile", help="resolve a recipe against a model and mesh into a plan")
+    c = sub.add_parser("compile", help="resolve a recipe against a model and mesh into a plan",
+                       description=_COMPILE_DESCRIPTION)
     c.add_argument("recipe", help="recipe file (.yaml/.toml) or shipped recipe name")
     c.add_argument("--model", required=True,
                    help="pkg.module:factory, or hf:<model_type> (with --model-config)")
@@ -128,17 +187,53 @@ def _parser() -> argparse.ArgumentParser:
                    help="text summary (default) or the plan JSON on stdout")
     c.add_argument("--explain", metavar="FQN_GLOB",
                    help="say which rules decided each matching parameter/boundary and why")
-    e = sub.add_parser("explain", help="explain decisions recorded in a saved plan")
+    _add_trust(c)
+    e = sub.add_parser("explain", help="explain decisions recorded in a saved plan",
+                       description=_EXPLAIN_DESCRIPTION)
     e.add_argument("plan", help="plan JSON written by compile -o")
     e.add_argument("fqn", help="FQN pattern (same syntax as recipe `match`)")
-    sub.add_parser("schema", help="print the recipe format's JSON Schema")
-    sub.add_parser("lint", help="lint Python and recipe files (see `hyperrecipe lint --help`)")
+    sub.add_parser("schema", help="print the recipe format's JSON Schema",
+                   description=_SCHEMA_DESCRIPTION)
+    sub.add_parser("lint", help="lint Python and recipe files (see `hyperrecipe lint --help`)",
+                   description="Lint Python files for forward assignments outside the rewriter "
+                               "and recipe files against the recipe format; run "
+                               "`hyperrecipe lint --help` for its options.")
     _add_check(sub)
     return p
 
 
-def run(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str], *, started: float | None = None, end_process: bool = False) -> int:
+    """Parse ``argv`` and run the command.
+
+    Args:
+        argv: the arguments after ``hyperrecipe``.
+        started: ``time.perf_counter()`` when the command started; ``check`` counts its progress
+            times and its total from it (default: now).
+        end_process: end the process with ``os._exit`` as soon as the command has printed its
+            result (stdout and stderr flushed, every file it wrote closed), skipping the
+            interpreter's teardown of torch and transformers: on a loaded 2-core machine that
+            teardown took 3-18 s after ``check``'s verdict or ``compile``'s summary
+            (docs/benchmarks.md). Only the process's own entry point passes ``True``.
+    """
+    t0 = time.perf_counter() if started is None else started
     args = _parser().parse_args(list(argv))
+    try:
+        code = _dispatch(args, t0)
+    except BrokenPipeError:
+        if not end_process:
+            raise
+        # the reader went away (`hyperrecipe compile ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    if end_process:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError):  # a closed pipe (| head) is not our error
+                stream.flush()
+        os._exit(code)
+    return code
+
+
+def _dispatch(args: argparse.Namespace, started: float) -> int:
     try:
         if args.command == "schema":
             from hyperrecipe.recipe.jsonschema import recipe_json_schema
@@ -152,9 +247,11 @@ def run(argv: Sequence[str]) -> int:
             print(explain(Plan.load(args.plan), args.fqn), end="")
             return 0
         if args.command == "compile":
+            _apply_trust(args)
             return _compile(args)
         if args.command == "check":
-            return _check(args)
+            _apply_trust(args)
+            return _check(args, started)
     except HyperrecipeError as exc:
         print(f"hyperrecipe: error: {exc}", file=sys.stderr)
         return 2
@@ -165,9 +262,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    import time
-
-    from hyperrecipe.model_tree import build_model, snapshot
+    from hyperrecipe.model_tree import build_model, default_config_note, shipped_tiny_config, snapshot
     from hyperrecipe.plan_report import explain, summary
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
@@ -175,6 +270,9 @@ def _compile(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     t0 = time.perf_counter()
     model = build_model(args.model, args.model_config)
+    if args.model.startswith("hf:") and args.model_config is None:
+        note = default_config_note(args.model, model, tiny_config=shipped_tiny_config(args.model))
+        print(f"hyperrecipe: note: {note}", file=sys.stderr)
     tree = snapshot(model)
     t1 = time.perf_counter()
     plan = resolve_recipe(recipe, tree, args.mesh)
@@ -193,7 +291,14 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace, started: float) -> int:
+    def progress(message: str) -> None:
+        print(f"hyperrecipe check [{time.perf_counter() - started:6.1f} s] {message}",
+              file=sys.stderr, flush=True)
+
+    say = _quiet if args.quiet else progress
+    # The first line comes before torch is imported: that import alone takes seconds.
+    say(f"checking {args.recipe} on {_mesh_text(args.mesh)}: importing torch")
     from hyperrecipe.check.report import render_text, report_json
     from hyperrecipe.check.run import CheckOptions, Mode, run_check
 
@@ -203,12 +308,8 @@ def _check(args: argparse.Namespace) -> int:
         recipe=args.recipe, model=args.model, model_config=args.model_config, mesh=args.mesh,
         modes=modes, steps=args.steps, atol=args.atol, rtol=args.rtol, seed=args.seed,
         batch=args.batch, seq=args.seq, inputs=args.inputs, timeout_s=args.timeout)
-
-    def progress(message: str) -> None:
-        print(f"hyperrecipe check: {message}", file=sys.stderr, flush=True)
-
     try:
-        report = run_check(options, on_progress=None if args.quiet else progress)
+        report = run_check(options, on_progress=say, started=started)
     except HyperrecipeError as exc:
         if args.format == "json":
             print(json.dumps({"agree": False, "error": str(exc)}, indent=2))
@@ -217,4 +318,14 @@ def _check(args: argparse.Namespace) -> int:
         print(json.dumps(report_json(report), indent=2))
     else:
         print(render_text(report), end="")
+    for failed in report.errors:  # after every mode's verdict is out
+        print(f"hyperrecipe: error: mode {failed.mode}: {failed.error}", file=sys.stderr)
     return report.exit_code
+
+
+def _quiet(message: str) -> None:
+    del message
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hyperrecipe.model_tree import ModelTree, snapshot
 from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import Recipe
 from hyperrecipe.recipe import load_recipe as _load_recipe
+from hyperrecipe.refs import trusting
 from hyperrecipe.resolve import resolve_recipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,7 +29,8 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
 
 
 def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Module | ModelTree,
-                   mesh_shape: Mapping[str, int]) -> Plan:
+                   mesh_shape: Mapping[str, int], *,
+                   trust_code: bool | Sequence[str] = False) -> Plan:
     """Compile a recipe for a model and a mesh shape into a frozen plan.
 
     Args:
@@ -36,12 +38,17 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
         model: the model (build it on the meta device: only its structure is read), or its
             :class:`ModelTree` snapshot.
         mesh_shape: mesh dim name → size, e.g. ``{"tp": 2}``.
+        trust_code: also import the inner wrappers the recipe names (to read their
+            declarations) from any module (``True``) or from these module prefixes; without it
+            a recipe runs nothing but built-in, already imported and entry-point-declared code
+            (docs/security.md).
 
     Returns:
         The plan; ``plan.save(path)`` writes it.
 
     Raises:
-        RecipeError: the recipe does not fit the model or mesh.
+        RecipeError: the recipe does not fit the model or mesh, or names code that is not
+            trusted (the message says how to opt in).
 
     Example::
 
@@ -51,7 +58,8 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
     """
     recipe = recipe_or_path if isinstance(recipe_or_path, Recipe) else _load_recipe(recipe_or_path)
     tree = model if isinstance(model, ModelTree) else snapshot(model)
-    return resolve_recipe(recipe, tree, mesh_shape)
+    with trusting(trust_code):
+        return resolve_recipe(recipe, tree, mesh_shape)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

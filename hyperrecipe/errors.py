@@ -32,6 +32,7 @@ __all__ = [
     "RankFailedError",
     "RecipeError",
     "RefError",
+    "UntrustedCodeError",
     "RewriteError",
     "SourceSpan",
     "StepFailed",
@@ -154,6 +155,11 @@ class PatternError(HyperrecipeError, ValueError):
 class RefError(HyperrecipeError, ValueError):
     """A ``pkg.mod:attr`` reference is malformed, its module does not import, or an attribute
     is missing."""
+
+
+class UntrustedCodeError(RefError):
+    """A recipe or plan names a module that is not trusted; the message says how to opt in
+    (``--trust-code``, ``trust_code=``, ``HYPERRECIPE_TRUST_CODE``; docs/security.md)."""
 
 
 class ExplainError(HyperrecipeError, ValueError):

@@ -30,6 +30,8 @@ __all__ = [
     "ModuleInfo",
     "ParamInfo",
     "build_model",
+    "default_config_note",
+    "shipped_tiny_config",
     "snapshot",
 ]
 
@@ -75,6 +77,12 @@ class ModuleInfo:
     int_attrs: tuple[tuple[str, int], ...]
     signature: tuple[ArgInfo, ...]
     children: tuple[str, ...]
+    #: forward arguments that are integer indices (no gradient, so no backward collective): an
+    #: ``nn.Embedding``'s first argument, and an ``nn.EmbeddingBag``'s offsets and sample
+    #: weights too — for subclasses as well (Gemma's ``GemmaTextScaledWordEmbedding``, whose
+    #: forward names its ids ``input_ids``). Not part of the structure digest.
+    index_inputs: tuple[str, ...] = ()
+
     torch_bases: tuple[str, ...] = ()
 
     def is_a(self, qualified_class: str) -> bool:
@@ -158,6 +166,17 @@ def _signature(module: nn.Module) -> tuple[ArgInfo, ...]:
     )
 
 
+def _index_inputs(module: nn.Module, signature: tuple[ArgInfo, ...]) -> tuple[str, ...]:
+    from torch import nn
+
+    positional = [a.name for a in signature if a.kind in ("positional", "positional_only")]
+    if not positional or not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return ()
+    names = {a.name for a in signature}
+    extra = (("offsets", "per_sample_weights") if isinstance(module, nn.EmbeddingBag) else ())
+    return (positional[0], *(n for n in extra if n in names))
+
+
 def snapshot(model: nn.Module) -> ModelTree:
     """Take the structure of ``model`` (on any device; meta is cheapest)."""
     owner: dict[int, str] = {}
@@ -175,12 +194,13 @@ def snapshot(model: nn.Module) -> ModelTree:
                             if isinstance(v, int) and not isinstance(v, bool)
                             and not k.startswith("_")))
         children = tuple(f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children())
+        signature = _signature(mod)
         bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__
                       if c.__module__.startswith("torch.nn."))
         modules.append(ModuleInfo(fqn=fqn, cls=f"{type(mod).__module__}.{type(mod).__qualname__}",
-                                  params=tuple(params), int_attrs=ints,
-                                  signature=_signature(mod), children=children,
-                                  torch_bases=bases))
+                                  params=tuple(params), int_attrs=ints, signature=signature,
+                                  children=children, torch_bases=bases,
+                                  index_inputs=_index_inputs(mod, signature)))
     return ModelTree(modules=tuple(modules))
 
 
@@ -261,7 +281,7 @@ def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
         raise ModelSpecError(f"model spec {spec!r} is neither 'pkg.module:factory' nor "
                              f"'hf:<model_type>'")
     try:
-        target = resolve_ref(spec, "model spec")
+        target = resolve_ref(spec, "model spec", named_by_user=True)
     except RefError as exc:
         raise ModelSpecError(str(exc)) from None
     if not callable(target):
@@ -287,3 +307,54 @@ def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
         return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
 
     return make
+
+
+def shipped_tiny_config(spec: str) -> str | None:
+    """The tiny config shipped for ``hf:<model_type>`` (``recipes/models/tiny-<type>.json``),
+    as a path relative to the working directory when it is below it; ``None`` if none ships."""
+    from hyperrecipe.recipe.loader import shipped_recipe_dir
+
+    if not spec.startswith("hf:"):
+        return None
+    path = shipped_recipe_dir() / "models" / f"tiny-{spec[3:]}.json"
+    if not path.is_file():
+        return None
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def default_config_note(spec: str, model: nn.Module, *, tiny_config: str | None = None) -> str:
+    """Say that ``hf:<model_type>`` was built from transformers' default config, and how big
+    that is — the default of most families is a multi-billion-parameter model, which is not what
+    a user who forgot ``--model-config`` meant to compile or run.
+
+    Args:
+        spec: the ``hf:<model_type>`` spec.
+        model: the model built from it (on any device; meta is enough).
+        tiny_config: a small config to suggest instead, if one ships.
+
+    Returns:
+        One line, e.g. ``"--model hf:llama without --model-config: transformers' default
+        LlamaConfig (32 layers, hidden size 4096, vocab 32000; 6.74 B parameters, 25.1 GiB in
+        float32); ..."``.
+    """
+    config = getattr(model, "config", None)
+    sizes = []
+    for attr, label in (("num_hidden_layers", "layers"), ("hidden_size", "hidden size"),
+                        ("vocab_size", "vocab")):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            sizes.append(f"{value} {label}" if label == "layers" else f"{label} {value}")
+    params = list(model.parameters())  # tied parameters once
+    count = sum(p.numel() for p in params)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    size = f"{count / 1e9:.2f} B parameters" if count >= 10**8 else f"{count:,} parameters"
+    what = f"{', '.join(sizes)}; " if sizes else ""
+    hint = f", e.g. --model-config {tiny_config}" if tiny_config else ""
+    return (f"--model {spec} without --model-config: transformers' default "
+            f"{type(config).__name__} ({what}{size}, {nbytes / 2**30:.1f} GiB in "
+            f"{'/'.join(dtypes) or 'no dtype'}); pass --model-config FILE or inline JSON for "
+            f"another size{hint}")

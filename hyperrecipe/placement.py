@@ -99,12 +99,18 @@ Placement = Union[Shard, Replicate, Partial]
 REPLICATE = Replicate()
 
 
+# ASCII digits only (`shard(٠)` is not a placement), at most 9 of them (no 5000-digit int())
 _SHARD_RE = re.compile(
-    r"^shard\(\s*(?P<dim>-?\d+)\s*(?:,\s*chunks\s*=\s*(?P<chunks>\d+|\[[\d\s,]*\])\s*)?\)$"
-)
-_PARTIAL_RE = re.compile(r"^partial(?:\(\s*(?P<op>\w+)\s*\))?$")
+    r"^shard\(\s*(?P<dim>-?[0-9]{1,9})\s*"
+    r"(?:,\s*chunks\s*=\s*(?P<chunks>[0-9]{1,9}|\[[0-9\s,]*\])\s*)?\)$", re.ASCII)
+_PARTIAL_RE = re.compile(r"^partial(?:\(\s*(?P<op>\w+)\s*\))?$", re.ASCII)
 PLACEMENT_FORMS = ("replicate", "partial", "partial(sum)", "partial(avg)", "shard(D)",
                    "shard(D, chunks=K)", "shard(D, chunks=[S1, S2, ...])")
+
+
+def _short(text: str) -> str:
+    """``text`` cut for an error message (a recipe value may be megabytes long)."""
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_placement(text: str) -> Placement:
@@ -120,7 +126,7 @@ def parse_placement(text: str) -> Placement:
     if m:
         op = m.group("op") or "sum"
         if op not in ("sum", "avg"):
-            msg = f"unknown reduce op {op!r} in {text!r}; expected partial(sum) or partial(avg)"
+            msg = f"unknown reduce op {op!r} in {_short(text)!r}; expected partial(sum) or partial(avg)"
             raise PlacementSyntaxError(msg)
         return Partial(reduce="sum" if op == "sum" else "avg")
     m = _SHARD_RE.match(s)
@@ -130,17 +136,21 @@ def parse_placement(text: str) -> Placement:
         if raw is None:
             return Shard(dim=dim)
         if raw.startswith("["):
-            sizes = tuple(int(p) for p in raw[1:-1].split(",") if p.strip())
+            parts = [p.strip() for p in raw[1:-1].split(",") if p.strip()]
+            if any(len(p) > 9 for p in parts):
+                msg = f"chunks=[...] sizes have at most 9 digits, found {_short(text)!r}"
+                raise PlacementSyntaxError(msg)
+            sizes = tuple(int(p) for p in parts)
             if len(sizes) < 2 or any(v <= 0 for v in sizes):
-                msg = f"chunks=[...] needs two or more positive sizes, found {text!r}"
+                msg = f"chunks=[...] needs two or more positive sizes, found {_short(text)!r}"
                 raise PlacementSyntaxError(msg)
             return Shard(dim=dim, chunks=len(sizes), chunk_sizes=sizes)
         chunks = int(raw)
         if chunks < 1:
-            msg = f"chunks must be at least 1, found {text!r}"
+            msg = f"chunks must be at least 1, found {_short(text)!r}"
             raise PlacementSyntaxError(msg)
         return Shard(dim=dim, chunks=chunks)
-    msg = f"unknown placement {text!r}; expected one of {', '.join(PLACEMENT_FORMS)}"
+    msg = f"unknown placement {_short(text)!r}; expected one of {', '.join(PLACEMENT_FORMS)}"
     raise PlacementSyntaxError(msg)
 
 
@@ -219,7 +229,7 @@ def parse_named_text(text: str) -> NamedPlacement:
     if s == "replicate":
         return REPLICATED
     if not (s.startswith("{") and s.endswith("}")):
-        msg = f"not a named placement: {text!r}"
+        msg = f"not a named placement: {_short(text)!r}"
         raise PlacementSyntaxError(msg)
     body = s[1:-1]
     entries: list[tuple[str, Placement]] = []

@@ -229,17 +229,24 @@ class ManifestEntry:
 
 @attrs.frozen(kw_only=True)
 class AdapterPlan:
-    """A third-party method the runtime adapts to DTensor arguments (``adapters:``).
+    """A third-party method or function the runtime adapts to DTensor arguments (``adapters:``).
 
-    ``target`` is ``pkg.mod:Class.method`` (a nested class is ``Outer.Inner.method``);
-    ``out_src`` (``marshal`` only) is the placement of the method's tensor outputs, ``None`` for
-    "those of the first DTensor argument".
+    ``target`` is ``pkg.mod:Class.method`` (a nested class is ``Outer.Inner.method``) or
+    ``pkg.mod:function``; ``out_src`` (``marshal`` only) is the placement of the tensor outputs,
+    ``None`` for "those of the first DTensor argument". ``within`` (functions only) lists the
+    FQNs of the modules whose forward sees the replacement, resolved from the recipe's pattern.
     """
 
     target: str
     mode: Literal["wrap", "marshal"]
     provenance: Provenance
     out_src: NamedPlacement | None = None
+    within: tuple[str, ...] = ()
+
+    @property
+    def is_function(self) -> bool:
+        """A module-level function (``pkg.mod:function``), not a method."""
+        return "." not in self.target.partition(":")[2]
 
     @property
     def module_name(self) -> str:
@@ -253,7 +260,8 @@ class AdapterPlan:
 
     @property
     def method_name(self) -> str:
-        return self.target.rsplit(".", 1)[1]
+        """The method's name (a function adapter's: the function's)."""
+        return self.target.partition(":")[2].rsplit(".", 1)[-1]
 
 
 @attrs.frozen(kw_only=True)
@@ -324,14 +332,26 @@ class Plan:
     def from_json(cls, text: str, *, source: str = "<plan>") -> Plan:
         """Parse and verify a plan.
 
+        A plan may come from someone else: whatever the text, this raises nothing but
+        :class:`PlanFormatError` (nesting, integers and non-finite numbers are bounded before
+        anything recurses over the data).
+
         Raises:
-            PlanFormatError: not JSON, wrong format version, a field missing or of the wrong
-                type (path given as cattrs does), or a fingerprint that does not match.
+            PlanFormatError: not JSON, nested deeper than 64, an integer beyond 64 bits or a
+                NaN/Infinity, wrong format version, a field missing or of the wrong type (path
+                given as cattrs does), or a fingerprint that does not match.
         """
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{source}: not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            problem = str(exc) if isinstance(exc, ValueError) else "nested too deeply"
+            raise PlanFormatError(f"{source}: not a plan: {problem}") from None
+        too_deep = _deeper_than(raw, _MAX_PLAN_DEPTH)
+        if too_deep is not None:
+            raise PlanFormatError(f"{source}: not a plan: nested deeper than {_MAX_PLAN_DEPTH} "
+                                  f"levels at {too_deep}")
         if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise PlanFormatError(f"{source}: plan format {found!r} is not {PLAN_FORMAT}; "
@@ -341,6 +361,10 @@ class Plan:
         except cattrs.BaseValidationError as exc:
             details = "; ".join(cattrs.transform_error(exc))
             raise PlanFormatError(f"{source}: invalid plan: {details}") from None
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError,
+                RecursionError) as exc:  # a hook meeting data no plan holds
+            raise PlanFormatError(f"{source}: invalid plan: {type(exc).__name__}: "
+                                  f"{str(exc)[:200]}") from None
         if plan.checksum != plan.content_checksum():
             raise PlanFormatError(f"{source}: checksum does not match the plan's content; the "
                                   f"file was edited by hand or corrupted (recompile instead)")
@@ -356,11 +380,46 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and verify a plan file (see :meth:`from_json`).
+
+        Raises:
+            PlanFormatError: unreadable, not UTF-8, or anything :meth:`from_json` refuses.
+        """
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise PlanFormatError(f"{path}: cannot read plan: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise PlanFormatError(f"{path}: not a plan: not UTF-8 text ({exc.reason} at byte "
+                                  f"{exc.start})") from None
         return cls.from_json(text, source=str(path))
+
+
+_MAX_PLAN_DEPTH = 64
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or abs(int(text)) > 2**63 - 1:
+        raise ValueError(f"integer {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
+    return int(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number a plan holds")
+
+
+def _deeper_than(data: Any, limit: int) -> str | None:
+    """The JSON path of the first value nested deeper than ``limit``, or ``None`` (iterative)."""
+    stack: list[tuple[str, Any, int]] = [("$", data, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > limit:
+            return path
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}"[:200], v, depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]"[:200], v, depth + 1) for i, v in enumerate(value))
+    return None
 
 
 def compute_fingerprint(recipe_digest: str, model_digest: str, mesh: tuple[MeshDim, ...]) -> str:

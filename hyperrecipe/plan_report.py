@@ -140,8 +140,12 @@ def summary(plan: Plan) -> str:
         lines.append("  ".join(cells) + "  " + row[4])
     t = plan_totals(plan)
     lines.append("")
-    if plan.adapters:
-        lines.append("method adapters: " + ", ".join(_adapter_text(a) for a in plan.adapters))
+    methods = [a for a in plan.adapters if not a.is_function]
+    functions = [a for a in plan.adapters if a.is_function]
+    if methods:
+        lines.append("method adapters: " + ", ".join(_adapter_text(a) for a in methods))
+    if functions:
+        lines.append("function adapters: " + ", ".join(_adapter_text(a) for a in functions))
     if unclaimed:
         folded = Counter(generalize_fqn(f) for f in unclaimed)
         shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in folded.items())
@@ -175,7 +179,9 @@ def _uncounted(plan: Plan) -> str:
 
 def _adapter_text(a: AdapterPlan) -> str:
     out = f" (outputs {a.out_src})" if a.out_src is not None else ""
-    return f"{a.target} {a.mode}{out}"
+    n = len(a.within)
+    within = f" within {n} module{'s' if n != 1 else ''}" if a.is_function else ""
+    return f"{a.target} {a.mode}{out}{within}"
 
 
 def explain(plan: Plan, pattern: str) -> str:
@@ -226,10 +232,13 @@ def explain(plan: Plan, pattern: str) -> str:
                            f"{t.forward}, backward {t.backward}{why}")
     for a in plan.adapters:
         if pattern in (a.target, a.target.partition(":")[2]) or rx.fullmatch(a.target):
-            out.append(f"{a.target}: method adapter {a.mode}"
+            kind = "function" if a.is_function else "method"
+            out.append(f"{a.target}: {kind} adapter {a.mode}"
                        + (f", outputs {a.out_src}" if a.out_src is not None else
                           (", outputs placed like the first DTensor argument"
                            if a.mode == "marshal" else "")))
+            if a.within:
+                out.append(f"  replaced while these run: {', '.join(a.within)}")
             out.append(f"  {a.provenance}")
     if not out:
         names = [*{p.fqn for p in plan.params}, *{p.module for p in plan.params},

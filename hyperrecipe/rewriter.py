@@ -1,4 +1,5 @@
-"""The one place that rewrites a live model: forwards, adapter methods, attributes, parameters.
+"""The one place that rewrites a live model: forwards, adapter methods and functions, attributes,
+parameters.
 
 Every other module *describes* a rewrite (a replacement callable, a new parameter, a new head
 count) and hands it here; only this module assigns ``forward``. ``hyperrecipe lint`` enforces that
@@ -27,7 +28,7 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType, ModuleType, TracebackType
 from typing import Any, Final, Literal
 
 import attrs
@@ -51,7 +52,8 @@ EntryState = Literal["pending", "installed", "restored", "failed"]
 ``restored`` (undone, by a rollback or by :meth:`Rewritten.restore`), ``failed`` (validation or
 the change itself raised, or it could not be undone; ``error`` says why)."""
 
-EntryKind = Literal["forward", "companion", "method", "attribute", "parameter", "item"]
+EntryKind = Literal["forward", "companion", "method", "attribute", "parameter", "item",
+                    "function"]
 """What an entry changed."""
 
 _NO_COMPANIONS: Final[Mapping[str, object]] = MappingProxyType({})
@@ -85,6 +87,53 @@ class RewriteRecord:
 
 _FORWARD_OWNERS: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
 _METHOD_OWNERS: weakref.WeakKeyDictionary[type, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+@attrs.define(eq=False)
+class _ScopedFunction:
+    """One module-level function, swapped for its replacement while any module scoped to it
+    runs (a depth count: nested and recursive calls swap once and put back once)."""
+
+    namespace: ModuleType
+    name: str
+    original: object
+    replacement: object
+    label: str
+    modules: int = 0
+    depth: int = 0
+
+    def enter(self) -> None:
+        if self.depth == 0:
+            setattr(self.namespace, self.name, self.replacement)
+        self.depth += 1
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            setattr(self.namespace, self.name, self.original)
+
+
+#: (module name, function name) → the live swap; one replacement per function at a time
+_SCOPED_FUNCTIONS: dict[tuple[str, str], _ScopedFunction] = {}
+
+
+def _validate_function_replacement(original: Callable[..., Any],
+                                   replacement: Callable[..., Any], *, fqn: str,
+                                   what: str) -> None:
+    """:func:`validate_signature`, except for a builtin without a readable signature (most of
+    ``torch.nn.functional``'s kernels): only a replacement taking ``(*args, **kwargs)`` and
+    passing them on can stand in for one."""
+    try:
+        inspect.signature(original)
+    except (TypeError, ValueError):
+        params = inspect.signature(replacement, follow_wrapped=False).parameters.values()
+        if {p.kind for p in params} != {inspect.Parameter.VAR_POSITIONAL,
+                                        inspect.Parameter.VAR_KEYWORD}:
+            msg = (f"{fqn}: {what} has no readable signature, so its replacement must take "
+                   f"(*args, **kwargs)")
+            raise RewriteError(msg) from None
+        return
+    validate_signature(original, replacement, fqn=fqn, what=what)
 
 
 def installed_forward_owner(module: object) -> str | None:
@@ -202,6 +251,25 @@ class _ItemMemento(_Memento):
             del self.mapping[self.key]
         else:
             self.mapping[self.key] = self.previous
+
+
+@attrs.define(eq=False)
+class _ScopedFunctionMemento(_Memento):
+    scope: _ScopedFunction
+    handles: tuple[Any, ...]
+    fqn: str
+
+    def undo(self) -> None:
+        scope = self.scope
+        if scope.depth:
+            msg = (f"{self.fqn}: cannot restore {scope.namespace.__name__}:{scope.name} while "
+                   f"the module's forward is running")
+            raise RewriteError(msg)
+        for handle in self.handles:
+            handle.remove()
+        scope.modules -= 1
+        if scope.modules == 0:
+            _SCOPED_FUNCTIONS.pop((scope.namespace.__name__, scope.name), None)
 
 
 @attrs.define(eq=False)
@@ -639,6 +707,65 @@ class Rewrite:
             return _ItemMemento(mapping=mapping, key=key, fqn=fqn, value=value, previous=previous)
 
         self._atomically(fqn, lambda: self._record(fqn, "item", repr(key), install))
+
+    def replace_function_during(self, module: torch.nn.Module, namespace: ModuleType,
+                                name: str, replacement: Callable[..., Any], *,
+                                fqn: str) -> None:
+        """Make ``namespace.name`` (a module-level function) ``replacement`` while ``module``
+        runs: a forward pre-hook swaps it in, a forward hook that runs even when the forward
+        raises swaps the original back (function adapters). Nested and recursive calls of
+        scoped modules swap once. The swap is process-wide for its duration: other threads
+        calling the function meanwhile get the replacement too.
+
+        Several modules may be scoped to one function with the same replacement; another live
+        rewrite cannot replace the same function (restore it first).
+
+        Args:
+            module: the module whose forward sees the replacement.
+            namespace: the Python module holding the function (``torch.nn.functional``, or
+                the model's own module when it imported the function by name).
+            name: the function's name in ``namespace``.
+            replacement: what the forward's code calls instead; its signature is validated
+                against the original's.
+            fqn: the module's FQN, for messages and records.
+
+        Raises:
+            RewriteError: ``namespace`` has no callable ``name``, the signatures differ, or
+                the function is already replaced by another rewrite or with another
+                replacement.
+        """
+        what = f"{namespace.__name__}:{name}"
+
+        def install() -> _Memento:
+            scope = _SCOPED_FUNCTIONS.get((namespace.__name__, name))
+            if scope is not None and (scope.label != self._label
+                                      or scope.replacement is not replacement):
+                msg = (f"{fqn}: {what} is already replaced (rewrite {scope.label!r}); one "
+                       f"replacement per function: restore it first")
+                raise RewriteError(msg)
+            if scope is None:
+                original = getattr(namespace, name, _MISSING)
+                if not callable(original):
+                    msg = f"{fqn}: {namespace.__name__} has no function {name!r}"
+                    raise RewriteError(msg)
+                _validate_function_replacement(original, replacement, fqn=fqn, what=what)
+                scope = _ScopedFunction(namespace=namespace, name=name, original=original,
+                                        replacement=replacement, label=self._label)
+            active = scope
+
+            def enter(_module: torch.nn.Module, _args: Any) -> None:
+                active.enter()
+
+            def leave(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+                active.leave()
+
+            handles = (module.register_forward_pre_hook(enter),
+                       module.register_forward_hook(leave, always_call=True))
+            _SCOPED_FUNCTIONS[(namespace.__name__, name)] = scope
+            scope.modules += 1
+            return _ScopedFunctionMemento(scope=scope, handles=handles, fqn=fqn)
+
+        self._atomically(fqn, lambda: self._record(fqn, "function", what, install))
 
     @contextlib.contextmanager
     def attempt(self, fqn: str) -> Iterator[None]:

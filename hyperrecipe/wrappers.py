@@ -283,7 +283,8 @@ def load_wrapper(ref: str) -> WrapperSpec:
     (``apply`` calls this; a built-in's factory module is imported here).
 
     Raises:
-        WrapperError: the module or attribute does not exist, it is not decorated with
+        WrapperError: the module is not trusted (:mod:`hyperrecipe.refs`; it is then not
+            imported), the module or attribute does not exist, it is not decorated with
             :func:`inner_wrapper`, or a built-in's factory disagrees with its declaration.
     """
     builtin = BUILTIN_WRAPPERS.get(ref)

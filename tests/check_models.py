@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -86,7 +87,7 @@ def biased_llama(**fields: Any) -> nn.Module:
     initialises biases to zero, which would hide a bias counted twice)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{"attention_bias": True, "mlp_bias": True, "use_cache": False,
+    config = LlamaConfig(**{"attention_bias": True, "mlp_bias": True,
                             "attn_implementation": "eager", **fields})
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -98,7 +99,23 @@ def biased_llama(**fields: Any) -> nn.Module:
 
 def llama_inputs(model: nn.Module, *, batch: int, seq: int,
                  generator: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``--inputs`` for :func:`biased_llama`: token ids by keyword, no KV cache."""
+    """``--inputs`` for :func:`biased_llama`: token ids by keyword."""
     vocab = model.config.vocab_size  # type: ignore[union-attr]
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
-    return (), {"input_ids": ids, "use_cache": False}
+    return (), {"input_ids": ids}
+
+
+def hanging_in_the_parent(**kwargs: Any) -> AttnToy:
+    """Never returns in the process that runs ``hyperrecipe check`` (no ``RANK`` set): a factory
+    that waits on something that never comes."""
+    if "RANK" not in os.environ:
+        time.sleep(3600)
+    return AttnToy(**kwargs)
+
+
+def forward_hanging_in_the_parent(**kwargs: Any) -> AttnToy:
+    """Builds everywhere; its forward never returns in the process that runs the check."""
+    model = AttnToy(**kwargs)
+    if "RANK" not in os.environ:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(3600))
+    return model

@@ -1,6 +1,7 @@
 """Inner wrappers for the tests: for the fallback chain, one never eligible and one that fails
 half way through installing (after changing an attribute, which must be rolled back); for the
-resolver, one declaring no output layout and one declaring a different one."""
+resolver, one declaring no output layout and one declaring a different one; and a pass-through
+over a tensor-parallel MLP."""
 
 from __future__ import annotations
 
@@ -33,4 +34,11 @@ def undeclared(ctx: WrapperContext) -> Any:
 @inner_wrapper(hook="forward", mesh_dims=("cp",), inner_out_src={0: "replicate"})
 def replicated_out(ctx: WrapperContext) -> Any:
     """Declares a whole output, unlike the sequence-sharded wrappers above."""
+    return lambda compute, *args, **kwargs: compute(*args, **kwargs)
+
+
+@inner_wrapper(hook="forward", mesh_dims=("tp",))
+def tp_passthrough(ctx: WrapperContext) -> Any:
+    """Runs a tensor-parallel MLP's own compute on local tensors: column-sharded ``up``, and
+    ``down`` as a nested row-wise boundary that reduces, so the result is whole."""
     return lambda compute, *args, **kwargs: compute(*args, **kwargs)

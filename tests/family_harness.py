@@ -49,8 +49,7 @@ def step(model: nn.Module, aux_loss_divisor: int | None = None) -> torch.Tensor:
     """One forward and backward; with ``aux_loss_divisor`` the loss adds an MoE model's router
     load-balancing loss divided by it."""
     routed = aux_loss_divisor is not None
-    out = model(input_ids=batch(), use_cache=False, **({"output_router_logits": True}
-                                                       if routed else {}))
+    out = model(input_ids=batch(), **({"output_router_logits": True} if routed else {}))
     logits: torch.Tensor = out.logits
     loss = logits.float().pow(2).mean()
     if aux_loss_divisor is not None:

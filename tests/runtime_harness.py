@@ -34,7 +34,7 @@ def llama_batch(vocab: int = 128) -> torch.Tensor:
 
 
 def llama_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=ids, use_cache=False).logits
+    logits = model(input_ids=ids).logits
     logits.float().pow(2).mean().backward()
     return logits.detach()
 

@@ -19,6 +19,7 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.placement import parse_named_text
 from hyperrecipe.plan import AdapterPlan, Plan, Provenance
 from hyperrecipe.plan_report import explain, summary
+from hyperrecipe.refs import TRUST_ENV
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.adapters import install_adapters, make_method_adapter
 from tests import adapter_models
@@ -83,7 +84,7 @@ def test_adapter_out_src_is_parsed_as_a_named_placement(tmp_path: Path) -> None:
      f"6); one method takes one adapter @ $.adapters[1].target"),
     (f'  - {{target: "{HELPERS}.plain", out: replicate}}\n',
      "/path/to/demo.yaml:6:52: unknown key 'out' in an adapter; did you mean 'out_src'? "
-     "@ $.adapters[0].out; expected one of: target, mode, out_src"),
+     "@ $.adapters[0].out; expected one of: target, mode, out_src, within"),
 ])
 def test_adapter_field_errors_name_file_line_and_column(tmp_path: Path, adapters: str,
                                                         message: str | None) -> None:
@@ -169,7 +170,9 @@ def test_a_misspelt_method_of_an_imported_module_fails_at_compile_time(tmp_path:
         "@ $.adapters[0].target")
 
 
-def test_a_target_whose_module_is_not_imported_is_found_by_apply(tmp_path: Path) -> None:
+def test_a_target_whose_module_is_not_imported_is_found_by_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRUST_ENV, "no_such_pkg")  # trusted, so the import is tried and fails
     path = tmp_path / "demo.yaml"
     path.write_text(HEADER + '  - {target: "no_such_pkg.attn:Kernel.run"}\n', encoding="utf-8")
     with torch.device("meta"):

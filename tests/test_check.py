@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,11 +107,24 @@ def test_cli_check_runs_as_a_subprocess_and_reports_json(in_root: Path) -> None:
         assert result["agree"] is True and result["first_divergent"] is None
         assert result["worst_gradient"]["max_abs"] < 1e-5
         assert result["timings"]["launch_s"] > 0
-    for progress in ("building hf:llama", "reference: 22 boundary values recorded",
-                     "mode production: launching 2 ranks (gloo)",
-                     "mode validate: running (all 2 ranks ready)",
-                     "mode validate: comparing with the reference"):
-        assert f"hyperrecipe check: {progress}" in proc.stderr
+    stamped = [re.fullmatch(r"hyperrecipe check \[ *(\d+\.\d) s\] (.*)", line)
+               for line in proc.stderr.splitlines()]
+    assert all(stamped), proc.stderr
+    messages = [m.group(2) for m in stamped if m]
+    # the first line comes before torch is imported, then one line per phase, in order
+    assert messages[0] == "checking recipes/llama.yaml on tp=2: importing torch"
+    phases = ["recipe 'llama' loaded (8 rules)",
+              "building hf:llama on the CPU (seed 0; transformers is imported first)",
+              "built hf:llama: 33 modules, 90,432 parameters",
+              "plan compiled: 10 boundaries, 21 parameters, world size 2",
+              "reference: 22 boundary values recorded", "mode production: launching 2 ranks (gloo)",
+              "mode validate: running (all 2 ranks ready)",
+              "mode validate: comparing with the reference", "mode validate: agree"]
+    at = [next(i for i, m in enumerate(messages) if m.startswith(p)) for p in phases]
+    assert at == sorted(at), messages
+    stamps = [float(m.group(1)) for m in stamped if m]
+    assert stamps == sorted(stamps), "times count from the start of the command"
+    assert data["timings"]["total_s"] >= stamps[-1] - 0.05, "the total counts from the start"
 
 
 # ------------------------------------------------------------------------- broken recipes
@@ -215,6 +229,7 @@ def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
 # ------------------------------------------------------------------------- errors and imports
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_correct_plain_torch_recipe_agrees_without_importing_transformers(in_root: Path) -> None:
     code = ("import sys\nfrom hyperrecipe.cli import main\n"
             "rc = main(['check', 'tests/recipes/toy-attn.yaml', '--model', "
@@ -260,6 +275,41 @@ def test_recipe_that_does_not_fit_exits_2_before_any_rank_starts(
     data = json.loads(capsys.readouterr().out)
     assert rc == 2 and data["agree"] is False
     assert data["error"].startswith("tests/recipes/toy-attn.yaml:8:12: parameter 'embed.weight'")
+
+
+def test_timeout_stops_a_model_factory_or_forward_that_hangs_in_the_parent(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
+               "tests.check_models:hanging_in_the_parent", "--mesh", "tp=2", "--timeout", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines()[-1] == (
+        "hyperrecipe: error: building tests.check_models:hanging_in_the_parent in this process "
+        "did not finish within 1 s (--timeout); the model factory hangs or is too slow for this "
+        "check")
+    assert "launching" not in err and multiprocessing.active_children() == []
+    rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
+               "tests.check_models:forward_hanging_in_the_parent", "--mesh", "tp=2",
+               "--timeout", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines()[-1] == (
+        "hyperrecipe: error: the reference step in this process did not finish within 1 s "
+        "(--timeout); the model's forward or backward hangs or is too slow for this check")
+
+
+def test_hf_model_without_a_config_is_refused_with_its_size_and_the_opt_in(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "recipes/llama.yaml", "--model", "hf:llama", "--mesh", "tp=2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines()[-1] == (
+        "hyperrecipe: error: --model hf:llama without --model-config: transformers' default "
+        "LlamaConfig (32 layers, hidden size 4096, vocab 32000; 6.74 B parameters, 25.1 GiB in "
+        "float32); pass --model-config FILE or inline JSON for another size, e.g. --model-config "
+        "recipes/models/tiny-llama.json. check builds that model for real, in this process and on "
+        "each of the 2 ranks; to check the default config on purpose, pass --model-config '{}'")
+    assert "building hf:llama on the CPU" not in err
 
 
 def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

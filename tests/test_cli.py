@@ -102,9 +102,57 @@ def test_schema_is_json_and_lists_rule_fields(capsys: pytest.CaptureFixture[str]
     assert "params" in schema["$defs"]["rule"]["properties"]
 
 
+@pytest.mark.slow  # a fresh interpreter; CI also runs this command itself (.ci/run)
 def test_python_dash_m_and_compile_of_hf_llama(in_root: Path) -> None:
     r = run_cli("compile", "recipes/llama.yaml", "--model", "hf:llama", "--model-config",
                 "recipes/models/tiny-llama.json", "--mesh", "tp=2", cwd=in_root)
     assert r.returncode == 0, r.stderr
     assert "model.layers.*.self_attn x2" in r.stdout
     assert "collectives per step: 6 forward, 5 backward" in r.stdout
+
+
+# ----------------------------------------------------------------------------- the first hour
+
+
+def test_version_prints_the_installed_version_and_exits_0(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    import hyperrecipe
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hyperrecipe {hyperrecipe.__version__} (Python ")
+    assert hyperrecipe.__version__ == version("hyperrecipe"), "pyproject and __version__ agree"
+
+
+@pytest.mark.parametrize(("command", "opening"), [
+    ("compile", "Load a recipe (YAML or TOML), build the model on the meta device"),
+    ("explain", "Say why each parameter and boundary whose FQN matches the pattern"),
+    ("schema", "Print the JSON Schema (draft-07) of the recipe format on stdout"),
+    ("check", "Apply a recipe on world-size local ranks"),
+])
+def test_every_subcommand_help_has_a_description(command: str, opening: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    assert opening in text
+
+
+def test_hf_model_without_a_config_compiles_with_a_note_naming_the_default_and_its_size(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", "recipes/llama.yaml", "--model", "hf:llama", "--mesh", "tp=2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "hyperrecipe: note: --model hf:llama without --model-config: transformers' default "
+        "LlamaConfig (32 layers, hidden size 4096, vocab 32000; 6.74 B parameters, 25.1 GiB in "
+        "float32); pass --model-config FILE or inline JSON for another size, e.g. --model-config "
+        "recipes/models/tiny-llama.json\n")
+    assert "12853.02 MiB per rank" in captured.out
+    assert main(["compile", "recipes/llama.yaml", "--model", "hf:llama", "--model-config",
+                 "recipes/models/tiny-llama.json", "--mesh", "tp=2"]) == 0
+    assert capsys.readouterr().err == "", "no note when a config is given"

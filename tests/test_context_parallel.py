@@ -9,9 +9,17 @@ from typing import Any
 import pytest
 import torch
 
+from hyperrecipe.refs import TRUST_ENV
 from hyperrecipe.runtime.context_parallel import causal_mask_for_rank
 
 CHECK = ["--model", "hf:llama", "--model-config", "recipes/models/tiny-llama.json", "-q"]
+
+
+@pytest.fixture(autouse=True)
+def _trust_test_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy wrappers live in ``tests``: these tests opt in to them as a user would
+    (docs/security.md); tests/test_trust.py covers the refusal."""
+    monkeypatch.setenv(TRUST_ENV, "tests")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -36,8 +44,10 @@ def test_is_causal_top_left_alignment_would_be_wrong_off_rank_zero() -> None:
     assert not torch.equal(causal_mask_for_rank(4, 8, 4), top_left)
 
 
-@pytest.mark.parametrize(("recipe", "mesh"), [("recipes/llama-cp.yaml", "cp=2"),
-                                              ("recipes/llama-tp-cp.yaml", "tp=2,cp=2")])
+@pytest.mark.parametrize(("recipe", "mesh"), [
+    ("recipes/llama-cp.yaml", "cp=2"),
+    pytest.param("recipes/llama-tp-cp.yaml", "tp=2,cp=2", marks=pytest.mark.slow),  # four ranks
+])
 def test_cp_recipes_agree_with_one_process_in_both_modes(recipe: str, mesh: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     from hyperrecipe.cli import main
@@ -128,6 +138,7 @@ def test_ulysses_agrees_with_one_process_in_both_modes(tmp_path: Any,
         assert len(m["inner_wrappers"]) == 2  # one per decoder layer of tiny-llama
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_chain_falls_back_from_ulysses_when_heads_do_not_divide(
         tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     recipe = _cp_variant(tmp_path, "[ulysses, cp_allgather_kv]")
@@ -148,6 +159,7 @@ def test_chain_falls_back_from_ulysses_when_heads_do_not_divide(
     assert "cp_allgather_kv installed on 2 modules" in text
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_ulysses_alone_fails_naming_the_boundary_when_heads_do_not_divide(
         tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     # apply refuses before any step runs, so the run ends with an error, not a divergence
@@ -194,8 +206,8 @@ def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:
 
 
 @pytest.mark.parametrize(("ref", "message"), [
-    ("no_such_pkg.attn:ring", "cannot import 'no_such_pkg.attn' for inner wrapper "
-                              "'no_such_pkg.attn:ring': No module named 'no_such_pkg'"),
+    ("no_such_pkg.attn:ring", "inner wrapper 'no_such_pkg.attn:ring' names module "
+                              "'no_such_pkg.attn', which is not trusted; "),
     ("tests.cp_chain:nope", "'tests.cp_chain' has no attribute 'nope' (inner wrapper "
                             "'tests.cp_chain:nope')"),
     ("tests.toy_models:make_toy", "inner wrapper 'tests.toy_models:make_toy' is not declared with "
@@ -218,6 +230,7 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
     assert found, "docs/context-parallel.md shows user_cp.py"
     (tmp_path / "user_cp.py").write_text(found.group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(TRUST_ENV, "user_cp")  # as the doc says: the user opts in to their module
     code, report = _check_json(_cp_variant(tmp_path, "user_cp:gather_kv"), "cp=2", capsys)
     assert code == 0, report
     for mode in ("production", "validate"):
@@ -296,6 +309,7 @@ def test_a_malformed_declaration_fails_at_decoration(declared: Any, message: str
         inner_wrapper(mesh_dims=("cp",), inner_out_src=declared)
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("wrapper", ["cp_allgather_kv", "ulysses"])
 def test_mistral_sliding_window_attention_agrees_at_cp4(
         tmp_path: Any, wrapper: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,6 +95,7 @@ def test_recipe_passes_check_at_ep2_in_both_modes(recipe: str) -> None:
     assert report.exit_code == 0
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_tensor_times_expert_parallel_passes_check_on_four_ranks() -> None:
     """Attention over tp, experts over ep (tests/recipes/mixtral-tp-ep.yaml): each layout is
     replicated over the dim it does not name, on a 2 x 2 mesh."""

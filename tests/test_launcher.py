@@ -246,6 +246,7 @@ def test_bad_launch_arguments_raise_launch_error(kwargs: dict[str, Any], message
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.slow  # starts fresh interpreters (docs/benchmarks.md#test-suite)
 def test_spawn_runs_a_module_level_function() -> None:
     results = run_ranks(_describe_rank, 2, 1.0, start_method="spawn", timeout_s=60.0)
     assert [r["total"] for r in results] == [1.0, 1.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,62 @@ def test_arbitrary_text_gives_recipe_error(text: str, suffix: str) -> None:
             load_recipe(p)
         except RecipeError:
             pass
+
+
+# ----------------------------------------------------------------------------- hostile text
+# Recipe text spliced from the fragments that broke the loader before it was bounded (issue 16):
+# aliases, tags, deep nesting, huge and non-ASCII numbers, catastrophic patterns, long extends.
+# CI runs FUZZ_EXAMPLES (a few thousand); HYPERRECIPE_FUZZ_EXAMPLES=20000 for a deeper run.
+
+FUZZ_EXAMPLES = int(os.environ.get("HYPERRECIPE_FUZZ_EXAMPLES", "2000"))
+
+_hostile_values = st.sampled_from([
+    "&a [x, x, x]", "*a", "&r [*r]", "!!timestamp abc", "!!float llama", "!!python/tuple [a]",
+    "!!python/object/apply:os.system [echo]", "!!binary aGk=", "!!set {a: null}", "!x y",
+    "9" * 5000, "9" * 40, "-" + "9" * 30, "0x" + "f" * 40, "1e999", ".nan", "'shard(٠)'",
+    "'shard(" + "9" * 400 + ")'", "'shard(0, chunks=[" + "9" * 400 + ", 1])'", "'>٣'",
+    "'re:(.*)*Z'", "'re:a{99999999999}'", "'re:(a{999}){999}'", "'re:(?=a)'", "'re:\\\\1'",
+    "'" + "{a," * 60 + "b" + "}" * 60 + "'", "'**.**.**.**.**'", "'*a*a*a*a*a*b'",
+    "[" * 80 + "]" * 80, "{a: " * 80 + "1" + "}" * 80, "'x'", "[]", "{}", "null", "1",
+    "'" + "x" * 3000 + "'", "'" + "x/" * 600 + "'",
+])
+_keys = st.sampled_from(["recipe", "version", "mesh", "rules", "styles", "description",
+                         "extends", "unclaimed", "adapters", "match", "when", "params", "<<"])
+_toml_values = st.sampled_from([
+    "9" * 5000, "9" * 40, "[" * 80 + "]" * 80, "{a = " * 80 + "1" + "}" * 80, "'re:(.*)*Z'",
+    "'shard(٠)'", "\"" + "x" * 3000 + "\"", "nan", "inf", "1979-05-27T07:32:00Z", "[1, 'a']",
+])
+
+
+@st.composite
+def _hostile_yaml(draw: st.DrawFn) -> str:
+    lines = ["recipe: t", "version: 1", "mesh: [tp]"]
+    for _ in range(draw(st.integers(1, 4))):
+        lines.append(f"{draw(_keys)}: {draw(_hostile_values)}")
+    if draw(st.booleans()):
+        rule = ", ".join(f"{draw(_keys)}: {draw(_hostile_values)}" for _ in range(2))
+        lines.append(f"rules: [{{match: {draw(_hostile_values)}, {rule}}}]")
+    else:
+        lines.append("rules: []")
+    return "\n".join(draw(st.permutations(lines))) + "\n"
+
+
+@st.composite
+def _hostile_toml(draw: st.DrawFn) -> str:
+    lines = ['recipe = "t"', "version = 1", 'mesh = ["tp"]']
+    for _ in range(draw(st.integers(1, 3))):
+        lines.append(f"{draw(_keys).strip('<')} = {draw(_toml_values)}")
+    lines.append(f"rules = [{{match = {draw(_toml_values)}}}]")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.one_of(_hostile_yaml().map(lambda t: (t, ".yaml")),
+                 _hostile_toml().map(lambda t: (t, ".toml"))))
+def test_hostile_recipe_text_raises_only_recipe_error(case: tuple[str, str]) -> None:
+    text, suffix = case
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / f"r{suffix}"
+        p.write_text(text, encoding="utf-8")
+        _load_and_resolve(p)

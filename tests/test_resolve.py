@@ -201,6 +201,7 @@ def test_unclaimed_parameters_are_replicated_with_provenance(in_root: Path) -> N
     assert p.param("layers.0.norm.weight").grad_reduce == (), "replicated input: full data"
 
 
+@pytest.mark.slow  # starts fresh interpreters (docs/benchmarks.md#test-suite)
 def test_plan_bytes_do_not_depend_on_the_hash_seed(in_root: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -140,10 +140,12 @@ def _mismatch_worker(rank: int, world: int) -> str:
 
 def test_ranks_with_different_plans_all_raise_instead_of_hanging() -> None:
     res = run_ranks(_mismatch_worker, 2, timeout_s=60)
-    assert res[0].startswith("ranks hold different plans: this rank (rank 0) has plan 'toy' "
-                             "with fingerprint ")
-    assert res[0].endswith("ranks [1] hold another; every rank must apply the same plan")
-    assert res[1].startswith("ranks hold different plans: this rank (rank 1) has plan 'toy-sp'")
+    assert res[0].startswith("ranks hold different plans or meshes: this rank (rank 0) has plan "
+                             "'toy' with fingerprint ")
+    assert res[0].endswith("on mesh tp=2, ranks [1] hold another; every rank must apply the same "
+                           "plan on the same mesh")
+    assert res[1].startswith("ranks hold different plans or meshes: this rank (rank 1) has plan "
+                             "'toy-sp'")
 
 
 def _mesh_and_model_mismatch_worker(rank: int, world: int) -> list[str]:

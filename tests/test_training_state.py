@@ -222,7 +222,8 @@ def tp2_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     return ckpt
 
 
-@pytest.mark.parametrize("resume_world", [1, 2, 4])
+@pytest.mark.parametrize("resume_world", [
+    1, 2, pytest.param(4, marks=pytest.mark.slow)])  # four ranks (docs/benchmarks.md#test-suite)
 def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_run(
         tp2_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
     ref = reference_losses
@@ -413,6 +414,7 @@ def _fsdp_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "full": inst.full_state_dict(), "refusal": refusal}
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_fully_shard_on_dp_after_apply_trains_like_one_process(hf_checkpoint: Path) -> None:
     """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards over dp. The first step's gradients
     (gathered through FSDP's and the plan's layouts) equal one process on the whole batch to
@@ -548,6 +550,7 @@ def _torchrun(nproc: int, *args: str) -> list[float]:
             if line.startswith("{")]
 
 
+@pytest.mark.slow  # starts fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
                                                                     tmp_path: Path) -> None:
     """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed

@@ -8,7 +8,12 @@ The JSON object (``--format json``) has these keys: ``agree``; what ran (``recip
 ``worst_gradient`` (``{name, rank, max_abs, max_rel, agree}``), ``gradients`` (``compared``,
 ``diverged``), ``params_after_steps`` (null without ``--steps``), ``boundary_values_compared``,
 ``inner_wrappers`` (rank 0's inner-wrapper choices, ``[{fqn, wrapper, state, reason}]``, empty
-when the recipe has none or a rank raised) and ``timings`` (seconds); and the overall ``timings``. Non-finite numbers are written as null.
+when the recipe has none or a rank raised), ``error`` (why the mode could not run — a rank failed
+outside the compared step, or the launch timed out — with every comparison key null or empty;
+else null) and ``timings`` (seconds); and the overall ``timings``. Non-finite numbers are written
+as null. When a mode could not run, a top-level ``error`` repeats each such mode's error
+(``mode <name>: <error>``, one per line), as when the whole check fails before any mode runs.
+The text form gives every mode its own line, whatever happened to the others.
 """
 
 from __future__ import annotations
@@ -43,8 +48,17 @@ def _named_json(n: NamedDiff | None) -> dict[str, Any] | None:
     return {"name": n.name, "rank": n.rank, **_diff_json(n.diff)}
 
 
+def _error_json(m: ModeResult) -> dict[str, Any]:
+    return {"agree": False, "first_divergent": None, "suggestion": None, "failure": None,
+            "output": None, "worst_gradient": None, "gradients": {"compared": 0, "diverged": []},
+            "params_after_steps": None, "boundary_values_compared": 0, "inner_wrappers": [],
+            "error": m.error, "timings": {k: round(v, 4) for k, v in m.timings.items()}}
+
+
 def _mode_json(m: ModeResult) -> dict[str, Any]:
     c = m.comparison
+    if c is None:
+        return _error_json(m)
     first = None if c.first is None else {
         "fqn": c.first.fqn, "what": c.first.what, "rank": c.first.rank,
         "max_abs": _num(c.first.max_abs), "max_rel": _num(c.first.max_rel),
@@ -71,6 +85,7 @@ def _mode_json(m: ModeResult) -> dict[str, Any]:
         "boundary_values_compared": c.events_compared,
         "inner_wrappers": [{"fqn": f, "wrapper": w, "state": st, "reason": why or None}
                            for f, w, st, why in m.wrapper_choices],
+        "error": None,
         "timings": {k: round(v, 4) for k, v in m.timings.items()},
     }
 
@@ -94,6 +109,8 @@ def report_json(report: CheckReport) -> dict[str, Any]:
         "notes": list(report.notes),
         "modes": {m.mode: _mode_json(m) for m in report.modes},
         "timings": {k: round(v, 4) for k, v in report.timings.items()},
+        **({"error": "\n".join(f"mode {m.mode}: {m.error}" for m in report.errors)}
+           if report.errors else {}),
     }
 
 
@@ -122,6 +139,10 @@ def _mode_text(m: ModeResult, width: int) -> list[str]:
     c = m.comparison
     pad = " " * (width + 2)
     head = f"{m.mode:<{width}}  "
+    if c is None:
+        # the first line of the launcher's message; the rank's traceback goes to stderr
+        error = (m.error or "").splitlines()[0] if m.error else "no result"
+        return [f"{head}ERROR  {error}; {m.timings.get('launch_s', 0.0):.1f} s"]
     worst = c.worst_gradient
     grads = (f"{len(c.gradients)} gradients (worst {worst.name}, max abs {_g(worst.diff.max_abs)})"
              if worst is not None else "no gradients compared")
@@ -196,6 +217,9 @@ def render_text(report: CheckReport) -> str:
     if report.agree:
         lines.append(f"all modes agree with the single-process reference ({total:.1f} s)")
     else:
-        bad = [m.mode for m in report.modes if not m.agree]
-        lines.append(f"diverged: {', '.join(bad)} ({total:.1f} s)")
+        bad = [m.mode for m in report.modes if not m.agree and m.error is None]
+        failed = [m.mode for m in report.errors]
+        verdicts = ([f"diverged: {', '.join(bad)}"] if bad else []) + (
+            [f"could not run: {', '.join(failed)}"] if failed else [])
+        lines.append(f"{'; '.join(verdicts)} ({total:.1f} s)")
     return "\n".join(lines) + "\n"

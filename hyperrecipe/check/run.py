@@ -10,19 +10,23 @@ known cause (:mod:`hyperrecipe.check.diagnose`). Rendering is :mod:`hyperrecipe.
 
 A rank whose step *raised* (a shape error inside a boundary, a ``PlacementMismatchError`` in
 validate mode) is a finding of that mode, attributed to the boundary it raised in. A rank that
-fails anywhere else (building the model, applying the plan) or hangs is an error:
-:class:`~hyperrecipe.check.launcher.RankFailedError` propagates, after the launcher has stopped
-every rank.
+fails anywhere else (building the model, applying the plan, an op DTensor has no strategy for)
+or hangs is an *error of that mode*: the launcher stops every rank, the mode's result carries
+the error (:attr:`ModeResult.error`), and the next mode still runs, so one mode's failure never
+hides another mode's verdict. The report's exit code is then 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -34,12 +38,13 @@ from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ran
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
-from hyperrecipe.errors import CheckError
+from hyperrecipe.errors import CheckError, HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 from hyperrecipe.runtime.mode import ModeName
 
-__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR", "run_check"]
+__all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR",
+           "parent_deadline", "run_check"]
 
 Mode = ModeName
 """The mode names a check runs (the same as ``apply``'s)."""
@@ -87,18 +92,21 @@ class CheckOptions:
 
 @attrs.frozen(kw_only=True)
 class ModeResult:
-    """One mode's verdict."""
+    """One mode's verdict: a comparison, or the error that kept the mode from producing one."""
 
     mode: str
-    comparison: ModeComparison
+    comparison: ModeComparison | None
     suggestion: Suggestion | None
     timings: dict[str, float]
     #: rank 0's inner-wrapper choices: ``(fqn, wrapper, state, reason)`` per candidate tried
     wrapper_choices: tuple[tuple[str, str, str, str], ...] = ()
+    #: why the mode has no comparison: a rank failed outside the compared step, or the launch
+    #: timed out (the launcher's message, the failing rank's traceback included)
+    error: str | None = None
 
     @property
     def agree(self) -> bool:
-        return self.comparison.agree
+        return self.comparison is not None and self.comparison.agree
 
 
 @attrs.frozen(kw_only=True)
@@ -128,9 +136,14 @@ class CheckReport:
         return all(m.agree for m in self.modes)
 
     @property
+    def errors(self) -> tuple[ModeResult, ...]:
+        """The modes that could not run to a comparison."""
+        return tuple(m for m in self.modes if m.error is not None)
+
+    @property
     def exit_code(self) -> int:
-        """0 when every mode agrees, 1 when one diverged."""
-        return 0 if self.agree else 1
+        """0 when every mode agrees, 1 when one diverged, 2 when one could not run."""
+        return 2 if self.errors else 0 if self.agree else 1
 
 
 def _tolerances(model: torch.nn.Module, options: CheckOptions) -> tuple[float, float]:
@@ -183,31 +196,111 @@ def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -
             f"reference uses the same)")
 
 
-def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None
-              ) -> CheckReport:
+def _refuse_default_config(options: CheckOptions) -> None:
+    """``hf:<type>`` with no config at all builds transformers' default, usually billions of
+    parameters, for real in this process and on every rank: refuse, say how big it is and how to
+    ask for it on purpose (``--model-config '{}'``)."""
+    from hyperrecipe.model_tree import build_model, default_config_note, shipped_tiny_config
+
+    with parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY):
+        meta = build_model(options.model, None)
+    note = default_config_note(options.model, meta, tiny_config=shipped_tiny_config(options.model))
+    world = 1
+    for size in options.mesh.values():
+        world *= size
+    msg = (f"{note}. check builds that model for real, in this process and on each of the "
+           f"{world} ranks; to check the default config on purpose, pass --model-config '{{}}'")
+    raise ModelSpecError(msg)
+
+
+_SLOW_FACTORY = "the model factory hangs or is too slow for this check"
+
+
+class _DeadlinePassed(BaseException):
+    """Raised by the ``SIGALRM`` handler; a ``BaseException`` so that neither the factory's own
+    ``except Exception`` nor :func:`~hyperrecipe.model_tree.build_model`'s wrapping catch it."""
+
+
+@contextlib.contextmanager
+def parent_deadline(timeout_s: float, what: str, cause: str) -> Iterator[None]:
+    """Stop work in this process (the one that runs the check) that takes longer than
+    ``timeout_s`` seconds: building the model, making the sample batch, the reference step.
+
+    The ranks' launches have their own timeout; this covers the parent's part, where a model
+    factory or forward that hangs would otherwise never be stopped. It uses ``SIGALRM``, so it
+    works on the main thread of a POSIX process (the CLI's case) and waits without a limit
+    elsewhere. Python code, ``time.sleep`` and blocking system calls are interrupted; a C
+    extension that loops without returning to the interpreter is not.
+
+    Args:
+        timeout_s: the limit (``--timeout``).
+        what: what is running, for the message (``"building hf:llama"``).
+        cause: the likely cause, for the message.
+
+    Raises:
+        CheckError: the deadline passed; the message names what ran, the limit and the cause.
+    """
+    if (not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        del signum, frame
+        raise _DeadlinePassed
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left, _interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _DeadlinePassed:
+        msg = (f"{what} in this process did not finish within {timeout_s:g} s (--timeout); "
+               f"{cause}")
+        raise CheckError(msg) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # someone else's timer was running: give it back what it had left
+            signal.setitimer(signal.ITIMER_REAL, left)
+
+
+def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None = None, *,
+              started: float | None = None) -> CheckReport:
     """Check a recipe on local ranks against a single-process reference.
 
     Args:
         options: what to check.
-        on_progress: called with one-line progress messages (building, reference, launching,
-            each mode running, comparing).
+        on_progress: called with one-line progress messages, one per phase (recipe loaded,
+            model built, plan compiled, reference, each mode launching, running, compared).
+        started: ``time.perf_counter()`` the total time is counted from (the CLI passes the
+            moment the command started, so that imports count); default: when this is called.
 
     Returns:
-        The report; ``report.exit_code`` is 0 when every mode agrees and 1 otherwise.
+        The report; ``report.exit_code`` is 0 when every mode agrees, 1 when one diverged and 2
+        when one could not run.
 
     Raises:
         RecipeError: the recipe does not load or does not fit the model and mesh.
-        ModelSpecError: the model or the sample batch cannot be built.
+        ModelSpecError: the model or the sample batch cannot be built, or ``hf:<type>`` was
+            given without ``model_config`` (transformers' default config, built for real on
+            every rank, is refused with its size; pass ``{}`` to mean it).
         CheckError: the model fails in a single process.
-        RankFailedError: a rank failed outside the compared step, or a launch timed out.
+        CheckError: a step in this process (building the model, the sample batch, the
+            reference step) took longer than ``timeout_s``.
+
+    A rank that fails outside the compared step, or a launch that times out, does not raise:
+    that mode's :attr:`ModeResult.error` says what happened and the other modes still run.
     """
     from hyperrecipe.recipe import load_recipe
     from hyperrecipe.resolve import resolve_recipe
 
     progress = on_progress if on_progress is not None else _ignore
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() if started is None else started
     recipe = load_recipe(options.recipe)
     config = load_model_config(options.model_config)
+    if options.model.startswith("hf:") and options.model_config is None:
+        _refuse_default_config(options)
+    progress(f"recipe {recipe.name!r} loaded ({len(recipe.rules)} rules)")
     notes: list[str] = []
     wraps_attention = any(rule.fields.inner_wrapper for rule in recipe.rules)
     if (options.model.startswith("hf:") and "validate" in options.modes
@@ -220,10 +313,16 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA "
                          "strategy, so validate mode needs eager attention; the reference uses "
                          "the same)")
-    progress(f"building {options.model} on the CPU (seed {options.seed})")
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+    first = "; transformers is imported first" if options.model.startswith("hf:") else ""
+    progress(f"building {options.model} on the CPU (seed {options.seed}{first})")
+    t_build = time.perf_counter()
+    with (torch.random.fork_rng(devices=[]),
+          parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY)):
         model = build_seeded(options.model, config, options.seed)
     tree = snapshot(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress(f"built {options.model}: {len(tree.modules)} modules, {n_params:,} parameters "
+             f"({time.perf_counter() - t_build:.2f} s); compiling the recipe")
     plan = resolve_recipe(recipe, tree, options.mesh)
     if "validate" in options.modes and "experts_implementation" not in config:
         note = _run_experts_batched(model, plan, config)
@@ -232,26 +331,32 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     world = 1
     for d in plan.mesh:
         world *= d.size
-    sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
-                         seed=options.seed, inputs=options.inputs)
+    with parent_deadline(options.timeout_s, "making the sample batch",
+                         "--inputs hangs or is too slow for this check"):
+        sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
+                             seed=options.seed, inputs=options.inputs)
     atol, rtol = _tolerances(model, options)
     reference_params = {n: p.detach().clone()
                         for n, p in model.named_parameters(remove_duplicate=False)}
     fingerprint = weights_fingerprint(model)
     t_built = time.perf_counter()
+    progress(f"plan compiled: {len(plan.boundaries)} boundaries, {len(plan.params)} parameters, "
+             f"world size {world}")
 
     steps = f" and {options.steps} SGD step(s)" if options.steps else ""
     progress(f"reference: one forward/backward{steps} in this process ({sample.description})")
     tracer = Tracer(model, plan.boundaries, view=lambda v, p: (v.detach().clone(), ""))
+    slow_step = "the model's forward or backward hangs or is too slow for this check"
     try:
-        reference = run_step(
-            model, sample, tracer, steps=options.steps, lr=SGD_LR,
-            full_grads=lambda: {n: p.grad.detach().clone()
-                                for n, p in model.named_parameters(remove_duplicate=False)
-                                if p.grad is not None},
-            full_params=lambda: {n: p.detach().clone()
-                                 for n, p in model.named_parameters(remove_duplicate=False)},
-            view_output=lambda t: t.detach().clone())
+        with parent_deadline(options.timeout_s, "the reference step", slow_step):
+            reference = run_step(
+                model, sample, tracer, steps=options.steps, lr=SGD_LR,
+                full_grads=lambda: {n: p.grad.detach().clone()
+                                    for n, p in model.named_parameters(remove_duplicate=False)
+                                    if p.grad is not None},
+                full_params=lambda: {n: p.detach().clone()
+                                     for n, p in model.named_parameters(remove_duplicate=False)},
+                view_output=lambda t: t.detach().clone())
     except StepFailed as failed:
         msg = (f"{options.model} fails in a single process, without any plan "
                f"({failed.trace.failure.phase if failed.trace.failure else 'step'}): {failed}")
@@ -280,9 +385,11 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         except RankFailedError as exc:
             path = side_file(side_dir, mode, exc.rank) if exc.rank is not None else ""
             if not path or not os.path.exists(path):
-                msg = f"mode {mode}: {exc}"
-                raise RankFailedError(msg, rank=exc.rank, rank_traceback=exc.rank_traceback,
-                                      unfinished=exc.unfinished) from None
+                elapsed = time.perf_counter() - t0
+                results.append(ModeResult(mode=mode, comparison=None, suggestion=None,
+                                          timings={"launch_s": elapsed}, error=str(exc)))
+                progress(f"mode {mode}: ERROR ({elapsed:.2f} s)")
+                continue
             assert exc.rank is not None
             traces = [Trace.from_payload(torch.load(path, weights_only=True))]
             rank_ids = (exc.rank,)

@@ -74,7 +74,7 @@ def weights_fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...
 
 def _import_callable(spec: str, what: str) -> Callable[..., Any]:
     try:
-        target = resolve_ref(spec, what)
+        target = resolve_ref(spec, what, named_by_user=True)
     except RefError as exc:
         raise ModelSpecError(str(exc)) from None
     if not callable(target):
@@ -102,7 +102,8 @@ def make_sample(model: nn.Module, spec: str, *, batch: int, seq: int, seed: int,
 
     Args:
         model: the built model (its vocabulary size is read from it).
-        spec: the model spec; ``hf:`` models get ``input_ids`` and ``use_cache=False``.
+        spec: the model spec; ``hf:`` models get ``input_ids`` (every other argument
+            keeps the model's default)
         batch: rows of token ids.
         seq: tokens per row.
         seed: seeds the generator the ids (or ``inputs``) draw from.
@@ -128,7 +129,7 @@ def make_sample(model: nn.Module, spec: str, *, batch: int, seq: int, seed: int,
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     text = f"token ids [{batch}, {seq}] < {vocab}"
     if spec.startswith("hf:"):
-        return Sample(args=(), kwargs={"input_ids": ids, "use_cache": False}, description=text)
+        return Sample(args=(), kwargs={"input_ids": ids}, description=text)
     return Sample(args=(ids,), kwargs={}, description=text)
 
 

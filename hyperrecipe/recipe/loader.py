@@ -23,6 +23,11 @@ __all__ = ["check_recipe_file", "load_recipe", "shipped_recipe_dir", "shipped_re
 
 _SUFFIXES = (".yaml", ".yml", ".toml")
 
+MAX_EXTENDS_DEPTH = 32
+"""Longest ``extends`` chain (shipped recipes use 2)."""
+MAX_EXTENDS_LENGTH = 1024
+"""Longest ``extends`` value (a relative path or a shipped recipe's name)."""
+
 
 def shipped_recipe_dir() -> Path:
     """The folder of recipes that ship with hyperrecipe."""
@@ -62,9 +67,17 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         RecipeError: the file is missing or malformed; the message names file:line:col.
     """
     p = Path(path)
-    if not p.exists() and p.suffix == "" and str(path) in shipped_recipes():
+    if not _is_file(p) and p.suffix == "" and str(path) in shipped_recipes():
         p = shipped_recipes()[str(path)]
     return _load(p, str(path) if p == Path(path) else _display(p), chain=())
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, false for names the OS refuses (too long, a NUL byte)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _load(path: Path, display: str, chain: tuple[Path, ...]) -> Recipe:
@@ -72,6 +85,10 @@ def _load(path: Path, display: str, chain: tuple[Path, ...]) -> Recipe:
     content = validate_document(doc)
     base: Recipe | None = None
     if content.extends is not None:
+        if len(chain) + 1 >= MAX_EXTENDS_DEPTH:
+            raise RecipeError(f"extends chain is longer than {MAX_EXTENDS_DEPTH} files",
+                              span=doc.positions.span(("extends",)), path="$.extends",
+                              hint=f"the chain so far starts at {chain[0] if chain else path}")
         base_path = _resolve_extends(doc, content.extends, path)
         resolved = base_path.resolve()
         if resolved in chain or resolved == path.resolve():
@@ -106,8 +123,13 @@ def _load(path: Path, display: str, chain: tuple[Path, ...]) -> Recipe:
 
 
 def _resolve_extends(doc: Document, ref: str, path: Path) -> Path:
+    if len(ref) > MAX_EXTENDS_LENGTH or "\0" in ref:
+        problem = (f"is longer than {MAX_EXTENDS_LENGTH} characters" if "\0" not in ref
+                   else "contains a NUL character")
+        raise RecipeError(f"extends {ref[:60]!r}... {problem}",
+                          span=doc.positions.span(("extends",)), path="$.extends")
     candidate = (path.parent / ref)
-    if candidate.is_file():
+    if _is_file(candidate):
         return candidate
     shipped = shipped_recipes()
     if ref in shipped:
@@ -139,6 +161,8 @@ def check_recipe_file(path: str | os.PathLike[str]) -> list[RecipeError]:
     """Validate a recipe file without a model: the errors found (empty when it is valid).
 
     Used by ``hyperrecipe lint`` on recipe files. Validation stops at the first error of a file.
+    Loading is bounded (see :mod:`hyperrecipe.recipe.source`); the RecursionError guard is a
+    last resort that should never fire.
     """
     try:
         load_recipe(path)

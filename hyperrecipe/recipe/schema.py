@@ -116,10 +116,12 @@ class StyleDef:
 
 @attrs.frozen(kw_only=True)
 class AdapterSpec:
-    """A third-party method adapter (``adapters:``), carried into the plan.
+    """A third-party method or function adapter (``adapters:``), carried into the plan.
 
-    ``out_src`` (``marshal`` only) declares the placements of the method's tensor outputs;
-    without it they take those of the first DTensor argument.
+    ``target`` is ``pkg.mod:Class.method`` (a method, adapted at class level) or
+    ``pkg.mod:function`` (a module-level function, replaced only while the modules matching
+    ``within``, a module FQN pattern, run). ``out_src`` (``marshal`` only) declares the
+    placements of the tensor outputs; without it they take those of the first DTensor argument.
     """
 
     target: str
@@ -128,6 +130,7 @@ class AdapterSpec:
     line: int
     column: int
     out_src: NamedPlacement | None = None
+    within: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -50,9 +50,9 @@ INNER_WRAPPERS: dict[str, str] = {name: d.summary for name, d in BUILTIN_WRAPPER
 """Built-in inner wrappers, by registry name, with their summaries (read from the wrapper
 registry, :data:`hyperrecipe.wrappers.BUILTIN_WRAPPERS`; implemented by the runtime)."""
 
-_CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-_IDENT = re.compile(r"^[A-Za-z_]\w*$")
-_CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)\s*$")
+_CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
+_IDENT = re.compile(r"^[A-Za-z_]\w*\Z")
+_CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*([0-9]{1,18})\s*$", re.ASCII)
 
 
 @attrs.frozen(kw_only=True)
@@ -149,9 +149,11 @@ TOP_LEVEL_SPECS: tuple[FieldSpec, ...] = (
               doc="Recipe styles: name → rule fields (and optionally a base `style`)."),
     FieldSpec(name="rules", kind="rules", required=True, doc="Ordered rules."),
     FieldSpec(name="adapters", kind="adapters",
-              doc="Method adapters for third-party methods that validate mode cannot run on "
-                  "DTensors as they are: a list of `{target: pkg.mod:Class.method, mode: "
-                  "wrap|marshal, out_src: placement}`. `wrap` (default) makes plain tensor "
+              doc="Adapters for third-party methods and functions that validate mode cannot "
+                  "run on DTensors as they are: a list of `{target: pkg.mod:Class.method, mode: "
+                  "wrap|marshal, out_src: placement}`, or for a module-level function "
+                  "`{target: pkg.mod:function, within: module pattern, ...}` (the function is "
+                  "replaced while the matching modules run). `wrap` (default) makes plain tensor "
                   "arguments replicated DTensors when another argument is a DTensor; `marshal` "
                   "runs the method on the local tensors of its DTensor arguments and wraps its "
                   "tensor outputs with `out_src` (default: the first DTensor argument's "
@@ -159,7 +161,7 @@ TOP_LEVEL_SPECS: tuple[FieldSpec, ...] = (
                   "untouched. See docs/adapters.md."),
 )
 
-ADAPTER_KEYS = ("target", "mode", "out_src")
+ADAPTER_KEYS = ("target", "mode", "out_src", "within")
 _RULE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS)
 _STYLE_KEYS = tuple(s.name for s in RULE_FIELD_SPECS if s.name not in ("match", "when")) + ("doc",)
 _TOP_KEYS = tuple(s.name for s in TOP_LEVEL_SPECS)
@@ -283,9 +285,23 @@ def _validate_adapters(ctx: _Ctx, raw: Any, mesh: tuple[str, ...]) -> tuple[Adap
         if "target" not in item:
             raise ctx.fail("required field missing: 'target'", path)
         target = ctx.want(item["target"], str, (*path, "target"), "`pkg.mod:Class.method`")
-        if not _CALLABLE_REF.match(target) or "." not in target.split(":", 1)[1]:
-            raise ctx.fail(f"adapter target {target!r} is not `pkg.mod:Class.method`",
-                           (*path, "target"))
+        if not _CALLABLE_REF.match(target):
+            raise ctx.fail(f"adapter target {target!r} is not `pkg.mod:Class.method` or "
+                           f"`pkg.mod:function`", (*path, "target"))
+        function = "." not in target.split(":", 1)[1]
+        within = None
+        if function and "within" not in item:
+            raise ctx.fail(f"adapter target {target!r} is a function: give `within`, the "
+                           f"modules whose forward calls it (a pattern, as in `match`)", path)
+        if "within" in item:
+            if not function:
+                raise ctx.fail("within applies to a function target (`pkg.mod:function`); a "
+                               "method adapter patches its class", (*path, "within"), key=True)
+            within = ctx.want(item["within"], str, (*path, "within"), "a module pattern")
+            try:
+                compile_pattern(within)
+            except PatternError as exc:
+                raise ctx.fail(f"within: {exc}", (*path, "within")) from None
         first = next((a for a in out if a.target == target), None)
         if first is not None:
             raise ctx.fail(f"adapter target {target!r} is listed twice (first at line "
@@ -305,7 +321,7 @@ def _validate_adapters(ctx: _Ctx, raw: Any, mesh: tuple[str, ...]) -> tuple[Adap
                                f"DTensor placement", (*path, "out_src"))
         span = ctx.positions.span(path)
         out.append(AdapterSpec(target=target, mode=mode, file=span.path, line=span.line,
-                               column=span.column, out_src=out_src))
+                               column=span.column, out_src=out_src, within=within))
     return tuple(out)
 
 
@@ -341,15 +357,16 @@ def _layout(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> Layo
         key: LayoutKey
         if isinstance(k, int) and not isinstance(k, bool):
             key = k
-        elif isinstance(k, str) and k.isdigit():
+        elif isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9:
             key = int(k)
         elif isinstance(k, str) and _IDENT.match(k):
             key = k
         else:
             raise ctx.fail(f"layout key {k!r} is neither an argument name nor a position",
                            (*path, k), key=True)
-        if isinstance(key, int) and key < 0:
-            raise ctx.fail(f"layout position {key} is negative", (*path, k), key=True)
+        if isinstance(key, int) and not 0 <= key < 10**9:
+            raise ctx.fail(f"layout position {key} is negative or too large", (*path, k),
+                           key=True)
         out.append((key, _placement(ctx, v, (*path, k), mesh)))
     return tuple(out)
 
@@ -369,7 +386,8 @@ def _conditions(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> 
         text = str(cond) if isinstance(cond, int) and not isinstance(cond, bool) else cond
         m = _CONDITION.match(text) if isinstance(text, str) else None
         if m is None:
-            raise ctx.fail(f"condition {cond!r} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
+            shown = repr(cond) if len(repr(cond)) <= 80 else repr(str(cond)[:77] + "...")
+            raise ctx.fail(f"condition {shown} is not one of >N, >=N, <N, <=N, ==N, !=N or N",
                            (*path, dim))
         out.append(Condition(mesh_dim=dim, op=m.group(1) or "==",  # type: ignore[arg-type]
                              value=int(m.group(2))))

@@ -13,12 +13,14 @@ from typing import Any
 
 from hyperrecipe.errors import RecipeError, SourceSpan, did_you_mean
 from hyperrecipe.plan import AdapterPlan, Provenance
-from hyperrecipe.recipe.schema import Recipe
+from hyperrecipe.model_tree import ModelTree
+from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
+from hyperrecipe.recipe.schema import AdapterSpec, Recipe
 
 __all__ = ["plan_adapters"]
 
 
-def plan_adapters(recipe: Recipe) -> tuple[AdapterPlan, ...]:
+def plan_adapters(recipe: Recipe, tree: ModelTree) -> tuple[AdapterPlan, ...]:
     """The recipe's adapters, one per target: a recipe that ``extends`` another may re-declare
     a base's adapter (its own entry wins, as its rules refine the base's); one file may not
     declare a target twice (the loader refuses it).
@@ -41,11 +43,30 @@ def plan_adapters(recipe: Recipe) -> tuple[AdapterPlan, ...]:
         if earlier is not None:
             reason += f"; overrides {earlier.provenance.file}:{earlier.provenance.line}"
         plan = AdapterPlan(target=a.target, mode=a.mode, out_src=a.out_src, provenance=Provenance(
-            file=a.file, line=a.line, column=a.column, rule_index=-1, reason=reason))
+            file=a.file, line=a.line, column=a.column, rule_index=-1, reason=reason),
+            within=_adapter_within(a, tree, f"$.adapters[{i}].within"))
         _check_imported_target(plan, f"$.adapters[{i}].target")
         chosen.pop(a.target, None)
         chosen[a.target] = plan
     return tuple(chosen.values())
+
+
+def _adapter_within(a: AdapterSpec, tree: ModelTree, path: str) -> tuple[str, ...]:
+    """The FQNs a function adapter's ``within`` pattern matches (none for a method adapter).
+
+    Raises:
+        RecipeError: the pattern matches no module; the nearest FQNs are listed.
+    """
+    if a.within is None:
+        return ()
+    rx = compile_pattern(a.within)
+    found = tuple(m.fqn for m in tree.modules if rx.fullmatch(m.fqn))
+    if not found:
+        near = did_you_mean(a.within, sorted({generalize_fqn(m.fqn) for m in tree.modules}))
+        raise RecipeError(f"adapter {a.target!r}: within {a.within!r} matches no module of the "
+                          f"model{near}", span=SourceSpan(path=a.file, line=a.line,
+                                                          column=a.column), path=path)
+    return found
 
 
 def _check_imported_target(adapter: AdapterPlan, path: str) -> None:

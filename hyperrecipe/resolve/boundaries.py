@@ -24,15 +24,7 @@ from hyperrecipe.resolve.layouts import declared_layouts
 from hyperrecipe.resolve.transitions import lower_boundary
 from hyperrecipe.resolve.wrappers import check_wrappers, declared_inner_out
 
-__all__ = ["BoundaryTree", "BuiltBoundaries", "INDEX_INPUTS", "build_boundaries",
-           "find_boundaries"]
-
-INDEX_INPUTS: dict[str, frozenset[str]] = {
-    "torch.nn.modules.sparse.Embedding": frozenset({"input"}),
-    "torch.nn.modules.sparse.EmbeddingBag": frozenset({"input", "offsets", "per_sample_weights"}),
-}
-"""Inputs of torch modules that are integer indices: they carry no gradient, so no backward
-collective. Any other module's are declared in the recipe (``no_grad``)."""
+__all__ = ["BoundaryTree", "BuiltBoundaries", "build_boundaries", "find_boundaries"]
 
 _BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "defer_bias", "out_names",
                   "local_region", "no_grad")
@@ -212,7 +204,7 @@ def _no_grad(inp: ResolveInput, claims: ClaimTable, fqn: str,
                 path=f"{claim.rule.json_path}.no_grad[{i}]", rule_index=claim.rule.index,
                 hint=f"declared inputs: {', '.join(declared) or 'none'}; no_grad only "
                      f"affects inputs named in in_src / in_dst")
-    known = INDEX_INPUTS.get(inp.tree.module(fqn).cls, frozenset())
+    known = frozenset(inp.tree.module(fqn).index_inputs)
     names += [n for n in declared if n in known and n not in names]
     return tuple(names)
 

@@ -57,7 +57,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     boundaries = build_boundaries(inp, claims, regions)
     params = settle_params(inp, claims, regions, boundaries)
     manifest = list_collectives(inp, boundaries.plans, params)
-    adapters = plan_adapters(recipe)
+    adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
     model_digest = tree.digest()
     return Plan(

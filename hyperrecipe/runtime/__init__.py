@@ -8,8 +8,9 @@ What lives here, one responsibility per module:
 - ``mode``: the ``Mode`` object ``apply`` chooses once (production or validate), the only code
   that knows which mode runs.
 - ``boundary``: the wrapper body shared by both modes; ``arguments``: finding declared
-  arguments and outputs; ``layouts``: the per-mode converters; ``marshal``: moving values
-  between DTensor and local tensors; ``compute``: the local kernels production needs;
+  arguments and outputs; ``layouts``: the per-mode converters; ``validate_scope``: what a
+  validate-mode compute runs under (a KV cache's first concatenation; boundaries called from
+  local code); ``marshal``: moving values between DTensor and local tensors; ``compute``: the local kernels production needs;
   ``sharding``: shard layout math; ``collectives``: production collectives with their autograd
   duals, counted per step.
 - ``inner``: installing inner wrappers (fallback chains, hooks, the local-tensor edge);
@@ -18,7 +19,9 @@ What lives here, one responsibility per module:
   the expert-parallel kernel such a region runs; ``token_dispatch``: its all-to-all token
   exchange when tokens are sharded; ``reach``: keeping every rank's backward in step when a
   region's code used nothing on one rank.
-- ``adapters``: method adapters for third-party code.
+- ``adapters``: method and function adapters for third-party code.
+- ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
+  mesh, every local check passed; the vote), each with a bounded wait.
 
 What does not live here: resolving recipes or re-deciding anything the plan records (the
 enclosing boundary of a parameter, its DTensor placement, the vocab-parallel lookup, the

@@ -1,8 +1,12 @@
-"""Method adapters: third-party methods that validate mode cannot run on DTensors as they are.
+"""Adapters: third-party methods and functions that validate mode cannot run on DTensors as
+they are.
 
 A recipe's ``adapters:`` names methods (``pkg.mod:Class.method``) that sit inside a boundary and
 trip over DTensor in validate mode, where a forward cannot be rewritten because the method is a
-helper, or the class builds modules we never see. Two needs, one adapter body each:
+helper, or the class builds modules we never see; or module-level functions
+(``pkg.mod:function``, with ``within:`` the modules that call them), such as a model's own call
+of ``F.scaled_dot_product_attention``, for which DTensor has no CPU strategy. Two needs, one
+adapter body each:
 
 - ``marshal``: the method mixes its DTensor arguments with plain tensors of its own (a buffer
   such as a rotary embedding's ``inv_freq``), or runs code DTensor has no rule for. Its DTensor
@@ -15,19 +19,21 @@ helper, or the class builds modules we never see. Two needs, one adapter body ea
 
 Both look at the arguments only (``self``/``cls`` excluded) and are a pass-through when none is a
 DTensor, so the same adapter is installed in both modes: production mode, and calls outside any
-boundary, run the original untouched. Adapters are installed through
+boundary, run the original untouched. Method adapters are installed through
 :meth:`hyperrecipe.rewriter.Rewrite.install_method` in ``apply``'s transaction, before the
 boundaries (a boundary binds its module's class forward when it is installed, and that forward
-may be the adapted method). What does not live here: parsing (``recipe.validate``), the plan
+may be the adapted method); function adapters through
+:meth:`~hyperrecipe.rewriter.Rewrite.replace_function_during`, once per module of ``within``
+(the function is the replacement only while one of them runs). What does not live here: parsing (``recipe.validate``), the plan
 entry (``plan.AdapterPlan``), assigning class attributes (only the rewriter does).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -35,13 +41,16 @@ from torch import Tensor
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import AdapterPlan
+from hyperrecipe.refs import RefError, UntrustedCodeError, import_trusted_module
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["install_adapters", "locate_target", "make_method_adapter"]
+__all__ = ["install_adapters", "locate_function", "locate_target", "make_function_adapter",
+           "make_method_adapter"]
 
 _MISSING = object()
 
@@ -64,9 +73,12 @@ def locate_target(adapter: AdapterPlan) -> tuple[type, str]:
     """
     where = _where(adapter)
     try:
-        owner: Any = importlib.import_module(adapter.module_name)
-    except ImportError as exc:
-        msg = f"{where}: cannot import {adapter.module_name!r}: {exc}"
+        owner: Any = import_trusted_module(adapter.module_name, "adapter target", adapter.target)
+    except UntrustedCodeError as exc:
+        raise PlanMismatchError(f"{where}: {exc}") from None
+    except RefError as exc:
+        cause = exc.__cause__ or exc.__context__
+        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
         raise PlanMismatchError(msg) from exc
     walked = adapter.module_name
     for part in adapter.class_path:
@@ -84,6 +96,30 @@ def locate_target(adapter: AdapterPlan) -> tuple[type, str]:
         msg = f"{where}: {owner.__qualname__} has no method {name!r}"
         raise PlanMismatchError(msg)
     return owner, name
+
+
+def locate_function(adapter: AdapterPlan) -> tuple[ModuleType, str]:
+    """Import a function adapter's module and find the function.
+
+    Raises:
+        PlanMismatchError: the module cannot be imported, or has no callable of that name;
+            the message names the adapter and its recipe file, line and column.
+    """
+    where = _where(adapter)
+    try:
+        module: ModuleType = import_trusted_module(adapter.module_name, "adapter target",
+                                                   adapter.target)
+    except UntrustedCodeError as exc:
+        raise PlanMismatchError(f"{where}: {exc}") from None
+    except RefError as exc:
+        cause = exc.__cause__ or exc.__context__
+        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
+        raise PlanMismatchError(msg) from exc
+    name = adapter.method_name
+    if not callable(getattr(module, name, None)):
+        msg = f"{where}: {adapter.module_name} has no function {name!r}"
+        raise PlanMismatchError(msg)
+    return module, name
 
 
 def _dtensors_in(value: Any) -> list[Any]:
@@ -205,18 +241,62 @@ def make_method_adapter(original: object, adapter: AdapterPlan,
     return body if rebuild is None else rebuild(body)
 
 
-def install_adapters(tx: Rewrite, adapters: Sequence[AdapterPlan],
-                     mesh_dims: Sequence[str]) -> None:
-    """Install every adapter of a plan in ``tx`` (one status row each: fqn = the target).
+def make_function_adapter(function: Callable[..., Any], adapter: AdapterPlan,
+                          mesh_dims: Sequence[str]) -> Callable[..., Any]:
+    """The replacement of a module-level function: the ``marshal`` or ``wrap`` body over every
+    argument (there is no receiver), carrying the function's name and docstring."""
+    where = _where(adapter)
+    if adapter.mode == "marshal":
+        out = (to_torch_placements(adapter.out_src, mesh_dims) if adapter.out_src is not None
+               else None)
+        body = _marshal(function, 0, out, where)
+    else:
+        body = _wrap(function, 0, where)
+    functools.update_wrapper(body, function)
+    return body
+
+
+def _install_function(tx: Rewrite, adapter: AdapterPlan, mesh_dims: Sequence[str],
+                      modules: Mapping[str, nn.Module],
+                      seen: dict[tuple[Any, str], AdapterPlan]) -> None:
+    namespace, name = locate_function(adapter)
+    other = seen.get((namespace, name))
+    if other is not None:
+        msg = (f"{_where(adapter)} and {_where(other)} adapt the same function "
+               f"{namespace.__name__}.{name}; keep one")
+        raise PlanMismatchError(msg)
+    seen[(namespace, name)] = adapter
+    replacement = make_function_adapter(getattr(namespace, name), adapter, mesh_dims)
+    for fqn in adapter.within:
+        if fqn not in modules:
+            msg = f"{_where(adapter)}: the model has no module {fqn!r} (within)"
+            raise PlanMismatchError(msg)
+        try:
+            tx.replace_function_during(modules[fqn], namespace, name, replacement, fqn=fqn)
+        except RewriteError as exc:
+            prov = adapter.provenance
+            msg = f"{exc} (adapter declared at {prov.file}:{prov.line}:{prov.column})"
+            raise RewriteError(msg) from exc
+
+
+def install_adapters(tx: Rewrite, adapters: Sequence[AdapterPlan], mesh_dims: Sequence[str],
+                     modules: Mapping[str, nn.Module] = MappingProxyType({})) -> None:
+    """Install every adapter of a plan in ``tx``: one status row per method adapter (fqn = the
+    target) and one per module of a function adapter's ``within`` (fqn = the module, found in
+    ``modules``, the model's FQN → module).
 
     Raises:
-        PlanMismatchError: a target cannot be found, or two adapters reach one method (the same
-            class re-exported under two module paths).
+        PlanMismatchError: a target cannot be found, or two adapters reach one method or
+            function (re-exported under two module paths).
         RewriteError: the rewriter refused an install (another live installation already adapts
-            the method, or the signatures differ), with the adapter's recipe location added.
+            the method or function, or the signatures differ), with the adapter's recipe
+            location added.
     """
-    seen: dict[tuple[type, str], AdapterPlan] = {}
+    seen: dict[tuple[Any, str], AdapterPlan] = {}
     for adapter in adapters:
+        if adapter.is_function:
+            _install_function(tx, adapter, mesh_dims, modules, seen)
+            continue
         cls, name = locate_target(adapter)
         other = seen.get((cls, name))
         if other is not None:

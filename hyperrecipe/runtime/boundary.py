@@ -92,6 +92,7 @@ def make_boundary_forward(
                     for i, a in enumerate(boundary.outputs))
     undeclared = redist.undeclared_converter(boundary)
     finish = redist.finish_outputs(boundary)
+    compute = redist.wrap_compute(boundary, compute)
     declared_positions = {p for p, _, _ in inputs if p is not None}
     declared_names = {n for _, n, _ in inputs}
     declared_outputs = {p for p, _, _ in outputs}

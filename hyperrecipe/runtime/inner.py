@@ -20,13 +20,18 @@ Hooks (:data:`~hyperrecipe.wrappers.Hook`):
   module's parameters as local tensors) and replaces it inside the boundary.
 
 The edge: wrappers compute on local tensors in both modes. In validate mode the DTensor
-arguments are unwrapped once (refusing ``partial`` ones, whose local values are summands) and
-the results wrapped with the boundary's ``inner_out_src`` (outputs it does not name:
-replicated). In production the arguments are local already and the edge is a pass-through.
+arguments are unwrapped once (refusing ``partial`` ones, whose local values are summands; a
+forward hook's declared inputs with the gradient placement production reduces from, as a local
+region's are) and the results wrapped with the boundary's ``inner_out_src`` (outputs it does
+not name: replicated). The wrapper runs as local code: a boundary nested in a forward hook's
+module takes local tensors and hands local tensors back
+(:mod:`~hyperrecipe.runtime.validate_scope`). In production the arguments are local already and
+the edge is a pass-through.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -38,10 +43,16 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.local_region import with_local_parameters
+from hyperrecipe.runtime.arguments import Slot, map_declared
+from hyperrecipe.runtime.local_region import (
+    input_grad_placements,
+    unwrap_declared,
+    with_local_parameters,
+)
 from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
 from hyperrecipe.runtime.collectives import group_for
 from hyperrecipe.runtime.mode import Mode, as_mode
+from hyperrecipe.runtime.validate_scope import running_local_code
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +72,14 @@ class WrapperChoice:
     wrapper: str
     state: str  # "installed", "ineligible", "failed" (rolled back), "not tried"
     reason: str | None = None
+
+
+def _note_mesh(t: Any, meshes: list[Any]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        meshes.append(t.device_mesh)
+    return t
 
 
 def _attention_registry() -> MutableMapping[str, Any] | None:
@@ -133,7 +152,8 @@ class InnerWrapperInstaller:
         if not callable(built):
             msg = f"inner wrapper {spec.name!r} returned {type(built).__name__}, not a callable"
             raise PlanMismatchError(msg)
-        edged = self.mode.wrapper_edge(built, boundary, self.mesh, self.mesh_dims)
+        edged = self.mode.wrapper_edge(built, boundary, self.mesh, self.mesh_dims,
+                                       declared=spec.hook == "forward")
         if spec.hook == "forward":
             # the wrapper computes on local tensors, so the compute it calls must too
             local_compute = with_local_parameters(module, compute)
@@ -183,10 +203,22 @@ class InnerWrapperInstaller:
 
 
 def dtensor_edge(fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                 mesh_dims: tuple[str, ...]) -> Callable[..., Any]:
-    """``fn`` (called as ``fn(original, *args, **kwargs)``) on local tensors, between DTensor
-    values: validate mode's edge (:meth:`~hyperrecipe.runtime.mode.Mode.wrapper_edge`)."""
+                 mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
+    """``fn`` (called as ``fn(original, *args, **kwargs)``) on local tensors, as local code,
+    between DTensor values: validate mode's edge (:meth:`~hyperrecipe.runtime.mode.Mode.wrapper_edge`).
+
+    With ``declared`` (the forward hook: ``args`` are the module's forward arguments), each
+    declared input is unwrapped with the gradient placement production's backward reduces
+    from (:func:`~hyperrecipe.runtime.local_region.input_grad_placements`): a replicated
+    input consumed by parameters the wrapper's compute holds sharded gets a *partial*
+    gradient from each rank, which DTensor then reduces, as production's lowered backward
+    does. Other DTensors keep their placement for the gradient."""
     fqn = boundary.fqn
+    slots: tuple[Slot, ...] = ()
+    if declared:
+        slots = tuple((a.position, a.name, functools.partial(
+            unwrap_declared, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
+                      for a in boundary.inputs)
     placements = {a.position if a.position is not None else 0:
                   to_torch_placements(a.dst, mesh_dims) for a in boundary.inner_out_src}
     replicated = to_torch_placements(REPLICATED, mesh_dims)
@@ -204,9 +236,13 @@ def dtensor_edge(fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMes
     def edged(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         map_tensors((args, kwargs), refuse_partial)
         meshes: list[Any] = []
-        local_args = to_local_tree(args, meshes)
-        local_kwargs = to_local_tree(kwargs, meshes)
-        out = fn(original, *local_args, **local_kwargs)
+        args_l, kwargs_d = list(args), dict(kwargs)
+        map_tensors((args_l, kwargs_d), lambda t: _note_mesh(t, meshes))
+        map_declared(args_l, kwargs_d, slots)
+        local_args = to_local_tree(args_l)
+        local_kwargs = to_local_tree(kwargs_d)
+        with running_local_code():
+            out = fn(original, *local_args, **local_kwargs)
         if not meshes:
             return out
         where = f"{fqn} inner wrapper"

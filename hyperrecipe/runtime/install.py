@@ -3,25 +3,27 @@
 Order inside one rewriter transaction: parameters (local shards, or DTensors in validate mode;
 tied parameters stay one object), head counts (production), method adapters, then boundary
 forwards, innermost first. Before anything changes, the plan is checked against the model's structure, the
-``DeviceMesh`` and the other ranks' plans; after everything is installed, every rank votes, so
-a failure on one rank rolls back all of them instead of leaving ranks out of step.
+``DeviceMesh`` and the other ranks' plans (:mod:`~hyperrecipe.runtime.agreement`: bounded
+waits); after everything is installed, every rank votes, so a failure on one rank rolls back
+all of them instead of leaving ranks out of step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import from_dtensor_text
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
+from hyperrecipe.runtime.agreement import agree_before_apply, vote
 from hyperrecipe.runtime.boundary import make_boundary_forward
 from hyperrecipe.runtime.collectives import execute, group_for
 from hyperrecipe.runtime.compute import (
@@ -84,50 +86,6 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
     raise PlanMismatchError(msg)
 
 
-def _fingerprint_words(fingerprint: str) -> list[int]:
-    return [int(fingerprint[i:i + 15], 16) for i in range(0, 60, 15)]
-
-
-def _device_for(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_ranks(plan: Plan) -> None:
-    """All ranks must hold the same plan: one small all-gather, then the same verdict everywhere."""
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    device = _device_for(None)
-    mine = torch.tensor(_fingerprint_words(plan.fingerprint), dtype=torch.int64, device=device)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
-    gather(everyone, mine)
-    rows = everyone.view(world, -1).cpu().tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, row in enumerate(rows):
-        groups.setdefault(tuple(row), []).append(rank)
-    if len(groups) > 1:
-        mine_key = tuple(mine.cpu().tolist())
-        others = [r for k, ranks in groups.items() if k != mine_key for r in ranks]
-        msg = (f"ranks hold different plans: this rank (rank {dist.get_rank()}) has plan "
-               f"{plan.recipe!r} with fingerprint {plan.fingerprint[:12]}, ranks {others} hold "
-               f"another; every rank must apply the same plan")
-        raise PlanMismatchError(msg)
-
-
-def _vote(ok: bool) -> list[int]:
-    """Ranks that failed (every rank gets the same answer)."""
-    if not dist.is_initialized():
-        return [] if ok else [0]
-    device = _device_for(None)
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
-    flags[dist.get_rank()] = 0 if ok else 1
-    dist.all_reduce(flags)
-    return [r for r, f in enumerate(flags.cpu().tolist()) if f]
-
-
 def _placed_at(p: ParamPlan) -> str:
     """`` (placed at file:line)``: the recipe line behind a parameter's placement."""
     if not p.provenance:
@@ -145,6 +103,8 @@ class _Applier:
         self.restored: dict[str, nn.Parameter] = {}
         self.released: dict[str, nn.Parameter] = {}
         """Originals whose storage was dropped once their shard existed (by owner FQN)."""
+        self.peers_lost = False
+        """Set when a rank did not vote in time: a rollback then gathers nothing."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=self.mode)
         self.device = mesh_device(mesh)
         self.unloaded: list[str] = []
@@ -195,7 +155,8 @@ class _Applier:
         :meth:`_restorer`) with its own slice of the original, then puts the original back."""
 
         def restore() -> nn.Parameter:
-            if p.tied_to is None and not is_meta(original):  # peers gather only real shards
+            if p.tied_to is None and not is_meta(original) and not self.peers_lost:
+                # peers gather only real shards, and only while they are all here
                 self._gather_local(p, local_shard(original.detach(), p.placement, self.mesh,
                                                   self.mesh_dims))
             return original
@@ -280,11 +241,16 @@ class _Applier:
 
                 current = self.new_params[fqn]
                 local = current._local_tensor if isinstance(current, DTensor) else current
-                full = self._gather_local(self.plan.param(fqn), local)
+                p_owner = self.plan.param(fqn)
+                if self.peers_lost and local.shape != torch.Size(p_owner.shape):
+                    # no gather without the peers: the value is gone, say so with meta
+                    local = torch.empty(p_owner.shape, dtype=local.dtype, device="meta")
+                full = (local if local.is_meta
+                        else self._gather_local(p_owner, local))
                 if full is local or full.data_ptr() == local.data_ptr():
                     full = full.clone()
                 original = self.released.get(fqn)
-                if original is not None:  # the very object the model had, its data back
+                if original is not None and not full.is_meta:  # the model's own object, back
                     original.data = full
                     self.restored[fqn] = original
                 else:
@@ -302,7 +268,7 @@ class _Applier:
     def install_adapters(self, tx: Rewrite) -> None:
         """The plan's method adapters. Before the boundaries: a boundary binds its module's
         class forward when it is installed, and that forward may be an adapted method."""
-        install_adapters(tx, self.plan.adapters, self.mesh_dims)
+        install_adapters(tx, self.plan.adapters, self.mesh_dims, self.modules)
 
     def install_boundaries(self, tx: Rewrite) -> None:
         redist = self.mode.redistributor(self.mesh, self.mesh_dims)
@@ -356,7 +322,8 @@ class _Applier:
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
-          mode: Mode | ModeName = "production") -> Installation:
+          mode: Mode | ModeName = "production",
+          trust_code: bool | Sequence[str] = False) -> Installation:
     """Apply a compiled plan to ``model`` on this rank (call on every rank of ``mesh``).
 
     Args:
@@ -369,6 +336,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         mode: ``"production"`` (local shards, precompiled collectives) or ``"validate"``
             (DTensor end to end, declared placements checked at every boundary), or the
             :class:`~hyperrecipe.runtime.mode.Mode` object itself; chosen once, here.
+        trust_code: also import the inner wrappers and adapter targets the plan names from
+            any module (``True``) or from these module prefixes (docs/security.md); without
+            it only built-in, already imported and entry-point-declared code is imported.
 
     Returns:
         The :class:`Installation`: status, full gradients and state dicts, ``restore()``.
@@ -388,12 +358,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         inst.restore()
     """
     chosen = as_mode(mode)
-    _check_mesh(plan, mesh)
-    _check_model(plan, model)
-    _check_ranks(plan)
+    agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
-    with tx:
+    with tx, trusting(trust_code):
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
@@ -401,9 +369,20 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the vote
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
-        failed = _vote(error is None)
+        try:
+            failed = vote(error is None)
+        except PlanMismatchError as exc:
+            # A rank did not vote in time: it may still be installing, so this rank's
+            # rollback must not start collectives it would meet half-way.
+            applier.peers_lost = True
+            if applier.released:
+                exc.add_note(
+                    f"hyperrecipe: {len(applier.released)} parameters had released their full "
+                    f"storage once sharded and cannot be gathered back without the missing "
+                    f"rank(s); they are left on the meta device: rebuild or reload the model")
+            raise
         if error is not None:
             raise error
         if failed:

@@ -93,15 +93,19 @@ class Installation:
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
-        marshal``…), state, error. An adapter's fqn is its target, ``pkg.mod:Class.method``.
-        Then a row per weight-loading strategy tried (``weights safetensors``: ``loaded``,
-        ``ineligible``, ``failed``, ``not tried``) and, while a meta-built model has tensors
-        with no value yet, one ``weights`` row ``unset`` naming how many."""
+        marshal``…), state, error. A method adapter's fqn is its target,
+        ``pkg.mod:Class.method``; a function adapter has a row per module it is scoped to (fqn:
+        the module; what: ``adapter marshal pkg.mod:function``). Then a row per weight-loading
+        strategy tried (``weights safetensors``: ``loaded``, ``ineligible``, ``failed``, ``not
+        tried``) and, while a meta-built model has tensors with no value yet, one ``weights``
+        row ``unset`` naming how many."""
         adapters = {a.target: a.mode for a in self.plan.adapters}
 
         def what(r: RewriteRecord) -> str:
             if r.kind == "method" and r.fqn in adapters:
                 return f"adapter {adapters[r.fqn]}"
+            if r.kind == "function":
+                return f"adapter {adapters[r.what]} {r.what}" if r.what in adapters else r.what
             return r.what if r.kind in ("forward", "method") else f"{r.kind} {r.what}"
 
         rows = [StatusRow(fqn=r.fqn, what=what(r), state=r.state, error=r.error)

@@ -11,7 +11,9 @@ The body (:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
   redistributed to ``dst``; undeclared tensor arguments become replicated DTensors (DTensor
   refuses to mix them with plain tensors); outputs are checked against ``out_src`` and raise
   :class:`~hyperrecipe.errors.PlacementMismatchError` when DTensor propagated something else, then
-  are redistributed to ``out_dst``; the outermost boundary hands local tensors back to the caller.
+  are redistributed to ``out_dst``; the outermost boundary, and a boundary called from local code
+  (:mod:`~hyperrecipe.runtime.validate_scope`), hands local tensors back to the caller. The
+  compute runs under :func:`~hyperrecipe.runtime.validate_scope.validate_compute`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
-from hyperrecipe.errors import PlacementMismatchError
+from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.collectives import group_for, transition
+from hyperrecipe.runtime.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +36,8 @@ __all__ = ["Converter", "ProductionRedistributor", "Redistributor", "ValidateRed
 
 Converter = Callable[[Any, str], Any]
 """(value, name) → converted value; ``name`` is the declared argument or output."""
+
+Forward = Callable[..., Any]
 
 
 class Redistributor(Protocol):
@@ -46,6 +51,8 @@ class Redistributor(Protocol):
     def undeclared_converter(self, boundary: BoundaryPlan) -> Converter | None: ...
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None: ...
+
+    def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward: ...
 
 
 # ------------------------------------------------------------------------------ production
@@ -86,6 +93,9 @@ class ProductionRedistributor:
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
         return None
+
+    def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward:
+        return compute
 
 
 # ------------------------------------------------------------------------------ validate
@@ -135,6 +145,18 @@ class ValidateRedistributor:
         DTensor, mesh = self._dtensor, self.mesh
         src, dst = self._torch(layout.src), self._torch(layout.dst)
         same = src == dst
+        # dims the redistribution splits: DTensor would split them unevenly, production refuses
+        splits = [(q.dim, mesh.size(i), self.mesh_dims[i]) for i, q in enumerate(dst)
+                  if q.is_shard() and q != src[i]]
+
+        def check_even(d: Any, name: str) -> None:
+            for dim, n, mesh_dim in splits:
+                if d.shape[dim] % n:
+                    msg = (f"{boundary.fqn}: input {name!r} of shape {tuple(d.shape)} is "
+                           f"redistributed to {layout.dst}, but dim {dim} (size "
+                           f"{d.shape[dim]}) does not divide evenly into {mesh_dim}={n} shards; "
+                           f"production mode refuses it too (its shards are equal)")
+                    raise PlanMismatchError(msg)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -147,7 +169,10 @@ class ValidateRedistributor:
                 d = value
             else:
                 d = DTensor.from_local(value, mesh, src, run_check=False)
-            return d if same else d.redistribute(mesh, dst)
+            if same:
+                return d
+            check_even(d, name)
+            return d.redistribute(mesh, dst)
 
         return convert
 
@@ -172,7 +197,9 @@ class ValidateRedistributor:
                 value = value.redistribute(mesh, dst)
             if bias is not None:
                 value = value + bias
-            return value.to_local(grad_placements=dst) if outermost else value
+            if outermost or caller_is_local():
+                return value.to_local(grad_placements=dst)
+            return value
 
         return convert
 
@@ -190,14 +217,16 @@ class ValidateRedistributor:
 
         return convert
 
+    def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward:
+        return validate_compute(compute)
+
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
-        """At the outermost boundary, undeclared DTensor outputs go back to local tensors."""
-        if boundary.parent is not None:
-            return None
-        DTensor = self._dtensor
+        """At the outermost boundary, and at one called from local code, undeclared DTensor
+        outputs go back to local tensors."""
+        DTensor, outermost = self._dtensor, boundary.parent is None
 
         def convert(value: Any, name: str) -> Any:
-            if isinstance(value, DTensor):
+            if isinstance(value, DTensor) and (outermost or caller_is_local()):
                 if not all(p.is_replicate() for p in value.placements):
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
                     raise PlacementMismatchError(boundary.fqn, name, "replicate (undeclared "

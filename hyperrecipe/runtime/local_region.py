@@ -17,7 +17,10 @@ are local already and it changes nothing. In validate mode:
   through :func:`~hyperrecipe.runtime.marshal.to_local_tree` (their gradient keeps their placement);
 - the region's DTensor parameters are swapped for their ``to_local()`` views in
   ``module._parameters`` for the call and put back in ``finally`` (gradients reach the DTensor
-  parameter through ``to_local``, placed as the parameter is).
+  parameter through ``to_local``, placed as the parameter is);
+- the call is marked as local code: a boundary nested in the region keeps its DTensor
+  parameters, takes the local tensors it is called with, and hands local tensors back
+  (:mod:`~hyperrecipe.runtime.validate_scope`).
 
 Which inputs get which gradient placement, and which parameters are swapped, is decided once at
 install time; a call only indexes and unwraps.
@@ -34,9 +37,12 @@ from torch import nn
 from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.runtime.arguments import Slot, map_declared
+from hyperrecipe.rewriter import installed_forward_owner
 from hyperrecipe.runtime.marshal import to_local_tree
+from hyperrecipe.runtime.validate_scope import running_local_code
 
-__all__ = ["input_grad_placements", "local_region_forward", "with_local_parameters"]
+__all__ = ["input_grad_placements", "local_region_forward", "unwrap_declared",
+           "with_local_parameters"]
 
 Forward = Callable[..., Any]
 
@@ -62,17 +68,40 @@ def input_grad_placements(boundary: BoundaryPlan, layout: ArgLayout,
     return tuple(out)
 
 
-def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+def unwrap_declared(value: Any, grad_placements: tuple[Any, ...]) -> Any:
+    """A declared input's local tensor, its gradient declared ``grad_placements``
+    (:func:`input_grad_placements`); anything but a DTensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return tuple((m, name) for m in module.modules() for name, p in m._parameters.items()
-                 if isinstance(p, DTensor))
+    if isinstance(value, DTensor):
+        return value.to_local(grad_placements=grad_placements)
+    return value
+
+
+def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+    """The DTensor parameters of ``module``'s own code: not those of a boundary nested in it
+    (a submodule with an installed forward; boundaries are installed innermost first), which
+    computes on its DTensor parameters itself when local code calls it."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[tuple[nn.Module, str]] = []
+
+    def visit(m: nn.Module, root: bool) -> None:
+        if not root and installed_forward_owner(m) is not None:
+            return
+        found.extend((m, name) for name, p in m._parameters.items() if isinstance(p, DTensor))
+        for child in m.children():
+            visit(child, False)
+
+    visit(module, True)
+    return tuple(dict.fromkeys(found))  # a module reached twice (shared) is swapped once
 
 
 def with_local_parameters(module: nn.Module, inner: Forward) -> Forward:
     """``inner`` called while ``module``'s DTensor parameters (found now) are swapped for their
     ``to_local()`` views in ``_parameters``, put back in ``finally``; gradients reach the DTensor
-    parameters through ``to_local``. With no DTensor parameter (production) it is ``inner``."""
+    parameters through ``to_local``. With no DTensor parameter (production) it is ``inner``.
+    Parameters of a boundary nested in ``module`` stay DTensors (see ``_dtensor_parameters``)."""
     params = _dtensor_parameters(module)
     if not params:
         return inner
@@ -105,22 +134,16 @@ def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPl
     Returns:
         A callable with ``inner``'s arguments.
     """
-    from torch.distributed.tensor import DTensor
-
-    def unwrap(value: Any, grad_placements: tuple[Any, ...]) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local(grad_placements=grad_placements)
-        return value
-
     declared: tuple[Slot, ...] = tuple(
         (a.position, a.name, functools.partial(
-            unwrap, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
+            unwrap_declared, grad_placements=input_grad_placements(boundary, a, mesh_dims)))
         for a in boundary.inputs)
     local_inner = with_local_parameters(module, inner)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
         map_declared(args_l, kwargs, declared)
-        return local_inner(*to_local_tree(args_l), **to_local_tree(kwargs))
+        with running_local_code():
+            return local_inner(*to_local_tree(args_l), **to_local_tree(kwargs))
 
     return forward

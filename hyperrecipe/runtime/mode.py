@@ -49,9 +49,11 @@ class Mode:
         raise NotImplementedError
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                     mesh_dims: tuple[str, ...]) -> Callable[..., Any]:
+                     mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
         """``fn`` (an inner wrapper's callable, ``fn(original, *args, **kwargs)``) as the
-        boundary calls it: on local tensors in both modes."""
+        boundary calls it: on local tensors in both modes. ``declared``: ``args`` are the
+        module's forward arguments, whose declared inputs unwrap with production's gradient
+        placement (the forward hook)."""
         raise NotImplementedError
 
     def __str__(self) -> str:
@@ -82,7 +84,7 @@ class _Production(Mode):
         return ProductionRedistributor(mesh)
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                     mesh_dims: tuple[str, ...]) -> Callable[..., Any]:
+                     mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
         return fn  # the arguments are local already
 
 
@@ -97,10 +99,10 @@ class _Validate(Mode):
         return ValidateRedistributor(mesh, mesh_dims)
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                     mesh_dims: tuple[str, ...]) -> Callable[..., Any]:
+                     mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
         from hyperrecipe.runtime.inner import dtensor_edge
 
-        return dtensor_edge(fn, boundary, mesh, mesh_dims)
+        return dtensor_edge(fn, boundary, mesh, mesh_dims, declared=declared)
 
 
 PRODUCTION: Mode = _Production()

@@ -1,0 +1,168 @@
+"""Ranks agree before and after ``apply``: one fixed-size exchange each, with a bounded wait.
+
+A rank that disagrees must not leave its peers blocked. Before anything mesh-specific, each rank
+runs its local checks (the plan fits its mesh and model), then every rank all-gathers the same
+small record over the world group: a digest of the plan and the mesh as this rank sees them, and
+whether its local checks passed. Every rank reads the same table, so every rank raises together
+when one differs or failed: the failing rank its own error, the others a
+:class:`~hyperrecipe.errors.PlanMismatchError` naming it. After installing, the ranks vote the
+same way (a rank interrupted mid-apply votes "failed" on its way out).
+
+Each wait is bounded by :func:`agreement_timeout` (``HYPERRECIPE_AGREEMENT_TIMEOUT`` seconds,
+default 30): a rank that never arrives (killed, hung in its own code) makes its peers raise
+``PlanMismatchError`` after that long instead of waiting for the process group's timeout
+(default 30 minutes) and a raw backend error. After such a timeout the process group may hold
+an unfinished collective: destroy it before reusing it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.plan import Plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agreement_timeout", "vote"]
+
+TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
+_DEFAULT_TIMEOUT_S = 30.0
+_WORDS = 4  # 4 x 60 bits of a sha256 digest
+_OK, _FAILED = 0, 1
+
+
+def agreement_timeout() -> float:
+    """Seconds a rank waits for its peers in an exchange (``HYPERRECIPE_AGREEMENT_TIMEOUT``)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        msg = f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds"
+        raise PlanMismatchError(msg)
+    return value
+
+
+def _device_for(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _digest_words(plan: Plan, mesh: DeviceMesh) -> list[int]:
+    """A fixed-size digest of what must be equal on every rank: the plan and the mesh's
+    names and sizes (read locally: no collective)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = tuple(int(s) for s in mesh.mesh.shape)
+    text = f"{plan.fingerprint}|{','.join(names)}|{sizes}"
+    hexdigest = hashlib.sha256(text.encode()).hexdigest()
+    return [int(hexdigest[i:i + 15], 16) for i in range(0, 15 * _WORDS, 15)]
+
+
+def _all_gather_rows(row: list[int], what: str) -> list[list[int]]:
+    """Every rank's ``row`` (same length everywhere), waiting at most :func:`agreement_timeout`.
+
+    Raises:
+        PlanMismatchError: a rank did not arrive in time.
+    """
+    world = dist.get_world_size()
+    device = _device_for(None)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
+    timeout = agreement_timeout()
+    work = gather(everyone, mine, async_op=True)
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo: "Operation timed out!"
+        done = False
+        detail = f" ({exc})"
+    else:
+        detail = ""
+    if done is False:
+        msg = (f"rank {dist.get_rank()}: not every rank reached {what} within {timeout:g} s"
+               f"{detail}; a rank stopped, hangs or runs other code (set {TIMEOUT_ENV} to wait "
+               f"longer); destroy the process group before reusing it")
+        raise PlanMismatchError(msg)
+    return [list(r) for r in everyone.view(world, -1).cpu().tolist()]
+
+
+def agree_before_apply(plan: Plan, mesh: DeviceMesh, *local_checks: Callable[[], None]) -> None:
+    """Run this rank's ``local_checks`` in order, then agree with every rank on plan, mesh and outcome.
+
+    Every rank calls this before anything mesh-specific; every rank returns, or every rank
+    raises.
+
+    Raises:
+        Whatever ``local_checks`` raised, on the rank where it failed.
+        PlanMismatchError: on the other ranks, when a rank's checks failed or its plan or mesh
+            differs, or when a rank did not arrive within :func:`agreement_timeout`.
+    """
+    error: BaseException | None = None
+    try:
+        for check in local_checks:
+            check()
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+        error = exc
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    row = [*_digest_words(plan, mesh), _OK if error is None else _FAILED]
+    try:
+        rows = _all_gather_rows(row, "the plan agreement")
+    except PlanMismatchError:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:
+        raise error
+    rank = dist.get_rank()
+    failed = [r for r, other in enumerate(rows) if other[-1] != _OK]
+    if failed:
+        msg = (f"rank {rank}: the plan does not fit the model or mesh on rank(s) {failed} "
+               f"(see their errors); no rank applied it")
+        raise PlanMismatchError(msg)
+    differ = [r for r, other in enumerate(rows) if other[:-1] != row[:-1]]
+    if differ:
+        msg = (f"ranks hold different plans or meshes: this rank (rank {rank}) has plan "
+               f"{plan.recipe!r} with fingerprint {plan.fingerprint[:12]} on mesh "
+               f"{_mesh_text(mesh)}, ranks {differ} hold another; every rank must apply the same "
+               f"plan on the same mesh")
+        raise PlanMismatchError(msg)
+
+
+def vote(ok: bool) -> list[int]:
+    """Ranks that failed (every rank gets the same answer, or a PlanMismatchError when a rank
+    did not vote within :func:`agreement_timeout`).
+
+    Two exchanges: every rank first says it has arrived, then votes. A rank that gives up
+    waiting has then only said "arrived", never "ok": a peer arriving after the timeout passes
+    the first exchange on that rank's buffered word, but meets nobody in the second and rolls
+    back too, instead of keeping a plan its peer rolled back.
+    """
+    if not dist.is_initialized():
+        return [] if ok else [0]
+    _all_gather_rows([_OK], "the vote after installing")
+    rows = _all_gather_rows([_OK if ok else _FAILED], "the vote after installing")
+    return [r for r, (flag,) in enumerate(rows) if flag != _OK]
+
+
+def _mesh_text(mesh: DeviceMesh) -> str:
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = tuple(int(s) for s in mesh.mesh.shape)
+    if len(names) != len(sizes):
+        return "x".join(str(s) for s in sizes) + " (unnamed)"
+    return ",".join(f"{n}={s}" for n, s in zip(names, sizes))

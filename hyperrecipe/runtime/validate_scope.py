@@ -1,0 +1,109 @@
+"""What a validate-mode boundary's compute runs under, and who gets local tensors back.
+
+**Plain tensors the model makes itself.** In validate mode a boundary's compute runs on DTensors,
+and DTensor refuses an op that mixes a DTensor with a plain tensor. Model code makes plain
+tensors of its own inside a boundary, and one pattern is in every default forward of a
+generative model: a KV cache starts empty and grows by concatenation. transformers'
+``DynamicLayer`` (and its sliding-window variant) starts as ``torch.tensor([])`` and runs
+``torch.cat([self.keys, key_states], dim=-2)``; ``torch.cat`` skips such a *legacy empty* tensor
+(1-D, no elements) whatever the others' shapes, DTensor has no such rule and refuses the mix.
+:func:`validate_compute` runs the compute under a torch-function mode that drops legacy empty
+plain tensors from a concatenation that also has a DTensor — exactly what ``torch.cat`` does
+with them — so the cache holds DTensors from the first token on (their global meaning, heads
+sharded as the boundary computed them) and every later step concatenates DTensors. Any other
+plain tensor meeting a DTensor is still refused: treating it as replicated (DTensor's
+``implicit_replication``) would also accept a rank's local piece as a whole tensor, silently.
+
+**Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
+their module's code on local tensors (:mod:`~hyperrecipe.runtime.marshal`). A boundary nested in
+such a module is called *from local code*: it must hand local tensors back, as the outermost
+boundary does. :func:`running_local_code` marks the local call (a context variable, so it holds
+per thread and per task), :func:`validate_compute` clears the mark for the boundary's own compute
+(it runs on DTensors again), and :func:`caller_is_local` tells the output converter which case
+it is in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["caller_is_local", "running_local_code", "validate_compute"]
+
+Forward = Callable[..., Any]
+
+_CONCATENATIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
+_LOCAL_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_local_code",
+                                                                   default=False)
+_SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_validate_scope",
+                                                              default=False)
+
+
+def _legacy_empty(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0
+
+
+class _SkipLegacyEmpty(TorchFunctionMode):
+    """``torch.cat`` of DTensors and legacy empty plain tensors: the empty ones dropped."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        tensors = args[0] if args else kwargs.get("tensors")
+        if func in _CONCATENATIONS and isinstance(tensors, (list, tuple)):
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(t, DTensor) for t in tensors):
+                kept = [t for t in tensors if isinstance(t, DTensor) or not _legacy_empty(t)]
+                if len(kept) == 1 and len(tensors) > 1 and "out" not in kwargs:
+                    # what is left is the result: a copy, placed as it is (DTensor's cat would
+                    # gather a dim sharded along the concatenation, a sequence split on cp)
+                    return kept[0].clone()
+                if len(kept) != len(tensors):
+                    if args:
+                        args = (kept, *args[1:])
+                    else:
+                        kwargs["tensors"] = kept
+        return func(*args, **kwargs)
+
+
+def validate_compute(compute: Forward) -> Forward:
+    """``compute`` run as a validate-mode boundary's compute: DTensor code (not local code, even
+    when the boundary was called from local code) in which a concatenation drops legacy empty
+    plain tensors next to DTensors."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        local = _LOCAL_CODE.set(False)
+        try:
+            if _SCOPED.get():
+                return compute(*args, **kwargs)
+            scoped = _SCOPED.set(True)
+            try:
+                with _SkipLegacyEmpty():
+                    return compute(*args, **kwargs)
+            finally:
+                _SCOPED.reset(scoped)
+        finally:
+            _LOCAL_CODE.reset(local)
+
+    return run
+
+
+@contextlib.contextmanager
+def running_local_code() -> Iterator[None]:
+    """Marks the enclosed call as local code (an inner wrapper's or a local region's)."""
+    token = _LOCAL_CODE.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_CODE.reset(token)
+
+
+def caller_is_local() -> bool:
+    """Whether the boundary being called was called from local code (validate mode)."""
+    return _LOCAL_CODE.get()

@@ -1,0 +1,116 @@
+"""A user's own forward and ``generate()`` under every shipped recipe, both modes, on gloo ranks.
+
+``model(input_ids=ids)`` with the config's defaults (``use_cache=True``: each attention grows a
+KV cache inside its boundary; in validate mode the cache starts as a plain empty tensor and then
+holds DTensors) and ``model.generate(ids, max_new_tokens=8, do_sample=False)``, compared with
+one process: the logits within atol 2e-6 / rtol 1e-5 (fp32; measured worst ~2e-7), the cache
+length exactly, and the generated token ids exactly.
+
+GPT-2 runs in production mode only (its validate mode stops at ``c_proj`` for a reason of its
+own, ``test_gpt2_validate_mode_stops_at_c_proj``). The sequence-sharded recipes (``llama-sp``,
+``llama-cp``, ``llama-tp-cp`` on 4 ranks) run the default forward; they cannot decode one token
+at a time (one token does not split over two ranks), which both modes refuse by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperrecipe.check.launcher import RankFailedError, run_ranks
+from tests.generate_harness import generate_worker, overrides_for, reference
+from tests.runtime_harness import ROOT, assert_close
+
+TP2 = {"tp": 2}
+CASES: list[tuple[str, str, dict[str, int], str]] = [
+    (family, f"{family}.yaml", TP2, mode)
+    for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+    for mode in ("production", "validate")
+] + [
+    ("mixtral", "mixtral-ep.yaml", {"ep": 2}, "production"),
+    ("mixtral", "mixtral-ep.yaml", {"ep": 2}, "validate"),
+    ("gpt2", "gpt2.yaml", TP2, "production"),
+]
+
+
+def _world(mesh: dict[str, int]) -> int:
+    world = 1
+    for size in mesh.values():
+        world *= size
+    return world
+
+
+@pytest.mark.parametrize(("family", "recipe", "mesh", "mode"), CASES,
+                         ids=[f"{r.removesuffix('.yaml')}-{m}" for _, r, _, m in CASES])
+def test_default_forward_and_greedy_generate_equal_one_process(
+        family: str, recipe: str, mesh: dict[str, int], mode: str) -> None:
+    path = str(ROOT / "recipes" / recipe)
+    overrides = overrides_for(family, mode, path)
+    ref = reference(family, overrides)
+    results = run_ranks(generate_worker, _world(mesh), family, path, mesh, mode, overrides,
+                        timeout_s=300)
+    for rank, res in enumerate(results):
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
+        assert res["cached"].item() == ref["cached"].item() == 6, "the prompt is cached"
+        assert torch.equal(res["tokens"], ref["tokens"]), \
+            f"rank {rank} generated {res['tokens'].tolist()}, one process {ref['tokens'].tolist()}"
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+@pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2}),
+                                           ("llama-tp-cp.yaml", {"tp": 2, "cp": 2})])
+def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dict[str, int],
+                                                          mode: str) -> None:
+    path = str(ROOT / "recipes" / recipe)
+    overrides = overrides_for("llama", mode, path)
+    ref = reference("llama", overrides)
+    for rank, res in enumerate(run_ranks(generate_worker, _world(mesh), "llama", path, mesh,
+                                         mode, overrides, False, timeout_s=300)):
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("production", "CollectiveShapeError: local_slice[tp](scatter_dim=1) (forward): scatter_dim=1 "
+                   "of a tensor of shape (2, 1, 64) has size 1, which does not divide evenly "
+                   "into 2 shards"),
+    ("validate", "PlanMismatchError: model.layers.0: input 'hidden_states' of shape (2, 1, 64) "
+                 "is redistributed to {tp: shard(1)}, but dim 1 (size 1) does not divide evenly "
+                 "into tp=2 shards; production mode refuses it too (its shards are equal)"),
+])
+def test_sequence_parallel_decoding_is_refused_by_name_in_both_modes(mode: str,
+                                                                    message: str) -> None:
+    path = str(ROOT / "recipes/llama-sp.yaml")
+    overrides = overrides_for("llama", mode, path)
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(generate_worker, 2, "llama", path, TP2, mode, overrides, timeout_s=300)
+    assert message in str(info.value)
+
+
+def _scope_worker(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hyperrecipe.runtime.validate_scope import validate_compute
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    keys = DTensor.from_local(torch.ones(2, 3), mesh, (Shard(1),))
+
+    def grow() -> tuple[torch.Tensor, torch.Tensor]:
+        first = torch.cat([torch.tensor([]), keys], dim=-2)  # a cache's first update
+        return first, torch.cat(tensors=[first, keys], dim=0)
+
+    first, second = validate_compute(grow)()
+    try:
+        validate_compute(lambda: torch.cat([torch.zeros(2, 6), keys]))()
+        mixed = "accepted"
+    except RuntimeError as exc:
+        mixed = str(exc)
+    return {"first": (type(first).__name__, tuple(first.shape), str(first.placements)),
+            "second": tuple(second.shape), "mixed": mixed}
+
+
+def test_only_legacy_empty_tensors_concatenate_with_dtensors_in_a_validate_compute() -> None:
+    (res,) = run_ranks(_scope_worker, 1, timeout_s=60)
+    assert res["first"] == ("DTensor", (2, 3), "(Shard(dim=1),)")
+    assert res["second"] == (4, 3)
+    assert str(res["mixed"]).startswith("aten.cat.default got mixed torch.Tensor and DTensor")
