@@ -24,6 +24,7 @@ __all__ = [
     "ModeError",
     "ModelSpecError",
     "PatternError",
+    "PatternSyntaxError",
     "PlacementError",
     "PlacementMismatchError",
     "PlacementSyntaxError",
@@ -150,6 +151,11 @@ class PlacementSyntaxError(PlacementError):
 
 class PatternError(HyperrecipeError, ValueError):
     """A rule's ``match`` pattern is malformed; the recipe validator adds the location."""
+
+
+class PatternSyntaxError(PatternError):
+    """A ``match`` pattern is malformed or too large for the non-backtracking automaton; the
+    message says which and where (the recipe validator adds the file and line)."""
 
 
 class RefError(HyperrecipeError, ValueError):

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from hyperrecipe.errors import PatternSyntaxError
+
 __all__ = ["MAX_DFA_STATES", "MAX_NFA_STATES", "MAX_PATTERN_LENGTH", "Automaton", "Node",
            "PatternSyntaxError", "any_char", "char_class", "concat", "alternation", "literal",
            "parse_regex", "repeat"]
@@ -33,10 +35,6 @@ MAX_PATTERN_LENGTH = 4_096
 """Longest pattern text accepted."""
 MAX_GROUP_DEPTH = 32
 """Deepest nesting of groups (or glob braces)."""
-
-
-class PatternSyntaxError(ValueError):
-    """The pattern is malformed or too large; the message says which and where."""
 
 
 # ----------------------------------------------------------------------------- syntax tree
