@@ -222,15 +222,6 @@ class _Applier:
     def materialize_buffers(self, tx: Rewrite) -> None:
         self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
 
-    def full_value(self, p: ParamPlan, value: Tensor) -> Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            return value.full_tensor()
-        if p.placement.is_replicate:
-            return value.detach().clone()
-        return gather_full(value, p.placement, p.shape, self.mesh, self.mesh_dims)
-
     def _restorer(self, p: ParamPlan) -> Callable[[], nn.Parameter]:
         """Gathers the full parameter back at restore time (once per tied group)."""
         fqn = p.tied_to or p.fqn
@@ -389,7 +380,6 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
-    return Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result,
-                        full_value=applier.full_value, mesh=mesh, params=applier.new_params,
+    return Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result, mesh=mesh,
                         wrapper_choices=applier.inner.choices, unloaded=applier.unloaded)
 

@@ -6,10 +6,9 @@ every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
 import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -71,21 +70,19 @@ class Installation:
     """
 
     def __init__(self, *, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritten,
-                 full_value: Callable[[ParamPlan, Tensor], Tensor], mesh: DeviceMesh,
-                 params: Mapping[str, nn.Parameter],
-                 wrapper_choices: Sequence[WrapperChoice] = (),
+                 mesh: DeviceMesh, wrapper_choices: Sequence[WrapperChoice] = (),
                  unloaded: Sequence[str] = ()) -> None:
         self.model = model
         self.plan = plan
         self.mode = as_mode(mode)
         self.mesh = mesh
         self._rewritten = rewritten
-        self._full_value = full_value
         self._wrapper_choices = tuple(wrapper_choices)
         self._live = LiveParams(model, plan, mesh, self.mode)
         self._unloaded = set(unloaded)
         self._loads: list[LoadAttempt] = []
-        del params  # looked up live: the model's parameters may be replaced after apply
+        # Parameters are looked up live (LiveParams), never kept: to_empty(), fully_shard and
+        # load_state_dict(assign=True) replace them after apply.
         self._barrier_group = _barrier_group()
         self._hooks = ([*install_state_hooks(model, self._live),
                         *install_optimizer_hooks(self._live)]
