@@ -60,6 +60,20 @@ def _where(adapter: AdapterPlan) -> str:
     return f"adapter {adapter.target!r} ({prov.file}:{prov.line}:{prov.column})"
 
 
+def _import_module(adapter: AdapterPlan, where: str) -> ModuleType:
+    """The adapter's module, through the trust gate (:mod:`hyperrecipe.refs`)."""
+    try:
+        module: ModuleType = import_trusted_module(adapter.module_name, "adapter target",
+                                                   adapter.target)
+    except UntrustedCodeError as exc:
+        raise PlanMismatchError(f"{where}: {exc}") from None
+    except RefError as exc:
+        cause = exc.__cause__ or exc.__context__
+        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
+        raise PlanMismatchError(msg) from exc
+    return module
+
+
 def locate_target(adapter: AdapterPlan) -> tuple[type, str]:
     """Import the adapter's module and find its class and method.
 
@@ -72,14 +86,7 @@ def locate_target(adapter: AdapterPlan) -> tuple[type, str]:
             names the adapter and its recipe file, line and column.
     """
     where = _where(adapter)
-    try:
-        owner: Any = import_trusted_module(adapter.module_name, "adapter target", adapter.target)
-    except UntrustedCodeError as exc:
-        raise PlanMismatchError(f"{where}: {exc}") from None
-    except RefError as exc:
-        cause = exc.__cause__ or exc.__context__
-        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
-        raise PlanMismatchError(msg) from exc
+    owner: Any = _import_module(adapter, where)
     walked = adapter.module_name
     for part in adapter.class_path:
         if not hasattr(owner, part):
@@ -106,15 +113,7 @@ def locate_function(adapter: AdapterPlan) -> tuple[ModuleType, str]:
             the message names the adapter and its recipe file, line and column.
     """
     where = _where(adapter)
-    try:
-        module: ModuleType = import_trusted_module(adapter.module_name, "adapter target",
-                                                   adapter.target)
-    except UntrustedCodeError as exc:
-        raise PlanMismatchError(f"{where}: {exc}") from None
-    except RefError as exc:
-        cause = exc.__cause__ or exc.__context__
-        msg = f"{where}: cannot import {adapter.module_name!r}: {cause or exc}"
-        raise PlanMismatchError(msg) from exc
+    module = _import_module(adapter, where)
     name = adapter.method_name
     if not callable(getattr(module, name, None)):
         msg = f"{where}: {adapter.module_name} has no function {name!r}"
