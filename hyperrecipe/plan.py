@@ -34,6 +34,7 @@ __all__ = [
     "ArgLayout",
     "BoundaryPlan",
     "ExpertParallel",
+    "GradBucket",
     "HeadCount",
     "ManifestEntry",
     "MeshDim",
@@ -47,10 +48,12 @@ __all__ = [
     "converter",
 ]
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 """Version of the plan's JSON shape. 2: parameters record their enclosing boundary and their
 DTensor placement (or why they have none); boundaries record the vocab-parallel lookup and the
-expert-parallel layout, so the runtime reads these decisions instead of re-deriving them."""
+expert-parallel layout, so the runtime reads these decisions instead of re-deriving them.
+3: gradient reductions are bucketed (``Plan.grad_buckets``); the manifest lists one
+``param_grad`` entry per bucket and op instead of one per parameter."""
 T = TypeVar("T")
 Stage = Literal["input", "output", "param_grad"]
 Direction = Literal["forward", "backward"]
@@ -216,8 +219,35 @@ class BoundaryPlan:
 
 
 @attrs.frozen(kw_only=True)
+class GradBucket:
+    """Parameters whose gradients are reduced together: one flat collective per op.
+
+    Every parameter with a ``grad_reduce`` is in exactly one bucket; a bucket holds parameters
+    with the same ``grad_reduce`` ops and dtype, in the order their gradients are expected to
+    be ready (reverse parameter order), up to a size cap (one larger parameter is a bucket of
+    its own). Buckets are listed, and their collectives issued, in ``index`` order on every
+    rank. ``numel`` counts the local (per-rank) elements of the flattened gradients.
+    """
+
+    index: int
+    ops: tuple[CollectiveOp, ...]
+    dtype: str
+    params: tuple[str, ...]
+    numel: int
+
+    @property
+    def name(self) -> str:
+        """How the manifest names the bucket: ``grad_buckets[INDEX]``."""
+        return f"grad_buckets[{self.index}]"
+
+
+@attrs.frozen(kw_only=True)
 class ManifestEntry:
-    """One collective a training step issues (forward or backward), as production runs it."""
+    """One collective a training step issues (forward or backward), as production runs it.
+
+    A ``param_grad`` entry is one gradient bucket's op: ``name`` is the bucket's
+    (``grad_buckets[INDEX]``) and ``boundary`` the boundary enclosing all of its parameters
+    (``""`` when they lie in different ones or in none)."""
 
     boundary: str
     stage: Stage
@@ -281,6 +311,8 @@ class Plan:
     head_counts: tuple[HeadCount, ...]
     manifest: tuple[ManifestEntry, ...]
     adapters: tuple[AdapterPlan, ...] = ()
+    grad_buckets: tuple[GradBucket, ...] = ()
+    """The gradient reductions of ``params``, bucketed (:class:`GradBucket`), in launch order."""
     checksum: str = ""
     """sha256 of the plan's JSON with this field empty: catches hand edits of decisions, which
     the fingerprint (over what the plan was compiled *from*) cannot."""

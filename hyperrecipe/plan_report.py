@@ -104,8 +104,9 @@ def summary(plan: Plan) -> str:
     boundaries = {b.fqn: b for b in plan.boundaries}
     colls: dict[str, Counter[str]] = {}
     for e in plan.manifest:
-        key = e.boundary if e.stage != "param_grad" else f"{e.name.rsplit('.', 1)[0]}"
-        colls.setdefault(key, Counter())[f"{'fwd' if e.direction == 'forward' else 'bwd'} "
+        if e.stage == "param_grad":
+            continue  # a bucket spans modules: its own line below the table
+        colls.setdefault(e.boundary, Counter())[f"{'fwd' if e.direction == 'forward' else 'bwd'} "
                                          f"{e.op.kind}"] += 1
     rows: dict[tuple[str, str, str, str, str], int] = {}
     order: list[tuple[str, str, str, str, str]] = []
@@ -154,6 +155,8 @@ def summary(plan: Plan) -> str:
     lines.append(f"parameters: {t.tensors} tensors, {t.sharded} sharded, {t.replicated} "
                  f"replicated; {_mb(t.bytes_per_rank)} per rank of {_mb(t.bytes_total)} "
                  f"({ratio:.0%})")
+    if plan.grad_buckets:
+        lines.append(_buckets_text(plan))
     ops = ", ".join(f"{k} x{v}" for k, v in t.ops) or "none"
     lines.append(f"collectives per step: {t.forward_collectives} forward, "
                  f"{t.backward_collectives} backward ({ops})")
@@ -162,6 +165,16 @@ def summary(plan: Plan) -> str:
         lines.append(f"not counted (issued by the wrapped code itself, not by layouts): "
                      f"{uncounted}")
     return "\n".join(lines) + "\n"
+
+
+def _buckets_text(plan: Plan) -> str:
+    """``gradient buckets: 1 (17 parameters, 8.5 KiB per rank): bwd all_reduce[tp](sum) x1``."""
+    params = sum(len(b.params) for b in plan.grad_buckets)
+    size = sum(b.numel * _ITEMSIZE.get(b.dtype, 4) for b in plan.grad_buckets)
+    ops = Counter(str(op) for b in plan.grad_buckets for op in b.ops)
+    n = len(plan.grad_buckets)
+    return (f"gradient buckets: {n} ({params} parameter{'s' if params != 1 else ''}, "
+            f"{_mb(size)} per rank): " + ", ".join(f"bwd {k} x{v}" for k, v in ops.items()))
 
 
 def _uncounted(plan: Plan) -> str:

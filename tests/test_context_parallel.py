@@ -184,7 +184,9 @@ def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
     attn = [e for e in plan.manifest
             if e.boundary == "model.layers.0.self_attn" and e.stage == "input"]
     assert attn == []
-    assert "collectives per step: 1 forward, 21 backward" in text
+    # layer 0's input gather and the 20 replicated weights' gradients, reduced in one bucket
+    assert "gradient buckets: 1 (20 parameters, 321.2 KiB per rank)" in text
+    assert "collectives per step: 1 forward, 2 backward" in text
 
 
 def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:

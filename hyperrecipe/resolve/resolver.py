@@ -10,7 +10,9 @@ the ones before it:
 3. :func:`~hyperrecipe.resolve.boundaries.find_boundaries`: the boundaries and each module's
    region; :func:`~hyperrecipe.resolve.boundaries.build_boundaries`: each boundary's plan
    (layouts, nesting, transitions, wrappers, local kernels).
-4. :func:`~hyperrecipe.resolve.params.settle_params`: every parameter's plan.
+4. :func:`~hyperrecipe.resolve.params.settle_params`: every parameter's plan;
+   :func:`~hyperrecipe.resolve.grad_buckets.plan_grad_buckets`: their gradient reductions,
+   bucketed.
 5. :func:`~hyperrecipe.resolve.head_counts.divide_head_counts`,
    :func:`~hyperrecipe.resolve.manifest.list_collectives`,
    :func:`~hyperrecipe.resolve.adapters.plan_adapters`.
@@ -29,6 +31,7 @@ from hyperrecipe.resolve.adapters import plan_adapters
 from hyperrecipe.resolve.boundaries import build_boundaries, find_boundaries
 from hyperrecipe.resolve.claims import match_rules
 from hyperrecipe.resolve.context import ResolveInput
+from hyperrecipe.resolve.grad_buckets import plan_grad_buckets
 from hyperrecipe.resolve.head_counts import divide_head_counts
 from hyperrecipe.resolve.manifest import list_collectives
 from hyperrecipe.resolve.params import settle_params
@@ -56,7 +59,8 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     regions = find_boundaries(inp, claims)
     boundaries = build_boundaries(inp, claims, regions)
     params = settle_params(inp, claims, regions, boundaries)
-    manifest = list_collectives(inp, boundaries.plans, params)
+    grad_buckets = plan_grad_buckets(params)
+    manifest = list_collectives(inp, boundaries.plans, params, grad_buckets)
     adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
     model_digest = tree.digest()
@@ -66,4 +70,5 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         fingerprint=compute_fingerprint(recipe.digest, model_digest, inp.mesh),
         rules=claims.rules, params=params, boundaries=boundaries.plans,
         head_counts=head_counts, manifest=manifest, adapters=adapters,
+        grad_buckets=grad_buckets,
     ).sealed()

@@ -1,7 +1,8 @@
 """``apply``: put a compiled plan onto a live model, atomically, on every rank.
 
 Order inside one rewriter transaction: parameters (local shards, or DTensors in validate mode;
-tied parameters stay one object), head counts (production), method adapters, then boundary
+tied parameters stay one object; in production, the hooks of the plan's gradient buckets),
+head counts (production), method adapters, then boundary
 forwards, innermost first. Before anything changes, the plan is checked against the model's structure, the
 ``DeviceMesh`` and the other ranks' plans (:mod:`~hyperrecipe.runtime.agreement`: bounded
 waits); after everything is installed, every rank votes, so a failure on one rank rolls back
@@ -25,13 +26,14 @@ from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
 from hyperrecipe.runtime.agreement import agree_before_apply, vote
 from hyperrecipe.runtime.boundary import make_boundary_forward
-from hyperrecipe.runtime.collectives import execute, group_for
+from hyperrecipe.runtime.collectives import group_for
 from hyperrecipe.runtime.compute import (
     bias_free_forward,
     class_forward,
     local_padding_idx,
     vocab_parallel_embedding,
 )
+from hyperrecipe.runtime.grad_buckets import GradBucketReducer
 from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.materialize import (
@@ -174,17 +176,8 @@ class _Applier:
         assert full is not None
         requires_grad = full.requires_grad
         if not self.mode.dtensor_parameters:
-            local = self._local(p, full)
-            param = nn.Parameter(local, requires_grad=requires_grad)
-            for op in p.grad_reduce:
-                g = group_for(self.mesh, op.mesh_dim)
-
-                def reduce_grad(grad: Tensor, op: Any = op, g: Any = g) -> Tensor:
-                    return execute(grad, op, g.group, group_size=g.size, group_rank=g.rank,
-                                   direction="backward")
-
-                param.register_hook(reduce_grad)  # type: ignore[no-untyped-call]
-            return param
+            # gradient reductions (grad_reduce) run in buckets: install_grad_buckets
+            return nn.Parameter(self._local(p, full), requires_grad=requires_grad)
         if not in_region:
             if not p.placement.is_replicate:
                 msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
@@ -218,6 +211,14 @@ class _Applier:
             self.unloaded.append(p.fqn)
             return allocate_unloaded(p.local_shape, full.dtype, self.device)
         return local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
+
+    def install_grad_buckets(self) -> None:
+        """Production mode: the hooks that reduce the plan's gradient buckets, one flat
+        collective per bucket and op (:mod:`~hyperrecipe.runtime.grad_buckets`). They live on
+        the shards made here, so a rollback or ``restore()`` drops them with the shards."""
+        if self.mode.dtensor_parameters or not self.plan.grad_buckets:
+            return
+        GradBucketReducer(self.plan.grad_buckets, self.new_params, self.mesh).install()
 
     def materialize_buffers(self, tx: Rewrite) -> None:
         self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
@@ -356,6 +357,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
+            applier.install_grad_buckets()
             applier.materialize_buffers(tx)
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
