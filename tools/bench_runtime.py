@@ -25,19 +25,47 @@ started by :func:`hyperrecipe.check.launcher.run_ranks` (fork, one intra-op thre
     input and all-gathers its output (backward: this rank's slice). It issues exactly the
     collectives of the hyperrecipe plan, so the difference is the cost of the runtime.
 
+``sp_production``
+    Sequence parallelism: ``recipes/llama-sp.yaml`` applied in production mode (the residual
+    stream sharded on the sequence between blocks; attention and MLP all-gather it on entry and
+    reduce-scatter on exit; the norms' partial weight gradients all-reduced in one bucket).
+``sp_torchtitan``
+    The plan a PyTorch user following torchtitan's ``apply_tp`` writes for the same model and
+    layouts, with ``parallelize_module``: ``SequenceParallel`` on every norm,
+    ``PrepareModuleInput`` all-gathering the sequence into attention and MLP,
+    ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel(output_layouts=Shard(1))`` on o/down
+    (reduce-scatter), and ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``
+    on ``lm_head``. One collective per block boundary, like the recipe. Where torchtitan's own
+    model shards the embedding's output (a reduce-scatter), Hugging Face's ``LlamaModel``
+    derives positions, rotary tables and the mask from that output's shape, so here (as in the
+    recipe) the embedding's output stays replicated (an all-reduce) and a ``PrepareModuleInput``
+    on layer 0 slices the sequence (no traffic; backward all-gathers).
+
 The loss is the cross-entropy of the logits against the ids shifted by one, the same for all.
 Every implementation first runs ``--warmup`` untimed steps (the first step's loss on every rank
 must agree across implementations within rtol 1e-4: ``losses_agree``). Then ``--rounds`` rounds;
 round ``r`` runs the implementations in order rotated by ``r``, each for ``--steps`` steps after
 a barrier, with ``time.perf_counter`` around each forward+backward and gradients set to ``None``
 between steps (outside the timing). A step's time is the slower rank's; the figures are medians
-over all timed steps, in milliseconds. ``--profile`` also profiles one production and one
-handwritten step on rank 0 with ``torch.profiler`` and prints the top operators.
+over all timed steps, in milliseconds. ``--profile`` also profiles one production, one
+handwritten, one sp_production and one sp_torchtitan step on rank 0 with ``torch.profiler`` and
+prints the top operators.
+
+**Peak memory of a step**: after the timed rounds each implementation runs one more step under
+``torch.profiler`` with ``profile_memory=True``; the allocator's records (every allocation and
+free of the process, in time order) give the highest amount allocated above what was allocated
+when the step began: activations, gradients and collective buffers, not the weights held
+before. The figure is per rank; the summary gives the larger rank's.
+
+**Size sweep** (``--sizes 256 512 1024``): for each hidden size ``h`` (intermediate ``4h``,
+``h / 64`` heads and KV heads, the other settings as above) a separate launch times
+``sp_production`` against ``sp_torchtitan`` only, interleaved the same way, for
+``--sweep-rounds`` rounds, with each one's peak step memory.
 
 Usage::
 
     python tools/bench_runtime.py [--json OUT] [--rounds 20] [--steps 5] [--warmup 3]
-                                  [--profile]
+                                  [--profile] [--sizes 256 512 1024] [--sweep-rounds 6]
 """
 
 from __future__ import annotations
@@ -69,6 +97,7 @@ from hyperrecipe.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llama.yaml"
+SP_RECIPE = REPO / "recipes" / "llama-sp.yaml"
 WORLD = 2
 CONFIG: dict[str, Any] = {
     "hidden_size": 256,
@@ -81,11 +110,14 @@ CONFIG: dict[str, Any] = {
     "attn_implementation": "eager",
 }
 BATCH, SEQ = 4, 64
-IMPLS = ("production", "validate", "parallelize_module", "handwritten")
+IMPLS = ("production", "validate", "parallelize_module", "handwritten", "sp_production",
+         "sp_torchtitan")
+SP_IMPLS = ("sp_production", "sp_torchtitan")
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-4  # of each parameter's largest gradient entry
 TARGET_VS_HANDWRITTEN = 1.05
 TARGET_VS_PARALLELIZE = 0.65
+TARGET_SP_VS_TORCHTITAN = 1.0
 
 Step = Callable[[], Tensor]
 
@@ -94,14 +126,21 @@ Step = Callable[[], Tensor]
 # The model, the batch, the loss (the same for all four).
 
 
-def build_llama() -> nn.Module:
+def sized_config(hidden: int) -> dict[str, Any]:
+    """:data:`CONFIG` at another hidden size (intermediate ``4h``, ``h / 64`` heads)."""
+    heads = max(hidden // 64, 2)
+    return {**CONFIG, "hidden_size": hidden, "intermediate_size": 4 * hidden,
+            "num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def build_llama(config: dict[str, Any] | None = None) -> nn.Module:
     torch.manual_seed(0)
-    return build_model("hf:llama", CONFIG, device="cpu")
+    return build_model("hf:llama", config or CONFIG, device="cpu")
 
 
-def token_ids() -> Tensor:
+def token_ids(config: dict[str, Any] | None = None) -> Tensor:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, int(CONFIG["vocab_size"]), (BATCH, SEQ), generator=g)
+    return torch.randint(0, int((config or CONFIG)["vocab_size"]), (BATCH, SEQ), generator=g)
 
 
 def step_loss(model: nn.Module, ids: Tensor) -> Tensor:
@@ -283,15 +322,60 @@ def torch_tp_parallelize(model: nn.Module, mesh: Any) -> None:
     parallelize_module(model, mesh, plan)
 
 
+def torchtitan_sp_parallelize(model: nn.Module, mesh: Any) -> None:
+    """Sequence parallelism the way torchtitan's ``apply_tp`` writes it, for HF Llama (module
+    docstring, ``sp_torchtitan``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, ParallelStyle] = {
+        # replicated output (LlamaModel reads its shape); layer 0 slices the sequence
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),),
+                                             desired_input_layouts=(Shard(1),),
+                                             use_local_output=True),
+        "model.layers.*.input_layernorm": SequenceParallel(),
+        "model.layers.*.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "model.layers.*.post_attention_layernorm": SequenceParallel(),
+        "model.layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                 desired_input_layouts=(Replicate(),)),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        # a local sequence shard out, so LlamaForCausalLM's slice of it stays local
+        "model.norm": SequenceParallel(use_local_output=True),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh, plan)
+
+
 # ---------------------------------------------------------------------------------------------
 # In each rank.
 
 
-def _setup(name: str, rank: int, world: int, plan: Plan, mesh: Any) -> tuple[nn.Module, list[Any]]:
-    model = build_llama()
+def _setup(name: str, rank: int, world: int, plans: dict[str, Plan], mesh: Any,
+           config: dict[str, Any]) -> tuple[nn.Module, list[Any]]:
+    model = build_llama(config)
     handles: list[Any] = []
     if name in ("production", "validate"):
-        handles.append(apply(model, plan, mesh, mode=name))  # type: ignore[arg-type]
+        handles.append(apply(model, plans["tp"], mesh, mode=name))  # type: ignore[arg-type]
+    elif name == "sp_production":
+        handles.append(apply(model, plans["sp"], mesh, mode="production"))
+    elif name == "sp_torchtitan":
+        torchtitan_sp_parallelize(model, mesh)
     elif name == "parallelize_module":
         torch_tp_parallelize(model, mesh)
     elif name == "handwritten":
@@ -362,48 +446,72 @@ def _profile_step(model: nn.Module, ids: Tensor, rank: int) -> str:
     return table
 
 
-def bench_worker(rank: int, world: int, plan: Plan, rounds: int, steps: int, warmup: int,
-                 profile: bool) -> dict[str, Any]:
+def _peak_step_bytes(model: nn.Module, ids: Tensor) -> int:
+    """The most bytes allocated during one step above what was allocated when it began."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step_loss(model, ids)
+    model.zero_grad(set_to_none=True)
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def bench_worker(rank: int, world: int, plans: dict[str, Plan], rounds: int, steps: int,
+                 warmup: int, profile: bool, impls: Sequence[str] = IMPLS,
+                 config: dict[str, Any] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated",
                             category=FutureWarning)
     from torch.distributed.device_mesh import init_device_mesh
 
+    config = config or CONFIG
+    impls = tuple(impls)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    ids = token_ids()
-    reference = build_llama()
+    ids = token_ids(config)
+    reference = build_llama(config)
     ref_loss = float(step_loss(reference, ids))
     del reference
     models: dict[str, nn.Module] = {}
     keep: dict[str, list[Any]] = {}
     first_loss: dict[str, float] = {}
     first_grads: dict[str, dict[str, Tensor]] = {}
-    for name in IMPLS:
-        models[name], keep[name] = _setup(name, rank, world, plan, mesh)
+    for name in impls:
+        models[name], keep[name] = _setup(name, rank, world, plans, mesh, config)
         for i in range(warmup):
             loss = float(step_loss(models[name], ids))
             if i == 0:
                 first_loss[name] = loss
                 first_grads[name] = _local_grads(models[name])
             models[name].zero_grad(set_to_none=True)
-    grad_diff = {name: _max_grad_diff(first_grads[name], first_grads["production"])
-                 for name in IMPLS if name != "production"}
+    base = impls[0]  # production in the main run, sp_production in the sweep
+    grad_diff = {name: _max_grad_diff(first_grads[name], first_grads[base])
+                 for name in impls if name != base}
     del first_grads
-    times: dict[str, list[list[float]]] = {name: [] for name in IMPLS}
-    cpu_times: dict[str, list[list[float]]] = {name: [] for name in IMPLS}
+    times: dict[str, list[list[float]]] = {name: [] for name in impls}
+    cpu_times: dict[str, list[list[float]]] = {name: [] for name in impls}
     for r in range(rounds):
-        order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+        order = impls[r % len(impls):] + impls[:r % len(impls)]
         for name in order:
             wall, cpu = _timed_block(models[name], ids, steps)
             times[name].append(wall)
             cpu_times[name].append(cpu)
+    peak_bytes = {name: _peak_step_bytes(models[name], ids) for name in impls}
     profiles = {}
     if profile:
-        for name in ("production", "handwritten"):
-            profiles[name] = _profile_step(models[name], ids, rank)
-    for handle in keep["handwritten"]:
+        for name in ("production", "handwritten", *SP_IMPLS):
+            if name in models:
+                profiles[name] = _profile_step(models[name], ids, rank)
+    for handle in keep.get("handwritten", ()):
         handle.remove()
     return {"times": times, "cpu_times": cpu_times, "losses": first_loss, "reference_loss": ref_loss,
-            "grad_diff": grad_diff, "profiles": profiles}
+            "grad_diff": grad_diff, "profiles": profiles, "peak_bytes": peak_bytes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,12 +573,18 @@ def summarise(results: Sequence[dict[str, Any]], rounds: int, steps: int, warmup
         "parallelize_module_vs_handwritten":
             medians["parallelize_module"] / medians["handwritten"],
         "validate_vs_production": medians["validate"] / prod,
+        "sp_production_vs_sp_torchtitan": medians["sp_production"] / medians["sp_torchtitan"],
     }
+    sp_met = ratios["sp_production_vs_sp_torchtitan"] <= TARGET_SP_VS_TORCHTITAN
     return {
         "production_ms": medians["production"],
         "validate_ms": medians["validate"],
         "parallelize_module_ms": medians["parallelize_module"],
         "handwritten_ms": medians["handwritten"],
+        "sp_production_ms": medians["sp_production"],
+        "sp_torchtitan_ms": medians["sp_torchtitan"],
+        "peak_step_bytes": {name: max(res["peak_bytes"][name] for res in results)
+                            for name in IMPLS},
         "losses_agree": _losses_agree(every),
         "losses": losses,
         "reference_loss": reference[0],
@@ -483,6 +597,8 @@ def summarise(results: Sequence[dict[str, Any]], rounds: int, steps: int, warmup
             "production_vs_parallelize_module_max": TARGET_VS_PARALLELIZE,
             "met": (ratios["production_vs_handwritten"] <= TARGET_VS_HANDWRITTEN
                     and ratios["production_vs_parallelize_module"] <= TARGET_VS_PARALLELIZE),
+            "sp_production_vs_sp_torchtitan_max": TARGET_SP_VS_TORCHTITAN,
+            "sp_met": sp_met,
         },
         "p25_ms": {name: statistics.quantiles(flat[name], n=4)[0] if len(flat[name]) > 1
                    else flat[name][0] for name in IMPLS},
@@ -490,13 +606,16 @@ def summarise(results: Sequence[dict[str, Any]], rounds: int, steps: int, warmup
         "cpu_ms": cpu,
         "cpu_ratios": {"production_vs_handwritten": cpu["production"] / cpu["handwritten"],
                        "production_vs_parallelize_module":
-                           cpu["production"] / cpu["parallelize_module"]},
+                           cpu["production"] / cpu["parallelize_module"],
+                       "sp_production_vs_sp_torchtitan":
+                           cpu["sp_production"] / cpu["sp_torchtitan"]},
         "round_medians_ms": {name: [statistics.median(b) for b in per_round[name]]
                              for name in IMPLS},
         "step_ms": per_round,
         "settings": {"rounds": rounds, "steps": steps, "warmup": warmup, "batch": BATCH,
                      "seq": SEQ, "model": {k: v for k, v in CONFIG.items()}, "dtype": "float32",
-                     "recipe": str(RECIPE.relative_to(REPO))},
+                     "recipe": str(RECIPE.relative_to(REPO)),
+                     "sp_recipe": str(SP_RECIPE.relative_to(REPO))},
         "environment": _environment(),
         "wall_s": wall_s,
         "load_average": load,
@@ -508,15 +627,16 @@ def markdown(summary: dict[str, Any]) -> str:
     rounds = m["round_medians_ms"]
     lines = [
         "| implementation | median step (ms) | vs handwritten | round medians, min-max (ms) "
-        "| fastest step (ms) | median CPU time (ms) | CPU vs handwritten |",
-        "|---|---|---|---|---|---|---|",
+        "| fastest step (ms) | median CPU time (ms) | CPU vs handwritten | peak step memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in IMPLS:
         ms, cpu = m[f"{name}_ms"], m["cpu_ms"][name]
         lines.append(f"| {name} | {ms:.1f} | {ms / m['handwritten_ms']:.2f}x | "
                      f"{min(rounds[name]):.1f}-{max(rounds[name]):.1f} | "
                      f"{m['min_ms'][name]:.1f} | {cpu:.1f} | "
-                     f"{cpu / m['cpu_ms']['handwritten']:.2f}x |")
+                     f"{cpu / m['cpu_ms']['handwritten']:.2f}x | "
+                     f"{m['peak_step_bytes'][name] / 2**20:.1f} |")
     lines += [
         "",
         f"production / handwritten = {r['production_vs_handwritten']:.3f} "
@@ -526,8 +646,75 @@ def markdown(summary: dict[str, Any]) -> str:
         f"(loss {m['reference_loss']:.6f}); local gradients agree with production: "
         f"{m['grads_agree']} (largest relative difference "
         f"{max(m['grad_max_rel_diff_vs_production'].values()):.1e})",
+        "",
+        f"sp_production / sp_torchtitan = {r['sp_production_vs_sp_torchtitan']:.3f} "
+        f"(target <= {TARGET_SP_VS_TORCHTITAN}); met: {m['targets']['sp_met']}; by CPU time "
+        f"{m['cpu_ratios']['sp_production_vs_sp_torchtitan']:.3f}",
     ]
     return "\n".join(lines)
+
+
+def summarise_sweep(hidden: int, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One size of the sweep: sp_production against sp_torchtitan."""
+    per_round = {name: _slowest_rank([res["times"][name] for res in results]) for name in SP_IMPLS}
+    flat = {name: [t for block in per_round[name] for t in block] for name in SP_IMPLS}
+    med = {name: statistics.median(flat[name]) for name in SP_IMPLS}
+    cpu = {name: statistics.median(t for res in results for block in res["cpu_times"][name]
+                                   for t in block) for name in SP_IMPLS}
+    losses = [res["losses"][name] for res in results for name in SP_IMPLS]
+    return {
+        "hidden": hidden,
+        "sp_production_ms": med["sp_production"],
+        "sp_torchtitan_ms": med["sp_torchtitan"],
+        "ratio": med["sp_production"] / med["sp_torchtitan"],
+        "min_ms": {name: min(flat[name]) for name in SP_IMPLS},
+        "cpu_ms": cpu,
+        "cpu_ratio": cpu["sp_production"] / cpu["sp_torchtitan"],
+        "peak_step_bytes": {name: max(res["peak_bytes"][name] for res in results)
+                            for name in SP_IMPLS},
+        "losses_agree": _losses_agree(losses),
+        "grad_max_rel_diff": max(res["grad_diff"]["sp_torchtitan"] for res in results),
+        "met": med["sp_production"] / med["sp_torchtitan"] <= TARGET_SP_VS_TORCHTITAN,
+    }
+
+
+def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| hidden | sp_production median (ms) | sp_torchtitan median (ms) | ratio | fastest steps "
+        "(ms) | CPU ratio | peak step memory, production / torchtitan (MiB) | losses agree |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        mins, peak = row["min_ms"], row["peak_step_bytes"]
+        lines.append(
+            f"| {row['hidden']} | {row['sp_production_ms']:.1f} | {row['sp_torchtitan_ms']:.1f} "
+            f"| {row['ratio']:.3f} | {mins['sp_production']:.1f} / {mins['sp_torchtitan']:.1f} "
+            f"| {row['cpu_ratio']:.3f} | {peak['sp_production'] / 2**20:.1f} / "
+            f"{peak['sp_torchtitan'] / 2**20:.1f} | {row['losses_agree']} |")
+    return "\n".join(lines)
+
+
+def _plans(config: dict[str, Any]) -> dict[str, Plan]:
+    model = build_model("hf:llama", config, device="meta")
+    return {"tp": compile_recipe(str(RECIPE), model, {"tp": WORLD}),
+            "sp": compile_recipe(str(SP_RECIPE), model, {"tp": WORLD})}
+
+
+def _loss_on_shards() -> dict[str, Any] | None:
+    """The loss-on-vocab-shards memory figures (``loss_shards_peak_bytes``,
+    ``loss_gathered_peak_bytes``) belong to ``tools/bench_loss.py``; this tool does not
+    measure them. Where that tool is present and offers ``latest_figures()``, its last
+    recorded figures are carried into this JSON for one place to read; otherwise ``None``."""
+    try:
+        sys.path.insert(0, str(REPO / "tools"))
+        import bench_loss  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    finally:
+        sys.path.pop(0)
+    latest = getattr(bench_loss, "latest_figures", None)
+    figures: dict[str, Any] | None = latest() if callable(latest) else None
+    return figures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -537,29 +724,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
-                        help="profile one production and one handwritten step on rank 0")
+                        help="profile one step of production, handwritten, sp_production and "
+                             "sp_torchtitan on rank 0")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[],
+                        help="hidden sizes of the sp_production vs sp_torchtitan sweep "
+                             "(e.g. 256 512 1024)")
+    parser.add_argument("--sweep-rounds", type=int, default=6)
     ns = parser.parse_args(argv)
-    if ns.rounds < 1 or ns.steps < 1 or ns.warmup < 1:
-        parser.error("--rounds, --steps and --warmup must be at least 1")
-    plan = compile_recipe(str(RECIPE), build_model("hf:llama", CONFIG), {"tp": WORLD})
+    if ns.rounds < 1 or ns.steps < 1 or ns.warmup < 1 or ns.sweep_rounds < 1:
+        parser.error("--rounds, --steps, --warmup and --sweep-rounds must be at least 1")
+    if any(h < 128 or h % 64 for h in ns.sizes):
+        parser.error("--sizes: each hidden size must be a multiple of 64, at least 128")
+    plans = _plans(CONFIG)
     load_before = list(os.getloadavg())
     start = time.perf_counter()
-    results = run_ranks(bench_worker, WORLD, plan, ns.rounds, ns.steps, ns.warmup, ns.profile,
+    results = run_ranks(bench_worker, WORLD, plans, ns.rounds, ns.steps, ns.warmup, ns.profile,
                         timeout_s=1800.0)
     load = {"before": load_before, "after": list(os.getloadavg())}
     summary = summarise(results, ns.rounds, ns.steps, ns.warmup, time.perf_counter() - start,
                         load)
+    sweep = []
+    for hidden in ns.sizes:
+        config = sized_config(hidden)
+        size_load = list(os.getloadavg())
+        ranks = run_ranks(bench_worker, WORLD, _plans(config), ns.sweep_rounds, ns.steps,
+                          ns.warmup, False, SP_IMPLS, config, timeout_s=1800.0)
+        sweep.append({**summarise_sweep(hidden, ranks),
+                      "load_average": {"before": size_load, "after": list(os.getloadavg())}})
+    summary["sweep"] = sweep
+    summary["settings"]["sweep_rounds"] = ns.sweep_rounds
+    summary["loss_on_shards"] = _loss_on_shards()
     env = summary["environment"]
     print(f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, "
           f"{env['cpu_count']} CPUs, {WORLD} gloo ranks x 1 thread; {ns.rounds} rounds x "
           f"{ns.steps} steps; {summary['wall_s']:.0f} s")
     print()
     print(markdown(summary))
+    if sweep:
+        print()
+        print(sweep_markdown(sweep))
     for name, table in results[0]["profiles"].items():
         print(f"\n--- torch.profiler, one {name} step, rank 0 ---\n{table}")
     if ns.json is not None:
         ns.json.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return 0 if summary["losses_agree"] else 1
+    ok = summary["losses_agree"] and all(row["losses_agree"] for row in sweep)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
