@@ -35,7 +35,10 @@ started by :func:`hyperrecipe.check.launcher.run_ranks` (fork, one intra-op thre
     ``PrepareModuleInput`` all-gathering the sequence into attention and MLP,
     ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel(output_layouts=Shard(1))`` on o/down
     (reduce-scatter), and ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``
-    on ``lm_head``. One collective per block boundary, like the recipe. Where torchtitan's own
+    on ``lm_head``. One collective per block boundary, like the recipe. DTensor leaves the
+    norms' weight gradients ``Partial`` after backward (an optimizer step would reduce them on
+    first touch, one all-reduce per parameter); the timed step reduces them right after
+    backward, so both plans end the step with the same reduced gradients. Where torchtitan's own
     model shards the embedding's output (a reduce-scatter), Hugging Face's ``LlamaModel``
     derives positions, rotary tables and the mask from that output's shape, so here (as in the
     recipe) the embedding's output stays replicated (an all-reduce) and a ``PrepareModuleInput``
@@ -51,11 +54,12 @@ over all timed steps, in milliseconds. ``--profile`` also profiles one productio
 handwritten, one sp_production and one sp_torchtitan step on rank 0 with ``torch.profiler`` and
 prints the top operators.
 
-**Peak memory of a step**: after the timed rounds each implementation runs one more step under
+**Peak memory of a step**: after the timed rounds each implementation runs more steps under
 ``torch.profiler`` with ``profile_memory=True``; the allocator's records (every allocation and
 free of the process, in time order) give the highest amount allocated above what was allocated
 when the step began: activations, gradients and collective buffers, not the weights held
-before. The figure is per rank; the summary gives the larger rank's.
+before. Each rank takes the median of 3 such steps (single steps vary by about 1 MiB with the
+order in which threads free buffers); the summary gives the larger rank's.
 
 **Size sweep** (``--sizes 256 512 1024``): for each hidden size ``h`` (intermediate ``4h``,
 ``h / 64`` heads and KV heads, the other settings as above) a separate launch times
@@ -118,6 +122,8 @@ GRAD_RTOL = 1e-4  # of each parameter's largest gradient entry
 TARGET_VS_HANDWRITTEN = 1.05
 TARGET_VS_PARALLELIZE = 0.65
 TARGET_SP_VS_TORCHTITAN = 1.0
+MEMORY_STEPS = 3
+"""Profiled steps per implementation for the peak step memory; the median is reported."""
 
 Step = Callable[[], Tensor]
 
@@ -149,6 +155,9 @@ def step_loss(model: nn.Module, ids: Tensor) -> Tensor:
     vocab = logits.shape[-1]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
     torch.autograd.backward(loss)
+    finish = getattr(model, "_bench_finish_grads", None)
+    if finish is not None:
+        finish()
     return loss.detach()
 
 
@@ -362,6 +371,25 @@ def torchtitan_sp_parallelize(model: nn.Module, mesh: Any) -> None:
     parallelize_module(model, mesh, plan)
 
 
+def _partial_grads_reducer(model: nn.Module) -> Callable[[], None]:
+    """After backward, reduce the gradients DTensor left ``Partial`` (the ``SequenceParallel``
+    norms' weights, which saw only their rank's tokens) to their parameters' placements, one
+    all-reduce each: what an optimizer step or gradient clipping would otherwise do on its
+    first touch. Part of the timed step, so both sequence-parallel plans finish a step with the
+    same reduced gradients (production reduces them in its backward)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+
+    def finish() -> None:
+        for p in params:
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(isinstance(q, Partial) for q in grad.placements):
+                p.grad = grad.redistribute(grad.device_mesh, p.placements)
+
+    return finish
+
+
 # ---------------------------------------------------------------------------------------------
 # In each rank.
 
@@ -376,6 +404,7 @@ def _setup(name: str, rank: int, world: int, plans: dict[str, Plan], mesh: Any,
         handles.append(apply(model, plans["sp"], mesh, mode="production"))
     elif name == "sp_torchtitan":
         torchtitan_sp_parallelize(model, mesh)
+        model._bench_finish_grads = _partial_grads_reducer(model)  # type: ignore[assignment]
     elif name == "parallelize_module":
         torch_tp_parallelize(model, mesh)
     elif name == "handwritten":
@@ -502,7 +531,8 @@ def bench_worker(rank: int, world: int, plans: dict[str, Plan], rounds: int, ste
             wall, cpu = _timed_block(models[name], ids, steps)
             times[name].append(wall)
             cpu_times[name].append(cpu)
-    peak_bytes = {name: _peak_step_bytes(models[name], ids) for name in impls}
+    peak_bytes = {name: int(statistics.median(_peak_step_bytes(models[name], ids)
+                                              for _ in range(MEMORY_STEPS))) for name in impls}
     profiles = {}
     if profile:
         for name in ("production", "handwritten", *SP_IMPLS):
