@@ -39,12 +39,17 @@ __all__ = ["Installation", "StatusRow"]
 
 @attrs.frozen(kw_only=True)
 class StatusRow:
-    """One install: which module, what was changed, and where it stands."""
+    """One install: which module, what was changed, and where it stands.
+
+    ``error`` says why a row is not installed/loaded; ``note`` adds what a successful row did
+    that a user should know (a checkpoint read through transformers' key conversion).
+    """
 
     fqn: str
     what: str
     state: str
     error: str | None = None
+    note: str | None = None
 
 
 def _barrier_group() -> Any:
@@ -112,7 +117,9 @@ class Installation:
                               else "restored", error=c.reason)
                     for c in self._wrapper_choices)
         rows.extend(StatusRow(fqn=a.source, what=f"weights {a.strategy}", state=a.state,
-                              error=a.detail) for a in self._loads)
+                              error=None if a.state == "loaded" else a.detail,
+                              note=a.detail if a.state == "loaded" else None)
+                    for a in self._loads)
         if self._unloaded:
             names = sorted(self._unloaded)
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
