@@ -191,19 +191,32 @@ def test_several_buckets_with_a_frozen_parameter_launch_in_order_and_match_one_p
             "every bucket is reduced once per backward, the frozen one's slot as zeros"
 
 
-def _autograd_grad_worker(rank: int, world: int) -> str:
+def _refusal_worker(rank: int, world: int) -> list[str]:
+    """Two ways a bucketed gradient would escape its reduction: each must raise instead."""
+    out = []
     model = llama()
     apply(model, _sp_plan(world), mesh_1d(world))
     loss = model(input_ids=_micro_batches()[0]).logits.pow(2).mean()
     norms = [p for n, p in model.named_parameters() if n.endswith("layernorm.weight")]
     try:
         torch.autograd.grad(loss, norms)
+        out.append("no error")
     except PlanMismatchError as exc:
-        return str(exc)
-    return "no error"
+        out.append(str(exc))
+    model = llama()
+    model.get_parameter(FROZEN).requires_grad_(False)
+    apply(model, _sp_plan(world), mesh_1d(world))
+    model.get_parameter(FROZEN).requires_grad_(True)  # too late: no hooks on it
+    try:
+        model(input_ids=_micro_batches()[0]).logits.pow(2).mean().backward()
+        out.append("no error")
+    except PlanMismatchError as exc:
+        out.append(str(exc))
+    return out
 
 
-def test_gradients_taken_with_autograd_grad_are_refused_not_returned_unreduced() -> None:
-    for message in run_ranks(_autograd_grad_worker, 2, timeout_s=300):
-        assert "never accumulated into .grad (torch.autograd.grad?)" in message
-        assert "call backward() instead" in message
+def test_gradients_that_would_escape_their_bucket_are_refused_not_returned_unreduced() -> None:
+    for taken, unfrozen in run_ranks(_refusal_worker, 2, timeout_s=300):
+        assert "never accumulated into .grad (torch.autograd.grad?)" in taken
+        assert "call backward() instead" in taken
+        assert unfrozen.startswith(f"{FROZEN}: requires_grad was switched on after apply")

@@ -26,7 +26,10 @@ does would fall out of step: local regions tie their outputs to every parameter 
 that reason (:mod:`~hyperrecipe.runtime.reach`).
 
 Refused, at the end of the backward: a gradient taken with ``torch.autograd.grad`` (autograd
-ran the tensor hook but never accumulated, so the value returned was not reduced).
+ran the tensor hook but never accumulated, so the value returned was not reduced), and the
+gradient of a parameter whose ``requires_grad`` was switched on after apply (no hooks on it).
+``fully_shard`` after apply replaces parameters with new objects, without these hooks: the
+FSDP2 path is tested with plans that bucket nothing (docs/training.md).
 Reentrant activation checkpointing runs a nested backward whose end launches the buckets
 early; the gradients stay right but the step issues the bucket collectives more than once.
 
@@ -55,7 +58,7 @@ __all__ = ["GradBucketReducer"]
 class _Slot:
     """One parameter of a bucket and its state in the current backward."""
 
-    __slots__ = ("fqn", "param", "numel", "ready", "set_aside", "hooked")
+    __slots__ = ("fqn", "param", "numel", "ready", "set_aside", "hooked", "installed")
 
     def __init__(self, fqn: str, param: nn.Parameter) -> None:
         self.fqn = fqn
@@ -65,6 +68,8 @@ class _Slot:
         self.set_aside: Tensor | None = None
         self.hooked = False
         """Whether the tensor hook ran in this backward (the gradient is on its way)."""
+        self.installed = False
+        """Whether the hooks are on the parameter (it required a gradient at apply)."""
 
 
 class _Bucket:
@@ -118,6 +123,7 @@ class GradBucketReducer:
             for slot in bucket.slots:
                 if not slot.param.requires_grad:
                     continue  # never ready: its slot is zeros when the bucket launches
+                slot.installed = True
                 slot.param.register_hook(  # type: ignore[no-untyped-call]
                     self._before_accumulate(slot))
                 slot.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
@@ -159,6 +165,8 @@ class GradBucketReducer:
     def _finish_backward(self) -> None:
         try:
             taken = [s.fqn for b in self.buckets for s in b.slots if s.hooked and not s.ready]
+            unhooked = [s.fqn for b in self.buckets for s in b.slots
+                        if not s.installed and s.param.grad is not None]
             while self.next_launch < len(self.buckets):
                 self._launch(self.buckets[self.next_launch])
                 self.next_launch += 1
@@ -171,6 +179,11 @@ class GradBucketReducer:
                     if slot.hooked and not slot.ready:
                         slot.param.grad = slot.set_aside  # put back what was set aside
                     slot.ready, slot.hooked, slot.set_aside = False, False, None
+        if unhooked:
+            msg = (f"{', '.join(unhooked[:3])}: requires_grad was switched on after apply, so "
+                   f"this partial gradient was not reduced over the plan's mesh dims; set "
+                   f"requires_grad before applying the plan")
+            raise PlanMismatchError(msg)
         if taken:
             shown = ", ".join(taken[:3]) + (f" and {len(taken) - 3} more" if len(taken) > 3 else "")
             msg = (f"the gradients of {shown} were computed but never accumulated into .grad "
