@@ -28,8 +28,10 @@ that reason (:mod:`~hyperrecipe.runtime.reach`).
 Refused, at the end of the backward: a gradient taken with ``torch.autograd.grad`` (autograd
 ran the tensor hook but never accumulated, so the value returned was not reduced), and the
 gradient of a parameter whose ``requires_grad`` was switched on after apply (no hooks on it).
-``fully_shard`` after apply replaces parameters with new objects, without these hooks: the
-FSDP2 path is tested with plans that bucket nothing (docs/training.md).
+Not covered: ``fully_shard`` after apply replaces parameters with new objects that carry none
+of these hooks, so a plan with gradient buckets (sequence parallel norms) under FSDP2 leaves
+those gradients unreduced over ``tp`` (so did the per-parameter hooks before buckets); the
+FSDP2 path is tested with plans that reduce no gradient (docs/training.md).
 Reentrant activation checkpointing runs a nested backward whose end launches the buckets
 early; the gradients stay right but the step issues the bucket collectives more than once.
 
