@@ -12,7 +12,8 @@ What lives here, one responsibility per module:
   validate-mode compute runs under (a KV cache's first concatenation; boundaries called from
   local code); ``marshal``: moving values between DTensor and local tensors; ``compute``: the local kernels production needs;
   ``sharding``: shard layout math; ``collectives``: production collectives with their autograd
-  duals, counted per step.
+  duals, counted per step; ``grad_buckets``: the plan's gradient buckets, one flat collective
+  each, run from post-accumulate-grad hooks in production.
 - ``inner``: installing inner wrappers (fallback chains, hooks, the local-tensor edge);
   ``context_parallel``: the built-in attention wrappers (``cp_allgather_kv``, ``ulysses``).
 - ``local_region``: boundaries whose forward runs on local tensors in both modes; ``experts``:
