@@ -1,0 +1,318 @@
+"""The loss on vocab shards (``loss_parallel``), on real gloo ranks, both modes, against one
+process.
+
+Tolerances: fp32; the loss within atol 2e-6 / rtol 1e-5, and every parameter's gradient within
+the runtime tests' atol 2e-6 / rtol 1e-5 (tests/runtime_harness.py). The transformers cases run
+tiny Llama (recipes/models/tiny-llama.json, vocab 128) with the shipped
+``recipes/llama-sp-loss.yaml``; the plain-PyTorch cases a two-layer language model whose forward
+takes no labels, with ``hyperrecipe.vocab_parallel_cross_entropy``. Validate mode runs eager
+attention (torch 2.13 has no DTensor strategy for CPU SDPA).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hyperrecipe
+from hyperrecipe import LossParallelError, RecipeError, apply, compile_recipe
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.plan import Plan
+from tests.runtime_harness import ROOT, assert_close, llama, llama_batch, mesh_1d
+
+RECIPE = str(ROOT / "recipes/llama-sp-loss.yaml")
+
+
+def llama_labels(ids: torch.Tensor) -> torch.Tensor:
+    """The ids as labels, with a few positions ignored (-100)."""
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    return labels
+
+
+# ------------------------------------------------------------------------------ transformers
+
+
+LLAMA_LOSS = """\
+recipe: llama-loss
+version: 1
+mesh: [tp]
+extends: llama
+rules:
+  - match: lm_head
+    style: colwise
+    loss_parallel: true
+"""
+
+
+def _generate(model: nn.Module, ids: torch.Tensor, decode: bool) -> torch.Tensor | None:
+    """Greedy decoding (one token at a time: the sequence-parallel recipes cannot split a
+    one-token step, so it runs with the tensor-parallel recipe only)."""
+    if not decode:
+        return None
+    out: torch.Tensor = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+    return out
+
+
+def _llama_reference(overrides: dict[str, Any], decode: bool) -> dict[str, Any]:
+    model = llama(**overrides)
+    ids = llama_batch()
+    out = model(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with torch.no_grad():
+        summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
+        logits = model(input_ids=ids).logits
+        generated = _generate(model, ids, decode)
+    return {"loss": out.loss.detach(), "grads": grads, "summed": summed.loss, "logits": logits,
+            "generated": generated}
+
+
+def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict[str, Any],
+                  decode: bool) -> dict[str, Any]:
+    from collections import Counter
+
+    from hyperrecipe.runtime.collectives import count_collectives
+
+    model = llama(**overrides)
+    plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    ids = llama_batch()
+    with count_collectives() as log:
+        out = model(input_ids=ids, labels=llama_labels(ids))
+        out.loss.backward()
+    counted = Counter((r.kind, r.mesh_dim, r.direction) for r in log.records)
+    expected = Counter((e.op.kind, e.mesh_dim, e.direction) for e in plan.manifest)
+    misuse = ""
+    try:
+        F.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
+    except LossParallelError as exc:
+        misuse = str(exc)
+    grads = inst.full_grads()
+    with torch.no_grad():
+        summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
+        logits = model(input_ids=ids).logits
+        generated = _generate(model, ids, decode)
+    inst.restore()
+    restored = not {"_loss_function", "forward"} & set(vars(model))
+    return {"loss": out.loss.detach(), "grads": grads, "summed": summed.loss, "logits": logits,
+            "generated": generated, "restored": restored, "local_shape": tuple(out.logits.shape), "misuse": misuse,
+            "marked": type(out.logits).__name__, "counted": dict(counted),
+            "expected": dict(expected)}
+
+
+@pytest.mark.parametrize(("recipe", "mode", "overrides"), [
+    ("llama-sp-loss", "production", {}),
+    ("llama-sp-loss", "validate", {"attn_implementation": "eager"}),
+    ("llama-loss", "production", {}),
+    ("llama-loss", "validate", {"attn_implementation": "eager"}),
+])
+def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process(
+        recipe: str, mode: str, overrides: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "llama-loss.yaml"
+    path.write_text(LLAMA_LOSS)
+    decode = recipe == "llama-loss"
+    ref = _llama_reference(overrides, decode)
+    results = run_ranks(_llama_worker, 2, RECIPE if recipe == "llama-sp-loss" else str(path),
+                        mode, overrides, decode, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        assert set(res["grads"]) == set(ref["grads"]), "every parameter has a full gradient"
+        for name, g in ref["grads"].items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert_close(res["summed"], ref["summed"], f"rank {rank} loss / num_items_in_batch")
+        # with labels, the logits stay the rank's vocab slice and refuse torch ops
+        assert res["local_shape"] == (2, 8, 64) and res["marked"] == "VocabShardedLogits"
+        assert "this rank's slice [" in res["misuse"] and "vocab_parallel_cross_entropy" in \
+            res["misuse"]
+        # without labels (inference, generate()), the caller gets the full logits
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits without labels")
+        assert res["restored"], "restore() takes the loss function and the forward back"
+        if decode:
+            assert torch.equal(res["generated"], ref["generated"]), "greedy generate() agrees"
+    if mode == "production":
+        assert results[0]["counted"] == results[0]["expected"], \
+            "collectives issued in one step equal the plan's manifest"
+        assert results[0]["expected"][("all_gather", "tp", "forward")] >= 1
+
+
+# ------------------------------------------------------------------------------ plain PyTorch
+
+
+class TinyLM(nn.Module):
+    """A plain language model whose forward takes no labels: ids -> logits."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.proj(self.embed(ids))))  # type: ignore[no-any-return]
+
+
+TINY_RECIPE = """\
+recipe: tiny-lm-loss
+version: 1
+mesh: [tp]
+rules:
+  - match: lm_head
+    style: colwise
+    loss_parallel: true
+"""
+
+
+def tiny_lm(device: str = "cpu") -> TinyLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return TinyLM()
+
+
+def tiny_batch(ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (3, 5), generator=g)
+    labels = torch.randint(0, 96, (3, 5), generator=g)
+    labels[0, 1] = labels[2, 4] = ignore_index
+    return ids, labels
+
+
+HELPER_CASES: list[dict[str, Any]] = [
+    {}, {"label_smoothing": 0.1}, {"reduction": "sum"}, {"reduction": "none"},
+    {"ignore_index": 7},
+]
+
+
+def _helper_reference() -> list[dict[str, Any]]:
+    out = []
+    for kwargs in HELPER_CASES:
+        model = tiny_lm()
+        ids, labels = tiny_batch(kwargs.get("ignore_index", -100))
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **kwargs)
+        loss = loss.view(labels.shape) if kwargs.get("reduction") == "none" else loss
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+        out.append({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in
+                                                     model.named_parameters()}})
+    return out
+
+
+def _helper_worker(rank: int, world: int, mode: str, recipe: str) -> list[dict[str, Any]]:
+    out = []
+    for kwargs in HELPER_CASES:
+        model = tiny_lm()
+        plan = compile_recipe(recipe, tiny_lm("meta"), {"tp": world})
+        inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        ids, labels = tiny_batch(kwargs.get("ignore_index", -100))
+        logits = model(ids)
+        loss = hyperrecipe.vocab_parallel_cross_entropy(logits, labels, **kwargs)
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+        out.append({"loss": loss.detach(), "grads": inst.full_grads(), "kind":
+                    plan.loss_parallel.kind if plan.loss_parallel else None})
+        inst.restore()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy_of_one_process(
+        mode: str, tmp_path: Path) -> None:
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    ref = _helper_reference()
+    results = run_ranks(_helper_worker, 2, mode, str(recipe), timeout_s=300)
+    for rank, cases in enumerate(results):
+        for kwargs, res, want in zip(HELPER_CASES, cases, ref):
+            what = f"rank {rank} {kwargs or 'defaults'}"
+            assert res["kind"] == "helper"
+            assert_close(res["loss"], want["loss"], f"{what} loss")
+            for name, g in want["grads"].items():
+                assert_close(res["grads"][name], g, f"{what} grad {name}")
+
+
+def test_plain_logits_are_refused_by_the_helper() -> None:
+    with pytest.raises(LossParallelError, match=r"needs vocab-sharded logits .* found a plain "
+                                                r"Tensor of shape \(4, 10\)"):
+        hyperrecipe.vocab_parallel_cross_entropy(torch.randn(4, 10), torch.zeros(4,
+                                                                                 dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------ compile time
+
+
+def _compile(tmp_path: Path, rules: str) -> Plan:
+    path = tmp_path / "r.yaml"
+    path.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n" + textwrap.indent(
+        textwrap.dedent(rules), "  "))
+    return compile_recipe(str(path), tiny_lm("meta"), {"tp": 2})
+
+
+def test_the_plan_records_the_loss_and_round_trips(tmp_path: Path) -> None:
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": 2})
+    loss = plan.loss_parallel
+    assert loss is not None
+    assert (loss.boundary, loss.owner, loss.kind, loss.mesh_dim, loss.vocab, loss.local_vocab) \
+        == ("lm_head", "", "model", "tp", 128, 64)
+    assert [str(t.forward) for t in loss.gather] == ["all_gather[tp](gather_dim=-1)"]
+    assert loss.provenance.file.endswith("llama-sp-loss.yaml") and loss.provenance.line == 20
+    assert [(e.stage, e.direction, str(e.op)) for e in plan.manifest if e.stage == "loss"] == [
+        ("loss", "forward", "all_gather[tp](gather_dim=-1)")]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+
+
+@pytest.mark.parametrize(("rules", "problem", "line"), [
+    ("""\
+     - match: lm_head
+       style: colwise_gather_output
+       loss_parallel: true
+     """, "the logits must leave sharded on the vocab dim (-1) over 'tp' alone; out_dst is "
+         "replicate", 7),
+    ("""\
+     - match: proj
+       style: colwise
+       loss_parallel: true
+     - match: lm_head
+       style: colwise
+       loss_parallel: true
+     """, "loss_parallel is declared on 'proj' and 'lm_head'; a plan computes one loss", 10),
+    ("""\
+     - match: embed
+       style: vocab_parallel
+       loss_parallel: true
+     """, "loss_parallel on 'embed' (Embedding): the logits must come from an nn.Linear", 7),
+    ("""\
+     - match: lm_head
+       boundary: true
+       params: {weight: {tp: shard(1)}}
+       in_src: {0: {tp: shard(-1)}}
+       out_src: {0: {tp: partial}}
+       out_dst: {0: {tp: shard(-1)}}
+       loss_parallel: true
+     """, "loss_parallel on 'lm_head' needs its weight sharded on the vocab dim (0) over one "
+         "mesh dim; found {tp: shard(1)}", 11),
+])
+def test_a_loss_parallel_that_cannot_be_right_is_refused_at_its_recipe_line(
+        tmp_path: Path, rules: str, problem: str, line: int) -> None:
+    with pytest.raises(RecipeError) as info:
+        _compile(tmp_path, rules)
+    assert problem in str(info.value)
+    assert f"r.yaml:{line}:" in str(info.value)
+
+
+def test_loss_parallel_with_boundary_false_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="loss_parallel has no effect with boundary: false"):
+        _compile(tmp_path, """\
+            - match: lm_head
+              style: colwise
+              boundary: false
+              loss_parallel: true
+            """)
