@@ -316,3 +316,23 @@ def test_loss_parallel_with_boundary_false_is_refused(tmp_path: Path) -> None:
               boundary: false
               loss_parallel: true
             """)
+
+
+def _other_loss_worker(rank: int, world: int) -> str:
+    model = llama()
+    model.loss_type = "ForMaskedLM"  # transformers picks ForMaskedLMLoss for it
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": world})
+    try:
+        apply(model, plan, mesh_1d(world))
+    except hyperrecipe.PlanMismatchError as exc:
+        untouched = "forward" not in vars(model) and "_loss_function" not in vars(model)
+        return f"{exc} | untouched={untouched}"
+    return "applied"
+
+
+def test_a_model_whose_loss_is_not_a_causal_lm_cross_entropy_is_refused_at_apply() -> None:
+    message = run_ranks(_other_loss_worker, 1, timeout_s=120)[0]
+    assert "<root> (LlamaForCausalLM) takes labels=, but its loss_function is ForMaskedLMLoss" \
+        in message
+    assert message.endswith("untouched=True"), "the rollback leaves the model as it was"
+

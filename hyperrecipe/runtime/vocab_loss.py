@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "VocabShard",
+    "plain_vocab_slice",
     "VocabShardedLogits",
     "install_loss_parallel",
     "vocab_parallel_cross_entropy",
@@ -122,6 +123,13 @@ def mark_vocab_shard(local: Tensor, shard: VocabShard) -> VocabShardedLogits:
 def _unmark(logits: VocabShardedLogits) -> Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return logits.as_subclass(Tensor)
+
+
+def plain_vocab_slice(value: Any) -> Any:
+    """``value`` without the mark when it is a marked vocab slice (for code that knows it holds
+    a slice: ``hyperrecipe check`` records the lm_head's output with its ``shard(-1)`` layout
+    and reassembles it); anything else as it is."""
+    return _unmark(value) if isinstance(value, VocabShardedLogits) else value
 
 
 # ------------------------------------------------------------------------------ kernels
