@@ -336,3 +336,17 @@ def test_a_model_whose_loss_is_not_a_causal_lm_cross_entropy_is_refused_at_apply
         in message
     assert message.endswith("untouched=True"), "the rollback leaves the model as it was"
 
+
+
+def test_sharded_logits_handed_to_a_labels_loss_without_loss_parallel_are_refused(
+        tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("recipe: r\nversion: 1\nmesh: [tp]\nextends: llama\nrules:\n"
+                    "  - match: lm_head\n    out_dst: {0: {tp: shard(-1)}}\n")
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(path), llama("meta"), {"tp": 2})
+    text = str(info.value)
+    assert f"{path}:7:" in text
+    assert ("'lm_head' hands the model's forward, which computes the loss from labels, logits "
+            "sharded on the vocab dim ({tp: shard(-1)})") in text
+    assert "declare `loss_parallel: true`" in text

@@ -54,6 +54,7 @@ def plan_loss_parallel(inp: ResolveInput, claims: ClaimTable,
     declared = [(fqn, c) for (fqn, field, _), c in claims.slots.items()
                 if field == "loss_parallel" and c.value is True]
     if not declared:
+        _refuse_sharded_logits_without_loss(inp, claims, boundaries)
         return None
     declared.sort(key=lambda fc: inp.order[fc[0]])
     fqn, claim = declared[0]
@@ -115,6 +116,41 @@ def plan_loss_parallel(inp: ResolveInput, claims: ClaimTable,
         provenance=provenance(claim.rule, reason,
                               *(("loss_parallel",) if "loss_parallel" in claim.rule.explicit
                                 else ())))
+
+
+def _refuse_sharded_logits_without_loss(inp: ResolveInput, claims: ClaimTable,
+                                        boundaries: Sequence[BoundaryPlan]) -> None:
+    """An outermost ``nn.Linear`` boundary whose output leaves sharded on its last dim, called
+    by a forward that takes ``labels`` (a transformers ``lm_head``), without ``loss_parallel``:
+    the model's own loss would read ``[batch, seq, vocab / n]`` as if it were the whole vocab
+    (``view(-1, vocab_size)`` regroups it silently). Refused."""
+    for b in boundaries:
+        if b.parent is not None or not b.outputs:
+            continue
+        module = inp.tree.module(b.fqn)
+        owner = inp.tree.module(b.fqn.rsplit(".", 1)[0] if "." in b.fqn else "")
+        if not module.is_a(LINEAR) or not any(a.name == "labels" for a in owner.signature):
+            continue
+        first = next((a for a in b.outputs if a.position in (0, None)), b.outputs[0])
+        last = [d for d, q in first.dst.dims
+                if isinstance(q, Shard) and q.dim == -1 and inp.size(d) > 1]
+        if not last:
+            continue
+        dst, src = claims.layout(b.fqn, "out_dst"), claims.layout(b.fqn, "out_src")
+        claim = next((c for c in (dst.get(0), dst.get(first.name), src.get(0),
+                                  src.get(first.name)) if c is not None), None)
+        rule = claim.rule if claim is not None else None
+        field = "out_dst" if rule is not None and rule.fields.out_dst else "out_src"
+        msg = (f"{b.fqn!r} hands {owner.fqn or 'the model'}'s forward, which computes the loss "
+               f"from labels, logits sharded on the vocab dim ({first.dst}): its loss would "
+               f"read a slice of the vocab as the whole")
+        raise RecipeError(
+            msg, span=(rule.span(field) if rule is not None and field in rule.explicit
+                       else rule.span("match") if rule is not None else None),
+            path=f"{rule.json_path}.{field}" if rule is not None else "$.rules",
+            rule_index=rule.index if rule is not None else None,
+            hint="declare `loss_parallel: true` on it (the loss then runs on the shards), or "
+                 "gather the logits: out_dst: {0: replicate} (style colwise_gather_output)")
 
 
 def loss_manifest(loss: LossParallel | None) -> tuple[ManifestEntry, ...]:
