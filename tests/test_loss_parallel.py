@@ -91,11 +91,17 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
         out.loss.backward()
     counted = Counter((r.kind, r.mesh_dim, r.direction) for r in log.records)
     expected = Counter((e.op.kind, e.mesh_dim, e.direction) for e in plan.manifest)
-    misuse = ""
-    try:
-        F.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
-    except LossParallelError as exc:
-        misuse = str(exc)
+    misuse: list[str] = []
+    logits = out.logits
+    for use in (lambda: F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+                lambda: F.cross_entropy(logits.transpose(1, 2), ids),
+                lambda: logits.argmax(-1), lambda: logits + 1, lambda: logits[:, -1],
+                lambda: logits.float().softmax(-1), lambda: logits.detach()):
+        try:
+            use()
+            misuse.append("computed")
+        except LossParallelError as exc:
+            misuse.append(str(exc))
     grads = inst.full_grads()
     with torch.no_grad():
         summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
@@ -131,8 +137,10 @@ def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process
         assert_close(res["summed"], ref["summed"], f"rank {rank} loss / num_items_in_batch")
         # with labels, the logits stay the rank's vocab slice and refuse torch ops
         assert res["local_shape"] == (2, 8, 64) and res["marked"] == "VocabShardedLogits"
-        assert "this rank's slice [" in res["misuse"] and "vocab_parallel_cross_entropy" in \
-            res["misuse"]
+        start = 64 * rank
+        for message in res["misuse"]:  # every op on the slice is refused, naming what to do
+            assert f"which are this rank's slice [{start}, {start + 64}) of the 128-entry " \
+                   f"vocab" in message and "vocab_parallel_cross_entropy" in message, message
         # without labels (inference, generate()), the caller gets the full logits
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits without labels")
         assert res["restored"], "restore() takes the loss function and the forward back"

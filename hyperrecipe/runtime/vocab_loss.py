@@ -78,10 +78,11 @@ class VocabShard:
 
 
 _ALLOWED: frozenset[Any] = frozenset(
-    [Tensor.size, Tensor.dim, Tensor.__len__, Tensor.numel]
+    [Tensor.size, Tensor.dim, Tensor.__len__, Tensor.numel, Tensor.__hash__, Tensor.__repr__]
     + [getattr(Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim",
                                                  "requires_grad", "grad_fn", "is_leaf")])
-"""What a marked slice still answers: its shape and kind, nothing that reads its values."""
+"""What a marked slice still answers: its shape and kind, its identity hash and its printed form;
+nothing that computes with its values."""
 
 
 class VocabShardedLogits(Tensor):
@@ -91,7 +92,7 @@ class VocabShardedLogits(Tensor):
     a softmax or an ``argmax`` over a slice of the vocab would be silently wrong. Pass it to
     :func:`hyperrecipe.vocab_parallel_cross_entropy`, or call the model without ``labels`` (a
     transformers model) to get the full logits. Shape queries (``shape``, ``size()``,
-    ``dim()``, ``dtype``, ``device``) are allowed.
+    ``dim()``, ``dtype``, ``device``) and printing are allowed.
     """
 
     _hyperrecipe_vocab: VocabShard
