@@ -110,6 +110,27 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], batch: int, se
     return {"peak": min(peaks)}
 
 
+def measure_loss_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Both paths' per-rank peaks (the JSON keys above); ``args`` holds the sizes as
+    :func:`main` parses them (``vocab``, ``hidden``, ``layers``, ``batch``, ``seq``, ``world``,
+    ``repeat``). ``tools/bench_runtime.py`` can call it to report the same keys."""
+    from hyperrecipe.check.launcher import run_ranks
+
+    cfg = _config(args)
+    peaks = {}
+    for how in ("gathered", "shards"):
+        ranks = run_ranks(_worker, args.world, how, cfg, args.batch, args.seq, args.repeat,
+                          timeout_s=1200)
+        peaks[how] = max(r["peak"] for r in ranks)
+    return {
+        "loss_shards_peak_bytes": peaks["shards"],
+        "loss_gathered_peak_bytes": peaks["gathered"],
+        "ratio": peaks["shards"] / peaks["gathered"],
+        "logits_bytes": args.batch * args.seq * args.vocab * 4,
+        **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "batch", "seq", "world")},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=32000)
@@ -122,22 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
-    from hyperrecipe.check.launcher import run_ranks
-
-    cfg = _config(args)
-    peaks = {}
-    for how in ("gathered", "shards"):
-        ranks = run_ranks(_worker, args.world, how, cfg, args.batch, args.seq, args.repeat,
-                          timeout_s=1200)
-        peaks[how] = max(r["peak"] for r in ranks)
-    logits = args.batch * args.seq * args.vocab * 4
-    result = {
-        "loss_shards_peak_bytes": peaks["shards"],
-        "loss_gathered_peak_bytes": peaks["gathered"],
-        "ratio": peaks["shards"] / peaks["gathered"],
-        "logits_bytes": logits,
-        **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "batch", "seq", "world")},
-    }
+    result = measure_loss_memory(args)
+    peaks = {"shards": result["loss_shards_peak_bytes"],
+             "gathered": result["loss_gathered_peak_bytes"]}
+    logits = result["logits_bytes"]
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
