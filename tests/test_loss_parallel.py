@@ -358,3 +358,27 @@ def test_sharded_logits_handed_to_a_labels_loss_without_loss_parallel_are_refuse
     assert ("'lm_head' hands the model's forward, which computes the loss from labels, logits "
             "sharded on the vocab dim ({tp: shard(-1)})") in text
     assert "declare `loss_parallel: true`" in text
+
+
+def _dtensor_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    full = torch.randn(3, 4, 10)
+    labels = torch.tensor([[1, 9, -100, 4], [0, 5, 5, 7], [-100, 2, 8, 3]])
+    logits = distribute_tensor(full, mesh_1d(world), [Shard(2)]).requires_grad_()
+    loss = hyperrecipe.vocab_parallel_cross_entropy(logits, labels, label_smoothing=0.2)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logits.grad.full_tensor()}
+
+
+def test_a_dtensor_sharded_on_its_last_dim_takes_the_helper_too() -> None:
+    torch.manual_seed(0)
+    full = torch.randn(3, 4, 10, requires_grad=True)
+    labels = torch.tensor([[1, 9, -100, 4], [0, 5, 5, 7], [-100, 2, 8, 3]])
+    loss = F.cross_entropy(full.flatten(0, 1), labels.flatten(), label_smoothing=0.2)
+    loss.backward()
+    for rank, res in enumerate(run_ranks(_dtensor_worker, 2, timeout_s=120)):
+        assert_close(res["loss"], loss.detach(), f"rank {rank} loss")
+        assert full.grad is not None
+        assert_close(res["grad"], full.grad, f"rank {rank} logits' gradient")
