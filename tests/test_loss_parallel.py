@@ -382,3 +382,21 @@ def test_a_dtensor_sharded_on_its_last_dim_takes_the_helper_too() -> None:
         assert_close(res["loss"], loss.detach(), f"rank {rank} loss")
         assert full.grad is not None
         assert_close(res["grad"], full.grad, f"rank {rank} logits' gradient")
+
+
+def _compiled_worker(rank: int, world: int) -> dict[str, Any]:
+    model = llama()
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world))
+    ids = llama_batch()
+    out = torch.compile(model)(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "grads": inst.full_grads()}
+
+
+def test_torch_compile_of_the_model_runs_the_loss_on_shards_eagerly_and_agrees() -> None:
+    ref = _llama_reference({}, decode=False)
+    for rank, res in enumerate(run_ranks(_compiled_worker, 2, timeout_s=300)):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        for name, g in ref["grads"].items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")

@@ -103,6 +103,11 @@ class VocabShardedLogits(Tensor):
         if func in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") == "__get__":  # a property: metadata, or a tensor
+            with torch._C.DisableTorchFunctionSubclass():
+                value = func(*args, **(kwargs or {}))
+            if not isinstance(value, Tensor):
+                return value  # is_sparse, layout, names, ...: nothing computed from the values
         shard = next(a._hyperrecipe_vocab for a in args if isinstance(a, VocabShardedLogits))
         name = getattr(func, "__name__", repr(func))
         msg = (f"{name}() on the logits of {shard.boundary!r}, which are this rank's slice "
@@ -413,6 +418,15 @@ def _gathered(out: Any, full: Callable[[Tensor], Tensor]) -> Any:
     return out
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` kept out of ``torch.compile`` (with everything it calls): the marked slice is a
+    tensor subclass whose every op raises, which Dynamo cannot trace. ``torch.compile(model)``
+    of the model that calls the lm_head therefore runs it eagerly; compile its decoder layers
+    instead (docs/training.md#loss-on-vocab-shards)."""
+    disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return disabled
+
+
 def vocab_shard_output(forward: Callable[..., Any], shard: VocabShard) -> Callable[..., Any]:
     """The loss-parallel boundary's forward: its logits (output 0, local on return in both
     modes since the boundary is outermost) come back marked as this rank's vocab slice."""
@@ -425,7 +439,7 @@ def vocab_shard_output(forward: Callable[..., Any], shard: VocabShard) -> Callab
             return (mark_vocab_shard(out[0], shard), *out[1:])
         return out
 
-    return marked
+    return _eager(marked)
 
 
 def make_vocab_shard(loss: LossParallel, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
@@ -470,5 +484,5 @@ def install_loss_parallel(tx: Rewrite, owner: nn.Module, loss: LossParallel, sha
             _LOSS_CALLS.reset(token)
         return out if ran else _gathered(out, full)
 
-    tx.install_forward(owner, forward, fqn=where,
+    tx.install_forward(owner, _eager(forward), fqn=where,
                        companions={"_hyperrecipe_loss_parallel": loss})
