@@ -103,6 +103,7 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
         except LossParallelError as exc:
             misuse.append(str(exc))
     grads = inst.full_grads()
+    status = [(r.what, r.state, r.note) for r in inst.status() if r.fqn == "lm_head"]
     with torch.no_grad():
         summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
         logits = model(input_ids=ids).logits
@@ -110,7 +111,7 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
     inst.restore()
     restored = not {"_loss_function", "forward"} & set(vars(model))
     return {"loss": out.loss.detach(), "grads": grads, "summed": summed.loss, "logits": logits,
-            "generated": generated, "restored": restored, "local_shape": tuple(out.logits.shape), "misuse": misuse,
+            "generated": generated, "restored": restored, "status": status, "local_shape": tuple(out.logits.shape), "misuse": misuse,
             "marked": type(out.logits).__name__, "counted": dict(counted),
             "expected": dict(expected)}
 
@@ -144,6 +145,9 @@ def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process
         # without labels (inference, generate()), the caller gets the full logits
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits without labels")
         assert res["restored"], "restore() takes the loss function and the forward back"
+        assert ("loss on vocab shards", "installed", "its logits are this rank's 64 of 128 vocab "
+                "entries over tp and refuse torch ops; the model's labels= loss runs on them; a "
+                "call without labels gets the full logits") in res["status"]
         if decode:
             assert torch.equal(res["generated"], ref["generated"]), "greedy generate() agrees"
     if mode == "production":
