@@ -96,7 +96,8 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
     for use in (lambda: F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
                 lambda: F.cross_entropy(logits.transpose(1, 2), ids),
                 lambda: logits.argmax(-1), lambda: logits + 1, lambda: logits[:, -1],
-                lambda: logits.float().softmax(-1), lambda: logits.detach()):
+                lambda: logits.float().softmax(-1), lambda: logits.detach(),
+                lambda: torch.cat([logits, logits], dim=-1)):
         try:
             use()
             misuse.append("computed")

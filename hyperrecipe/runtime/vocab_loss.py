@@ -108,14 +108,28 @@ class VocabShardedLogits(Tensor):
                 value = func(*args, **(kwargs or {}))
             if not isinstance(value, Tensor):
                 return value  # is_sparse, layout, names, ...: nothing computed from the values
-        shard = next(a._hyperrecipe_vocab for a in args if isinstance(a, VocabShardedLogits))
+        shard = _first_shard((*args, *(kwargs or {}).values()))
         name = getattr(func, "__name__", repr(func))
-        msg = (f"{name}() on the logits of {shard.boundary!r}, which are this rank's slice "
-               f"[{shard.start}, {shard.start + shard.local_vocab}) of the {shard.vocab}-entry "
-               f"vocab (the plan declares loss_parallel): compute the loss with "
+        where = ("" if shard is None else
+                 f" of {shard.boundary!r}, which are this rank's slice [{shard.start}, "
+                 f"{shard.start + shard.local_vocab}) of the {shard.vocab}-entry vocab")
+        msg = (f"{name}() on the logits{where} (the plan declares loss_parallel): compute the "
+               f"loss with "
                f"hyperrecipe.vocab_parallel_cross_entropy(logits, labels), or call the model "
                f"without labels to get the full logits (docs/training.md#loss-on-vocab-shards)")
         raise LossParallelError(msg)
+
+
+def _first_shard(values: Sequence[Any]) -> VocabShard | None:
+    """The mark of the first marked slice among ``values`` (lists and tuples searched too)."""
+    for v in values:
+        if isinstance(v, VocabShardedLogits):
+            return v._hyperrecipe_vocab
+        if isinstance(v, (list, tuple)):
+            found = _first_shard(v)
+            if found is not None:
+                return found
+    return None
 
 
 def mark_vocab_shard(local: Tensor, shard: VocabShard) -> VocabShardedLogits:
