@@ -36,6 +36,7 @@ __all__ = [
     "ExpertParallel",
     "GradBucket",
     "HeadCount",
+    "LossParallel",
     "ManifestEntry",
     "MeshDim",
     "ParamPlan",
@@ -48,14 +49,16 @@ __all__ = [
     "converter",
 ]
 
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 """Version of the plan's JSON shape. 2: parameters record their enclosing boundary and their
 DTensor placement (or why they have none); boundaries record the vocab-parallel lookup and the
 expert-parallel layout, so the runtime reads these decisions instead of re-deriving them.
-3: gradient reductions are bucketed (``Plan.grad_buckets``); the manifest lists one
+3: the plan records the loss on vocab shards (``loss_parallel``), and the manifest lists the
+loss's collective (stage ``loss``).
+4: gradient reductions are bucketed (``Plan.grad_buckets``); the manifest lists one
 ``param_grad`` entry per bucket and op instead of one per parameter."""
 T = TypeVar("T")
-Stage = Literal["input", "output", "param_grad"]
+Stage = Literal["input", "output", "param_grad", "loss"]
 Direction = Literal["forward", "backward"]
 
 
@@ -242,6 +245,35 @@ class GradBucket:
 
 
 @attrs.frozen(kw_only=True)
+class LossParallel:
+    """The loss computed on vocab shards: ``loss_parallel: true`` on the ``boundary`` (an
+    ``lm_head``) whose first output, the logits, leaves sharded on its last dim over
+    ``mesh_dim``. Rank ``r`` holds vocab entries ``[r * local_vocab, (r + 1) * local_vocab)``.
+
+    ``owner`` is the module whose forward calls the boundary (``""``: the root). ``kind``:
+
+    - ``"model"``: the owner's forward takes ``labels`` and computes its own loss (transformers'
+      ``ForCausalLM``); that loss runs on the shards, and a call that computes no loss (no
+      labels: inference, ``generate()``) gets the logits gathered with ``gather``.
+    - ``"helper"``: the caller gets the vocab-sharded logits and computes the loss with
+      ``hyperrecipe.vocab_parallel_cross_entropy``.
+
+    ``loss_op`` is the one collective of the cross entropy's forward (its backward has none).
+    """
+
+    boundary: str
+    output: str
+    owner: str
+    kind: Literal["model", "helper"]
+    mesh_dim: str
+    vocab: int
+    local_vocab: int
+    gather: tuple[Transition, ...]
+    loss_op: CollectiveOp
+    provenance: Provenance
+
+
+@attrs.frozen(kw_only=True)
 class ManifestEntry:
     """One collective a training step issues (forward or backward), as production runs it.
 
@@ -311,6 +343,8 @@ class Plan:
     head_counts: tuple[HeadCount, ...]
     manifest: tuple[ManifestEntry, ...]
     adapters: tuple[AdapterPlan, ...] = ()
+    loss_parallel: LossParallel | None = None
+    """The loss on vocab shards, when a boundary declares ``loss_parallel: true``."""
     grad_buckets: tuple[GradBucket, ...] = ()
     """The gradient reductions of ``params``, bucketed (:class:`GradBucket`), in launch order."""
     checksum: str = ""

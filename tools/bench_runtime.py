@@ -66,10 +66,15 @@ order in which threads free buffers); the summary gives the larger rank's.
 ``sp_production`` against ``sp_torchtitan`` only, interleaved the same way, for
 ``--sweep-rounds`` rounds, with each one's peak step memory.
 
+**Loss on vocab shards**: ``loss_shards_peak_bytes`` and ``loss_gathered_peak_bytes`` in the
+JSON are ``tools/bench_loss.py``'s figures (its ``measure_loss_memory``, default sizes), run
+last; ``--skip-loss-memory`` leaves them ``None``.
+
 Usage::
 
     python tools/bench_runtime.py [--json OUT] [--rounds 20] [--steps 5] [--warmup 3]
                                   [--profile] [--sizes 256 512 1024] [--sweep-rounds 6]
+                                  [--skip-loss-memory]
 """
 
 from __future__ import annotations
@@ -730,21 +735,27 @@ def _plans(config: dict[str, Any]) -> dict[str, Plan]:
             "sp": compile_recipe(str(SP_RECIPE), model, {"tp": WORLD})}
 
 
-def _loss_on_shards() -> dict[str, Any] | None:
-    """The loss-on-vocab-shards memory figures (``loss_shards_peak_bytes``,
-    ``loss_gathered_peak_bytes``) belong to ``tools/bench_loss.py``; this tool does not
-    measure them. Where that tool is present and offers ``latest_figures()``, its last
-    recorded figures are carried into this JSON for one place to read; otherwise ``None``."""
+def _loss_on_shards(skip: bool) -> dict[str, Any]:
+    """``loss_shards_peak_bytes`` and ``loss_gathered_peak_bytes``: measured by
+    ``tools/bench_loss.py`` (its ``measure_loss_memory`` at its default sizes: vocab 32000,
+    batch 4 x 512 tokens) and carried into this tool's JSON. Imported optionally: without that
+    tool, or with ``--skip-loss-memory``, both are ``None``."""
+    none: dict[str, Any] = {"loss_shards_peak_bytes": None, "loss_gathered_peak_bytes": None}
+    if skip:
+        return none
     try:
         sys.path.insert(0, str(REPO / "tools"))
-        import bench_loss  # type: ignore[import-not-found]
+        import bench_loss  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        return None
+        return none
     finally:
         sys.path.pop(0)
-    latest = getattr(bench_loss, "latest_figures", None)
-    figures: dict[str, Any] | None = latest() if callable(latest) else None
-    return figures
+    args = argparse.Namespace(vocab=32000, hidden=256, layers=2, batch=4, seq=512, world=WORLD,
+                              repeat=3)
+    figures: dict[str, Any] = bench_loss.measure_loss_memory(args)
+    return {"loss_shards_peak_bytes": figures["loss_shards_peak_bytes"],
+            "loss_gathered_peak_bytes": figures["loss_gathered_peak_bytes"],
+            "loss_memory": figures}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -760,6 +771,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="hidden sizes of the sp_production vs sp_torchtitan sweep "
                              "(e.g. 256 512 1024)")
     parser.add_argument("--sweep-rounds", type=int, default=6)
+    parser.add_argument("--skip-loss-memory", action="store_true",
+                        help="leave out tools/bench_loss.py's loss-on-shards memory figures")
     ns = parser.parse_args(argv)
     if ns.rounds < 1 or ns.steps < 1 or ns.warmup < 1 or ns.sweep_rounds < 1:
         parser.error("--rounds, --steps, --warmup and --sweep-rounds must be at least 1")
@@ -783,7 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "load_average": {"before": size_load, "after": list(os.getloadavg())}})
     summary["sweep"] = sweep
     summary["settings"]["sweep_rounds"] = ns.sweep_rounds
-    summary["loss_on_shards"] = _loss_on_shards()
+    summary.update(_loss_on_shards(ns.skip_loss_memory))
     env = summary["environment"]
     print(f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, "
           f"{env['cpu_count']} CPUs, {WORLD} gloo ranks x 1 thread; {ns.rounds} rounds x "
@@ -793,6 +806,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sweep:
         print()
         print(sweep_markdown(sweep))
+    if summary["loss_shards_peak_bytes"] is not None:
+        print(f"\nloss on vocab shards (tools/bench_loss.py): per-rank step peak "
+              f"{summary['loss_shards_peak_bytes'] / 2**20:.0f} MiB, gathered logits "
+              f"{summary['loss_gathered_peak_bytes'] / 2**20:.0f} MiB")
     for name, table in results[0]["profiles"].items():
         print(f"\n--- torch.profiler, one {name} step, rank 0 ---\n{table}")
     if ns.json is not None:

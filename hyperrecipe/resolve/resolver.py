@@ -14,6 +14,7 @@ the ones before it:
    :func:`~hyperrecipe.resolve.grad_buckets.plan_grad_buckets`: their gradient reductions,
    bucketed.
 5. :func:`~hyperrecipe.resolve.head_counts.divide_head_counts`,
+   :func:`~hyperrecipe.resolve.loss.plan_loss_parallel` (the loss on vocab shards),
    :func:`~hyperrecipe.resolve.manifest.list_collectives`,
    :func:`~hyperrecipe.resolve.adapters.plan_adapters`.
 
@@ -33,6 +34,7 @@ from hyperrecipe.resolve.claims import match_rules
 from hyperrecipe.resolve.context import ResolveInput
 from hyperrecipe.resolve.grad_buckets import plan_grad_buckets
 from hyperrecipe.resolve.head_counts import divide_head_counts
+from hyperrecipe.resolve.loss import loss_manifest, plan_loss_parallel
 from hyperrecipe.resolve.manifest import list_collectives
 from hyperrecipe.resolve.params import settle_params
 
@@ -60,7 +62,9 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     boundaries = build_boundaries(inp, claims, regions)
     params = settle_params(inp, claims, regions, boundaries)
     grad_buckets = plan_grad_buckets(params)
-    manifest = list_collectives(inp, boundaries.plans, params, grad_buckets)
+    loss = plan_loss_parallel(inp, claims, boundaries.plans)
+    manifest = (list_collectives(inp, boundaries.plans, params, grad_buckets)
+                + loss_manifest(loss))
     adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
     model_digest = tree.digest()
@@ -69,6 +73,6 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         recipe_digest=recipe.digest, model_digest=model_digest, mesh=inp.mesh,
         fingerprint=compute_fingerprint(recipe.digest, model_digest, inp.mesh),
         rules=claims.rules, params=params, boundaries=boundaries.plans,
-        head_counts=head_counts, manifest=manifest, adapters=adapters,
+        head_counts=head_counts, manifest=manifest, adapters=adapters, loss_parallel=loss,
         grad_buckets=grad_buckets,
     ).sealed()
