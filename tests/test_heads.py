@@ -4,7 +4,7 @@ Real tiny transformers configs (Llama, GPT-2, Phi-3, GPT-NeoX) on the meta devic
 recipes or small ones written here; each refusal is asserted in full with its file and line. On
 the code before the check these all compiled and failed later with raw shape errors. The last
 test runs ``hyperrecipe check`` on a model whose head size the tree cannot see, so the split
-compiles, and asserts that check names heads as the likely cause in both modes.
+compiles, and asserts that check names heads as the likely cause.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from hyperrecipe import compile_recipe
 from hyperrecipe.check.diagnose import HEADS_NOT_WHOLE
 from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import RecipeError
-from hyperrecipe.model_tree import build_model
+from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.resolve.head_counts import head_size_of
-from hyperrecipe.model_tree import snapshot
 from tests.recipe_text import locate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +166,38 @@ def test_check_names_heads_when_a_split_the_tree_cannot_see_fails_at_runtime() -
         "heads of every projection (heads and kv heads divisible by tp=2) and each head "
         "count the forward reads must be divided (head_counts)")
     assert validate.mode == "validate" and validate.agree
+
+
+EMBED_UNDER_HEADS = """\
+recipe: embed-under-heads
+version: 1
+mesh: [tp]
+rules:
+  - match: blk.embed
+    style: vocab_parallel
+"""
+
+
+def test_an_embedding_table_is_never_read_as_heads(tmp_path: Path) -> None:
+    """A vocab of 48 is 3 x 16, but a table's dims are vocab and width: 24 rows per rank is
+    fine even under a module that states ``head_dim = 16``."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_dim = 16
+            self.embed = nn.Embedding(48, 16)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blk = Block()
+
+    recipe = tmp_path / "embed.yaml"
+    recipe.write_text(EMBED_UNDER_HEADS)
+    with torch.device("meta"):
+        model = Model()
+    plan = compile_recipe(str(recipe), model, {"tp": 2})
+    assert plan.params[0].local_shape == (24, 16)

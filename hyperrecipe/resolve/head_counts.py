@@ -16,6 +16,7 @@ from hyperrecipe.placement import Shard
 from hyperrecipe.plan import HeadCount, ParamPlan
 from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import ResolveInput, provenance_of
+from hyperrecipe.resolve.kernels import EMBEDDING
 
 __all__ = ["HEAD_SIZE_ATTRS", "check_whole_heads", "divide_head_counts", "head_size_of"]
 
@@ -49,8 +50,13 @@ def _attention_of(inp: ResolveInput, module: str) -> tuple[str, int, str] | None
     """The attention module a parameter's module belongs to: the module itself or its parent
     when that states a head size (only one level: a head size on a decoder layer or the model
     says nothing about its MLP)."""
-    parent = module.rpartition(".")[0] if "." in module else ""
-    for fqn in (module, parent) if module else (module,):
+    own = inp.tree.get(module)
+    if own is None or own.is_a(EMBEDDING):
+        return None  # a table's dims are vocab and width, never heads
+    parent = module.rpartition(".")[0]
+    # the root is no attention's parent: a head size stated on a whole model says nothing
+    # about its lm_head
+    for fqn in (module, parent) if parent else (module,):
         info = inp.tree.get(fqn)
         if info is None:
             continue
