@@ -26,21 +26,21 @@ MODELS = "tests/recipes/cookbook/models"
 BOTH = ("production", "validate")
 
 # recipe, model, model config, modes, the verdict per mode (True: agrees with one process)
-CASES: list[tuple[str, str, str | None, tuple[str, ...], tuple[bool, ...], Any]] = [
-    ("tests/recipes/cookbook/phi3-chunked.yaml", "hf:phi3", f"{MODELS}/tiny-phi3.json",
-     ("production",), (True,), ()),
-    ("tests/recipes/cookbook/phi3-gather.yaml", "hf:phi3", f"{MODELS}/tiny-phi3.json",
-     BOTH, (True, True), ()),
+CASES: list[Any] = [
     ("tests/recipes/cookbook/olmo2.yaml", "hf:olmo2", f"{MODELS}/tiny-olmo2.json",
-     BOTH, (True, True), ()),
-    ("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
-     f"{MODELS}/tiny-olmo2.json", BOTH, (False, True), ()),
-    ("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe", f"{MODELS}/tiny-qwen2_moe.json",
-     BOTH, (True, True), ()),
+     BOTH, (True, True)),
+    pytest.param("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
+                 f"{MODELS}/tiny-olmo2.json", BOTH, (False, True), marks=pytest.mark.slow),
+    pytest.param("tests/recipes/cookbook/phi3-chunked.yaml", "hf:phi3",
+                 f"{MODELS}/tiny-phi3.json", ("production",), (True,), marks=pytest.mark.slow),
+    pytest.param("tests/recipes/cookbook/phi3-gather.yaml", "hf:phi3",
+                 f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
+    pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",
+                 f"{MODELS}/tiny-qwen2_moe.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
-                 (True, True), (), marks=pytest.mark.slow),
+                 (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.sdpa_models:make_sdpa_transformer",
-                 None, BOTH, (True, True), (), marks=pytest.mark.slow),
+                 None, BOTH, (True, True), marks=pytest.mark.slow),
 ]
 
 
@@ -58,11 +58,11 @@ def run(recipe: str, model: str, config: str | None, modes: tuple[str, ...]) -> 
                                   mesh={"tp": 2}, modes=modes))
 
 
-@pytest.mark.parametrize(("recipe", "model", "config", "modes", "agree", "_"), CASES,
+@pytest.mark.parametrize(("recipe", "model", "config", "modes", "agree"), CASES,
                          ids=[Path(_recipe_of(c)).stem for c in CASES])
 def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
         recipe: str, model: str, config: str | None, modes: tuple[str, ...],
-        agree: tuple[bool, ...], _: Any) -> None:
+        agree: tuple[bool, ...]) -> None:
     report = run(recipe, model, config, modes)
     assert [m.mode for m in report.modes] == list(modes)
     for m, expected in zip(report.modes, agree):
