@@ -201,3 +201,12 @@ def test_an_embedding_table_is_never_read_as_heads(tmp_path: Path) -> None:
         model = Model()
     plan = compile_recipe(str(recipe), model, {"tp": 2})
     assert plan.params[0].local_shape == (24, 16)
+
+
+def test_a_single_kv_head_cannot_be_sharded_and_the_hint_says_replicate() -> None:
+    message = refusal(ROOT / "recipes/llama.yaml", "llama", 2, num_key_value_heads=1)
+    assert message.endswith(
+        "every rank must hold whole heads: replicate 'model.layers.0.self_attn.k_proj' instead "
+        "of sharding it (with the projections of 'model.layers.0.self_attn' whose heads pair "
+        "with its heads)")
+    assert "holds 1 head(s) of head_dim 16" in message

@@ -113,7 +113,7 @@ def check_whole_heads(inp: ResolveInput, claims: ClaimTable,
                         else f"dim {d}")
                 mesh_dim = entries[0][0]
                 fits = [n for n in range(2, ways) if heads % n == 0]
-                smaller = (f"a smaller {mesh_dim} that divides {heads} heads "
+                smaller = (f"use a smaller {mesh_dim} that divides {heads} heads "
                            f"({', '.join(f'{mesh_dim}={n}' for n in fits)}), or " if fits
                            and len(entries) == 1 else "")
                 msg = (f"module {p.module!r}: {what} of parameter {p.name!r} holds {heads} "
@@ -122,7 +122,7 @@ def check_whole_heads(inp: ResolveInput, claims: ClaimTable,
                 raise RecipeError(
                     msg, span=span, path=f"{rule.json_path}.params.{p.name}",
                     rule_index=rule.index,
-                    hint=f"every rank must hold whole heads: use {smaller}replicate "
+                    hint=f"every rank must hold whole heads: {smaller}replicate "
                          f"{p.module!r} instead of sharding it (with the projections of "
                          f"{attn!r} whose heads pair with its heads)")
 
