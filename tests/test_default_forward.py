@@ -25,7 +25,7 @@ from tests.runtime_harness import ROOT, assert_close
 TP2 = {"tp": 2}
 CASES: list[tuple[str, str, dict[str, int], str]] = [
     (family, f"{family}.yaml", TP2, mode)
-    for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+    for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3")
     for mode in ("production", "validate")
 ] + [
     ("mixtral", "mixtral-ep.yaml", {"ep": 2}, "production"),

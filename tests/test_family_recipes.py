@@ -1,5 +1,5 @@
-"""Shipped recipes for Qwen2, Qwen3, Mistral, Mixtral and GPT-2 on real gloo ranks, against one
-process: logits and every parameter's gradient, both modes, 2 and 4 ranks.
+"""Shipped recipes for Qwen2, Qwen3, Mistral, Mixtral, GPT-2 and Phi-3 on real gloo ranks, against
+one process: logits and every parameter's gradient, both modes, 2 and 4 ranks.
 
 Tolerances (fp32): every element within atol 2e-6, rtol 1e-5 (``runtime_harness.assert_close``),
 and every tensor's largest difference within 1e-5 of its largest value. The second check is what
@@ -15,6 +15,8 @@ choice of sharding the flattened tokens in Mixtral's backward divides at tp=4.
 
 GPT-2's fused ``c_attn`` is ``shard(1, chunks=3)``: in validate mode a ``_StridedShard`` DTensor
 whose ``split`` into q, k and v is done on chunk boundaries (:mod:`hyperrecipe.runtime.strided`).
+Phi-3's fused ``qkv_proj`` (``shard(0, chunks=3)``) and ``gate_up_proj`` (``chunks=2``) are
+sliced and chunked the same way; its production mode divides ``config.num_attention_heads``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.cli import main
 from tests.family_harness import (
@@ -35,7 +38,7 @@ from tests.family_harness import (
     recipe_path,
     reference,
 )
-from tests.runtime_harness import ROOT, assert_close
+from tests.runtime_harness import ROOT, assert_close, mesh_1d
 
 SCALED_TOL = 1e-5
 EAGER = {"attn_implementation": "eager"}
@@ -65,6 +68,10 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("gpt2", "validate", 2, EAGER),
     ("gpt2", "production", 4, {}),
     ("gpt2", "validate", 4, EAGER),
+    ("phi3", "production", 2, {}),
+    ("phi3", "validate", 2, EAGER),
+    ("phi3", "production", 4, {}),
+    ("phi3", "validate", 4, EAGER),
 ]
 
 
@@ -233,3 +240,39 @@ def test_recipe_files_are_shipped_with_their_tiny_configs() -> None:
     for family in FAMILIES:
         assert (ROOT / f"recipes/{family}.yaml").read_text().startswith("# ")
         assert (ROOT / f"recipes/models/tiny-{family}.json").is_file()
+
+
+def _phi3_configs(rank: int, world: int) -> dict[str, Any]:
+    model = build("phi3")
+    plan = compile_recipe(recipe_path("phi3"), build("phi3", "meta"), {"tp": world})
+    attn = model.model.layers[0].self_attn
+    shared = model.config
+    inst = apply(model, plan, mesh_1d(world), mode="production")
+    applied = {"own": attn.config is not shared, "heads": attn.config.num_attention_heads,
+               "shared_heads": shared.num_attention_heads,
+               "one_copy_per_module": attn.config is not model.model.layers[1].self_attn.config,
+               "kv": attn.num_key_value_heads}
+    inst.restore()
+    return {**applied, "restored": attn.config is shared and shared.num_attention_heads == 4}
+
+
+def test_phi3_attention_divides_heads_on_its_own_copy_of_the_config() -> None:
+    for res in run_ranks(_phi3_configs, 2, timeout_s=120):
+        assert res == {"own": True, "heads": 2, "shared_heads": 4, "one_copy_per_module": True,
+                       "kv": 2, "restored": True}
+
+
+def test_a_config_head_count_must_be_an_integer_field_of_the_modules_config(
+        tmp_path: Path) -> None:
+    from hyperrecipe.errors import RecipeError
+
+    recipe = tmp_path / "phi3.yaml"
+    recipe.write_text((ROOT / "recipes/phi3.yaml").read_text().replace(
+        "config.num_attention_heads: tp", "config.num_attention_head: tp"))
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(recipe), build("phi3", "meta"), {"tp": 2})
+    line = next(i for i, text in enumerate(recipe.read_text().splitlines(), 1)
+                if "config.num_attention_head:" in text)
+    assert str(info.value).startswith(
+        f"{recipe}:{line}:19: module 'model.layers.0.self_attn' has no integer attribute "
+        f"'config.num_attention_head'; did you mean 'config.num_attention_heads'?")

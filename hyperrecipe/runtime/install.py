@@ -10,6 +10,7 @@ all of them instead of leaving ranks out of step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -251,10 +252,23 @@ class _Applier:
         return restore
 
     def set_head_counts(self, tx: Rewrite) -> None:
+        """Divided head counts (production). A ``config.`` count is set on a copy of the module's
+        config (one per module, with every divided field), which the module then holds: the
+        config object is shared with the rest of the model, whose counts stay global."""
         if not self.mode.local_kernels:
             return  # DTensor computes with global shapes; the attributes stay global
+        configs: dict[str, Any] = {}
         for h in self.plan.head_counts:
-            tx.set_attribute(self.modules[h.module], h.attr, h.local_value, fqn=h.module)
+            module = self.modules[h.module]
+            field = h.attr.removeprefix("config.")
+            if field == h.attr:
+                tx.set_attribute(module, h.attr, h.local_value, fqn=h.module)
+                continue
+            if h.module not in configs:
+                configs[h.module] = copy.copy(module.config)
+            setattr(configs[h.module], field, h.local_value)
+        for fqn, config in configs.items():
+            tx.set_attribute(self.modules[fqn], "config", config, fqn=fqn)
 
     def install_adapters(self, tx: Rewrite) -> None:
         """The plan's method adapters. Before the boundaries: a boundary binds its module's
