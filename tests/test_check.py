@@ -71,6 +71,24 @@ def test_shipped_llama_recipe_agrees_with_one_process_in_both_modes(recipe: str,
         assert len(c.params_after) == (21 if steps else 0)
 
 
+@pytest.mark.parametrize(("family", "tp", "gradients"), [("gpt2", 2, 29), ("gpt2", 4, 29),
+                                                      ("phi3", 2, 15)])
+def test_fused_projection_recipes_agree_with_one_process_in_both_modes(family: str, tp: int,
+                                                                      gradients: int) -> None:
+    """GPT-2's c_attn (``shard(1, chunks=3)``) and Phi-3's qkv_proj / gate_up_proj (``chunks=3``,
+    ``chunks=2``) are chunked shards: validate mode holds them as ``_StridedShard`` and splits
+    the fused output on its chunk boundaries; production computes on the local chunks."""
+    report = run_check(CheckOptions(
+        recipe=str(ROOT / f"recipes/{family}.yaml"), model=f"hf:{family}",
+        model_config=str(ROOT / f"recipes/models/tiny-{family}.json"), mesh={"tp": tp}))
+    assert [m.mode for m in report.modes] == ["production", "validate"]
+    for m in report.modes:
+        c = m.comparison
+        assert m.error is None and m.agree, f"{m.mode}: {m.error or c.first}"
+        assert len(c.gradients) == gradients and not c.diverged_gradients
+    assert report.exit_code == 0
+
+
 MIXTRAL = str(ROOT / "recipes/models/tiny-mixtral.json")
 BATCHED_NOTE = "experts_implementation=batched_mm for every run"
 
