@@ -49,6 +49,9 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
                 continue
+            if live.wrapper_layout(p, live.param(p)) is not None:  # fully_shard's piece
+                state[key] = live.stored(p)
+                continue
             placements = dtensor_placements(p, live.plan.mesh_dims)
             if placements is None:
                 msg = (f"model.state_dict(): {fqn} is laid out as {p.placement}, which no "
@@ -68,7 +71,10 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             if not isinstance(value, Tensor) or tuple(p.shape) == tuple(p.local_shape):
                 continue
             if isinstance(value, DTensor) or tuple(value.shape) == tuple(p.shape):
-                state[key] = live.shard_of(p, value)
+                param = live.param(p)
+                state[key] = (live.piece_like(p, value, param)
+                              if live.wrapper_layout(p, param) is not None
+                              else live.shard_of(p, value))
 
     return [model.register_state_dict_post_hook(to_dtensors),  # type: ignore[no-untyped-call]
             model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
@@ -111,6 +117,9 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
         for p, entry in by_key(optimizer, state):
             placements = dtensor_placements(p, live.plan.mesh_dims)
             for key, value in entry.items():
+                if live.wrapper_layout(p, value) is not None:  # fully_shard's piece
+                    entry[key] = live.stored(p, value)
+                    continue
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.local_shape):
                     if placements is None:
@@ -125,9 +134,12 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
         from torch.distributed.tensor import DTensor
 
         for p, entry in by_key(optimizer, state):
+            param = live.param(p)
+            wrapped = live.wrapper_layout(p, param) is not None
             for key, value in entry.items():
                 if isinstance(value, DTensor):
-                    entry[key] = live.shard_of(p, value)
+                    entry[key] = (live.piece_like(p, value, param) if wrapped
+                                  else live.shard_of(p, value))
 
     def holds_plan_params(optimizer: torch.optim.Optimizer) -> bool:
         ids = {id(live.param(p)) for p in live.own}
