@@ -62,8 +62,9 @@ def _pieces(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[Any] | 
     mesh_index, k = found
     size = t.shape[dim]
     chunk = size // k
-    if chunk * k != size or any(a % chunk or b % chunk or b <= a for a, b in bounds):
-        return None
+    if chunk * k != size or any(a % chunk or b % chunk or not 0 <= a < b <= size
+                                for a, b in bounds):
+        return None  # off the chunk boundaries, or out of range: DTensor's (and its errors)
     local = t.to_local()
     local_chunk = local.shape[dim] // k
     out = []
@@ -104,6 +105,8 @@ def _split(t: Any, split_size_or_sections: Any = None, dim: int = 0, *,
         sizes = [min(step, size - s) for s in range(0, size, step)]
     else:
         sizes = [int(s) for s in split_size_or_sections]
+        if sum(sizes) != size:
+            return NOT_HANDLED  # torch's error, from DTensor
     parts = _pieces(t, d, _ranges(sizes))
     return NOT_HANDLED if parts is None else tuple(parts)
 
