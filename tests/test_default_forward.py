@@ -61,6 +61,19 @@ def test_default_forward_and_greedy_generate_equal_one_process(
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
+def test_gqa_phi3_with_unequal_fused_parts_generates_like_one_process(mode: str) -> None:
+    """``qkv_proj`` as ``shard(0, chunks=[64, 32, 32])``: validate mode computes it part by part
+    (the plan's ``chunk_parts``), production on the rank's local parts."""
+    path = str(ROOT / "tests/recipes/phi3-gqa.yaml")
+    overrides = {**overrides_for("phi3", mode, path), "num_key_value_heads": 2}
+    ref = reference("phi3", overrides)
+    for rank, res in enumerate(run_ranks(generate_worker, 2, "phi3", path, TP2, mode, overrides,
+                                         timeout_s=300)):
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
+        assert torch.equal(res["tokens"], ref["tokens"]), f"rank {rank} generated tokens"
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2}),
                                            ("llama-tp-cp.yaml", {"tp": 2, "cp": 2})])
 def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dict[str, int],

@@ -186,19 +186,19 @@ def _validate_chunked_toy(rank: int, world: int, recipe: str) -> str:
     return "applied"
 
 
-def test_validate_mode_refuses_unequal_chunks(tmp_path: Path) -> None:
+def test_validate_mode_refuses_unequal_chunks_of_input_features(tmp_path: Path) -> None:
     recipe = tmp_path / "chunks.yaml"
     recipe.write_text(
         "recipe: chunks\nversion: 1\nmesh: [tp]\nrules:\n"
         "  - {match: layers.*.mlp, boundary: true, in_src: {x: replicate}, "
         "out_src: {0: replicate}}\n"
-        "  - match: layers.*.mlp.up\n"
-        "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n")
+        "  - match: layers.*.mlp.down\n"
+        "    params: {weight: {tp: 'shard(1, chunks=[8, 4, 4])'}}\n")
     messages = run_ranks(_validate_chunked_toy, 2, str(recipe), timeout_s=120)
     assert messages[0] == (
-        "layers.0.mlp.up.weight: {tp: shard(0, chunks=[8, 4, 4])} has no DTensor placement "
-        f"(unequal chunks); validate mode cannot run it (production mode can) (placed at "
-        f"{recipe}:7)")
+        "layers.0.mlp.down.weight: {tp: shard(1, chunks=[8, 4, 4])} has no DTensor placement "
+        "(unequal chunks, and not of an nn.Linear's output features); validate mode cannot run "
+        f"it (production mode can) (placed at {recipe}:7)")
 
 
 def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) -> None:
@@ -213,12 +213,18 @@ def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) 
         "  - match: layers.*.mlp.up\n"
         "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n"
         "  - match: layers.*.mlp.down\n"
-        "    params: {weight: {tp: 'shard(1, chunks=2)'}}\n")
+        "    params: {weight: {tp: 'shard(1, chunks=2)'}}\n"
+        "  - match: head\n"
+        "    params: {weight: {tp: 'shard(1, chunks=[4, 2, 2])'}}\n")
     plan = compile_recipe(str(recipe), make_toy(), {"tp": 2})
     up, down = plan.param("layers.0.mlp.up.weight"), plan.param("layers.0.mlp.down.weight")
-    assert (up.dtensor, up.no_dtensor, up.boundary) == ((), "unequal chunks", "layers.0.mlp")
+    assert (up.dtensor, up.no_dtensor, up.boundary) == (
+        ("chunk_parts(0, [8, 4, 4])",), None, "layers.0.mlp")
     assert (down.dtensor, down.no_dtensor) == (("strided_shard(1, 2)",), None)
     assert plan.param("layers.0.mlp.up.bias").dtensor == ("replicate",)
+    head = plan.param("head.weight")
+    assert (head.dtensor, head.no_dtensor) == (
+        (), "unequal chunks, and not of an nn.Linear's output features")
 
 
 def test_conv1d_bias_free_forward_is_x_at_w() -> None:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
-from hyperrecipe.placement import from_dtensor_text
+from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
@@ -43,6 +43,7 @@ from hyperrecipe.runtime.materialize import (
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.sharding import gather_full, local_shard
+from hyperrecipe.runtime.strided import FusedParts, mark_parts
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -199,6 +200,15 @@ class _Applier:
                    f"mode cannot run it (production mode can){_placed_at(p)}")
             raise PlanMismatchError(msg)
         local = self._local(p, full)
+        parts = parse_chunk_parts(p.dtensor)
+        if parts is not None:  # unequal chunks: plain, computed part by part (runtime.strided)
+            index, dim, sizes = parts
+            texts = tuple(f"shard({dim})" if i == index else t for i, t in enumerate(p.dtensor))
+            param = nn.Parameter(local, requires_grad=requires_grad)
+            mark_parts(param, FusedParts(mesh=self.mesh, placements=from_dtensor_text(texts),
+                                         index=index, dim=dim, sizes=sizes,
+                                         ways=self.mesh.size(index)))
+            return param
         placements = from_dtensor_text(p.dtensor)
         dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
         param = nn.Parameter(dt, requires_grad=requires_grad)

@@ -19,6 +19,14 @@ boundaries, or a tensor whose dim another mesh dim also shards, is left to DTens
 exact values, and the boundary's placement check refuses what production would not compute).
 Validate mode runs it in every boundary's compute
 (:func:`~hyperrecipe.runtime.validate_scope.validate_compute`).
+
+**Unequal chunks** (``shard(0, chunks=[64, 32, 32])``: a GQA ``qkv_proj``) have no DTensor
+placement. Where the plan says ``chunk_parts`` (a linear layer's output features), the
+parameter is this rank's plain local shard, marked with its parts (:func:`mark_parts`), and
+``F.linear`` with it runs part by part (:func:`linear_by_parts`): each part of the weight (and
+bias) a ``Shard(0)`` DTensor of the part's global shape, each output part ``Shard(-1)``. The
+fused output is their concatenation as DTensor computes it (gathered: exact, whatever the model
+does with it), and slicing it at a part's bounds returns that part as computed, sharded by head.
 """
 
 from __future__ import annotations
@@ -26,11 +34,89 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
-__all__ = ["SPLITS", "split_strided"]
+__all__ = ["SPLITS", "FusedParts", "linear_by_parts", "mark_parts", "split_strided"]
 
 NOT_HANDLED: Any = NotImplemented
+_PARTS_ATTR = "_hyperrecipe_fused_parts"
+_OUTPUT_PARTS_ATTR = "_hyperrecipe_output_parts"
+
+
+@attrs.frozen(kw_only=True)
+class FusedParts:
+    """How a parameter of unequal chunks is held: dim ``dim`` of the global tensor is parts of
+    ``sizes``, each sharded over mesh dim ``index`` of ``placements`` (which holds ``Shard(dim)``
+    there and the parameter's other placements elsewhere)."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    index: int
+    dim: int
+    sizes: tuple[int, ...]
+    ways: int
+
+
+def mark_parts(param: torch.Tensor, parts: FusedParts) -> None:
+    """Marks a plain local parameter as held in parts (validate mode, plan ``chunk_parts``)."""
+    setattr(param, _PARTS_ATTR, parts)
+
+
+def _parts_of(t: Any) -> FusedParts | None:
+    parts = getattr(t, _PARTS_ATTR, None) if isinstance(t, torch.Tensor) else None
+    return parts if isinstance(parts, FusedParts) else None
+
+
+def _dtensor_parts(t: torch.Tensor, parts: FusedParts) -> list[Any]:
+    from torch.distributed.tensor import DTensor
+
+    local_sizes = [s // parts.ways for s in parts.sizes]
+    out = []
+    for local, size in zip(torch.split(t, local_sizes, dim=parts.dim), parts.sizes, strict=True):
+        shape = list(t.shape)
+        shape[parts.dim] = size
+        for i, p in enumerate(parts.placements):
+            if i != parts.index and p.is_shard():
+                shape[p.dim] *= parts.mesh.size(i)
+        out.append(DTensor.from_local(local, parts.mesh, parts.placements, run_check=False,
+                                      shape=torch.Size(shape),
+                                      stride=_contiguous_stride(shape)))
+    return out
+
+
+def linear_by_parts(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``F.linear(x, weight, bias)`` with a weight held in parts: part by part, as DTensors;
+    ``NotImplemented`` when the weight is not held in parts."""
+    x, weight, *rest = args
+    bias = rest[0] if rest else kwargs.get("bias")
+    parts = _parts_of(weight)
+    if parts is None:
+        return NOT_HANDLED
+    weights = _dtensor_parts(weight, parts)
+    bounds = _ranges(parts.sizes)
+    if bias is None:
+        biases: list[Any] = [None] * len(weights)
+    elif _parts_of(bias) is not None:
+        biases = _dtensor_parts(bias, _parts_of(bias))  # type: ignore[arg-type]
+    else:
+        biases = [bias[a:b] for a, b in bounds]
+    outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    fused = torch.cat(outs, dim=-1)
+    setattr(fused, _OUTPUT_PARTS_ATTR, (fused.ndim - 1, tuple(bounds), tuple(outs)))
+    return fused
+
+
+def _output_part(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[Any] | None:
+    """The parts of a by-parts linear's output asked for by ``bounds`` (each exactly one part's),
+    or ``None``."""
+    marked = getattr(t, _OUTPUT_PARTS_ATTR, None) if isinstance(t, torch.Tensor) else None
+    if marked is None or marked[0] != dim:
+        return None
+    found = dict(zip(marked[1], marked[2], strict=True))
+    if any(b not in found for b in bounds):
+        return None
+    return [found[b] for b in bounds]
 
 
 def _strided_dim(t: Any, dim: int) -> tuple[int, int] | None:
@@ -56,6 +142,9 @@ def _pieces(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[Any] | 
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
+    computed = _output_part(t, dim, bounds)
+    if computed is not None:
+        return computed
     found = _strided_dim(t, dim)
     if found is None:
         return None
@@ -78,6 +167,14 @@ def _pieces(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[Any] | 
         out.append(DTensor.from_local(part, t.device_mesh, placements, run_check=False,
                                       shape=torch.Size(shape), stride=t.stride()))
     return out
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -141,7 +238,7 @@ def _getitem(t: Any, index: Any) -> Any:
     if len(items) > t.ndim:
         return NOT_HANDLED
     sliced = [d for d, s in enumerate(items) if s != slice(None)]
-    if len(sliced) != 1 or _strided_dim(t, sliced[0]) is None:
+    if len(sliced) != 1:
         return NOT_HANDLED
     d = sliced[0]
     start, stop, step = items[d].indices(t.shape[d])
@@ -167,7 +264,8 @@ def split_strided(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
     """``func(*args, **kwargs)`` done locally when it splits a strided-sharded DTensor on chunk
     boundaries (see the module docstring); ``NotImplemented`` when it is anything else."""
     handler = SPLITS.get(func)
-    if handler is None or not args or not _strided_any(args[0]):
+    if handler is None or not args or not (_strided_any(args[0])
+                                           or hasattr(args[0], _OUTPUT_PARTS_ATTR)):
         return NOT_HANDLED
     try:
         return handler(*args, **kwargs)

@@ -16,7 +16,8 @@ plain tensor meeting a DTensor is still refused: treating it as replicated (DTen
 
 **Fused projections.** The same mode splits a chunk-sharded DTensor (``_StridedShard``: the
 output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, each part a
-``Shard(d)`` DTensor, where DTensor itself would gather it (:mod:`~hyperrecipe.runtime.strided`).
+``Shard(d)`` DTensor, where DTensor itself would gather it, and runs a linear layer whose weight
+is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.strided`).
 
 **Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
 their module's code on local tensors (:mod:`~hyperrecipe.runtime.marshal`). A boundary nested in
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hyperrecipe.runtime.strided import SPLITS, split_strided
+from hyperrecipe.runtime.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 
@@ -65,6 +66,10 @@ class _ValidateComputeMode(TorchFunctionMode):
             parts = split_strided(func, args, kwargs)
             if parts is not NotImplemented:
                 return parts
+        elif func is torch.nn.functional.linear and len(args) >= 2:
+            out = linear_by_parts(args, kwargs)
+            if out is not NotImplemented:
+                return out
         tensors = args[0] if args else kwargs.get("tensors")
         if func in _CONCATENATIONS and isinstance(tensors, (list, tuple)):
             from torch.distributed.tensor import DTensor
