@@ -107,3 +107,55 @@ def test_fused_output_splits_into_sharded_parts_on_chunk_boundaries() -> None:
 def test_outside_a_validate_compute_dtensor_gathers_the_parts() -> None:
     (res, _) = run_ranks(_worker, 2, ["split"], False, timeout_s=120)
     assert res["split"]["placements"] == ["(Replicate(),)"] * 3
+
+
+SIZES = (4, 2, 2)  # q, k and v of a GQA projection, output features of a linear layer
+
+
+def _parts_worker(rank: int, world: int, in_place: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hyperrecipe.runtime.strided import FusedParts, mark_parts
+    from hyperrecipe.runtime.validate_scope import validate_compute
+
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    x_full, w_full = _full()
+    w_full = w_full.T[:sum(SIZES)].contiguous()  # [8, 3]: nn.Linear's [out, in]
+    local = torch.cat([p.chunk(world)[rank] for p in w_full.split(SIZES)])
+    w = torch.nn.Parameter(local)
+    mark_parts(w, FusedParts(mesh=mesh, placements=(Shard(0),), index=0, dim=0, sizes=SIZES,
+                             ways=world))
+    x = DTensor.from_local(x_full, mesh, (Replicate(),))
+
+    def compute() -> tuple[Any, torch.Tensor]:
+        y = torch.nn.functional.linear(x, w)
+        if in_place:
+            y.mul_(2)
+        parts = (y[..., :4], y[..., 4:6], y[..., 6:])
+        return parts, _loss(parts)
+
+    parts, loss = validate_compute(compute)()
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert w.grad is not None
+    return {"placements": [str(p.placements) for p in parts],
+            "values": [p.full_tensor() for p in parts], "grad": w.grad.clone(), "local": local}
+
+
+def test_a_linear_held_in_unequal_parts_runs_part_by_part_and_slices_into_its_parts() -> None:
+    """Each output part ``Shard(-1)``; the local gradient is this rank's parts of the full one.
+    Changed in place after the linear, the fused output is sliced by DTensor instead (gathered:
+    replicate, and the values still exact)."""
+    for in_place, placement in ((False, SHARD), (True, "(Replicate(),)")):
+        x, w = _full()
+        w = w.T[:sum(SIZES)].contiguous().requires_grad_()
+        y = torch.nn.functional.linear(x, w) * (2 if in_place else 1)
+        want = (y[..., :4], y[..., 4:6], y[..., 6:])
+        _loss(want).backward()  # type: ignore[no-untyped-call]
+        assert w.grad is not None
+        for rank, res in enumerate(run_ranks(_parts_worker, 2, in_place, timeout_s=120)):
+            assert res["placements"] == [placement] * 3, f"in place {in_place}, rank {rank}"
+            for got, part in zip(res["values"], want, strict=True):
+                torch.testing.assert_close(got, part.detach(), atol=1e-6, rtol=1e-6)
+            local_grad = torch.cat([p.chunk(2)[rank] for p in w.grad.split(SIZES)])
+            torch.testing.assert_close(res["grad"], local_grad, atol=1e-6, rtol=1e-6)

@@ -88,11 +88,13 @@ def _dtensor_parts(t: torch.Tensor, parts: FusedParts) -> list[Any]:
 def linear_by_parts(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``F.linear(x, weight, bias)`` with a weight held in parts: part by part, as DTensors;
     ``NotImplemented`` when the weight is not held in parts."""
+    from torch.distributed.tensor import DTensor
+
     x, weight, *rest = args
     bias = rest[0] if rest else kwargs.get("bias")
     parts = _parts_of(weight)
-    if parts is None:
-        return NOT_HANDLED
+    if parts is None or not isinstance(x, DTensor):
+        return NOT_HANDLED  # local code computes on the local shard, as in production
     weights = _dtensor_parts(weight, parts)
     bounds = _ranges(parts.sizes)
     if bias is None:
@@ -103,7 +105,8 @@ def linear_by_parts(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         biases = [bias[a:b] for a, b in bounds]
     outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     fused = torch.cat(outs, dim=-1)
-    setattr(fused, _OUTPUT_PARTS_ATTR, (fused.ndim - 1, tuple(bounds), tuple(outs)))
+    setattr(fused, _OUTPUT_PARTS_ATTR, (fused.ndim - 1, tuple(bounds), tuple(outs),
+                                        fused._version))
     return fused
 
 
@@ -111,8 +114,8 @@ def _output_part(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[An
     """The parts of a by-parts linear's output asked for by ``bounds`` (each exactly one part's),
     or ``None``."""
     marked = getattr(t, _OUTPUT_PARTS_ATTR, None) if isinstance(t, torch.Tensor) else None
-    if marked is None or marked[0] != dim:
-        return None
+    if marked is None or marked[0] != dim or marked[3] != t._version:
+        return None  # another dim, or changed in place since: DTensor slices it (exact)
     found = dict(zip(marked[1], marked[2], strict=True))
     if any(b not in found for b in bounds):
         return None
@@ -151,11 +154,14 @@ def _pieces(t: Any, dim: int, bounds: Sequence[tuple[int, int]]) -> list[Any] | 
     mesh_index, k = found
     size = t.shape[dim]
     chunk = size // k
+    ways = t.device_mesh.size(mesh_index)
     if chunk * k != size or any(a % chunk or b % chunk or not 0 <= a < b <= size
                                 for a, b in bounds):
         return None  # off the chunk boundaries, or out of range: DTensor's (and its errors)
     local = t.to_local()
-    local_chunk = local.shape[dim] // k
+    local_chunk = chunk // ways
+    if local_chunk * ways != chunk or local.shape[dim] != k * local_chunk:
+        return None  # pieces of unequal size on the ranks: DTensor's
     out = []
     for a, b in bounds:
         m = (b - a) // chunk
