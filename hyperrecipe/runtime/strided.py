@@ -27,6 +27,10 @@ parameter is this rank's plain local shard, marked with its parts (:func:`mark_p
 bias) a ``Shard(0)`` DTensor of the part's global shape, each output part ``Shard(-1)``. The
 fused output is their concatenation as DTensor computes it (gathered: exact, whatever the model
 does with it), and slicing it at a part's bounds returns that part as computed, sharded by head.
+Once the fused output is changed in place, slicing it is DTensor's again (exact). The parts are
+not views of the fused output: a part changed in place leaves the fused output as it was, so a
+model that changes ``q`` in place and then reads the fused ``qkv`` whole would read the old
+values there (no model here does; they slice ``qkv`` once and drop it).
 """
 
 from __future__ import annotations
