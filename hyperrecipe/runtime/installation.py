@@ -100,7 +100,8 @@ class Installation:
         the module; what: ``adapter marshal pkg.mod:function``). Then a row per weight-loading
         strategy tried (``weights safetensors``: ``loaded``, ``ineligible``, ``failed``, ``not
         tried``) and, while a meta-built model has tensors with no value yet, one ``weights``
-        row ``unset`` naming how many."""
+        row ``unset`` naming how many. A plan with the loss on vocab shards adds a row ``loss on
+        vocab shards`` at the lm_head saying what its logits are."""
         adapters = {a.target: a.mode for a in self.plan.adapters}
 
         def what(r: RewriteRecord) -> str:
@@ -112,6 +113,16 @@ class Installation:
 
         rows = [StatusRow(fqn=r.fqn, what=what(r), state=r.state, error=r.error)
                 for r in self._rewritten.records]
+        loss = self.plan.loss_parallel
+        if loss is not None:
+            how = ("the model's labels= loss runs on them; a call without labels gets the full "
+                   "logits" if loss.kind == "model" else
+                   "compute the loss with hyperrecipe.vocab_parallel_cross_entropy")
+            rows.append(StatusRow(
+                fqn=loss.boundary, what="loss on vocab shards",
+                state="restored" if self.restored else "installed",
+                note=f"its logits are this rank's {loss.local_vocab} of {loss.vocab} vocab entries "
+                     f"over {loss.mesh_dim} and refuse torch ops; {how}"))
         rows.extend(StatusRow(fqn=c.fqn, what=f"inner wrapper {c.wrapper}",
                               state=c.state if not self.restored or c.state != "installed"
                               else "restored", error=c.reason)

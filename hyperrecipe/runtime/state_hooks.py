@@ -101,7 +101,9 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
                state: dict[str, Any]) -> Iterator[tuple[ParamPlan, dict[str, Any]]]:
         """(plan, state entry) of each of the plan's parameters in an optimizer state dict,
         matched through the param groups' order (keys are indices or, from torch's
-        ``set_state_dict``, FQNs)."""
+        ``set_state_dict``, FQNs). Each entry is a copy put in the state dict's place:
+        ``Optimizer.state_dict()`` shares its per-parameter dicts with the live optimizer, and
+        writing DTensors into those would change the state the next step trains with."""
         plans = {id(live.param(p)): p for p in live.own}
         for saved, group in zip(state.get("param_groups", ()), optimizer.param_groups,
                                 strict=False):
@@ -109,6 +111,7 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
                 p = plans.get(id(param))
                 entry = state["state"].get(key)
                 if p is not None and entry is not None and tuple(p.shape) != p.local_shape:
+                    state["state"][key] = entry = dict(entry)
                     yield p, entry
 
     def to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
