@@ -48,7 +48,9 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
             "call_impl_escaped", "compiled_call_impl_split", "dunder_call_octal",
             "call_impl_keyword_update", "namespace_copy_with_aliased_vars",
             "namespace_copy_unbound", "local_constant_in_method", "bound_mapping_update",
-            "patch_multiple_on_mocker"} <= flagged
+            "patch_multiple_on_mocker", "patch_dict_copies_a_namespace",
+            "patch_dict_copies_vars", "namespace_copy_unbound_double_star",
+            "class_dunder_call_store", "split_prefix_of_call_impl"} <= flagged
     assert not flagged & {"fullwidth_string_is_another_name", "raw_string_escape_is_literal",
                           "namespace_copy_into_ordinary_dict", "call_impl_read",
                           "shadowed_setattr", "forward_called", "forward_item_store",
@@ -56,7 +58,9 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
                           "constant_rebound_by_global", "constant_shadowed_by_comprehension",
                           "suppressed", "suppressed_own_line", "ordinary_dict_update",
                           "suppression_in_string_only", "python_312_generic_function",
-                          "empty_file"}
+                          "empty_file", "namespace_copy_from_a_method_call",
+                          "method_result_update", "instance_dunder_call_store",
+                          "vars_inside_a_longer_word", "quoted_non_prefix_pair"}
 
 
 def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
