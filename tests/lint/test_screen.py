@@ -134,3 +134,18 @@ def test_locate_gives_exactly_the_positions_of_the_full_provider(source: bytes) 
         (type(n).__name__, located[n], expected[n]) for n, _ in nodes if located[n] != expected[n]
     ]
     assert mismatches == []
+
+
+def test_the_screen_walk_visits_every_node_ast_walk_does_but_contexts_and_operators() -> None:
+    """The ``ast`` screen walks with its own loop; it must miss no node that can hold a shape."""
+    import ast
+
+    from hyperrecipe.lint.prefilter import _nodes
+
+    leaves = (ast.expr_context, ast.operator, ast.cmpop, ast.unaryop, ast.boolop)
+    for path in [Path(ast.__file__), TORCH_DISTRIBUTED / "pipelining" / "_IR.py"]:
+        tree = ast.parse(path.read_bytes())
+        expected = [id(n) for n in ast.walk(tree) if not isinstance(n, leaves)]
+        walked = [id(n) for n in _nodes(tree)]
+        assert sorted(walked) == sorted(expected)
+        assert len(walked) == len(set(walked))
