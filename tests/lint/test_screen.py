@@ -149,3 +149,34 @@ def test_the_screen_walk_visits_every_node_ast_walk_does_but_contexts_and_operat
         walked = [id(n) for n in _nodes(tree)]
         assert sorted(walked) == sorted(expected)
         assert len(walked) == len(set(walked))
+
+
+@pytest.mark.parametrize("source", [ODD_INDENTS, *TRICKY.values()],
+                         ids=["odd_indents", *TRICKY])
+def test_the_engine_walk_finds_the_children_libcst_does(source: bytes) -> None:
+    """The engine walks the tree itself (libcst's ``visit`` rebuilds every node): it must reach
+    exactly the nodes libcst's ``children`` gives, at every node."""
+    try:
+        module = cst.parse_module(source)
+    except Exception:  # noqa: BLE001 - the syntax-error cases
+        return
+    _assert_same_children(module)
+
+
+def test_the_engine_walk_finds_the_children_libcst_does_on_a_real_file() -> None:
+    source = (TORCH_DISTRIBUTED / "pipelining" / "_IR.py").read_bytes()
+    assert _assert_same_children(cst.parse_module(source)) > 10_000
+
+
+def _assert_same_children(module: cst.Module) -> int:
+    from hyperrecipe.lint.engine import children
+
+    pending: list[cst.CSTNode] = [module]
+    seen = 0
+    while pending:
+        node = pending.pop()
+        ours = children(node)
+        assert sorted(map(id, ours)) == sorted(map(id, node.children)), type(node).__name__
+        pending.extend(ours)
+        seen += 1
+    return seen
