@@ -140,18 +140,29 @@ def run_here(function: Callable[[T], R], argument: T, *, budget: Budget) -> R | 
         _restore_memory(soft)
 
 
-def _worker(conn: Connection, function: Callable[[Any], Any], memory_mib: int | None) -> None:
-    """The worker loop: receive an argument, send back the result, until told to stop."""
+def _worker(
+    conn: Connection,
+    function: Callable[[Any], Any],
+    arguments: Sequence[Any],
+    memory_mib: int | None,
+) -> None:
+    """The worker loop: receive task indices, send back one result per task, until told to stop.
+
+    The worker is forked, so it already holds ``arguments``: only indices cross the pipe, a
+    batch per message; results go back one by one, so the parent always knows which task is
+    running (for its deadline, and to name it if the worker dies).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     _limit_memory(memory_mib)
     while True:
         try:
-            argument = conn.recv()
+            batch = conn.recv()
         except EOFError:
             return
-        if argument is None:
+        if batch is None:
             return
-        conn.send(_call(function, argument, memory_mib))
+        for index in batch:
+            conn.send(_call(function, arguments[index], memory_mib))
 
 
 _SIGNAL_REASONS: Final = {
@@ -232,19 +243,23 @@ def run_bounded(
     def start() -> _Slot:
         parent_end, child_end = context.Pipe(duplex=True)
         process = context.Process(
-            target=_worker, args=(child_end, function, budget.memory_mib), daemon=True
+            target=_worker, args=(child_end, function, arguments, budget.memory_mib),
+            daemon=True,
         )
         process.start()
         child_end.close()
         return _Slot(process, parent_end)
 
     def fill(slot: _Slot, now: float) -> None:
+        batch: list[int] = []
         while pending and len(slot.tasks) < in_flight:
             index = pending.popleft()
             if not slot.tasks:
                 slot.started = now
             slot.tasks.append(index)
-            slot.conn.send(arguments[index])
+            batch.append(index)
+        if batch:
+            slot.conn.send(batch)
 
     def retire(slot: _Slot) -> None:
         if slot.process.is_alive():
