@@ -8,6 +8,8 @@ more than a few files the screen runs on every CPU (biggest files first); meanwh
 imports libcst, and the files the screen could not clear go to workers forked from the parent
 afterwards, which inherit the import instead of paying it once each. Recipe files are checked
 in the first-phase workers as well (bounded: a YAML full of aliases must not hang the run).
+A few small Python files alone (the pre-commit case) are screened in this process instead, under
+the memory budget (:data:`INLINE_MAX_BYTES` says why that is safe); a fork costs more than that.
 """
 
 from __future__ import annotations
