@@ -326,10 +326,12 @@ def lint_paths(
 
     needs.sort(key=lambda item: -item[0])
     if needs:
-        import hyperrecipe.lint.engine  # noqa: F401 - imported once here, inherited by fork
-
         second = [job for _, job in needs]
         workers = cpus if cpus > 1 and len(needs) > 1 else 1
+        if workers > 1:
+            # Imported once here and inherited by fork; a lone worker imports it itself (the
+            # pre-commit case: forking a parent that holds libcst costs more than it saves).
+            import hyperrecipe.lint.engine  # noqa: F401
         lint = _lint_screened if screen else _lint_unscreened
         for index, result in run_bounded(lint, second, workers=workers, budget=budget):
             if isinstance(result, TaskFailure):
