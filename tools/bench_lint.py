@@ -78,6 +78,57 @@ print(json.dumps({"seconds": end - imported, "with_import": end - start, "cpu": 
                                for f in result.findings]}))
 """
 
+# The lint's work on a tree, step by step, in one process (CPU seconds), against the floor
+# measured first in the same process. (The lint spreads this over workers and adds forks and pipes.)
+_BREAKDOWN = """
+import ast, gc, json, pathlib, symtable, sys, time
+T = time.process_time
+t = T()
+for path in sorted(pathlib.Path(sys.argv[1]).rglob("*.py")):  # the floor, first, as in _FLOOR
+    ast.parse(path.read_bytes(), str(path))
+floor = T() - t
+t = T()
+from hyperrecipe.lint import prefilter as P
+from hyperrecipe.lint.config import ConfigFinder
+from hyperrecipe.lint.files import discover
+steps = [["import hyperrecipe.lint (runner, screen)", T() - t]]
+t = T()
+targets, _ = discover([sys.argv[1]], ConfigFinder())
+steps.append(["discovery + configuration", T() - t])
+files = [(str(x.path), x.path.read_bytes()) for x in targets if x.kind == "python"]
+gc.disable()  # as the lint's screen does
+t = T()
+hits = [(f, s) for f, s in files if P._text_may_match(s if s.isascii() else P._normalized(s))]
+steps.append([f"text screen, all {len(files)} files", T() - t])
+hit_names = {f for f, _ in hits}
+t = T()
+for f, s in files:
+    if f not in hit_names:
+        symtable.symtable(s, f, "exec")
+steps.append([f"symtable of the {len(files) - len(hits)} files the text screen clears", T() - t])
+t = T()
+trees = [ast.parse(s, f) for f, s in hits]
+steps.append([f"ast.parse of the {len(hits)} text hits", T() - t])
+t = T()
+need = [f for (f, _), tree in zip(hits, trees) if P._Screen().found(tree)]
+steps.append(["ast walk of the hits", T() - t])
+del trees
+gc.enable()
+t = T()
+import libcst
+steps.append(["import libcst", T() - t])
+t = T()
+from hyperrecipe.lint.codes import CODES
+from hyperrecipe.lint.engine import lint_source
+steps.append(["import the engine and rules", T() - t])
+codes, sources = frozenset(c.code for c in CODES), dict(files)
+t = T()
+for f in need:
+    lint_source(sources[f], display=f, codes=codes, screened=True)
+steps.append([f"libcst pass on the {len(need)} files the screen cannot clear", T() - t])
+print(json.dumps({"steps": steps, "floor": floor}))
+"""
+
 
 def _torch_distributed() -> Path:
     spec = importlib.util.find_spec("torch")  # locates the package without importing it
@@ -189,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results")
     parser.add_argument("--transformers", action="store_true",
                         help="also lint the installed transformers package against its floor")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only print where the lint's CPU time goes on the tree, step by "
+                             "step in one process, against the floor")
     parser.add_argument("--from-source", action="store_true",
                         help="do not compile hyperrecipe to bytecode first (see above)")
     args = parser.parse_args(argv)
@@ -196,6 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.from_source:
         compileall.compile_dir(str(Path(hyperrecipe.__file__).parent), quiet=1)
     load_before = os.getloadavg()
+    if args.breakdown:
+        found = json.loads(_python(_BREAKDOWN, str(root)))
+        floor_cpu = found["floor"]
+        total = sum(seconds for _, seconds in found["steps"])
+        print(f"| step ({root.name}) | CPU s | x floor |\n|---|---:|---:|")
+        for name, seconds in found["steps"]:
+            print(f"| {name} | {seconds:.3f} | {seconds / floor_cpu:.2f} |")
+        print(f"| **sum** | **{total:.3f}** | **{total / floor_cpu:.2f}** |")
+        print(f"| floor: `ast.parse` of every file | {floor_cpu:.3f} | 1.00 |")
+        print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        return 0
 
     floors, floor_cpus, lints, lint_cpus, with_import, commands = [], [], [], [], [], []
     lint_run: dict[str, Any] = {}
