@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyperrecipe.errors import (
     HyperrecipeError,
+    LossParallelError,
     ModelSpecError,
     PlacementMismatchError,
     PlanFormatError,
@@ -28,10 +29,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.api import compile_recipe, load_plan, load_recipe
     from hyperrecipe.plan import Plan
     from hyperrecipe.runtime import Installation, apply
+    from hyperrecipe.runtime.vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = [
     "HyperrecipeError",
     "Installation",
+    "LossParallelError",
     "ModelSpecError",
     "PlacementMismatchError",
     "Plan",
@@ -43,6 +46,7 @@ __all__ = [
     "compile_recipe",
     "load_plan",
     "load_recipe",
+    "vocab_parallel_cross_entropy",
 ]
 
 __version__ = "0.1.0"
@@ -54,6 +58,7 @@ _LAZY = {
     "Plan": "hyperrecipe.plan",
     "apply": "hyperrecipe.runtime",
     "Installation": "hyperrecipe.runtime",
+    "vocab_parallel_cross_entropy": "hyperrecipe.runtime.vocab_loss",
 }
 
 

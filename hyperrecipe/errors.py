@@ -21,6 +21,7 @@ __all__ = [
     "ExplainError",
     "ImpossibleTransition",
     "LaunchError",
+    "LossParallelError",
     "ModeError",
     "ModelSpecError",
     "PatternError",
@@ -177,6 +178,13 @@ class ImpossibleTransition(HyperrecipeError, ValueError):
 
 
 # ----------------------------------------------------------------------------- runtime
+
+
+class LossParallelError(HyperrecipeError, RuntimeError):
+    """Logits a ``loss_parallel`` plan keeps sharded on the vocab were used in a way that would be
+    wrong on a slice of the vocab (any torch op on them, ``F.cross_entropy`` included), or
+    ``vocab_parallel_cross_entropy`` got logits it cannot compute over; the message names the
+    supported path (docs/training.md#loss-on-vocab-shards)."""
 
 
 class ModeError(HyperrecipeError, ValueError):

@@ -35,6 +35,7 @@ __all__ = [
     "BoundaryPlan",
     "ExpertParallel",
     "HeadCount",
+    "LossParallel",
     "ManifestEntry",
     "MeshDim",
     "ParamPlan",
@@ -47,12 +48,14 @@ __all__ = [
     "converter",
 ]
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 """Version of the plan's JSON shape. 2: parameters record their enclosing boundary and their
 DTensor placement (or why they have none); boundaries record the vocab-parallel lookup and the
-expert-parallel layout, so the runtime reads these decisions instead of re-deriving them."""
+expert-parallel layout, so the runtime reads these decisions instead of re-deriving them.
+3: the plan records the loss on vocab shards (``loss_parallel``), and the manifest lists the
+loss's collective (stage ``loss``)."""
 T = TypeVar("T")
-Stage = Literal["input", "output", "param_grad"]
+Stage = Literal["input", "output", "param_grad", "loss"]
 Direction = Literal["forward", "backward"]
 
 
@@ -216,6 +219,35 @@ class BoundaryPlan:
 
 
 @attrs.frozen(kw_only=True)
+class LossParallel:
+    """The loss computed on vocab shards: ``loss_parallel: true`` on the ``boundary`` (an
+    ``lm_head``) whose first output, the logits, leaves sharded on its last dim over
+    ``mesh_dim``. Rank ``r`` holds vocab entries ``[r * local_vocab, (r + 1) * local_vocab)``.
+
+    ``owner`` is the module whose forward calls the boundary (``""``: the root). ``kind``:
+
+    - ``"model"``: the owner's forward takes ``labels`` and computes its own loss (transformers'
+      ``ForCausalLM``); that loss runs on the shards, and a call that computes no loss (no
+      labels: inference, ``generate()``) gets the logits gathered with ``gather``.
+    - ``"helper"``: the caller gets the vocab-sharded logits and computes the loss with
+      ``hyperrecipe.vocab_parallel_cross_entropy``.
+
+    ``loss_op`` is the one collective of the cross entropy's forward (its backward has none).
+    """
+
+    boundary: str
+    output: str
+    owner: str
+    kind: Literal["model", "helper"]
+    mesh_dim: str
+    vocab: int
+    local_vocab: int
+    gather: tuple[Transition, ...]
+    loss_op: CollectiveOp
+    provenance: Provenance
+
+
+@attrs.frozen(kw_only=True)
 class ManifestEntry:
     """One collective a training step issues (forward or backward), as production runs it."""
 
@@ -281,6 +313,8 @@ class Plan:
     head_counts: tuple[HeadCount, ...]
     manifest: tuple[ManifestEntry, ...]
     adapters: tuple[AdapterPlan, ...] = ()
+    loss_parallel: LossParallel | None = None
+    """The loss on vocab shards, when a boundary declares ``loss_parallel: true``."""
     checksum: str = ""
     """sha256 of the plan's JSON with this field empty: catches hand edits of decisions, which
     the fingerprint (over what the plan was compiled *from*) cannot."""

@@ -13,7 +13,7 @@ import attrs
 
 from hyperrecipe.errors import ExplainError, closest
 from hyperrecipe.placement import Shard
-from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 
 __all__ = ["PlanTotals", "explain", "plan_totals", "summary"]
@@ -157,6 +157,10 @@ def summary(plan: Plan) -> str:
     ops = ", ".join(f"{k} x{v}" for k, v in t.ops) or "none"
     lines.append(f"collectives per step: {t.forward_collectives} forward, "
                  f"{t.backward_collectives} backward ({ops})")
+    loss = plan.loss_parallel
+    if loss is not None:
+        lines.append(f"loss on vocab shards: {loss.boundary} over {loss.mesh_dim} ({loss.vocab} "
+                     f"-> {loss.local_vocab} per rank); {_loss_text(loss)}")
     uncounted = _uncounted(plan)
     if uncounted:
         lines.append(f"not counted (issued by the wrapped code itself, not by layouts): "
@@ -175,6 +179,13 @@ def _uncounted(plan: Plan) -> str:
         parts.append(f"local region{'s' if regions != 1 else ''} on {regions} "
                      f"module{'s' if regions != 1 else ''}")
     return "; ".join(parts)
+
+
+def _loss_text(loss: LossParallel) -> str:
+    if loss.kind == "model":
+        return ("the model's own labels= loss runs on the shards, a call without labels gets "
+                "gathered logits")
+    return "the caller computes the loss with hyperrecipe.vocab_parallel_cross_entropy"
 
 
 def _adapter_text(a: AdapterPlan) -> str:
@@ -222,6 +233,10 @@ def explain(plan: Plan, pattern: str) -> str:
             if b.vocab_parallel is not None:
                 out.append(f"  vocab-parallel lookup over {b.vocab_parallel}: production mode "
                            f"looks up the ids this rank owns, others read as zero rows")
+            loss = plan.loss_parallel
+            if loss is not None and loss.boundary == b.fqn:
+                out.append(f"  loss on vocab shards over {loss.mesh_dim}: {_loss_text(loss)}")
+                out.append(f"  {loss.provenance}")
             ep = b.expert_parallel
             if ep is not None:
                 out.append(f"  expert parallel over {ep.mesh_dim}: {ep.kernel} kernel, "

@@ -129,10 +129,19 @@ def requires_device(device_type: str) -> Requirement:
 
 
 def requires_package(name: str) -> Requirement:
-    """Package ``name`` is importable (a fused kernel's package, such as ``flash_attn``)."""
+    """Package ``name`` is importable (a fused kernel's package, such as ``flash_attn``).
+
+    A dotted ``name`` is looked up the way ``import`` would: its parent packages are imported
+    (``find_spec`` must, to read their ``__path__``), so a missing or broken parent is reported
+    as the requirement failing, not as an exception out of the capability chain.
+    """
 
     def check(ctx: WrapperContext) -> str | None:
-        return None if importlib.util.find_spec(name) is not None else f"{name} is not installed"
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError) as exc:  # a missing parent package, or a bad name
+            return f"{name} is not installed ({type(exc).__name__}: {exc})"
+        return None if found else f"{name} is not installed"
 
     return Requirement(what=f"package {name}", check=check)
 

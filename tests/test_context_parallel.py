@@ -386,6 +386,20 @@ def test_requires_backend_reads_per_device_backend_strings(backend: str, met: bo
     assert (reason is None) == met, reason
 
 
+@pytest.mark.parametrize(("name", "met"), [("json", True), ("json.decoder", True),
+                                           ("no_such_pkg_hr", False),
+                                           ("no_such_pkg_hr.sub", False), ("json.no_such_sub", False)])
+def test_requires_package_reports_a_missing_parent_instead_of_raising(name: str, met: bool) -> None:
+    from types import SimpleNamespace
+
+    from hyperrecipe.wrappers import requires_package
+
+    reason = requires_package(name).check(SimpleNamespace())  # type: ignore[arg-type]
+    assert (reason is None) == met, reason
+    if not met:
+        assert reason is not None and reason.startswith(f"{name} is not installed")
+
+
 def test_the_built_in_wrappers_require_sdpa(tmp_path: Any, capsys: pytest.CaptureFixture[str]
                                             ) -> None:
     from hyperrecipe.cli import main

@@ -58,7 +58,8 @@ def test_default_forward_and_greedy_generate_equal_one_process(
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2}),
-                                           ("llama-tp-cp.yaml", {"tp": 2, "cp": 2})])
+                                           ("llama-tp-cp.yaml", {"tp": 2, "cp": 2}),
+                                           ("llama-sp-loss.yaml", TP2)])
 def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dict[str, int],
                                                           mode: str) -> None:
     path = str(ROOT / "recipes" / recipe)

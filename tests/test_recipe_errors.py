@@ -17,7 +17,7 @@ from tests.toy_models import Toy
 STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
 RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, out_names, "
              "defer_bias, head_counts, reduce_grads, inner_wrapper, inner_out_src, local_region, no_grad, "
-             "note")
+             "loss_parallel, note")
 
 
 def base(*rules: dict[str, Any], **top: Any) -> dict[str, Any]:

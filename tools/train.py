@@ -103,8 +103,8 @@ def main() -> None:
         opt.zero_grad()
         if dist.get_rank() == 0:
             print(json.dumps({"step": step, "loss": round(float(loss.detach()), 6)}), flush=True)
-        if (step + 1) % args.save_every == 0 and args.dp == 1:
-            # 6. Checkpoint: every shard stored once, reshardable.
+        if (step + 1) % args.save_every == 0:
+            # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
             dcp.save(inst.state_dict(opt), checkpoint_id=str(out / f"step-{step + 1}"))
 
     # 7. Export for from_pretrained (every rank gathers, rank 0 writes).

@@ -37,6 +37,7 @@ from hyperrecipe.placement import REPLICATED, NamedPlacement
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.check.sample import Sample, first_output, loss_of
 from hyperrecipe.runtime.arguments import declared_argument, get_output
+from hyperrecipe.runtime.vocab_loss import plain_vocab_slice
 
 __all__ = ["Event", "Failure", "StepFailed", "Trace", "Tracer", "Viewer", "run_step"]
 
@@ -206,6 +207,7 @@ class Tracer:
                 placement: NamedPlacement) -> None:
         if not isinstance(value, Tensor):
             return
+        value = plain_vocab_slice(value)  # a loss_parallel lm_head's output: recorded as placed
         enclosing = self.boundary_stack[-1] if self.boundary_stack else None
         with torch.no_grad():
             full, note = self.view(value, placement)

@@ -75,6 +75,7 @@ class RuleFields:
     inner_out_src: Layout | None = None
     local_region: bool | None = None
     no_grad: tuple[str, ...] | None = None
+    loss_parallel: bool | None = None
 
     def set_fields(self) -> tuple[str, ...]:
         return tuple(f for f in RULE_FIELD_NAMES if getattr(self, f) is not None)

@@ -130,6 +130,15 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
                   "layout changes get no backward collective in the plan, and applying the plan "
                   "fails loudly if one arrives requiring grad. Integer inputs of torch's "
                   "`Embedding` and `EmbeddingBag` are known without it."),
+    FieldSpec(name="loss_parallel", kind="bool",
+              doc="The boundary's first output is the logits, and they stay sharded on the vocab "
+                  "(last) dim for the loss: an outermost `nn.Linear` boundary (an `lm_head`) "
+                  "whose `weight` is `shard(0)` and whose output 0 leaves `shard(-1)` on the same "
+                  "mesh dim (`out_dst: {0: {tp: shard(-1)}}`). A transformers model's own "
+                  "`labels=` loss then runs on the shards, and a call without labels gets the "
+                  "full logits; a model whose forward takes no `labels` hands its caller the "
+                  "vocab-sharded logits, for `hyperrecipe.vocab_parallel_cross_entropy`. See "
+                  "docs/training.md#loss-on-vocab-shards."),
     FieldSpec(name="note", kind="string", doc="Free text, shown by `compile --explain`."),
 )
 
@@ -598,7 +607,7 @@ def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, Sty
 
 
 _BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias",
-                  "no_grad")
+                  "no_grad", "loss_parallel")
 
 
 def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, *,

@@ -7,7 +7,8 @@ boundary's plan) with ``layouts`` (declared layouts), ``transitions`` and ``lowe
 (placement transitions to collectives), ``wrappers`` (inner-wrapper chains against their
 declarations) and ``kernels`` (the vocab-parallel lookup and the expert-parallel kernel),
 ``params`` (placements, divisibility, local shapes, DTensor placements, gradient reductions),
-``head_counts``, ``manifest`` (the expected collectives) and ``adapters``. Every decision the
+``head_counts``, ``loss`` (the loss on vocab shards), ``manifest`` (the expected
+collectives) and ``adapters``. Every decision the
 runtime needs is made here and recorded in the plan, and every refusal is a
 :class:`~hyperrecipe.errors.RecipeError` at a recipe line.
 

@@ -27,7 +27,7 @@ from hyperrecipe.resolve.wrappers import check_wrappers, declared_inner_out
 __all__ = ["BoundaryTree", "BuiltBoundaries", "build_boundaries", "find_boundaries"]
 
 _BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "defer_bias", "out_names",
-                  "local_region", "no_grad")
+                  "local_region", "no_grad", "loss_parallel")
 
 
 @attrs.frozen(kw_only=True)

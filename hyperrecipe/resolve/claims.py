@@ -29,7 +29,7 @@ Slot = tuple[str, str, Any]
 """(module FQN, field, key)."""
 
 _SCALAR_FIELDS = ("boundary", "out_names", "defer_bias", "inner_wrapper", "local_region",
-                  "no_grad")
+                  "no_grad", "loss_parallel")
 
 
 @attrs.frozen(kw_only=True)

@@ -12,6 +12,7 @@ the ones before it:
    (layouts, nesting, transitions, wrappers, local kernels).
 4. :func:`~hyperrecipe.resolve.params.settle_params`: every parameter's plan.
 5. :func:`~hyperrecipe.resolve.head_counts.divide_head_counts`,
+   :func:`~hyperrecipe.resolve.loss.plan_loss_parallel` (the loss on vocab shards),
    :func:`~hyperrecipe.resolve.manifest.list_collectives`,
    :func:`~hyperrecipe.resolve.adapters.plan_adapters`.
 
@@ -30,6 +31,7 @@ from hyperrecipe.resolve.boundaries import build_boundaries, find_boundaries
 from hyperrecipe.resolve.claims import match_rules
 from hyperrecipe.resolve.context import ResolveInput
 from hyperrecipe.resolve.head_counts import divide_head_counts
+from hyperrecipe.resolve.loss import loss_manifest, plan_loss_parallel
 from hyperrecipe.resolve.manifest import list_collectives
 from hyperrecipe.resolve.params import settle_params
 
@@ -56,7 +58,8 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     regions = find_boundaries(inp, claims)
     boundaries = build_boundaries(inp, claims, regions)
     params = settle_params(inp, claims, regions, boundaries)
-    manifest = list_collectives(inp, boundaries.plans, params)
+    loss = plan_loss_parallel(inp, claims, boundaries.plans)
+    manifest = list_collectives(inp, boundaries.plans, params) + loss_manifest(loss)
     adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
     model_digest = tree.digest()
@@ -65,5 +68,5 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         recipe_digest=recipe.digest, model_digest=model_digest, mesh=inp.mesh,
         fingerprint=compute_fingerprint(recipe.digest, model_digest, inp.mesh),
         rules=claims.rules, params=params, boundaries=boundaries.plans,
-        head_counts=head_counts, manifest=manifest, adapters=adapters,
+        head_counts=head_counts, manifest=manifest, adapters=adapters, loss_parallel=loss,
     ).sealed()

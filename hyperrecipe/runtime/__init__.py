@@ -20,6 +20,9 @@ What lives here, one responsibility per module:
   exchange when tokens are sharded; ``reach``: keeping every rank's backward in step when a
   region's code used nothing on one rank.
 - ``adapters``: method and function adapters for third-party code.
+- ``vocab_loss``: the loss on vocab shards (``loss_parallel``): the marked vocab-slice logits,
+  the cross-entropy kernels (production: local shards, one all-gather; validate: DTensor),
+  ``vocab_parallel_cross_entropy``, and the model's ``labels=`` loss on the shards.
 - ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
   mesh, every local check passed; the vote), each with a bounded wait.
 

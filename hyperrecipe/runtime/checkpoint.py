@@ -11,6 +11,12 @@ Layouts DTensor cannot store (a chunked shard: each rank holds one piece of ever
 DCP refuses ``_StridedShard`` as overlapping chunks) are handed out *replicated*: gathered, and
 stored once, at the cost of one full copy of those tensors while the state dict lives.
 
+A data-parallel wrapper applied after apply (FSDP2's ``fully_shard`` on a dim the plan
+replicates) turns each parameter into its piece of the rank's shard, a DTensor over the wrapper's
+mesh only. Those pieces are handed out over the whole mesh (:meth:`LiveParams.wrapper_layout`:
+the plan's placements plus the wrapper's split, strided where both split one tensor dim), so a
+dp × tp checkpoint is stored piece by piece and reshards like any other.
+
 Everything that gathers is a collective; the functions that may gather say so.
 """
 
@@ -88,12 +94,7 @@ class LiveParams:
         value = self.param(p)
         if isinstance(value, DTensor):
             if value.device_mesh != self.mesh:
-                msg = (f"{p.fqn} is now a DTensor on another mesh "
-                       f"({value.device_mesh.mesh_dim_names}): it was wrapped after apply "
-                       f"(fully_shard?), and its DTensor does not say where this rank's tensor "
-                       f"parallel shard lies, so a checkpoint of it would be wrong; use "
-                       f"Installation.full_state_dict() for full weights")
-                raise PlanMismatchError(msg)
+                raise PlanMismatchError(self._wrapped_refusal(p, value))
             value = value._local_tensor
         if tuple(value.shape) != p.local_shape and not (self.mode.dtensor_parameters
                                                         and tuple(value.shape) == p.shape):
@@ -105,6 +106,123 @@ class LiveParams:
                    f"to_empty() on an applied model")
             raise PlanMismatchError(msg)
         return value
+
+    def _wrapped_refusal(self, p: ParamPlan, value: Tensor) -> str:
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(value, DTensor)
+        mesh = value.device_mesh.mesh_dim_names
+        if self.wrapper_layout(p, value) is not None:
+            return (f"{p.fqn} is now a piece of this rank's shard, made by a data-parallel "
+                    f"wrapper on mesh {mesh} (fully_shard?): load weights before wrapping; "
+                    f"checkpoint with Installation.state_dict() / load_state_dict(), which "
+                    f"store and restore the pieces")
+        return (f"{p.fqn} is now a DTensor on another mesh ({mesh}) that is not a "
+                f"data-parallel wrapper's piece of this rank's shard on a replicated dim of "
+                f"the plan's mesh {tuple(self.plan.mesh_dims)}, so where its values lie in the "
+                f"full tensor is unknown and a checkpoint of it would be wrong; use "
+                f"Installation.full_state_dict() for full weights")
+
+    # -- data-parallel wrappers over the shards (fully_shard after apply) ------------------
+
+    def wrapper_layout(self, p: ParamPlan, value: Tensor) -> tuple[Any, ...] | None:
+        """The placements over this mesh of ``value``, when it is what a data-parallel
+        wrapper (FSDP2's ``fully_shard`` on a dim the plan replicates) made of this rank's
+        shard: a DTensor on a sub-mesh of this mesh whose global shape is the shard's. The
+        wrapper splits the *shard*, so on a tensor dim the plan also shards over a later mesh
+        dim its placement is ``_StridedShard`` (the layout FSDP2 itself uses with tensor
+        parallel), which DCP stores shard by shard. ``None`` for anything else, including a
+        chunked (fused) shard under a wrapper, whose pieces no placement expresses."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if (not isinstance(value, DTensor) or value.device_mesh == self.mesh
+                or tuple(value.shape) != p.local_shape or self.mode.dtensor_parameters):
+            return None
+        names = tuple(self.mesh.mesh_dim_names or ())
+        wrapper = value.device_mesh
+        wnames = tuple(wrapper.mesh_dim_names or ())
+        if not wnames or any(n not in names for n in wnames) or list(wnames) != sorted(
+                wnames, key=names.index):
+            return None
+        coordinate = self.mesh.get_coordinate()
+        if coordinate is None:
+            return None
+        index = tuple(slice(None) if n in wnames else coordinate[i] for i, n in enumerate(names))
+        if not torch.equal(self.mesh.mesh[index], wrapper.mesh):
+            return None  # not this mesh's sub-mesh through this rank
+        base = dtensor_placements(p, self.plan.mesh_dims)
+        if base is None or any(isinstance(q, _StridedShard) for q in base):
+            return None
+        placements = list(base)
+        sharded_dims: set[int] = set()
+        for wdim, q in zip(wnames, value.placements, strict=True):
+            if isinstance(q, Replicate):
+                continue
+            i = names.index(wdim)
+            if type(q) is not Shard or not isinstance(placements[i], Replicate) or (
+                    q.dim in sharded_dims):  # a plain shard only (not a strided subclass)
+                return None
+            sharded_dims.add(q.dim)
+            later = [self.mesh.size(t) for t in range(i + 1, len(names))
+                     if isinstance(placements[t], Shard) and placements[t].dim == q.dim]
+            factor = 1
+            for n in later:
+                factor *= n
+            placements[i] = (_StridedShard(q.dim, split_factor=factor) if factor > 1
+                             else Shard(q.dim))
+        layout = tuple(placements)
+        shape, _ = compute_local_shape_and_global_offset(p.shape, self.mesh, layout)
+        if tuple(shape) != tuple(value._local_tensor.shape):
+            return None  # the wrapper split differently than DTensor would: do not guess
+        return layout
+
+    def stored(self, p: ParamPlan, value: Tensor | None = None) -> Tensor:
+        """``value`` (default: the live parameter), a parameter-shaped tensor of any live
+        layout, as the DTensor a checkpoint stores: over this mesh with the plan's placements
+        (:meth:`as_dtensor`), or, for a data-parallel wrapper's piece, with
+        :meth:`wrapper_layout` (sharing the piece's storage)."""
+        from torch.distributed.tensor import DTensor
+
+        value = self.param(p) if value is None else value
+        layout = self.wrapper_layout(p, value)
+        if layout is not None:
+            assert isinstance(value, DTensor)
+            return DTensor.from_local(value._local_tensor.detach(), self.mesh, layout,
+                                      run_check=False, shape=torch.Size(p.shape),
+                                      stride=contiguous_stride(p.shape))
+        if value is self.param(p):
+            return self.as_dtensor(p, self.local(p))  # local() refuses stale or foreign values
+        if isinstance(value, DTensor) and value.device_mesh != self.mesh:
+            raise PlanMismatchError(self._wrapped_refusal(p, value))
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        return self.as_dtensor(p, local)
+
+    def piece_like(self, p: ParamPlan, value: Tensor, like: Tensor) -> Tensor:
+        """This rank's part of a checkpoint ``value`` (a DTensor of any layout, or a full
+        tensor) in the layout of the live tensor ``like``: a wrapper's piece (as a DTensor
+        like ``like``), or a plain shard. May be a collective."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        layout = self.wrapper_layout(p, like)
+        if layout is None:
+            return self.shard_of(p, value)
+        assert isinstance(like, DTensor)
+        if isinstance(value, DTensor) and value.device_mesh == like.device_mesh and (
+                value.placements == like.placements and value.shape == like.shape):
+            return value  # already a piece in the live layout (idempotent for load hooks)
+        if isinstance(value, DTensor) and value.device_mesh == self.mesh and tuple(
+                value.placements) == layout:
+            piece = value._local_tensor
+        else:
+            shard = self.shard_of(p, value)
+            whole = DTensor.from_local(shard, like.device_mesh,
+                                       tuple(Replicate() for _ in like.placements),
+                                       run_check=False)
+            piece = whole.redistribute(like.device_mesh, like.placements).to_local()
+        return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
 
     def items(self) -> Iterator[tuple[ParamPlan, Tensor]]:
         for p in self.own:
@@ -231,6 +349,10 @@ def _to_state(live: LiveParams, p: ParamPlan, value: Any) -> Any:
     if isinstance(value, Tensor) and value.dim() > 0:
         from torch.distributed.tensor import DTensor
 
+        if live.wrapper_layout(p, value) is not None:
+            return live.stored(p, value)
+        if isinstance(value, DTensor) and value.device_mesh != live.mesh:
+            raise PlanMismatchError(live._wrapped_refusal(p, value))
         local = value._local_tensor if isinstance(value, DTensor) else value
         if tuple(local.shape) in (p.local_shape, p.shape):
             return live.as_dtensor(p, local)
@@ -274,9 +396,13 @@ def load_optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer,
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.dim() > 0 and (
                     isinstance(value, DTensor) or tuple(value.shape) == p.shape):
+                param = live.param(p)
+                if live.wrapper_layout(p, param) is not None:
+                    out[key] = live.piece_like(p, value, param)
+                    continue
                 local = live.shard_of(p, value)
                 out[key] = local if not live.mode.dtensor_parameters or not isinstance(
-                    live.param(p), DTensor) else _like_param(live, p, local)
+                    param, DTensor) else _like_param(live, p, local)
             else:
                 out[key] = value
         out_state[ids[fqn]] = out

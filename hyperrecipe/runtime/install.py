@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import from_dtensor_text
-from hyperrecipe.plan import BoundaryPlan, ParamPlan, Plan
+from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
 from hyperrecipe.runtime.adapters import install_adapters
@@ -42,6 +42,12 @@ from hyperrecipe.runtime.materialize import (
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.sharding import gather_full, local_shard
+from hyperrecipe.runtime.vocab_loss import (
+    VocabShard,
+    install_loss_parallel,
+    make_vocab_shard,
+    vocab_shard_output,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -269,7 +275,23 @@ class _Applier:
             if b.inner_wrapper:
                 compute = self.inner.install(tx, b, module, compute)
             forward = make_boundary_forward(b, compute, redist, deferred_bias=bias)
+            loss = self.plan.loss_parallel
+            if loss is not None and loss.boundary == b.fqn:
+                forward = vocab_shard_output(forward, self._vocab_shard(loss))
             tx.install_forward(module, forward, fqn=b.fqn, companions={"_hyperrecipe_boundary": b})
+
+    def _vocab_shard(self, loss: LossParallel) -> VocabShard:
+        return make_vocab_shard(loss, self.mesh, self.mesh_dims,
+                                dtensor=self.mode.dtensor_parameters)
+
+    def install_loss(self, tx: Rewrite) -> None:
+        """The loss on vocab shards of a ``"model"`` loss (the lm_head's marking is part of its
+        boundary forward): the owner's loss function and its gathering forward."""
+        loss = self.plan.loss_parallel
+        if loss is None or loss.kind != "model":
+            return
+        owner = self.modules[loss.owner]
+        install_loss_parallel(tx, owner, loss, self._vocab_shard(loss), class_forward(owner))
 
     def _compute(self, b: BoundaryPlan, module: nn.Module,
                  tx: Rewrite) -> tuple[Callable[..., Any], Any]:
@@ -360,6 +382,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             applier.set_head_counts(tx)
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
+            applier.install_loss(tx)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
         try:

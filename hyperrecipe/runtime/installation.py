@@ -39,12 +39,17 @@ __all__ = ["Installation", "StatusRow"]
 
 @attrs.frozen(kw_only=True)
 class StatusRow:
-    """One install: which module, what was changed, and where it stands."""
+    """One install: which module, what was changed, and where it stands.
+
+    ``error`` says why a row is not installed/loaded; ``note`` adds what a successful row did
+    that a user should know (a checkpoint read through transformers' key conversion).
+    """
 
     fqn: str
     what: str
     state: str
     error: str | None = None
+    note: str | None = None
 
 
 def _barrier_group() -> Any:
@@ -95,7 +100,8 @@ class Installation:
         the module; what: ``adapter marshal pkg.mod:function``). Then a row per weight-loading
         strategy tried (``weights safetensors``: ``loaded``, ``ineligible``, ``failed``, ``not
         tried``) and, while a meta-built model has tensors with no value yet, one ``weights``
-        row ``unset`` naming how many."""
+        row ``unset`` naming how many. A plan with the loss on vocab shards adds a row ``loss on
+        vocab shards`` at the lm_head saying what its logits are."""
         adapters = {a.target: a.mode for a in self.plan.adapters}
 
         def what(r: RewriteRecord) -> str:
@@ -107,12 +113,24 @@ class Installation:
 
         rows = [StatusRow(fqn=r.fqn, what=what(r), state=r.state, error=r.error)
                 for r in self._rewritten.records]
+        loss = self.plan.loss_parallel
+        if loss is not None:
+            how = ("the model's labels= loss runs on them; a call without labels gets the full "
+                   "logits" if loss.kind == "model" else
+                   "compute the loss with hyperrecipe.vocab_parallel_cross_entropy")
+            rows.append(StatusRow(
+                fqn=loss.boundary, what="loss on vocab shards",
+                state="restored" if self.restored else "installed",
+                note=f"its logits are this rank's {loss.local_vocab} of {loss.vocab} vocab entries "
+                     f"over {loss.mesh_dim} and refuse torch ops; {how}"))
         rows.extend(StatusRow(fqn=c.fqn, what=f"inner wrapper {c.wrapper}",
                               state=c.state if not self.restored or c.state != "installed"
                               else "restored", error=c.reason)
                     for c in self._wrapper_choices)
         rows.extend(StatusRow(fqn=a.source, what=f"weights {a.strategy}", state=a.state,
-                              error=a.detail) for a in self._loads)
+                              error=None if a.state == "loaded" else a.detail,
+                              note=a.detail if a.state == "loaded" else None)
+                    for a in self._loads)
         if self._unloaded:
             names = sorted(self._unloaded)
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -223,7 +241,7 @@ class Installation:
             inst.load_state_dict(state, opt)
         """
         self._check_live()
-        own = {p.fqn: self._live.as_dtensor(p, self._live.local(p)) for p in self._own()}
+        own = {p.fqn: self._live.stored(p) for p in self._own()}
         model: dict[str, Any] = {p.fqn: own[p.tied_to or p.fqn] for p in self.plan.params}
         for name, buf in persistent_buffers(self.model):
             model[name] = buf
@@ -251,16 +269,20 @@ class Installation:
                                                      for q in self.plan.params)]
         if missing:
             raise PlanMismatchError(f"load_state_dict: missing {missing}")
-        shards = {}
+        writes: list[tuple[ParamPlan, Tensor, Tensor]] = []
         for p in self._own():
             value = model[p.fqn] if p.fqn in model else next(
                 model[q.fqn] for q in self.plan.params if q.tied_to == p.fqn and q.fqn in model)
-            shards[p.fqn] = self._live.shard_of(p, value)
+            live = self._live.param(p)
+            if self._live.wrapper_layout(p, live) is not None:  # fully_shard's piece
+                piece = self._live.piece_like(p, value, live)
+                writes.append((p, live._local_tensor, piece._local_tensor))  # type: ignore[attr-defined]
+            else:
+                writes.append((p, self._live.local(p), self._live.shard_of(p, value)))
         with torch.no_grad():
-            for p in self._own():
-                target = self._live.local(p)
-                if target.data_ptr() != shards[p.fqn].data_ptr():
-                    target.copy_(shards[p.fqn])
+            for p, target, shard in writes:
+                if target.data_ptr() != shard.data_ptr():
+                    target.copy_(shard)
                 self._unloaded.discard(p.fqn)
             for name, buf in persistent_buffers(self.model):
                 if name in model and model[name] is not buf:

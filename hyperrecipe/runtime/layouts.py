@@ -127,6 +127,14 @@ def _same(actual: Sequence[Any], expected: NamedPlacement, mesh_dims: Sequence[s
     return True
 
 
+def _normalized(placements: Sequence[Any], ndim: int) -> tuple[Any, ...]:
+    """Torch placements with negative shard dims counted from the front: DTensor's backward
+    builds a spec from ``grad_placements`` and refuses ``Shard(-1)``."""
+    from torch.distributed.tensor import Shard as TShard
+
+    return tuple(TShard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)
+
+
 class ValidateRedistributor:
     """DTensor end to end; declared output placements are checked against propagated ones."""
 
@@ -198,7 +206,7 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                return value.to_local(grad_placements=dst)
+                return value.to_local(grad_placements=_normalized(dst, value.ndim))
             return value
 
         return convert

@@ -49,6 +49,9 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
                 continue
+            if live.wrapper_layout(p, live.param(p)) is not None:  # fully_shard's piece
+                state[key] = live.stored(p)
+                continue
             placements = dtensor_placements(p, live.plan.mesh_dims)
             if placements is None:
                 msg = (f"model.state_dict(): {fqn} is laid out as {p.placement}, which no "
@@ -68,7 +71,10 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             if not isinstance(value, Tensor) or tuple(p.shape) == tuple(p.local_shape):
                 continue
             if isinstance(value, DTensor) or tuple(value.shape) == tuple(p.shape):
-                state[key] = live.shard_of(p, value)
+                param = live.param(p)
+                state[key] = (live.piece_like(p, value, param)
+                              if live.wrapper_layout(p, param) is not None
+                              else live.shard_of(p, value))
 
     return [model.register_state_dict_post_hook(to_dtensors),  # type: ignore[no-untyped-call]
             model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
@@ -95,7 +101,9 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
                state: dict[str, Any]) -> Iterator[tuple[ParamPlan, dict[str, Any]]]:
         """(plan, state entry) of each of the plan's parameters in an optimizer state dict,
         matched through the param groups' order (keys are indices or, from torch's
-        ``set_state_dict``, FQNs)."""
+        ``set_state_dict``, FQNs). Each entry is a copy put in the state dict's place:
+        ``Optimizer.state_dict()`` shares its per-parameter dicts with the live optimizer, and
+        writing DTensors into those would change the state the next step trains with."""
         plans = {id(live.param(p)): p for p in live.own}
         for saved, group in zip(state.get("param_groups", ()), optimizer.param_groups,
                                 strict=False):
@@ -103,6 +111,7 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
                 p = plans.get(id(param))
                 entry = state["state"].get(key)
                 if p is not None and entry is not None and tuple(p.shape) != p.local_shape:
+                    state["state"][key] = entry = dict(entry)
                     yield p, entry
 
     def to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -111,6 +120,9 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
         for p, entry in by_key(optimizer, state):
             placements = dtensor_placements(p, live.plan.mesh_dims)
             for key, value in entry.items():
+                if live.wrapper_layout(p, value) is not None:  # fully_shard's piece
+                    entry[key] = live.stored(p, value)
+                    continue
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.local_shape):
                     if placements is None:
@@ -125,9 +137,12 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
         from torch.distributed.tensor import DTensor
 
         for p, entry in by_key(optimizer, state):
+            param = live.param(p)
+            wrapped = live.wrapper_layout(p, param) is not None
             for key, value in entry.items():
                 if isinstance(value, DTensor):
-                    entry[key] = live.shard_of(p, value)
+                    entry[key] = (live.piece_like(p, value, param) if wrapped
+                                  else live.shard_of(p, value))
 
     def holds_plan_params(optimizer: torch.optim.Optimizer) -> bool:
         ids = {id(live.param(p)) for p in live.own}

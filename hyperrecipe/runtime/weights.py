@@ -14,7 +14,9 @@ Strategies:
 - ``safetensors``: a ``.safetensors`` file, or a Hugging Face checkpoint folder (one
   ``model.safetensors``, an indexed ``model.safetensors.index.json``, or any ``*.safetensors``).
   Reads ``safe_open(...).get_slice`` of the rank's ranges only (chunked shards read one range
-  per fused part), converting dtypes.
+  per fused part), converting dtypes. Checkpoint keys that transformers converts at load time
+  (per-expert MoE tensors into the fused ``experts.gate_up_proj``, renamed modules) are read
+  the way ``from_pretrained`` would place them, still by slices (``hf_conversion.py``).
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
   state dict at the top level (keys ``<fqn>``), on any mesh.
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
+from hyperrecipe.runtime.hf_conversion import Composite, conversion_for
 from hyperrecipe.runtime.sharding import Ranges, read_ranges, shard_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +85,11 @@ class _Strategy(Protocol):
 class _Safetensors:
     name = "safetensors"
 
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.converted = 0
+        """How many model tensors the last plan assembles from converted checkpoint keys."""
+
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
             return None if source.suffix == ".safetensors" else f"{source} is not a .safetensors file"
@@ -111,22 +119,40 @@ class _Safetensors:
                 shapes[key] = tuple(handles[path].get_slice(key).get_shape())
             except (SafetensorError, KeyError) as exc:
                 problems.append(f"{key!r} in {path.name}: listed in the index but not readable: {exc}")
-        _check_fit(targets, shapes, {k: p.name for k, p in where.items()}, ignore, problems)
+        files = {k: p.name for k, p in where.items()}
+        composites: Mapping[str, Composite] = {}
+        if not problems and any(not any(k in shapes for k in (t.fqn, *t.aliases))
+                                for t in targets):
+            # Keys the model does not hold by name: transformers may convert them at load
+            # time (per-expert MoE tensors into fused ones); read them the way it would.
+            conversion = conversion_for(self.model, shapes,
+                                        [k for t in targets for k in (t.fqn, *t.aliases)])
+            if conversion is not None:
+                problems.extend(conversion.problems)
+                composites = conversion.tensors
+                files = {**{k: _files_of(c, where) for k, c in composites.items()},
+                         **{k: files[k] for k in conversion.unexpected}}
+                shapes = {**{k: c.shape for k, c in composites.items()},
+                          **{k: shapes[k] for k in conversion.unexpected}}
+        self.converted = sum(c.kind != "leaf" or c.key != k for k, c in composites.items())
+        _check_fit(targets, shapes, files, ignore, problems)
+
+        def open_key(key: str) -> Callable[[tuple[slice, ...]], Tensor]:
+            sl = handles[where[key]].get_slice(key)
+            return lambda block: sl[block]
 
         def read(target: _Target) -> Tensor:
             key = _key_for(target, shapes)
-            sl = handles[where[key]].get_slice(key)
-            if target.plan is None:
-                whole: Tensor = sl[tuple(slice(None) for _ in target.shape)]
-                return whole
-            return _read_shard(lambda s: sl[s], target)
+            composite = composites.get(key) or Composite.leaf(key, shapes[key])
+            ranges = target.ranges or tuple(((0, n),) for n in target.shape)
+            return read_ranges(lambda block: composite.read(block, open_key), ranges)
 
         return read
 
 
-def _read_shard(read: Callable[[tuple[slice, ...]], Tensor], target: _Target) -> Tensor:
-    assert target.ranges is not None
-    return read_ranges(read, target.ranges)
+def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
+    names = sorted({where[k].name for k in composite.keys()})
+    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} files)"
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -312,7 +338,8 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
             back); the message names each strategy's outcome.
     """
     path = Path(source)
-    strategies: list[_Strategy] = [_Safetensors(), _DCP(live)]
+    safetensors = _Safetensors(model)
+    strategies: list[_Strategy] = [safetensors, _DCP(live)]
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
     ignore = _ignore_patterns(model)
@@ -331,7 +358,10 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
                                         detail=str(exc)))
             errors.append(f"{strategy.name}: {exc}")
             continue
-        attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="loaded"))
+        detail = (f"{safetensors.converted} tensors assembled from transformers' checkpoint "
+                  "layout" if strategy is safetensors and safetensors.converted else None)
+        attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="loaded",
+                                    detail=detail))
         attempts.extend(LoadAttempt(strategy=s.name, source=str(path), state="not tried")
                         for s in strategies[i + 1:])
         return attempts

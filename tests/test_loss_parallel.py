@@ -1,0 +1,407 @@
+"""The loss on vocab shards (``loss_parallel``), on real gloo ranks, both modes, against one
+process.
+
+Tolerances: fp32; the loss within atol 2e-6 / rtol 1e-5, and every parameter's gradient within
+the runtime tests' atol 2e-6 / rtol 1e-5 (tests/runtime_harness.py). The transformers cases run
+tiny Llama (recipes/models/tiny-llama.json, vocab 128) with the shipped
+``recipes/llama-sp-loss.yaml``; the plain-PyTorch cases a two-layer language model whose forward
+takes no labels, with ``hyperrecipe.vocab_parallel_cross_entropy``. Validate mode runs eager
+attention (torch 2.13 has no DTensor strategy for CPU SDPA).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hyperrecipe
+from hyperrecipe import LossParallelError, RecipeError, apply, compile_recipe
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.plan import Plan
+from tests.runtime_harness import ROOT, assert_close, llama, llama_batch, mesh_1d
+
+RECIPE = str(ROOT / "recipes/llama-sp-loss.yaml")
+
+
+def llama_labels(ids: torch.Tensor) -> torch.Tensor:
+    """The ids as labels, with a few positions ignored (-100)."""
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    return labels
+
+
+# ------------------------------------------------------------------------------ transformers
+
+
+LLAMA_LOSS = """\
+recipe: llama-loss
+version: 1
+mesh: [tp]
+extends: llama
+rules:
+  - match: lm_head
+    style: colwise
+    loss_parallel: true
+"""
+
+
+def _generate(model: nn.Module, ids: torch.Tensor, decode: bool) -> torch.Tensor | None:
+    """Greedy decoding (one token at a time: the sequence-parallel recipes cannot split a
+    one-token step, so it runs with the tensor-parallel recipe only)."""
+    if not decode:
+        return None
+    out: torch.Tensor = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+    return out
+
+
+def _llama_reference(overrides: dict[str, Any], decode: bool) -> dict[str, Any]:
+    model = llama(**overrides)
+    ids = llama_batch()
+    out = model(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with torch.no_grad():
+        summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
+        logits = model(input_ids=ids).logits
+        generated = _generate(model, ids, decode)
+    return {"loss": out.loss.detach(), "grads": grads, "summed": summed.loss, "logits": logits,
+            "generated": generated}
+
+
+def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict[str, Any],
+                  decode: bool) -> dict[str, Any]:
+    from collections import Counter
+
+    from hyperrecipe.runtime.collectives import count_collectives
+
+    model = llama(**overrides)
+    plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    ids = llama_batch()
+    with count_collectives() as log:
+        out = model(input_ids=ids, labels=llama_labels(ids))
+        out.loss.backward()
+    counted = Counter((r.kind, r.mesh_dim, r.direction) for r in log.records)
+    expected = Counter((e.op.kind, e.mesh_dim, e.direction) for e in plan.manifest)
+    misuse: list[str] = []
+    logits = out.logits
+    for use in (lambda: F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+                lambda: F.cross_entropy(logits.transpose(1, 2), ids),
+                lambda: logits.argmax(-1), lambda: logits + 1, lambda: logits[:, -1],
+                lambda: logits.float().softmax(-1), lambda: logits.detach(),
+                lambda: torch.cat([logits, logits], dim=-1)):
+        try:
+            use()
+            misuse.append("computed")
+        except LossParallelError as exc:
+            misuse.append(str(exc))
+    grads = inst.full_grads()
+    status = [(r.what, r.state, r.note) for r in inst.status() if r.fqn == "lm_head"]
+    with torch.no_grad():
+        summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
+        logits = model(input_ids=ids).logits
+        generated = _generate(model, ids, decode)
+    inst.restore()
+    restored = not {"_loss_function", "forward"} & set(vars(model))
+    return {"loss": out.loss.detach(), "grads": grads, "summed": summed.loss, "logits": logits,
+            "generated": generated, "restored": restored, "status": status, "local_shape": tuple(out.logits.shape), "misuse": misuse,
+            "marked": type(out.logits).__name__, "counted": dict(counted),
+            "expected": dict(expected)}
+
+
+@pytest.mark.parametrize(("recipe", "mode", "overrides"), [
+    ("llama-sp-loss", "production", {}),
+    ("llama-sp-loss", "validate", {"attn_implementation": "eager"}),
+    ("llama-loss", "production", {}),
+    ("llama-loss", "validate", {"attn_implementation": "eager"}),
+])
+def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process(
+        recipe: str, mode: str, overrides: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "llama-loss.yaml"
+    path.write_text(LLAMA_LOSS)
+    decode = recipe == "llama-loss"
+    ref = _llama_reference(overrides, decode)
+    results = run_ranks(_llama_worker, 2, RECIPE if recipe == "llama-sp-loss" else str(path),
+                        mode, overrides, decode, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        assert set(res["grads"]) == set(ref["grads"]), "every parameter has a full gradient"
+        for name, g in ref["grads"].items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert_close(res["summed"], ref["summed"], f"rank {rank} loss / num_items_in_batch")
+        # with labels, the logits stay the rank's vocab slice and refuse torch ops
+        assert res["local_shape"] == (2, 8, 64) and res["marked"] == "VocabShardedLogits"
+        start = 64 * rank
+        for message in res["misuse"]:  # every op on the slice is refused, naming what to do
+            assert f"which are this rank's slice [{start}, {start + 64}) of the 128-entry " \
+                   f"vocab" in message and "vocab_parallel_cross_entropy" in message, message
+        # without labels (inference, generate()), the caller gets the full logits
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits without labels")
+        assert res["restored"], "restore() takes the loss function and the forward back"
+        assert ("loss on vocab shards", "installed", "its logits are this rank's 64 of 128 vocab "
+                "entries over tp and refuse torch ops; the model's labels= loss runs on them; a "
+                "call without labels gets the full logits") in res["status"]
+        if decode:
+            assert torch.equal(res["generated"], ref["generated"]), "greedy generate() agrees"
+    if mode == "production":
+        assert results[0]["counted"] == results[0]["expected"], \
+            "collectives issued in one step equal the plan's manifest"
+        assert results[0]["expected"][("all_gather", "tp", "forward")] >= 1
+
+
+# ------------------------------------------------------------------------------ plain PyTorch
+
+
+class TinyLM(nn.Module):
+    """A plain language model whose forward takes no labels: ids -> logits."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.proj(self.embed(ids))))  # type: ignore[no-any-return]
+
+
+TINY_RECIPE = """\
+recipe: tiny-lm-loss
+version: 1
+mesh: [tp]
+rules:
+  - match: lm_head
+    style: colwise
+    loss_parallel: true
+"""
+
+
+def tiny_lm(device: str = "cpu") -> TinyLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return TinyLM()
+
+
+def tiny_batch(ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (3, 5), generator=g)
+    labels = torch.randint(0, 96, (3, 5), generator=g)
+    labels[0, 1] = labels[2, 4] = ignore_index
+    return ids, labels
+
+
+HELPER_CASES: list[dict[str, Any]] = [
+    {}, {"label_smoothing": 0.1}, {"reduction": "sum"}, {"reduction": "none"},
+    {"ignore_index": 7},
+]
+
+
+def _helper_reference() -> list[dict[str, Any]]:
+    out = []
+    for kwargs in HELPER_CASES:
+        model = tiny_lm()
+        ids, labels = tiny_batch(kwargs.get("ignore_index", -100))
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **kwargs)
+        loss = loss.view(labels.shape) if kwargs.get("reduction") == "none" else loss
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+        out.append({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in
+                                                     model.named_parameters()}})
+    return out
+
+
+def _helper_worker(rank: int, world: int, mode: str, recipe: str) -> list[dict[str, Any]]:
+    out = []
+    for kwargs in HELPER_CASES:
+        model = tiny_lm()
+        plan = compile_recipe(recipe, tiny_lm("meta"), {"tp": world})
+        inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        ids, labels = tiny_batch(kwargs.get("ignore_index", -100))
+        logits = model(ids)
+        loss = hyperrecipe.vocab_parallel_cross_entropy(logits, labels, **kwargs)
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+        out.append({"loss": loss.detach(), "grads": inst.full_grads(), "kind":
+                    plan.loss_parallel.kind if plan.loss_parallel else None})
+        inst.restore()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy_of_one_process(
+        mode: str, tmp_path: Path) -> None:
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    ref = _helper_reference()
+    results = run_ranks(_helper_worker, 2, mode, str(recipe), timeout_s=300)
+    for rank, cases in enumerate(results):
+        for kwargs, res, want in zip(HELPER_CASES, cases, ref):
+            what = f"rank {rank} {kwargs or 'defaults'}"
+            assert res["kind"] == "helper"
+            assert_close(res["loss"], want["loss"], f"{what} loss")
+            for name, g in want["grads"].items():
+                assert_close(res["grads"][name], g, f"{what} grad {name}")
+
+
+def test_plain_logits_are_refused_by_the_helper() -> None:
+    with pytest.raises(LossParallelError, match=r"needs vocab-sharded logits .* found a plain "
+                                                r"Tensor of shape \(4, 10\)"):
+        hyperrecipe.vocab_parallel_cross_entropy(torch.randn(4, 10), torch.zeros(4,
+                                                                                 dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------ compile time
+
+
+def _compile(tmp_path: Path, rules: str) -> Plan:
+    path = tmp_path / "r.yaml"
+    path.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n" + textwrap.indent(
+        textwrap.dedent(rules), "  "))
+    return compile_recipe(str(path), tiny_lm("meta"), {"tp": 2})
+
+
+def test_the_plan_records_the_loss_and_round_trips(tmp_path: Path) -> None:
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": 2})
+    loss = plan.loss_parallel
+    assert loss is not None
+    assert (loss.boundary, loss.owner, loss.kind, loss.mesh_dim, loss.vocab, loss.local_vocab) \
+        == ("lm_head", "", "model", "tp", 128, 64)
+    assert [str(t.forward) for t in loss.gather] == ["all_gather[tp](gather_dim=-1)"]
+    assert loss.provenance.file.endswith("llama-sp-loss.yaml") and loss.provenance.line == 20
+    assert [(e.stage, e.direction, str(e.op)) for e in plan.manifest if e.stage == "loss"] == [
+        ("loss", "forward", "all_gather[tp](gather_dim=-1)")]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+
+
+@pytest.mark.parametrize(("rules", "problem", "line"), [
+    ("""\
+     - match: lm_head
+       style: colwise_gather_output
+       loss_parallel: true
+     """, "the logits must leave sharded on the vocab dim (-1) over 'tp' alone; out_dst is "
+         "replicate", 7),
+    ("""\
+     - match: proj
+       style: colwise
+       loss_parallel: true
+     - match: lm_head
+       style: colwise
+       loss_parallel: true
+     """, "loss_parallel is declared on 'proj' and 'lm_head'; a plan computes one loss", 10),
+    ("""\
+     - match: embed
+       style: vocab_parallel
+       loss_parallel: true
+     """, "loss_parallel on 'embed' (Embedding): the logits must come from an nn.Linear", 7),
+    ("""\
+     - match: lm_head
+       boundary: true
+       params: {weight: {tp: shard(1)}}
+       in_src: {0: {tp: shard(-1)}}
+       out_src: {0: {tp: partial}}
+       out_dst: {0: {tp: shard(-1)}}
+       loss_parallel: true
+     """, "loss_parallel on 'lm_head' needs its weight sharded on the vocab dim (0) over one "
+         "mesh dim; found {tp: shard(1)}", 11),
+])
+def test_a_loss_parallel_that_cannot_be_right_is_refused_at_its_recipe_line(
+        tmp_path: Path, rules: str, problem: str, line: int) -> None:
+    with pytest.raises(RecipeError) as info:
+        _compile(tmp_path, rules)
+    assert problem in str(info.value)
+    assert f"r.yaml:{line}:" in str(info.value)
+
+
+def test_loss_parallel_with_boundary_false_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="loss_parallel has no effect with boundary: false"):
+        _compile(tmp_path, """\
+            - match: lm_head
+              style: colwise
+              boundary: false
+              loss_parallel: true
+            """)
+
+
+def _other_loss_worker(rank: int, world: int) -> str:
+    model = llama()
+    model.loss_type = "ForMaskedLM"  # transformers picks ForMaskedLMLoss for it
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": world})
+    try:
+        apply(model, plan, mesh_1d(world))
+    except hyperrecipe.PlanMismatchError as exc:
+        untouched = "forward" not in vars(model) and "_loss_function" not in vars(model)
+        return f"{exc} | untouched={untouched}"
+    return "applied"
+
+
+def test_a_model_whose_loss_is_not_a_causal_lm_cross_entropy_is_refused_at_apply() -> None:
+    message = run_ranks(_other_loss_worker, 1, timeout_s=120)[0]
+    assert "<root> (LlamaForCausalLM) takes labels=, but its loss_function is ForMaskedLMLoss" \
+        in message
+    assert message.endswith("untouched=True"), "the rollback leaves the model as it was"
+
+
+
+def test_sharded_logits_handed_to_a_labels_loss_without_loss_parallel_are_refused(
+        tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("recipe: r\nversion: 1\nmesh: [tp]\nextends: llama\nrules:\n"
+                    "  - match: lm_head\n    out_dst: {0: {tp: shard(-1)}}\n")
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(path), llama("meta"), {"tp": 2})
+    text = str(info.value)
+    assert f"{path}:7:" in text
+    assert ("'lm_head' hands the model's forward, which computes the loss from labels, logits "
+            "sharded on the vocab dim ({tp: shard(-1)})") in text
+    assert "declare `loss_parallel: true`" in text
+
+
+def _dtensor_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    full = torch.randn(3, 4, 10)
+    labels = torch.tensor([[1, 9, -100, 4], [0, 5, 5, 7], [-100, 2, 8, 3]])
+    logits = distribute_tensor(full, mesh_1d(world), [Shard(2)]).requires_grad_()
+    loss = hyperrecipe.vocab_parallel_cross_entropy(logits, labels, label_smoothing=0.2)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logits.grad.full_tensor()}
+
+
+def test_a_dtensor_sharded_on_its_last_dim_takes_the_helper_too() -> None:
+    torch.manual_seed(0)
+    full = torch.randn(3, 4, 10, requires_grad=True)
+    labels = torch.tensor([[1, 9, -100, 4], [0, 5, 5, 7], [-100, 2, 8, 3]])
+    loss = F.cross_entropy(full.flatten(0, 1), labels.flatten(), label_smoothing=0.2)
+    loss.backward()
+    for rank, res in enumerate(run_ranks(_dtensor_worker, 2, timeout_s=120)):
+        assert_close(res["loss"], loss.detach(), f"rank {rank} loss")
+        assert full.grad is not None
+        assert_close(res["grad"], full.grad, f"rank {rank} logits' gradient")
+
+
+def _compiled_worker(rank: int, world: int) -> dict[str, Any]:
+    model = llama()
+    plan = compile_recipe(RECIPE, llama("meta"), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world))
+    ids = llama_batch()
+    out = torch.compile(model)(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "grads": inst.full_grads()}
+
+
+def test_torch_compile_of_the_model_runs_the_loss_on_shards_eagerly_and_agrees() -> None:
+    ref = _llama_reference({}, decode=False)
+    for rank, res in enumerate(run_ranks(_compiled_worker, 2, timeout_s=300)):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        for name, g in ref["grads"].items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
