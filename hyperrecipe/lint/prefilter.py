@@ -79,18 +79,25 @@ _LETTER_ESCAPE: Final = re.compile(
 )
 # A literal that is a proper prefix of a target name, followed by another literal: the start of
 # a concatenation that may spell the name ("for" "ward", "fo" + "rward", ("__cl") "ass__").
-# Every prefix is `[f_][a-z_]*`, so a regex looks for that shape and the prefix is then looked
-# up in a set. One regex per opening quote: a pattern that starts with a literal character is
-# searched for in C at memory speed, one that starts with a class (`["']`) or an alternation of
-# the 60-odd prefixes is tried at every position (that cost two thirds of the text screen).
+# Every prefix is made of a few letters (`[f_][a-z_]*` today), so a regex looks for that shape
+# and the prefix is then looked up in a set. One regex per opening quote: a pattern that starts
+# with a literal character is searched for in C at memory speed, one that starts with a class
+# (`["']`) or an alternation of the 60-odd prefixes is tried at every position (that cost two
+# thirds of the text screen).
 _PREFIXES: Final = frozenset(
     name[:end].encode() for name in TARGET_NAMES for end in range(1, len(name))
 )
-_PREFIX_LONGEST: Final = max(len(p) for p in _PREFIXES)
-assert all(re.fullmatch(rb"[f_][a-z_]*", p) for p in _PREFIXES)
+
+
+def _byte_class(values: set[int]) -> bytes:
+    return b"[" + b"".join(re.escape(bytes([v])) for v in sorted(values)) + b"]"
+
+
 _SPLIT_CANDIDATES: Final = tuple(
     re.compile(
-        quote + rb"([f_][a-z_]{0,%d})[\"']" % (_PREFIX_LONGEST - 1)
+        quote + b"(" + _byte_class({p[0] for p in _PREFIXES})
+        + _byte_class({c for p in _PREFIXES for c in p})
+        + b"{0,%d})" % (max(len(p) for p in _PREFIXES) - 1) + rb"[\"']"
         + rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
     )
     for quote in (b'"', b"'")
