@@ -75,6 +75,38 @@ def make_attn_toy(**kwargs: Any) -> AttnToy:
     return AttnToy(**kwargs)
 
 
+class UnlistedHeadSizeAttention(nn.Module):
+    """ChatGLM-style names: the head size is ``hidden_size_per_attention_head``, which the
+    resolver does not read as a head size, so a mid-head split compiles and fails at the
+    ``view`` (each rank's q/k/v width is not a multiple of it)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_attention_heads = heads
+        self.hidden_size_per_attention_head = dim // heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        size = self.hidden_size_per_attention_head
+        q, k, v = (t.view(b, n, -1, size).transpose(1, 2)
+                   for t in (self.q(x), self.k(x), self.v(x)))
+        weights = F.softmax(q @ k.transpose(-1, -2) / math.sqrt(size), dim=-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def make_unlisted_head_size_toy(heads: int = 2, **kwargs: Any) -> AttnToy:
+    """:class:`AttnToy` with :class:`UnlistedHeadSizeAttention` (2 heads of 8 by default)."""
+    model = AttnToy(heads=heads, **kwargs)
+    dim = model.embed.embedding_dim
+    for layer in model.layers:
+        layer.attn = UnlistedHeadSizeAttention(dim, heads)
+    return model
+
+
 def raising_in_rank_1(**kwargs: Any) -> AttnToy:
     """Builds in the parent and rank 0; raises in rank 1 (an injected failure)."""
     if os.environ.get("RANK") == "1":

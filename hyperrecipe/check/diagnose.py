@@ -21,6 +21,15 @@ Patterns, in the order they are tried at the first divergence:
   (``num_heads``, ``n_head``, ``num_key_value_heads``, ``split_size``…) divisible by a mesh dim,
   the plan divides no such attribute, and a parameter there is sharded on that dim, seen either
   as wrong values or as a shape error in that boundary → :data:`HEAD_COUNT_UNDIVIDED`.
+- **a whole parameter on a shard** (either mode): the module that raised a shape error holds a
+  replicated parameter whose last dim is ``n`` x its input's, for a mesh dim of size ``n`` (a
+  norm over all heads left whole after a column-wise projection) →
+  :data:`WHOLE_PARAM_ON_SHARD`.
+- **heads cut between ranks** (either mode): a shape error raised in forward by a module that
+  states heads (a head size such as ``head_dim``, or an attribute named like a head count) while
+  a parameter in it is sharded; the evidence lists the heads and each rank's
+  share → :data:`HEADS_NOT_WHOLE`. Resolve refuses the splits it can see (a head size in the
+  model tree); this names the ones it cannot (a head size the tree does not show).
 - **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING`, with the ranks'
   partial gradients named when they sum to the reference.
 """
@@ -39,6 +48,7 @@ from hyperrecipe.check.record import Failure, Trace
 from hyperrecipe.model_tree import ModelTree
 from hyperrecipe.placement import Shard
 from hyperrecipe.plan import Plan
+from hyperrecipe.resolve.head_counts import HEAD_SIZE_ATTRS
 from hyperrecipe.runtime.mode import as_mode
 
 __all__ = [
@@ -47,13 +57,19 @@ __all__ = [
     "DiagnosisContext",
     "GRADIENT_REDUCTION_MISSING",
     "HEAD_COUNT_UNDIVIDED",
+    "HEADS_NOT_WHOLE",
     "OUTPUT_LEFT_SHARDED",
+    "WHOLE_PARAM_ON_SHARD",
     "Suggestion",
     "suggest",
 ]
 
 BIAS_COUNTED_TP_TIMES = "a bias (or partial value) counted tp times: defer_bias / rowwise"
 HEAD_COUNT_UNDIVIDED = "a head count left undivided (head_counts)"
+WHOLE_PARAM_ON_SHARD = ("a whole (replicated) parameter meets a sharded activation: gather "
+                        "around it, or shard it like its input")
+HEADS_NOT_WHOLE = ("heads cut between ranks: a head count the mesh does not divide, or a "
+                   "sharded dim that is not whole heads per rank")
 COLWISE_ROWWISE_SWAPPED = "colwise/rowwise swapped"
 GRADIENT_REDUCTION_MISSING = ("a gradient reduction missing (replicated input consumed by "
                               "sharded parameters, reduce_grads)")
@@ -282,6 +298,69 @@ def _undivided_heads(fqn: str, ctx: DiagnosisContext) -> str | None:
     return None
 
 
+def _heads_cut(fqn: str, failure: Failure, ctx: DiagnosisContext) -> Suggestion | None:
+    """A shape error where heads live: a module in ``fqn`` states heads (a head size or an
+    attribute named like a head count) and a parameter there is sharded."""
+    scope = failure.module if failure.module and _in(failure.module, fqn) else fqn
+    # the module that raised must be the one stating heads (its own reshape failed); a child
+    # that raised (a norm, a projection) has a cause of its own
+    candidates = ([m for m in (ctx.tree.get(failure.module),) if m is not None]
+                  if failure.module else list(ctx.tree.subtree(fqn)))
+    for m in candidates:
+        stated = [(a, v) for a, v in m.int_attrs
+                  if a in HEAD_SIZE_ATTRS or _looks_like_head_count(a)]
+        if not stated:
+            continue
+        sharded = [p for p in ctx.plan.params if _in(p.module, m.fqn)
+                   and any(isinstance(q, Shard) and ctx.sizes.get(d, 1) > 1
+                           for d, q in p.placement.dims)]
+        if not sharded:
+            continue
+        p = sharded[0]
+        sizes = [ctx.sizes.get(d, 1) for d, q in p.placement.dims if isinstance(q, Shard)]
+        ways = 1
+        for n in sizes:
+            ways *= n
+        mesh = " x ".join(f"{d}={ctx.sizes.get(d, 1)}" for d, q in p.placement.dims
+                          if isinstance(q, Shard))
+        listed = ", ".join(f"{a} = {v}" + (f", not divisible by {mesh}"
+                                           if a not in HEAD_SIZE_ATTRS and v % ways else "")
+                           for a, v in stated)
+        where = m.fqn or "<root>"
+        states = "it states" if where == scope else f"{where} states"
+        return Suggestion(cause=HEADS_NOT_WHOLE, evidence=(
+            f"{scope} raised a shape error in forward where {states} heads ({listed}) and "
+            f"{p.fqn} is sharded {p.placement} (local {list(p.local_shape)} of "
+            f"{list(p.shape)}): every rank must hold whole heads of every projection (heads and "
+            f"kv heads divisible by {mesh}) and each head count the forward reads must be "
+            f"divided (head_counts)"))
+    return None
+
+
+def _whole_param_on_shard(failure: Failure, ctx: DiagnosisContext) -> Suggestion | None:
+    """The module that raised holds a replicated parameter sized for the whole feature dim,
+    and received an input holding 1/n of those features."""
+    if failure.module is None or not failure.module_inputs or not failure.module_inputs[0]:
+        return None
+    got = failure.module_inputs[0][-1]
+    for p in ctx.plan.params:
+        if p.module != failure.module or not p.shape:
+            continue
+        if any(isinstance(q, Shard) and ctx.sizes.get(d, 1) > 1 for d, q in p.placement.dims):
+            continue
+        for dim, n in ctx.sizes.items():
+            if n < 2 or p.shape[-1] != got * n:
+                continue
+            return Suggestion(cause=WHOLE_PARAM_ON_SHARD, evidence=(
+                f"{p.fqn} is replicated (shape {list(p.shape)}) but {failure.module} received "
+                f"an input with {got} of its {p.shape[-1]} features ({dim} = {n}) "
+                f"({failure.error}): a layer that acts across the whole dim (a norm over all "
+                f"heads) needs its input gathered first (a nested boundary: in_dst replicate, "
+                f"out_dst back to the shard); one that acts on each slice needs its parameter "
+                f"sharded like the input"))
+    return None
+
+
 def _rowwise_without_reduction(fqn: str, ctx: DiagnosisContext) -> list[str]:
     """Weights inside ``fqn`` sharded on their input features whose module is not a boundary:
     nothing reduces their partial outputs."""
@@ -431,5 +510,6 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
         heads = _undivided_heads(first.fqn, ctx)
         if heads is not None:
             return Suggestion(cause=HEAD_COUNT_UNDIVIDED, evidence=f"{heads} ({failure.error})")
-        return _swapped_from_shapes(failure, ctx)
+        return (_swapped_from_shapes(failure, ctx) or _whole_param_on_shard(failure, ctx)
+                or _heads_cut(first.fqn, failure, ctx))
     return None

@@ -3,7 +3,10 @@
 A claim is one rule's value for one slot: ``(module FQN, field, key)`` (``key`` is ``None`` for
 scalar fields such as ``boundary``; a parameter's slot is its owner's, so tied parameters share
 one). Two claims on one slot from the same recipe file are refused; a claim from a recipe that
-``extends`` another refines its base's and keeps it as ``overridden`` provenance. Layout keys are
+``extends`` another refines its base's and keeps it as ``overridden`` provenance. Each name of a
+tied parameter keeps its own latest claim, and those must agree once every rule is matched: a
+recipe that ``extends`` another may re-place a tied parameter by placing all its names the same
+way, and placing one name differently from another is refused naming both rules. Layout keys are
 bound to the forward's argument names here (``in_src: {0: ...}`` becomes the first positional
 argument), so later stages see names only.
 """
@@ -15,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from hyperrecipe.errors import RecipeError, closest, did_you_mean
+from hyperrecipe.errors import RecipeError, SourceSpan, closest, did_you_mean
 from hyperrecipe.model_tree import ModuleInfo, ParamInfo
 from hyperrecipe.placement import NamedPlacement, Partial
 from hyperrecipe.plan import RuleRef
@@ -84,6 +87,7 @@ def match_rules(inp: ResolveInput) -> ClaimTable:
         refs.append(RuleRef(file=span.path, line=span.line, column=span.column, index=rule.index,
                             match=rule.match, style=rule.style, active=active,
                             matched=len(matched)))
+    matcher.check_ties()
     return ClaimTable(slots=dict(matcher.slots), rules=tuple(refs))
 
 
@@ -112,6 +116,8 @@ class _Matcher:
     def __init__(self, inp: ResolveInput) -> None:
         self.inp = inp
         self.slots: dict[Slot, Claim] = {}
+        # tied parameters: owner FQN -> each name's latest claim (most recently claimed last)
+        self.names: dict[str, dict[str, Claim]] = {}
 
     def claim_all(self, rule: Rule, module: ModuleInfo) -> None:
         f = rule.fields
@@ -176,30 +182,59 @@ class _Matcher:
         if p.tied_to:
             via += f", through {p.fqn} (tied to {p.tied_to})"
         new = Claim(value=value, rule=rule, via=via, through_alias=p.tied_to is not None)
+        names = self.names.setdefault(owner, {})
+        same_name = names.pop(p.fqn, None)
+        if same_name is not None and (same_name.rule.layer == rule.layer
+                                      and same_name.rule.file == rule.file):
+            mesh = self.inp.recipe.mesh
+            differ = same_name.value.canonical(mesh) != value.canonical(mesh)
+            what = f"is placed {same_name.value} by" if differ else "is claimed by two rules:"
+            later = f"and {value} by" if differ else "and"
+            raise RecipeError(
+                f"parameter {p.fqn!r} {what} rule {same_name.rule.index} "
+                f"({same_name.rule.span()}) {later} {rule.label()}", span=self._span(rule, p),
+                path=f"{rule.json_path}.params.{p.name}", rule_index=rule.index,
+                hint="a parameter belongs to exactly one rule")
+        names[p.fqn] = new
         old = self.slots.get(slot)
         if old is not None:
-            mesh = self.inp.recipe.mesh
-            same_layer = old.rule.layer == rule.layer and old.rule.file == rule.file
-            tied = new.through_alias or old.through_alias
-            differ = old.value.canonical(mesh) != value.canonical(mesh)
-            span = (rule.span("params", p.name) if p.name in rule.explicit_params
-                    else rule.span("match"))
-            if differ and (same_layer or tied):
-                kind = "tied parameter" if tied else "parameter"
-                raise RecipeError(
-                    f"{kind} {owner!r} is placed {old.value} by rule {old.rule.index} "
-                    f"({old.rule.span()}) and {value} by {rule.label()}", span=span,
-                    path=f"{rule.json_path}.params.{p.name}", rule_index=rule.index,
-                    hint="tied parameters share one tensor and need one placement" if tied
-                    else "a parameter belongs to exactly one rule")
-            if same_layer and not tied:
-                raise RecipeError(
-                    f"parameter {owner!r} is claimed by two rules: rule {old.rule.index} "
-                    f"({old.rule.span()}) and {rule.label()}", span=span,
-                    path=f"{rule.json_path}.params.{p.name}", rule_index=rule.index,
-                    hint="a parameter belongs to exactly one rule")
             new = attrs.evolve(new, overridden=(*old.overridden, old))
         self.slots[slot] = new
+
+    @staticmethod
+    def _span(rule: Rule, p: ParamInfo) -> SourceSpan:
+        return rule.span("params", p.name) if p.name in rule.explicit_params else rule.span("match")
+
+    def check_ties(self) -> None:
+        """Every name of a tied parameter ends with one placement.
+
+        Raises:
+            RecipeError: at the later of two rules that leave the names placed differently,
+                naming both.
+        """
+        mesh = self.inp.recipe.mesh
+        for owner, names in self.names.items():
+            latest = list(names.items())
+            if len(latest) < 2:
+                continue
+            b_name, b = latest[-1]
+            for a_name, a in latest[:-1]:
+                if a.value.canonical(mesh) == b.value.canonical(mesh):
+                    continue
+                p_name = b_name.rpartition(".")[2]
+                module = self.inp.tree.module(b_name.rpartition(".")[0])
+                p = module.param(p_name)
+                assert p is not None
+                layered = (a.rule.layer, a.rule.file) != (b.rule.layer, b.rule.file)
+                hint = "tied parameters share one tensor and need one placement"
+                if layered:
+                    hint += (f": {b.rule.file} places {b_name} and leaves {a_name} as "
+                             f"{a.rule.file} placed it; place both names the same way there")
+                raise RecipeError(
+                    f"tied parameter {owner!r} is placed {a.value} by rule {a.rule.index} "
+                    f"({a.rule.span()}) and {b.value} by {b.rule.label()}",
+                    span=self._span(b.rule, p), path=f"{b.rule.json_path}.params.{p.name}",
+                    rule_index=b.rule.index, hint=hint)
 
 
 def _input_key(rule: Rule, module: ModuleInfo, field: str, key: LayoutKey) -> str:

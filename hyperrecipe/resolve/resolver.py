@@ -10,7 +10,8 @@ the ones before it:
 3. :func:`~hyperrecipe.resolve.boundaries.find_boundaries`: the boundaries and each module's
    region; :func:`~hyperrecipe.resolve.boundaries.build_boundaries`: each boundary's plan
    (layouts, nesting, transitions, wrappers, local kernels).
-4. :func:`~hyperrecipe.resolve.params.settle_params`: every parameter's plan.
+4. :func:`~hyperrecipe.resolve.params.settle_params`: every parameter's plan;
+   :func:`~hyperrecipe.resolve.head_counts.check_whole_heads`: no rank holds part of a head.
 5. :func:`~hyperrecipe.resolve.head_counts.divide_head_counts`,
    :func:`~hyperrecipe.resolve.loss.plan_loss_parallel` (the loss on vocab shards),
    :func:`~hyperrecipe.resolve.manifest.list_collectives`,
@@ -30,7 +31,7 @@ from hyperrecipe.resolve.adapters import plan_adapters
 from hyperrecipe.resolve.boundaries import build_boundaries, find_boundaries
 from hyperrecipe.resolve.claims import match_rules
 from hyperrecipe.resolve.context import ResolveInput
-from hyperrecipe.resolve.head_counts import divide_head_counts
+from hyperrecipe.resolve.head_counts import check_whole_heads, divide_head_counts
 from hyperrecipe.resolve.loss import loss_manifest, plan_loss_parallel
 from hyperrecipe.resolve.manifest import list_collectives
 from hyperrecipe.resolve.params import settle_params
@@ -58,6 +59,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
     regions = find_boundaries(inp, claims)
     boundaries = build_boundaries(inp, claims, regions)
     params = settle_params(inp, claims, regions, boundaries)
+    check_whole_heads(inp, claims, params)
     loss = plan_loss_parallel(inp, claims, boundaries.plans)
     manifest = list_collectives(inp, boundaries.plans, params) + loss_manifest(loss)
     adapters = plan_adapters(recipe, tree)
