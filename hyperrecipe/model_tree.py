@@ -82,6 +82,10 @@ class ModuleInfo:
     #: weights too — for subclasses as well (Gemma's ``GemmaTextScaledWordEmbedding``, whose
     #: forward names its ids ``input_ids``). Not part of the structure digest.
     index_inputs: tuple[str, ...] = ()
+    #: integer fields of the module's ``config`` attribute (a transformers config), which
+    #: ``head_counts`` names ``config.<field>``: Phi-3's attention reads
+    #: ``self.config.num_attention_heads`` in its forward. Not part of the structure digest.
+    config_ints: tuple[tuple[str, int], ...] = ()
 
     torch_bases: tuple[str, ...] = ()
 
@@ -96,10 +100,18 @@ class ModuleInfo:
         return None
 
     def int_attr(self, name: str) -> int | None:
-        for k, v in self.int_attrs:
-            if k == name:
+        """An integer attribute, or with ``config.`` an integer field of the module's config."""
+        field = name.removeprefix("config.")
+        for k, v in self.int_attrs if field == name else self.config_ints:
+            if k == field:
                 return v
         return None
+
+    def int_attr_names(self, like: str) -> list[str]:
+        """The names :meth:`int_attr` answers of the kind of ``like`` (``config.`` or not)."""
+        if like.startswith("config."):
+            return [f"config.{k}" for k, _ in self.config_ints]
+        return [k for k, _ in self.int_attrs]
 
     @property
     def positional_args(self) -> tuple[str, ...]:
@@ -177,6 +189,20 @@ def _index_inputs(module: nn.Module, signature: tuple[ArgInfo, ...]) -> tuple[st
     return (positional[0], *(n for n in extra if n in names))
 
 
+def _public_ints(attributes: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((k, v) for k, v in attributes.items()
+                        if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")))
+
+
+def _is_config(value: object) -> bool:
+    """A plain configuration object (a transformers ``PretrainedConfig``, a dataclass), not a
+    module, a tensor or a builtin."""
+    from torch import Tensor, nn
+
+    return (value is not None and hasattr(value, "__dict__")
+            and not callable(value) and not isinstance(value, (nn.Module, Tensor)))
+
+
 def snapshot(model: nn.Module) -> ModelTree:
     """Take the structure of ``model`` (on any device; meta is cheapest)."""
     owner: dict[int, str] = {}
@@ -190,17 +216,18 @@ def snapshot(model: nn.Module) -> ModelTree:
                 owner[id(p)] = full
             params.append(ParamInfo(name=name, fqn=full, shape=tuple(p.shape),
                                     dtype=str(p.dtype).removeprefix("torch."), tied_to=tied))
-        ints = tuple(sorted((k, v) for k, v in vars(mod).items()
-                            if isinstance(v, int) and not isinstance(v, bool)
-                            and not k.startswith("_")))
+        ints = _public_ints(vars(mod))
         children = tuple(f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children())
+        config = vars(mod).get("config")
+        config_ints = _public_ints(vars(config)) if _is_config(config) else ()
         signature = _signature(mod)
         bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__
                       if c.__module__.startswith("torch.nn."))
         modules.append(ModuleInfo(fqn=fqn, cls=f"{type(mod).__module__}.{type(mod).__qualname__}",
                                   params=tuple(params), int_attrs=ints, signature=signature,
                                   children=children, torch_bases=bases,
-                                  index_inputs=_index_inputs(mod, signature)))
+                                  index_inputs=_index_inputs(mod, signature),
+                                  config_ints=config_ints))
     return ModelTree(modules=tuple(modules))
 
 

@@ -36,8 +36,10 @@ __all__ = [
     "PlacementSyntaxError",
     "Replicate",
     "Shard",
+    "chunk_parts_layout",
     "dtensor_layout",
     "from_dtensor_text",
+    "parse_chunk_parts",
     "parse_named_placement",
     "parse_placement",
     "to_torch_placements",
@@ -312,6 +314,51 @@ def dtensor_layout(p: NamedPlacement, shape: Sequence[int], mesh_dims: Sequence[
             out.append(f"strided_shard({dims[name]}, {q.chunks})" if q.is_chunked
                        else f"shard({dims[name]})")
     return tuple(out), None
+
+
+def chunk_parts_layout(p: NamedPlacement, shape: Sequence[int], mesh_dims: Sequence[str]
+                       ) -> tuple[str, ...] | None:
+    """Per mesh dim, the plan's ``dtensor`` texts for unequal chunks held as one DTensor per part,
+    or ``None`` when ``p`` is not unequal chunks of one dim sharded over one mesh dim.
+
+    The chunked mesh dim's text is ``chunk_parts(d, [S1, S2, ...])``: validate mode computes the
+    parameter's module part by part, each part a ``Shard(d)`` DTensor of global size ``Si``
+    (the resolver records it only where the runtime can: a linear layer's output features).
+    The other mesh dims keep their ``replicate`` / ``shard(d)`` text."""
+    nd = len(shape)
+    chunked = [(name, q) for name, q in p.dims if isinstance(q, Shard) and q.is_chunked]
+    if len(chunked) != 1 or not nd:
+        return None
+    ((name, q),) = chunked
+    d = (q.dim + nd) % nd
+    if any(isinstance(o, Shard) and (o.dim + nd) % nd == d for n, o in p.dims if n != name):
+        return None
+    sizes = q.part_sizes(shape[d])
+    if len(set(sizes)) == 1:
+        return None
+    out = []
+    for mesh_dim in mesh_dims:
+        other = p.get(mesh_dim)
+        if mesh_dim == name:
+            out.append(f"chunk_parts({d}, [{', '.join(map(str, sizes))}])")
+        elif isinstance(other, Shard):
+            out.append(f"shard({(other.dim + nd) % nd})")
+        else:
+            out.append("replicate")
+    return tuple(out)
+
+
+_CHUNK_PARTS_TEXT = re.compile(r"^chunk_parts\((\d+), \[([\d, ]+)\]\)$")
+
+
+def parse_chunk_parts(texts: Sequence[str]) -> tuple[int, int, tuple[int, ...]] | None:
+    """``(mesh dim index, tensor dim, part sizes)`` of a :func:`chunk_parts_layout` text among a
+    parameter's ``dtensor`` texts; ``None`` when there is none."""
+    for i, text in enumerate(texts):
+        m = _CHUNK_PARTS_TEXT.match(text)
+        if m is not None:
+            return i, int(m.group(1)), tuple(int(s) for s in m.group(2).split(","))
+    return None
 
 
 _DTENSOR_TEXT = re.compile(r"^(replicate|shard\((-?\d+)\)|strided_shard\((\d+), (\d+)\))$")

@@ -108,11 +108,12 @@ class ParamPlan:
 
     ``boundary`` is the nearest boundary enclosing the parameter's module (the module itself
     when it is one), ``None`` outside every boundary. ``dtensor`` is the parameter's DTensor
-    placement, one entry per mesh dim in mesh order (``replicate``, ``shard(d)``, or
-    ``strided_shard(d, k)`` for ``k`` equal chunks of dim ``d`` sharded in turn); it is empty,
-    and ``no_dtensor`` says why, when DTensor cannot represent the shard (unequal chunks, or
-    a chunked dim that another mesh dim shards too): production mode runs such a shard,
-    validate mode refuses it.
+    placement, one entry per mesh dim in mesh order (``replicate``, ``shard(d)``,
+    ``strided_shard(d, k)`` for ``k`` equal chunks of dim ``d`` sharded in turn, or
+    ``chunk_parts(0, [S1, ...])`` for unequal chunks of an ``nn.Linear``'s output features, one
+    ``Shard(0)`` DTensor per part in validate mode); it is empty, and ``no_dtensor`` says why,
+    when DTensor cannot represent the shard (other unequal chunks, or a chunked dim that
+    another mesh dim shards too): production mode runs such a shard, validate mode refuses it.
     """
 
     fqn: str

@@ -228,6 +228,9 @@ def explain(plan: Plan, pattern: str) -> str:
             if p.no_dtensor is not None:
                 out.append(f"  no DTensor placement ({p.no_dtensor}): production mode runs it, "
                            f"validate mode refuses it")
+            elif any(t.startswith("chunk_parts(") for t in p.dtensor):
+                out.append("  unequal chunks: validate mode computes this linear layer part by "
+                           "part, each part a Shard(0) DTensor")
             for op in p.grad_reduce:
                 why = (f"deferred bias added to an output sharded on {op.mesh_dim}" if p.deferred
                        else f"replicated, but sees only this rank's slice of the data on "

@@ -20,7 +20,7 @@ from hyperrecipe import apply, compile_recipe
 from hyperrecipe.model_tree import build_model
 from tests.runtime_harness import ROOT, grads_of, mesh_1d
 
-FAMILIES = ("qwen2", "qwen3", "mistral", "mixtral", "gpt2")
+FAMILIES = ("qwen2", "qwen3", "mistral", "mixtral", "gpt2", "phi3")
 VOCAB = 128
 TIED_BY_DEFAULT = {"gpt2": ("transformer.wte.weight", "lm_head.weight")}
 """Families whose config ties the embedding and the LM head by default: (embedding, head)."""

@@ -71,6 +71,43 @@ def test_shipped_llama_recipe_agrees_with_one_process_in_both_modes(recipe: str,
         assert len(c.params_after) == (21 if steps else 0)
 
 
+PHI3_GQA = {**json.loads((ROOT / "recipes/models/tiny-phi3.json").read_text()),
+            "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize(("recipe", "tp", "gradients"), [
+    ("recipes/gpt2.yaml", 2, 29), ("recipes/gpt2.yaml", 4, 29), ("recipes/phi3.yaml", 2, 15),
+    ("tests/recipes/phi3-gqa.yaml", 2, 15)])
+def test_fused_projection_recipes_agree_with_one_process_in_both_modes(recipe: str, tp: int,
+                                                                      gradients: int) -> None:
+    """GPT-2's c_attn (``shard(1, chunks=3)``) and Phi-3's qkv_proj / gate_up_proj (``chunks=3``,
+    ``chunks=2``) are chunked shards: validate mode holds them as ``_StridedShard`` and splits
+    the fused output on its chunk boundaries; production computes on the local chunks. A GQA
+    Phi-3's qkv_proj (``chunks=[64, 32, 32]``) runs part by part in validate mode."""
+    family = recipe.rpartition("/")[2].split("-")[0].removesuffix(".yaml")
+    config: Any = (PHI3_GQA if recipe.endswith("-gqa.yaml")
+                   else str(ROOT / f"recipes/models/tiny-{family}.json"))
+    report = run_check(CheckOptions(recipe=str(ROOT / recipe), model=f"hf:{family}",
+                                    model_config=config, mesh={"tp": tp}))
+    assert [m.mode for m in report.modes] == ["production", "validate"]
+    for m in report.modes:
+        c = m.comparison
+        assert m.error is None and m.agree, f"{m.mode}: {m.error or c.first}"
+        assert len(c.gradients) == gradients and not c.diverged_gradients
+    assert report.exit_code == 0
+
+
+def test_a_linear_of_unequal_parts_agrees_in_validate_mode_used_whole_and_with_its_bias() -> None:
+    """The toy MLP's ``up`` in parts, its bias in parts (layer 0) or replicated (layer 1), its
+    fused output used whole by ``down``: validate mode computes ``up`` part by part and hands
+    ``down`` the gathered concatenation."""
+    report = check("tests/recipes/toy-chunk-parts.yaml", "tests.toy_models:make_toy",
+                   modes=("validate",))
+    (m,) = report.modes
+    assert m.error is None and m.agree, m.error or m.comparison.first
+    assert len(m.comparison.gradients) == 14 and not m.comparison.diverged_gradients
+
+
 MIXTRAL = str(ROOT / "recipes/models/tiny-mixtral.json")
 BATCHED_NOTE = "experts_implementation=batched_mm for every run"
 

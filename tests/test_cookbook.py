@@ -32,7 +32,7 @@ CASES: list[Any] = [
     pytest.param("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
                  f"{MODELS}/tiny-olmo2.json", BOTH, (False, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/phi3-chunked.yaml", "hf:phi3",
-                 f"{MODELS}/tiny-phi3.json", ("production",), (True,), marks=pytest.mark.slow),
+                 f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/phi3-gather.yaml", "hf:phi3",
                  f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",

@@ -6,8 +6,9 @@ holds DTensors) and ``model.generate(ids, max_new_tokens=8, do_sample=False)``, 
 one process: the logits within atol 2e-6 / rtol 1e-5 (fp32; measured worst ~2e-7), the cache
 length exactly, and the generated token ids exactly.
 
-GPT-2 runs in production mode only (its validate mode stops at ``c_proj`` for a reason of its
-own, ``test_gpt2_validate_mode_stops_at_c_proj``). The sequence-sharded recipes (``llama-sp``,
+GPT-2's fused ``c_attn`` (``shard(1, chunks=3)``) runs in validate mode as DTensor's
+``_StridedShard``, its ``split`` into q, k and v done on chunk boundaries
+(:mod:`hyperrecipe.runtime.strided`); at tp=4 as well. The sequence-sharded recipes (``llama-sp``,
 ``llama-cp``, ``llama-tp-cp`` on 4 ranks) run the default forward; they cannot decode one token
 at a time (one token does not split over two ranks), which both modes refuse by name.
 """
@@ -24,12 +25,14 @@ from tests.runtime_harness import ROOT, assert_close
 TP2 = {"tp": 2}
 CASES: list[tuple[str, str, dict[str, int], str]] = [
     (family, f"{family}.yaml", TP2, mode)
-    for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+    for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3")
     for mode in ("production", "validate")
 ] + [
     ("mixtral", "mixtral-ep.yaml", {"ep": 2}, "production"),
     ("mixtral", "mixtral-ep.yaml", {"ep": 2}, "validate"),
     ("gpt2", "gpt2.yaml", TP2, "production"),
+    ("gpt2", "gpt2.yaml", TP2, "validate"),
+    ("gpt2", "gpt2.yaml", {"tp": 4}, "validate"),
 ]
 
 
@@ -41,7 +44,8 @@ def _world(mesh: dict[str, int]) -> int:
 
 
 @pytest.mark.parametrize(("family", "recipe", "mesh", "mode"), CASES,
-                         ids=[f"{r.removesuffix('.yaml')}-{m}" for _, r, _, m in CASES])
+                         ids=[f"{r.removesuffix('.yaml')}-{m}" + ("" if _world(w) == 2 else f"-{_world(w)}")
+                              for _, r, w, m in CASES])
 def test_default_forward_and_greedy_generate_equal_one_process(
         family: str, recipe: str, mesh: dict[str, int], mode: str) -> None:
     path = str(ROOT / "recipes" / recipe)
@@ -54,6 +58,19 @@ def test_default_forward_and_greedy_generate_equal_one_process(
         assert res["cached"].item() == ref["cached"].item() == 6, "the prompt is cached"
         assert torch.equal(res["tokens"], ref["tokens"]), \
             f"rank {rank} generated {res['tokens'].tolist()}, one process {ref['tokens'].tolist()}"
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_gqa_phi3_with_unequal_fused_parts_generates_like_one_process(mode: str) -> None:
+    """``qkv_proj`` as ``shard(0, chunks=[64, 32, 32])``: validate mode computes it part by part
+    (the plan's ``chunk_parts``), production on the rank's local parts."""
+    path = str(ROOT / "tests/recipes/phi3-gqa.yaml")
+    overrides = {**overrides_for("phi3", mode, path), "num_key_value_heads": 2}
+    ref = reference("phi3", overrides)
+    for rank, res in enumerate(run_ranks(generate_worker, 2, "phi3", path, TP2, mode, overrides,
+                                         timeout_s=300)):
+        assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
+        assert torch.equal(res["tokens"], ref["tokens"]), f"rank {rank} generated tokens"
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])

@@ -1,5 +1,5 @@
-"""Shipped recipes for Qwen2, Qwen3, Mistral, Mixtral and GPT-2 on real gloo ranks, against one
-process: logits and every parameter's gradient, both modes, 2 and 4 ranks.
+"""Shipped recipes for Qwen2, Qwen3, Mistral, Mixtral, GPT-2 and Phi-3 on real gloo ranks, against
+one process: logits and every parameter's gradient, both modes, 2 and 4 ranks.
 
 Tolerances (fp32): every element within atol 2e-6, rtol 1e-5 (``runtime_harness.assert_close``),
 and every tensor's largest difference within 1e-5 of its largest value. The second check is what
@@ -13,7 +13,10 @@ strategy and the ``eager`` loop calls ``nonzero``, which DTensor cannot shard. P
 all three expert implementations on local shards. The batch is 4 x 8 so that DTensor's own
 choice of sharding the flattened tokens in Mixtral's backward divides at tp=4.
 
-GPT-2 runs in production mode only; ``test_gpt2_validate_mode_stops_at_c_proj`` pins down why.
+GPT-2's fused ``c_attn`` is ``shard(1, chunks=3)``: in validate mode a ``_StridedShard`` DTensor
+whose ``split`` into q, k and v is done on chunk boundaries (:mod:`hyperrecipe.runtime.strided`).
+Phi-3's fused ``qkv_proj`` (``shard(0, chunks=3)``) and ``gate_up_proj`` (``chunks=2``) are
+sliced and chunked the same way; its production mode divides ``config.num_attention_heads``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from hyperrecipe.check.launcher import RankFailedError, run_ranks
+from hyperrecipe import apply, compile_recipe
+from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.cli import main
 from tests.family_harness import (
     FAMILIES,
@@ -34,7 +38,7 @@ from tests.family_harness import (
     recipe_path,
     reference,
 )
-from tests.runtime_harness import ROOT, assert_close
+from tests.runtime_harness import ROOT, assert_close, mesh_1d
 
 SCALED_TOL = 1e-5
 EAGER = {"attn_implementation": "eager"}
@@ -61,7 +65,13 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("mixtral", "production", 4, {}),
     ("mixtral", "validate", 4, VALIDATE_MIXTRAL),
     ("gpt2", "production", 2, {}),
+    ("gpt2", "validate", 2, EAGER),
     ("gpt2", "production", 4, {}),
+    ("gpt2", "validate", 4, EAGER),
+    ("phi3", "production", 2, {}),
+    ("phi3", "validate", 2, EAGER),
+    ("phi3", "production", 4, {}),
+    ("phi3", "validate", 4, EAGER),
 ]
 
 
@@ -117,18 +127,6 @@ def test_gpt2_ties_its_head_to_the_embedding_by_default() -> None:
     emb, head = TIED_BY_DEFAULT["gpt2"]
     params = dict(model.named_parameters(remove_duplicate=False))
     assert params[emb] is params[head]
-
-
-def test_gpt2_validate_mode_stops_at_c_proj() -> None:
-    """DTensor holds c_attn's weight as _StridedShard(1, split_factor=3), but has no rule that
-    splits a strided-sharded dim into its chunks: GPT2Attention's ``split(split_size, dim=2)``
-    gathers q, k and v to replicate, so the attention output reaches c_proj replicated where
-    the recipe (rightly, for production) declares shard(-1). The check refuses it."""
-    with pytest.raises(RankFailedError) as info:
-        run_ranks(family_worker, 2, "gpt2", "validate", EAGER, timeout_s=300)
-    message = str(info.value)
-    assert "PlacementMismatchError: transformer.h.0.attn.c_proj: input 'x'" in message
-    assert "declared {tp: shard(-1)}" in message and message.endswith("replicate")
 
 
 @pytest.mark.parametrize(("divisor", "agrees"), [(2, True), (1, False)])
@@ -188,19 +186,19 @@ def _validate_chunked_toy(rank: int, world: int, recipe: str) -> str:
     return "applied"
 
 
-def test_validate_mode_refuses_unequal_chunks(tmp_path: Path) -> None:
+def test_validate_mode_refuses_unequal_chunks_of_input_features(tmp_path: Path) -> None:
     recipe = tmp_path / "chunks.yaml"
     recipe.write_text(
         "recipe: chunks\nversion: 1\nmesh: [tp]\nrules:\n"
         "  - {match: layers.*.mlp, boundary: true, in_src: {x: replicate}, "
         "out_src: {0: replicate}}\n"
-        "  - match: layers.*.mlp.up\n"
-        "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n")
+        "  - match: layers.*.mlp.down\n"
+        "    params: {weight: {tp: 'shard(1, chunks=[8, 4, 4])'}}\n")
     messages = run_ranks(_validate_chunked_toy, 2, str(recipe), timeout_s=120)
     assert messages[0] == (
-        "layers.0.mlp.up.weight: {tp: shard(0, chunks=[8, 4, 4])} has no DTensor placement "
-        f"(unequal chunks); validate mode cannot run it (production mode can) (placed at "
-        f"{recipe}:7)")
+        "layers.0.mlp.down.weight: {tp: shard(1, chunks=[8, 4, 4])} has no DTensor placement "
+        "(unequal chunks, and not of an nn.Linear's output features); validate mode cannot run "
+        f"it (production mode can) (placed at {recipe}:7)")
 
 
 def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) -> None:
@@ -215,12 +213,18 @@ def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) 
         "  - match: layers.*.mlp.up\n"
         "    params: {weight: {tp: 'shard(0, chunks=[8, 4, 4])'}}\n"
         "  - match: layers.*.mlp.down\n"
-        "    params: {weight: {tp: 'shard(1, chunks=2)'}}\n")
+        "    params: {weight: {tp: 'shard(1, chunks=2)'}}\n"
+        "  - match: head\n"
+        "    params: {weight: {tp: 'shard(1, chunks=[4, 2, 2])'}}\n")
     plan = compile_recipe(str(recipe), make_toy(), {"tp": 2})
     up, down = plan.param("layers.0.mlp.up.weight"), plan.param("layers.0.mlp.down.weight")
-    assert (up.dtensor, up.no_dtensor, up.boundary) == ((), "unequal chunks", "layers.0.mlp")
+    assert (up.dtensor, up.no_dtensor, up.boundary) == (
+        ("chunk_parts(0, [8, 4, 4])",), None, "layers.0.mlp")
     assert (down.dtensor, down.no_dtensor) == (("strided_shard(1, 2)",), None)
     assert plan.param("layers.0.mlp.up.bias").dtensor == ("replicate",)
+    head = plan.param("head.weight")
+    assert (head.dtensor, head.no_dtensor) == (
+        (), "unequal chunks, and not of an nn.Linear's output features")
 
 
 def test_conv1d_bias_free_forward_is_x_at_w() -> None:
@@ -242,3 +246,39 @@ def test_recipe_files_are_shipped_with_their_tiny_configs() -> None:
     for family in FAMILIES:
         assert (ROOT / f"recipes/{family}.yaml").read_text().startswith("# ")
         assert (ROOT / f"recipes/models/tiny-{family}.json").is_file()
+
+
+def _phi3_configs(rank: int, world: int) -> dict[str, Any]:
+    model = build("phi3")
+    plan = compile_recipe(recipe_path("phi3"), build("phi3", "meta"), {"tp": world})
+    attn = model.model.layers[0].self_attn
+    shared = model.config
+    inst = apply(model, plan, mesh_1d(world), mode="production")
+    applied = {"own": attn.config is not shared, "heads": attn.config.num_attention_heads,
+               "shared_heads": shared.num_attention_heads,
+               "one_copy_per_module": attn.config is not model.model.layers[1].self_attn.config,
+               "kv": attn.num_key_value_heads}
+    inst.restore()
+    return {**applied, "restored": attn.config is shared and shared.num_attention_heads == 4}
+
+
+def test_phi3_attention_divides_heads_on_its_own_copy_of_the_config() -> None:
+    for res in run_ranks(_phi3_configs, 2, timeout_s=120):
+        assert res == {"own": True, "heads": 2, "shared_heads": 4, "one_copy_per_module": True,
+                       "kv": 2, "restored": True}
+
+
+def test_a_config_head_count_must_be_an_integer_field_of_the_modules_config(
+        tmp_path: Path) -> None:
+    from hyperrecipe.errors import RecipeError
+
+    recipe = tmp_path / "phi3.yaml"
+    recipe.write_text((ROOT / "recipes/phi3.yaml").read_text().replace(
+        "config.num_attention_heads: tp", "config.num_attention_head: tp"))
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(recipe), build("phi3", "meta"), {"tp": 2})
+    line = next(i for i, text in enumerate(recipe.read_text().splitlines(), 1)
+                if "config.num_attention_head:" in text)
+    assert str(info.value).startswith(
+        f"{recipe}:{line}:19: module 'model.layers.0.self_attn' has no integer attribute "
+        f"'config.num_attention_head'; did you mean 'config.num_attention_heads'?")

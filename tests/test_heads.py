@@ -98,13 +98,13 @@ def test_unequal_fused_parts_are_checked_per_part(tmp_path: Path) -> None:
     # Phi-3's qkv_proj: 4 q heads then 2 k and 2 v heads of 16; at tp=4 q is whole, k is not
     recipe = tmp_path / "phi3-qkv.yaml"
     recipe.write_text(PHI3_QKV)
-    message = refusal(recipe, "phi3", 4)
+    message = refusal(recipe, "phi3", 4, num_key_value_heads=2)  # the shipped config is MHA
     line, col = locate(PHI3_QKV, '{tp: "shard(0, chunks=[64, 32, 32])"}')
     assert message.startswith(
         f"{recipe}:{line}:{col}: module 'model.layers.0.self_attn.qkv_proj': part 2 of 3 of dim "
         "0 of parameter 'weight' holds 2 head(s) of head_dim 16 "
         "(model.layers.0.self_attn.head_dim); mesh dim tp=4 would split it mid-head")
-    meta = build_model("hf:phi3", tiny("phi3"))
+    meta = build_model("hf:phi3", tiny("phi3", num_key_value_heads=2))
     assert compile_recipe(str(recipe), meta, {"tp": 2}).params
 
 

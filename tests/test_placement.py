@@ -111,6 +111,25 @@ def test_dtensor_layout_names_the_placement_or_why_there_is_none(
     assert dtensor_layout(parse_named_text(text), shape, mesh) == (want, why)
 
 
+@pytest.mark.parametrize(("text", "mesh", "want"), [
+    ("{tp: shard(0, chunks=[8, 4, 4])}", ("tp",), ("chunk_parts(0, [8, 4, 4])",)),
+    ("{dp: shard(1), tp: shard(0, chunks=[8, 4, 4])}", ("dp", "tp"),
+     ("shard(1)", "chunk_parts(0, [8, 4, 4])")),
+    ("{tp: shard(-2, chunks=[8, 4, 4])}", ("tp",), ("chunk_parts(0, [8, 4, 4])",)),
+    ("{tp: shard(0, chunks=2)}", ("tp",), None),
+    ("{dp: shard(0), tp: shard(0, chunks=[8, 4, 4])}", ("dp", "tp"), None),
+], ids=["unequal", "with-another-dim", "negative-dim", "equal", "shared-dim"])
+def test_unequal_chunks_of_one_dim_have_a_layout_of_parts(
+        text: str, mesh: tuple[str, ...], want: tuple[str, ...] | None) -> None:
+    from hyperrecipe.placement import chunk_parts_layout, parse_chunk_parts, parse_named_text
+
+    got = chunk_parts_layout(parse_named_text(text), (16, 4), mesh)
+    assert got == want
+    if want is not None:
+        assert parse_chunk_parts(want) == (mesh.index("tp"), 0, (8, 4, 4))
+    assert parse_chunk_parts(("replicate", "strided_shard(0, 2)")) is None
+
+
 def test_dtensor_texts_become_torch_placements() -> None:
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard

@@ -526,12 +526,13 @@ def _gpt2(device: str = "cpu") -> nn.Module:
     return build_model("hf:gpt2", TINY_GPT2, device=device)
 
 
-def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool) -> dict[str, Any]:
+def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool,
+                 mode: str = "production") -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     meta = _gpt2("meta")
     plan = compile_recipe(GPT2, meta, {"tp": world})
-    inst = apply(meta, plan, mesh_1d(world), mode="production")
+    inst = apply(meta, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
     if save:
         inst.load_weights(folder)
         strided = type(meta.state_dict()["transformer.h.0.attn.c_attn.weight"]).__name__
@@ -543,18 +544,21 @@ def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool) -> d
     return {"full": inst.full_state_dict()}
 
 
-def test_fused_qkv_loads_its_slices_and_reshards_through_dcp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_fused_qkv_loads_its_slices_and_reshards_through_dcp(tmp_path: Path, mode: str) -> None:
     """GPT-2's c_attn is shard(1, chunks=3): each rank reads its piece of q, k and v from the
-    file, and the DCP checkpoint (stored whole for such layouts) loads at tp=1 and tp=4."""
+    file, and the DCP checkpoint (stored whole for such layouts) loads at tp=1 and tp=4, in the
+    other mode too (validate mode holds c_attn as a _StridedShard DTensor)."""
     folder = tmp_path / "hf-gpt2"
     original = _gpt2()
     original.save_pretrained(folder, max_shard_size="60KB")
     expected = original.state_dict()
     ckpt = str(tmp_path / "dcp")
-    saved = run_ranks(_gpt2_worker, 2, str(folder), ckpt, True)[0]
+    other = "production" if mode == "validate" else "validate"
+    saved = run_ranks(_gpt2_worker, 2, str(folder), ckpt, True, mode)[0]
     assert saved["strided"] == "DTensor"
-    for world in (1, 4):
-        loaded = run_ranks(_gpt2_worker, world, str(folder), ckpt, False)[0]
+    for world, load_mode in ((1, mode), (4, other)):
+        loaded = run_ranks(_gpt2_worker, world, str(folder), ckpt, False, load_mode)[0]
         for name, value in saved["full"].items():
             torch.testing.assert_close(loaded["full"][name], value, atol=0, rtol=0)
     for name, value in saved["full"].items():

@@ -8,6 +8,7 @@ statements that hold it, so a file with no finding costs one parse and one trave
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Final
@@ -59,13 +60,42 @@ def _method_table(cls: type) -> tuple[_MethodTable, _MethodTable]:
     return cached
 
 
+#: Node class -> the names of its dataclass fields (children are found among them).
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(kind: type) -> tuple[str, ...]:
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return names
+
+
+def children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The nodes directly under ``node``: what ``node.children`` gives, in field order.
+
+    ``node.children`` (like ``node.visit``) rebuilds ``node`` to find them; this reads the
+    fields. The test-suite checks the two agree on every node of real files.
+    """
+    found: list[cst.CSTNode] = []
+    for name in _fields(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            found.append(value)
+        elif type(value) is tuple or type(value) is list:
+            found.extend(item for item in value if isinstance(item, cst.CSTNode))
+    return found
+
+
 class _Dispatcher(cst.CSTVisitor):
     """Runs several batchable visitors in one traversal.
 
     Like :func:`libcst.visit_batched`, but the method tables are built once per visitor *class*
-    (libcst rebuilds them with ``inspect.getmembers`` for every instance, i.e. every file). It
-    also keeps :attr:`FileContext.current_path` up to date, which reports and comments record so
-    that :meth:`FileContext.locate` can place them cheaply.
+    (libcst rebuilds them with ``inspect.getmembers`` for every instance, i.e. every file), and
+    :meth:`walk` does not rebuild the tree as it goes (``node.visit`` constructs and validates
+    a copy of every node on its way back up: about half of a traversal's cost). It also keeps
+    :attr:`FileContext.current_path` up to date, which reports and comments record so that
+    :meth:`FileContext.locate` can place them cheaply.
     """
 
     def __init__(self, visitors: Sequence[cst.BatchableCSTVisitor], context: FileContext) -> None:
@@ -114,6 +144,21 @@ class _Dispatcher(cst.CSTVisitor):
             self._context.current_path = None
         elif key in self._inner and self._context.current_path is not None:
             self._context.current_path = self._context.current_path[:-1]
+
+    def walk(self, node: cst.CSTNode) -> None:
+        """Visit ``node`` and its subtree as ``node.visit(self)`` does, parents before children
+        and each node's leave after its subtree; siblings come in field order, not source
+        order (no visitor here depends on it: findings are sorted in the end)."""
+        self.on_visit(node)
+        for name in _fields(type(node)):
+            value = getattr(node, name)
+            if isinstance(value, cst.CSTNode):
+                self.walk(value)
+            elif type(value) is tuple or type(value) is list:
+                for item in value:
+                    if isinstance(item, cst.CSTNode):
+                        self.walk(item)
+        self.on_leave(node)
 
     def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
         return None
@@ -276,7 +321,7 @@ def _lint_module(
         visitors.append(collector)
     elif not rules:
         return []
-    module.visit(_Dispatcher(visitors, context))
+    _Dispatcher(visitors, context).walk(module)
     reports = context.reports
     comments = collector.comments
     if not reports and not comments:

@@ -7,17 +7,20 @@ libcst rules unless a screen *proves* that no rule can fire in it:
 1. **Text.** Every finding needs one of a few spellings in the source: ``forward`` or
    ``__class__`` as an attribute that is not immediately called, as a quoted string or a keyword
    argument; a backslash escape of one of their letters; a string literal that is a proper
-   prefix of one of them followed by another literal (``"for" "ward"``); or a ``# hyperrecipe:``
-   comment. Non-ASCII sources are NFKC-normalised first, as the tokenizer normalises
-   identifiers (``m.ｆorward`` *is* ``m.forward``). A file with none of these is only
+   prefix of one of them followed by another literal (``"for" "ward"``); the word ``__dict__``
+   or ``vars`` (copying another object's attribute dict names no target); or a
+   ``# hyperrecipe:`` comment. Non-ASCII sources are NFKC-normalised first, as the tokenizer
+   normalises identifiers (``m.ｆorward`` *is* ``m.forward``). A file with none of these is only
    syntax-checked (``symtable``, which parses but builds no AST objects), so a broken file is
    still reported.
 2. **AST.** A file that passes the text screen is parsed with :mod:`ast` and walked for the
    shapes the rules look for, more loosely than the rules (any callee, any receiver), so the
-   screen is a superset of them: an attribute ``forward``/``__class__`` in store or delete
-   context; a subscript store/delete, call argument, keyword or dict key whose value is
-   statically one of those names (string literals, concatenations, placeholder-free f-strings
-   and names bound to such literals anywhere in the file).
+   screen is a superset of them: an attribute ``forward``/``__class__`` (``__call__`` on a
+   receiver spelled as a class) in store or delete context; a subscript store/delete, call
+   argument, keyword or dict key whose value is statically one of those names (string literals,
+   concatenations, placeholder-free f-strings and names bound to such literals anywhere in the
+   file); an ``update``/``dict`` call copying one possible attribute dict (``x.__dict__``, or a
+   call of a plain name such as ``vars(x)``) into another.
 
 A file that fails to parse either way goes to libcst, which reports the syntax error — or, when
 libcst accepts syntax this interpreter does not, lints it. The test-suite checks that this path
@@ -32,6 +35,7 @@ import re
 import symtable
 import tokenize
 import unicodedata
+from collections.abc import Iterator
 from typing import Final, cast
 
 __all__ = [
@@ -75,14 +79,35 @@ _LETTER_ESCAPE: Final = re.compile(
 )
 # A literal that is a proper prefix of a target name, followed by another literal: the start of
 # a concatenation that may spell the name ("for" "ward", "fo" + "rward", ("__cl") "ass__").
-_PREFIXES: Final = sorted({name[:end] for name in TARGET_NAMES for end in range(1, len(name))})
-_SPLIT_LITERAL: Final = re.compile(
-    rb"[\"'](?:" + b"|".join(re.escape(p.encode()) for p in _PREFIXES) + rb")[\"']"
-    rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
+# Every prefix is made of a few letters (`[f_][a-z_]*` today), so a regex looks for that shape
+# and the prefix is then looked up in a set. One regex per opening quote: a pattern that starts
+# with a literal character is searched for in C at memory speed, one that starts with a class
+# (`["']`) or an alternation of the 60-odd prefixes is tried at every position (that cost two
+# thirds of the text screen).
+_PREFIXES: Final = frozenset(
+    name[:end].encode() for name in TARGET_NAMES for end in range(1, len(name))
 )
-# A copy of another object's attribute dict needs both words (`vars` also when aliased).
-_UPDATE: Final = b"update"
-_NAMESPACE_WORDS: Final = (b"__dict__", b"vars")
+
+
+def _byte_class(values: set[int]) -> bytes:
+    return b"[" + b"".join(re.escape(bytes([v])) for v in sorted(values)) + b"]"
+
+
+_SPLIT_CANDIDATES: Final = tuple(
+    re.compile(
+        quote + b"(" + _byte_class({p[0] for p in _PREFIXES})
+        + _byte_class({c for p in _PREFIXES for c in p})
+        + b"{0,%d})" % (max(len(p) for p in _PREFIXES) - 1) + rb"[\"']"
+        + rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
+    )
+    for quote in (b'"', b"'")
+)
+
+# Copying another object's attribute dict (`m.__dict__.update(o.__dict__)`,
+# `mock.patch.dict(vars(m), vars(o))`) needs no target name at all, only one of these words
+# (`vars` also when aliased: the import names it).
+_DICT_WORD: Final = b"__dict__"
+_VARS_WORD: Final = b"vars"
 
 
 def _normalized(source: bytes) -> bytes:
@@ -91,6 +116,14 @@ def _normalized(source: bytes) -> bytes:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
     except SyntaxError:
         encoding = "utf-8"
+    if encoding == "utf-8":  # (a BOM gives "utf-8-sig": decoded below, so the BOM goes)
+        try:
+            text = source.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+        else:
+            if unicodedata.is_normalized("NFKC", text):
+                return source  # what re-encoding the normalised text would give, for free
     try:
         text = source.decode(encoding, errors="replace")
     except LookupError:
@@ -164,11 +197,36 @@ def _text_may_match(source: bytes) -> bool:
     for word in _WORDS:
         if word in source and _mentions(source, word):
             return True
-    if _UPDATE in source and any(word in source for word in _NAMESPACE_WORDS):
+    if _DICT_WORD in source or (_VARS_WORD in source and _has_word(source, _VARS_WORD)):
         return True
     if b"\\" in source and _LETTER_ESCAPE.search(source):
         return True
-    return _SPLIT_LITERAL.search(source) is not None
+    return _has_split_literal(source)
+
+
+def _has_word(source: bytes, word: bytes) -> bool:
+    """Whether ``word`` occurs on its own, not as part of a longer identifier."""
+    size = len(source)
+    start = source.find(word)
+    while start != -1:
+        end = start + len(word)
+        if (start == 0 or source[start - 1] not in _WORD_BYTES) and (
+            end == size or source[end] not in _WORD_BYTES
+        ):
+            return True
+        start = source.find(word, end)
+    return False
+
+
+def _has_split_literal(source: bytes) -> bool:
+    """Whether a literal holding a proper prefix of a target name is followed by another one."""
+    for candidate in _SPLIT_CANDIDATES:
+        match = candidate.search(source)
+        while match is not None:
+            if match.group(1) in _PREFIXES:
+                return True
+            match = candidate.search(source, match.start() + 1)
+    return False
 
 
 def _literal_str(node: ast.expr) -> str | None:
@@ -202,6 +260,9 @@ _CALLED_ATTRIBUTES: Final = frozenset(
 #: Calls whose keywords (``forward=f``) can write the key: ``ns.update``, ``mock.patch.dict``,
 #: ``patch.multiple``.
 _UPDATE_ATTRIBUTES: Final = frozenset({"update", "dict", "multiple"})
+#: Calls that can copy another attribute dict: ``ns.update(o.__dict__)``, ``dict.update(ns,
+#: **vars(o))``, ``mock.patch.dict(ns, o.__dict__)``.
+_COPYING_ATTRIBUTES: Final = frozenset({"update", "dict"})
 
 
 def _has_forward_keyword(node: ast.expr) -> bool:
@@ -210,8 +271,23 @@ def _has_forward_keyword(node: ast.expr) -> bool:
 
 
 def _namespace_like(node: ast.expr) -> bool:
-    """``x.__dict__`` or any call (``vars(x)``, also aliased): may be an attribute dict."""
-    return type(node) is ast.Call or (isinstance(node, ast.Attribute) and node.attr == "__dict__")
+    """``x.__dict__``, or a call of a plain name (``vars(x)``, also aliased): may be an attribute
+    dict. (The rules resolve the name; a method call such as ``d.setdefault(k, {})`` never is.)"""
+    if type(node) is ast.Call:
+        return type(node.func) is ast.Name
+    return isinstance(node, ast.Attribute) and node.attr == "__dict__"
+
+
+def _spelled_as_class(node: ast.expr) -> bool:
+    """A superset of the rules' ``looks_like_class``: ``__call__`` counts only on a class
+    (``Block``, ``nn.Linear``, ``cls``, ``type(m)``, ``m.__class__``), as the rules read it."""
+    if isinstance(node, ast.Name):
+        return node.id == "cls" or node.id[:1].isupper()
+    if isinstance(node, ast.Attribute):
+        return node.attr == "__class__" or node.attr[:1].isupper()
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+        node.func.id == "type"
+    )
 
 
 def _dict_with_target_key(node: ast.expr) -> bool:
@@ -219,6 +295,35 @@ def _dict_with_target_key(node: ast.expr) -> bool:
     return isinstance(node, ast.Dict) and any(
         key is not None and _literal_str(key) in TARGET_NAMES for key in node.keys
     )
+
+
+#: Fields that only ever hold the shared, childless context and operator nodes (``Load()``,
+#: ``Add()``): the walk does not visit them (the screen reads them where it needs them).
+_LEAF_FIELDS: Final = frozenset({"ctx", "op", "ops"})
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree``, in no particular order: ``ast.walk`` without its per-node
+    generator of fields (half the cost of the ``ast`` screen was walking)."""
+    stack: list[object] = [tree]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    fields_of = _CHILD_FIELDS
+    while stack:
+        node = pop()
+        if not isinstance(node, ast.AST):
+            continue  # None in ``Dict.keys``, names in ``Global.names``
+        yield node
+        kind = type(node)
+        fields = fields_of.get(kind)
+        if fields is None:
+            fields = fields_of[kind] = tuple(f for f in kind._fields if f not in _LEAF_FIELDS)
+        for name in fields:
+            value = getattr(node, name, None)
+            if type(value) is list:
+                extend(value)
+            elif isinstance(value, ast.AST):
+                push(value)
 
 
 class _Screen:
@@ -240,26 +345,25 @@ class _Screen:
         return isinstance(node, ast.Dict) and any(self.is_target(key) for key in node.keys)
 
     def copies_namespace(self, call: ast.Call, func: ast.Attribute) -> bool:
-        """``ns.update(other_ns)`` or ``dict.update(ns, other_ns)`` (also ``**other_ns``)."""
+        """``ns.update(other_ns)``, ``dict.update(ns, other_ns)`` or ``patch.dict(ns,
+        other_ns)`` (the sources also as ``**other_ns``)."""
         sources = [*call.args, *(k.value for k in call.keywords if k.arg is None)]
         if _namespace_like(func.value) and any(_namespace_like(a) for a in sources):
             return True
-        return sum(_namespace_like(a) for a in call.args) >= 2
+        return sum(_namespace_like(a) for a in sources) >= 2
 
     def found(self, tree: ast.AST) -> bool:
-        for node in ast.walk(tree):
+        for node in _nodes(tree):
             kind = type(node)
             if kind is ast.Attribute:
                 assert isinstance(node, ast.Attribute)
                 if node.attr in TARGET_NAMES and type(node.ctx) is not ast.Load:
-                    return True
+                    if node.attr != "__call__" or _spelled_as_class(node.value):
+                        return True  # an instance's `__call__` is never what `m(x)` calls
             elif kind is ast.Subscript:
                 assert isinstance(node, ast.Subscript)
                 if type(node.ctx) is not ast.Load and self.is_target(node.slice):
-                    base = node.value  # only an attribute dict: x.__dict__[...], vars(x)[...]
-                    if type(base) is ast.Call or (
-                        isinstance(base, ast.Attribute) and base.attr == "__dict__"
-                    ):
+                    if _namespace_like(node.value):  # x.__dict__[...], vars(x)[...]
                         return True
             elif kind is ast.Call:
                 assert isinstance(node, ast.Call)
@@ -274,7 +378,7 @@ class _Screen:
                     for keyword in node.keywords:  # setattr(m, name="forward"), attribute=...
                         if self.is_target(keyword.value):
                             return True
-                    if attr == "update" and isinstance(func, ast.Attribute):
+                    if attr in _COPYING_ATTRIBUTES and isinstance(func, ast.Attribute):
                         if self.copies_namespace(node, func):
                             return True
                     if attr in _UPDATE_ATTRIBUTES:

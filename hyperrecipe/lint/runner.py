@@ -8,6 +8,8 @@ more than a few files the screen runs on every CPU (biggest files first); meanwh
 imports libcst, and the files the screen could not clear go to workers forked from the parent
 afterwards, which inherit the import instead of paying it once each. Recipe files are checked
 in the first-phase workers as well (bounded: a YAML full of aliases must not hang the run).
+A few small Python files alone (the pre-commit case) are screened in this process instead, under
+the memory budget (:data:`INLINE_MAX_BYTES` says why that is safe); a fork costs more than that.
 """
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ from hyperrecipe.lint.config import ConfigError, ConfigFinder, LintConfig
 from hyperrecipe.lint.files import Target, discover, display_path
 from hyperrecipe.lint.findings import Finding
 from hyperrecipe.lint.recipes import RECIPE_SUFFIXES, check_recipe
-from hyperrecipe.lint.supervisor import Budget, TaskFailure, run_bounded
+from hyperrecipe.lint.supervisor import Budget, TaskFailure, run_bounded, run_here
 
 __all__ = ["STDIN_PATH", "Budget", "LintResult", "LintUsageError", "lint_paths"]
 
 #: Below this many Python files, more than one worker costs more than it saves.
 POOL_MIN_FILES: Final = 8
+#: Fewer than :data:`POOL_MIN_FILES` Python files, each at most this big, are screened in this
+#: process (no worker is forked unless one needs libcst): the pre-commit case. The screen is
+#: bytes operations and the interpreter's own parser, linear in the size of a file and raising
+#: errors (not crashing) past its nesting limits, so a file this small cannot run away; the
+#: memory budget still applies (:func:`~hyperrecipe.lint.supervisor.run_here`).
+INLINE_MAX_BYTES: Final = 256 * 1024
 #: The path that stands for standard input, as in ruff.
 STDIN_PATH: Final = "-"
 
@@ -129,6 +137,13 @@ def _first_phase(
     if screened is None and kind == "python+libcst":
         return (_lint_screened(job),)
     return screened
+
+
+def _screen_inline(python: Sequence[tuple[int, _Job]]) -> bool:
+    """Whether the Python files are few and small enough to screen in this process."""
+    return 0 < len(python) < POOL_MIN_FILES and all(
+        size <= INLINE_MAX_BYTES for size, _ in python
+    )
 
 
 def _lint_with_libcst(job: _Job, screened: bool) -> list[Finding]:
@@ -268,9 +283,21 @@ def lint_paths(
         needs = list(python)
         first = [item for item in first if item[1][0] == "recipe"]
     first.sort(key=lambda item: -item[0])
+    if screen and not recipes and _screen_inline(python):
+        # A few small files (pre-commit): screen them here, sparing the fork, the pipe and the
+        # import of multiprocessing; only a file the screen cannot clear goes to a worker.
+        for size, python_job in python:
+            screened = run_here(_screen, python_job, budget=budget)
+            if isinstance(screened, TaskFailure):
+                findings.append(_not_checked(python_job[1], screened.reason))
+            elif screened is None:
+                needs.append((size, python_job))
+            else:
+                findings.extend(screened)
+        first = []
     tasks = [task for _, task in first]
     parallel = cpus > 1 and len(python) >= POOL_MIN_FILES
-    if not parallel and screen:
+    if not parallel and screen and tasks:
         # One worker: a file the screen cannot clear goes on to libcst in the same worker (it
         # imports libcst itself), sparing the parent the import and a second fork.
         tasks = [("python+libcst", job) if kind == "python" else (kind, job)
@@ -299,10 +326,12 @@ def lint_paths(
 
     needs.sort(key=lambda item: -item[0])
     if needs:
-        import hyperrecipe.lint.engine  # noqa: F401 - imported once here, inherited by fork
-
         second = [job for _, job in needs]
         workers = cpus if cpus > 1 and len(needs) > 1 else 1
+        if workers > 1:
+            # Imported once here and inherited by fork; a lone worker imports it itself (the
+            # pre-commit case: forking a parent that holds libcst costs more than it saves).
+            import hyperrecipe.lint.engine  # noqa: F401
         lint = _lint_screened if screen else _lint_unscreened
         for index, result in run_bounded(lint, second, workers=workers, budget=budget):
             if isinstance(result, TaskFailure):

@@ -13,6 +13,11 @@ parent forks (inheriting what the parent has imported), one task at a time:
 In each case the task's file gets one ``HR998 file-not-checked`` error naming the reason, a
 fresh worker takes over, and every other file's findings are kept.
 
+:func:`run_here` runs one task in the calling process under the same memory budget, for the
+caller to use where forking costs more than the task and the task's time is bounded by its size
+(the runner screens a few small files this way: the pre-commit case). ``multiprocessing`` is
+imported only when a worker is started.
+
 Nothing here knows about rules: a task is a picklable function and argument; the caller says
 what a failed task reports.
 """
@@ -21,17 +26,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import multiprocessing
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.connection import Connection, wait
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 
-__all__ = ["Budget", "TaskFailure", "run_bounded"]
+if TYPE_CHECKING:
+    import multiprocessing.process
+    from multiprocessing.connection import Connection
+
+__all__ = ["Budget", "TaskFailure", "run_bounded", "run_here"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -69,45 +76,93 @@ def _address_space() -> int:
         return 0
 
 
-def _limit_memory(budget_mib: int | None) -> None:
+def _limit_memory(budget_mib: int | None) -> int | None:
+    """Cap this process's address space at what it uses now plus the budget.
+
+    Returns:
+        The soft limit it replaced (to restore with :func:`_restore_memory`), or ``None`` when
+        nothing was changed.
+    """
     if budget_mib is None:
-        return
+        return None
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
-        return
+        return None
     used = _address_space()
     if not used:
-        return
+        return None
     limit = used + budget_mib * 1024 * 1024
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    with contextlib.suppress(ValueError, OSError):
+    try:
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError):
+        return None
+    return soft
 
 
-def _worker(conn: Connection, function: Callable[[Any], Any], memory_mib: int | None) -> None:
-    """The worker loop: receive an argument, send back the result, until told to stop."""
+def _restore_memory(soft: int | None) -> None:
+    if soft is None:
+        return
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # a soft limit may rise up to hard
+
+
+def _call(function: Callable[[T], R], argument: T, memory_mib: int | None) -> R | TaskFailure:
+    """``function(argument)``, with running out of memory or stack as a :class:`TaskFailure`."""
+    try:
+        return function(argument)
+    except MemoryError:
+        return TaskFailure(
+            reason=f"it needs more than the memory budget ({memory_mib} MiB), or is nested "
+            "too deeply for the interpreter's parser (MemoryError)"
+        )
+    except RecursionError:
+        return TaskFailure(reason="it is nested too deeply to check (RecursionError)")
+
+
+def run_here(function: Callable[[T], R], argument: T, *, budget: Budget) -> R | TaskFailure:
+    """Run one task in this process, under the budget's memory limit (lifted afterwards).
+
+    No time limit can interrupt the interpreter's parser from inside the process, and a crash
+    would end the run: use this only for work whose time is bounded by its (small) size and
+    that cannot crash the interpreter — the runner screens small files this way, and hands
+    anything for libcst (whose native parser can crash) to :func:`run_bounded`.
+    """
+    soft = _limit_memory(budget.memory_mib)
+    try:
+        return _call(function, argument, budget.memory_mib)
+    finally:
+        _restore_memory(soft)
+
+
+def _worker(
+    conn: Connection,
+    function: Callable[[Any], Any],
+    arguments: Sequence[Any],
+    memory_mib: int | None,
+) -> None:
+    """The worker loop: receive task indices, send back one result per task, until told to stop.
+
+    The worker is forked, so it already holds ``arguments``: only indices cross the pipe, a
+    batch per message; results go back one by one, so the parent always knows which task is
+    running (for its deadline, and to name it if the worker dies).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     _limit_memory(memory_mib)
     while True:
         try:
-            argument = conn.recv()
+            batch = conn.recv()
         except EOFError:
             return
-        if argument is None:
+        if batch is None:
             return
-        try:
-            result: object = function(argument)
-        except MemoryError:
-            result = TaskFailure(
-                reason=f"it needs more than the memory budget ({memory_mib} MiB), or is nested "
-                "too deeply for the interpreter's parser (MemoryError)"
-            )
-        except RecursionError:
-            result = TaskFailure(reason="it is nested too deeply to check (RecursionError)")
-        conn.send(result)
+        for index in batch:
+            conn.send(_call(function, arguments[index], memory_mib))
 
 
 _SIGNAL_REASONS: Final = {
@@ -175,6 +230,9 @@ def run_bounded(
     """
     if not arguments:
         return
+    import multiprocessing
+    from multiprocessing.connection import wait
+
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     slots: list[_Slot] = []
@@ -185,19 +243,23 @@ def run_bounded(
     def start() -> _Slot:
         parent_end, child_end = context.Pipe(duplex=True)
         process = context.Process(
-            target=_worker, args=(child_end, function, budget.memory_mib), daemon=True
+            target=_worker, args=(child_end, function, arguments, budget.memory_mib),
+            daemon=True,
         )
         process.start()
         child_end.close()
         return _Slot(process, parent_end)
 
     def fill(slot: _Slot, now: float) -> None:
+        batch: list[int] = []
         while pending and len(slot.tasks) < in_flight:
             index = pending.popleft()
             if not slot.tasks:
                 slot.started = now
             slot.tasks.append(index)
-            slot.conn.send(arguments[index])
+            batch.append(index)
+        if batch:
+            slot.conn.send(batch)
 
     def retire(slot: _Slot) -> None:
         if slot.process.is_alive():

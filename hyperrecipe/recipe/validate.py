@@ -52,6 +52,8 @@ registry, :data:`hyperrecipe.wrappers.BUILTIN_WRAPPERS`; implemented by the runt
 
 _CALLABLE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
 _IDENT = re.compile(r"^[A-Za-z_]\w*\Z")
+_HEAD_COUNT = re.compile(r"^(config\.)?[A-Za-z_]\w*\Z")
+"""A head count: a module attribute, or a field of the module's own ``config``."""
 _CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*([0-9]{1,18})\s*$", re.ASCII)
 
 
@@ -100,7 +102,10 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
                   "reduction (rowwise: otherwise it is counted once per rank)."),
     FieldSpec(name="head_counts", kind="head_counts",
               doc="Integer attributes of the module divided by a mesh dim's size while the plan "
-                  "is applied in production mode, e.g. `{num_heads: tp}`; each must divide."),
+                  "is applied in production mode, e.g. `{num_heads: tp}`; each must divide. "
+                  "`config.NAME` divides a field of the module's `config` (a forward that reads "
+                  "`self.config.num_attention_heads`): the module gets its own copy of the "
+                  "config with the divided value."),
     FieldSpec(name="reduce_grads", kind="reduce_grads",
               doc="Replicated parameters that only see this rank's slice of the data (a per-head "
                   "`q_norm` after a column-wise `q_proj`), mapped to the mesh dim their gradient "
@@ -440,8 +445,9 @@ def _names(ctx: _Ctx, raw: Any, path: PathKey, mesh: tuple[str, ...]) -> tuple[s
     return tuple(seen)
 
 
-def _names_to_mesh_dims(subject: str, verb: str,
-                        example: str) -> Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]:
+def _names_to_mesh_dims(subject: str, verb: str, example: str, key: re.Pattern[str] = _IDENT,
+                        key_form: str = "an identifier"
+                        ) -> Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]:
     """A parser for ``{name: mesh_dim}`` fields (``head_counts``, ``reduce_grads``)."""
 
     def parse(ctx: _Ctx, raw: Any, path: PathKey,
@@ -449,8 +455,8 @@ def _names_to_mesh_dims(subject: str, verb: str,
         ctx.want(raw, dict, path, f"a mapping of {subject} to mesh dim, e.g. {example}")
         out = []
         for k, v in raw.items():
-            if not isinstance(k, str) or not _IDENT.match(k):
-                raise ctx.fail(f"{subject} {k!r} is not an identifier", (*path, k), key=True)
+            if not isinstance(k, str) or not key.match(k):
+                raise ctx.fail(f"{subject} {k!r} is not {key_form}", (*path, k), key=True)
             ctx.want(v, str, (*path, k), "a mesh dim name")
             if v not in mesh:
                 raise ctx.fail(f"{verb} mesh dim {v!r}, which the recipe does not declare"
@@ -463,7 +469,8 @@ def _names_to_mesh_dims(subject: str, verb: str,
 
 
 _head_counts = _names_to_mesh_dims("attribute name", "head count divided by",
-                                   "{num_heads: tp}")
+                                   "{num_heads: tp}", _HEAD_COUNT,
+                                   "an identifier or `config.` and an identifier")
 _reduce_grads = _names_to_mesh_dims("parameter name", "gradient reduced over", "{weight: tp}")
 
 

@@ -145,7 +145,7 @@ def divide_head_counts(inp: ResolveInput, claims: ClaimTable) -> tuple[HeadCount
         span = rule.span("head_counts", attr, key=True)
         path = f"{rule.json_path}.head_counts.{attr}"
         if value is None:
-            names = [k for k, _ in module.int_attrs]
+            names = module.int_attr_names(attr)
             raise RecipeError(
                 f"module {fqn!r} has no integer attribute {attr!r}{did_you_mean(attr, names)}",
                 span=span, path=path, rule_index=rule.index,

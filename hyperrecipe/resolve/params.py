@@ -16,7 +16,14 @@ import attrs
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import RecipeError
 from hyperrecipe.model_tree import ModuleInfo, ParamInfo
-from hyperrecipe.placement import REPLICATED, NamedPlacement, Replicate, Shard, dtensor_layout
+from hyperrecipe.placement import (
+    REPLICATED,
+    NamedPlacement,
+    Replicate,
+    Shard,
+    chunk_parts_layout,
+    dtensor_layout,
+)
 from hyperrecipe.plan import ParamPlan, Provenance
 from hyperrecipe.resolve.boundaries import BoundaryTree, BuiltBoundaries
 from hyperrecipe.resolve.claims import ClaimTable
@@ -63,7 +70,7 @@ def settle_params(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
                         rule_index=last.rule_index, reason=f"shares storage with {p.tied_to}"))))
                 continue
             is_deferred = p.fqn in built.deferred
-            dtensor, no_dtensor = dtensor_layout(placement, p.shape, inp.mesh_dims)
+            dtensor, no_dtensor = _dtensor(module, p, placement, inp.mesh_dims)
             plan = ParamPlan(fqn=p.fqn, module=module.fqn, name=p.name, shape=p.shape,
                              dtype=p.dtype, placement=placement,
                              local_shape=_local_shape(inp, p.shape, placement),
@@ -81,6 +88,24 @@ def settle_params(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
                           span=recipe.span("unclaimed"), path="$.unclaimed",
                           hint="add rules for them, or set `unclaimed: replicate`")
     return tuple(out)
+
+
+_LINEAR = "torch.nn.modules.linear.Linear"
+
+
+def _dtensor(module: ModuleInfo, p: ParamInfo, placement: NamedPlacement,
+             mesh_dims: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """The parameter's DTensor placement texts, or why it has none. Unequal chunks of a linear
+    layer's output features (its ``weight`` or ``bias`` dim 0: a GQA ``qkv_proj``) are held as
+    one DTensor per part (``chunk_parts``): validate mode computes the linear part by part."""
+    dtensor, why = dtensor_layout(placement, p.shape, mesh_dims)
+    if why == "unequal chunks" and module.is_a(_LINEAR) and p.name in ("weight", "bias"):
+        parts = chunk_parts_layout(placement, p.shape, mesh_dims)
+        if parts is not None and any(t.startswith("chunk_parts(0,") for t in parts):
+            return parts, None
+    if why == "unequal chunks":
+        why = "unequal chunks, and not of an nn.Linear's output features"
+    return dtensor, why
 
 
 def _grad_reduce(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,

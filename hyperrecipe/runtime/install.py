@@ -11,6 +11,7 @@ all of them instead of leaving ranks out of step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from hyperrecipe.model_tree import snapshot
-from hyperrecipe.placement import from_dtensor_text
+from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
@@ -44,6 +45,7 @@ from hyperrecipe.runtime.materialize import (
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.sharding import gather_full, local_shard
+from hyperrecipe.runtime.strided import FusedParts, mark_parts
 from hyperrecipe.runtime.vocab_loss import (
     VocabShard,
     install_loss_parallel,
@@ -197,6 +199,15 @@ class _Applier:
                    f"mode cannot run it (production mode can){_placed_at(p)}")
             raise PlanMismatchError(msg)
         local = self._local(p, full)
+        parts = parse_chunk_parts(p.dtensor)
+        if parts is not None:  # unequal chunks: plain, computed part by part (runtime.strided)
+            index, dim, sizes = parts
+            texts = tuple(f"shard({dim})" if i == index else t for i, t in enumerate(p.dtensor))
+            param = nn.Parameter(local, requires_grad=requires_grad)
+            mark_parts(param, FusedParts(mesh=self.mesh, placements=from_dtensor_text(texts),
+                                         index=index, dim=dim, sizes=sizes,
+                                         ways=self.mesh.size(index)))
+            return param
         placements = from_dtensor_text(p.dtensor)
         dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
         param = nn.Parameter(dt, requires_grad=requires_grad)
@@ -258,10 +269,23 @@ class _Applier:
         return restore
 
     def set_head_counts(self, tx: Rewrite) -> None:
+        """Divided head counts (production). A ``config.`` count is set on a copy of the module's
+        config (one per module, with every divided field), which the module then holds: the
+        config object is shared with the rest of the model, whose counts stay global."""
         if not self.mode.local_kernels:
             return  # DTensor computes with global shapes; the attributes stay global
+        configs: dict[str, Any] = {}
         for h in self.plan.head_counts:
-            tx.set_attribute(self.modules[h.module], h.attr, h.local_value, fqn=h.module)
+            module = self.modules[h.module]
+            field = h.attr.removeprefix("config.")
+            if field == h.attr:
+                tx.set_attribute(module, h.attr, h.local_value, fqn=h.module)
+                continue
+            if h.module not in configs:
+                configs[h.module] = copy.copy(module.config)
+            setattr(configs[h.module], field, h.local_value)
+        for fqn, config in configs.items():
+            tx.set_attribute(self.modules[fqn], "config", config, fqn=fqn)
 
     def install_adapters(self, tx: Rewrite) -> None:
         """The plan's method adapters. Before the boundaries: a boundary binds its module's

@@ -14,6 +14,11 @@ sharded as the boundary computed them) and every later step concatenates DTensor
 plain tensor meeting a DTensor is still refused: treating it as replicated (DTensor's
 ``implicit_replication``) would also accept a rank's local piece as a whole tensor, silently.
 
+**Fused projections.** The same mode splits a chunk-sharded DTensor (``_StridedShard``: the
+output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, each part a
+``Shard(d)`` DTensor, where DTensor itself would gather it, and runs a linear layer whose weight
+is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.strided`).
+
 **Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
 their module's code on local tensors (:mod:`~hyperrecipe.runtime.marshal`). A boundary nested in
 such a module is called *from local code*: it must hand local tensors back, as the outermost
@@ -33,6 +38,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hyperrecipe.runtime.strided import SPLITS, linear_by_parts, split_strided
+
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 
 Forward = Callable[..., Any]
@@ -48,12 +55,21 @@ def _legacy_empty(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0
 
 
-class _SkipLegacyEmpty(TorchFunctionMode):
-    """``torch.cat`` of DTensors and legacy empty plain tensors: the empty ones dropped."""
+class _ValidateComputeMode(TorchFunctionMode):
+    """``torch.cat`` of DTensors and legacy empty plain tensors: the empty ones dropped; a split
+    of a chunk-sharded DTensor on its chunk boundaries: done locally."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
+        if func in SPLITS:
+            parts = split_strided(func, args, kwargs)
+            if parts is not NotImplemented:
+                return parts
+        elif func is torch.nn.functional.linear and len(args) >= 2:
+            out = linear_by_parts(args, kwargs)
+            if out is not NotImplemented:
+                return out
         tensors = args[0] if args else kwargs.get("tensors")
         if func in _CONCATENATIONS and isinstance(tensors, (list, tuple)):
             from torch.distributed.tensor import DTensor
@@ -75,7 +91,7 @@ class _SkipLegacyEmpty(TorchFunctionMode):
 def validate_compute(compute: Forward) -> Forward:
     """``compute`` run as a validate-mode boundary's compute: DTensor code (not local code, even
     when the boundary was called from local code) in which a concatenation drops legacy empty
-    plain tensors next to DTensors."""
+    plain tensors next to DTensors and a chunk-sharded DTensor splits into its parts locally."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         local = _LOCAL_CODE.set(False)
@@ -84,7 +100,7 @@ def validate_compute(compute: Forward) -> Forward:
                 return compute(*args, **kwargs)
             scoped = _SCOPED.set(True)
             try:
-                with _SkipLegacyEmpty():
+                with _ValidateComputeMode():
                     return compute(*args, **kwargs)
             finally:
                 _SCOPED.reset(scoped)

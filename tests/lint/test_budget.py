@@ -78,6 +78,32 @@ def test_a_file_the_interpreter_refuses_for_nesting_does_not_lint_clean(
         assert result.exit_code == 2
 
 
+@pytest.mark.parametrize("screen", [True, False], ids=["screened-in-process", "libcst-only"])
+def test_a_small_file_too_deep_for_the_parser_is_hr998_beside_a_finding(
+    write_tree: WriteTree, screen: bool
+) -> None:
+    """Two small files are screened in the lint's own process (the pre-commit case): the
+    parser's MemoryError on 60,000 nested `not` is still that file's HR998, and the run goes on."""
+    write_tree({"deep.py": "x = " + "not " * 60_000 + "x\n", "hit.py": HIT})
+    result = lint_paths(["deep.py", "hit.py"], screen=screen)
+    rows = _rows(result.findings)
+    assert rows[1] == ("hit.py", 1, 1, "HR001")
+    if screen:
+        assert rows[0] == ("deep.py", 1, 1, "HR998")
+        assert "(MemoryError)" in result.findings[0].message
+    else:  # libcst's native parser: a crash (HR998) or its own error (HR000), never a finding
+        assert rows[0][0] == "deep.py" and rows[0][3] in {"HR998", "HR000"}
+
+
+def test_the_memory_budget_holds_for_files_screened_in_process(write_tree: WriteTree) -> None:
+    """A 200 kB tuple display takes the parser ~80 MB: over a 20 MiB budget, in-process too;
+    the limit is lifted afterwards, so the next file is checked as usual."""
+    write_tree({"wide.py": "y = " + "x, " * 66_000 + "x\n", "hit.py": HIT})
+    result = lint_paths(["wide.py", "hit.py"], budget=Budget(seconds=None, memory_mib=20))
+    assert _rows(result.findings) == [("hit.py", 1, 1, "HR001"), ("wide.py", 1, 1, "HR998")]
+    assert "memory budget (20 MiB)" in result.findings[1].message
+
+
 @pytest.mark.parametrize("crash", [2, 3], ids=["with-a-task-queued-behind", "last-queued"])
 def test_a_crashing_worker_reports_its_task_and_the_others_finish(crash: int) -> None:
     results = dict(run_bounded(_crash_on, [(value, crash) for value in range(6)], workers=2,

@@ -306,13 +306,15 @@ def test_lint_never_imports_torch_even_in_its_workers(tmp_path: Path) -> None:
         "from hyperrecipe.cli import main\n"
         f"clean = main(['lint', {str(tmp_path / 'clean.py')!r}])\n"
         "clean_libcst = 'libcst' in sys.modules\n"
+        "clean_forked = 'multiprocessing' in sys.modules  # one small file: screened in-process\n"
         f"hit = main(['lint', {str(tmp_path / 'hit.py')!r}])\n"
         f"recipe = main(['lint', {str(tmp_path / 'recipe.yaml')!r}])\n"
         f"many = main(['lint', '--jobs', '2', '--statistics', {str(many)!r}])\n"
-        "print(clean, clean_libcst, hit, recipe, many, sys.modules['torch'] is None)\n"
+        "print(clean, clean_libcst, clean_forked, hit, recipe, many,"
+        " sys.modules['torch'] is None)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=True)
-    assert done.stdout.split()[-6:] == ["0", "False", "1", "0", "1", "True"], done.stdout
+    assert done.stdout.split()[-7:] == ["0", "False", "False", "1", "0", "1", "True"], done.stdout
     assert "8\tHR001\tforward-assignment" in done.stdout
     assert "Traceback" not in done.stderr

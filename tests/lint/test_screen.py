@@ -48,7 +48,9 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
             "call_impl_escaped", "compiled_call_impl_split", "dunder_call_octal",
             "call_impl_keyword_update", "namespace_copy_with_aliased_vars",
             "namespace_copy_unbound", "local_constant_in_method", "bound_mapping_update",
-            "patch_multiple_on_mocker"} <= flagged
+            "patch_multiple_on_mocker", "patch_dict_copies_a_namespace",
+            "patch_dict_copies_vars", "namespace_copy_unbound_double_star",
+            "class_dunder_call_store", "split_prefix_of_call_impl"} <= flagged
     assert not flagged & {"fullwidth_string_is_another_name", "raw_string_escape_is_literal",
                           "namespace_copy_into_ordinary_dict", "call_impl_read",
                           "shadowed_setattr", "forward_called", "forward_item_store",
@@ -56,7 +58,9 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
                           "constant_rebound_by_global", "constant_shadowed_by_comprehension",
                           "suppressed", "suppressed_own_line", "ordinary_dict_update",
                           "suppression_in_string_only", "python_312_generic_function",
-                          "empty_file"}
+                          "empty_file", "namespace_copy_from_a_method_call",
+                          "method_result_update", "instance_dunder_call_store",
+                          "vars_inside_a_longer_word", "quoted_non_prefix_pair"}
 
 
 def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
@@ -130,3 +134,49 @@ def test_locate_gives_exactly_the_positions_of_the_full_provider(source: bytes) 
         (type(n).__name__, located[n], expected[n]) for n, _ in nodes if located[n] != expected[n]
     ]
     assert mismatches == []
+
+
+def test_the_screen_walk_visits_every_node_ast_walk_does_but_contexts_and_operators() -> None:
+    """The ``ast`` screen walks with its own loop; it must miss no node that can hold a shape."""
+    import ast
+
+    from hyperrecipe.lint.prefilter import _nodes
+
+    leaves = (ast.expr_context, ast.operator, ast.cmpop, ast.unaryop, ast.boolop)
+    for path in [Path(ast.__file__), TORCH_DISTRIBUTED / "pipelining" / "_IR.py"]:
+        tree = ast.parse(path.read_bytes())
+        expected = [id(n) for n in ast.walk(tree) if not isinstance(n, leaves)]
+        walked = [id(n) for n in _nodes(tree)]
+        assert sorted(walked) == sorted(expected)
+        assert len(walked) == len(set(walked))
+
+
+@pytest.mark.parametrize("source", [ODD_INDENTS, *TRICKY.values()],
+                         ids=["odd_indents", *TRICKY])
+def test_the_engine_walk_finds_the_children_libcst_does(source: bytes) -> None:
+    """The engine walks the tree itself (libcst's ``visit`` rebuilds every node): it must reach
+    exactly the nodes libcst's ``children`` gives, at every node."""
+    try:
+        module = cst.parse_module(source)
+    except Exception:  # noqa: BLE001 - the syntax-error cases
+        return
+    _assert_same_children(module)
+
+
+def test_the_engine_walk_finds_the_children_libcst_does_on_a_real_file() -> None:
+    source = (TORCH_DISTRIBUTED / "pipelining" / "_IR.py").read_bytes()
+    assert _assert_same_children(cst.parse_module(source)) > 10_000
+
+
+def _assert_same_children(module: cst.Module) -> int:
+    from hyperrecipe.lint.engine import children
+
+    pending: list[cst.CSTNode] = [module]
+    seen = 0
+    while pending:
+        node = pending.pop()
+        ours = children(node)
+        assert sorted(map(id, ours)) == sorted(map(id, node.children)), type(node).__name__
+        pending.extend(ours)
+        seen += 1
+    return seen

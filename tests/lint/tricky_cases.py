@@ -91,6 +91,19 @@ TRICKY: dict[str, bytes] = {
         b'match x:\n    case 1:\n        NAME = "forward"\n    case _:\n        pass\n'
         b"setattr(m, NAME, f)\n"
     ),
+    "patch_dict_copies_a_namespace": (
+        b"from unittest import mock\n\ndef f(m, o):\n"
+        b"    with mock.patch.dict(m.__dict__, o.__dict__):\n        pass\n"
+    ),
+    "patch_dict_copies_vars": b"from unittest import mock\nmock.patch.dict(m.__dict__, vars(o))\n",
+    "namespace_copy_unbound_double_star": b"dict.update(m.__dict__, **vars(o))\n",
+    "namespace_copy_from_a_method_call": b"m.__dict__.update(state._asdict())\n",
+    "method_result_update": b"kw.setdefault('k', {}).update(kw.pop('j'))\nvars(m)\n",
+    "instance_dunder_call_store": b"criteria.__call__ = compiled\n",
+    "class_dunder_call_store": b"Criteria.__call__ = compiled\ntype(c).__call__ = compiled\n",
+    "vars_inside_a_longer_word": b"env_vars.update(other_vars)\n",
+    "split_prefix_of_call_impl": b'setattr(m, "_" "call_impl", f)\n',
+    "quoted_non_prefix_pair": b'x = "fx" "ward"\ny = "_q" "x"\n',
     "empty_file": b"",
     "only_comments": b"# just a comment\n",
 }
