@@ -513,6 +513,46 @@ def test_fully_shard_on_dp_after_apply_trains_checkpoints_and_resumes_like_one_p
             assert losses == pytest.approx(results[rank]["losses"][3:], abs=LOSS_ATOL)
 
 
+def _sp_fsdp_worker(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = llama(**_overrides())
+    plan = compile_recipe(str(ROOT / "tests/recipes/llama-sp-dp-tp.yaml"),
+                          llama("meta", **_overrides()), {"dp": 2, "tp": 2})
+    assert plan.grad_buckets, "the sequence-parallel norms reduce their gradients in buckets"
+    inst = apply(model, plan, mesh, mode="production")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh.get_local_rank("dp")
+    _loss(model, _batch(0)[dp:dp + 1]).backward()
+    out = {}
+    for name, call in (("step", opt.step), ("grads", inst.full_grads)):
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_fully_shard_over_gradient_buckets_is_refused_before_a_step_trains_on_partial_grads(
+        ) -> None:
+    """FSDP2 replaces the parameters whose gradients the plan reduces over tp in buckets (the
+    sequence-parallel norms); the bucket hooks stay on the old objects and those gradients
+    come out partial. The optimizer's step and full_grads() refuse instead of training on
+    them (before this check the run trained silently on gradients as large as their error)."""
+    for res in run_ranks(_sp_fsdp_worker, 4, timeout_s=300):
+        for name in ("step", "grads"):
+            assert res[name].startswith("PlanMismatchError: "), res[name]
+            assert "were replaced after apply (fully_shard?)" in res[name]
+            assert "model.layers.0.input_layernorm.weight" in res[name] or "..." in res[name]
+
+
 # -- fused (chunked) shards and validate mode -----------------------------------------------
 
 GPT2 = str(ROOT / "recipes/gpt2.yaml")

@@ -23,7 +23,11 @@ from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, opt
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.sharding import local_shard
-from hyperrecipe.runtime.state_hooks import install_optimizer_hooks, install_state_hooks
+from hyperrecipe.runtime.state_hooks import (
+    install_optimizer_hooks,
+    install_state_hooks,
+    replaced_bucket_params,
+)
 from hyperrecipe.runtime.weights import (
     LoadAttempt,
     WeightLoadError,
@@ -89,8 +93,13 @@ class Installation:
         # Parameters are looked up live (LiveParams), never kept: to_empty(), fully_shard and
         # load_state_dict(assign=True) replace them after apply.
         self._barrier_group = _barrier_group()
+        # Production reduces these parameters' gradients with hooks on the objects apply
+        # installed; a wrapper that replaces them would leave the gradients partial.
+        self._bucketed = ({fqn: self._live.param(plan.param(fqn))
+                           for b in plan.grad_buckets for fqn in b.params}
+                          if not self.mode.dtensor_parameters else {})
         self._hooks = ([*install_state_hooks(model, self._live),
-                        *install_optimizer_hooks(self._live)]
+                        *install_optimizer_hooks(self._live, self._bucketed)]
                        if not self.mode.dtensor_parameters else [])
 
     def status(self) -> list[StatusRow]:
@@ -158,6 +167,9 @@ class Installation:
     def full_grads(self) -> dict[str, Tensor]:
         """FQN → full gradient, for parameters that have one (tied names included)."""
         self._check_live()
+        why = replaced_bucket_params(self._live, self._bucketed)
+        if why is not None:
+            raise PlanMismatchError(f"full_grads(): {why}")
         grads: dict[str, Tensor] = {}
         for p in self._own():
             g = self._live.param(p).grad

@@ -22,7 +22,7 @@ Validate mode needs none of this: its parameters (and so its optimizer state) ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.checkpoint import LiveParams, contiguous_stride, dtensor_placements
 
-__all__ = ["install_optimizer_hooks", "install_state_hooks"]
+__all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
 
 def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
@@ -80,7 +80,25 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
 
 
-def install_optimizer_hooks(live: LiveParams) -> list[Any]:
+def replaced_bucket_params(live: LiveParams, watched: Mapping[str, Tensor]) -> str | None:
+    """Why a step would train on unreduced gradients, or ``None``: a parameter whose gradient
+    the plan reduces in a bucket (``grad_buckets``) that is no longer the object apply
+    installed (``fully_shard`` replaces parameters; the bucket hooks stay on the old one)."""
+    gone = [fqn for fqn, param in watched.items()
+            if live.param(live.plan.param(fqn)) is not param]
+    if not gone:
+        return None
+    shown = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
+    return (f"{len(gone)} parameter(s) whose gradients the plan reduces over the mesh "
+            f"(grad_buckets: {shown}) were replaced after apply (fully_shard?); the reduction "
+            f"hooks stay on the objects apply installed, so these gradients are partial and a "
+            f"step would train on them. Not supported yet: a plan with gradient buckets "
+            f"(sequence_parallel norms, reduce_grads) under fully_shard; use a plan without "
+            f"them (e.g. recipes/llama.yaml) under FSDP2 (docs/training.md)")
+
+
+def install_optimizer_hooks(live: LiveParams,
+                            watched: Mapping[str, Tensor] | None = None) -> list[Any]:
     """Make the state dict of every optimizer over this model's local shards DTensors too.
 
     Optimizers are created after apply, so they are found where they first act: a global
@@ -149,6 +167,10 @@ def install_optimizer_hooks(live: LiveParams) -> list[Any]:
         return any(id(q) in ids for g in optimizer.param_groups for q in g["params"])
 
     def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if watched:
+            why = replaced_bucket_params(live, watched)
+            if why is not None and holds_plan_params(optimizer):
+                raise PlanMismatchError(f"optimizer.step(): {why}")
         if optimizer in seen:
             return
         seen.add(optimizer)
