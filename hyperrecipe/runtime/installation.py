@@ -95,7 +95,8 @@ class Installation:
         self._barrier_group = _barrier_group()
         # Production reduces these parameters' gradients with hooks on the objects apply
         # installed; a wrapper that replaces them would leave the gradients partial.
-        self._bucketed = ({fqn: self._live.param(plan.param(fqn))
+        by_fqn = {p.fqn: p for p in plan.params}
+        self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
         self._hooks = ([*install_state_hooks(model, self._live),

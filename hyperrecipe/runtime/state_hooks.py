@@ -80,12 +80,12 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
             model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
 
 
-def replaced_bucket_params(live: LiveParams, watched: Mapping[str, Tensor]) -> str | None:
+def replaced_bucket_params(live: LiveParams,
+                           watched: Mapping[str, tuple[ParamPlan, Tensor]]) -> str | None:
     """Why a step would train on unreduced gradients, or ``None``: a parameter whose gradient
     the plan reduces in a bucket (``grad_buckets``) that is no longer the object apply
     installed (``fully_shard`` replaces parameters; the bucket hooks stay on the old one)."""
-    gone = [fqn for fqn, param in watched.items()
-            if live.param(live.plan.param(fqn)) is not param]
+    gone = [fqn for fqn, (p, param) in watched.items() if live.param(p) is not param]
     if not gone:
         return None
     shown = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
@@ -98,7 +98,8 @@ def replaced_bucket_params(live: LiveParams, watched: Mapping[str, Tensor]) -> s
 
 
 def install_optimizer_hooks(live: LiveParams,
-                            watched: Mapping[str, Tensor] | None = None) -> list[Any]:
+                            watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None
+                            ) -> list[Any]:
     """Make the state dict of every optimizer over this model's local shards DTensors too.
 
     Optimizers are created after apply, so they are found where they first act: a global
