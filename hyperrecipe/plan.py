@@ -19,6 +19,7 @@ import attrs
 import cattrs
 from cattrs.preconf.json import make_converter
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import PlanFormatError
 from hyperrecipe.placement import (
@@ -453,16 +454,21 @@ class Plan:
             PlanFormatError: unreadable, not UTF-8, or anything :meth:`from_json` refuses.
         """
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            # a regular file of bounded size: a FIFO or /dev/zero is refused, not read
+            text = read_regular_file(path, limit=MAX_PLAN_BYTES).decode("utf-8")
         except OSError as exc:
             raise PlanFormatError(f"{path}: cannot read plan: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
             raise PlanFormatError(f"{path}: not a plan: not UTF-8 text ({exc.reason} at byte "
                                   f"{exc.start})") from None
+        except ValueError as exc:  # a NUL byte in the path
+            raise PlanFormatError(f"{path!r}: cannot read plan: {exc}") from None
         return cls.from_json(text, source=str(path))
 
 
 _MAX_PLAN_DEPTH = 64
+MAX_PLAN_BYTES = 512 * 2**20
+"""Largest plan file read (a plan takes about 2 KB per parameter: 250,000 parameters)."""
 
 
 def _bounded_int(text: str) -> int:
