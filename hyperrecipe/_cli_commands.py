@@ -16,7 +16,10 @@ from collections.abc import Sequence
 
 from hyperrecipe.errors import HyperrecipeError
 
-__all__ = ["parse_mesh", "run"]
+__all__ = ["MESH_SIZE_DIGITS", "parse_mesh", "run"]
+
+MESH_SIZE_DIGITS = 9
+"""Longest mesh size ``--mesh`` accepts, as for ``shard(D)`` and chunk sizes in recipes."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,13 +37,17 @@ def parse_mesh(text: str) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        if not sep or not name or not size.strip().isdigit():
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or not name or not (size.isascii() and size.isdigit()):
             raise argparse.ArgumentTypeError(
-                f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. tp=2,dp=4")
-        if name in out:
+                f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] with each SIZE a whole "
+                f"number written in digits, e.g. tp=2,dp=4")
+        if name in out:  # names compared stripped: `tp=2,tp =4` is tp twice, not tp=4
             raise argparse.ArgumentTypeError(f"mesh {text!r}: {name!r} given twice")
-        out[name.strip()] = int(size)
+        if len(size.lstrip("0")) > MESH_SIZE_DIGITS:
+            raise argparse.ArgumentTypeError(
+                f"mesh {text!r}: size of {name!r} has more than {MESH_SIZE_DIGITS} digits")
+        out[name] = int(size)
     return out
 
 

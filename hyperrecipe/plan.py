@@ -21,7 +21,7 @@ from cattrs.preconf.json import make_converter
 
 from hyperrecipe._files import read_regular_file
 from hyperrecipe.collective import CollectiveOp
-from hyperrecipe.errors import PlanFormatError
+from hyperrecipe.errors import PlanFormatError, check_path_arg
 from hyperrecipe.placement import (
     NamedPlacement,
     Placement,
@@ -452,7 +452,9 @@ class Plan:
 
         Raises:
             PlanFormatError: unreadable, not UTF-8, or anything :meth:`from_json` refuses.
+            UsageError: ``path`` is not a ``str`` or ``os.PathLike``.
         """
+        check_path_arg(path, "load_plan: path")
         try:
             # a regular file of bounded size: a FIFO or /dev/zero is refused, not read
             text = read_regular_file(path, limit=MAX_PLAN_BYTES).decode("utf-8")

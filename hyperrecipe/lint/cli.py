@@ -19,10 +19,17 @@ from hyperrecipe.lint.runner import STDIN_PATH, Budget, LintUsageError, explain,
 __all__ = ["main"]
 
 
+MAX_FILE_SECONDS = 1e6
+"""Longest ``--file-timeout`` (about 11 days: longer is unbounded in all but name)."""
+
+
 def _positive_float(value: str) -> float:
     number = float(value)
     if not number > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if number > MAX_FILE_SECONDS:  # also inf: a wait that long overflows the OS's timeouts
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_FILE_SECONDS:g} seconds, got {value}")
     return number
 
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hyperrecipe.errors import RecipeError, SourceSpan, did_you_mean
+from hyperrecipe.errors import RecipeError, SourceSpan, check_path_arg, did_you_mean
 from hyperrecipe.recipe.schema import Recipe, Rule, StyleDef
 from hyperrecipe.recipe.source import Document, read_document
 from hyperrecipe.recipe.styles import BUILTIN_STYLES
@@ -65,7 +65,9 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
 
     Raises:
         RecipeError: the file is missing or malformed; the message names file:line:col.
+        UsageError: ``path`` is not a ``str`` or ``os.PathLike``.
     """
+    check_path_arg(path, "load_recipe: path")
     p = Path(path)
     if not _is_file(p) and p.suffix == "" and str(path) in shipped_recipes():
         p = shipped_recipes()[str(path)]

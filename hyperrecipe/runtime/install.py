@@ -44,6 +44,7 @@ from hyperrecipe.runtime.materialize import (
     mesh_device,
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
+from hyperrecipe.runtime.plan_fit import check_plan_fits
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 from hyperrecipe.runtime.strided import FusedParts, mark_parts
 from hyperrecipe.runtime.vocab_loss import (
@@ -80,6 +81,7 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
             raise RewriteError(msg)
     tree = snapshot(model)
     if tree.digest() == plan.model_digest:
+        check_plan_fits(plan, tree)  # the digest can be copied into an edited plan
         return
     want = {p.fqn: (p.shape, p.dtype) for p in plan.params}
     have = {p.fqn: (p.shape, p.dtype) for p in tree.params()}
