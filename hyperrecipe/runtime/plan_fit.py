@@ -45,6 +45,12 @@ def check_plan_fits(plan: Plan, tree: ModelTree) -> None:
                f"edited or compiled for another model: recompile the recipe against this model")
         return PlanMismatchError(msg)
 
+    for i, b in enumerate(plan.boundaries):
+        if b.fqn not in modules:
+            raise fail(f"boundaries[{i}]", f"{b.fqn!r} is not a module of the model")
+        if b.parent is not None and b.parent not in boundaries:
+            raise fail(f"boundaries[{i}] ({b.fqn!r})",
+                       f"parent {b.parent!r} is not a boundary of the plan")
     for i, p in enumerate(plan.params):
         where = f"params[{i}] ({p.fqn!r})"
         if p.module not in modules:
@@ -67,12 +73,6 @@ def check_plan_fits(plan: Plan, tree: ModelTree) -> None:
             if m is not None and not -ndim <= int(m.group(1)) < ndim:
                 raise fail(where, f"dtensor placement {text!r} is on a dim a {ndim}-d "
                                   f"parameter does not have")
-    for i, b in enumerate(plan.boundaries):
-        if b.fqn not in modules:
-            raise fail(f"boundaries[{i}]", f"{b.fqn!r} is not a module of the model")
-        if b.parent is not None and b.parent not in boundaries:
-            raise fail(f"boundaries[{i}] ({b.fqn!r})",
-                       f"parent {b.parent!r} is not a boundary of the plan")
     for i, h in enumerate(plan.head_counts):
         if h.module not in modules:
             raise fail(f"head_counts[{i}]", f"{h.module!r} is not a module of the model")

@@ -1,0 +1,341 @@
+"""Hostile paths, configs, meshes, API arguments and hand-edited plans: each ends in a located
+hyperrecipe error (CLI exit 2), never a traceback, a hang or a process eating all memory.
+
+Complements tests/test_untrusted_recipes.py (hostile recipe *content*). The inputs here come
+from red-teaming every entry point (docs/security.md): a FIFO or ``/dev/zero`` given as a recipe
+or plan, a transformers config with a field of the wrong type, ``--mesh tp=2,tp =4``, a
+``pyproject.toml`` with ``tool = 1``, a plan edited by hand with its checksum recomputed. No
+wall-clock asserts: the FIFO and ``/dev/zero`` cases run in a child with a memory cap and a
+timeout only so that a regression fails the test instead of hanging or swapping the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from hyperrecipe import PlanFormatError, PlanMismatchError, RecipeError, compile_recipe
+from hyperrecipe import load_plan, load_recipe
+from hyperrecipe._cli_commands import parse_mesh
+from hyperrecipe.errors import ModelSpecError, UsageError
+from hyperrecipe.lint.cli import main as lint_main
+from hyperrecipe.lint.config import ConfigError, load_config
+from hyperrecipe.model_tree import build_model, load_model_config
+from hyperrecipe.plan import Plan, compute_fingerprint, converter
+from hyperrecipe.refs import is_trusted_module, trusting
+from tests.runtime_harness import ROOT
+
+TOY = str(ROOT / "tests/recipes/toy.yaml")
+ALL_REPLICATED = "recipe: r\nversion: 1\nmesh: [tp]\nrules: []\n"
+
+
+def _toy_meta() -> Any:
+    import torch
+
+    from tests.toy_models import Toy
+
+    with torch.device("meta"):
+        return Toy()
+
+
+# ----------------------------------------------------------------- paths that are not files
+
+
+_READ_SPECIAL = textwrap.dedent("""
+    import json, sys
+    from hyperrecipe import HyperrecipeError, load_plan, load_recipe
+    out = []
+    for load, path in [(load_recipe, p) for p in sys.argv[1:3]] + [(load_plan, p) for p in sys.argv[3:]]:
+        try:
+            load(path)
+            out.append("loaded")
+        except HyperrecipeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    print(json.dumps(out))
+""")
+
+
+def _cap_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+def test_a_fifo_or_a_device_named_as_recipe_or_plan_is_refused_not_read(tmp_path: Path) -> None:
+    fifo_recipe, fifo_plan = tmp_path / "r.yaml", tmp_path / "plan.json"
+    os.mkfifo(fifo_recipe)
+    os.mkfifo(fifo_plan)
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    args = [str(fifo_recipe), str(tmp_path / "zero.yaml"), str(fifo_plan),
+            str(tmp_path / "zero.json")]
+    # Before the fix: opening the FIFO waits for a writer forever; /dev/zero is read until
+    # memory runs out. The cap and the timeout turn either into a failure, not a hang.
+    done = subprocess.run([sys.executable, "-c", _READ_SPECIAL, *args], capture_output=True,
+                          text=True, timeout=120, preexec_fn=_cap_memory, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == [
+        f"RecipeError: {fifo_recipe}:1:1: cannot read recipe file: not a regular file (a FIFO) @ $",
+        f"RecipeError: {tmp_path / 'zero.yaml'}:1:1: cannot read recipe file: not a regular file "
+        f"(a character device) @ $",
+        f"PlanFormatError: {fifo_plan}: cannot read plan: not a regular file (a FIFO)",
+        f"PlanFormatError: {tmp_path / 'zero.json'}: cannot read plan: not a regular file (a "
+        f"character device)",
+    ]
+
+
+def test_a_recipe_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    import hyperrecipe.recipe.source as source
+
+    monkeypatch.setattr(source, "MAX_FILE_BYTES", 64)
+    path = tmp_path / "big.yaml"
+    path.write_text(ALL_REPLICATED + "description: " + "x" * 100 + "\n", encoding="utf-8")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    size = path.stat().st_size
+    assert err.value.problem == f"cannot read recipe file: the file is {size} bytes; the limit is 64"
+
+
+# ----------------------------------------------------------------------------- model configs
+
+
+def test_a_config_field_of_the_wrong_type_is_a_model_spec_error() -> None:
+    # transformers (huggingface_hub's strict dataclasses) raises an Exception subclass that is
+    # neither ValueError nor KeyError: before the fix it escaped as a traceback (exit 1).
+    with pytest.raises(ModelSpecError) as err:
+        build_model("hf:llama", {"hidden_size": "big"})
+    assert str(err.value) == (
+        "hf:llama: the model config is not valid for this family: Validation error for field "
+        "'hidden_size': TypeError: Field 'hidden_size' expected int, got str (value: 'big')")
+
+
+def test_an_unknown_hf_family_suggests_the_nearest() -> None:
+    with pytest.raises(ModelSpecError) as err:
+        build_model("hf:lama", "tiny-llama")
+    message = str(err.value)
+    assert message.startswith("--model hf:lama: transformers ")
+    assert "has no model type 'lama'; did you mean 'llama'?; use the config's `model_type`" \
+        in message
+    assert len(message) < 300, "not the list of every model type transformers knows"
+
+
+def test_model_config_files_that_json_would_half_accept_are_refused(tmp_path: Path) -> None:
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"hidden_size": 64, "hidden_size": 32}', encoding="utf-8")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"name": "\xe9"}')
+    cases = {str(dup): f"model config {str(dup)!r}: key 'hidden_size' is given twice",
+             str(deep): f"model config {str(deep)!r}: JSON nested too deeply",
+             str(latin): f"model config {str(latin)!r} is not UTF-8 text (invalid continuation "
+                         f"byte at byte 10)",
+             "[1, 2]": "[1, 2]: a model config must be a JSON object of config fields, found a "
+                       "JSON list"}
+    for config, message in cases.items():
+        with pytest.raises(ModelSpecError) as err:
+            load_model_config(config)
+        assert str(err.value) == message
+
+
+# ------------------------------------------------------------------------------------ meshes
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("tp=2,tp =4", "mesh 'tp=2,tp =4': 'tp' given twice"),
+    ("tp=\u0662", "mesh 'tp=\u0662': expected NAME=SIZE[,NAME=SIZE...] with each SIZE a whole "
+                  "number written in digits, e.g. tp=2,dp=4"),
+    ("tp=\u00b2", "mesh 'tp=\u00b2': expected NAME=SIZE[,NAME=SIZE...] with each SIZE a whole "
+                  "number written in digits, e.g. tp=2,dp=4"),
+    ("tp=1000000000", "mesh 'tp=1000000000': size of 'tp' has more than 9 digits"),
+])
+def test_mesh_text_that_would_be_misread_is_refused(text: str, problem: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        parse_mesh(text)
+    assert str(err.value) == problem
+
+
+def test_padded_mesh_text_still_parses() -> None:
+    assert parse_mesh(" tp = 2 , dp=004") == {"tp": 2, "dp": 4}
+
+
+def test_a_mesh_size_a_plan_cannot_hold_is_refused_at_compile(tmp_path: Path) -> None:
+    # Before the fix this compiled, and load_plan then refused the plan it had written
+    # (plan integers are below 2^63).
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(ALL_REPLICATED, encoding="utf-8")
+    with pytest.raises(RecipeError) as err:
+        compile_recipe(recipe, _toy_meta(), {"tp": 2**64})
+    assert err.value.problem == (f"mesh dim 'tp' has size {2**64}; sizes are integers from 1 "
+                                 f"to 999999999")
+    assert err.value.span is not None and err.value.span.line == 3
+
+
+# --------------------------------------------------------------------------- API arguments
+
+
+def test_api_arguments_of_the_wrong_type_are_usage_errors_naming_the_argument() -> None:
+    model = _toy_meta()
+    cases: list[tuple[Any, str]] = [
+        (lambda: compile_recipe(TOY, model, "tp=2"),
+         "compile_recipe: mesh_shape must be a mapping of mesh dim name to size, e.g. {'tp': 2}, "
+         "not str"),
+        (lambda: compile_recipe(TOY, "hf:llama", {"tp": 2}),
+         "compile_recipe: model must be an nn.Module (built on the meta device) or its "
+         "ModelTree, not str"),
+        (lambda: compile_recipe(None, model, {"tp": 2}),
+         "load_recipe: path must be a path (str or os.PathLike), not NoneType"),
+        (lambda: load_recipe(42), "load_recipe: path must be a path (str or os.PathLike), not int"),
+        (lambda: load_plan(b"plan.json"),
+         "load_plan: path must be a path (str or os.PathLike), not bytes"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UsageError) as err:
+            call()
+        assert str(err.value) == message
+        assert isinstance(err.value, TypeError)
+
+
+def test_trust_code_given_as_one_string_trusts_that_prefix_not_its_letters() -> None:
+    with trusting("zz_untrusted_pkg"):
+        assert is_trusted_module("zz_untrusted_pkg.sub")
+        assert not is_trusted_module("z")
+
+
+# ----------------------------------------------------------------------------- lint config
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("tool = 1\n", "[tool] must be a table, found int"),
+    ('[tool]\nhyperrecipe = "x"\n', "[tool.hyperrecipe] must be a table, found str"),
+    ('[tool.hyperrecipe.lint.per-file-ignores]\n"a.py" = 1\n',
+     "[tool.hyperrecipe.lint] per-file-ignores 'a.py' must be a list of strings, got 1"),
+])
+def test_a_malformed_pyproject_is_a_usage_error(tmp_path: Path, text: str, problem: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(text, encoding="utf-8")
+    (tmp_path / "a.py").write_text("x = 1\n", encoding="utf-8")
+    assert lint_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"hyperrecipe lint: error: {pyproject}: {problem}\n"
+
+
+def test_a_pyproject_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_bytes(b'[tool.hyperrecipe.lint]\nselect = ["\xff"]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(pyproject)
+    assert str(err.value) == (f"{pyproject}: cannot read configuration: not UTF-8 text "
+                              f"(invalid start byte at byte 35)")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--file-timeout", "inf", "."], "argument --file-timeout: must be at most 1e+06 seconds, "
+                                     "got inf"),
+    (["a" * 5000], "no such file or folder: " + "a" * 5000),
+])
+def test_lint_arguments_the_os_cannot_take_are_usage_errors(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert lint_main(argv) == 2
+    assert capsys.readouterr().err.endswith(f"hyperrecipe lint: error: {message}\n")
+
+
+def test_lint_names_a_fifo_for_what_it_is(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "r.yaml"
+    os.mkfifo(fifo)
+    assert lint_main([str(fifo)]) == 2
+    assert capsys.readouterr().err == (f"hyperrecipe lint: error: no such file or folder: {fifo} "
+                                       f"(a FIFO, not a regular file)\n")
+
+
+# ------------------------------------------------------------------ plans edited by hand
+
+
+def _edited(plan: Plan, edit: Any) -> Plan:
+    """``plan`` with ``edit`` applied to its JSON, checksum and fingerprint recomputed, as
+    anyone can (the checksum is an integrity check, not a signature)."""
+    raw = json.loads(plan.to_json())
+    edit(raw)
+    structured = converter.structure(raw, Plan)
+    structured = attrs.evolve(structured, fingerprint=compute_fingerprint(
+        structured.recipe_digest, structured.model_digest, structured.mesh))
+    structured = attrs.evolve(structured, checksum=structured.content_checksum())
+    return Plan.from_json(structured.to_json(), source="edited.json")
+
+
+def _set_first(key: str, field: str, value: Any) -> Any:
+    def edit(raw: dict[str, Any]) -> None:
+        raw[key][0][field] = value
+    return edit
+
+
+def _edited_plan_worker(rank: int, world: int) -> list[str]:
+    import torch
+
+    from hyperrecipe import apply
+    from tests.runtime_harness import mesh_1d
+    from tests.toy_models import Toy
+
+    plan = compile_recipe(TOY, _toy_meta(), {"tp": world})
+    edits = [
+        _set_first("boundaries", "fqn", "layers.9.mlp"),
+        _set_first("params", "module", "nowhere"),
+        _set_first("params", "dtensor", ["shard(99)"]),
+        _set_first("params", "local_shape", [1, 1]),
+    ]
+    out = []
+    for edit in edits:
+        for mode in ("production", "validate"):
+            torch.manual_seed(0)
+            model = Toy()
+            try:
+                apply(model, _edited(plan, edit), mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+                out.append(f"{mode}: applied")
+            except PlanMismatchError as exc:
+                out.append(f"{mode}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - what the test is about
+                out.append(f"{mode}: {type(exc).__name__}: {exc}")
+            out.append(f"{mode}: untouched {all('forward' not in vars(m) for m in model.modules())}")
+    return out
+
+
+def test_an_edited_plan_naming_what_the_model_lacks_is_refused_before_apply_installs() -> None:
+    from hyperrecipe.check.launcher import run_ranks
+
+    out = run_ranks(_edited_plan_worker, 1, timeout_s=120)[0]
+    tail = "; the plan was edited or compiled for another model: recompile the recipe against " \
+           "this model"
+    first_param = "params[0] ('embed.weight')"
+    expected = [
+        f"plan 'toy' does not fit this model: boundaries[0]: 'layers.9.mlp' is not a module of "
+        f"the model{tail}",
+        f"plan 'toy' does not fit this model: {first_param}: module 'nowhere' is not a module of "
+        f"the model{tail}",
+        f"plan 'toy' does not fit this model: {first_param}: dtensor placement 'shard(99)' is on "
+        f"a dim a 2-d parameter does not have{tail}",
+        f"plan 'toy' does not fit this model: {first_param}: local_shape [1, 1] is not [32, 8], "
+        f"what its placement gives on this mesh{tail}",
+    ]
+    for i, message in enumerate(expected):
+        for j, mode in enumerate(("production", "validate")):
+            assert out[4 * i + 2 * j] == f"{mode}: {message}"
+            assert out[4 * i + 2 * j + 1] == f"{mode}: untouched True"
+
+
+def test_plan_format_error_is_still_what_a_corrupt_plan_raises(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text("{}", encoding="utf-8")
+    with pytest.raises(PlanFormatError):
+        load_plan(path)
