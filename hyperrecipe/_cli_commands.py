@@ -25,8 +25,27 @@ MESH_SIZE_DIGITS = 9
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
+        if message.startswith("unrecognized arguments:"):  # `--model-confg`: name the option
+            from hyperrecipe.errors import did_you_mean
+
+            known = _option_strings(self)
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--") and word.split("=", 1)[0] not in known:
+                    message += did_you_mean(word.split("=", 1)[0], known)
+                    break
         print(f"hyperrecipe: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every long option of ``parser`` and its subcommands."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
 
 
 def parse_mesh(text: str) -> dict[str, int]:

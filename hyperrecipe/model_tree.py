@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from hyperrecipe._files import read_regular_file
-from hyperrecipe.errors import ModelSpecError, did_you_mean
+from hyperrecipe.errors import ModelSpecError, closest, did_you_mean
 from hyperrecipe.refs import RefError, resolve_ref
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -262,8 +262,9 @@ def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
         if not _is_file(path):
             path = model_config_file(config) or path
         if not _is_file(path):
+            near = _nearest_config(config, path, model_configs())
             raise ModelSpecError(f"--model-config {config!r}: no such file and no shipped tiny "
-                                 f"config of that name (give a JSON file, inline JSON such as "
+                                 f"config of that name{near} (give a JSON file, inline JSON such as "
                                  f"'{{\"num_hidden_layers\": 2}}', or one of "
                                  f"{', '.join(model_configs()) or 'the shipped configs'})")
         try:
@@ -279,6 +280,19 @@ def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
                              f"must be a JSON object of config fields, found a JSON "
                              f"{type(value).__name__}")
     return value
+
+
+def _nearest_config(config: str, path: Path, shipped: Mapping[str, Path]) -> str:
+    """``"; did you mean '...'?"`` for a mistyped config file (among the JSON files of its
+    folder) or shipped config name, else ``""``."""
+    if "/" not in config and os.sep not in config and not config.endswith(".json"):
+        return did_you_mean(config, shipped)
+    try:
+        names = [c.name for c in path.parent.glob("*.json")]
+    except (OSError, ValueError):
+        return ""
+    found = closest(path.name, names, n=1)
+    return f"; did you mean {str(path.parent / found[0])!r}?" if found else ""
 
 
 def _is_file(path: Path) -> bool:

@@ -465,6 +465,13 @@ class Plan:
                                   f"{exc.start})") from None
         except ValueError as exc:  # a NUL byte in the path
             raise PlanFormatError(f"{path!r}: cannot read plan: {exc}") from None
+        if Path(path).suffix.lower() in (".yaml", ".yml", ".toml"):
+            try:
+                return cls.from_json(text, source=str(path))
+            except PlanFormatError as exc:
+                raise PlanFormatError(f"{exc}; this looks like a recipe, and a plan is the JSON "
+                                      f"that `hyperrecipe compile RECIPE ... -o plan.json` "
+                                      f"writes") from None
         return cls.from_json(text, source=str(path))
 
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hyperrecipe.errors import RecipeError, SourceSpan, check_path_arg, did_you_mean
+from hyperrecipe.errors import RecipeError, SourceSpan, check_path_arg, closest, did_you_mean
 from hyperrecipe.recipe.schema import Recipe, Rule, StyleDef
 from hyperrecipe.recipe.source import Document, read_document
 from hyperrecipe.recipe.styles import BUILTIN_STYLES
@@ -71,7 +71,40 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     p = Path(path)
     if not _is_file(p) and p.suffix == "" and str(path) in shipped_recipes():
         p = shipped_recipes()[str(path)]
+    if not _exists(p):
+        _missing(str(path), p)
     return _load(p, str(path) if p == Path(path) else _display(p), chain=())
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return True  # a name the OS refuses: reading it says why
+
+
+def _missing(given: str, path: Path) -> None:
+    """Raise the error for a recipe that is neither a file nor a shipped recipe's name, with
+    the nearest of both (a typo in ``recipes/lama.yaml`` or ``lama``)."""
+    shipped = shipped_recipes()
+    if path.suffix == "" and os.sep not in given and "/" not in given:
+        hint = f"shipped recipes: {', '.join(sorted(shipped)) or '(none found)'}"
+        msg = (f"no recipe file {given!r} and no shipped recipe of that name"
+               f"{did_you_mean(given, shipped)}")
+    else:
+        try:
+            siblings = [c.name for c in path.parent.iterdir()
+                        if c.suffix in _SUFFIXES and _is_file(c)]
+        except OSError:
+            siblings = []
+        found = closest(path.name, siblings, n=1)
+        # the path as typed, with the nearest file name of its folder in place of its last part
+        near = (f"; did you mean {given[:len(given) - len(path.name)] + found[0]!r}?"
+                if found and given.endswith(path.name) else "")
+        hint = "a recipe is a .yaml, .yml or .toml file, or a shipped recipe's name (" + \
+               ", ".join(sorted(shipped)[:4]) + ", ...)"
+        msg = f"cannot read recipe file: no such file{near}"
+    raise RecipeError(msg, span=SourceSpan(path=given, line=1, column=1), hint=hint)
 
 
 def _is_file(path: Path) -> bool:
