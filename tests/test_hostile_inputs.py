@@ -339,3 +339,50 @@ def test_plan_format_error_is_still_what_a_corrupt_plan_raises(tmp_path: Path) -
     path.write_text("{}", encoding="utf-8")
     with pytest.raises(PlanFormatError):
         load_plan(path)
+
+
+# ------------------------------------------------------------- typos say what to do instead
+
+
+def test_a_mistyped_recipe_path_or_name_suggests_the_nearest(in_root: Path) -> None:
+    with pytest.raises(RecipeError) as err:
+        load_recipe("recipes/lama.yaml")
+    assert str(err.value) == (
+        "recipes/lama.yaml:1:1: cannot read recipe file: no such file; did you mean "
+        "'recipes/llama.yaml'? @ $; a recipe is a .yaml, .yml or .toml file, or a shipped "
+        "recipe's name (gpt2, llama, llama-cp, llama-sp, ...)")
+    with pytest.raises(RecipeError) as err:
+        load_recipe("lama")
+    assert err.value.problem == ("no recipe file 'lama' and no shipped recipe of that name; did "
+                                 "you mean 'llama'?")
+
+
+def test_a_mistyped_model_config_suggests_the_nearest(in_root: Path) -> None:
+    for config, near in [("tiny-lama", "tiny-llama"),
+                         ("recipes/models/tiny-lama.json", "recipes/models/tiny-llama.json")]:
+        with pytest.raises(ModelSpecError) as err:
+            load_model_config(config)
+        assert str(err.value).startswith(f"--model-config {config!r}: no such file and no "
+                                         f"shipped tiny config of that name; did you mean "
+                                         f"{near!r}? (give a JSON file")
+
+
+def test_a_mistyped_option_suggests_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "llama", "--model", "hf:llama", "--model-confg", "tiny-llama",
+              "--mesh", "tp=2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "hyperrecipe: error: unrecognized arguments: --model-confg tiny-llama; did you mean "
+        "'--model-config'?\n")
+
+
+def test_explain_given_a_recipe_says_what_a_plan_is(in_root: Path) -> None:
+    with pytest.raises(PlanFormatError) as err:
+        load_plan("recipes/llama.yaml")
+    assert str(err.value) == (
+        "recipes/llama.yaml: not JSON: Expecting value: line 1 column 1 (char 0); this looks "
+        "like a recipe, and a plan is the JSON that `hyperrecipe compile RECIPE ... -o "
+        "plan.json` writes")
