@@ -304,7 +304,12 @@ def _compile(args: argparse.Namespace) -> int:
     plan = resolve_recipe(recipe, tree, args.mesh)
     t2 = time.perf_counter()
     if args.output:
-        plan.save(args.output)
+        try:
+            plan.save(args.output)
+        except OSError as exc:  # a missing folder, a directory, a full disk: the user's to fix
+            msg = f"cannot write the plan to {args.output}: {exc.strerror or exc}"
+            print(f"hyperrecipe: error: {msg}", file=sys.stderr)
+            return 2
     if args.format == "json":
         sys.stdout.write(plan.to_json())
         return 0

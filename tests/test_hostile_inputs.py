@@ -386,3 +386,39 @@ def test_explain_given_a_recipe_says_what_a_plan_is(in_root: Path) -> None:
         "recipes/llama.yaml: not JSON: Expecting value: line 1 column 1 (char 0); this looks "
         "like a recipe, and a plan is the JSON that `hyperrecipe compile RECIPE ... -o "
         "plan.json` writes")
+
+
+def test_compile_output_that_cannot_be_written_is_an_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(ALL_REPLICATED, encoding="utf-8")
+    target = tmp_path / "missing" / "plan.json"
+    code = main(["compile", str(recipe), "--model", "tests.toy_models:Toy", "--mesh", "tp=2",
+                 "-o", str(target)])
+    assert code == 2
+    assert capsys.readouterr().err == (f"hyperrecipe: error: cannot write the plan to {target}: "
+                                       f"No such file or directory\n")
+
+
+@pytest.mark.parametrize("raw", ["inf", "1e300", "nan", "-1", "soon"])
+def test_an_agreement_timeout_no_wait_can_take_is_refused(raw: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperrecipe.runtime.agreement import TIMEOUT_ENV, agreement_timeout
+
+    monkeypatch.setenv(TIMEOUT_ENV, raw)
+    with pytest.raises(PlanMismatchError) as err:
+        agreement_timeout()
+    assert str(err.value) == (f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds up "
+                              f"to 1e+06")
+
+
+def test_a_recipes_folder_variable_naming_no_folder_is_named(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HYPERRECIPE_RECIPES", str(tmp_path / "nowhere"))
+    with pytest.raises(RecipeError) as err:
+        load_recipe("llama")
+    assert err.value.hint == (f"shipped recipes: (none found in HYPERRECIPE_RECIPES="
+                              f"{str(tmp_path / 'nowhere')!r}, which should name a folder of "
+                              f"recipes; unset it for the recipes that ship with hyperrecipe)")

@@ -76,6 +76,13 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     return _load(p, str(path) if p == Path(path) else _display(p), chain=())
 
 
+def _none_shipped() -> str:
+    env = os.environ.get("HYPERRECIPE_RECIPES")
+    return (f"(none found in HYPERRECIPE_RECIPES={env!r}, which should name a folder of "
+            f"recipes; unset it for the recipes that ship with hyperrecipe)" if env
+            else "(none found)")
+
+
 def _exists(path: Path) -> bool:
     try:
         return path.exists()
@@ -88,7 +95,7 @@ def _missing(given: str, path: Path) -> None:
     the nearest of both (a typo in ``recipes/lama.yaml`` or ``lama``)."""
     shipped = shipped_recipes()
     if path.suffix == "" and os.sep not in given and "/" not in given:
-        hint = f"shipped recipes: {', '.join(sorted(shipped)) or '(none found)'}"
+        hint = f"shipped recipes: {', '.join(sorted(shipped)) or _none_shipped()}"
         msg = (f"no recipe file {given!r} and no shipped recipe of that name"
                f"{did_you_mean(given, shipped)}")
     else:
@@ -169,7 +176,7 @@ def _resolve_extends(doc: Document, ref: str, path: Path) -> Path:
     shipped = shipped_recipes()
     if ref in shipped:
         return shipped[ref]
-    hint = f"shipped recipes: {', '.join(sorted(shipped)) or '(none found)'}"
+    hint = f"shipped recipes: {', '.join(sorted(shipped)) or _none_shipped()}"
     raise RecipeError(f"extends {ref!r}: no such file next to this recipe and no shipped recipe "
                       f"of that name{did_you_mean(ref, shipped)}",
                       span=doc.positions.span(("extends",)), path="$.extends", hint=hint)
