@@ -422,3 +422,42 @@ def test_a_recipes_folder_variable_naming_no_folder_is_named(
     assert err.value.hint == (f"shipped recipes: (none found in HYPERRECIPE_RECIPES="
                               f"{str(tmp_path / 'nowhere')!r}, which should name a folder of "
                               f"recipes; unset it for the recipes that ship with hyperrecipe)")
+
+
+def _apply_mistakes_worker(rank: int, world: int) -> list[str]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrecipe import HyperrecipeError, apply
+    from tests.runtime_harness import mesh_1d
+    from tests.toy_models import Toy
+
+    plan = compile_recipe(TOY, _toy_meta(), {"tp": world})
+    torch.manual_seed(0)
+    model = Toy()
+    calls = [lambda: apply(model, "plan.json", mesh_1d(world)),  # type: ignore[arg-type]
+             lambda: apply(model, plan, None),  # type: ignore[arg-type]
+             lambda: apply(model, plan, init_device_mesh("cpu", (world,)))]
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("applied")
+        except HyperrecipeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - what the test is about
+            out.append(f"not a HyperrecipeError: {type(exc).__name__}: {exc}")
+    return out
+
+
+def test_apply_mistakes_a_new_user_makes_say_what_to_do() -> None:
+    from hyperrecipe.check.launcher import run_ranks
+
+    assert run_ranks(_apply_mistakes_worker, 1, timeout_s=120)[0] == [
+        "UsageError: apply: plan must be a Plan, not str; load it first: hyperrecipe.apply(model, "
+        "hyperrecipe.load_plan('plan.json'), mesh)",
+        "UsageError: apply: mesh must be a DeviceMesh (init_device_mesh(..., mesh_dim_names=...)),"
+        " not NoneType",
+        "PlanMismatchError: plan 'toy' was compiled for mesh tp=1, but the DeviceMesh has no dim "
+        "names; build it with mesh_dim_names=('tp',)",
+    ]
