@@ -461,3 +461,15 @@ def test_apply_mistakes_a_new_user_makes_say_what_to_do() -> None:
         "PlanMismatchError: plan 'toy' was compiled for mesh tp=1, but the DeviceMesh has no dim "
         "names; build it with mesh_dim_names=('tp',)",
     ]
+
+
+def test_sarif_names_a_file_whose_name_is_not_utf8(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # The name is held as a surrogate escape; quoting it as str raised UnicodeEncodeError
+    # (a traceback, exit 1, which reads as "findings").
+    (tmp_path / os.fsdecode(b"bad\xff.py")).write_text("x.forward = 1\n", encoding="utf-8")
+    assert lint_main([str(tmp_path), "--format", "sarif"]) == 1
+    log = json.loads(capsys.readouterr().out)
+    [result] = log["runs"][0]["results"]
+    uri = result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+    assert uri.endswith("/bad%FF.py") and uri.startswith("file://")

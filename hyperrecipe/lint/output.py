@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import PurePath
@@ -32,8 +33,14 @@ def _uri(path: str) -> str:
     """A SARIF artifact URI: relative paths stay relative (to the checkout), others ``file://``."""
     pure = PurePath(path)
     if pure.is_absolute():
-        return "file://" + quote(pure.as_posix())
-    return quote(pure.as_posix())
+        return "file://" + _quote(pure.as_posix())
+    return _quote(pure.as_posix())
+
+
+def _quote(path: str) -> str:
+    """Percent-encode the file name's bytes: a name that is not UTF-8 (``bad\xff.py``, held
+    as a surrogate escape) is encoded as the bytes on disk instead of failing to encode."""
+    return quote(os.fsencode(path))
 
 
 def _sarif(findings: Sequence[Finding], version: str) -> dict[str, Any]:
