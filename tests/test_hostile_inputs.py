@@ -473,3 +473,16 @@ def test_sarif_names_a_file_whose_name_is_not_utf8(tmp_path: Path,
     [result] = log["runs"][0]["results"]
     uri = result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
     assert uri.endswith("/bad%FF.py") and uri.startswith("file://")
+
+
+def test_extends_naming_something_that_is_not_a_file_says_what_it_is(tmp_path: Path) -> None:
+    (tmp_path / "loop.yaml").symlink_to("loop.yaml")
+    os.mkfifo(tmp_path / "pipe.yaml")
+    for ref, what in [("loop.yaml", "a symlink that leads nowhere (dangling, or a loop)"),
+                      ("pipe.yaml", "a FIFO"), (".", "a directory")]:
+        path = tmp_path / "r.yaml"
+        path.write_text(ALL_REPLICATED + f"extends: {ref!r}\n", encoding="utf-8")
+        with pytest.raises(RecipeError) as err:
+            load_recipe(path)
+        assert err.value.problem == f"extends {ref!r}: {tmp_path / ref} is {what}, not a recipe file"
+        assert err.value.span is not None and err.value.span.line == 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,20 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     if not _exists(p):
         _missing(str(path), p)
     return _load(p, str(path) if p == Path(path) else _display(p), chain=())
+
+
+def _what_is_there(path: Path) -> str | None:
+    """What a path that is not a regular file names (``None``: nothing)."""
+    try:
+        if not os.path.lexists(path):
+            return None
+        if path.is_symlink() and not path.exists():
+            return "a symlink that leads nowhere (dangling, or a loop)"
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
 
 
 def _none_shipped() -> str:
@@ -176,6 +191,10 @@ def _resolve_extends(doc: Document, ref: str, path: Path) -> Path:
     shipped = shipped_recipes()
     if ref in shipped:
         return shipped[ref]
+    there = _what_is_there(candidate)
+    if there is not None:
+        raise RecipeError(f"extends {ref!r}: {candidate} is {there}, not a recipe file",
+                          span=doc.positions.span(("extends",)), path="$.extends")
     hint = f"shipped recipes: {', '.join(sorted(shipped)) or _none_shipped()}"
     raise RecipeError(f"extends {ref!r}: no such file next to this recipe and no shipped recipe "
                       f"of that name{did_you_mean(ref, shipped)}",
