@@ -486,3 +486,16 @@ def test_extends_naming_something_that_is_not_a_file_says_what_it_is(tmp_path: P
             load_recipe(path)
         assert err.value.problem == f"extends {ref!r}: {tmp_path / ref} is {what}, not a recipe file"
         assert err.value.span is not None and err.value.span.line == 5
+
+
+def test_statistics_follow_the_format_or_refuse_it(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: `--statistics --format json` (or sarif) printed the text table regardless.
+    (tmp_path / "a.py").write_text("x.forward = 1\ny.forward = 2\n", encoding="utf-8")
+    assert lint_main([str(tmp_path), "--statistics", "--format", "json"]) == 1
+    assert json.loads(capsys.readouterr().out) == [
+        {"count": 2, "code": "HR001", "name": "forward-assignment"}]
+    assert lint_main([str(tmp_path), "--statistics", "--format", "sarif"]) == 2
+    assert capsys.readouterr().err == (
+        "hyperrecipe lint: error: --statistics prints a table (--format text) or JSON (--format "
+        "json), not sarif; drop --statistics for sarif findings\n")

@@ -124,6 +124,11 @@ def main(argv: Sequence[str]) -> int:
             stdin = sys.stdin.buffer.read()
         elif args.stdin_filename is not None:
             raise LintUsageError("--stdin-filename needs `-` among the paths")
+        if args.statistics and args.format not in ("text", "json"):
+            # (it printed the text table, ignoring the format asked for)
+            raise LintUsageError(f"--statistics prints a table (--format text) or JSON (--format "
+                                 f"json), not {args.format}; drop --statistics for "
+                                 f"{args.format} findings")
         select = None if args.select is None else [c for group in args.select for c in group]
         ignore = [c for group in args.ignore for c in group]
         result = lint_paths(paths, select=select, ignore=ignore, jobs=args.jobs,
@@ -134,7 +139,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write(f"hyperrecipe lint: error: {exc}\n")
         return 2
     if args.statistics:
-        sys.stdout.write(statistics(result.findings))
+        sys.stdout.write(statistics(result.findings, args.format))
     else:
         # (importlib.metadata costs ~0.1 s: only SARIF names the version.)
         version = _version() if args.format == "sarif" else ""

@@ -134,9 +134,14 @@ def render(findings: Sequence[Finding], fmt: OutputFormat, *, version: str = "")
     return "".join(line + "\n" for line in lines)
 
 
-def statistics(findings: Sequence[Finding]) -> str:
-    """``--statistics``: one line per code, most frequent first: ``count code name``."""
+def statistics(findings: Sequence[Finding], fmt: OutputFormat = "text") -> str:
+    """``--statistics``: one line per code, most frequent first: ``count code name``; with
+    ``--format json`` a list of ``{"count", "code", "name"}`` objects in the same order (as
+    ruff prints its statistics as JSON)."""
     counts = Counter((f.code, f.name) for f in findings)
     ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0][0]))
+    if fmt == "json":
+        rows = [{"count": count, "code": code, "name": name} for (code, name), count in ordered]
+        return json.dumps(rows, indent=2) + "\n"
     width = max((len(str(count)) for _, count in ordered), default=1)
     return "".join(f"{count:>{width}}\t{code}\t{name}\n" for (code, name), count in ordered)
