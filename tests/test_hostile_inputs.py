@@ -294,6 +294,7 @@ def _edited_plan_worker(rank: int, world: int) -> list[str]:
         _set_first("params", "module", "nowhere"),
         _set_first("params", "dtensor", ["shard(99)"]),
         _set_first("params", "local_shape", [1, 1]),
+        lambda raw: raw["params"].append(raw["params"][0]),
     ]
     out = []
     for edit in edits:
@@ -327,6 +328,7 @@ def test_an_edited_plan_naming_what_the_model_lacks_is_refused_before_apply_inst
         f"a dim a 2-d parameter does not have{tail}",
         f"plan 'toy' does not fit this model: {first_param}: local_shape [1, 1] is not [32, 8], "
         f"what its placement gives on this mesh{tail}",
+        f"plan 'toy' does not fit this model: params: 'embed.weight' is listed twice{tail}",
     ]
     for i, message in enumerate(expected):
         for j, mode in enumerate(("production", "validate")):

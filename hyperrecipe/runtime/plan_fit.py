@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 from collections.abc import Callable
 
 from hyperrecipe.errors import PlanMismatchError
@@ -45,6 +46,11 @@ def check_plan_fits(plan: Plan, tree: ModelTree) -> None:
                f"edited or compiled for another model: recompile the recipe against this model")
         return PlanMismatchError(msg)
 
+    for what, names in (("params", [p.fqn for p in plan.params]),
+                        ("boundaries", [b.fqn for b in plan.boundaries])):
+        twice = [n for n, count in Counter(names).items() if count > 1]
+        if twice:  # a second entry would shard a shard
+            raise fail(what, f"{twice[0]!r} is listed twice")
     for i, b in enumerate(plan.boundaries):
         if b.fqn not in modules:
             raise fail(f"boundaries[{i}]", f"{b.fqn!r} is not a module of the model")
