@@ -410,7 +410,8 @@ class Plan:
                 given as cattrs does), or a fingerprint that does not match.
         """
         try:
-            raw = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+            raw = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant,
+                             object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{source}: not JSON: {exc}") from None
         except (ValueError, RecursionError) as exc:
@@ -484,6 +485,17 @@ def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > 19 or abs(int(text)) > 2**63 - 1:
         raise ValueError(f"integer {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
     return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: with a key given twice ``json`` keeps the
+    last, so a reader of the file and the loader would see different plans."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:60]!r} is given twice in one object")
+        out[key] = value
+    return out
 
 
 def _no_constant(text: str) -> Any:

@@ -501,3 +501,12 @@ def test_statistics_follow_the_format_or_refuse_it(tmp_path: Path,
     assert capsys.readouterr().err == (
         "hyperrecipe lint: error: --statistics prints a table (--format text) or JSON (--format "
         "json), not sarif; drop --statistics for sarif findings\n")
+
+
+def test_a_plan_key_given_twice_is_refused() -> None:
+    # json keeps the last value: a reviewer reading the file and load_plan would disagree.
+    plan = compile_recipe(TOY, _toy_meta(), {"tp": 2})
+    text = plan.to_json().replace('"recipe": "toy"', '"recipe": "reviewed", "recipe": "toy"', 1)
+    with pytest.raises(PlanFormatError) as err:
+        Plan.from_json(text, source="p.json")
+    assert str(err.value) == "p.json: not a plan: key 'recipe' is given twice in one object"
