@@ -510,3 +510,19 @@ def test_a_plan_key_given_twice_is_refused() -> None:
     with pytest.raises(PlanFormatError) as err:
         Plan.from_json(text, source="p.json")
     assert str(err.value) == "p.json: not a plan: key 'recipe' is given twice in one object"
+
+
+@pytest.mark.parametrize("weight_map", ['["a.safetensors"]', '{"w": 5}', '"x"'])
+def test_a_safetensors_index_of_the_wrong_shape_is_a_weight_load_error(
+        tmp_path: Path, weight_map: str) -> None:
+    # A checkpoint can come from someone else too; its index was indexed without a type check
+    # (AttributeError / TypeError from deep inside load_weights).
+    from hyperrecipe.errors import WeightLoadError
+    from hyperrecipe.runtime.weights import _key_files  # the index reader behind load_weights
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(f'{{"weight_map": {weight_map}}}', encoding="utf-8")
+    with pytest.raises(WeightLoadError) as err:
+        _key_files(tmp_path)
+    assert str(err.value) == (f"{index}: not a safetensors index (weight_map must map tensor "
+                              f"names to file names)")
