@@ -526,3 +526,36 @@ def test_a_safetensors_index_of_the_wrong_shape_is_a_weight_load_error(
         _key_files(tmp_path)
     assert str(err.value) == (f"{index}: not a safetensors index (weight_map must map tensor "
                               f"names to file names)")
+
+
+BOM = "\ufeff"
+TYPO_YAML = "recipe: x\nversion: 1\nmesh: [tp]\nrules:\n  - match: lm_head\n    style: colwse\n"
+TYPO_TOML = ('recipe = "x"\r\nversion = 1\r\nmesh = ["tp"]\r\n[[rules]]\r\nmatch = "lm_head"\r\n'
+             'style = "colwse"\r\n')
+
+
+@pytest.mark.parametrize(("name", "text", "where"), [
+    ("r.yaml", BOM + TYPO_YAML, "6:12"), ("r.toml", BOM + TYPO_TOML, "6:9")])
+def test_a_recipe_with_a_byte_order_mark_is_linted_and_loaded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str,
+        where: str) -> None:
+    # Before: the lint did not recognise either file as a recipe (exit 0, nothing checked),
+    # and the TOML one did not load ("invalid TOML: Invalid statement" at 1:1).
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8"))
+    assert lint_main([str(path)]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"{path}:{where}: HR100 recipe-schema unknown style 'colwse'; did you mean 'colwise'?")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert err.value.problem == "unknown style 'colwse'; did you mean 'colwise'?"
+
+
+def test_a_pyproject_with_a_byte_order_mark_says_so(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_bytes(b"\xef\xbb\xbf[tool.hyperrecipe.lint]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(pyproject)
+    assert str(err.value) == (f"{pyproject}: cannot read configuration: the file starts with a "
+                              f"UTF-8 byte order mark, which TOML parsers (pip's too) refuse; save "
+                              f"it as UTF-8 without BOM")

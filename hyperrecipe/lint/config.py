@@ -215,6 +215,11 @@ def load_config(pyproject: Path) -> LintConfig | None:
     """
     try:
         raw = read_regular_file(pyproject, limit=MAX_PYPROJECT_BYTES)
+        if raw.startswith(b"\xef\xbb\xbf"):
+            msg = (f"{pyproject}: cannot read configuration: the file starts with a UTF-8 byte "
+                   f"order mark, which TOML parsers (pip's too) refuse; save it as UTF-8 "
+                   f"without BOM")
+            raise ConfigError(msg)
         data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
         msg = f"{pyproject}: cannot read configuration: {exc.strerror or exc}"

@@ -46,6 +46,9 @@ def is_recipe_file(path: Path) -> bool:
         data = path.read_bytes()
     except OSError:
         return False
+    # A byte order mark (Windows editors write one) hid the `recipe` key from both checks, so a
+    # recipe that compile loads was skipped by the lint without a word.
+    data = data.removeprefix(b"\xef\xbb\xbf")
     if path.suffix == ".toml":
         try:
             return "recipe" in tomllib.loads(data.decode("utf-8"))

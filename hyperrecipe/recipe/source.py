@@ -93,7 +93,8 @@ def read_document(path: str | Path, *, display: str | None = None) -> Document:
     name = display if display is not None else str(path)
     try:
         # a regular file of at most MAX_FILE_BYTES: a FIFO or /dev/zero is refused, not read
-        text = read_regular_file(p, limit=MAX_FILE_BYTES).decode("utf-8")
+        # utf-8-sig: a byte order mark is not part of the text (TOML's parser refused it)
+        text = read_regular_file(p, limit=MAX_FILE_BYTES).decode("utf-8-sig")
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         msg = f"cannot read recipe file: {exc.strerror if isinstance(exc, OSError) else exc}"
         raise RecipeError(msg, span=SourceSpan(path=name, line=1, column=1)) from None
