@@ -559,3 +559,28 @@ def test_a_pyproject_with_a_byte_order_mark_says_so(tmp_path: Path) -> None:
     assert str(err.value) == (f"{pyproject}: cannot read configuration: the file starts with a "
                               f"UTF-8 byte order mark, which TOML parsers (pip's too) refuse; save "
                               f"it as UTF-8 without BOM")
+
+
+@pytest.mark.parametrize("text", [
+    '{"recipe": "x", "version": 2, "mesh": ["tp"], "rules": []}\n',   # JSON-style YAML
+    "# converted\n---\n{recipe: x, version: 2, mesh: [tp], rules: []}\n",
+    "? recipe\n: x\nversion: 2\nmesh: [tp]\nrules: []\n",
+])
+def test_a_flow_style_yaml_recipe_is_linted(tmp_path: Path, text: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: only a `recipe:` key in column 0 made a YAML file a recipe; these load (and fail)
+    # in compile, but the lint skipped them and exited 0.
+    path = tmp_path / "r.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert lint_main([str(path)]) == 1
+    assert "HR100 recipe-schema unsupported recipe version 2; expected 1" in capsys.readouterr().out
+
+
+def test_yaml_that_only_mentions_recipe_is_not_a_recipe(tmp_path: Path) -> None:
+    from hyperrecipe.lint.recipes import is_recipe_file
+
+    for name, text in [("ci.yaml", "on: push\njobs:\n  a:\n    steps:\n      - run: recipe\n"),
+                       ("nested.yaml", "items:\n  - recipe: x\n"), ("seq.yaml", "[recipe, x]\n"),
+                       ("bad.yaml", "recipe x: [\n")]:
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        assert not is_recipe_file(tmp_path / name), name
