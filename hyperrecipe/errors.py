@@ -9,6 +9,7 @@ structured data as attributes so tools can act on them without parsing the messa
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -288,8 +289,6 @@ def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
 
 def check_path_arg(value: object, where: str) -> None:
     """Raise :class:`UsageError` unless ``value`` is a ``str`` or ``os.PathLike`` path."""
-    import os
-
     if not isinstance(value, (str, os.PathLike)):
         msg = f"{where} must be a path (str or os.PathLike), not {type(value).__name__}"
         raise UsageError(msg)
