@@ -584,3 +584,43 @@ def test_yaml_that_only_mentions_recipe_is_not_a_recipe(tmp_path: Path) -> None:
                        ("bad.yaml", "recipe x: [\n")]:
         (tmp_path / name).write_text(text, encoding="utf-8")
         assert not is_recipe_file(tmp_path / name), name
+
+
+def test_a_config_for_another_family_is_refused_not_built_at_default_size() -> None:
+    # Before: transformers kept gpt2's fields as plain attributes and built the default Llama
+    # (6.7 B parameters) -- on the meta device for compile, for real on every rank in check.
+    with pytest.raises(ModelSpecError) as err:
+        build_model("hf:llama", "tiny-gpt2")
+    assert str(err.value) == (
+        "--model hf:llama: the model config sets neither hidden_size nor num_hidden_layers of "
+        "LlamaConfig, and has fields it does not know (attn_pdrop (did you mean "
+        "'attention_dropout'?), embd_pdrop, n_embd, n_head (did you mean 'head_dim'?), n_layer "
+        "(did you mean 'num_hidden_layers'?), n_positions (did you mean "
+        "'max_position_embeddings'?), ...): it looks like a config for another family, and "
+        "would build transformers' default size; give a llama config (e.g. --model-config "
+        "tiny-llama where one ships), or also set hidden_size and num_hidden_layers")
+    with pytest.raises(ModelSpecError) as err:
+        build_model("hf:llama", {"model_type": "gpt2", "n_embd": 64})
+    assert str(err.value) == ("--model hf:llama with a 'gpt2' config (its model_type); use "
+                              "--model hf:gpt2, or a config for llama")
+
+
+@pytest.mark.parametrize(("family", "config"), [
+    ("llama", {"attn_implementation": "eager"}), ("gpt2", "tiny-llama"),
+    ("llama", {"model_type": "llama", "num_hidden_layers": 1, "rope_theta": 1e4}),
+    ("phi3", "tiny-phi3"),  # head_dim, which Phi3Config does not list, beside its sizes
+])
+def test_configs_that_set_the_size_or_only_runtime_options_still_build(
+        family: str, config: Any) -> None:
+    assert build_model(f"hf:{family}", config) is not None
+
+
+def test_a_checkpoints_own_config_json_builds(tmp_path: Path) -> None:
+    # A config.json saved by transformers names its model_type; for_model takes the type
+    # positionally, and that raised TypeError "got multiple values for argument 'model_type'".
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", **load_model_config("tiny-llama")).save_pretrained(tmp_path)
+    assert "model_type" in json.loads((tmp_path / "config.json").read_text())
+    model = build_model("hf:llama", str(tmp_path / "config.json"))
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
