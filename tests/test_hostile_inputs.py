@@ -624,3 +624,18 @@ def test_a_checkpoints_own_config_json_builds(tmp_path: Path) -> None:
     assert "model_type" in json.loads((tmp_path / "config.json").read_text())
     model = build_model("hf:llama", str(tmp_path / "config.json"))
     assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+
+
+def test_standard_input_is_read_up_to_a_bound(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # `hyperrecipe lint - < /dev/zero` read until memory ran out (MemoryError traceback).
+    import io
+
+    import hyperrecipe.lint.cli as lint_cli
+
+    monkeypatch.setattr(lint_cli, "MAX_STDIN_BYTES", 2**20)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x = 1\n" * 200_000)))
+    assert lint_main(["-"]) == 2
+    assert capsys.readouterr().err == (
+        "hyperrecipe lint: error: standard input is larger than 1 MiB; name the file instead "
+        "(files are read by workers with a memory budget, --file-memory)\n")

@@ -19,6 +19,8 @@ from hyperrecipe.lint.runner import STDIN_PATH, Budget, LintUsageError, explain,
 __all__ = ["main"]
 
 
+MAX_STDIN_BYTES = 256 * 2**20
+"""Most source ``-`` reads from standard input (an editor sends one file)."""
 MAX_FILE_SECONDS = 1e6
 """Longest ``--file-timeout`` (about 11 days: longer is unbounded in all but name)."""
 
@@ -121,7 +123,11 @@ def main(argv: Sequence[str]) -> int:
         if STDIN_PATH in paths:
             if paths.count(STDIN_PATH) > 1:
                 raise LintUsageError("`-` (standard input) may be named once")
-            stdin = sys.stdin.buffer.read()
+            stdin = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)  # `lint - < /dev/zero` ends
+            if len(stdin) > MAX_STDIN_BYTES:
+                raise LintUsageError(f"standard input is larger than {MAX_STDIN_BYTES >> 20} MiB; "
+                                     f"name the file instead (files are read by workers with a "
+                                     f"memory budget, --file-memory)")
         elif args.stdin_filename is not None:
             raise LintUsageError("--stdin-filename needs `-` among the paths")
         if args.statistics and args.format not in ("text", "json"):
