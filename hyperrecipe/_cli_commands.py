@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -93,15 +94,21 @@ def _tolerance(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number")
+    if not 0 <= value < math.inf:  # --atol inf would make every comparison agree
+        raise argparse.ArgumentTypeError(f"{text} is not a finite non-negative number")
     return value
+
+
+MAX_TIMEOUT_S = 1e6
+"""Longest ``--timeout`` (about 11 days); more overflows the alarm's time_t."""
 
 
 def _seconds(text: str) -> float:
     value = _tolerance(text)
     if value == 0:
         raise argparse.ArgumentTypeError("the timeout must be positive")
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"the timeout must be at most {MAX_TIMEOUT_S:g} seconds")
     return value
 
 

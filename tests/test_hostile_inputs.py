@@ -639,3 +639,20 @@ def test_standard_input_is_read_up_to_a_bound(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().err == (
         "hyperrecipe lint: error: standard input is larger than 1 MiB; name the file instead "
         "(files are read by workers with a memory budget, --file-memory)\n")
+
+
+@pytest.mark.parametrize(("option", "value", "problem"), [
+    ("--atol", "inf", "argument --atol: inf is not a finite non-negative number"),  # agreed always
+    ("--timeout", "inf", "argument --timeout: inf is not a finite non-negative number"),
+    ("--timeout", "1e300", "argument --timeout: the timeout must be at most 1e+06 seconds"),
+])
+def test_check_numbers_that_would_disable_the_check_or_overflow_are_refused(
+        option: str, value: str, problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: --atol inf made every mode "agree"; --timeout inf raised OverflowError (time_t).
+    from hyperrecipe.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", TOY, "--model", "tests.toy_models:Toy", "--mesh", "tp=2", "-q",
+              option, value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(f"hyperrecipe: error: {problem}\n")
