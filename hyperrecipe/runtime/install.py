@@ -421,8 +421,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         loss = model(batch).loss; loss.backward(); opt.step()
         inst.restore()
     """
-    _check_arguments(model, plan, mesh)
     chosen = as_mode(mode)
+    _check_arguments(model, plan, mesh)
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
