@@ -55,7 +55,8 @@ def _worker(rank: int, world: int, family: str, recipe: str, dim: str, mode: str
     inf = inst.grad_norm(math.inf)
     torch_local = (torch.nn.utils.get_total_norm([q.grad for q in model.parameters()])
                    if mode == "production" else None)
-    norm = inst.clip_grad_norm_(MAX_NORM, norm_type=norm_type)
+    # the foreach kernels (the default on CUDA) in production, one tensor at a time in validate
+    norm = inst.clip_grad_norm_(MAX_NORM, norm_type=norm_type, foreach=mode == "production")
     return {"inf": inf, "norm": norm, "torch_local": torch_local, "grads": inst.full_grads()}
 
 

@@ -100,8 +100,8 @@ def _local_grads(live: LiveParams) -> list[tuple[tuple[str, ...], Tensor | None]
                        f"({list(grad.placements)}); it is not reduced yet")
                 raise PlanMismatchError(msg)
             local = grad._local_tensor
-            expected = p.local_shape if grad.device_mesh == live.mesh else tuple(
-                param._local_tensor.shape)
+            piece = param._local_tensor if isinstance(param, DTensor) else param
+            expected = p.local_shape if grad.device_mesh == live.mesh else tuple(piece.shape)
         else:
             local, expected = grad, p.local_shape
         if tuple(local.shape) != tuple(expected):
@@ -183,6 +183,7 @@ def _norm_of(live: LiveParams, pieces: list[tuple[tuple[str, ...], Tensor | None
 def _reduce_local(grads: list[Tensor], p: float, foreach: bool | None) -> Tensor:
     """``sum |g|^p`` (or the max/min of ``|g|``) over ``grads``, in float32."""
     use_foreach = foreach if foreach is not None else all(g.is_cuda for g in grads)
+    norms: Sequence[Tensor]
     if use_foreach and len({(g.device, g.dtype) for g in grads}) == 1:
         norms = torch._foreach_norm(grads, p, dtype=torch.float32)
     else:
