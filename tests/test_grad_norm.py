@@ -31,63 +31,75 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _overrides(mode: str) -> dict[str, Any]:
-    return {"attn_implementation": "eager"} if mode == "validate" else {}
+def _overrides(mode: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    extra = {"attn_implementation": "eager"} if mode == "validate" else {}
+    return {**extra, **(base or {})}
 
 
-def _reference(family: str, mode: str, norm_type: float) -> dict[str, Any]:
-    model = build(family, **_overrides(mode))
+def _reference(family: str, mode: str, norm_type: float,
+               base: dict[str, Any] | None = None) -> dict[str, Any]:
+    model = build(family, **_overrides(mode, base))
     _loss(model, batch()).backward()
-    inf = torch.nn.utils.get_total_norm([q.grad for q in model.parameters()], math.inf)
+    grads = [q.grad for q in model.parameters()]
+    inf = torch.nn.utils.get_total_norm(grads, math.inf)
+    ninf = torch.nn.utils.get_total_norm(grads, -math.inf)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)
-    return {"inf": inf, "norm": norm, "grads": grads_of(model)}
+    return {"inf": inf, "-inf": ninf, "norm": norm, "grads": grads_of(model)}
 
 
-def _worker(rank: int, world: int, family: str, recipe: str, dim: str, mode: str,
-            norm_type: float) -> dict[str, Any]:
+def _worker(rank: int, world: int, family: str, recipe: str, shape: dict[str, int], mode: str,
+            norm_type: float, base: dict[str, Any] | None = None) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = build(family, **_overrides(mode))
-    plan = compile_recipe(recipe, build(family, "meta", **_overrides(mode)), {dim: world})
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(dim,))
+    model = build(family, **_overrides(mode, base))
+    plan = compile_recipe(recipe, build(family, "meta", **_overrides(mode, base)), shape)
+    mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
     inst = apply(model, plan, mesh, mode=mode)  # type: ignore[arg-type]
     _loss(model, batch()).backward()
-    inf = inst.grad_norm(math.inf)
+    inf, ninf = inst.grad_norm(math.inf), inst.grad_norm(-math.inf)
     torch_local = (torch.nn.utils.get_total_norm([q.grad for q in model.parameters()])
                    if mode == "production" else None)
     # the foreach kernels (the default on CUDA) in production, one tensor at a time in validate
     norm = inst.clip_grad_norm_(MAX_NORM, norm_type=norm_type, foreach=mode == "production")
-    return {"inf": inf, "norm": norm, "torch_local": torch_local, "grads": inst.full_grads()}
+    return {"inf": inf, "-inf": ninf, "norm": norm, "torch_local": torch_local,
+            "grads": inst.full_grads()}
+
+
+def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    for rank, res in enumerate(results):
+        for which in ("norm", "inf", "-inf"):
+            torch.testing.assert_close(res[which], ref[which], **NORM_TOL,
+                                       msg=lambda m, r=rank, w=which: f"rank {r} {w}: {m}")
+        assert res["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            assert_close(res["grads"][name], g, f"rank {rank} clipped grad {name}")
 
 
 CASES = [
     # mixed Shard/Replicate parameters on one mesh dim
-    pytest.param("llama", "recipes/llama.yaml", "tp", id="llama-tp2"),
+    pytest.param("llama", "recipes/llama.yaml", "tp", None, id="llama-tp2"),
     # chunked (fused q|k|v) shards: _StridedShard in validate mode, a tied vocab-parallel head
-    pytest.param("gpt2", "recipes/gpt2.yaml", "tp", id="gpt2-tp2"),
+    pytest.param("gpt2", "recipes/gpt2.yaml", "tp", None, id="gpt2-tp2"),
+    # unequal chunks (q|k|v of a GQA model): plain parts in validate mode, no DTensor
+    pytest.param("phi3", "tests/recipes/phi3-gqa.yaml", "tp", {"num_key_value_heads": 2},
+                 id="phi3-gqa-tp2"),
     # experts sharded whole over ep, everything else replicated
-    pytest.param("mixtral", "recipes/mixtral-ep.yaml", "ep", id="mixtral-ep2"),
+    pytest.param("mixtral", "recipes/mixtral-ep.yaml", "ep", None, id="mixtral-ep2"),
     # sequence-parallel norms, whose gradients production reduces in buckets; the loss on
     # vocab shards
-    pytest.param("llama", "recipes/llama-sp-loss.yaml", "tp", id="llama-sp-loss-tp2"),
+    pytest.param("llama", "recipes/llama-sp-loss.yaml", "tp", None, id="llama-sp-loss-tp2"),
 ]
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
-@pytest.mark.parametrize(("family", "recipe", "dim"), CASES)
+@pytest.mark.parametrize(("family", "recipe", "dim", "base"), CASES)
 def test_grad_norm_and_clipping_equal_one_process_on_every_rank(
-        family: str, recipe: str, dim: str, mode: str) -> None:
-    ref = _reference(family, mode, 2.0)
+        family: str, recipe: str, dim: str, base: dict[str, Any] | None, mode: str) -> None:
+    ref = _reference(family, mode, 2.0, base)
     assert ref["norm"] > 20 * MAX_NORM  # the clip scales every gradient down
-    results = run_ranks(_worker, 2, family, str(ROOT / recipe), dim, mode, 2.0, timeout_s=300)
-    for rank, res in enumerate(results):
-        torch.testing.assert_close(res["norm"], ref["norm"], **NORM_TOL,
-                                   msg=lambda m, rank=rank: f"rank {rank} 2-norm: {m}")
-        torch.testing.assert_close(res["inf"], ref["inf"], **NORM_TOL,
-                                   msg=lambda m, rank=rank: f"rank {rank} inf-norm: {m}")
-        assert res["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            assert_close(res["grads"][name], g, f"rank {rank} clipped grad {name}")
+    results = run_ranks(_worker, 2, family, str(ROOT / recipe), {dim: 2}, mode, 2.0, base,
+                        timeout_s=300)
+    _check(results, ref)
     if mode == "production":
         # what torch.nn.utils.clip_grad_norm_(model.parameters()) would have used: each
         # rank's own shards, another number on every rank, none of them the model's norm (to
@@ -97,15 +109,24 @@ def test_grad_norm_and_clipping_equal_one_process_on_every_rank(
         assert all(n != pytest.approx(float(ref["norm"]), rel=1e-4) for n in local)
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_grad_norm_on_a_two_dim_mesh_equals_one_process(mode: str) -> None:
+    """tp=2 x cp=2 (recipes/llama-tp-cp.yaml): parameters sharded over tp, replicated over cp
+    (their gradients reduced over cp by the plan); each is counted once over both dims."""
+    base = {"attn_implementation": "sdpa"}  # the cp wrappers hook SDPA, in both modes
+    ref = _reference("llama", "production", 2.0, base)
+    results = run_ranks(_worker, 4, "llama", str(ROOT / "recipes/llama-tp-cp.yaml"),
+                        {"tp": 2, "cp": 2}, mode, 2.0, base, timeout_s=300)
+    _check(results, ref)
+
+
 def test_clipping_by_the_inf_norm_equals_one_process() -> None:
     ref = _reference("llama", "production", math.inf)
     assert ref["norm"] > 2 * MAX_NORM
-    results = run_ranks(_worker, 2, "llama", str(ROOT / "recipes/llama.yaml"), "tp",
+    results = run_ranks(_worker, 2, "llama", str(ROOT / "recipes/llama.yaml"), {"tp": 2},
                         "production", math.inf, timeout_s=300)
-    for rank, res in enumerate(results):
-        torch.testing.assert_close(res["norm"], ref["norm"], **NORM_TOL)
-        for name, g in ref["grads"].items():
-            assert_close(res["grads"][name], g, f"rank {rank} clipped grad {name}")
+    _check(results, ref)
 
 
 def _added_after_apply_worker(rank: int, world: int) -> str:
@@ -174,3 +195,15 @@ def test_grad_norm_under_fully_shard_on_dp_equals_one_process() -> None:
         torch.testing.assert_close(res["inf"], inf, **NORM_TOL)
         for name, g in ref.items():
             assert_close(res["grads"][name], g, f"rank {rank} clipped grad {name}")
+
+
+def test_an_empty_piece_adds_nothing_to_any_norm() -> None:
+    """fully_shard can leave a rank an empty piece of a small shard; torch's inf norm of an
+    empty tensor raises, so empty pieces are left out (the identity of each reduction)."""
+    from hyperrecipe.runtime.grad_norm import _reduce_local
+
+    piece, empty = torch.tensor([3.0, -4.0]), torch.empty(0, 4)
+    assert float(_reduce_local([piece, empty], 2.0, None)) == pytest.approx(25.0)
+    assert float(_reduce_local([empty, piece], math.inf, True)) == 4.0
+    assert float(_reduce_local([empty], math.inf, None)) == 0.0
+    assert float(_reduce_local([empty], -math.inf, None)) == math.inf

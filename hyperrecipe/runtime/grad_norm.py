@@ -156,7 +156,7 @@ def _norm_of(live: LiveParams, pieces: list[tuple[tuple[str, ...], Tensor | None
     for i, key in enumerate(keys):
         grads = [g for dims, g in pieces if dims == key and g is not None]
         if grads:
-            partial[i] = _reduce_local(grads, p, foreach)
+            partial[i] = _reduce_local(grads, p, foreach).to(device)
     if p in (math.inf, -math.inf):
         op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.MIN
     else:
@@ -181,7 +181,12 @@ def _norm_of(live: LiveParams, pieces: list[tuple[tuple[str, ...], Tensor | None
 
 
 def _reduce_local(grads: list[Tensor], p: float, foreach: bool | None) -> Tensor:
-    """``sum |g|^p`` (or the max/min of ``|g|``) over ``grads``, in float32."""
+    """``sum |g|^p`` (or the max/min of ``|g|``) over ``grads``, in float32. Empty pieces
+    (a data-parallel wrapper's split of a small shard) add nothing; the inf norms of an empty
+    tensor would raise."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.tensor(math.inf if p == -math.inf else 0.0, dtype=torch.float32)
     use_foreach = foreach if foreach is not None else all(g.is_cuda for g in grads)
     norms: Sequence[Tensor]
     if use_foreach and len({(g.device, g.dtype) for g in grads}) == 1:
