@@ -87,7 +87,10 @@ def main() -> None:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    # Validate mode keeps replicated parameters outside boundaries plain next to its DTensors,
+    # which torch's multi-tensor kernels (the default on CUDA) refuse: one tensor at a time.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
+                            foreach=False if inst.mode == "validate" else None)
 
     # 5. Resume from the newest DCP checkpoint (saved on any tp size).
     start = 0

@@ -26,6 +26,9 @@ What lives here, one responsibility per module:
   ``vocab_parallel_cross_entropy``, and the model's ``labels=`` loss on the shards.
 - ``grad_norm``: the norm of the full gradients from the plan's placements (and a data-parallel
   wrapper's split), and clipping by it, equal to one process on every rank.
+- ``state_hooks``: production's state-dict and optimizer hooks (local shards handed out as
+  DTensors for DCP); ``optimizer_kernels``: validate mode's refusal, at ``optimizer.step()``,
+  of torch's multi-tensor kernels over its mixed DTensor / plain parameters.
 - ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
   mesh, every local check passed; the vote), each with a bounded wait.
 

@@ -23,6 +23,7 @@ from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, opt
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
+from hyperrecipe.runtime.optimizer_kernels import install_mixed_kernel_check
 from hyperrecipe.runtime.sharding import local_shard
 from hyperrecipe.runtime.state_hooks import (
     install_optimizer_hooks,
@@ -100,9 +101,12 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
+        # Production: state dicts of local shards as DTensors. Validate: a step of torch's
+        # multi-tensor kernels over its mixed DTensor / plain parameters refused by name.
         self._hooks = ([*install_state_hooks(model, self._live),
                         *install_optimizer_hooks(self._live, self._bucketed)]
-                       if not self.mode.dtensor_parameters else [])
+                       if not self.mode.dtensor_parameters
+                       else install_mixed_kernel_check(self._live))
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
