@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from hyperrecipe.errors import (
     HyperrecipeError,
     LossParallelError,
+    MixedParametersError,
     ModelSpecError,
     PlacementMismatchError,
     PlanFormatError,
@@ -35,6 +36,7 @@ __all__ = [
     "HyperrecipeError",
     "Installation",
     "LossParallelError",
+    "MixedParametersError",
     "ModelSpecError",
     "PlacementMismatchError",
     "Plan",

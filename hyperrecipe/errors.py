@@ -23,6 +23,7 @@ __all__ = [
     "ImpossibleTransition",
     "LaunchError",
     "LossParallelError",
+    "MixedParametersError",
     "ModeError",
     "ModelSpecError",
     "PatternError",
@@ -195,6 +196,24 @@ class LossParallelError(HyperrecipeError, RuntimeError):
     wrong on a slice of the vocab (any torch op on them, ``F.cross_entropy`` included), or
     ``vocab_parallel_cross_entropy`` got logits it cannot compute over; the message names the
     supported path (docs/training.md#loss-on-vocab-shards)."""
+
+
+class MixedParametersError(HyperrecipeError, RuntimeError):
+    """In validate mode an optimizer would run torch's multi-tensor kernels (``foreach`` or
+    ``fused``) over one list holding DTensor and plain parameters, which DTensor refuses; the
+    message names both kinds and the fix (``foreach=False``).
+
+    Args:
+        message: the whole message.
+        dtensors: FQNs of the list's DTensor parameters (validate mode's boundaries).
+        plain: FQNs of its plain parameters (replicated, outside every boundary).
+    """
+
+    def __init__(self, message: str, *, dtensors: tuple[str, ...] = (),
+                 plain: tuple[str, ...] = ()) -> None:
+        self.dtensors = dtensors
+        self.plain = plain
+        super().__init__(message)
 
 
 class ModeError(HyperrecipeError, ValueError):

@@ -530,7 +530,8 @@ def _sp_fsdp_worker(rank: int, world: int) -> dict[str, str]:
     dp = mesh.get_local_rank("dp")
     _loss(model, _batch(0)[dp:dp + 1]).backward()
     out = {}
-    for name, call in (("step", opt.step), ("grads", inst.full_grads)):
+    for name, call in (("step", opt.step), ("grads", inst.full_grads),
+                       ("clip", lambda: inst.clip_grad_norm_(1.0))):
         try:
             call()
             out[name] = "no error"
@@ -544,10 +545,11 @@ def test_fully_shard_over_gradient_buckets_is_refused_before_a_step_trains_on_pa
         ) -> None:
     """FSDP2 replaces the parameters whose gradients the plan reduces over tp in buckets (the
     sequence-parallel norms); the bucket hooks stay on the old objects and those gradients
-    come out partial. The optimizer's step and full_grads() refuse instead of training on
-    them (before this check the run trained silently on gradients as large as their error)."""
+    come out partial. The optimizer's step, full_grads() and clip_grad_norm_() refuse instead
+    of training on them (before this check the run trained silently on gradients as large as
+    their error)."""
     for res in run_ranks(_sp_fsdp_worker, 4, timeout_s=300):
-        for name in ("step", "grads"):
+        for name in ("step", "grads", "clip"):
             assert res[name].startswith("PlanMismatchError: "), res[name]
             assert "were replaced after apply (fully_shard?)" in res[name]
             assert "model.layers.0.input_layernorm.weight" in res[name] or "..." in res[name]
@@ -639,7 +641,7 @@ def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path
 # -- the documented trainer, under torchrun -----------------------------------------------------
 
 
-def _torchrun(nproc: int, *args: str) -> list[float]:
+def _torchrun(nproc: int, *args: str) -> list[dict[str, float]]:
     import os
     import subprocess
     import sys
@@ -650,15 +652,16 @@ def _torchrun(nproc: int, *args: str) -> list[float]:
          str(ROOT / "tools/train.py"), *args],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in proc.stdout.splitlines()
-            if line.startswith("{")]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.slow  # starts fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
                                                                     tmp_path: Path) -> None:
     """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed
-    after step 2 and resumed at tp=1 it prints the same losses; its export loads."""
+    after step 2 and resumed at tp=1 it prints the same losses and gradient norms; its export
+    loads. The trainer clips every step (the norms are above its max_grad_norm 1.0), so a
+    clip that saw only a rank's shards would change the tp=2 losses."""
     from transformers import AutoModelForCausalLM
 
     whole = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "a"),
@@ -668,7 +671,11 @@ def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint
                       "--steps", "2", "--save-every", "2")
     resumed = _torchrun(1, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
                         "--steps", "4", "--save-every", "2")
-    assert first + resumed == pytest.approx(whole, abs=LOSS_ATOL)
+    assert [r["loss"] for r in first + resumed] == pytest.approx(
+        [r["loss"] for r in whole], abs=LOSS_ATOL)
+    assert [r["grad_norm"] for r in first + resumed] == pytest.approx(
+        [r["grad_norm"] for r in whole], rel=1e-4)
+    assert all(r["grad_norm"] > 1.0 for r in whole)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final")
     assert exported.config.hidden_size == CFG["hidden_size"]
 

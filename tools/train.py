@@ -1,6 +1,7 @@
 """A complete tensor-parallel trainer on hyperrecipe, for ``torchrun`` (docs/training.md).
 
-Build on meta, apply a plan, load a Hugging Face checkpoint shard by shard, train with AdamW,
+Build on meta, apply a plan, load a Hugging Face checkpoint shard by shard, train with AdamW
+(gradients clipped by the norm of the full gradients, ``Installation.clip_grad_norm_``),
 checkpoint with DCP every N steps, resume from the newest checkpoint (on any tp size), export
 consolidated safetensors at the end. Optionally FSDP2 over a ``dp`` mesh dim.
 
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--dp", type=int, default=1, help="FSDP2 over a dp mesh dim")
     parser.add_argument("--mode", default="production", choices=["production", "validate"])
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clip the full gradients' 2-norm to this (0: no clipping)")
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -84,7 +87,10 @@ def main() -> None:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    # Validate mode keeps replicated parameters outside boundaries plain next to its DTensors,
+    # which torch's multi-tensor kernels (the default on CUDA) refuse: one tensor at a time.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
+                            foreach=False if inst.mode == "validate" else None)
 
     # 5. Resume from the newest DCP checkpoint (saved on any tp size).
     start = 0
@@ -99,10 +105,15 @@ def main() -> None:
         ids = batch(step, config.vocab_size, 2 * args.dp, 16)[2 * dp_rank:2 * dp_rank + 2]
         loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
         loss.backward()
+        # Not torch.nn.utils.clip_grad_norm_(model.parameters(), ...): in production mode that
+        # sees only this rank's shards, and every rank would clip by another coefficient.
+        norm = (inst.clip_grad_norm_(args.max_grad_norm) if args.max_grad_norm > 0
+                else inst.grad_norm())
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(json.dumps({"step": step, "loss": round(float(loss.detach()), 6)}), flush=True)
+            print(json.dumps({"step": step, "loss": round(float(loss.detach()), 6),
+                              "grad_norm": round(float(norm), 6)}), flush=True)
         if (step + 1) % args.save_every == 0:
             # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
             dcp.save(inst.state_dict(opt), checkpoint_id=str(out / f"step-{step + 1}"))

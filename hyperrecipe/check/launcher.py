@@ -371,6 +371,11 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Gloo may return from init on one rank while a peer is still completing its handshake
+        # (seen with torch 2.15: a rank whose function returned at once tore its group down,
+        # and the peer's init failed with "Connection closed by peer"). No rank runs its
+        # function, or exits, before every rank is connected.
+        dist.barrier()
         conn.send(("ready",))
         result = fn(rank, world_size, *args)
         try:

@@ -4,7 +4,7 @@ What lives here, one responsibility per module:
 
 - ``install``: ``apply`` (checks, parameter sharding, head counts, boundaries, inner wrappers
   and adapters, all in one rewriter transaction) and ``installation``: the ``Installation``
-  handle (status, full state dicts, restore).
+  handle (status, full state dicts, gradient norms, restore).
 - ``mode``: the ``Mode`` object ``apply`` chooses once (production or validate), the only code
   that knows which mode runs.
 - ``boundary``: the wrapper body shared by both modes; ``arguments``: finding declared
@@ -24,6 +24,11 @@ What lives here, one responsibility per module:
 - ``vocab_loss``: the loss on vocab shards (``loss_parallel``): the marked vocab-slice logits,
   the cross-entropy kernels (production: local shards, one all-gather; validate: DTensor),
   ``vocab_parallel_cross_entropy``, and the model's ``labels=`` loss on the shards.
+- ``grad_norm``: the norm of the full gradients from the plan's placements (and a data-parallel
+  wrapper's split), and clipping by it, equal to one process on every rank.
+- ``state_hooks``: production's state-dict and optimizer hooks (local shards handed out as
+  DTensors for DCP); ``optimizer_kernels``: validate mode's refusal, at ``optimizer.step()``,
+  of torch's multi-tensor kernels over its mixed DTensor / plain parameters.
 - ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
   mesh, every local check passed; the vote), each with a bounded wait.
 

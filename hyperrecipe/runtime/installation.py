@@ -21,7 +21,9 @@ from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
+from hyperrecipe.runtime.optimizer_kernels import install_mixed_kernel_check
 from hyperrecipe.runtime.sharding import local_shard
 from hyperrecipe.runtime.state_hooks import (
     install_optimizer_hooks,
@@ -99,9 +101,12 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
+        # Production: state dicts of local shards as DTensors. Validate: a step of torch's
+        # multi-tensor kernels over its mixed DTensor / plain parameters refused by name.
         self._hooks = ([*install_state_hooks(model, self._live),
                         *install_optimizer_hooks(self._live, self._bucketed)]
-                       if not self.mode.dtensor_parameters else [])
+                       if not self.mode.dtensor_parameters
+                       else install_mixed_kernel_check(self._live))
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
@@ -167,10 +172,7 @@ class Installation:
 
     def full_grads(self) -> dict[str, Tensor]:
         """FQN → full gradient, for parameters that have one (tied names included)."""
-        self._check_live()
-        why = replaced_bucket_params(self._live, self._bucketed)
-        if why is not None:
-            raise PlanMismatchError(f"full_grads(): {why}")
+        self._check_grads("full_grads")
         grads: dict[str, Tensor] = {}
         for p in self._own():
             g = self._live.param(p).grad
@@ -180,6 +182,65 @@ class Installation:
             if p.tied_to is not None and p.tied_to in grads:
                 grads[p.fqn] = grads[p.tied_to]
         return grads
+
+    def grad_norm(self, norm_type: float = 2.0, *, foreach: bool | None = None) -> Tensor:
+        """The norm of the model's full gradients, the same on every rank and equal to what
+        ``torch.nn.utils.get_total_norm`` returns for the unsharded model in one process, in
+        both modes (a collective: call on every rank).
+
+        Each parameter's layout is read from the plan (and from ``fully_shard``'s split when a
+        data-parallel wrapper holds it): each rank sums ``|g|^p`` of its pieces, the sums are
+        all-reduced over the mesh dims that split them (max for ``inf``), and a replicated
+        parameter counts once. Parameters without a gradient are skipped, tied ones counted
+        once. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is *not* this in
+        production mode: it sees only this rank's shards (docs/training.md, "Gradient
+        clipping and norms").
+
+        Args:
+            norm_type: ``p`` of the p-norm (positive), or ``float("inf")`` / ``-inf``.
+            foreach: use the ``torch._foreach_norm`` kernels (default: on CUDA).
+
+        Returns:
+            A float32 scalar tensor on the gradients' device.
+
+        Raises:
+            PlanMismatchError: a parameter with a gradient is not in the plan (added after
+                apply), a gradient is partial, or its layout is neither the plan's nor a
+                data-parallel wrapper's; a plan's gradient buckets lost to ``fully_shard``.
+            ValueError: ``norm_type`` is not positive or ±inf.
+        """
+        self._check_grads("grad_norm")
+        return total_grad_norm(self._live, norm_type, foreach)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the applied model, right in both modes: every
+        gradient is scaled in place by ``max_norm / (norm + 1e-6)`` (when below 1), with the
+        norm of :meth:`grad_norm`, so every rank clips by the same coefficient as one process
+        would (a collective: call on every rank, where torch's call would be).
+
+        Returns:
+            The total norm before clipping (float32), the same on every rank.
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
+            PlanMismatchError, ValueError: as :meth:`grad_norm`.
+
+        Example::
+
+            loss.backward()
+            norm = inst.clip_grad_norm_(1.0)   # not torch.nn.utils.clip_grad_norm_
+            opt.step(); opt.zero_grad()
+        """
+        self._check_grads("clip_grad_norm_")
+        return clip_grads_by_norm(self._live, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def _check_grads(self, what: str) -> None:
+        self._check_live()
+        why = replaced_bucket_params(self._live, self._bucketed)
+        if why is not None:
+            raise PlanMismatchError(f"{what}(): {why}")
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Copy full tensors in; each rank keeps its own shard.
