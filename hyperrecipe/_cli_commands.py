@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -16,14 +17,36 @@ from collections.abc import Sequence
 
 from hyperrecipe.errors import HyperrecipeError
 
-__all__ = ["parse_mesh", "run"]
+__all__ = ["MESH_SIZE_DIGITS", "parse_mesh", "run"]
+
+MESH_SIZE_DIGITS = 9
+"""Longest mesh size ``--mesh`` accepts, as for ``shard(D)`` and chunk sizes in recipes."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
+        if message.startswith("unrecognized arguments:"):  # `--model-confg`: name the option
+            from hyperrecipe.errors import did_you_mean
+
+            known = _option_strings(self)
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--") and word.split("=", 1)[0] not in known:
+                    message += did_you_mean(word.split("=", 1)[0], known)
+                    break
         print(f"hyperrecipe: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every long option of ``parser`` and its subcommands."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -34,13 +57,17 @@ def parse_mesh(text: str) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        if not sep or not name or not size.strip().isdigit():
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or not name or not (size.isascii() and size.isdigit()):
             raise argparse.ArgumentTypeError(
-                f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. tp=2,dp=4")
-        if name in out:
+                f"mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] with each SIZE a whole "
+                f"number written in digits, e.g. tp=2,dp=4")
+        if name in out:  # names compared stripped: `tp=2,tp =4` is tp twice, not tp=4
             raise argparse.ArgumentTypeError(f"mesh {text!r}: {name!r} given twice")
-        out[name.strip()] = int(size)
+        if len(size.lstrip("0")) > MESH_SIZE_DIGITS:
+            raise argparse.ArgumentTypeError(
+                f"mesh {text!r}: size of {name!r} has more than {MESH_SIZE_DIGITS} digits")
+        out[name] = int(size)
     return out
 
 
@@ -67,15 +94,21 @@ def _tolerance(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number")
+    if not 0 <= value < math.inf:  # --atol inf would make every comparison agree
+        raise argparse.ArgumentTypeError(f"{text} is not a finite non-negative number")
     return value
+
+
+MAX_TIMEOUT_S = 1e6
+"""Longest ``--timeout`` (about 11 days); more overflows the alarm's time_t."""
 
 
 def _seconds(text: str) -> float:
     value = _tolerance(text)
     if value == 0:
         raise argparse.ArgumentTypeError("the timeout must be positive")
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"the timeout must be at most {MAX_TIMEOUT_S:g} seconds")
     return value
 
 
@@ -278,7 +311,12 @@ def _compile(args: argparse.Namespace) -> int:
     plan = resolve_recipe(recipe, tree, args.mesh)
     t2 = time.perf_counter()
     if args.output:
-        plan.save(args.output)
+        try:
+            plan.save(args.output)
+        except OSError as exc:  # a missing folder, a directory, a full disk: the user's to fix
+            msg = f"cannot write the plan to {args.output}: {exc.strerror or exc}"
+            print(f"hyperrecipe: error: {msg}", file=sys.stderr)
+            return 2
     if args.format == "json":
         sys.stdout.write(plan.to_json())
         return 0

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from hyperrecipe.errors import UsageError
 from hyperrecipe.model_tree import ModelTree, snapshot
 from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import Recipe
@@ -49,6 +50,7 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
     Raises:
         RecipeError: the recipe does not fit the model or mesh, or names code that is not
             trusted (the message says how to opt in).
+        UsageError: an argument of the wrong type (a ``TypeError`` too).
 
     Example::
 
@@ -56,7 +58,25 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
             model = LlamaForCausalLM(config)
         plan = hyperrecipe.compile_recipe("recipes/llama.yaml", model, {"tp": 2})
     """
-    recipe = recipe_or_path if isinstance(recipe_or_path, Recipe) else _load_recipe(recipe_or_path)
+    from torch import nn
+
+    recipe = (recipe_or_path if isinstance(recipe_or_path, Recipe)
+              else _load_recipe(recipe_or_path))
+    given: tuple[object, object] = (model, mesh_shape)  # typed, but callers may be untyped
+    if not isinstance(given[0], (nn.Module, ModelTree)):
+        msg = (f"compile_recipe: model must be an nn.Module (built on the meta device) or its "
+               f"ModelTree, not {type(model).__name__}")
+        raise UsageError(msg)
+    if not isinstance(given[1], Mapping):
+        msg = (f"compile_recipe: mesh_shape must be a mapping of mesh dim name to size, e.g. "
+               f"{{'tp': 2}}, not {type(mesh_shape).__name__}")
+        raise UsageError(msg)
+    prefixes = isinstance(trust_code, Sequence) and all(isinstance(m, str) for m in trust_code)
+    if not (isinstance(trust_code, bool) or prefixes):
+        msg = (f"compile_recipe: trust_code must be True, False or module prefixes (a str or a "
+               f"list of str), "
+               f"not {str(trust_code)[:60]!r}")
+        raise UsageError(msg)
     tree = model if isinstance(model, ModelTree) else snapshot(model)
     with trusting(trust_code):
         return resolve_recipe(recipe, tree, mesh_shape)

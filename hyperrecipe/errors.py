@@ -9,6 +9,7 @@ structured data as attributes so tools can act on them without parsing the messa
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,12 +37,14 @@ __all__ = [
     "RecipeError",
     "RefError",
     "UntrustedCodeError",
+    "UsageError",
     "RewriteError",
     "SourceSpan",
     "StepFailed",
     "WeightLoadError",
     "WrapperDeclarationError",
     "WrapperError",
+    "check_path_arg",
     "closest",
     "did_you_mean",
 ]
@@ -94,6 +97,13 @@ class RecipeError(HyperrecipeError, ValueError):
         where = f"{span}: " if span is not None else ""
         tail = f"; {hint}" if hint else ""
         super().__init__(f"{where}{problem} @ {path}{tail}")
+
+
+class UsageError(HyperrecipeError, TypeError):
+    """A public function was called with an argument of the wrong type (a path that is not a
+    ``str``/``PathLike``, a mesh shape that is not a mapping, a model that is not a module).
+    Raised where the argument arrives, so the message names the argument, not a frame deep
+    inside pathlib or the resolver."""
 
 
 class ModelSpecError(HyperrecipeError, ValueError):
@@ -294,6 +304,13 @@ def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
     """The candidates nearest to ``name``, best first (may be empty)."""
     pool = sorted(set(candidates))
     return difflib.get_close_matches(name, pool, n=n, cutoff=0.5)
+
+
+def check_path_arg(value: object, where: str) -> None:
+    """Raise :class:`UsageError` unless ``value`` is a ``str`` or ``os.PathLike`` path."""
+    if not isinstance(value, (str, os.PathLike)):
+        msg = f"{where} must be a path (str or os.PathLike), not {type(value).__name__}"
+        raise UsageError(msg)
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from hyperrecipe.errors import ModelSpecError
+from hyperrecipe._files import read_regular_file
+from hyperrecipe.errors import ModelSpecError, closest, did_you_mean
 from hyperrecipe.refs import RefError, resolve_ref
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -234,37 +235,93 @@ def snapshot(model: nn.Module) -> ModelTree:
 # ----------------------------------------------------------------------------- building
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Largest model config JSON read (a transformers config is a few KB)."""
+
+
 def load_model_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """A model config from a JSON file path, inline JSON text, a shipped tiny config's name
-    (``tiny-llama``, see :mod:`hyperrecipe.shipped`), or a mapping."""
+    (``tiny-llama``, see :mod:`hyperrecipe.shipped`), or a mapping.
+
+    Raises:
+        ModelSpecError: the file cannot be read (missing, not a regular file, over
+            ``MAX_CONFIG_BYTES``, not UTF-8), the text is not JSON (also: a key given twice, or
+            nested too deeply), or it is not a JSON object.
+    """
     if config is None:
         return {}
     if isinstance(config, Mapping):
         return dict(config)
     text = config.strip()
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ModelSpecError(f"--model-config is not valid JSON: {exc}") from None
+    if text.startswith(("{", "[")):
+        value = _parse_config_json(text, "--model-config")
     else:
         from hyperrecipe.shipped import model_config_file, model_configs
 
         path = Path(config)
-        if not path.is_file():
+        if not _is_file(path):
             path = model_config_file(config) or path
-        if not path.is_file():
+        if not _is_file(path):
+            near = _nearest_config(config, path, model_configs())
             raise ModelSpecError(f"--model-config {config!r}: no such file and no shipped tiny "
-                                 f"config of that name (give a JSON file, inline JSON such as "
+                                 f"config of that name{near} (give a JSON file, inline JSON such as "
                                  f"'{{\"num_hidden_layers\": 2}}', or one of "
                                  f"{', '.join(model_configs()) or 'the shipped configs'})")
         try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ModelSpecError(f"{config}: not valid JSON: {exc}") from None
+            raw = read_regular_file(path, limit=MAX_CONFIG_BYTES).decode("utf-8")
+        except OSError as exc:
+            raise ModelSpecError(f"cannot read model config {config!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ModelSpecError(f"model config {config!r} is not UTF-8 text ({exc.reason} at "
+                                 f"byte {exc.start})") from None
+        value = _parse_config_json(raw, f"model config {config!r}")
     if not isinstance(value, dict):
-        raise ModelSpecError("--model-config must be a JSON object of config fields")
+        raise ModelSpecError(f"{config if len(config) < 80 else '--model-config'}: a model config "
+                             f"must be a JSON object of config fields, found a JSON "
+                             f"{type(value).__name__}")
     return value
+
+
+def _nearest_config(config: str, path: Path, shipped: Mapping[str, Path]) -> str:
+    """``"; did you mean '...'?"`` for a mistyped config file (among the JSON files of its
+    folder) or shipped config name, else ``""``."""
+    if "/" not in config and os.sep not in config and not config.endswith(".json"):
+        return did_you_mean(config, shipped)
+    try:
+        names = [c.name for c in path.parent.glob("*.json")]
+    except (OSError, ValueError):
+        return ""
+    found = closest(path.name, names, n=1)
+    return f"; did you mean {str(path.parent / found[0])!r}?" if found else ""
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, false for names the OS refuses (too long, a NUL byte)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def _parse_config_json(text: str, source: str) -> Any:
+    """JSON of a model config; a key given twice is an error (JSON would keep the last)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise ModelSpecError(f"{source} is not valid JSON: {exc}") from None
+    except ValueError as exc:
+        raise ModelSpecError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise ModelSpecError(f"{source}: JSON nested too deeply") from None
 
 
 def build_model(spec: str, config: str | Mapping[str, Any] | None = None, *,
@@ -322,18 +379,64 @@ def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
         import transformers
     except ImportError:
         raise ModelSpecError("--model hf:... needs transformers: pip install 'hyperrecipe[hf]'") from None
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
+    known = list(CONFIG_MAPPING.keys())
+    if model_type not in known:
+        shown = model_type if len(model_type) <= 80 else model_type[:80] + "..."
+        raise ModelSpecError(
+            f"--model hf:{shown}: transformers {transformers.__version__} has no model type "
+            f"{shown!r}{did_you_mean(model_type, known)}; use the config's `model_type` "
+            f"(hf:llama, hf:qwen2, hf:gpt2, ...: {len(known)} are known)")
+    _check_family(model_type, fields, CONFIG_MAPPING[model_type])
+    # a config.json from a checkpoint names its model_type (checked above): for_model takes
+    # the type positionally and raised "got multiple values for argument 'model_type'"
+    fields = {k: v for k, v in fields.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as exc:
-        raise ModelSpecError(f"hf:{model_type}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers validates fields with its own types
+        # (huggingface_hub's StrictDataclass*Error derive from Exception only); the config is
+        # the user's data: say which field is wrong, without a traceback.
+        detail = " ".join(str(exc).split())
+        raise ModelSpecError(f"hf:{model_type}: the model config is not valid for this family: "
+                             f"{detail[:500]}") from None
     del transformers
 
     def make() -> Any:
         return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
 
     return make
+
+
+_RUN_TIME_FIELDS = frozenset({"attn_implementation", "experts_implementation", "dtype",
+                               "torch_dtype"})
+"""Config keywords transformers takes for every family without listing them in ``to_dict``."""
+
+
+def _check_family(model_type: str, fields: Mapping[str, Any], config_class: Any) -> None:
+    """Refuse a config written for another family: transformers keeps fields it does not know
+    as plain attributes, so ``--model hf:llama --model-config tiny-gpt2`` silently built the
+    default Llama (6.7 B parameters: on the meta device for compile, for real in ``check``)."""
+    given = fields.get("model_type")
+    if isinstance(given, str) and given != model_type:
+        raise ModelSpecError(f"--model hf:{model_type} with a {given!r} config (its model_type); "
+                             f"use --model hf:{given}, or a config for {model_type}")
+    aliases = dict(getattr(config_class, "attribute_map", {}) or {})
+    known = set(config_class().to_dict()) | set(aliases) | _RUN_TIME_FIELDS
+    known |= set(inspect.signature(config_class.__init__).parameters)
+    unknown = sorted(set(fields) - known - {"model_type"})
+    sizes = {"hidden_size", "num_hidden_layers"}
+    sized = any(aliases.get(k, k) in sizes or k in sizes for k in fields) or any(
+        alias in fields for alias, target in aliases.items() if target in sizes)
+    if unknown and not sized:
+        near = ", ".join(k + "".join(f" (did you mean {c!r}?)" for c in closest(k, known, n=1))
+                         for k in unknown[:6]) + (", ..." if len(unknown) > 6 else "")
+        raise ModelSpecError(
+            f"--model hf:{model_type}: the model config sets neither hidden_size nor "
+            f"num_hidden_layers of {config_class.__name__}, and has fields it does not know "
+            f"({near}): it looks like a config for another family, and would build "
+            f"transformers' default size; give a {model_type} config (e.g. --model-config "
+            f"tiny-{model_type} where one ships), or also set hidden_size and num_hidden_layers")
 
 
 def shipped_tiny_config(spec: str) -> str | None:

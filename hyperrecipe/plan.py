@@ -19,8 +19,9 @@ import attrs
 import cattrs
 from cattrs.preconf.json import make_converter
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.collective import CollectiveOp
-from hyperrecipe.errors import PlanFormatError
+from hyperrecipe.errors import PlanFormatError, check_path_arg
 from hyperrecipe.placement import (
     NamedPlacement,
     Placement,
@@ -409,7 +410,8 @@ class Plan:
                 given as cattrs does), or a fingerprint that does not match.
         """
         try:
-            raw = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+            raw = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant,
+                             object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{source}: not JSON: {exc}") from None
         except (ValueError, RecursionError) as exc:
@@ -451,24 +453,49 @@ class Plan:
 
         Raises:
             PlanFormatError: unreadable, not UTF-8, or anything :meth:`from_json` refuses.
+            UsageError: ``path`` is not a ``str`` or ``os.PathLike``.
         """
+        check_path_arg(path, "load_plan: path")
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            # a regular file of bounded size: a FIFO or /dev/zero is refused, not read
+            text = read_regular_file(path, limit=MAX_PLAN_BYTES).decode("utf-8")
         except OSError as exc:
             raise PlanFormatError(f"{path}: cannot read plan: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
             raise PlanFormatError(f"{path}: not a plan: not UTF-8 text ({exc.reason} at byte "
                                   f"{exc.start})") from None
+        except ValueError as exc:  # a NUL byte in the path
+            raise PlanFormatError(f"{path!r}: cannot read plan: {exc}") from None
+        if Path(path).suffix.lower() in (".yaml", ".yml", ".toml"):
+            try:
+                return cls.from_json(text, source=str(path))
+            except PlanFormatError as exc:
+                raise PlanFormatError(f"{exc}; this looks like a recipe, and a plan is the JSON "
+                                      f"that `hyperrecipe compile RECIPE ... -o plan.json` "
+                                      f"writes") from None
         return cls.from_json(text, source=str(path))
 
 
 _MAX_PLAN_DEPTH = 64
+MAX_PLAN_BYTES = 512 * 2**20
+"""Largest plan file read (a plan takes about 2 KB per parameter: 250,000 parameters)."""
 
 
 def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > 19 or abs(int(text)) > 2**63 - 1:
         raise ValueError(f"integer {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
     return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: with a key given twice ``json`` keeps the
+    last, so a reader of the file and the loader would see different plans."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:60]!r} is given twice in one object")
+        out[key] = value
+    return out
 
 
 def _no_constant(text: str) -> Any:

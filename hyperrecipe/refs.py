@@ -73,6 +73,8 @@ def trusting(trust_code: bool | Iterable[str]) -> Iterator[None]:
     apply).
     """
     setting: _TrustSetting = (bool(trust_code) if isinstance(trust_code, bool)
+                              # one prefix, not its letters: `trust_code="mypkg"` trusts mypkg
+                              else frozenset((trust_code,)) if isinstance(trust_code, str)
                               else frozenset(trust_code))
     token = _TRUST.set(setting)
     try:

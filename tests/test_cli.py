@@ -75,7 +75,8 @@ def test_recipe_error_prints_without_traceback_and_exits_2(in_root: Path, tmp_pa
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--mesh", "tp2"], "mesh 'tp2': expected NAME=SIZE[,NAME=SIZE...], e.g. tp=2,dp=4"),
+    (["--mesh", "tp2"], "mesh 'tp2': expected NAME=SIZE[,NAME=SIZE...] with each SIZE a whole "
+                        "number written in digits, e.g. tp=2,dp=4"),
     (["--model", "nope.mod:f", "--mesh", "tp=2"], "cannot import 'nope.mod' for model spec "
                                                    "'nope.mod:f': No module named 'nope'"),
     (["--model", "tests.toy_models", "--mesh", "tp=2"],

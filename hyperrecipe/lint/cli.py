@@ -19,10 +19,19 @@ from hyperrecipe.lint.runner import STDIN_PATH, Budget, LintUsageError, explain,
 __all__ = ["main"]
 
 
+MAX_STDIN_BYTES = 256 * 2**20
+"""Most source ``-`` reads from standard input (an editor sends one file)."""
+MAX_FILE_SECONDS = 1e6
+"""Longest ``--file-timeout`` (about 11 days: longer is unbounded in all but name)."""
+
+
 def _positive_float(value: str) -> float:
     number = float(value)
     if not number > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if number > MAX_FILE_SECONDS:  # also inf: a wait that long overflows the OS's timeouts
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_FILE_SECONDS:g} seconds, got {value}")
     return number
 
 
@@ -114,9 +123,18 @@ def main(argv: Sequence[str]) -> int:
         if STDIN_PATH in paths:
             if paths.count(STDIN_PATH) > 1:
                 raise LintUsageError("`-` (standard input) may be named once")
-            stdin = sys.stdin.buffer.read()
+            stdin = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)  # `lint - < /dev/zero` ends
+            if len(stdin) > MAX_STDIN_BYTES:
+                raise LintUsageError(f"standard input is larger than {MAX_STDIN_BYTES >> 20} MiB; "
+                                     f"name the file instead (files are read by workers with a "
+                                     f"memory budget, --file-memory)")
         elif args.stdin_filename is not None:
             raise LintUsageError("--stdin-filename needs `-` among the paths")
+        if args.statistics and args.format not in ("text", "json"):
+            # (it printed the text table, ignoring the format asked for)
+            raise LintUsageError(f"--statistics prints a table (--format text) or JSON (--format "
+                                 f"json), not {args.format}; drop --statistics for "
+                                 f"{args.format} findings")
         select = None if args.select is None else [c for group in args.select for c in group]
         ignore = [c for group in args.ignore for c in group]
         result = lint_paths(paths, select=select, ignore=ignore, jobs=args.jobs,
@@ -127,7 +145,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write(f"hyperrecipe lint: error: {exc}\n")
         return 2
     if args.statistics:
-        sys.stdout.write(statistics(result.findings))
+        sys.stdout.write(statistics(result.findings, args.format))
     else:
         # (importlib.metadata costs ~0.1 s: only SARIF names the version.)
         version = _version() if args.format == "sarif" else ""

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import attrs
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import did_you_mean
 from hyperrecipe.lint.codes import SelectorError, resolve_selectors
 
@@ -185,19 +186,25 @@ def _parts_below(path: Path, folder: Path) -> tuple[str, ...] | None:
     return tuple(text[len(base):].split(os.sep))
 
 
-def _string_list(table: Mapping[str, Any], key: str, source: Path) -> tuple[str, ...] | None:
+def _string_list(table: Mapping[str, Any], key: str, source: Path, *,
+                 table_name: str = "") -> tuple[str, ...] | None:
     if key not in table:
         return None
     value = table[key]
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        where = f"{table_name} {key!r}" if table_name else key
         msg = (
-            f"{source}: [tool.hyperrecipe.lint] {key} must be a list of strings, "
-            f"got {value!r}"
+            f"{source}: [tool.hyperrecipe.lint] {where} must be a list of strings, "
+            f"got {str(value)[:200]}"
         )
         raise ConfigError(msg)
     return tuple(value)
+
+
+MAX_PYPROJECT_BYTES: Final = 16 * 2**20
+"""Largest ``pyproject.toml`` read for its ``[tool.hyperrecipe.lint]`` table."""
 
 
 def load_config(pyproject: Path) -> LintConfig | None:
@@ -207,14 +214,32 @@ def load_config(pyproject: Path) -> LintConfig | None:
         ConfigError: the file is not valid TOML, or the table has unknown keys or bad values.
     """
     try:
-        with pyproject.open("rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        raw = read_regular_file(pyproject, limit=MAX_PYPROJECT_BYTES)
+        if raw.startswith(b"\xef\xbb\xbf"):
+            msg = (f"{pyproject}: cannot read configuration: the file starts with a UTF-8 byte "
+                   f"order mark, which TOML parsers (pip's too) refuse; save it as UTF-8 "
+                   f"without BOM")
+            raise ConfigError(msg)
+        data = tomllib.loads(raw.decode("utf-8"))
+    except OSError as exc:
+        msg = f"{pyproject}: cannot read configuration: {exc.strerror or exc}"
+        raise ConfigError(msg) from exc
+    except UnicodeDecodeError as exc:
+        msg = (f"{pyproject}: cannot read configuration: not UTF-8 text ({exc.reason} at byte "
+               f"{exc.start})")
+        raise ConfigError(msg) from exc
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         msg = f"{pyproject}: cannot read configuration: {type(exc).__name__}: {exc}"
         raise ConfigError(msg) from exc
-    table = data.get("tool", {}).get("hyperrecipe", {}).get("lint")
-    if table is None:
-        return None
+    table: Any = data
+    for depth, key in enumerate(("tool", "hyperrecipe", "lint")):
+        if not isinstance(table, dict):  # `tool = 1`: not ours to judge, but not a table
+            where = ".".join(("tool", "hyperrecipe", "lint")[:depth])
+            msg = f"{pyproject}: [{where}] must be a table, found {type(table).__name__}"
+            raise ConfigError(msg)
+        table = table.get(key)
+        if table is None:
+            return None
     if not isinstance(table, dict):
         msg = f"{pyproject}: [tool.hyperrecipe.lint] must be a table"
         raise ConfigError(msg)
@@ -248,7 +273,7 @@ def _per_file_ignores(
         raise ConfigError(msg)
     pairs = []
     for pattern in value:
-        listed = _string_list(value, pattern, source)
+        listed = _string_list(value, pattern, source, table_name="per-file-ignores")
         if listed is None:  # pragma: no cover - the key is there
             continue
         try:

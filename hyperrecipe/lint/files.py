@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final, Literal
@@ -109,15 +110,32 @@ def discover(
 
     for raw in paths:
         path = Path(os.path.abspath(raw))
-        if path.is_dir():
+        kind = _kind(path)
+        if kind == "dir":
             if finder.for_folder(path).is_excluded(path, named=path, force=force_exclude):
                 continue
             for found, size, is_python in _walk(path, path, finder):
                 add(found, size, is_python)
-        elif path.is_file():
+        elif kind == "file":
             if finder.for_folder(path.parent).is_excluded(path, named=path, force=force_exclude):
                 continue
             add(path, path.stat().st_size, path.suffix not in RECIPE_SUFFIXES)
         else:
-            missing.append(raw)
+            missing.append(raw if kind is None else f"{raw} ({kind})")
     return targets, missing
+
+
+def _kind(path: Path) -> str | None:
+    """``"dir"``, ``"file"`` (regular), what else is there (``"a FIFO, not a regular file"``),
+    or ``None`` when nothing is; a name the OS refuses (too long, a NUL byte) is ``None``."""
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+            or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special")
+    return f"{what}, not a regular file"

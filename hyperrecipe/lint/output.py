@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import PurePath
@@ -32,8 +33,14 @@ def _uri(path: str) -> str:
     """A SARIF artifact URI: relative paths stay relative (to the checkout), others ``file://``."""
     pure = PurePath(path)
     if pure.is_absolute():
-        return "file://" + quote(pure.as_posix())
-    return quote(pure.as_posix())
+        return "file://" + _quote(pure.as_posix())
+    return _quote(pure.as_posix())
+
+
+def _quote(path: str) -> str:
+    """Percent-encode the file name's bytes: a name that is not UTF-8 (``bad\xff.py``, held
+    as a surrogate escape) is encoded as the bytes on disk instead of failing to encode."""
+    return quote(os.fsencode(path))
 
 
 def _sarif(findings: Sequence[Finding], version: str) -> dict[str, Any]:
@@ -127,9 +134,14 @@ def render(findings: Sequence[Finding], fmt: OutputFormat, *, version: str = "")
     return "".join(line + "\n" for line in lines)
 
 
-def statistics(findings: Sequence[Finding]) -> str:
-    """``--statistics``: one line per code, most frequent first: ``count code name``."""
+def statistics(findings: Sequence[Finding], fmt: OutputFormat = "text") -> str:
+    """``--statistics``: one line per code, most frequent first: ``count code name``; with
+    ``--format json`` a list of ``{"count", "code", "name"}`` objects in the same order (as
+    ruff prints its statistics as JSON)."""
     counts = Counter((f.code, f.name) for f in findings)
     ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0][0]))
+    if fmt == "json":
+        rows = [{"count": count, "code": code, "name": name} for (code, name), count in ordered]
+        return json.dumps(rows, indent=2) + "\n"
     width = max((len(str(count)) for _, count in ordered), default=1)
     return "".join(f"{count:>{width}}\t{code}\t{name}\n" for (code, name), count in ordered)

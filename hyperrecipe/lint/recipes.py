@@ -38,7 +38,8 @@ def is_recipe_file(path: Path) -> bool:
 
     TOML is parsed (it is cheap and exact); a TOML file that does not parse counts as a recipe
     when a ``recipe`` key is visible, so its syntax error is reported rather than ignored. YAML
-    is recognised by a ``recipe:`` key in column 0, which is what a top-level key looks like.
+    is recognised by a ``recipe:`` key in column 0, which is what a top-level key looks like, or
+    else (flow style, explicit keys) by the top-level keys of its event stream.
     """
     if path.suffix not in RECIPE_SUFFIXES:
         return False
@@ -46,13 +47,51 @@ def is_recipe_file(path: Path) -> bool:
         data = path.read_bytes()
     except OSError:
         return False
+    # A byte order mark (Windows editors write one) hid the `recipe` key from both checks, so a
+    # recipe that compile loads was skipped by the lint without a word.
+    data = data.removeprefix(b"\xef\xbb\xbf")
     if path.suffix == ".toml":
         try:
             return "recipe" in tomllib.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
             # (RecursionError: nested too deeply for tomllib; the check reports it, bounded.)
             return _TOML_RECIPE_KEY.search(data) is not None
-    return _YAML_RECIPE_KEY.search(data) is not None
+    if _YAML_RECIPE_KEY.search(data) is not None:
+        return True
+    # Flow style (`{recipe: x, ...}`, what a JSON-converted recipe looks like) and explicit keys
+    # (`? recipe`) load as recipes too: when the word is there, read the top-level keys.
+    return b"recipe" in data and _yaml_has_top_level_recipe(data)
+
+
+def _yaml_has_top_level_recipe(data: bytes) -> bool:
+    """Whether the first YAML document is a mapping with a ``recipe`` key, from the event
+    stream: no objects are constructed and nothing recurses, so this is bounded by the size."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    stack: list[list[bool]] = []  # per open collection: [is a mapping, next node is a key]
+
+    def advance() -> None:
+        if stack and stack[-1][0]:
+            stack[-1][1] = not stack[-1][1]
+
+    try:
+        for event in yaml.parse(data, Loader=loader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                stack.append([isinstance(event, yaml.MappingStartEvent), True])
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                stack.pop()
+                advance()
+            elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+                if (len(stack) == 1 and stack[0] == [True, True]
+                        and isinstance(event, yaml.ScalarEvent) and event.value == "recipe"):
+                    return True
+                advance()
+            elif isinstance(event, yaml.DocumentEndEvent):
+                return False
+    except yaml.YAMLError:
+        return False
+    return False
 
 
 def check_recipe(path: Path, display: str) -> list[Finding]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from hyperrecipe.errors import RecipeError, SourceSpan, did_you_mean
+from hyperrecipe.errors import RecipeError, SourceSpan, check_path_arg, closest, did_you_mean
 from hyperrecipe.recipe.schema import Recipe, Rule, StyleDef
 from hyperrecipe.recipe.source import Document, read_document
 from hyperrecipe.recipe.styles import BUILTIN_STYLES
@@ -65,11 +66,67 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
 
     Raises:
         RecipeError: the file is missing or malformed; the message names file:line:col.
+        UsageError: ``path`` is not a ``str`` or ``os.PathLike``.
     """
+    check_path_arg(path, "load_recipe: path")
     p = Path(path)
     if not _is_file(p) and p.suffix == "" and str(path) in shipped_recipes():
         p = shipped_recipes()[str(path)]
+    if not _exists(p):
+        _missing(str(path), p)
     return _load(p, str(path) if p == Path(path) else _display(p), chain=())
+
+
+def _what_is_there(path: Path) -> str | None:
+    """What a path that is not a regular file names (``None``: nothing)."""
+    try:
+        if not os.path.lexists(path):
+            return None
+        if path.is_symlink() and not path.exists():
+            return "a symlink that leads nowhere (dangling, or a loop)"
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+
+
+def _none_shipped() -> str:
+    env = os.environ.get("HYPERRECIPE_RECIPES")
+    return (f"(none found in HYPERRECIPE_RECIPES={env!r}, which should name a folder of "
+            f"recipes; unset it for the recipes that ship with hyperrecipe)" if env
+            else "(none found)")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return True  # a name the OS refuses: reading it says why
+
+
+def _missing(given: str, path: Path) -> None:
+    """Raise the error for a recipe that is neither a file nor a shipped recipe's name, with
+    the nearest of both (a typo in ``recipes/lama.yaml`` or ``lama``)."""
+    shipped = shipped_recipes()
+    if path.suffix == "" and os.sep not in given and "/" not in given:
+        hint = f"shipped recipes: {', '.join(sorted(shipped)) or _none_shipped()}"
+        msg = (f"no recipe file {given!r} and no shipped recipe of that name"
+               f"{did_you_mean(given, shipped)}")
+    else:
+        try:
+            siblings = [c.name for c in path.parent.iterdir()
+                        if c.suffix in _SUFFIXES and _is_file(c)]
+        except OSError:
+            siblings = []
+        found = closest(path.name, siblings, n=1)
+        # the path as typed, with the nearest file name of its folder in place of its last part
+        near = (f"; did you mean {given[:len(given) - len(path.name)] + found[0]!r}?"
+                if found and given.endswith(path.name) else "")
+        hint = "a recipe is a .yaml, .yml or .toml file, or a shipped recipe's name (" + \
+               ", ".join(sorted(shipped)[:4]) + ", ...)"
+        msg = f"cannot read recipe file: no such file{near}"
+    raise RecipeError(msg, span=SourceSpan(path=given, line=1, column=1), hint=hint)
 
 
 def _is_file(path: Path) -> bool:
@@ -134,7 +191,11 @@ def _resolve_extends(doc: Document, ref: str, path: Path) -> Path:
     shipped = shipped_recipes()
     if ref in shipped:
         return shipped[ref]
-    hint = f"shipped recipes: {', '.join(sorted(shipped)) or '(none found)'}"
+    there = _what_is_there(candidate)
+    if there is not None:
+        raise RecipeError(f"extends {ref!r}: {candidate} is {there}, not a recipe file",
+                          span=doc.positions.span(("extends",)), path="$.extends")
+    hint = f"shipped recipes: {', '.join(sorted(shipped)) or _none_shipped()}"
     raise RecipeError(f"extends {ref!r}: no such file next to this recipe and no shipped recipe "
                       f"of that name{did_you_mean(ref, shipped)}",
                       span=doc.positions.span(("extends",)), path="$.extends", hint=hint)

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import yaml
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import RecipeError, SourceSpan
 
 if sys.version_info >= (3, 11):
@@ -91,14 +92,10 @@ def read_document(path: str | Path, *, display: str | None = None) -> Document:
     p = Path(path)
     name = display if display is not None else str(path)
     try:
-        size = p.stat().st_size
-        if size > MAX_FILE_BYTES:
-            msg = f"recipe file is {size} bytes; the limit is {MAX_FILE_BYTES}"
-            raise RecipeError(msg, span=SourceSpan(path=name, line=1, column=1))
-        text = p.read_text(encoding="utf-8")
+        # a regular file of at most MAX_FILE_BYTES: a FIFO or /dev/zero is refused, not read
+        # utf-8-sig: a byte order mark is not part of the text (TOML's parser refused it)
+        text = read_regular_file(p, limit=MAX_FILE_BYTES).decode("utf-8-sig")
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        if isinstance(exc, RecipeError):
-            raise
         msg = f"cannot read recipe file: {exc.strerror if isinstance(exc, OSError) else exc}"
         raise RecipeError(msg, span=SourceSpan(path=name, line=1, column=1)) from None
     suffix = p.suffix.lower()

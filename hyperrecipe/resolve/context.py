@@ -19,7 +19,12 @@ from hyperrecipe.model_tree import ModelTree
 from hyperrecipe.plan import MeshDim, Provenance
 from hyperrecipe.recipe.schema import Recipe, Rule
 
-__all__ = ["Claim", "ResolveInput", "mesh_text", "provenance", "provenance_of", "span_of"]
+__all__ = ["MAX_MESH_SIZE", "Claim", "ResolveInput", "mesh_text", "provenance", "provenance_of",
+           "span_of"]
+
+MAX_MESH_SIZE = 999_999_999
+"""Largest mesh dim size (9 digits, as ``--mesh``, ``shard(D)`` and chunk sizes): a plan's
+integers stay far below 2^63, so every plan compile writes, ``load_plan`` reads back."""
 
 
 @attrs.frozen(kw_only=True)
@@ -45,6 +50,11 @@ class ResolveInput:
             RecipeError: a mesh dim the recipe does not declare, or a size that is not an
                 integer >= 1.
         """
+        if not isinstance(mesh_shape, Mapping):
+            raise RecipeError(
+                f"the mesh shape must be a mapping of mesh dim name to size, e.g. {{'tp': 2}}; "
+                f"found {type(mesh_shape).__name__} {str(mesh_shape)[:60]!r}",
+                span=recipe.span("mesh"), path="$.mesh")
         given = dict(mesh_shape)
         for name, size in given.items():
             if name not in recipe.mesh:
@@ -52,8 +62,10 @@ class ResolveInput:
                     f"mesh dim {name!r} is not declared by recipe {recipe.name!r}",
                     span=recipe.span("mesh"), path="$.mesh",
                     hint=f"declared: [{', '.join(recipe.mesh)}]; mesh: {mesh_text(given)}")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise RecipeError(f"mesh dim {name!r} has size {size!r}; sizes are integers >= 1",
+            if (not isinstance(size, int) or isinstance(size, bool) or not
+                    1 <= size <= MAX_MESH_SIZE):
+                raise RecipeError(f"mesh dim {name!r} has size {str(size)[:40]}; sizes are "
+                                  f"integers from 1 to {MAX_MESH_SIZE}",
                                   span=recipe.span("mesh"), path="$.mesh")
         mesh = tuple(MeshDim(name=d, size=given[d]) for d in recipe.mesh if d in given)
         return cls(recipe=recipe, tree=tree, mesh_shape=given, mesh=mesh,

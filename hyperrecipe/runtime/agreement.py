@@ -36,6 +36,7 @@ __all__ = ["TIMEOUT_ENV", "agree_before_apply", "agreement_timeout", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
+_MAX_TIMEOUT_S = 1e6  # about 11 days: longer is unbounded in all but name
 _WORDS = 4  # 4 x 60 bits of a sha256 digest
 _OK, _FAILED = 0, 1
 
@@ -49,8 +50,9 @@ def agreement_timeout() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        msg = f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds"
+    if not 0 < value <= _MAX_TIMEOUT_S:  # inf (or 1e300) overflows the wait's timedelta
+        msg = (f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds up to "
+               f"{_MAX_TIMEOUT_S:g}")
         raise PlanMismatchError(msg)
     return value
 

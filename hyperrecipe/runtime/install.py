@@ -12,13 +12,14 @@ all of them instead of leaving ranks out of step.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe.errors import PlanMismatchError, RewriteError
+from hyperrecipe.errors import PlanMismatchError, RewriteError, UsageError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
@@ -44,6 +45,7 @@ from hyperrecipe.runtime.materialize import (
     mesh_device,
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
+from hyperrecipe.runtime.plan_fit import check_plan_fits
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 from hyperrecipe.runtime.strided import FusedParts, mark_parts
 from hyperrecipe.runtime.vocab_loss import (
@@ -59,10 +61,31 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Mode", "apply"]
 
 
+def _check_arguments(model: object, plan: object, mesh: object) -> None:
+    """Wrong argument types, caught before any rank starts exchanging digests."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"apply: model must be an nn.Module, not {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        how = (f"; load it first: hyperrecipe.apply(model, hyperrecipe.load_plan({plan!r}), mesh)"
+               if isinstance(plan, (str, os.PathLike)) else "")
+        raise UsageError(f"apply: plan must be a Plan, not {type(plan).__name__}{how}")
+    if not isinstance(mesh, DeviceMesh):
+        raise UsageError(f"apply: mesh must be a DeviceMesh (init_device_mesh(..., "
+                         f"mesh_dim_names=...)), not {type(mesh).__name__}")
+
+
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
-    have = {n: mesh.size(i) for i, n in enumerate(names)}
     want = plan.mesh_shape
+    if not names:
+        exp = ",".join(f"{k}={v}" for k, v in want.items())
+        dims = ", ".join(repr(k) for k in want)
+        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh has no dim "
+               f"names; build it with mesh_dim_names=({dims},)")
+        raise PlanMismatchError(msg)
+    have = {n: mesh.size(i) for i, n in enumerate(names)}
     if have != want:
         got = ",".join(f"{k}={v}" for k, v in have.items()) or "(unnamed)"
         exp = ",".join(f"{k}={v}" for k, v in want.items())
@@ -80,6 +103,7 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
             raise RewriteError(msg)
     tree = snapshot(model)
     if tree.digest() == plan.model_digest:
+        check_plan_fits(plan, tree)  # the digest can be copied into an edited plan
         return
     want = {p.fqn: (p.shape, p.dtype) for p in plan.params}
     have = {p.fqn: (p.shape, p.dtype) for p in tree.params()}
@@ -386,6 +410,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             plans (raised on every rank), or an install failed on another rank.
         RewriteError: the model already has a plan applied.
         ModeError: ``mode`` is neither ``"production"`` nor ``"validate"``.
+        UsageError: ``model``, ``plan`` or ``mesh`` is not an ``nn.Module``, a :class:`Plan`
+            (a path is not: load it with :func:`hyperrecipe.load_plan`) or a ``DeviceMesh``.
         Anything an install raised on this rank, after rolling every rank back.
 
     Example::
@@ -396,6 +422,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         inst.restore()
     """
     chosen = as_mode(mode)
+    _check_arguments(model, plan, mesh)
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")

@@ -170,8 +170,12 @@ def _key_files(source: Path) -> dict[str, Path]:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise WeightLoadError(f"{index}: not a safetensors index ({exc})") from None
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                raise WeightLoadError(f"{index}: not a safetensors index ({exc!r:.200})") from None
+            if not (isinstance(weight_map, dict) and all(
+                    isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items())):
+                raise WeightLoadError(f"{index}: not a safetensors index (weight_map must map "
+                                      f"tensor names to file names)")
             missing = sorted({f for f in weight_map.values() if not (source / f).is_file()})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")

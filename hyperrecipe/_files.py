@@ -1,0 +1,65 @@
+"""Reading an input file whose path someone else may have chosen, in bounded time and memory.
+
+Recipes (and the files they ``extends``), plans, model configs and ``pyproject.toml`` tables are
+data from users and from other people's pull requests. ``Path.read_text`` on such a path can
+hang or exhaust memory: a FIFO blocks until a writer appears, ``/dev/zero`` (or a ``.yaml``
+symlink to it) never ends, and a regular file may be any size. :func:`read_regular_file` opens
+without blocking, refuses anything that is not a regular file, and reads at most ``limit``
+bytes. Its refusals are :class:`OSError` with ``strerror`` set, so callers that already turn an
+unreadable file into their own located error need no new branch. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+__all__ = ["read_regular_file"]
+
+_KINDS = ((stat.S_ISDIR, errno.EISDIR, "Is a directory"),
+          (stat.S_ISFIFO, errno.EINVAL, "not a regular file (a FIFO)"),
+          (stat.S_ISCHR, errno.EINVAL, "not a regular file (a character device)"),
+          (stat.S_ISBLK, errno.EINVAL, "not a regular file (a block device)"),
+          (stat.S_ISSOCK, errno.EINVAL, "not a regular file (a socket)"))
+
+
+def read_regular_file(path: str | os.PathLike[str], *, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Args:
+        path: the file (symlinks are followed; what they end at must be a regular file).
+        limit: the largest size accepted, in bytes.
+
+    Raises:
+        OSError: the file cannot be opened, is not a regular file (a directory, FIFO, device or
+            socket: ``strerror`` says which), or is larger than ``limit`` (``strerror`` gives both
+            sizes). A path with a NUL byte raises ``ValueError`` as ``open`` does.
+    """
+    # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(os.fspath(path), flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        for is_kind, code, reason in _KINDS:
+            if is_kind(mode):
+                raise OSError(code, reason, os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"the file is {size} bytes; the limit is {limit}",
+                          os.fspath(path))
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:  # the size may change while we read: count what arrives
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise OSError(errno.EFBIG, f"the file is more than {limit} bytes", os.fspath(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
