@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hyperrecipe.check.diagnose import WHOLE_PARAM_ON_SHARD
+from hyperrecipe.check.diagnose import GRADIENT_REDUCTION_WRONG, WHOLE_PARAM_ON_SHARD
 from hyperrecipe.check.run import CheckOptions, CheckReport, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,8 @@ CASES: list[Any] = [
                  f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",
                  f"{MODELS}/tiny-qwen2_moe.json", BOTH, (True, True), marks=pytest.mark.slow),
+    pytest.param("tests/recipes/cookbook/bloom.yaml", "hf:bloom", f"{MODELS}/tiny-bloom.json",
+                 BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
                  (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.sdpa_models:make_sdpa_transformer",
@@ -46,6 +48,9 @@ CASES: list[Any] = [
 
 NAIVE_COPY = "tests/recipes/cookbook/olmo2-naive-qwen3-copy.yaml"
 """Checked by its own test below, which asserts the likely cause as well."""
+
+DECLARED_RESIDUAL = "tests/recipes/cookbook/bloom-declared-residual.yaml"
+"""Checked by its own test below: validate mode names the residual."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -88,10 +93,30 @@ def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
         "model.layers.0.self_attn.q_norm received an input with 32 of its 64 features (tp = 2)")
 
 
+def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() -> None:
+    """BLOOM's MLP adds ``residual`` after its row-wise reduction; declared replicated on a
+    boundary holding the column-wise ``dense_h_to_4h``, production all-reduces its whole
+    gradient (2x at tp=2) with a right forward. Validate mode used to agree; it now checks the
+    gradient DTensor computes against the reduction production gives it, and names the input."""
+    report = run(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json", BOTH)
+    prod, validate = report.modes
+    assert not prod.agree and not validate.agree and report.exit_code == 1
+    assert prod.comparison is not None and prod.comparison.forward_agrees
+    assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+    failure = validate.comparison.failure if validate.comparison is not None else None
+    assert failure is not None
+    assert failure.error.startswith(
+        "PlanMismatchError: transformer.h.1.mlp: the gradient of input 'residual' comes back "
+        "whole (replicate on tp), but production mode all_reduces it over tp"), failure.error
+    assert failure.error.endswith(
+        "production would count its gradient 2 times: leave 'residual' out of the boundary's "
+        "in_src / in_dst")
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
-    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY}
+    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named

@@ -30,8 +30,9 @@ Patterns, in the order they are tried at the first divergence:
   a parameter in it is sharded; the evidence lists the heads and each rank's
   share → :data:`HEADS_NOT_WHOLE`. Resolve refuses the splits it can see (a head size in the
   model tree); this names the ones it cannot (a head size the tree does not show).
-- **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING`, with the ranks'
-  partial gradients named when they sum to the reference.
+- **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING` when the ranks'
+  gradients of a parameter sum to the reference (named), otherwise
+  :data:`GRADIENT_REDUCTION_WRONG` (a reduction missing, or one too many).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "COLWISE_ROWWISE_SWAPPED",
     "DiagnosisContext",
     "GRADIENT_REDUCTION_MISSING",
+    "GRADIENT_REDUCTION_WRONG",
     "HEAD_COUNT_UNDIVIDED",
     "HEADS_NOT_WHOLE",
     "OUTPUT_LEFT_SHARDED",
@@ -73,6 +75,9 @@ HEADS_NOT_WHOLE = ("heads cut between ranks: a head count the mesh does not divi
 COLWISE_ROWWISE_SWAPPED = "colwise/rowwise swapped"
 GRADIENT_REDUCTION_MISSING = ("a gradient reduction missing (replicated input consumed by "
                               "sharded parameters, reduce_grads)")
+GRADIENT_REDUCTION_WRONG = ("a gradient reduced wrongly: a reduction missing (reduce_grads), or one "
+                            "too many (a declared replicated input that bypasses the sharded "
+                            "parameters, such as a residual)")
 OUTPUT_LEFT_SHARDED = "the model's output is left sharded (gather it: out_dst replicate)"
 
 _SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split|view",
@@ -457,7 +462,11 @@ def _gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tr
         shown = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
         evidence += (f"; the ranks' gradients of {shown} sum to the reference: each rank holds a "
                      f"partial gradient that is never all-reduced")
-    return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
+        return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
+    evidence += ("; no rank's gradients sum to the reference. Validate mode checks each declared "
+                 "replicated input's gradient against the reduction production gives it, and "
+                 "names an input whose gradient is already whole")
+    return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
 
 
 def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: DiagnosisContext,

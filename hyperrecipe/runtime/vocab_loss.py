@@ -113,6 +113,17 @@ class VocabShardedLogits(Tensor):
         where = ("" if shard is None else
                  f" of {shard.boundary!r}, which are this rank's slice [{shard.start}, "
                  f"{shard.start + shard.local_vocab}) of the {shard.vocab}-entry vocab")
+        if _LOSS_CALLS.get() == []:
+            # inside the forward of the model that owns the loss, before any loss ran: the
+            # model's own code computes with the logits, with or without labels
+            msg = (f"{name}() on the logits{where} (the plan declares loss_parallel), inside the "
+                   f"model's forward before its loss: the model changes its logits between the "
+                   f"lm_head and the loss (a final soft-capping or scaling of the logits, such "
+                   f"as Gemma 2's final_logit_softcapping, Cohere's logit_scale or Granite's "
+                   f"logits_scaling), so no call of this model can run with loss_parallel, "
+                   f"with labels or without. Drop loss_parallel from the recipe and gather the "
+                   f"logits (out_dst: {{0: replicate}}) (docs/training.md#loss-on-vocab-shards)")
+            raise LossParallelError(msg)
         msg = (f"{name}() on the logits{where} (the plan declares loss_parallel): compute the "
                f"loss with "
                f"hyperrecipe.vocab_parallel_cross_entropy(logits, labels), or call the model "
