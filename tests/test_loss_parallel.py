@@ -157,6 +157,56 @@ def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process
         assert results[0]["expected"][("all_gather", "tp", "forward")] >= 1
 
 
+GEMMA2 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+          "max_position_embeddings": 128, "sliding_window": 4, "tie_word_embeddings": False,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Tiny Gemma 2 with the config's soft-capping (final_logit_softcapping 30, attention 50)."""
+
+
+def _gemma2(device: str = "cpu", **overrides: Any) -> nn.Module:
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    return build_model("hf:gemma2", {**GEMMA2, **overrides}, device=device)
+
+
+def _softcap_step(model: nn.Module) -> dict[str, Any]:
+    ids = llama_batch()
+    out = model(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    with torch.no_grad():
+        generated = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+    return {"loss": out.loss.detach(), "generated": generated}
+
+
+def _softcap_worker(rank: int, world: int, mode: str, overrides: dict[str, Any]
+                    ) -> dict[str, Any]:
+    model = _gemma2(**overrides)
+    plan = compile_recipe(str(ROOT / "tests/recipes/gemma2-softcap-loss.yaml"),
+                          _gemma2("meta", **overrides), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    return {**_softcap_step(model), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_final_logit_soft_capping_runs_on_the_vocab_shards_and_matches_one_process(
+        mode: str) -> None:
+    """Gemma 2 divides, tanh-es and multiplies its logits by a scalar between the lm_head and
+    its loss: elementwise by scalars, the marked slice stays a slice (it used to be refused at
+    the ``div``), and the model's labels= loss, every gradient and greedy decoding agree."""
+    overrides = {"attn_implementation": "eager"}
+    model = _gemma2(**overrides)
+    ref = _softcap_step(model)
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, res in enumerate(run_ranks(_softcap_worker, 2, mode, overrides, timeout_s=300)):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        assert set(res["grads"]) == set(ref_grads), "every parameter has a full gradient"
+        for name, g in ref_grads.items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert torch.equal(res["generated"], ref["generated"]), "greedy generate() agrees"
+
+
 # ------------------------------------------------------------------------------ plain PyTorch
 
 
