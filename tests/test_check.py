@@ -27,7 +27,9 @@ from hyperrecipe.check.diagnose import (
     BIAS_COUNTED_TP_TIMES,
     COLWISE_ROWWISE_SWAPPED,
     GRADIENT_REDUCTION_MISSING,
+    GRADIENT_REDUCTION_WRONG,
     HEAD_COUNT_UNDIVIDED,
+    PARAMS_UNUSED_ON_RANKS,
     DiagnosisContext,
     suggest,
 )
@@ -441,3 +443,36 @@ def test_wrong_gradient_with_a_right_forward_suggests_a_missing_reduction(
     assert found is not None and found.cause == GRADIENT_REDUCTION_MISSING
     assert "the ranks' gradients of layers.0.norm.weight (over tp) sum to the reference" \
         in found.evidence
+
+
+def test_wrong_gradients_that_no_sum_explains_do_not_claim_a_missing_reduction(
+        toy_plan: Any) -> None:
+    """Every rank's gradient twice the reference (a whole gradient all-reduced, as a declared
+    residual gets): no sum of the ranks' gradients gives the reference, so the cause names both
+    directions and points at validate mode, which names the input."""
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": 2 * g})] * 2
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == GRADIENT_REDUCTION_WRONG
+    assert found.evidence.endswith("no rank's gradients sum to the reference. Validate mode "
+                                   "checks each declared replicated input's gradient against "
+                                   "the reduction production gives it, and names an input whose "
+                                   "gradient is already whole")
+
+
+def test_parameters_without_a_gradient_on_a_rank_are_named_as_unused(toy_plan: Any) -> None:
+    """StableLM's per-head q_layernorm.norms under head-sharded attention: rank 1 normalizes its
+    heads with norms 0 and 1, so norms 2 and 3 get no gradient on any rank."""
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x),
+                 grads={"layers.0.norm.weight": g, "layers.1.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})] * 2
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == PARAMS_UNUSED_ON_RANKS
+    assert found.evidence.endswith(
+        "layers.1.norm.weight got no gradient on rank 0 (in the reference it does): the sharded "
+        "forward never used it, and computed what it should have with other parameters "
+        "(another head's)")

@@ -32,7 +32,9 @@ Patterns, in the order they are tried at the first divergence:
   model tree); this names the ones it cannot (a head size the tree does not show).
 - **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING` when the ranks'
   gradients of a parameter sum to the reference (named), otherwise
-  :data:`GRADIENT_REDUCTION_WRONG` (a reduction missing, or one too many).
+  :data:`GRADIENT_REDUCTION_WRONG` (a reduction missing, or one too many); when parameters got
+  no gradient on a rank at all → :data:`PARAMS_UNUSED_ON_RANKS` (a per-head ``ModuleList``
+  indexed from head 0 on every rank, StableLM's ``q_layernorm``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ __all__ = [
     "HEAD_COUNT_UNDIVIDED",
     "HEADS_NOT_WHOLE",
     "OUTPUT_LEFT_SHARDED",
+    "PARAMS_UNUSED_ON_RANKS",
     "WHOLE_PARAM_ON_SHARD",
     "Suggestion",
     "suggest",
@@ -78,6 +81,9 @@ GRADIENT_REDUCTION_MISSING = ("a gradient reduction missing (replicated input co
 GRADIENT_REDUCTION_WRONG = ("a gradient reduced wrongly: a reduction missing (reduce_grads), or one "
                             "too many (a declared replicated input that bypasses the sharded "
                             "parameters, such as a residual)")
+PARAMS_UNUSED_ON_RANKS = ("parameters a rank never used: per-head modules indexed from the first "
+                          "head on every rank (a ModuleList of one module per head); gather the "
+                          "heads around that module, as for norms over all heads")
 OUTPUT_LEFT_SHARDED = "the model's output is left sharded (gather it: out_dst replicate)"
 
 _SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split|view",
@@ -449,6 +455,16 @@ def _gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tr
     evidence = (f"all {cmp.events_compared} boundary values and the final output agree, but "
                 f"{len(bad)} of {len(cmp.gradients)} gradients differ (worst {worst.name}, "
                 f"{metric})")
+    unused = [g for g in bad if g.diff.problem == "no gradient"]
+    if unused:
+        names = [g.name for g in unused]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        many = len(names) > 1
+        return Suggestion(cause=PARAMS_UNUSED_ON_RANKS, evidence=(
+            f"{evidence}; {shown} got no gradient on rank {unused[0].rank} (in the reference "
+            f"{'they do' if many else 'it does'}): the sharded forward never used "
+            f"{'them' if many else 'it'}, and computed what {'they' if many else 'it'} should "
+            f"have with other parameters (another head's)"))
     partial: list[str] = []
     for g in bad:
         ref = reference.grads.get(g.name)
