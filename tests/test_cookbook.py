@@ -29,6 +29,9 @@ BOTH = ("production", "validate")
 CASES: list[Any] = [
     ("tests/recipes/cookbook/olmo2.yaml", "hf:olmo2", f"{MODELS}/tiny-olmo2.json",
      BOTH, (True, True)),
+    # validate mode hands outputs back as tensors of their own: Falcon adds in place
+    ("tests/recipes/cookbook/falcon.yaml", "hf:falcon", f"{MODELS}/tiny-falcon.json",
+     BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
                  f"{MODELS}/tiny-olmo2.json", BOTH, (False, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/phi3-chunked.yaml", "hf:phi3",

@@ -86,7 +86,7 @@ PARAMS_UNUSED_ON_RANKS = ("parameters a rank never used: per-head modules indexe
                           "heads around that module, as for norms over all heads")
 OUTPUT_LEFT_SHARDED = "the model's output is left sharded (gather it: out_dst replicate)"
 
-_SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split|view",
+_SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split",
                           re.IGNORECASE)
 
 
@@ -479,6 +479,25 @@ def _gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tr
         evidence += (f"; the ranks' gradients of {shown} sum to the reference: each rank holds a "
                      f"partial gradient that is never all-reduced")
         return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
+    scaled: list[str] = []
+    for g in bad:
+        ref = reference.grads.get(g.name)
+        if ref is None:
+            continue
+        grads = [t.grads[g.name] for t in ranks if g.name in t.grads]
+        for dim, n in ctx.sizes.items():
+            if n > 1 and grads and all(
+                    v.shape == ref.shape and diff_tensors(v, n * ref, atol=atol * n, rtol=rtol).ok
+                    for v in grads):
+                scaled.append(f"{g.name} ({n} x, {dim})")
+                break
+    if scaled:
+        shown = ", ".join(scaled[:3]) + (f" and {len(scaled) - 3} more" if len(scaled) > 3 else "")
+        evidence += (f"; every rank's gradient of {shown} is the reference times the mesh dim's "
+                     f"size: a whole gradient reduced once too often (a reduce_grads on a "
+                     f"parameter whose gradient is already whole, or a declared input whose "
+                     f"gradient is)")
+        return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
     evidence += ("; no rank's gradients sum to the reference. Validate mode checks each declared "
                  "replicated input's gradient against the reduction production gives it, and "
                  "names an input whose gradient is already whole")

@@ -138,6 +138,15 @@ def _normalized(placements: Sequence[Any], ndim: int) -> tuple[Any, ...]:
     return tuple(TShard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)
 
 
+def _handed_back(local: Tensor) -> Tensor:
+    """A local tensor handed back to the model's own code, which may modify it in place
+    (Falcon's parallel block: ``mlp_output += attention_output``). ``DTensor.to_local`` returns
+    its local tensor as-is from a custom autograd Function, and autograd forbids an in-place op on
+    such a view ("Output 0 of _ToTorchTensor is a view and is being modified inplace"), so
+    validate mode hands back a copy (production's tensors are the collectives' own outputs)."""
+    return local.clone() if local.requires_grad else local
+
+
 class ValidateRedistributor:
     """DTensor end to end; declared output placements are checked against propagated ones."""
 
@@ -256,7 +265,7 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                return value.to_local(grad_placements=_normalized(dst, value.ndim))
+                return _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
             return value
 
         return convert
@@ -289,7 +298,7 @@ class ValidateRedistributor:
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
                     raise PlacementMismatchError(boundary.fqn, name, "replicate (undeclared "
                                                  "outputs leave replicated)", actual)
-                return value.to_local()
+                return _handed_back(value.to_local())
             return value
 
         return convert
