@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
-from hyperrecipe.check.diagnose import GRADIENT_REDUCTION_WRONG, WHOLE_PARAM_ON_SHARD
+from hyperrecipe.check.diagnose import (
+    GRADIENT_REDUCTION_WRONG,
+    HEADS_NOT_WHOLE,
+    WHOLE_PARAM_ON_SHARD,
+)
 from hyperrecipe.check.run import CheckOptions, CheckReport, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +58,9 @@ NAIVE_COPY = "tests/recipes/cookbook/olmo2-naive-qwen3-copy.yaml"
 
 DECLARED_RESIDUAL = "tests/recipes/cookbook/bloom-declared-residual.yaml"
 """Checked by its own test below: validate mode names the residual."""
+
+NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
+"""Checked by its own test below: production's likely cause points at the ALiBi input."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -116,10 +123,25 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
         "in_src / in_dst")
 
 
+def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> None:
+    """Heads whole and num_heads divided, yet BLOOM's attention fails: its ``alibi`` holds every
+    head, flattened with the batch. The likely cause says so instead of only "heads cut"."""
+    report = run(NAIVE_ALIBI, "hf:bloom", f"{MODELS}/tiny-bloom.json", ("production",))
+    (prod,) = report.modes
+    assert not prod.agree and prod.suggestion is not None
+    assert prod.suggestion.cause == HEADS_NOT_WHOLE
+    assert prod.suggestion.evidence.endswith(
+        "the plan already divides num_heads and the heads divide evenly, so look at the inputs: "
+        "one built outside transformer.h.0.self_attention for every head (a per-head bias "
+        "flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is one "
+        "rank's heads; compute this attention whole (gather its fused projection, "
+        "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
-    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL}
+    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named

@@ -344,8 +344,22 @@ def _heads_cut(fqn: str, failure: Failure, ctx: DiagnosisContext) -> Suggestion 
             f"{p.fqn} is sharded {p.placement} (local {list(p.local_shape)} of "
             f"{list(p.shape)}): every rank must hold whole heads of every projection (heads and "
             f"kv heads divisible by {mesh}) and each head count the forward reads must be "
-            f"divided (head_counts)"))
+            f"divided (head_counts)" + _heads_already_divided(m.fqn, stated, ways, ctx)))
     return None
+
+
+def _heads_already_divided(fqn: str, stated: Sequence[tuple[str, int]], ways: int,
+                           ctx: DiagnosisContext) -> str:
+    """When the plan already divides this module's head counts and they divide evenly, the
+    heads are whole: the likelier culprit is an input built for every head."""
+    divided = sorted(h.attr for h in ctx.plan.head_counts if h.module == fqn)
+    if not divided or any(a not in HEAD_SIZE_ATTRS and v % ways for a, v in stated):
+        return ""
+    return (f"; the plan already divides {', '.join(divided)} and the heads divide evenly, so "
+            f"look at the inputs: one built outside {fqn} for every head (a per-head bias "
+            f"flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is "
+            f"one rank's heads; compute this attention whole (gather its fused projection, "
+            f"docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
 def _whole_param_on_shard(failure: Failure, ctx: DiagnosisContext) -> Suggestion | None:
