@@ -455,3 +455,41 @@ def test_torch_compile_of_the_model_runs_the_loss_on_shards_eagerly_and_agrees()
         assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
         for name, g in ref["grads"].items():
             assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+
+
+def _marked_slice() -> Any:
+    """A marked vocab slice without a process group: rank 1's half of an 8-entry vocab."""
+    from types import SimpleNamespace
+
+    from hyperrecipe.runtime.vocab_loss import VocabShard, mark_vocab_shard
+
+    shard = VocabShard(mesh=None, mesh_dims=("tp",), mesh_dim="tp",  # type: ignore[arg-type]
+                       group=SimpleNamespace(rank=1), vocab=8, local_vocab=4,  # type: ignore[arg-type]
+                       loss_op=None, boundary="lm_head", dtensor=False)  # type: ignore[arg-type]
+    return mark_vocab_shard(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)),
+                            shard)
+
+
+def test_scaling_the_marked_slice_by_scalars_keeps_it_marked_and_anything_else_is_refused() -> None:
+    from hyperrecipe.runtime.vocab_loss import _LOSS_CALLS, VocabShardedLogits, plain_vocab_slice
+
+    logits = _marked_slice()
+    local = plain_vocab_slice(logits)
+    capped = torch.tanh(logits / 30.0) * 30.0          # Gemma 2's final soft-capping
+    assert type(capped) is VocabShardedLogits and type(logits.float() * 0.5) is VocabShardedLogits
+    assert torch.equal(plain_vocab_slice(capped), torch.tanh(local / 30.0) * 30.0)
+    for use in (lambda: logits + 1, lambda: logits * torch.ones(4), lambda: logits.softmax(-1),
+                lambda: logits * logits):
+        with pytest.raises(LossParallelError, match="call the model without labels"):
+            use()
+    token = _LOSS_CALLS.set([])  # inside the forward of the model that owns the loss
+    try:
+        with pytest.raises(LossParallelError) as info:
+            logits.softmax(-1)
+    finally:
+        _LOSS_CALLS.reset(token)
+    assert str(info.value).startswith(
+        "softmax() on the logits of 'lm_head', which are this rank's slice [4, 8) of the 8-entry "
+        "vocab (the plan declares loss_parallel), inside the model's forward before its loss: the "
+        "model computes with its logits between the lm_head and the loss in a way that needs the "
+        "whole vocab")
