@@ -22,12 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from hyperrecipe.check.compare import compare_mode
+from hyperrecipe.check.compare import compare_mode, diff_tensors
 from hyperrecipe.check.diagnose import (
     BIAS_COUNTED_TP_TIMES,
     COLWISE_ROWWISE_SWAPPED,
     GRADIENT_REDUCTION_MISSING,
+    GRADIENT_REDUCTION_WRONG,
     HEAD_COUNT_UNDIVIDED,
+    PARAMS_UNUSED_ON_RANKS,
     DiagnosisContext,
     suggest,
 )
@@ -441,3 +443,60 @@ def test_wrong_gradient_with_a_right_forward_suggests_a_missing_reduction(
     assert found is not None and found.cause == GRADIENT_REDUCTION_MISSING
     assert "the ranks' gradients of layers.0.norm.weight (over tp) sum to the reference" \
         in found.evidence
+
+
+def test_wrong_gradients_that_no_sum_explains_do_not_claim_a_missing_reduction(
+        toy_plan: Any) -> None:
+    """Every rank's gradient off by a factor no mesh dim explains (a declared residual's doubled
+    gradient mixed into others): no sum of the ranks' gradients gives the reference, so the cause
+    names both directions and points at validate mode, which names the input."""
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": 3 * g})] * 2
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == GRADIENT_REDUCTION_WRONG
+    assert found.evidence.endswith("no rank's gradients sum to the reference. Validate mode "
+                                   "checks each declared replicated input's gradient against "
+                                   "the reduction production gives it, and names an input whose "
+                                   "gradient is already whole")
+
+
+def test_parameters_without_a_gradient_on_a_rank_are_named_as_unused(toy_plan: Any) -> None:
+    """StableLM's per-head q_layernorm.norms under head-sharded attention: rank 1 normalizes its
+    heads with norms 0 and 1, so norms 2 and 3 get no gradient on any rank."""
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x),
+                 grads={"layers.0.norm.weight": g, "layers.1.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})] * 2
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == PARAMS_UNUSED_ON_RANKS
+    assert found.evidence.endswith(
+        "layers.1.norm.weight got no gradient on rank 0 (in the reference it does): the sharded "
+        "forward never used it, and computed what it should have with other parameters "
+        "(another head's)")
+
+
+def test_gradients_tp_times_the_reference_are_named_as_reduced_once_too_often(
+        toy_plan: Any) -> None:
+    """A reduce_grads on a norm whose gradient is already whole: every rank holds 2 x the
+    reference at tp=2."""
+    x = torch.ones(4)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    ref = _trace(("embed", "output", None, x), grads={"layers.0.norm.weight": g})
+    ranks = [_trace(("embed", "output", None, x), grads={"layers.0.norm.weight": 2 * g})] * 2
+    _, found = _diagnose(toy_plan, ref, ranks)
+    assert found is not None and found.cause == GRADIENT_REDUCTION_WRONG
+    assert "every rank's gradient of layers.0.norm.weight (2 x, tp) is the reference times the " \
+        "mesh dim's size: a whole gradient reduced once too often" in found.evidence
+
+
+def test_a_tensor_below_atol_is_still_compared_against_its_own_size() -> None:
+    """A tiny model's norm gradients (~2e-6, Cohere's logit scale) reduced twice differ by less
+    than atol everywhere; they must not agree. A reference of exact zeros still agrees with
+    rounding noise."""
+    g = torch.full((64,), 2e-6)
+    assert not diff_tensors(2 * g, g, atol=1e-5, rtol=1e-4).ok
+    assert diff_tensors(g * (1 + 1e-6), g, atol=1e-5, rtol=1e-4).ok
+    assert diff_tensors(torch.full((4,), 1e-12), torch.zeros(4), atol=1e-5, rtol=1e-4).ok

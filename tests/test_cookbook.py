@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
-from hyperrecipe.check.diagnose import WHOLE_PARAM_ON_SHARD
+from hyperrecipe.check.diagnose import (
+    GRADIENT_REDUCTION_WRONG,
+    HEADS_NOT_WHOLE,
+    WHOLE_PARAM_ON_SHARD,
+)
 from hyperrecipe.check.run import CheckOptions, CheckReport, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +33,9 @@ BOTH = ("production", "validate")
 CASES: list[Any] = [
     ("tests/recipes/cookbook/olmo2.yaml", "hf:olmo2", f"{MODELS}/tiny-olmo2.json",
      BOTH, (True, True)),
+    # validate mode hands outputs back as tensors of their own: Falcon adds in place
+    ("tests/recipes/cookbook/falcon.yaml", "hf:falcon", f"{MODELS}/tiny-falcon.json",
+     BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
                  f"{MODELS}/tiny-olmo2.json", BOTH, (False, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/phi3-chunked.yaml", "hf:phi3",
@@ -37,6 +44,8 @@ CASES: list[Any] = [
                  f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",
                  f"{MODELS}/tiny-qwen2_moe.json", BOTH, (True, True), marks=pytest.mark.slow),
+    pytest.param("tests/recipes/cookbook/bloom.yaml", "hf:bloom", f"{MODELS}/tiny-bloom.json",
+                 BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
                  (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.sdpa_models:make_sdpa_transformer",
@@ -46,6 +55,12 @@ CASES: list[Any] = [
 
 NAIVE_COPY = "tests/recipes/cookbook/olmo2-naive-qwen3-copy.yaml"
 """Checked by its own test below, which asserts the likely cause as well."""
+
+DECLARED_RESIDUAL = "tests/recipes/cookbook/bloom-declared-residual.yaml"
+"""Checked by its own test below: validate mode names the residual."""
+
+NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
+"""Checked by its own test below: production's likely cause points at the ALiBi input."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -88,10 +103,45 @@ def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
         "model.layers.0.self_attn.q_norm received an input with 32 of its 64 features (tp = 2)")
 
 
+def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() -> None:
+    """BLOOM's MLP adds ``residual`` after its row-wise reduction; declared replicated on a
+    boundary holding the column-wise ``dense_h_to_4h``, production all-reduces its whole
+    gradient (2x at tp=2) with a right forward. Validate mode used to agree; it now checks the
+    gradient DTensor computes against the reduction production gives it, and names the input."""
+    report = run(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json", BOTH)
+    prod, validate = report.modes
+    assert not prod.agree and not validate.agree and report.exit_code == 1
+    assert prod.comparison is not None and prod.comparison.forward_agrees
+    assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+    failure = validate.comparison.failure if validate.comparison is not None else None
+    assert failure is not None
+    assert failure.error.startswith(
+        "PlanMismatchError: transformer.h.1.mlp: the gradient of input 'residual' comes back "
+        "whole (replicate on tp), but production mode all_reduces it over tp"), failure.error
+    assert failure.error.endswith(
+        "production would count its gradient 2 times: leave 'residual' out of the boundary's "
+        "in_src / in_dst")
+
+
+def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> None:
+    """Heads whole and num_heads divided, yet BLOOM's attention fails: its ``alibi`` holds every
+    head, flattened with the batch. The likely cause says so instead of only "heads cut"."""
+    report = run(NAIVE_ALIBI, "hf:bloom", f"{MODELS}/tiny-bloom.json", ("production",))
+    (prod,) = report.modes
+    assert not prod.agree and prod.suggestion is not None
+    assert prod.suggestion.cause == HEADS_NOT_WHOLE
+    assert prod.suggestion.evidence.endswith(
+        "the plan already divides num_heads and the heads divide evenly, so look at the inputs: "
+        "one built outside transformer.h.0.self_attention for every head (a per-head bias "
+        "flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is one "
+        "rank's heads; compute this attention whole (gather its fused projection, "
+        "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
-    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY}
+    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named

@@ -157,6 +157,56 @@ def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process
         assert results[0]["expected"][("all_gather", "tp", "forward")] >= 1
 
 
+GEMMA2 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+          "max_position_embeddings": 128, "sliding_window": 4, "tie_word_embeddings": False,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Tiny Gemma 2 with the config's soft-capping (final_logit_softcapping 30, attention 50)."""
+
+
+def _gemma2(device: str = "cpu", **overrides: Any) -> nn.Module:
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    return build_model("hf:gemma2", {**GEMMA2, **overrides}, device=device)
+
+
+def _softcap_step(model: nn.Module) -> dict[str, Any]:
+    ids = llama_batch()
+    out = model(input_ids=ids, labels=llama_labels(ids))
+    out.loss.backward()
+    with torch.no_grad():
+        generated = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+    return {"loss": out.loss.detach(), "generated": generated}
+
+
+def _softcap_worker(rank: int, world: int, mode: str, overrides: dict[str, Any]
+                    ) -> dict[str, Any]:
+    model = _gemma2(**overrides)
+    plan = compile_recipe(str(ROOT / "tests/recipes/gemma2-softcap-loss.yaml"),
+                          _gemma2("meta", **overrides), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    return {**_softcap_step(model), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_final_logit_soft_capping_runs_on_the_vocab_shards_and_matches_one_process(
+        mode: str) -> None:
+    """Gemma 2 divides, tanh-es and multiplies its logits by a scalar between the lm_head and
+    its loss: elementwise by scalars, the marked slice stays a slice (it used to be refused at
+    the ``div``), and the model's labels= loss, every gradient and greedy decoding agree."""
+    overrides = {"attn_implementation": "eager"}
+    model = _gemma2(**overrides)
+    ref = _softcap_step(model)
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, res in enumerate(run_ranks(_softcap_worker, 2, mode, overrides, timeout_s=300)):
+        assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
+        assert set(res["grads"]) == set(ref_grads), "every parameter has a full gradient"
+        for name, g in ref_grads.items():
+            assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+        assert torch.equal(res["generated"], ref["generated"]), "greedy generate() agrees"
+
+
 # ------------------------------------------------------------------------------ plain PyTorch
 
 
@@ -405,3 +455,41 @@ def test_torch_compile_of_the_model_runs_the_loss_on_shards_eagerly_and_agrees()
         assert_close(res["loss"], ref["loss"], f"rank {rank} loss")
         for name, g in ref["grads"].items():
             assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
+
+
+def _marked_slice() -> Any:
+    """A marked vocab slice without a process group: rank 1's half of an 8-entry vocab."""
+    from types import SimpleNamespace
+
+    from hyperrecipe.runtime.vocab_loss import VocabShard, mark_vocab_shard
+
+    shard = VocabShard(mesh=None, mesh_dims=("tp",), mesh_dim="tp",  # type: ignore[arg-type]
+                       group=SimpleNamespace(rank=1), vocab=8, local_vocab=4,  # type: ignore[arg-type]
+                       loss_op=None, boundary="lm_head", dtensor=False)  # type: ignore[arg-type]
+    return mark_vocab_shard(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)),
+                            shard)
+
+
+def test_scaling_the_marked_slice_by_scalars_keeps_it_marked_and_anything_else_is_refused() -> None:
+    from hyperrecipe.runtime.vocab_loss import _LOSS_CALLS, VocabShardedLogits, plain_vocab_slice
+
+    logits = _marked_slice()
+    local = plain_vocab_slice(logits)
+    capped = torch.tanh(logits / 30.0) * 30.0          # Gemma 2's final soft-capping
+    assert type(capped) is VocabShardedLogits and type(logits.float() * 0.5) is VocabShardedLogits
+    assert torch.equal(plain_vocab_slice(capped), torch.tanh(local / 30.0) * 30.0)
+    for use in (lambda: logits + 1, lambda: logits * torch.ones(4), lambda: logits.softmax(-1),
+                lambda: logits * logits):
+        with pytest.raises(LossParallelError, match="call the model without labels"):
+            use()
+    token = _LOSS_CALLS.set([])  # inside the forward of the model that owns the loss
+    try:
+        with pytest.raises(LossParallelError) as info:
+            logits.softmax(-1)
+    finally:
+        _LOSS_CALLS.reset(token)
+    assert str(info.value).startswith(
+        "softmax() on the logits of 'lm_head', which are this rank's slice [4, 8) of the 8-entry "
+        "vocab (the plan declares loss_parallel), inside the model's forward before its loss: the "
+        "model computes with its logits between the lm_head and the loss in a way that needs the "
+        "whole vocab")

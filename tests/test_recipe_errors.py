@@ -220,3 +220,22 @@ def test_tied_parameters_with_different_placements_are_refused(tmp_path: Path) -
         resolve_recipe(load_recipe(y), toy_tree(tie=True), {"tp": 2})
     assert "tied parameter 'embed.weight' is placed {tp: shard(0)} by rule 0" in str(err.value)
     assert "tied parameters share one tensor and need one placement" in str(err.value)
+
+
+def test_boundary_false_over_a_base_boundary_blames_the_extending_rule(tmp_path: Path) -> None:
+    """A recipe extending one whose rule makes ``layers.*.mlp.up`` a colwise boundary cannot turn
+    it into a plain sharded projection with ``boundary: false``: the base's layouts stay. The
+    refusal points at the ``boundary: false`` the user wrote, not at the base's rule."""
+    (tmp_path / "base.yaml").write_text(
+        "recipe: base\nversion: 1\nmesh: [tp]\nrules:\n"
+        "  - {match: layers.*.mlp.up, style: colwise}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("recipe: child\nversion: 1\nmesh: [tp]\nextends: base.yaml\nrules:\n"
+                     "  - {match: layers.*.mlp.up, style: colwise, boundary: false}\n")
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe(load_recipe(child), toy_tree(), {"tp": 2})
+    assert str(err.value).startswith(
+        f"{child}:6:56: rule 0 (match 'layers.*.mlp.up') sets boundary: false on "
+        f"'layers.0.mlp.up', but rule 0 (match 'layers.*.mlp.up') ({tmp_path / 'base.yaml'}:5:5) "
+        f"declares its in_src @ $.rules[0].boundary; boundary: false drops only the layouts of "
+        f"its own rule's style"), str(err.value)

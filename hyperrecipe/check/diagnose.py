@@ -30,8 +30,11 @@ Patterns, in the order they are tried at the first divergence:
   a parameter in it is sharded; the evidence lists the heads and each rank's
   share → :data:`HEADS_NOT_WHOLE`. Resolve refuses the splits it can see (a head size in the
   model tree); this names the ones it cannot (a head size the tree does not show).
-- **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING`, with the ranks'
-  partial gradients named when they sum to the reference.
+- **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING` when the ranks'
+  gradients of a parameter sum to the reference (named), otherwise
+  :data:`GRADIENT_REDUCTION_WRONG` (a reduction missing, or one too many); when parameters got
+  no gradient on a rank at all → :data:`PARAMS_UNUSED_ON_RANKS` (a per-head ``ModuleList``
+  indexed from head 0 on every rank, StableLM's ``q_layernorm``).
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ __all__ = [
     "COLWISE_ROWWISE_SWAPPED",
     "DiagnosisContext",
     "GRADIENT_REDUCTION_MISSING",
+    "GRADIENT_REDUCTION_WRONG",
     "HEAD_COUNT_UNDIVIDED",
     "HEADS_NOT_WHOLE",
     "OUTPUT_LEFT_SHARDED",
+    "PARAMS_UNUSED_ON_RANKS",
     "WHOLE_PARAM_ON_SHARD",
     "Suggestion",
     "suggest",
@@ -73,9 +78,15 @@ HEADS_NOT_WHOLE = ("heads cut between ranks: a head count the mesh does not divi
 COLWISE_ROWWISE_SWAPPED = "colwise/rowwise swapped"
 GRADIENT_REDUCTION_MISSING = ("a gradient reduction missing (replicated input consumed by "
                               "sharded parameters, reduce_grads)")
+GRADIENT_REDUCTION_WRONG = ("a gradient reduced wrongly: a reduction missing (reduce_grads), or one "
+                            "too many (a declared replicated input that bypasses the sharded "
+                            "parameters, such as a residual)")
+PARAMS_UNUSED_ON_RANKS = ("parameters a rank never used: per-head modules indexed from the first "
+                          "head on every rank (a ModuleList of one module per head); gather the "
+                          "heads around that module, as for norms over all heads")
 OUTPUT_LEFT_SHARDED = "the model's output is left sharded (gather it: out_dst replicate)"
 
-_SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split|view",
+_SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split",
                           re.IGNORECASE)
 
 
@@ -333,8 +344,22 @@ def _heads_cut(fqn: str, failure: Failure, ctx: DiagnosisContext) -> Suggestion 
             f"{p.fqn} is sharded {p.placement} (local {list(p.local_shape)} of "
             f"{list(p.shape)}): every rank must hold whole heads of every projection (heads and "
             f"kv heads divisible by {mesh}) and each head count the forward reads must be "
-            f"divided (head_counts)"))
+            f"divided (head_counts)" + _heads_already_divided(m.fqn, stated, ways, ctx)))
     return None
+
+
+def _heads_already_divided(fqn: str, stated: Sequence[tuple[str, int]], ways: int,
+                           ctx: DiagnosisContext) -> str:
+    """When the plan already divides this module's head counts and they divide evenly, the
+    heads are whole: the likelier culprit is an input built for every head."""
+    divided = sorted(h.attr for h in ctx.plan.head_counts if h.module == fqn)
+    if not divided or any(a not in HEAD_SIZE_ATTRS and v % ways for a, v in stated):
+        return ""
+    return (f"; the plan already divides {', '.join(divided)} and the heads divide evenly, so "
+            f"look at the inputs: one built outside {fqn} for every head (a per-head bias "
+            f"flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is "
+            f"one rank's heads; compute this attention whole (gather its fused projection, "
+            f"docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
 def _whole_param_on_shard(failure: Failure, ctx: DiagnosisContext) -> Suggestion | None:
@@ -444,6 +469,16 @@ def _gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tr
     evidence = (f"all {cmp.events_compared} boundary values and the final output agree, but "
                 f"{len(bad)} of {len(cmp.gradients)} gradients differ (worst {worst.name}, "
                 f"{metric})")
+    unused = [g for g in bad if g.diff.problem == "no gradient"]
+    if unused:
+        names = [g.name for g in unused]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        many = len(names) > 1
+        return Suggestion(cause=PARAMS_UNUSED_ON_RANKS, evidence=(
+            f"{evidence}; {shown} got no gradient on rank {unused[0].rank} (in the reference "
+            f"{'they do' if many else 'it does'}): the sharded forward never used "
+            f"{'them' if many else 'it'}, and computed what {'they' if many else 'it'} should "
+            f"have with other parameters (another head's)"))
     partial: list[str] = []
     for g in bad:
         ref = reference.grads.get(g.name)
@@ -457,7 +492,30 @@ def _gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tr
         shown = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
         evidence += (f"; the ranks' gradients of {shown} sum to the reference: each rank holds a "
                      f"partial gradient that is never all-reduced")
-    return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
+        return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
+    scaled: list[str] = []
+    for g in bad:
+        ref = reference.grads.get(g.name)
+        if ref is None:
+            continue
+        grads = [t.grads[g.name] for t in ranks if g.name in t.grads]
+        for dim, n in ctx.sizes.items():
+            if n > 1 and grads and all(
+                    v.shape == ref.shape and diff_tensors(v, n * ref, atol=atol * n, rtol=rtol).ok
+                    for v in grads):
+                scaled.append(f"{g.name} ({n} x, {dim})")
+                break
+    if scaled:
+        shown = ", ".join(scaled[:3]) + (f" and {len(scaled) - 3} more" if len(scaled) > 3 else "")
+        evidence += (f"; every rank's gradient of {shown} is the reference times the mesh dim's "
+                     f"size: a whole gradient reduced once too often (a reduce_grads on a "
+                     f"parameter whose gradient is already whole, or a declared input whose "
+                     f"gradient is)")
+        return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
+    evidence += ("; no rank's gradients sum to the reference. Validate mode checks each declared "
+                 "replicated input's gradient against the reduction production gives it, and "
+                 "names an input whose gradient is already whole")
+    return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
 
 
 def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: DiagnosisContext,

@@ -69,8 +69,22 @@ def find_boundaries(inp: ResolveInput, claims: ClaimTable) -> BoundaryTree:
             regions[m.fqn] = m.fqn
         else:
             regions[m.fqn] = regions.get(parent) if parent is not None else None
+    dropped = {fqn: c for (fqn, field, _), c in claims.slots.items()
+               if field == "boundary" and c.value is False}
     for (fqn, field, _), c in claims.slots.items():
         if field in _BOUNDARY_ONLY and fqn not in is_boundary:
+            off = dropped.get(fqn)
+            if off is not None and off.rule is not c.rule:
+                # a later rule (usually of a recipe that extends this one) turned the boundary
+                # off: blame that rule, which is what the user just wrote
+                raise RecipeError(
+                    f"{off.rule.label()} sets boundary: false on {fqn!r}, but "
+                    f"{c.rule.label()} ({c.rule.span()}) declares its {field}",
+                    span=off.rule.span("boundary"), path=f"{off.rule.json_path}.boundary",
+                    rule_index=off.rule.index,
+                    hint="boundary: false drops only the layouts of its own rule's style; a "
+                         "module another rule (or the base recipe) made a boundary stays one. "
+                         "Keep the boundary, or copy the base's rules instead of extending it")
             raise RecipeError(
                 f"{c.rule.label()} sets {field} on {fqn!r}, which is not a boundary",
                 span=c.rule.span(field) if field in c.rule.explicit else c.rule.span("match"),

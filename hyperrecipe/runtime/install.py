@@ -317,7 +317,9 @@ class _Applier:
         install_adapters(tx, self.plan.adapters, self.mesh_dims, self.modules)
 
     def install_boundaries(self, tx: Rewrite) -> None:
-        redist = self.mode.redistributor(self.mesh, self.mesh_dims)
+        local_code = (any(a.mode == "marshal" for a in self.plan.adapters)
+                      or any(b.local_region or b.inner_wrapper for b in self.plan.boundaries))
+        redist = self.mode.redistributor(self.mesh, self.mesh_dims, local_code=local_code)
         for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
             module = self.modules[b.fqn]
             compute, bias = self._compute(b, module, tx)

@@ -11,7 +11,11 @@ The body (:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
   redistributed to ``dst``; undeclared tensor arguments become replicated DTensors (DTensor
   refuses to mix them with plain tensors); outputs are checked against ``out_src`` and raise
   :class:`~hyperrecipe.errors.PlacementMismatchError` when DTensor propagated something else, then
-  are redistributed to ``out_dst``; the outermost boundary, and a boundary called from local code
+  are redistributed to ``out_dst``; a declared replicated input whose gradient production
+  reduces (Megatron's *f*) gets a gradient hook that raises
+  :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor computes that gradient whole (a
+  residual that bypasses the sharded parameters) — unless the plan runs code on local tensors
+  inside boundaries, whose re-wrapping reduces a partial gradient early; the outermost boundary, and a boundary called from local code
   (:mod:`~hyperrecipe.runtime.validate_scope`), hands local tensors back to the caller. The
   compute runs under :func:`~hyperrecipe.runtime.validate_scope.validate_compute`.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, is_grad_enabled
 
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
@@ -135,12 +139,26 @@ def _normalized(placements: Sequence[Any], ndim: int) -> tuple[Any, ...]:
     return tuple(TShard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)
 
 
+def _handed_back(local: Tensor) -> Tensor:
+    """A local tensor handed back to the model's own code, which may modify it in place
+    (Falcon's parallel block: ``mlp_output += attention_output``). ``DTensor.to_local`` returns
+    its local tensor as-is from a custom autograd Function, and autograd forbids an in-place op on
+    such a view ("Output 0 of _ToTorchTensor is a view and is being modified inplace"), so
+    validate mode hands back a copy (production's tensors are the collectives' own outputs)."""
+    return local.clone() if local.requires_grad else local
+
+
 class ValidateRedistributor:
     """DTensor end to end; declared output placements are checked against propagated ones."""
 
-    def __init__(self, mesh: DeviceMesh, mesh_dims: Sequence[str]) -> None:
+    def __init__(self, mesh: DeviceMesh, mesh_dims: Sequence[str], *,
+                 check_input_grads: bool = True) -> None:
         self.mesh = mesh
         self.mesh_dims = tuple(mesh_dims)
+        # Off when the plan runs code on local tensors inside boundaries (marshal adapters, local
+        # regions, inner wrappers): re-wrapping their outputs reduces a partial gradient early,
+        # so a whole gradient at the entry no longer shows that production reduces one too many.
+        self.check_input_grads = check_input_grads
         from torch.distributed.tensor import DTensor, Replicate as TReplicate
 
         self._dtensor = DTensor
@@ -166,23 +184,70 @@ class ValidateRedistributor:
                            f"production mode refuses it too (its shards are equal)")
                     raise PlanMismatchError(msg)
 
+        reduced = self._reduced_input_grads(boundary, layout) if self.check_input_grads else ()
+
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
                 return value
+            d: Any
             if isinstance(value, DTensor):
                 if not _same(value.placements, layout.src, self.mesh_dims, value.ndim):
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
                     raise PlacementMismatchError(boundary.fqn, name, str(layout.src), actual,
                                                  stage="input")
-                d = value
+                d, fresh = value, False
             else:
-                d = DTensor.from_local(value, mesh, src, run_check=False)
-            if same:
-                return d
-            check_even(d, name)
-            return d.redistribute(mesh, dst)
+                d, fresh = DTensor.from_local(value, mesh, src, run_check=False), True
+            if not same:
+                check_even(d, name)
+                d, fresh = d.redistribute(mesh, dst), True
+            if reduced and fresh and d.requires_grad and is_grad_enabled():
+                # only a tensor this boundary made: its gradient is this boundary's alone
+                d.register_hook(self._grad_check(boundary, name, reduced))
+            return d
 
         return convert
+
+    def _reduced_input_grads(self, boundary: BoundaryPlan, layout: ArgLayout
+                             ) -> tuple[tuple[int, Transition], ...]:
+        """The mesh dims (index, transition) on which production reduces this input's
+        gradient because the plan assumes it comes back partial from the boundary's sharded
+        parameters (Megatron's *f*: the input is replicated inside, its backward an all-reduce
+        or a reduce-scatter)."""
+        out = []
+        for t in boundary.transitions:
+            if (t.stage == "input" and t.name == layout.name and isinstance(t.dst, Replicate)
+                    and t.backward.kind in ("all_reduce", "reduce_scatter")
+                    and t.mesh_dim in self.mesh_dims):
+                out.append((self.mesh_dims.index(t.mesh_dim), t))
+        return tuple(out)
+
+    def _grad_check(self, boundary: BoundaryPlan, name: str,
+                    reduced: tuple[tuple[int, Transition], ...]) -> Callable[[Any], None]:
+        """A gradient hook: the gradient DTensor computed for a declared input must be partial
+        wherever production reduces it. Replicated there means every rank already holds the
+        whole gradient (the input bypasses the sharded parameters, e.g. a residual added after
+        the reduction), and production's reduction would count it once per rank."""
+        mesh = self.mesh
+
+        def check(grad: Any) -> None:
+            placements = getattr(grad, "placements", None)
+            if placements is None:
+                return
+            for i, t in reduced:
+                if placements[i].is_replicate():
+                    n = mesh.size(i)
+                    msg = (f"{boundary.fqn}: the gradient of input {name!r} comes back "
+                           f"whole (replicate on {t.mesh_dim}), but production mode "
+                           f"{t.backward.kind}s it over {t.mesh_dim}: the plan takes a "
+                           f"replicated input of a boundary holding parameters sharded on "
+                           f"{t.mesh_dim} to reach them, so that its gradient is partial "
+                           f"(Megatron's f). {name!r} does not (a residual added after the "
+                           f"reduction), and production would count its gradient {n} times: "
+                           f"leave {name!r} out of the boundary's in_src / in_dst")
+                    raise PlanMismatchError(msg)
+
+        return check
 
     def output_converter(self, boundary: BoundaryPlan, layout: ArgLayout,
                          bias: Tensor | None = None) -> Converter:
@@ -206,7 +271,7 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                return value.to_local(grad_placements=_normalized(dst, value.ndim))
+                return _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
             return value
 
         return convert
@@ -239,7 +304,7 @@ class ValidateRedistributor:
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
                     raise PlacementMismatchError(boundary.fqn, name, "replicate (undeclared "
                                                  "outputs leave replicated)", actual)
-                return value.to_local()
+                return _handed_back(value.to_local())
             return value
 
         return convert

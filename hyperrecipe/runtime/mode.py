@@ -44,8 +44,11 @@ class Mode:
     dtensor_parameters: ClassVar[bool]
     local_kernels: ClassVar[bool]
 
-    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...]) -> Redistributor:
-        """The converter factory every boundary of one ``apply`` is built with."""
+    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
+                      local_code: bool = False) -> Redistributor:
+        """The converter factory every boundary of one ``apply`` is built with. ``local_code``:
+        the plan runs code on local tensors inside boundaries (marshal adapters, local regions,
+        inner wrappers)."""
         raise NotImplementedError
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
@@ -78,7 +81,8 @@ class _Production(Mode):
     dtensor_parameters: ClassVar[bool] = False
     local_kernels: ClassVar[bool] = True
 
-    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...]) -> Redistributor:
+    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
+                      local_code: bool = False) -> Redistributor:
         from hyperrecipe.runtime.layouts import ProductionRedistributor
 
         return ProductionRedistributor(mesh)
@@ -93,10 +97,11 @@ class _Validate(Mode):
     dtensor_parameters: ClassVar[bool] = True
     local_kernels: ClassVar[bool] = False
 
-    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...]) -> Redistributor:
+    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
+                      local_code: bool = False) -> Redistributor:
         from hyperrecipe.runtime.layouts import ValidateRedistributor
 
-        return ValidateRedistributor(mesh, mesh_dims)
+        return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code)
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:

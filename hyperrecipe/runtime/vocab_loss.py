@@ -85,6 +85,39 @@ _ALLOWED: frozenset[Any] = frozenset(
 nothing that computes with its values."""
 
 
+_SCALED: frozenset[Any] = frozenset([
+    Tensor.__mul__, Tensor.__rmul__, Tensor.__truediv__, Tensor.mul, Tensor.div, torch.mul,
+    torch.div, Tensor.tanh, torch.tanh, Tensor.float, Tensor.to, Tensor.contiguous])
+"""Elementwise operations that keep a marked slice a slice of the same logits when every other
+operand is a number (or a 0-dim tensor): scaling, dividing and ``tanh`` (a final soft-capping,
+Gemma 2's ``tanh(logits / cap) * cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``),
+a dtype cast. Their result stays marked, so the loss still runs on the shards."""
+
+
+def _scalar_operand(value: Any) -> bool:
+    if isinstance(value, VocabShardedLogits):
+        return True  # the slice itself (checked to be the only one by the caller)
+    if isinstance(value, Tensor):
+        return value.dim() == 0
+    return isinstance(value, (bool, int, float, str, torch.dtype, torch.device)) or value is None
+
+
+def _scaled_slice(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``func`` run on the slice when it is a :data:`_SCALED` op of one marked slice and
+    scalars, the result marked as the same slice; ``NotImplemented`` otherwise."""
+    if func not in _SCALED:
+        return NotImplemented
+    operands = (*args, *kwargs.values())
+    marked = [v for v in operands if isinstance(v, VocabShardedLogits)]
+    if len(marked) != 1 or not all(_scalar_operand(v) for v in operands):
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if not isinstance(out, Tensor) or out.shape != marked[0].shape:
+        return NotImplemented
+    return mark_vocab_shard(out, marked[0]._hyperrecipe_vocab)
+
+
 class VocabShardedLogits(Tensor):
     """This rank's slice of the vocab of a ``loss_parallel`` plan's logits.
 
@@ -92,7 +125,9 @@ class VocabShardedLogits(Tensor):
     a softmax or an ``argmax`` over a slice of the vocab would be silently wrong. Pass it to
     :func:`hyperrecipe.vocab_parallel_cross_entropy`, or call the model without ``labels`` (a
     transformers model) to get the full logits. Shape queries (``shape``, ``size()``,
-    ``dim()``, ``dtype``, ``device``) and printing are allowed.
+    ``dim()``, ``dtype``, ``device``) and printing are allowed, and so are the elementwise
+    operations with scalars that keep it a slice of the same logits (:data:`_SCALED`: a final
+    logit scaling or soft-capping in the model's own forward); their result stays marked.
     """
 
     _hyperrecipe_vocab: VocabShard
@@ -108,11 +143,26 @@ class VocabShardedLogits(Tensor):
                 value = func(*args, **(kwargs or {}))
             if not isinstance(value, Tensor):
                 return value  # is_sparse, layout, names, ...: nothing computed from the values
+        scaled = _scaled_slice(func, args, kwargs or {})
+        if scaled is not NotImplemented:
+            return scaled
         shard = _first_shard((*args, *(kwargs or {}).values()))
         name = getattr(func, "__name__", repr(func))
         where = ("" if shard is None else
                  f" of {shard.boundary!r}, which are this rank's slice [{shard.start}, "
                  f"{shard.start + shard.local_vocab}) of the {shard.vocab}-entry vocab")
+        if _LOSS_CALLS.get() == []:
+            # inside the forward of the model that owns the loss, before any loss ran: the
+            # model's own code computes with the logits, with or without labels
+            msg = (f"{name}() on the logits{where} (the plan declares loss_parallel), inside the "
+                   f"model's forward before its loss: the model computes with its logits between "
+                   f"the lm_head and the loss in a way that needs the whole vocab (only scaling, "
+                   f"dividing or tanh by scalars and dtype casts stay on the shards, as a final "
+                   f"logit soft-capping does), so no call of this model can run with "
+                   f"loss_parallel, with labels or without. Drop loss_parallel from the recipe "
+                   f"and gather the logits (out_dst: {{0: replicate}}) "
+                   f"(docs/training.md#loss-on-vocab-shards)")
+            raise LossParallelError(msg)
         msg = (f"{name}() on the logits{where} (the plan declares loss_parallel): compute the "
                f"loss with "
                f"hyperrecipe.vocab_parallel_cross_entropy(logits, labels), or call the model "
