@@ -99,9 +99,14 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
-        self._hooks = ([*install_state_hooks(model, self._live),
-                        *install_optimizer_hooks(self._live, self._bucketed)]
-                       if not self.mode.dtensor_parameters else [])
+        self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),
+                       *(install_optimizer_hooks(self._live, self._bucketed)
+                         if not self.mode.dtensor_parameters else [])]
+
+    def _mark_loaded(self, fqns: set[str]) -> None:
+        """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
+        owners = {p.fqn: p.tied_to or p.fqn for p in self.plan.params}
+        self._unloaded -= {owners.get(f, f) for f in fqns}
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
@@ -210,7 +215,8 @@ class Installation:
                     buf.copy_(state_dict[name])
                 self._unloaded.discard(name)
 
-    def load_weights(self, source: str | os.PathLike[str]) -> None:
+    def load_weights(self, source: str | os.PathLike[str], *,
+                     ignore_unexpected: Sequence[str] = ()) -> None:
         """Load a checkpoint, each rank reading only its slices (call on every rank).
 
         ``source`` is a ``.safetensors`` file, a Hugging Face checkpoint folder (one file or an
@@ -218,16 +224,25 @@ class Installation:
         (saved from :meth:`state_dict` or a model state dict, on any mesh). Strategies are tried
         in that order; :meth:`status` shows which loaded and why the others were skipped.
         Dtypes are converted to the model's; tied parameters load from whichever of their
-        names the checkpoint holds.
+        names the checkpoint holds (several names must hold one value).
+
+        Args:
+            source: the checkpoint file or folder.
+            ignore_unexpected: regular expressions (``re.search``) naming checkpoint keys the
+                model does not use and that may be skipped (extra heads, another model's
+                parts). Buffers that older transformers versions saved and current models
+                compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
+                being named, as ``from_pretrained`` does; any other unexpected key is refused.
 
         Raises:
             WeightLoadError: the checkpoint does not fit (every missing, unexpected and
-                mis-shaped tensor named, with its file), or cannot be read; the model is left
-                as it was before the call.
+                mis-shaped tensor named, with its file; tied names holding different values),
+                or cannot be read; the model is left as it was before the call.
         """
         self._check_live()
         try:
-            attempts = load_weights(self._live, self.model, source, self._unloaded)
+            attempts = load_weights(self._live, self.model, source, self._unloaded,
+                                    tuple(ignore_unexpected))
         except WeightLoadError as exc:
             self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
                                        detail=str(exc))]

@@ -70,13 +70,27 @@ class _Target:
     """The full tensor's ranges this rank holds (``None`` for a buffer: all of it)."""
 
 
+@attrs.frozen(kw_only=True)
+class _Reader:
+    """What a strategy's plan hands the writer: ``read(target, key)`` gives this rank's part
+    of ``target`` from the checkpoint tensor ``key`` (default: the first of the target's
+    names the checkpoint holds); ``found`` lists, per target FQN, every name it holds (more
+    than one for a tied parameter stored under several names); ``files`` names the file of
+    each key, for messages; ``ignored`` are unexpected keys skipped as allowed."""
+
+    read: Callable[[_Target, str | None], Tensor]
+    found: Mapping[str, tuple[str, ...]]
+    files: Mapping[str, str]
+    ignored: tuple[str, ...] = ()
+
+
 class _Strategy(Protocol):
     name: str
 
     def ineligible(self, source: Path) -> str | None: ...
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]: ...
+             ignore: Callable[[str], bool]) -> _Reader: ...
 
 
 # -- safetensors ---------------------------------------------------------------------------
@@ -87,8 +101,11 @@ class _Safetensors:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.converted = 0
-        """How many model tensors the last plan assembles from converted checkpoint keys."""
+        self.assembled = 0
+        """How many model tensors the last plan assembles from several checkpoint tensors."""
+        self.renamed = 0
+        """How many model tensors the last plan reads from a checkpoint key of another name
+        (transformers' renamings, a base model's keys without ``base_model_prefix``)."""
 
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
@@ -100,7 +117,7 @@ class _Safetensors:
         return f"{source} does not exist"
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]:
+             ignore: Callable[[str], bool]) -> _Reader:
         from safetensors import SafetensorError, safe_open
 
         where = _key_files(source)
@@ -134,20 +151,22 @@ class _Safetensors:
                          **{k: files[k] for k in conversion.unexpected}}
                 shapes = {**{k: c.shape for k, c in composites.items()},
                           **{k: shapes[k] for k in conversion.unexpected}}
-        self.converted = sum(c.kind != "leaf" or c.key != k for k, c in composites.items())
-        _check_fit(targets, shapes, files, ignore, problems)
+        self.assembled = sum(c.kind != "leaf" for c in composites.values())
+        self.renamed = sum(c.kind == "leaf" and c.key != k for k, c in composites.items())
+        hints = _base_model_hints(self.model, composites)
+        ignored = _check_fit(targets, shapes, files, ignore, problems, hints)
 
         def open_key(key: str) -> Callable[[tuple[slice, ...]], Tensor]:
             sl = handles[where[key]].get_slice(key)
             return lambda block: sl[block]
 
-        def read(target: _Target) -> Tensor:
-            key = _key_for(target, shapes)
+        def read(target: _Target, key: str | None = None) -> Tensor:
+            key = key or _key_for(target, shapes)
             composite = composites.get(key) or Composite.leaf(key, shapes[key])
             ranges = target.ranges or tuple(((0, n),) for n in target.shape)
             return read_ranges(lambda block: composite.read(block, open_key), ranges)
 
-        return read
+        return _Reader(read=read, found=_found(targets, shapes), files=files, ignored=ignored)
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
@@ -206,7 +225,7 @@ class _DCP:
         return f"{source} is not a torch.distributed.checkpoint folder (no .metadata)"
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]:
+             ignore: Callable[[str], bool]) -> _Reader:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -222,37 +241,42 @@ class _DCP:
         shapes = {k[len(prefix):]: s for k, s in stored.items() if k.startswith(prefix)}
         # A trainer's checkpoint holds more than the model (optimizer, data loader, step):
         # only keys under a top-level name the model uses can be "unexpected" here.
-        roots = {t.fqn.split(".", 1)[0] for t in targets}
+        roots = {k.split(".", 1)[0] for t in targets for k in (t.fqn, *t.aliases)}
         shapes = {k: s for k, s in shapes.items() if k.split(".", 1)[0] in roots}
         problems: list[str] = []
-        _check_fit(targets, shapes, {k: source.name for k in shapes}, ignore, problems)
+        files = {k: source.name for k in shapes}
+        ignored = _check_fit(targets, shapes, files, ignore, problems, {})
+        found = _found(targets, shapes)
         # Read everything this rank needs in one dcp.load, into fresh buffers: a failure
-        # leaves the model untouched.
+        # leaves the model untouched. Every name a tied parameter is stored under is read,
+        # so that names holding different values are found (see _refuse_differing_ties).
         buffers: dict[str, Tensor] = {}
         request: dict[str, Tensor] = {}
-        gathered: list[_Target] = []  # layouts DTensor cannot store: loaded whole, then sliced
+        gathered: list[tuple[_Target, str]] = []  # layouts DTensor cannot store: whole, sliced
         for t in targets:
-            key = prefix + _key_for(t, shapes)
-            if t.plan is None:
-                buffers[t.fqn] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
-                                                             device=t.local.device)
-                continue
-            buffers[t.fqn] = torch.empty_like(t.local)
-            request[key] = self.live.as_dtensor(t.plan, buffers[t.fqn])
-            if request[key]._local_tensor.data_ptr() != buffers[t.fqn].data_ptr():  # type: ignore[attr-defined]
-                gathered.append(t)
+            for name in found[t.fqn]:
+                key = prefix + name
+                if t.plan is None:
+                    buffers[name] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
+                                                               device=t.local.device)
+                    continue
+                buffers[name] = torch.empty_like(t.local)
+                request[key] = self.live.as_dtensor(t.plan, buffers[name])
+                local = request[key]._local_tensor  # type: ignore[attr-defined]
+                if local.data_ptr() != buffers[name].data_ptr():
+                    gathered.append((t, name))
         try:
             dcp_load(request, checkpoint_id=str(source))
         except Exception as exc:  # noqa: BLE001 - reported with the source, model untouched
             raise WeightLoadError(f"{source}: dcp.load failed: {exc}") from None
-        for t in gathered:
+        for t, name in gathered:
             assert t.plan is not None
-            buffers[t.fqn] = self.live.shard_of(t.plan, request[prefix + _key_for(t, shapes)])
+            buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
 
-        def read(target: _Target) -> Tensor:
-            return buffers[target.fqn]
+        def read(target: _Target, key: str | None = None) -> Tensor:
+            return buffers[key or found[target.fqn][0]]
 
-        return read
+        return _Reader(read=read, found=found, files=files, ignored=ignored)
 
 
 # -- the chain -----------------------------------------------------------------------------
@@ -265,26 +289,73 @@ def _key_for(target: _Target, available: Mapping[str, Any]) -> str:
     raise KeyError(target.fqn)
 
 
+def _found(targets: Sequence[_Target], shapes: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    return {t.fqn: tuple(k for k in (t.fqn, *t.aliases) if k in shapes) for t in targets}
+
+
 def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]],
                files: Mapping[str, str], ignore: Callable[[str], bool],
-               problems: list[str]) -> None:
+               problems: list[str], hints: Mapping[str, str]) -> tuple[str, ...]:
+    """Raise naming every missing, mis-shaped and unexpected tensor (with ``problems`` found
+    earlier); return the unexpected keys ``ignore`` allows. ``hints`` adds a reason to a
+    missing FQN's line."""
     used: set[str] = set()
     for t in targets:
         names = (t.fqn, *t.aliases)
         found = [k for k in names if k in shapes]
         used.update(found)
         if not found:
-            problems.append(f"missing {t.fqn!r} (shape {list(t.shape)})")
+            hint = hints.get(t.fqn)
+            problems.append(f"missing {t.fqn!r} (shape {list(t.shape)})"
+                            + (f": {hint}" if hint else ""))
             continue
         for key in found:
             if shapes[key] != t.shape:
                 problems.append(f"{key!r} in {files[key]}: shape {list(shapes[key])}, the model "
                                 f"expects {list(t.shape)}")
-    for key in sorted(set(shapes) - used):
-        if not ignore(key):
-            problems.append(f"unexpected {key!r} in {files[key]}")
+    extra = sorted(set(shapes) - used)
+    unexpected = [k for k in extra if not ignore(k)]
+    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected)
     if problems:
-        raise WeightLoadError(_listing("the checkpoint does not fit the model", problems))
+        message = _listing("the checkpoint does not fit the model", problems)
+        if unexpected:
+            message += ("\nIf the checkpoint holds tensors this model does not use, name them in "
+                        "load_weights(..., ignore_unexpected=[...]) (regular expressions searched "
+                        f"in each key, e.g. {_pattern_for(unexpected)!r})")
+        raise WeightLoadError(message)
+    return tuple(extra)
+
+
+def _pattern_for(keys: Sequence[str]) -> str:
+    """A pattern that matches ``keys``: their longest common dotted prefix, else the first."""
+    import re
+
+    parts = [k.split(".") for k in keys]
+    common: list[str] = []
+    for column in zip(*parts, strict=False):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    if common and len(common) < min(len(p) for p in parts):
+        return "^" + re.escape(".".join(common) + ".")
+    return "^" + re.escape(keys[0]) + "$"
+
+
+def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> dict[str, str]:
+    """Why a tensor outside the base model is missing when the checkpoint was saved from the
+    base model (keys without ``base_model_prefix``, as ``LlamaModel.save_pretrained`` writes
+    them, read here as ``from_pretrained`` does by adding the prefix)."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if not prefix or not any(c.kind == "leaf" and k == f"{prefix}.{c.key}"
+                             for k, c in composites.items()):
+        return {}
+    base = getattr(model, prefix, None)
+    base_name = type(base).__name__ if base is not None else "the base model"
+    return {name: (f"the checkpoint was saved from the base model ({base_name}, keys without "
+                   f"'{prefix}.'), which has no such tensor; from_pretrained would initialize "
+                   f"it randomly. Load a checkpoint of {type(model).__name__}, or tie it to the "
+                   f"embedding (tie_word_embeddings=True) if that is how it was trained")
+            for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
 def _listing(head: str, problems: Sequence[str]) -> str:
@@ -315,22 +386,61 @@ def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield (f"{mod_fqn}.{name}" if mod_fqn else name), buf
 
 
-def _ignore_patterns(model: nn.Module) -> Callable[[str], bool]:
-    """transformers models name checkpoint keys they deliberately do not load (old rotary
-    buffers, say) in ``_keys_to_ignore_on_load_unexpected``; everything else is unexpected."""
+STALE_BUFFERS = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)attn\.masked_bias$",
+                 r"(^|\.)embeddings\.position_ids$")
+"""Checkpoint keys of buffers that older transformers versions saved and current models compute
+instead (Llama's per-layer ``rotary_emb.inv_freq``, GPT-2's ``attn.masked_bias``, BERT-style
+``position_ids``). ``from_pretrained`` drops them; so does ``load_weights`` when the model has
+no tensor of that name."""
+
+
+def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], bool]:
+    """transformers models name checkpoint keys they deliberately do not load in
+    ``_keys_to_ignore_on_load_unexpected``; with :data:`STALE_BUFFERS`, the model's
+    non-persistent buffers and the caller's ``extra`` patterns, those are not "unexpected";
+    everything else is."""
     import re
 
-    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-                or ()]
+    patterns = [re.compile(p) for p in (*(getattr(model, "_keys_to_ignore_on_load_unexpected",
+                                                  None) or ()), *STALE_BUFFERS, *extra)]
     non_persistent = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                       for n in mod._non_persistent_buffers_set}
     return lambda key: key in non_persistent or any(p.search(key) for p in patterns)
 
 
+def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: Any) -> None:
+    """A tied parameter stored under several names must hold one value: ``from_pretrained``
+    unties a pair whose stored values differ and loads both, while the plan's model shares one
+    tensor, so loading either name alone would silently drop the other. Each rank compares its
+    own slices (together they cover the tensor); the ranks agree over the mesh before any
+    refusal, so either every rank loads or every rank raises."""
+    import torch.distributed as dist
+
+    pairs = [(t, reader.found[t.fqn][0], other) for t in targets
+             for other in reader.found[t.fqn][1:]]
+    if not pairs:
+        return
+    device = pairs[0][0].local.device
+    differ = torch.tensor([0 if torch.equal(reader.read(t, a), reader.read(t, b)) else 1
+                           for t, a, b in pairs], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    problems = [f"{a!r} ({reader.files[a]}) and {b!r} ({reader.files[b]}) hold different values, "
+                f"but the model ties them into one parameter; from_pretrained would untie them "
+                f"and load both. Build the model untied (for word embeddings: "
+                f"tie_word_embeddings=False in its config) and compile the plan for it, or, if "
+                f"the tie is meant, keep one of the two names in the checkpoint"
+                for (t, a, b), d in zip(pairs, differ.tolist(), strict=True) if d]
+    if problems:
+        raise WeightLoadError(_listing("the checkpoint does not fit the model", problems))
+
+
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
-                 unloaded: set[str]) -> list[LoadAttempt]:
+                 unloaded: set[str], ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
-    what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land.
+    what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land;
+    checkpoint keys matching a pattern of ``ignore_unexpected`` (``re.search``) are skipped.
 
     Raises:
         WeightLoadError: no strategy could read the source, or the one that could found the
@@ -342,7 +452,7 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     strategies: list[_Strategy] = [safetensors, _DCP(live)]
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
-    ignore = _ignore_patterns(model)
+    ignore = _ignore_patterns(model, ignore_unexpected)
     errors: list[str] = []
     for i, strategy in enumerate(strategies):
         why = strategy.ineligible(path)
@@ -351,17 +461,26 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
                                         state="ineligible", detail=why))
             continue
         try:
-            read = strategy.plan(path, targets, ignore)
-            _write_all(targets, read, unloaded)
+            reader = strategy.plan(path, targets, ignore)
+            _refuse_differing_ties(targets, reader, live.mesh)
+            _write_all(targets, reader, unloaded)
         except WeightLoadError as exc:
             attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="failed",
                                         detail=str(exc)))
             errors.append(f"{strategy.name}: {exc}")
             continue
-        detail = (f"{safetensors.converted} tensors assembled from transformers' checkpoint "
-                  "layout" if strategy is safetensors and safetensors.converted else None)
+        notes = []
+        if strategy is safetensors and safetensors.renamed:
+            notes.append(f"{safetensors.renamed} tensors read from keys of other names "
+                         "(transformers' renamings, the base model prefix)")
+        if strategy is safetensors and safetensors.assembled:
+            notes.append(f"{safetensors.assembled} tensors assembled from transformers' "
+                         "checkpoint layout")
+        if reader.ignored:
+            shown = ", ".join(reader.ignored[:3]) + (", ..." if len(reader.ignored) > 3 else "")
+            notes.append(f"{len(reader.ignored)} checkpoint tensors not used ({shown})")
         attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="loaded",
-                                    detail=detail))
+                                    detail="; ".join(notes) or None))
         attempts.extend(LoadAttempt(strategy=s.name, source=str(path), state="not tried")
                         for s in strategies[i + 1:])
         return attempts
@@ -371,8 +490,7 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     raise WeightLoadError("\n".join(errors))
 
 
-def _write_all(targets: Sequence[_Target], read: Callable[[_Target], Tensor],
-               unloaded: set[str]) -> None:
+def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:
     """Copy every target in; on any failure put back what was written (previous values, or
     NaN for never-loaded ones) and raise."""
     from hyperrecipe.runtime.materialize import allocate_unloaded
@@ -381,7 +499,7 @@ def _write_all(targets: Sequence[_Target], read: Callable[[_Target], Tensor],
     try:
         with torch.no_grad():
             for t in targets:
-                value = read(t)
+                value = reader.read(t, None)
                 backup = None if t.fqn in unloaded else t.local.detach().clone()
                 written.append((t, backup))
                 t.local.copy_(value.to(dtype=t.local.dtype, device=t.local.device))
