@@ -302,3 +302,173 @@ def test_set_model_state_dict_broadcast_from_rank0_is_right_or_refused(mode: str
             assert res["error"].startswith("load_state_dict: transformer.h.0.attn.c_attn.weight "
                                            "is a fused (chunked) parameter")
             assert "broadcast_from_rank0=True" in res["error"]
+
+
+# -- file layouts from_pretrained reads ------------------------------------------------------
+
+
+def _bin_checkpoint(folder: Path, state: dict[str, torch.Tensor], config: Any,
+                    files: int) -> Path:
+    """``pytorch_model.bin`` as transformers 4 wrote it (``safe_serialization=False``): one
+    file, or ``pytorch_model-0000i-of-0000n.bin`` with ``pytorch_model.bin.index.json``."""
+    folder.mkdir()
+    config.save_pretrained(folder)
+    keys = sorted(state)
+    if files == 1:
+        torch.save({k: state[k].contiguous() for k in keys}, folder / "pytorch_model.bin")
+        return folder
+    weight_map = {}
+    for i in range(files):
+        name = f"pytorch_model-{i + 1:05d}-of-{files:05d}.bin"
+        part = keys[i::files]
+        torch.save({k: state[k].contiguous() for k in part}, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize(("family", "mode", "files"), [
+    ("gpt2", "production", 3), ("gpt2", "validate", 3), ("llama", "production", 1)])
+def test_pytorch_model_bin_checkpoints_load_like_from_pretrained(
+        tmp_path: Path, family: str, mode: str, files: int) -> None:
+    """Many hub repositories hold only ``pytorch_model.bin`` (sharded or not); before, such a
+    folder was refused ("no loading strategy can read"). The ``torch`` strategy maps each
+    file (``torch.load(mmap=True, weights_only=True)``) and reads the rank's slices like
+    safetensors: GPT-2 (tied, fused c_attn) from three files, Llama from one."""
+    source = _model(family, "cpu", mode)
+    folder = _bin_checkpoint(tmp_path / "bin", source.state_dict(), source.config, files)
+    res = run_ranks(_load_worker, 2, family, mode, str(folder), {})[0]
+    assert res["error"] is None, res["error"]
+    assert res["rows"]["weights torch"][0] == "loaded"
+    assert res["rows"]["weights safetensors"][0] == "ineligible"
+    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
+    _assert_equals_from_pretrained(res["full"], folder, **eager)
+
+
+def test_a_folder_with_model_safetensors_ignores_other_tools_files(tmp_path: Path) -> None:
+    """Mistral's repositories hold ``consolidated.safetensors`` (mistral's own key names)
+    beside the transformers files; ``from_pretrained`` reads ``model.safetensors`` (or the
+    index) only. Before, every ``*.safetensors`` was read and the other file's keys refused
+    as unexpected."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "mistral"
+    llama().save_pretrained(folder)
+    save_file({"layers.0.attention.wq.weight": torch.ones(4, 4),
+               "tok_embeddings.weight": torch.ones(4, 4)},
+              str(folder / "consolidated.safetensors"))
+    res = run_ranks(_load_worker, 2, "llama", "production", str(folder), {})[0]
+    assert res["error"] is None, res["error"]
+    _assert_equals_from_pretrained(res["full"], folder)
+
+
+# -- torch's own checkpoint APIs, one process on the other side -----------------------------
+
+
+def _dcp_worker(rank: int, world: int, mode: str, plain_ckpt: str, out: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, inst = _applied("gpt2", world, mode)
+    inst.load_weights(plain_ckpt)  # a DCP folder plain torch code wrote in one process
+    by_load_weights = inst.full_state_dict()
+    other, other_inst = _applied("gpt2", world, mode)
+    state = other_inst.state_dict()
+    dcp.load(state["model"], checkpoint_id=plain_ckpt)  # its keys are the model's FQNs
+    other_inst.load_state_dict(state)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    dcp.save(inst.state_dict(), checkpoint_id=out)
+    return {"load_weights": by_load_weights, "load_state_dict": other_inst.full_state_dict(),
+            "get_model_state_dict": full}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_dcp_checkpoints_cross_between_one_process_and_an_applied_model(
+        tmp_path: Path, mode: str) -> None:
+    """Tied GPT-2 with a fused c_attn: ``dcp.save(model.state_dict())`` of the unapplied model
+    in one process loads into the applied model through ``load_weights`` and through
+    ``Installation.load_state_dict``; torch's ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)`` gives rank 0 the full weights; and the applied model's
+    ``inst.state_dict()`` checkpoint, read by ``dcp.load`` into a plain one-process model's
+    state dict, gives the full weights back. All exact."""
+    import torch.distributed.checkpoint as dcp
+
+    source = _model("gpt2", "cpu", mode)
+    plain = _dcp_of(source, tmp_path / "plain")
+    res = run_ranks(_dcp_worker, 2, mode, plain, str(tmp_path / "applied"))[0]
+    expected = source.state_dict()
+    for how in ("load_weights", "load_state_dict", "get_model_state_dict"):
+        for name, value in expected.items():
+            torch.testing.assert_close(res[how][name], value, atol=0, rtol=0,
+                                       msg=lambda m, how=how, name=name: f"{how} {name}: {m}")
+    reader = _model("gpt2", "cpu", mode)
+    with torch.no_grad():
+        for p in reader.parameters():
+            p.zero_()
+    state = reader.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(tmp_path / "applied"))
+    reader.load_state_dict(state)
+    for name, value in expected.items():
+        torch.testing.assert_close(reader.state_dict()[name], value, atol=0, rtol=0, msg=name)
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def _export_worker(rank: int, world: int, family: str, recipe: str, dim: str, folder: str,
+                   out: str, dtype: torch.dtype | None) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.family_harness import batch, build
+
+    meta = build(family, "meta")
+    if dtype is not None:
+        meta = meta.to(dtype)
+    plan = compile_recipe(str(ROOT / "recipes" / recipe), meta, {dim: world})
+    inst = apply(meta, plan, init_device_mesh("cpu", (world,), mesh_dim_names=(dim,)))
+    inst.load_weights(folder)
+    opt = torch.optim.AdamW(meta.parameters(), lr=1e-2)
+    meta(input_ids=batch()).logits.float().pow(2).mean().backward()
+    opt.step()
+    inst.save_pretrained(out, max_shard_bytes=30_000)
+    return {"full": inst.full_state_dict()}
+
+
+@pytest.mark.parametrize(("family", "recipe", "dim", "dtype"), [
+    ("gpt2", "gpt2.yaml", "tp", None),          # tied, fused c_attn (chunks=3)
+    ("gpt2", "gpt2.yaml", "tp", torch.bfloat16),
+    ("phi3", "phi3.yaml", "tp", None),          # fused qkv_proj and gate_up_proj
+    ("mixtral", "mixtral-ep.yaml", "ep", None),  # experts split whole over ep
+])
+def test_export_after_a_step_loads_with_from_pretrained_as_the_trained_model(
+        tmp_path: Path, family: str, recipe: str, dim: str, dtype: torch.dtype | None) -> None:
+    """One AdamW step at 2 ranks, then ``inst.save_pretrained`` (split into many files);
+    ``AutoModelForCausalLM.from_pretrained(out)`` with its defaults has the trained weights
+    bit for bit, in the trained dtype, and its logits equal exactly those of a one-process
+    model of the same construction given those weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_harness import batch, build
+
+    source = build(family)
+    source.save_pretrained(tmp_path / "in")
+    out = tmp_path / "out"
+    res = run_ranks(_export_worker, 2, family, recipe, dim, str(tmp_path / "in"), str(out),
+                    dtype)[0]
+    assert len(list(out.glob("*.safetensors"))) > 2
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == (dtype or torch.float32)
+    state = loaded.state_dict()
+    for name, value in state.items():
+        torch.testing.assert_close(value, res["full"][name], atol=0, rtol=0, msg=name)
+    moved = [n for n, v in source.state_dict().items() if not torch.equal(v.to(state[n].dtype),
+                                                                          state[n])]
+    assert moved, "the export holds the trained weights"
+    trained = build(family)
+    if dtype is not None:
+        trained = trained.to(dtype)
+    trained.load_state_dict({k: v for k, v in res["full"].items() if k in state})
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=batch()).logits, trained(input_ids=batch()).logits)

@@ -12,11 +12,16 @@ tried.
 Strategies:
 
 - ``safetensors``: a ``.safetensors`` file, or a Hugging Face checkpoint folder (one
-  ``model.safetensors``, an indexed ``model.safetensors.index.json``, or any ``*.safetensors``).
+  ``model.safetensors``, an indexed ``model.safetensors.index.json``, or else any
+  ``*.safetensors``; as in ``from_pretrained``, an index or ``model.safetensors`` wins over
+  other files).
   Reads ``safe_open(...).get_slice`` of the rank's ranges only (chunked shards read one range
   per fused part), converting dtypes. Checkpoint keys that transformers converts at load time
   (per-expert MoE tensors into the fused ``experts.gate_up_proj``, renamed modules) are read
   the way ``from_pretrained`` would place them, still by slices (``hf_conversion.py``).
+- ``torch``: ``pytorch_model.bin`` (sharded with ``pytorch_model.bin.index.json`` or not), or a
+  ``.bin``/``.pt`` file of a state dict: memory-mapped (``torch.load(mmap=True,
+  weights_only=True)``), then read like safetensors, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
   state dict at the top level (keys ``<fqn>``), on any mesh.
@@ -98,6 +103,10 @@ class _Strategy(Protocol):
 
 class _Safetensors:
     name = "safetensors"
+    suffixes: tuple[str, ...] = (".safetensors",)
+    index_name = "model.safetensors.index.json"
+    single_name = "model.safetensors"
+    kind = "*.safetensors"
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -107,26 +116,40 @@ class _Safetensors:
         """How many model tensors the last plan reads from a checkpoint key of another name
         (transformers' renamings, a base model's keys without ``base_model_prefix``)."""
 
+    def open(self, path: Path) -> Any:
+        """A handle with ``keys()`` and ``get_slice(key)`` (``get_shape()``, ``[block]``)."""
+        from safetensors import safe_open
+
+        return safe_open(str(path), framework="pt")
+
+    def files(self, folder: Path) -> list[Path]:
+        """The weight files of a folder without an index, as ``from_pretrained`` picks them:
+        ``model.safetensors`` alone when it is there (a folder may also hold another tool's
+        files, such as Mistral's ``consolidated.safetensors``), else every file of the kind."""
+        single = folder / self.single_name
+        if single.is_file():
+            return [single]
+        return sorted(f for suffix in self.suffixes for f in folder.glob(f"*{suffix}"))
+
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
-            return None if source.suffix == ".safetensors" else f"{source} is not a .safetensors file"
+            return None if source.suffix in self.suffixes else (
+                f"{source} is not a {' or '.join(self.suffixes)} file")
         if source.is_dir():
-            if _safetensors_files(source):
+            if (source / self.index_name).is_file() or self.files(source):
                 return None
-            return f"{source} holds no *.safetensors file"
+            return f"{source} holds no {self.kind} file"
         return f"{source} does not exist"
 
     def plan(self, source: Path, targets: Sequence[_Target],
              ignore: Callable[[str], bool]) -> _Reader:
-        from safetensors import SafetensorError, safe_open
-
-        where = _key_files(source)
+        where = _key_files(self, source)
         handles: dict[Path, Any] = {}
         problems: list[str] = []
         for path in sorted(set(where.values())):
             try:
-                handles[path] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as exc:
+                handles[path] = self.open(path)
+            except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
                 problems.append(f"{path}: cannot be read: {exc}")
         if problems:
             raise WeightLoadError(_listing("the checkpoint cannot be read", problems))
@@ -134,7 +157,7 @@ class _Safetensors:
         for key, path in where.items():
             try:
                 shapes[key] = tuple(handles[path].get_slice(key).get_shape())
-            except (SafetensorError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a key the file does not hold
                 problems.append(f"{key!r} in {path.name}: listed in the index but not readable: {exc}")
         files = {k: p.name for k, p in where.items()}
         composites: Mapping[str, Composite] = {}
@@ -174,34 +197,75 @@ def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} files)"
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors"))
+class _TorchPickle(_Safetensors):
+    """``pytorch_model.bin`` checkpoints (what ``save_pretrained`` wrote before safetensors, and
+    many hub repositories still hold), sharded with ``pytorch_model.bin.index.json`` or not.
+    ``torch.load(mmap=True, weights_only=True)`` maps the file instead of reading it, so a
+    rank's slices read only the pages they cover, and no pickled code runs."""
+
+    name = "torch"
+    suffixes = (".bin", ".pt", ".pth")
+    index_name = "pytorch_model.bin.index.json"
+    single_name = "pytorch_model.bin"
+    kind = "pytorch_model*.bin"
+
+    def files(self, folder: Path) -> list[Path]:
+        single = folder / self.single_name
+        return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
+
+    def open(self, path: Path) -> Any:
+        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
+                                                     for v in state.values()):
+            raise ValueError("not a state dict of tensors")
+        return _MappedFile(state)
 
 
-def _key_files(source: Path) -> dict[str, Path]:
+class _MappedFile:
+    """A memory-mapped ``torch.load`` result with safetensors' ``safe_open`` interface."""
+
+    def __init__(self, state: Mapping[str, Tensor]) -> None:
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def get_slice(self, key: str) -> _MappedTensor:
+        return _MappedTensor(self.state[key])
+
+
+class _MappedTensor:
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
+        return self.tensor[block]
+
+
+def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
     """Checkpoint key → the file holding it (an index's weight map, or each file's keys)."""
-    from safetensors import SafetensorError, safe_open
-
     if source.is_file():
         files = [source]
     else:
-        index = source / "model.safetensors.index.json"
+        index = source / fmt.index_name
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (ValueError, KeyError, TypeError) as exc:
-                raise WeightLoadError(f"{index}: not a safetensors index ({exc})") from None
+                raise WeightLoadError(f"{index}: not a {fmt.name} index ({exc})") from None
             missing = sorted({f for f in weight_map.values() if not (source / f).is_file()})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")
             return {k: source / f for k, f in weight_map.items()}
-        files = _safetensors_files(source)
+        files = fmt.files(source)
     out: dict[str, Path] = {}
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                keys = list(handle.keys())
-        except (SafetensorError, OSError) as exc:
+            keys = list(fmt.open(path).keys())
+        except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
             raise WeightLoadError(f"{path}: cannot be read: {exc}") from None
         for key in keys:
             if key in out:
@@ -449,7 +513,7 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     """
     path = Path(source)
     safetensors = _Safetensors(model)
-    strategies: list[_Strategy] = [safetensors, _DCP(live)]
+    strategies: list[_Strategy] = [safetensors, _TorchPickle(model), _DCP(live)]
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
     ignore = _ignore_patterns(model, ignore_unexpected)
@@ -470,11 +534,11 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
             errors.append(f"{strategy.name}: {exc}")
             continue
         notes = []
-        if strategy is safetensors and safetensors.renamed:
-            notes.append(f"{safetensors.renamed} tensors read from keys of other names "
+        if isinstance(strategy, _Safetensors) and strategy.renamed:
+            notes.append(f"{strategy.renamed} tensors read from keys of other names "
                          "(transformers' renamings, the base model prefix)")
-        if strategy is safetensors and safetensors.assembled:
-            notes.append(f"{safetensors.assembled} tensors assembled from transformers' "
+        if isinstance(strategy, _Safetensors) and strategy.assembled:
+            notes.append(f"{strategy.assembled} tensors assembled from transformers' "
                          "checkpoint layout")
         if reader.ignored:
             shown = ", ".join(reader.ignored[:3]) + (", ..." if len(reader.ignored) > 3 else "")
