@@ -472,3 +472,43 @@ def test_export_after_a_step_loads_with_from_pretrained_as_the_trained_model(
     trained.load_state_dict({k: v for k, v in res["full"].items() if k in state})
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=batch()).logits, trained(input_ids=batch()).logits)
+
+
+def _model_save_worker(rank: int, world: int, mode: str, folder: str, out: str,
+                       how: str) -> dict[str, Any]:
+    model, inst = _applied("gpt2", world, mode)
+    inst.load_weights(folder)
+    try:
+        if how == "plain":
+            model.save_pretrained(out, max_shard_size="20KB")  # what a script calls
+        else:
+            model.save_pretrained(out, state_dict=model.state_dict())  # Trainer's _save
+    except PlanMismatchError as exc:
+        return {"error": str(exc)}
+    full = inst.full_state_dict()
+    inst.restore()
+    return {"error": None, "full": full,
+            "restored": "save_pretrained" not in vars(model)}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_the_models_own_save_pretrained_gathers_the_shards_while_applied(
+        tmp_path: Path, mode: str) -> None:
+    """transformers' ``save_pretrained`` writes ``model.state_dict()`` from rank 0; on an
+    applied model that failed inside safetensors ("Attempted to access the data pointer on
+    an invalid python storage"). While the plan is applied it is the installation's export
+    (every rank gathers, rank 0 writes), removed by ``restore()``; a ``state_dict=`` argument,
+    which it cannot honour, is refused by name."""
+    source = _model("gpt2", "cpu", mode)
+    source.save_pretrained(tmp_path / "in")
+    out = tmp_path / "out"
+    res = run_ranks(_model_save_worker, 2, mode, str(tmp_path / "in"), str(out), "plain")
+    assert all(r["error"] is None and r["restored"] for r in res), res[0]["error"]
+    assert (out / "model.safetensors.index.json").is_file()
+    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
+    _assert_equals_from_pretrained(res[0]["full"], out, **eager)
+    refused = run_ranks(_model_save_worker, 2, mode, str(tmp_path / "in"), str(tmp_path / "x"),
+                        "state_dict")[0]
+    assert refused["error"] is not None and refused["error"].startswith(
+        "model.save_pretrained(state_dict) on a model with an applied plan")
+    assert "call Installation.save_pretrained(folder) on every rank" in refused["error"]
