@@ -118,6 +118,18 @@ def test_tied_names_holding_different_values_are_refused_not_one_silently_droppe
                                atol=0, rtol=0)
 
 
+def test_a_tied_checkpoint_into_an_untied_model_names_the_tie(tmp_path: Path) -> None:
+    """``save_pretrained`` of a tied model writes the embedding once; a model built untied
+    misses ``lm_head.weight`` (``from_pretrained`` would initialize it randomly). The refusal
+    says why and what to build instead."""
+    llama(tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    res = run_ranks(_load_worker, 2, "llama", "production", str(tmp_path / "tied"), {})[0]
+    assert res["error"] is not None
+    assert ("missing 'lm_head.weight' (shape [128, 64]): the checkpoint stores it tied to "
+            "'model.embed_tokens.weight' (saved with tie_word_embeddings=True, which writes "
+            "the tensor once), and this model is built untied") in res["error"]
+
+
 # -- key styles transformers accepts ----------------------------------------------------------
 
 

@@ -176,7 +176,7 @@ class _Safetensors:
                           **{k: shapes[k] for k in conversion.unexpected}}
         self.assembled = sum(c.kind != "leaf" for c in composites.values())
         self.renamed = sum(c.kind == "leaf" and c.key != k for k, c in composites.items())
-        hints = _base_model_hints(self.model, composites)
+        hints = {**_tied_hints(self.model, shapes), **_base_model_hints(self.model, composites)}
         ignored = _check_fit(targets, shapes, files, ignore, problems, hints)
 
         def open_key(key: str) -> Callable[[tuple[slice, ...]], Tensor]:
@@ -309,7 +309,8 @@ class _DCP:
         shapes = {k: s for k, s in shapes.items() if k.split(".", 1)[0] in roots}
         problems: list[str] = []
         files = {k: source.name for k in shapes}
-        ignored = _check_fit(targets, shapes, files, ignore, problems, {})
+        ignored = _check_fit(targets, shapes, files, ignore, problems,
+                             _tied_hints(self.live.model, shapes))
         found = _found(targets, shapes)
         # Read everything this rank needs in one dcp.load, into fresh buffers: a failure
         # leaves the model untouched. Every name a tied parameter is stored under is read,
@@ -403,6 +404,21 @@ def _pattern_for(keys: Sequence[str]) -> str:
     if common and len(common) < min(len(p) for p in parts):
         return "^" + re.escape(".".join(common) + ".")
     return "^" + re.escape(keys[0]) + "$"
+
+
+def _tied_hints(model: nn.Module, shapes: Mapping[str, Any]) -> dict[str, str]:
+    """Why a parameter transformers ties is missing from a checkpoint holding its source: the
+    checkpoint was saved tied (stored once, under the source's name) and this model is built
+    untied, so ``from_pretrained`` would initialize the missing one randomly."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        return {}
+    return {target: (f"the checkpoint stores it tied to {source!r} (saved with "
+                     f"tie_word_embeddings=True, which writes the tensor once), and this model is "
+                     f"built untied; build it with tie_word_embeddings=True and compile the plan "
+                     f"for it")
+            for target, source in tied.items()
+            if isinstance(target, str) and source in shapes and target not in shapes}
 
 
 def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> dict[str, str]:
