@@ -501,7 +501,7 @@ def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: An
     if not pairs:
         return
     device = pairs[0][0].local.device
-    differ = torch.tensor([0 if torch.equal(reader.read(t, a), reader.read(t, b)) else 1
+    differ = torch.tensor([0 if _same(reader.read(t, a), reader.read(t, b)) else 1
                            for t, a, b in pairs], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized():
         for dim in range(mesh.ndim):
@@ -514,6 +514,11 @@ def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: An
                 for (t, a, b), d in zip(pairs, differ.tolist(), strict=True) if d]
     if problems:
         raise WeightLoadError(_listing("the checkpoint does not fit the model", problems))
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a tensor stored twice is the same tensor)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
