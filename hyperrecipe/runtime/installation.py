@@ -20,6 +20,7 @@ from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
 from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
+from hyperrecipe.runtime.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.sharding import local_shard
@@ -101,7 +102,8 @@ class Installation:
                           if not self.mode.dtensor_parameters else {})
         self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),
                        *(install_optimizer_hooks(self._live, self._bucketed)
-                         if not self.mode.dtensor_parameters else [])]
+                         if not self.mode.dtensor_parameters else []),
+                       install_ddp_guard(model, plan, mesh)]
 
     def _mark_loaded(self, fqns: set[str]) -> None:
         """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
