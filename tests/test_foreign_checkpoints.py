@@ -589,3 +589,34 @@ def test_ddp_over_the_dp_dim_of_a_dp_tp_mesh_matches_one_process(tmp_path: Path)
         assert res["error"] is None, res["error"]
         for name, g in grads_of(ref).items():
             assert_close(res["grads"][name], g, f"grad {name}")
+
+
+def _tied_state_worker(rank: int, world: int, mode: str, state: dict[str, torch.Tensor]
+                       ) -> dict[str, str | None]:
+    model, inst = _applied("llama", world, mode, tie_word_embeddings=True)
+    out: dict[str, str | None] = {}
+    for how, call in (("model.load_state_dict", lambda: model.load_state_dict(state)),
+                      ("inst.load_state_dict", lambda: inst.load_state_dict({"model": state})),
+                      ("inst.load_full_state_dict", lambda: inst.load_full_state_dict(state))):
+        try:
+            call()
+            out[how] = None
+        except PlanMismatchError as exc:
+            out[how] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_state_dict_with_different_tied_values_is_refused_by_every_load(mode: str) -> None:
+    """A one-process *untied* state dict into a tied applied model: ``embed_tokens`` and
+    ``lm_head`` are copied into the one shared tensor, the last silently winning (before:
+    every one of these loads did that). Refused now; the same values under both names load."""
+    state = llama(tie_word_embeddings=False).state_dict()
+    for res in run_ranks(_tied_state_worker, 2, mode, state):
+        for how, msg in res.items():
+            assert msg is not None, f"{how} must refuse differing tied values"
+            assert ("holds different values for 'model.embed_tokens.weight' and "
+                    "'lm_head.weight', which the model ties into one parameter") in msg, how
+    same = {**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}
+    for res in run_ranks(_tied_state_worker, 2, mode, same):
+        assert res == dict.fromkeys(res), res

@@ -19,7 +19,12 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
-from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
+from hyperrecipe.runtime.checkpoint import (
+    LiveParams,
+    differing_ties,
+    load_optimizer_state,
+    optimizer_state,
+)
 from hyperrecipe.runtime.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.mode import Mode, as_mode
@@ -192,9 +197,13 @@ class Installation:
         """Copy full tensors in; each rank keeps its own shard.
 
         Raises:
-            PlanMismatchError: a parameter is missing or has the wrong shape.
+            PlanMismatchError: a parameter is missing or has the wrong shape; tied names hold
+                different values.
         """
         self._check_live()
+        why = differing_ties(self.plan, state_dict)
+        if why is not None:
+            raise PlanMismatchError(f"load_full_state_dict: {why}")
         for p in self._own():
             if p.fqn not in state_dict:
                 raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} is missing")
@@ -299,6 +308,9 @@ class Installation:
                                                      for q in self.plan.params)]
         if missing:
             raise PlanMismatchError(f"load_state_dict: missing {missing}")
+        why = differing_ties(self.plan, model)
+        if why is not None:
+            raise PlanMismatchError(f"load_state_dict: {why}")
         writes: list[tuple[ParamPlan, Tensor, Tensor]] = []
         for p in self._own():
             value = model[p.fqn] if p.fqn in model else next(

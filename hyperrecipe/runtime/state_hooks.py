@@ -33,7 +33,12 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.checkpoint import LiveParams, contiguous_stride, dtensor_placements
+from hyperrecipe.runtime.checkpoint import (
+    LiveParams,
+    contiguous_stride,
+    differing_ties,
+    dtensor_placements,
+)
 
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
@@ -88,6 +93,9 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
                    "load_state_dict without assign=True (the values are copied into the "
                    "shards), or Installation.load_weights / load_full_state_dict")
             raise PlanMismatchError(msg)
+        why = differing_ties(live.plan, state, prefix)
+        if why is not None:
+            raise PlanMismatchError(f"load_state_dict: {why}")
         pending.clear()
         pending.update(k[len(prefix):] for k in state if k.startswith(prefix))
         for fqn, p in names.items():
