@@ -85,7 +85,8 @@ def test_meta_apply_then_load_weights_matches_one_process(hf_checkpoint: Path, m
     results = run_ranks(_meta_load_worker, 2, str(hf_checkpoint), mode)
     for res in results:
         assert res["before"] == ["unset"], "status says the meta-built model has no values yet"
-        assert res["rows"] == {"weights safetensors": "loaded", "weights dcp": "not tried"}
+        assert res["rows"] == {"weights safetensors": "loaded", "weights torch": "not tried",
+                               "weights dcp": "not tried"}
         assert res["devices"] == ["cpu"]
         assert res["local_numel"] < 0.6 * full_numel, "each rank allocated only its shards"
         torch.testing.assert_close(res["inv_freq"], ref.model.rotary_emb.inv_freq)
@@ -243,7 +244,8 @@ def _dcp_weights_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(tp2_checkpoint: str) -> None:
     ckpt = tp2_checkpoint
     trained = run_ranks(_dcp_weights_worker, 2, ckpt)[0]
-    assert trained["rows"] == {"weights safetensors": "ineligible", "weights dcp": "loaded"}
+    assert trained["rows"] == {"weights safetensors": "ineligible", "weights torch": "ineligible",
+                               "weights dcp": "loaded"}
     again = run_ranks(_dcp_weights_worker, 1, ckpt)[0]
     for name, value in trained["full"].items():
         torch.testing.assert_close(again["full"][name], value, atol=0, rtol=0)

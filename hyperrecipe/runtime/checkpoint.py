@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "LiveParams",
+    "differing_ties",
     "dtensor_placements",
     "load_optimizer_state",
     "optimizer_state",
@@ -55,6 +56,37 @@ def dtensor_placements(p: ParamPlan, mesh_dims: tuple[str, ...]) -> tuple[Any, .
     if p.no_dtensor is not None or parse_chunk_parts(p.dtensor) is not None:
         return None  # no DTensor, or one per part (unequal chunks): stored whole
     return from_dtensor_text(p.dtensor)
+
+
+def differing_ties(plan: Plan, state: Mapping[str, Any], prefix: str = "") -> str | None:
+    """Why ``state`` cannot load into the plan's tied parameters, or ``None``: it holds two of
+    a tied parameter's names as different tensors with different values (a one-process
+    *untied* model's state dict). ``load_state_dict`` would copy both into the one shared
+    tensor, the last silently winning, where ``from_pretrained`` unties them. The same object
+    under both names (what ``state_dict()`` of the applied model hands out) is not compared.
+    Comparing DTensors is a collective (every rank loads)."""
+    from torch.distributed.tensor import DTensor
+
+    problems = []
+    for q in plan.params:
+        if q.tied_to is None:
+            continue
+        a, b = state.get(prefix + q.tied_to), state.get(prefix + q.fqn)
+        if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            continue
+        la = a._local_tensor if isinstance(a, DTensor) else a
+        lb = b._local_tensor if isinstance(b, DTensor) else b
+        if la.data_ptr() == lb.data_ptr() and la.shape == lb.shape:
+            continue  # one tensor under both names (the applied model's own state dicts)
+        fa = a.full_tensor() if isinstance(a, DTensor) else a
+        fb = b.full_tensor() if isinstance(b, DTensor) else b
+        if fa.shape != fb.shape or not bool((fa == fb).all()):
+            problems.append(f"{prefix + q.tied_to!r} and {prefix + q.fqn!r}")
+    if not problems:
+        return None
+    return (f"the state dict holds different values for {', '.join(problems)}, which the model "
+            f"ties into one parameter (from_pretrained would untie them); build the model "
+            f"untied (tie_word_embeddings=False) and compile the plan for it, or keep one name")
 
 
 def _stores_exactly(placements: tuple[Any, ...] | None) -> bool:

@@ -23,7 +23,9 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ExportItem", "write_safetensors"]
+from hyperrecipe.errors import PlanMismatchError
+
+__all__ = ["ExportItem", "model_save_pretrained", "write_safetensors"]
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -117,3 +119,38 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
             if config is not None and callable(getattr(config, "save_pretrained", None)):
                 config.save_pretrained(out)
     return written
+
+
+def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None]:
+    """The ``save_pretrained`` an applied transformers model carries while its plan is applied.
+
+    transformers' own ``save_pretrained`` writes ``model.state_dict()`` from rank 0 alone: on an
+    applied model those are DTensors or this rank's shards, and safetensors fails on them with
+    ``Attempted to access the data pointer on an invalid python storage``. This one is
+    :meth:`Installation.save_pretrained` (every rank gathers, rank 0 writes) for the arguments
+    a plain save passes; a call with anything else is refused by name. Called on one rank only
+    (``if rank == 0``, as ``Trainer`` does), the gather's monitored barrier refuses it within
+    ``collective_timeout_s`` instead of hanging.
+    """
+
+    def save_pretrained(save_directory: str | os.PathLike[str], is_main_process: bool = True,
+                        state_dict: Any = None, max_shard_size: int | str = "50GB",
+                        safe_serialization: bool = True, **kwargs: Any) -> None:
+        unsupported = sorted(k for k, v in kwargs.items() if v not in (None, False))
+        if state_dict is not None:
+            unsupported.insert(0, "state_dict")
+        if not safe_serialization:
+            unsupported.append("safe_serialization=False")
+        if unsupported:
+            msg = (f"model.save_pretrained({', '.join(unsupported)}) on a model with an applied "
+                   f"plan: the weights are gathered from the shards, so only a folder, "
+                   f"max_shard_size and is_main_process are supported; call "
+                   f"Installation.save_pretrained(folder) on every rank, or restore() first")
+            raise PlanMismatchError(msg)
+        from transformers.utils.hub import convert_file_size_to_int
+
+        del is_main_process  # rank 0 writes; every rank gathers
+        installation().save_pretrained(save_directory,
+                                       max_shard_bytes=convert_file_size_to_int(max_shard_size))
+
+    return save_pretrained

@@ -35,6 +35,7 @@ from hyperrecipe.runtime.compute import (
     local_padding_idx,
     vocab_parallel_embedding,
 )
+from hyperrecipe.runtime.export import model_save_pretrained
 from hyperrecipe.runtime.grad_buckets import GradBucketReducer
 from hyperrecipe.runtime.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
@@ -311,6 +312,14 @@ class _Applier:
         for fqn, config in configs.items():
             tx.set_attribute(self.modules[fqn], "config", config, fqn=fqn)
 
+    def install_save_pretrained(self, tx: Rewrite,
+                                installation: Callable[[], Installation]) -> None:
+        """A transformers model's ``save_pretrained`` becomes the installation's (export.py),
+        for as long as the plan is applied."""
+        if callable(getattr(self.model, "save_pretrained", None)):
+            tx.set_attribute(self.model, "save_pretrained", model_save_pretrained(installation),
+                             fqn="<model>")
+
     def install_adapters(self, tx: Rewrite) -> None:
         """The plan's method adapters. Before the boundaries: a boundary binds its module's
         class forward when it is installed, and that forward may be an adapted method."""
@@ -438,6 +447,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
             applier.install_loss(tx)
+            applier.install_save_pretrained(tx, lambda: installation)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc
         try:
@@ -458,6 +468,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
-    return Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result, mesh=mesh,
-                        wrapper_choices=applier.inner.choices, unloaded=applier.unloaded)
+    installation = Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result,
+                                mesh=mesh, wrapper_choices=applier.inner.choices,
+                                unloaded=applier.unloaded)
+    return installation
 

@@ -19,7 +19,13 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
 from hyperrecipe.runtime.inner import WrapperChoice
-from hyperrecipe.runtime.checkpoint import LiveParams, load_optimizer_state, optimizer_state
+from hyperrecipe.runtime.checkpoint import (
+    LiveParams,
+    differing_ties,
+    load_optimizer_state,
+    optimizer_state,
+)
+from hyperrecipe.runtime.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
@@ -101,12 +107,19 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
-        # Production: state dicts of local shards as DTensors. Validate: a step of torch's
-        # multi-tensor kernels over its mixed DTensor / plain parameters refused by name.
-        self._hooks = ([*install_state_hooks(model, self._live),
-                        *install_optimizer_hooks(self._live, self._bucketed)]
-                       if not self.mode.dtensor_parameters
-                       else install_mixed_kernel_check(self._live))
+        # Production: state dicts of local shards as DTensors and the optimizer's hooks.
+        # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
+        # parameters refused by name. Both: model.load_state_dict's checks, the DDP guard.
+        self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),
+                       *(install_optimizer_hooks(self._live, self._bucketed)
+                         if not self.mode.dtensor_parameters
+                         else install_mixed_kernel_check(self._live)),
+                       install_ddp_guard(model, plan, mesh)]
+
+    def _mark_loaded(self, fqns: set[str]) -> None:
+        """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
+        owners = {p.fqn: p.tied_to or p.fqn for p in self.plan.params}
+        self._unloaded -= {owners.get(f, f) for f in fqns}
 
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
@@ -246,9 +259,13 @@ class Installation:
         """Copy full tensors in; each rank keeps its own shard.
 
         Raises:
-            PlanMismatchError: a parameter is missing or has the wrong shape.
+            PlanMismatchError: a parameter is missing or has the wrong shape; tied names hold
+                different values.
         """
         self._check_live()
+        why = differing_ties(self.plan, state_dict)
+        if why is not None:
+            raise PlanMismatchError(f"load_full_state_dict: {why}")
         for p in self._own():
             if p.fqn not in state_dict:
                 raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} is missing")
@@ -271,7 +288,8 @@ class Installation:
                     buf.copy_(state_dict[name])
                 self._unloaded.discard(name)
 
-    def load_weights(self, source: str | os.PathLike[str]) -> None:
+    def load_weights(self, source: str | os.PathLike[str], *,
+                     ignore_unexpected: Sequence[str] = ()) -> None:
         """Load a checkpoint, each rank reading only its slices (call on every rank).
 
         ``source`` is a ``.safetensors`` file, a Hugging Face checkpoint folder (one file or an
@@ -279,16 +297,25 @@ class Installation:
         (saved from :meth:`state_dict` or a model state dict, on any mesh). Strategies are tried
         in that order; :meth:`status` shows which loaded and why the others were skipped.
         Dtypes are converted to the model's; tied parameters load from whichever of their
-        names the checkpoint holds.
+        names the checkpoint holds (several names must hold one value).
+
+        Args:
+            source: the checkpoint file or folder.
+            ignore_unexpected: regular expressions (``re.search``) naming checkpoint keys the
+                model does not use and that may be skipped (extra heads, another model's
+                parts). Buffers that older transformers versions saved and current models
+                compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
+                being named, as ``from_pretrained`` does; any other unexpected key is refused.
 
         Raises:
             WeightLoadError: the checkpoint does not fit (every missing, unexpected and
-                mis-shaped tensor named, with its file), or cannot be read; the model is left
-                as it was before the call.
+                mis-shaped tensor named, with its file; tied names holding different values),
+                or cannot be read; the model is left as it was before the call.
         """
         self._check_live()
         try:
-            attempts = load_weights(self._live, self.model, source, self._unloaded)
+            attempts = load_weights(self._live, self.model, source, self._unloaded,
+                                    tuple(ignore_unexpected))
         except WeightLoadError as exc:
             self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
                                        detail=str(exc))]
@@ -343,6 +370,9 @@ class Installation:
                                                      for q in self.plan.params)]
         if missing:
             raise PlanMismatchError(f"load_state_dict: missing {missing}")
+        why = differing_ties(self.plan, model)
+        if why is not None:
+            raise PlanMismatchError(f"load_state_dict: {why}")
         writes: list[tuple[ParamPlan, Tensor, Tensor]] = []
         for p in self._own():
             value = model[p.fqn] if p.fqn in model else next(

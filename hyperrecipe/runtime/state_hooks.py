@@ -1,4 +1,4 @@
-"""``model.state_dict()`` and ``model.load_state_dict()`` of a production-mode model, made right.
+"""``model.state_dict()`` and ``model.load_state_dict()`` of an applied model, made right.
 
 Production mode trains on plain local shards registered under the original names, so the
 model's own state dict has the same keys on every rank with different contents. Handed to
@@ -17,12 +17,15 @@ module therefore carries two hooks, removed by ``restore()``:
 Optimizers over those shards have the same problem with their moments;
 :func:`install_optimizer_hooks` gives them the same pair of hooks.
 
-Validate mode needs none of this: its parameters (and so its optimizer state) are DTensors.
+Validate mode's parameters (and so its optimizer state) are DTensors already; its load
+pre-hook only turns full tensors (a one-process state dict) into DTensors like the parameter.
+In both modes the load pre-hook refuses ``assign=True``, and a load post-hook tells the
+installation which tensors now have values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,16 +33,33 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.checkpoint import LiveParams, contiguous_stride, dtensor_placements
+from hyperrecipe.runtime.checkpoint import (
+    LiveParams,
+    contiguous_stride,
+    differing_ties,
+    dtensor_placements,
+)
 
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
 
-def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
-    """Register both hooks on ``model``; returns their handles (``.remove()`` each)."""
+def install_state_hooks(model: nn.Module, live: LiveParams,
+                        on_loaded: Callable[[set[str]], None]) -> list[Any]:
+    """Register the hooks on ``model``; returns their handles (``.remove()`` each).
+
+    Both modes: ``load_state_dict(..., assign=True)`` is refused (it would put new parameter
+    objects in place of the installed shards: ties split, the deferred biases and gradient
+    hooks stay on the old objects, and training goes on silently wrong), and the FQNs a
+    ``load_state_dict`` wrote are reported to ``on_loaded`` (the installation's "weights unset"
+    status). Production mode: DTensors out of ``state_dict()``, DTensors or full tensors back
+    in as this rank's shard. Validate mode: full tensors in become DTensors like the parameter,
+    so ``load_state_dict`` of a one-process state dict works in both modes.
+    """
     names: dict[str, Any] = {}
     for p in live.plan.params:
         names[p.fqn] = live.plan.param(p.tied_to) if p.tied_to else p
+    handles: list[Any] = []
+    pending: set[str] = set()
 
     def to_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                     local_metadata: Any) -> None:
@@ -62,22 +82,81 @@ def install_state_hooks(model: nn.Module, live: LiveParams) -> list[Any]:
                                             run_check=False, shape=torch.Size(p.shape),
                                             stride=contiguous_stride(p.shape))
 
-    def from_dtensors(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    def from_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
+                      local_metadata: Any, *args: Any) -> None:
         from torch.distributed.tensor import DTensor
 
+        if isinstance(local_metadata, Mapping) and local_metadata.get("assign_to_params_buffers"):
+            msg = ("load_state_dict(..., assign=True) on a model with an applied plan would "
+                   "replace the installed shards with new parameter objects (ties split, "
+                   "deferred biases and gradient hooks left on the old ones); call "
+                   "load_state_dict without assign=True (the values are copied into the "
+                   "shards), or Installation.load_weights / load_full_state_dict")
+            raise PlanMismatchError(msg)
+        why = differing_ties(live.plan, state, prefix)
+        if why is not None:
+            raise PlanMismatchError(f"load_state_dict: {why}")
+        pending.clear()
+        pending.update(k[len(prefix):] for k in state if k.startswith(prefix))
         for fqn, p in names.items():
             key = prefix + fqn
             value = state.get(key)
-            if not isinstance(value, Tensor) or tuple(p.shape) == tuple(p.local_shape):
+            if not isinstance(value, Tensor):
+                continue
+            param = live.param(p)
+            if live.mode.dtensor_parameters:
+                if value is param and _strided(param):
+                    raise PlanMismatchError(_broadcast_refusal(fqn))
+                if isinstance(param, DTensor) and not isinstance(value, DTensor) and tuple(
+                        value.shape) == tuple(p.shape):
+                    local = (value if tuple(param._local_tensor.shape) == tuple(p.shape)
+                             else live.shard_of(p, value))
+                    state[key] = DTensor.from_local(
+                        local.to(param.device), param.device_mesh, param.placements,
+                        run_check=False, shape=param.shape, stride=param.stride())
+                continue
+            if tuple(p.shape) == tuple(p.local_shape):
                 continue
             if isinstance(value, DTensor) or tuple(value.shape) == tuple(p.shape):
-                param = live.param(p)
                 state[key] = (live.piece_like(p, value, param)
                               if live.wrapper_layout(p, param) is not None
                               else live.shard_of(p, value))
 
-    return [model.register_state_dict_post_hook(to_dtensors),  # type: ignore[no-untyped-call]
-            model.register_load_state_dict_pre_hook(from_dtensors)]  # type: ignore[no-untyped-call]
+    def report_loaded(module: nn.Module, incompatible: Any) -> None:
+        missing = set(getattr(incompatible, "missing_keys", ()))
+        loaded = {k for k in pending if k not in missing}
+        pending.clear()
+        on_loaded(loaded)
+
+    register: Any = model  # torch leaves these three untyped
+    if not live.mode.dtensor_parameters:
+        handles.append(register.register_state_dict_post_hook(to_dtensors))
+    handles.append(register.register_load_state_dict_pre_hook(from_dtensors))
+    handles.append(register.register_load_state_dict_post_hook(report_loaded))
+    return handles
+
+
+def _strided(param: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(param, DTensor) and any(isinstance(q, _StridedShard)
+                                              for q in param.placements)
+
+
+def _broadcast_refusal(fqn: str) -> str:
+    """torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` hands a validate-mode
+    model's own DTensor parameters back to ``load_state_dict`` after copying into each one
+    the slice ``compute_local_shape_and_global_offset`` names; for a ``_StridedShard`` (fused,
+    chunked) parameter that is one contiguous range, not the rank's piece of every chunk."""
+    return (f"load_state_dict: {fqn} is a fused (chunked) parameter, a _StridedShard DTensor in "
+            f"validate mode, and it was handed back as the parameter itself, as "
+            f"set_model_state_dict(..., broadcast_from_rank0=True) does after copying one "
+            f"contiguous slice of the full tensor into it (not this rank's piece of every "
+            f"chunk): its values are wrong. Load full tensors with "
+            f"Installation.load_full_state_dict(), model.load_state_dict(full_state_dict), or "
+            f"set_model_state_dict with full_state_dict=True and no broadcast_from_rank0 (or "
+            f"in production mode)")
 
 
 def replaced_bucket_params(live: LiveParams,

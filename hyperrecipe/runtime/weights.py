@@ -12,11 +12,16 @@ tried.
 Strategies:
 
 - ``safetensors``: a ``.safetensors`` file, or a Hugging Face checkpoint folder (one
-  ``model.safetensors``, an indexed ``model.safetensors.index.json``, or any ``*.safetensors``).
+  ``model.safetensors``, an indexed ``model.safetensors.index.json``, or else any
+  ``*.safetensors``; as in ``from_pretrained``, an index or ``model.safetensors`` wins over
+  other files).
   Reads ``safe_open(...).get_slice`` of the rank's ranges only (chunked shards read one range
   per fused part), converting dtypes. Checkpoint keys that transformers converts at load time
   (per-expert MoE tensors into the fused ``experts.gate_up_proj``, renamed modules) are read
   the way ``from_pretrained`` would place them, still by slices (``hf_conversion.py``).
+- ``torch``: ``pytorch_model.bin`` (sharded with ``pytorch_model.bin.index.json`` or not), or a
+  ``.bin``/``.pt`` file of a state dict: memory-mapped (``torch.load(mmap=True,
+  weights_only=True)``), then read like safetensors, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
   state dict at the top level (keys ``<fqn>``), on any mesh.
@@ -70,13 +75,27 @@ class _Target:
     """The full tensor's ranges this rank holds (``None`` for a buffer: all of it)."""
 
 
+@attrs.frozen(kw_only=True)
+class _Reader:
+    """What a strategy's plan hands the writer: ``read(target, key)`` gives this rank's part
+    of ``target`` from the checkpoint tensor ``key`` (default: the first of the target's
+    names the checkpoint holds); ``found`` lists, per target FQN, every name it holds (more
+    than one for a tied parameter stored under several names); ``files`` names the file of
+    each key, for messages; ``ignored`` are unexpected keys skipped as allowed."""
+
+    read: Callable[[_Target, str | None], Tensor]
+    found: Mapping[str, tuple[str, ...]]
+    files: Mapping[str, str]
+    ignored: tuple[str, ...] = ()
+
+
 class _Strategy(Protocol):
     name: str
 
     def ineligible(self, source: Path) -> str | None: ...
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]: ...
+             ignore: Callable[[str], bool]) -> _Reader: ...
 
 
 # -- safetensors ---------------------------------------------------------------------------
@@ -84,32 +103,53 @@ class _Strategy(Protocol):
 
 class _Safetensors:
     name = "safetensors"
+    suffixes: tuple[str, ...] = (".safetensors",)
+    index_name = "model.safetensors.index.json"
+    single_name = "model.safetensors"
+    kind = "*.safetensors"
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.converted = 0
-        """How many model tensors the last plan assembles from converted checkpoint keys."""
+        self.assembled = 0
+        """How many model tensors the last plan assembles from several checkpoint tensors."""
+        self.renamed = 0
+        """How many model tensors the last plan reads from a checkpoint key of another name
+        (transformers' renamings, a base model's keys without ``base_model_prefix``)."""
+
+    def open(self, path: Path) -> Any:
+        """A handle with ``keys()`` and ``get_slice(key)`` (``get_shape()``, ``[block]``)."""
+        from safetensors import safe_open
+
+        return safe_open(str(path), framework="pt")
+
+    def files(self, folder: Path) -> list[Path]:
+        """The weight files of a folder without an index, as ``from_pretrained`` picks them:
+        ``model.safetensors`` alone when it is there (a folder may also hold another tool's
+        files, such as Mistral's ``consolidated.safetensors``), else every file of the kind."""
+        single = folder / self.single_name
+        if single.is_file():
+            return [single]
+        return sorted(f for suffix in self.suffixes for f in folder.glob(f"*{suffix}"))
 
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
-            return None if source.suffix == ".safetensors" else f"{source} is not a .safetensors file"
+            return None if source.suffix in self.suffixes else (
+                f"{source} is not a {' or '.join(self.suffixes)} file")
         if source.is_dir():
-            if _safetensors_files(source):
+            if (source / self.index_name).is_file() or self.files(source):
                 return None
-            return f"{source} holds no *.safetensors file"
+            return f"{source} holds no {self.kind} file"
         return f"{source} does not exist"
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]:
-        from safetensors import SafetensorError, safe_open
-
-        where = _key_files(source)
+             ignore: Callable[[str], bool]) -> _Reader:
+        where = _key_files(self, source)
         handles: dict[Path, Any] = {}
         problems: list[str] = []
         for path in sorted(set(where.values())):
             try:
-                handles[path] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as exc:
+                handles[path] = self.open(path)
+            except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
                 problems.append(f"{path}: cannot be read: {exc}")
         if problems:
             raise WeightLoadError(_listing("the checkpoint cannot be read", problems))
@@ -117,7 +157,7 @@ class _Safetensors:
         for key, path in where.items():
             try:
                 shapes[key] = tuple(handles[path].get_slice(key).get_shape())
-            except (SafetensorError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a key the file does not hold
                 problems.append(f"{key!r} in {path.name}: listed in the index but not readable: {exc}")
         files = {k: p.name for k, p in where.items()}
         composites: Mapping[str, Composite] = {}
@@ -134,20 +174,22 @@ class _Safetensors:
                          **{k: files[k] for k in conversion.unexpected}}
                 shapes = {**{k: c.shape for k, c in composites.items()},
                           **{k: shapes[k] for k in conversion.unexpected}}
-        self.converted = sum(c.kind != "leaf" or c.key != k for k, c in composites.items())
-        _check_fit(targets, shapes, files, ignore, problems)
+        self.assembled = sum(c.kind != "leaf" for c in composites.values())
+        self.renamed = sum(c.kind == "leaf" and c.key != k for k, c in composites.items())
+        hints = {**_tied_hints(self.model, shapes), **_base_model_hints(self.model, composites)}
+        ignored = _check_fit(targets, shapes, files, ignore, problems, hints)
 
         def open_key(key: str) -> Callable[[tuple[slice, ...]], Tensor]:
             sl = handles[where[key]].get_slice(key)
             return lambda block: sl[block]
 
-        def read(target: _Target) -> Tensor:
-            key = _key_for(target, shapes)
+        def read(target: _Target, key: str | None = None) -> Tensor:
+            key = key or _key_for(target, shapes)
             composite = composites.get(key) or Composite.leaf(key, shapes[key])
             ranges = target.ranges or tuple(((0, n),) for n in target.shape)
             return read_ranges(lambda block: composite.read(block, open_key), ranges)
 
-        return read
+        return _Reader(read=read, found=_found(targets, shapes), files=files, ignored=ignored)
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
@@ -155,38 +197,79 @@ def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} files)"
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors"))
+class _TorchPickle(_Safetensors):
+    """``pytorch_model.bin`` checkpoints (what ``save_pretrained`` wrote before safetensors, and
+    many hub repositories still hold), sharded with ``pytorch_model.bin.index.json`` or not.
+    ``torch.load(mmap=True, weights_only=True)`` maps the file instead of reading it, so a
+    rank's slices read only the pages they cover, and no pickled code runs."""
+
+    name = "torch"
+    suffixes = (".bin", ".pt", ".pth")
+    index_name = "pytorch_model.bin.index.json"
+    single_name = "pytorch_model.bin"
+    kind = "pytorch_model*.bin"
+
+    def files(self, folder: Path) -> list[Path]:
+        single = folder / self.single_name
+        return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
+
+    def open(self, path: Path) -> Any:
+        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
+                                                     for v in state.values()):
+            raise ValueError("not a state dict of tensors")
+        return _MappedFile(state)
 
 
-def _key_files(source: Path) -> dict[str, Path]:
+class _MappedFile:
+    """A memory-mapped ``torch.load`` result with safetensors' ``safe_open`` interface."""
+
+    def __init__(self, state: Mapping[str, Tensor]) -> None:
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def get_slice(self, key: str) -> _MappedTensor:
+        return _MappedTensor(self.state[key])
+
+
+class _MappedTensor:
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
+        return self.tensor[block]
+
+
+def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
     """Checkpoint key → the file holding it (an index's weight map, or each file's keys)."""
-    from safetensors import SafetensorError, safe_open
-
     if source.is_file():
         files = [source]
     else:
-        index = source / "model.safetensors.index.json"
+        index = source / fmt.index_name
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
-                raise WeightLoadError(f"{index}: not a safetensors index ({exc!r:.200})") from None
+                raise WeightLoadError(f"{index}: not a {fmt.name} index ({exc!r:.200})") from None
             if not (isinstance(weight_map, dict) and all(
                     isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items())):
-                raise WeightLoadError(f"{index}: not a safetensors index (weight_map must map "
+                raise WeightLoadError(f"{index}: not a {fmt.name} index (weight_map must map "
                                       f"tensor names to file names)")
             missing = sorted({f for f in weight_map.values() if not (source / f).is_file()})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")
             return {k: source / f for k, f in weight_map.items()}
-        files = _safetensors_files(source)
+        files = fmt.files(source)
     out: dict[str, Path] = {}
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                keys = list(handle.keys())
-        except (SafetensorError, OSError) as exc:
+            keys = list(fmt.open(path).keys())
+        except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
             raise WeightLoadError(f"{path}: cannot be read: {exc}") from None
         for key in keys:
             if key in out:
@@ -210,7 +293,7 @@ class _DCP:
         return f"{source} is not a torch.distributed.checkpoint folder (no .metadata)"
 
     def plan(self, source: Path, targets: Sequence[_Target],
-             ignore: Callable[[str], bool]) -> Callable[[_Target], Tensor]:
+             ignore: Callable[[str], bool]) -> _Reader:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -226,37 +309,43 @@ class _DCP:
         shapes = {k[len(prefix):]: s for k, s in stored.items() if k.startswith(prefix)}
         # A trainer's checkpoint holds more than the model (optimizer, data loader, step):
         # only keys under a top-level name the model uses can be "unexpected" here.
-        roots = {t.fqn.split(".", 1)[0] for t in targets}
+        roots = {k.split(".", 1)[0] for t in targets for k in (t.fqn, *t.aliases)}
         shapes = {k: s for k, s in shapes.items() if k.split(".", 1)[0] in roots}
         problems: list[str] = []
-        _check_fit(targets, shapes, {k: source.name for k in shapes}, ignore, problems)
+        files = {k: source.name for k in shapes}
+        ignored = _check_fit(targets, shapes, files, ignore, problems,
+                             _tied_hints(self.live.model, shapes))
+        found = _found(targets, shapes)
         # Read everything this rank needs in one dcp.load, into fresh buffers: a failure
-        # leaves the model untouched.
+        # leaves the model untouched. Every name a tied parameter is stored under is read,
+        # so that names holding different values are found (see _refuse_differing_ties).
         buffers: dict[str, Tensor] = {}
         request: dict[str, Tensor] = {}
-        gathered: list[_Target] = []  # layouts DTensor cannot store: loaded whole, then sliced
+        gathered: list[tuple[_Target, str]] = []  # layouts DTensor cannot store: whole, sliced
         for t in targets:
-            key = prefix + _key_for(t, shapes)
-            if t.plan is None:
-                buffers[t.fqn] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
-                                                             device=t.local.device)
-                continue
-            buffers[t.fqn] = torch.empty_like(t.local)
-            request[key] = self.live.as_dtensor(t.plan, buffers[t.fqn])
-            if request[key]._local_tensor.data_ptr() != buffers[t.fqn].data_ptr():  # type: ignore[attr-defined]
-                gathered.append(t)
+            for name in found[t.fqn]:
+                key = prefix + name
+                if t.plan is None:
+                    buffers[name] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
+                                                               device=t.local.device)
+                    continue
+                buffers[name] = torch.empty_like(t.local)
+                request[key] = self.live.as_dtensor(t.plan, buffers[name])
+                local = request[key]._local_tensor  # type: ignore[attr-defined]
+                if local.data_ptr() != buffers[name].data_ptr():
+                    gathered.append((t, name))
         try:
             dcp_load(request, checkpoint_id=str(source))
         except Exception as exc:  # noqa: BLE001 - reported with the source, model untouched
             raise WeightLoadError(f"{source}: dcp.load failed: {exc}") from None
-        for t in gathered:
+        for t, name in gathered:
             assert t.plan is not None
-            buffers[t.fqn] = self.live.shard_of(t.plan, request[prefix + _key_for(t, shapes)])
+            buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
 
-        def read(target: _Target) -> Tensor:
-            return buffers[target.fqn]
+        def read(target: _Target, key: str | None = None) -> Tensor:
+            return buffers[key or found[target.fqn][0]]
 
-        return read
+        return _Reader(read=read, found=found, files=files, ignored=ignored)
 
 
 # -- the chain -----------------------------------------------------------------------------
@@ -269,26 +358,88 @@ def _key_for(target: _Target, available: Mapping[str, Any]) -> str:
     raise KeyError(target.fqn)
 
 
+def _found(targets: Sequence[_Target], shapes: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    return {t.fqn: tuple(k for k in (t.fqn, *t.aliases) if k in shapes) for t in targets}
+
+
 def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]],
                files: Mapping[str, str], ignore: Callable[[str], bool],
-               problems: list[str]) -> None:
+               problems: list[str], hints: Mapping[str, str]) -> tuple[str, ...]:
+    """Raise naming every missing, mis-shaped and unexpected tensor (with ``problems`` found
+    earlier); return the unexpected keys ``ignore`` allows. ``hints`` adds a reason to a
+    missing FQN's line."""
     used: set[str] = set()
     for t in targets:
         names = (t.fqn, *t.aliases)
         found = [k for k in names if k in shapes]
         used.update(found)
         if not found:
-            problems.append(f"missing {t.fqn!r} (shape {list(t.shape)})")
+            hint = hints.get(t.fqn)
+            problems.append(f"missing {t.fqn!r} (shape {list(t.shape)})"
+                            + (f": {hint}" if hint else ""))
             continue
         for key in found:
             if shapes[key] != t.shape:
                 problems.append(f"{key!r} in {files[key]}: shape {list(shapes[key])}, the model "
                                 f"expects {list(t.shape)}")
-    for key in sorted(set(shapes) - used):
-        if not ignore(key):
-            problems.append(f"unexpected {key!r} in {files[key]}")
+    extra = sorted(set(shapes) - used)
+    unexpected = [k for k in extra if not ignore(k)]
+    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected)
     if problems:
-        raise WeightLoadError(_listing("the checkpoint does not fit the model", problems))
+        message = _listing("the checkpoint does not fit the model", problems)
+        if unexpected:
+            message += ("\nIf the checkpoint holds tensors this model does not use, name them in "
+                        "load_weights(..., ignore_unexpected=[...]) (regular expressions searched "
+                        f"in each key, e.g. {_pattern_for(unexpected)!r})")
+        raise WeightLoadError(message)
+    return tuple(extra)
+
+
+def _pattern_for(keys: Sequence[str]) -> str:
+    """A pattern that matches ``keys``: their longest common dotted prefix, else the first."""
+    import re
+
+    parts = [k.split(".") for k in keys]
+    common: list[str] = []
+    for column in zip(*parts, strict=False):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    if common and len(common) < min(len(p) for p in parts):
+        return "^" + re.escape(".".join(common) + ".")
+    return "^" + re.escape(keys[0]) + "$"
+
+
+def _tied_hints(model: nn.Module, shapes: Mapping[str, Any]) -> dict[str, str]:
+    """Why a parameter transformers ties is missing from a checkpoint holding its source: the
+    checkpoint was saved tied (stored once, under the source's name) and this model is built
+    untied, so ``from_pretrained`` would initialize the missing one randomly."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        return {}
+    return {target: (f"the checkpoint stores it tied to {source!r} (saved with "
+                     f"tie_word_embeddings=True, which writes the tensor once), and this model is "
+                     f"built untied; build it with tie_word_embeddings=True and compile the plan "
+                     f"for it")
+            for target, source in tied.items()
+            if isinstance(target, str) and source in shapes and target not in shapes}
+
+
+def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> dict[str, str]:
+    """Why a tensor outside the base model is missing when the checkpoint was saved from the
+    base model (keys without ``base_model_prefix``, as ``LlamaModel.save_pretrained`` writes
+    them, read here as ``from_pretrained`` does by adding the prefix)."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if not prefix or not any(c.kind == "leaf" and k == f"{prefix}.{c.key}"
+                             for k, c in composites.items()):
+        return {}
+    base = getattr(model, prefix, None)
+    base_name = type(base).__name__ if base is not None else "the base model"
+    return {name: (f"the checkpoint was saved from the base model ({base_name}, keys without "
+                   f"'{prefix}.'), which has no such tensor; from_pretrained would initialize "
+                   f"it randomly. Load a checkpoint of {type(model).__name__}, or tie it to the "
+                   f"embedding (tie_word_embeddings=True) if that is how it was trained")
+            for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
 def _listing(head: str, problems: Sequence[str]) -> str:
@@ -319,22 +470,66 @@ def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield (f"{mod_fqn}.{name}" if mod_fqn else name), buf
 
 
-def _ignore_patterns(model: nn.Module) -> Callable[[str], bool]:
-    """transformers models name checkpoint keys they deliberately do not load (old rotary
-    buffers, say) in ``_keys_to_ignore_on_load_unexpected``; everything else is unexpected."""
+STALE_BUFFERS = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)attn\.masked_bias$",
+                 r"(^|\.)embeddings\.position_ids$")
+"""Checkpoint keys of buffers that older transformers versions saved and current models compute
+instead (Llama's per-layer ``rotary_emb.inv_freq``, GPT-2's ``attn.masked_bias``, BERT-style
+``position_ids``). ``from_pretrained`` drops them; so does ``load_weights`` when the model has
+no tensor of that name."""
+
+
+def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], bool]:
+    """transformers models name checkpoint keys they deliberately do not load in
+    ``_keys_to_ignore_on_load_unexpected``; with :data:`STALE_BUFFERS`, the model's
+    non-persistent buffers and the caller's ``extra`` patterns, those are not "unexpected";
+    everything else is."""
     import re
 
-    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-                or ()]
+    patterns = [re.compile(p) for p in (*(getattr(model, "_keys_to_ignore_on_load_unexpected",
+                                                  None) or ()), *STALE_BUFFERS, *extra)]
     non_persistent = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                       for n in mod._non_persistent_buffers_set}
     return lambda key: key in non_persistent or any(p.search(key) for p in patterns)
 
 
+def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: Any) -> None:
+    """A tied parameter stored under several names must hold one value: ``from_pretrained``
+    unties a pair whose stored values differ and loads both, while the plan's model shares one
+    tensor, so loading either name alone would silently drop the other. Each rank compares its
+    own slices (together they cover the tensor); the ranks agree over the mesh before any
+    refusal, so either every rank loads or every rank raises."""
+    import torch.distributed as dist
+
+    pairs = [(t, reader.found[t.fqn][0], other) for t in targets
+             for other in reader.found[t.fqn][1:]]
+    if not pairs:
+        return
+    device = pairs[0][0].local.device
+    differ = torch.tensor([0 if _same(reader.read(t, a), reader.read(t, b)) else 1
+                           for t, a, b in pairs], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    problems = [f"{a!r} ({reader.files[a]}) and {b!r} ({reader.files[b]}) hold different values, "
+                f"but the model ties them into one parameter; from_pretrained would untie them "
+                f"and load both. Build the model untied (for word embeddings: "
+                f"tie_word_embeddings=False in its config) and compile the plan for it, or, if "
+                f"the tie is meant, keep one of the two names in the checkpoint"
+                for (t, a, b), d in zip(pairs, differ.tolist(), strict=True) if d]
+    if problems:
+        raise WeightLoadError(_listing("the checkpoint does not fit the model", problems))
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a tensor stored twice is the same tensor)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
-                 unloaded: set[str]) -> list[LoadAttempt]:
+                 unloaded: set[str], ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
-    what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land.
+    what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land;
+    checkpoint keys matching a pattern of ``ignore_unexpected`` (``re.search``) are skipped.
 
     Raises:
         WeightLoadError: no strategy could read the source, or the one that could found the
@@ -343,10 +538,10 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     """
     path = Path(source)
     safetensors = _Safetensors(model)
-    strategies: list[_Strategy] = [safetensors, _DCP(live)]
+    strategies: list[_Strategy] = [safetensors, _TorchPickle(model), _DCP(live)]
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
-    ignore = _ignore_patterns(model)
+    ignore = _ignore_patterns(model, ignore_unexpected)
     errors: list[str] = []
     for i, strategy in enumerate(strategies):
         why = strategy.ineligible(path)
@@ -355,17 +550,26 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
                                         state="ineligible", detail=why))
             continue
         try:
-            read = strategy.plan(path, targets, ignore)
-            _write_all(targets, read, unloaded)
+            reader = strategy.plan(path, targets, ignore)
+            _refuse_differing_ties(targets, reader, live.mesh)
+            _write_all(targets, reader, unloaded)
         except WeightLoadError as exc:
             attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="failed",
                                         detail=str(exc)))
             errors.append(f"{strategy.name}: {exc}")
             continue
-        detail = (f"{safetensors.converted} tensors assembled from transformers' checkpoint "
-                  "layout" if strategy is safetensors and safetensors.converted else None)
+        notes = []
+        if isinstance(strategy, _Safetensors) and strategy.renamed:
+            notes.append(f"{strategy.renamed} tensors read from keys of other names "
+                         "(transformers' renamings, the base model prefix)")
+        if isinstance(strategy, _Safetensors) and strategy.assembled:
+            notes.append(f"{strategy.assembled} tensors assembled from transformers' "
+                         "checkpoint layout")
+        if reader.ignored:
+            shown = ", ".join(reader.ignored[:3]) + (", ..." if len(reader.ignored) > 3 else "")
+            notes.append(f"{len(reader.ignored)} checkpoint tensors not used ({shown})")
         attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="loaded",
-                                    detail=detail))
+                                    detail="; ".join(notes) or None))
         attempts.extend(LoadAttempt(strategy=s.name, source=str(path), state="not tried")
                         for s in strategies[i + 1:])
         return attempts
@@ -375,8 +579,7 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     raise WeightLoadError("\n".join(errors))
 
 
-def _write_all(targets: Sequence[_Target], read: Callable[[_Target], Tensor],
-               unloaded: set[str]) -> None:
+def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:
     """Copy every target in; on any failure put back what was written (previous values, or
     NaN for never-loaded ones) and raise."""
     from hyperrecipe.runtime.materialize import allocate_unloaded
@@ -385,7 +588,7 @@ def _write_all(targets: Sequence[_Target], read: Callable[[_Target], Tensor],
     try:
         with torch.no_grad():
             for t in targets:
-                value = read(t)
+                value = reader.read(t, None)
                 backup = None if t.fqn in unloaded else t.local.detach().clone()
                 written.append((t, backup))
                 t.local.copy_(value.to(dtype=t.local.dtype, device=t.local.device))
