@@ -518,12 +518,15 @@ def test_a_safetensors_index_of_the_wrong_shape_is_a_weight_load_error(
     # A checkpoint can come from someone else too; its index was indexed without a type check
     # (AttributeError / TypeError from deep inside load_weights).
     from hyperrecipe.errors import WeightLoadError
-    from hyperrecipe.runtime.weights import _key_files  # the index reader behind load_weights
+    # the index reader behind load_weights
+    from torch import nn
+
+    from hyperrecipe.runtime.weights import _key_files, _Safetensors
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(f'{{"weight_map": {weight_map}}}', encoding="utf-8")
     with pytest.raises(WeightLoadError) as err:
-        _key_files(tmp_path)
+        _key_files(_Safetensors(nn.Module()), tmp_path)
     assert str(err.value) == (f"{index}: not a safetensors index (weight_map must map tensor "
                               f"names to file names)")
 
