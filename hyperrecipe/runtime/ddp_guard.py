@@ -43,7 +43,9 @@ def install_ddp_guard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> Any:
     checked: dict[int, str | None] = {}
 
     def refuse_ddp_across_shards(module: nn.Module, args: Any) -> None:
-        ddp = DistributedDataParallel._active_ddp_module
+        # A private class attribute (torch >= 2.1); a torch without it leaves the guard off
+        # rather than breaking every forward.
+        ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
         if ddp is None or getattr(ddp, "module", None) is not model:
             return
         why = checked.get(id(ddp), "")
