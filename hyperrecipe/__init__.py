@@ -24,6 +24,7 @@ from hyperrecipe.errors import (
     PlanMismatchError,
     RecipeError,
     RewriteError,
+    UnsupportedTorchError,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +45,7 @@ __all__ = [
     "PlanMismatchError",
     "RecipeError",
     "RewriteError",
+    "UnsupportedTorchError",
     "apply",
     "compile_recipe",
     "load_plan",

@@ -216,6 +216,13 @@ class MixedParametersError(HyperrecipeError, RuntimeError):
         super().__init__(message)
 
 
+class UnsupportedTorchError(HyperrecipeError, RuntimeError):
+    """The installed torch is older than the oldest release the runtime is tested on. torch is an
+    extra, not a core dependency, so pip never checks the range for a torch the user brought;
+    older DTensor releases fail in ways that name the wrong cause (torch 2.6: validate mode
+    reports a sharded input as arriving replicated), so ``apply`` refuses them by name."""
+
+
 class ModeError(HyperrecipeError, ValueError):
     """``apply`` was given a mode that is neither ``"production"`` nor ``"validate"``."""
 

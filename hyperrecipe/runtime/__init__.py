@@ -31,6 +31,10 @@ What lives here, one responsibility per module:
   of torch's multi-tensor kernels over its mixed DTensor / plain parameters.
 - ``agreement``: the ranks' fixed-size exchanges before and after installing (same plan, same
   mesh, every local check passed; the vote), each with a bounded wait.
+- ``plan_fit``: an edited plan's names, shapes and shard dims checked against the model before
+  anything is installed; ``ddp_guard``: refusing ``DistributedDataParallel`` over ranks that
+  hold different shards; ``torch_support``: the oldest torch the runtime runs on, refused by
+  name at apply.
 
 What does not live here: resolving recipes or re-deciding anything the plan records (the
 enclosing boundary of a parameter, its DTensor placement, the vocab-parallel lookup, the

@@ -49,6 +49,7 @@ from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.plan_fit import check_plan_fits
 from hyperrecipe.runtime.sharding import gather_full, local_shard
 from hyperrecipe.runtime.strided import FusedParts, mark_parts
+from hyperrecipe.runtime.torch_support import require_supported_torch
 from hyperrecipe.runtime.vocab_loss import (
     VocabShard,
     install_loss_parallel,
@@ -421,6 +422,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             plans (raised on every rank), or an install failed on another rank.
         RewriteError: the model already has a plan applied.
         ModeError: ``mode`` is neither ``"production"`` nor ``"validate"``.
+        UnsupportedTorchError: the installed torch is older than the runtime supports
+            (:data:`~hyperrecipe.runtime.torch_support.MIN_TORCH`).
         UsageError: ``model``, ``plan`` or ``mesh`` is not an ``nn.Module``, a :class:`Plan`
             (a path is not: load it with :func:`hyperrecipe.load_plan`) or a ``DeviceMesh``.
         Anything an install raised on this rank, after rolling every rank back.
@@ -432,6 +435,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         loss = model(batch).loss; loss.backward(); opt.step()
         inst.restore()
     """
+    require_supported_torch()
     chosen = as_mode(mode)
     _check_arguments(model, plan, mesh)
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
