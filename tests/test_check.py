@@ -252,6 +252,22 @@ def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:
     assert "num_heads" not in prod.suggestion.evidence, "GPT-2 reshapes with -1: not num_heads"
 
 
+def test_a_sequence_sharded_value_the_model_reshapes_is_named_with_where_to_gather() -> None:
+    """GPT2Model views ln_f's output with the whole sequence's shape: a stream still sharded
+    there is refolded silently (same elements, another shape) in both modes."""
+    report = check("tests/recipes/broken-gpt2-sp-gather-at-head.yaml", "hf:gpt2",
+                   model_config=str(ROOT / "recipes/models/tiny-gpt2.json"),
+                   modes=("production",))
+    first = mode(report, "production").comparison.first
+    assert report.exit_code == 1
+    assert first is not None and (first.fqn, first.what) == ("lm_head", "input")
+    assert ("shape [1, 16, 64], reference [2, 8, 64]); model code outside any boundary computed "
+            "it, after transformer.ln_f returned; the same number of elements in another shape: "
+            "the model's code reshaped a value that was still sharded with the whole tensor's "
+            "shape; gather it before that code (`out_dst: {0: replicate}` on transformer.ln_f)"
+            ) in first.detail
+
+
 def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
     report = check("tests/recipes/broken-no-reduce-grads.yaml", ATTN_TOY,
                    model_config={"qk_norm": True}, modes=("production",))

@@ -9,7 +9,7 @@ length exactly, and the generated token ids exactly.
 GPT-2's fused ``c_attn`` (``shard(1, chunks=3)``) runs in validate mode as DTensor's
 ``_StridedShard``, its ``split`` into q, k and v done on chunk boundaries
 (:mod:`hyperrecipe.runtime.strided`); at tp=4 as well. The sequence-sharded recipes (``llama-sp``,
-``llama-cp``, ``llama-tp-cp`` on 4 ranks) run the default forward; they cannot decode one token
+``llama-cp``, ``llama-tp-cp`` on 4 ranks, GPT-2's in ``tests/recipes``) run the default forward; they cannot decode one token
 at a time (one token does not split over two ranks), which both modes refuse by name.
 """
 
@@ -74,15 +74,19 @@ def test_gqa_phi3_with_unequal_fused_parts_generates_like_one_process(mode: str)
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
-@pytest.mark.parametrize(("recipe", "mesh"), [("llama-sp.yaml", TP2), ("llama-cp.yaml", {"cp": 2}),
-                                           ("llama-tp-cp.yaml", {"tp": 2, "cp": 2}),
-                                           ("llama-sp-loss.yaml", TP2)])
-def test_sequence_sharded_recipes_run_the_default_forward(recipe: str, mesh: dict[str, int],
-                                                          mode: str) -> None:
-    path = str(ROOT / "recipes" / recipe)
-    overrides = overrides_for("llama", mode, path)
-    ref = reference("llama", overrides)
-    for rank, res in enumerate(run_ranks(generate_worker, _world(mesh), "llama", path, mesh,
+@pytest.mark.parametrize(("family", "recipe", "mesh"), [
+    ("llama", "recipes/llama-sp.yaml", TP2), ("llama", "recipes/llama-cp.yaml", {"cp": 2}),
+    ("llama", "recipes/llama-tp-cp.yaml", {"tp": 2, "cp": 2}),
+    ("llama", "recipes/llama-sp-loss.yaml", TP2),
+    # GPT-2 views ln_f's output with the whole sequence's shape: gathered at ln_f, not lm_head
+    ("gpt2", "tests/recipes/gpt2-sp.yaml", TP2), ("gpt2", "tests/recipes/gpt2-cp.yaml", {"cp": 2}),
+])
+def test_sequence_sharded_recipes_run_the_default_forward(family: str, recipe: str,
+                                                          mesh: dict[str, int], mode: str) -> None:
+    path = str(ROOT / recipe)
+    overrides = overrides_for(family, mode, path)
+    ref = reference(family, overrides)
+    for rank, res in enumerate(run_ranks(generate_worker, _world(mesh), family, path, mesh,
                                          mode, overrides, False, timeout_s=300)):
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
 

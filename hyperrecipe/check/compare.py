@@ -222,10 +222,26 @@ def _event_divergence(index: int, event: Event, rank: int, diff: TensorDiff,
     previous = next((e for e in reversed(reference.events[:index]) if e.kind == "output"), None)
     after = f"after {previous.fqn} returned" if previous else "before the first boundary"
     what = _what("input", event.name)
+    mine = by_rank[rank_ids.index(rank)].get(event.key)
+    hint = _refolded_hint(None if mine is None else mine.value, event.value,
+                          previous.fqn if previous else None)
     return Divergence(fqn=event.fqn, what=what, rank=rank,
                       max_abs=diff.max_abs, max_rel=diff.max_rel, event_index=index,
                       detail=(f"its {what} already differs when it is entered "
-                              f"({why}); model code outside any boundary computed it, {after}"))
+                              f"({why}); model code outside any boundary computed it, {after}"
+                              f"{hint}"))
+
+
+def _refolded_hint(actual: Tensor | None, expected: Tensor | None, previous: str | None) -> str:
+    """Same elements, another shape: the model's own code reshaped a value that was still
+    sharded with the whole tensor's shape (GPT2Model's ``view(output_shape)`` of a
+    sequence-sharded ln_f output), which folds rows together silently on every rank."""
+    if (actual is None or expected is None or previous is None
+            or actual.shape == expected.shape or actual.numel() != expected.numel()):
+        return ""
+    return (f"; the same number of elements in another shape: the model's code reshaped a value "
+            f"that was still sharded with the whole tensor's shape; gather it before that code "
+            f"(`out_dst: {{0: replicate}}` on {previous})")
 
 
 def compare_mode(mode: str, reference: Trace, ranks: Sequence[Trace], *, atol: float,
