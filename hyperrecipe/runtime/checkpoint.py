@@ -256,6 +256,10 @@ class LiveParams:
         return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
 
+    def like_param(self, p: ParamPlan, local: Tensor) -> Tensor:
+        """This rank's shard ``local`` as a DTensor like the live (validate-mode) parameter."""
+        return _like_param(self, p, local)
+
     def items(self) -> Iterator[tuple[ParamPlan, Tensor]]:
         for p in self.own:
             yield p, self.local(p)

@@ -111,9 +111,9 @@ class Installation:
         # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
         # parameters refused by name. Both: model.load_state_dict's checks, the DDP guard.
         self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),
-                       *(install_optimizer_hooks(self._live, self._bucketed)
-                         if not self.mode.dtensor_parameters
-                         else install_mixed_kernel_check(self._live)),
+                       *install_optimizer_hooks(self._live, self._bucketed),
+                       *(install_mixed_kernel_check(self._live)
+                         if self.mode.dtensor_parameters else ()),
                        install_ddp_guard(model, plan, mesh)]
 
     def _mark_loaded(self, fqns: set[str]) -> None:

@@ -35,9 +35,7 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.checkpoint import (
     LiveParams,
-    contiguous_stride,
     differing_ties,
-    dtensor_placements,
 )
 
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
@@ -63,24 +61,24 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
 
     def to_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                     local_metadata: Any) -> None:
-        from torch.distributed.tensor import DTensor
-
         for fqn, p in names.items():
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
                 continue
+            if live.mode.dtensor_parameters:
+                # validate: the live DTensors as they are, but a fused (chunked) one, which
+                # DCP refuses as _StridedShard, replicated like production's
+                param = live.param(p)
+                if _strided(param) and _on(param, live):
+                    state[key] = live.as_dtensor(p, live.local(p))
+                continue
             if live.wrapper_layout(p, live.param(p)) is not None:  # fully_shard's piece
                 state[key] = live.stored(p)
                 continue
-            placements = dtensor_placements(p, live.plan.mesh_dims)
-            if placements is None:
-                msg = (f"model.state_dict(): {fqn} is laid out as {p.placement}, which no "
-                       f"DTensor placement expresses, so a checkpoint of the local shard would "
-                       f"be wrong; use Installation.state_dict() (it stores such tensors whole)")
-                raise PlanMismatchError(msg)
-            state[key] = DTensor.from_local(live.local(p).detach(), live.mesh, placements,
-                                            run_check=False, shape=torch.Size(p.shape),
-                                            stride=contiguous_stride(p.shape))
+            # Installation.state_dict()'s form: the plan's placements where DCP stores them
+            # shard by shard; a fused (chunked) shard, which DCP refuses as _StridedShard
+            # ("overlapping chunks"), gathered and handed out replicated (a collective).
+            state[key] = live.as_dtensor(p, live.local(p))
 
     def from_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                       local_metadata: Any, *args: Any) -> None:
@@ -107,6 +105,13 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
             if live.mode.dtensor_parameters:
                 if value is param and _strided(param):
                     raise PlanMismatchError(_broadcast_refusal(fqn))
+                if isinstance(value, DTensor) and isinstance(param, DTensor) and _strided(
+                        param) and _on(param, live) and (
+                        tuple(value.placements) != tuple(param.placements)
+                        or value.device_mesh != param.device_mesh):
+                    # a replicated (or resharded) checkpoint of a fused parameter
+                    state[key] = live.like_param(p, live.shard_of(p, value))
+                    continue
                 if isinstance(param, DTensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.shape):
                     local = (value if tuple(param._local_tensor.shape) == tuple(p.shape)
@@ -129,11 +134,17 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
         on_loaded(loaded)
 
     register: Any = model  # torch leaves these three untyped
-    if not live.mode.dtensor_parameters:
-        handles.append(register.register_state_dict_post_hook(to_dtensors))
+    handles.append(register.register_state_dict_post_hook(to_dtensors))
     handles.append(register.register_load_state_dict_pre_hook(from_dtensors))
     handles.append(register.register_load_state_dict_post_hook(report_loaded))
     return handles
+
+
+def _on(value: Tensor, live: LiveParams) -> bool:
+    """Whether ``value`` is a DTensor over the plan's own mesh (not a wrapper's)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) and value.device_mesh == live.mesh
 
 
 def _strided(param: Tensor) -> bool:
@@ -216,20 +227,19 @@ def install_optimizer_hooks(live: LiveParams,
         from torch.distributed.tensor import DTensor
 
         for p, entry in by_key(optimizer, state):
-            placements = dtensor_placements(p, live.plan.mesh_dims)
             for key, value in entry.items():
+                if live.mode.dtensor_parameters:  # validate: only fused moments, replicated
+                    if _strided(value) and _on(value, live):
+                        assert isinstance(value, DTensor)
+                        entry[key] = live.as_dtensor(p, value._local_tensor)
+                    continue
                 if live.wrapper_layout(p, value) is not None:  # fully_shard's piece
                     entry[key] = live.stored(p, value)
                     continue
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.local_shape):
-                    if placements is None:
-                        msg = (f"optimizer.state_dict(): the state of {p.fqn} ({p.placement}) "
-                               f"has no DTensor layout; use Installation.state_dict(optimizer)")
-                        raise PlanMismatchError(msg)
-                    entry[key] = DTensor.from_local(value, live.mesh, placements,
-                                                    run_check=False, shape=torch.Size(p.shape),
-                                                    stride=contiguous_stride(p.shape))
+                    # as the parameter: a fused (chunked) shard's moments replicated
+                    entry[key] = live.as_dtensor(p, value)
 
     def from_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor
@@ -238,9 +248,15 @@ def install_optimizer_hooks(live: LiveParams,
             param = live.param(p)
             wrapped = live.wrapper_layout(p, param) is not None
             for key, value in entry.items():
-                if isinstance(value, DTensor):
+                if not isinstance(value, DTensor):
+                    continue
+                if not live.mode.dtensor_parameters or not isinstance(param, DTensor):
                     entry[key] = (live.piece_like(p, value, param) if wrapped
                                   else live.shard_of(p, value))
+                elif _strided(param) and _on(param, live) and (
+                        tuple(value.placements) != tuple(param.placements)
+                        or value.device_mesh != param.device_mesh):
+                    entry[key] = live.like_param(p, live.shard_of(p, value))
 
     def holds_plan_params(optimizer: torch.optim.Optimizer) -> bool:
         ids = {id(live.param(p)) for p in live.own}
