@@ -90,14 +90,20 @@ def test_torch_dcp_apis_checkpoint_fused_parameters_and_resume_like_one_run(
     """``dcp.save(model.state_dict())`` and ``get_state_dict`` / ``set_state_dict`` with the
     optimizer, production mode at tp=2: before, DCP refused the fused parameters
     (``_StridedShard``: "overlapping chunks"). Now three AdamW steps after ``set_state_dict``
-    equal the uninterrupted run's (1e-5), and a one-process ``dcp.load`` of either checkpoint
-    gives the full weights exactly."""
+    equal the uninterrupted run's and one process's (1e-5), and a one-process ``dcp.load`` of
+    either checkpoint gives the full weights exactly. Validate mode (the model's own
+    ``_StridedShard`` DTensors) the same."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = str(tmp_path / "ckpt")
     saved = run_ranks(_save_worker, 2, family, ckpt, mode)
     resumed = run_ranks(_resume_worker, 2, family, ckpt, mode)
+    one = _model(family, mode)
+    reference = _train(one, torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1),
+                       range(6))[3:]
+    assert saved[0]["losses"] == pytest.approx(reference, abs=LOSS_ATOL)
     for res in resumed:
+        assert res["losses"] == pytest.approx(reference, abs=LOSS_ATOL)
         assert res["losses"] == pytest.approx(saved[0]["losses"], abs=LOSS_ATOL)
     full = saved[0]["full"]
     for sub, prefix in (("model", ""), ("both", "model.")):

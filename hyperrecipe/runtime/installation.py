@@ -107,7 +107,8 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
-        # Production: state dicts of local shards as DTensors and the optimizer's hooks.
+        # Production: state dicts of local shards as DTensors. Both: the optimizer's hooks
+        # (fused parameters' state replicated for DCP in validate mode too).
         # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
         # parameters refused by name. Both: model.load_state_dict's checks, the DDP guard.
         self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),

@@ -8,17 +8,21 @@ module therefore carries two hooks, removed by ``restore()``:
 
 - a state-dict post-hook that hands out each sharded parameter as a DTensor with the plan's
   placements over the mesh (no copy, no collective), so DCP stores every shard once. A fused
-  (chunked) shard becomes a ``_StridedShard`` DTensor: exact for ``full_tensor()``, refused by
-  DCP with an error rather than stored wrong; ``Installation.state_dict()`` stores those too.
-  A layout DTensor cannot express at all is refused here, naming ``Installation.state_dict``.
+  (chunked) shard would be a ``_StridedShard`` DTensor, which DCP refuses ("overlapping
+  chunks"), and a layout no DTensor expresses cannot be stored shard by shard at all: those
+  are handed out as ``Installation.state_dict()`` stores them, gathered and replicated (a
+  collective, so ``model.state_dict()`` of such a plan must be called on every rank).
 - a load pre-hook that turns DTensors (any placement, any mesh layout of the same global
   shape) and full tensors into this rank's shard before ``load_state_dict`` copies them.
 
 Optimizers over those shards have the same problem with their moments;
 :func:`install_optimizer_hooks` gives them the same pair of hooks.
 
-Validate mode's parameters (and so its optimizer state) are DTensors already; its load
-pre-hook only turns full tensors (a one-process state dict) into DTensors like the parameter.
+Validate mode's parameters (and so its optimizer state) are DTensors already and are handed
+out as they are, except ``_StridedShard`` (fused) ones and their optimizer state, which are
+handed out replicated for the same reason (the optimizer hooks are installed in both modes);
+its load pre-hooks turn full tensors and such replicated DTensors back into DTensors like the
+parameter.
 In both modes the load pre-hook refuses ``assign=True``, and a load post-hook tells the
 installation which tensors now have values.
 """
@@ -190,7 +194,8 @@ def replaced_bucket_params(live: LiveParams,
 def install_optimizer_hooks(live: LiveParams,
                             watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None
                             ) -> list[Any]:
-    """Make the state dict of every optimizer over this model's local shards DTensors too.
+    """Make the state dict of every optimizer over this model's local shards DTensors too
+    (production), and its fused parameters' state replicated (both modes; see the module).
 
     Optimizers are created after apply, so they are found where they first act: a global
     step pre-hook (one set lookup per step) registers, once per optimizer that holds one of
@@ -250,10 +255,10 @@ def install_optimizer_hooks(live: LiveParams,
             for key, value in entry.items():
                 if not isinstance(value, DTensor):
                     continue
-                if not live.mode.dtensor_parameters or not isinstance(param, DTensor):
+                if not live.mode.dtensor_parameters:
                     entry[key] = (live.piece_like(p, value, param) if wrapped
                                   else live.shard_of(p, value))
-                elif _strided(param) and _on(param, live) and (
+                elif isinstance(param, DTensor) and _strided(param) and _on(param, live) and (
                         tuple(value.placements) != tuple(param.placements)
                         or value.device_mesh != param.device_mesh):
                     entry[key] = live.like_param(p, live.shard_of(p, value))
