@@ -114,3 +114,35 @@ def test_torch_dcp_apis_checkpoint_fused_parameters_and_resume_like_one_run(
             if name in full:
                 torch.testing.assert_close(state[prefix + name], full[name], atol=0, rtol=0,
                                            msg=f"{sub}: {name}")
+
+
+def _one_rank_worker(rank: int, world: int, mode: str, what: str) -> str:
+    import time
+
+    torch.set_num_threads(1)
+    model, inst = _applied("gpt2", world, mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(1))
+    inst.collective_timeout_s = 2.0
+    if rank == 0:
+        try:
+            model.state_dict() if what == "model" else opt.state_dict()
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    time.sleep(4.0)  # rank 1 is elsewhere, as under `if rank == 0: torch.save(...)`
+    return "skipped"
+
+
+@pytest.mark.parametrize("what", ["model", "optimizer"])
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_state_dict_of_fused_parameters_on_one_rank_fails_fast_instead_of_hanging(
+        mode: str, what: str) -> None:
+    """Handing fused parameters (and their moments) out replicated gathers them, so the state
+    dict is a collective on such a plan: called on rank 0 alone it is refused by name within
+    ``collective_timeout_s`` rather than waiting in the gather. (Before, it handed out
+    ``_StridedShard`` DTensors that DCP then refused.)"""
+    msg = run_ranks(_one_rank_worker, 2, mode, what, timeout_s=120)[0]
+    assert msg.startswith(f"PlanMismatchError: {what}.state_dict() is a collective on a plan "
+                          f"with fused (chunked) parameters"), msg
+    assert "every rank must call it" in msg

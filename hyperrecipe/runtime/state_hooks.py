@@ -45,8 +45,14 @@ from hyperrecipe.runtime.checkpoint import (
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
 
+GATHER_WHY = (" on a plan with fused (chunked) parameters: it gathers them to hand them out "
+              "replicated, the form DCP stores")
+
+
 def install_state_hooks(model: nn.Module, live: LiveParams,
-                        on_loaded: Callable[[set[str]], None]) -> list[Any]:
+                        on_loaded: Callable[[set[str]], None],
+                        enter_collective: Callable[[str, str], None] | None = None
+                        ) -> list[Any]:
     """Register the hooks on ``model``; returns their handles (``.remove()`` each).
 
     Both modes: ``load_state_dict(..., assign=True)`` is refused (it would put new parameter
@@ -56,6 +62,8 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
     status). Production mode: DTensors out of ``state_dict()``, DTensors or full tensors back
     in as this rank's shard. Validate mode: full tensors in become DTensors like the parameter,
     so ``load_state_dict`` of a one-process state dict works in both modes.
+    ``enter_collective(what, why)`` is called once before a ``state_dict()`` that gathers
+    (fused parameters), so a call on one rank only is refused by name instead of hanging.
     """
     names: dict[str, Any] = {}
     for p in live.plan.params:
@@ -65,6 +73,9 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
 
     def to_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                     local_metadata: Any) -> None:
+        if enter_collective is not None and any(
+                prefix + fqn in state and _gathers(live, p) for fqn, p in names.items()):
+            enter_collective("model.state_dict", GATHER_WHY)
         for fqn, p in names.items():
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
@@ -144,6 +155,15 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
     return handles
 
 
+def _gathers(live: LiveParams, p: ParamPlan) -> bool:
+    """Whether the state-dict hooks gather ``p`` (and its optimizer state): production, a
+    layout DCP cannot store shard by shard; validate, a ``_StridedShard`` parameter."""
+    if live.mode.dtensor_parameters:
+        param = live.param(p)
+        return _strided(param) and _on(param, live)
+    return live.gathers(p) and live.wrapper_layout(p, live.param(p)) is None
+
+
 def _on(value: Tensor, live: LiveParams) -> bool:
     """Whether ``value`` is a DTensor over the plan's own mesh (not a wrapper's)."""
     from torch.distributed.tensor import DTensor
@@ -192,7 +212,8 @@ def replaced_bucket_params(live: LiveParams,
 
 
 def install_optimizer_hooks(live: LiveParams,
-                            watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None
+                            watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None,
+                            enter_collective: Callable[[str, str], None] | None = None
                             ) -> list[Any]:
     """Make the state dict of every optimizer over this model's local shards DTensors too
     (production), and its fused parameters' state replicated (both modes; see the module).
@@ -231,7 +252,10 @@ def install_optimizer_hooks(live: LiveParams,
     def to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor
 
-        for p, entry in by_key(optimizer, state):
+        entries = list(by_key(optimizer, state))
+        if enter_collective is not None and any(_gathers(live, p) for p, _ in entries):
+            enter_collective("optimizer.state_dict", GATHER_WHY)
+        for p, entry in entries:
             for key, value in entry.items():
                 if live.mode.dtensor_parameters:  # validate: only fused moments, replicated
                     if _strided(value) and _on(value, live):
