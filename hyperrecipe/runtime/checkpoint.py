@@ -256,6 +256,16 @@ class LiveParams:
         return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
 
+    def gathers(self, p: ParamPlan) -> bool:
+        """Whether :meth:`as_dtensor` of ``p``'s shard gathers (a collective): a layout DCP
+        cannot store shard by shard (fused ``chunks=K``, or none DTensor expresses)."""
+        return tuple(p.shape) != p.local_shape and not _stores_exactly(
+            dtensor_placements(p, self.plan.mesh_dims))
+
+    def like_param(self, p: ParamPlan, local: Tensor) -> Tensor:
+        """This rank's shard ``local`` as a DTensor like the live (validate-mode) parameter."""
+        return _like_param(self, p, local)
+
     def items(self) -> Iterator[tuple[ParamPlan, Tensor]]:
         for p in self.own:
             yield p, self.local(p)

@@ -107,13 +107,16 @@ class Installation:
         self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                            for b in plan.grad_buckets for fqn in b.params}
                           if not self.mode.dtensor_parameters else {})
-        # Production: state dicts of local shards as DTensors and the optimizer's hooks.
+        # Production: state dicts of local shards as DTensors. Both: the optimizer's hooks
+        # (fused parameters' state replicated for DCP in validate mode too).
         # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
         # parameters refused by name. Both: model.load_state_dict's checks, the DDP guard.
-        self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded),
-                       *(install_optimizer_hooks(self._live, self._bucketed)
-                         if not self.mode.dtensor_parameters
-                         else install_mixed_kernel_check(self._live)),
+        self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded,
+                                            self._enter_collective),
+                       *install_optimizer_hooks(self._live, self._bucketed,
+                                                self._enter_collective),
+                       *(install_mixed_kernel_check(self._live)
+                         if self.mode.dtensor_parameters else ()),
                        install_ddp_guard(model, plan, mesh)]
 
     def _mark_loaded(self, fqns: set[str]) -> None:
@@ -428,7 +431,7 @@ class Installation:
     collective_timeout_s: float = 60.0
     """How long a gathering call waits for every rank to enter it before refusing."""
 
-    def _enter_collective(self, what: str) -> None:
+    def _enter_collective(self, what: str, why: str = "") -> None:
         """Every rank must call gathering methods; one that does not would leave the others
         waiting in the gather until the watchdog (minutes, then an opaque error). A monitored
         barrier first fails within ``collective_timeout_s`` and names the missing ranks."""
@@ -442,7 +445,8 @@ class Installation:
             dist.monitored_barrier(group=self._barrier_group, wait_all_ranks=True,
                                    timeout=datetime.timedelta(seconds=self.collective_timeout_s))
         except RuntimeError as exc:
-            msg = (f"Installation.{what}() is a collective: every rank must call it (rank "
+            label = what if "." in what else f"Installation.{what}"
+            msg = (f"{label}() is a collective{why}: every rank must call it (rank "
                    f"{dist.get_rank()} waited {self.collective_timeout_s:.0f} s: {exc}). Call it "
                    f"on every rank; only one rank writes")
             raise PlanMismatchError(msg) from None

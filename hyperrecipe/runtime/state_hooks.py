@@ -8,17 +8,21 @@ module therefore carries two hooks, removed by ``restore()``:
 
 - a state-dict post-hook that hands out each sharded parameter as a DTensor with the plan's
   placements over the mesh (no copy, no collective), so DCP stores every shard once. A fused
-  (chunked) shard becomes a ``_StridedShard`` DTensor: exact for ``full_tensor()``, refused by
-  DCP with an error rather than stored wrong; ``Installation.state_dict()`` stores those too.
-  A layout DTensor cannot express at all is refused here, naming ``Installation.state_dict``.
+  (chunked) shard would be a ``_StridedShard`` DTensor, which DCP refuses ("overlapping
+  chunks"), and a layout no DTensor expresses cannot be stored shard by shard at all: those
+  are handed out as ``Installation.state_dict()`` stores them, gathered and replicated (a
+  collective, so ``model.state_dict()`` of such a plan must be called on every rank).
 - a load pre-hook that turns DTensors (any placement, any mesh layout of the same global
   shape) and full tensors into this rank's shard before ``load_state_dict`` copies them.
 
 Optimizers over those shards have the same problem with their moments;
 :func:`install_optimizer_hooks` gives them the same pair of hooks.
 
-Validate mode's parameters (and so its optimizer state) are DTensors already; its load
-pre-hook only turns full tensors (a one-process state dict) into DTensors like the parameter.
+Validate mode's parameters (and so its optimizer state) are DTensors already and are handed
+out as they are, except ``_StridedShard`` (fused) ones and their optimizer state, which are
+handed out replicated for the same reason (the optimizer hooks are installed in both modes);
+its load pre-hooks turn full tensors and such replicated DTensors back into DTensors like the
+parameter.
 In both modes the load pre-hook refuses ``assign=True``, and a load post-hook tells the
 installation which tensors now have values.
 """
@@ -35,16 +39,20 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.checkpoint import (
     LiveParams,
-    contiguous_stride,
     differing_ties,
-    dtensor_placements,
 )
 
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
 
+GATHER_WHY = (" on a plan with fused (chunked) parameters: it gathers them to hand them out "
+              "replicated, the form DCP stores")
+
+
 def install_state_hooks(model: nn.Module, live: LiveParams,
-                        on_loaded: Callable[[set[str]], None]) -> list[Any]:
+                        on_loaded: Callable[[set[str]], None],
+                        enter_collective: Callable[[str, str], None] | None = None
+                        ) -> list[Any]:
     """Register the hooks on ``model``; returns their handles (``.remove()`` each).
 
     Both modes: ``load_state_dict(..., assign=True)`` is refused (it would put new parameter
@@ -54,6 +62,8 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
     status). Production mode: DTensors out of ``state_dict()``, DTensors or full tensors back
     in as this rank's shard. Validate mode: full tensors in become DTensors like the parameter,
     so ``load_state_dict`` of a one-process state dict works in both modes.
+    ``enter_collective(what, why)`` is called once before a ``state_dict()`` that gathers
+    (fused parameters), so a call on one rank only is refused by name instead of hanging.
     """
     names: dict[str, Any] = {}
     for p in live.plan.params:
@@ -63,24 +73,27 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
 
     def to_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                     local_metadata: Any) -> None:
-        from torch.distributed.tensor import DTensor
-
+        if enter_collective is not None and any(
+                prefix + fqn in state and _gathers(live, p) for fqn, p in names.items()):
+            enter_collective("model.state_dict", GATHER_WHY)
         for fqn, p in names.items():
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
                 continue
+            if live.mode.dtensor_parameters:
+                # validate: the live DTensors as they are, but a fused (chunked) one, which
+                # DCP refuses as _StridedShard, replicated like production's
+                param = live.param(p)
+                if _strided(param) and _on(param, live):
+                    state[key] = live.as_dtensor(p, live.local(p))
+                continue
             if live.wrapper_layout(p, live.param(p)) is not None:  # fully_shard's piece
                 state[key] = live.stored(p)
                 continue
-            placements = dtensor_placements(p, live.plan.mesh_dims)
-            if placements is None:
-                msg = (f"model.state_dict(): {fqn} is laid out as {p.placement}, which no "
-                       f"DTensor placement expresses, so a checkpoint of the local shard would "
-                       f"be wrong; use Installation.state_dict() (it stores such tensors whole)")
-                raise PlanMismatchError(msg)
-            state[key] = DTensor.from_local(live.local(p).detach(), live.mesh, placements,
-                                            run_check=False, shape=torch.Size(p.shape),
-                                            stride=contiguous_stride(p.shape))
+            # Installation.state_dict()'s form: the plan's placements where DCP stores them
+            # shard by shard; a fused (chunked) shard, which DCP refuses as _StridedShard
+            # ("overlapping chunks"), gathered and handed out replicated (a collective).
+            state[key] = live.as_dtensor(p, live.local(p))
 
     def from_dtensors(module: nn.Module, state: dict[str, Any], prefix: str,
                       local_metadata: Any, *args: Any) -> None:
@@ -107,6 +120,13 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
             if live.mode.dtensor_parameters:
                 if value is param and _strided(param):
                     raise PlanMismatchError(_broadcast_refusal(fqn))
+                if isinstance(value, DTensor) and isinstance(param, DTensor) and _strided(
+                        param) and _on(param, live) and (
+                        tuple(value.placements) != tuple(param.placements)
+                        or value.device_mesh != param.device_mesh):
+                    # a replicated (or resharded) checkpoint of a fused parameter
+                    state[key] = live.like_param(p, live.shard_of(p, value))
+                    continue
                 if isinstance(param, DTensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.shape):
                     local = (value if tuple(param._local_tensor.shape) == tuple(p.shape)
@@ -129,11 +149,26 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
         on_loaded(loaded)
 
     register: Any = model  # torch leaves these three untyped
-    if not live.mode.dtensor_parameters:
-        handles.append(register.register_state_dict_post_hook(to_dtensors))
+    handles.append(register.register_state_dict_post_hook(to_dtensors))
     handles.append(register.register_load_state_dict_pre_hook(from_dtensors))
     handles.append(register.register_load_state_dict_post_hook(report_loaded))
     return handles
+
+
+def _gathers(live: LiveParams, p: ParamPlan) -> bool:
+    """Whether the state-dict hooks gather ``p`` (and its optimizer state): production, a
+    layout DCP cannot store shard by shard; validate, a ``_StridedShard`` parameter."""
+    if live.mode.dtensor_parameters:
+        param = live.param(p)
+        return _strided(param) and _on(param, live)
+    return live.gathers(p) and live.wrapper_layout(p, live.param(p)) is None
+
+
+def _on(value: Tensor, live: LiveParams) -> bool:
+    """Whether ``value`` is a DTensor over the plan's own mesh (not a wrapper's)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) and value.device_mesh == live.mesh
 
 
 def _strided(param: Tensor) -> bool:
@@ -177,9 +212,11 @@ def replaced_bucket_params(live: LiveParams,
 
 
 def install_optimizer_hooks(live: LiveParams,
-                            watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None
+                            watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None,
+                            enter_collective: Callable[[str, str], None] | None = None
                             ) -> list[Any]:
-    """Make the state dict of every optimizer over this model's local shards DTensors too.
+    """Make the state dict of every optimizer over this model's local shards DTensors too
+    (production), and its fused parameters' state replicated (both modes; see the module).
 
     Optimizers are created after apply, so they are found where they first act: a global
     step pre-hook (one set lookup per step) registers, once per optimizer that holds one of
@@ -215,21 +252,23 @@ def install_optimizer_hooks(live: LiveParams,
     def to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor
 
-        for p, entry in by_key(optimizer, state):
-            placements = dtensor_placements(p, live.plan.mesh_dims)
+        entries = list(by_key(optimizer, state))
+        if enter_collective is not None and any(_gathers(live, p) for p, _ in entries):
+            enter_collective("optimizer.state_dict", GATHER_WHY)
+        for p, entry in entries:
             for key, value in entry.items():
+                if live.mode.dtensor_parameters:  # validate: only fused moments, replicated
+                    if _strided(value) and _on(value, live):
+                        assert isinstance(value, DTensor)
+                        entry[key] = live.as_dtensor(p, value._local_tensor)
+                    continue
                 if live.wrapper_layout(p, value) is not None:  # fully_shard's piece
                     entry[key] = live.stored(p, value)
                     continue
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(
                         value.shape) == tuple(p.local_shape):
-                    if placements is None:
-                        msg = (f"optimizer.state_dict(): the state of {p.fqn} ({p.placement}) "
-                               f"has no DTensor layout; use Installation.state_dict(optimizer)")
-                        raise PlanMismatchError(msg)
-                    entry[key] = DTensor.from_local(value, live.mesh, placements,
-                                                    run_check=False, shape=torch.Size(p.shape),
-                                                    stride=contiguous_stride(p.shape))
+                    # as the parameter: a fused (chunked) shard's moments replicated
+                    entry[key] = live.as_dtensor(p, value)
 
     def from_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor
@@ -238,9 +277,15 @@ def install_optimizer_hooks(live: LiveParams,
             param = live.param(p)
             wrapped = live.wrapper_layout(p, param) is not None
             for key, value in entry.items():
-                if isinstance(value, DTensor):
+                if not isinstance(value, DTensor):
+                    continue
+                if not live.mode.dtensor_parameters:
                     entry[key] = (live.piece_like(p, value, param) if wrapped
                                   else live.shard_of(p, value))
+                elif isinstance(param, DTensor) and _strided(param) and _on(param, live) and (
+                        tuple(value.placements) != tuple(param.placements)
+                        or value.device_mesh != param.device_mesh):
+                    entry[key] = live.like_param(p, live.shard_of(p, value))
 
     def holds_plan_params(optimizer: torch.optim.Optimizer) -> bool:
         ids = {id(live.param(p)) for p in live.own}
