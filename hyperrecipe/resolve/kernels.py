@@ -3,8 +3,8 @@
 - :func:`vocab_parallel`: an ``nn.Embedding`` boundary whose table is sharded on the vocab dim
   over one mesh dim is looked up with production's masked local kernel; any other sharding of
   such a table has no kernel and is refused.
-- :func:`expert_parallel`: a local region whose own 3-D expert tensors are sharded on dim 0
-  over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
+- :func:`expert_parallel`: a local region whose own per-expert tensors (3-D weights and
+  ``[E, ...]`` biases) are sharded on dim 0 over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
   when they are whole on that dim, ``dispatch`` when they are all ``shard(0)``), and its first
   output must be declared as that kernel produces it.
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from hyperrecipe.errors import RecipeError, SourceSpan
-from hyperrecipe.model_tree import ModuleInfo
+from hyperrecipe.model_tree import ModuleInfo, ParamInfo
 from hyperrecipe.placement import REPLICATED, NamedPlacement, Partial, Shard
 from hyperrecipe.plan import ArgLayout, ExpertParallel
 from hyperrecipe.resolve.claims import ClaimTable
@@ -75,7 +75,7 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
             produce, or a module without an integer ``num_experts``.
     """
     fqn = module.fqn
-    experts = [p for p in module.params if len(p.shape) == 3]
+    experts = _per_expert(module)
     on: dict[str, set[str]] = {}
     placed: dict[str, NamedPlacement] = {}
     owners: dict[str, Claim] = {}
@@ -96,9 +96,12 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
         blamed = owners.get(odd) or next(iter(owners.values()))
         span, path = _param_span(blamed, odd)
         raise RecipeError(
-            f"{fqn}: an expert-parallel region shards every 3-D expert tensor on dim 0 over "
-            f"one mesh dim; found {layout}", span=span, path=path,
-            rule_index=blamed.rule.index)
+            f"{fqn}: an expert-parallel region shards every per-expert tensor (the 3-D "
+            f"weights and any [E, ...] bias) on dim 0 over one mesh dim; found {layout}",
+            span=span, path=path, rule_index=blamed.rule.index,
+            hint=f"give '{odd}' the same placement as the other expert tensors "
+                 f"({{{next(iter(dims))}: shard(0)}}): a rank indexes it with its local expert "
+                 f"ids, so a whole copy would hand its experts other experts' rows")
     ep_dim = dims.pop()
     kernel = _kernel(fqn, ep_dim, layouts)
     if module.int_attr("num_experts") is None:
@@ -110,6 +113,19 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
     total = experts[0].shape[0]
     return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
                           local_experts=total // inp.size(ep_dim))
+
+
+def _per_expert(module: ModuleInfo) -> list[ParamInfo]:
+    """The module's per-expert tensors: its 3-D weights ``[E, ., .]`` and every other tensor of
+    two or more dims whose dim 0 is ``E`` (GPT-OSS's ``gate_up_proj_bias [E, 2I]`` and
+    ``down_proj_bias [E, H]``). The kernel indexes them all with local expert ids, so they are
+    sharded together or not at all."""
+    weights = [p for p in module.params if len(p.shape) == 3]
+    if not weights:
+        return []
+    count = weights[0].shape[0]
+    return [p for p in module.params
+            if len(p.shape) == 3 or (len(p.shape) >= 2 and p.shape[0] == count)]
 
 
 def _kernel(fqn: str, ep_dim: str, layouts: DeclaredLayouts) -> Literal["partial", "dispatch"]:
