@@ -500,3 +500,19 @@ def test_a_tensor_below_atol_is_still_compared_against_its_own_size() -> None:
     assert not diff_tensors(2 * g, g, atol=1e-5, rtol=1e-4).ok
     assert diff_tensors(g * (1 + 1e-6), g, atol=1e-5, rtol=1e-4).ok
     assert diff_tensors(torch.full((4,), 1e-12), torch.zeros(4), atol=1e-5, rtol=1e-4).ok
+
+
+def test_a_zero_initialised_expert_bias_counted_tp_times_is_caught(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers zeroes GPT-OSS's expert biases; the check draws them, so a bias that every
+    rank adds to its partial output diverges instead of agreeing by accident."""
+    rc = main(["check", "tests/recipes/broken-gpt-oss-tp-expert-bias.yaml",
+               "--model", "hf:gpt_oss", "--model-config", "tests/recipes/models/tiny-gpt_oss.json",
+               "--mesh", "tp=2", "--mode", "production", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["agree"] is False
+    first = data["modes"]["production"]["first_divergent"]
+    assert (first["fqn"], first["what"]) == ("model.layers.0.mlp", "output")
+    assert first["max_abs"] > 1e-2
+    drawn = next(n for n in data["notes"] if "initialised to zero" in n)
+    assert drawn.startswith("12 parameters initialised to zero drawn from N(0, 0.1^2)")
