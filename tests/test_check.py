@@ -30,6 +30,7 @@ from hyperrecipe.check.diagnose import (
     GRADIENT_REDUCTION_WRONG,
     HEAD_COUNT_UNDIVIDED,
     PARAMS_UNUSED_ON_RANKS,
+    PLAIN_TENSOR_MEETS_DTENSOR,
     DiagnosisContext,
     suggest,
 )
@@ -516,3 +517,19 @@ def test_a_zero_initialised_expert_bias_counted_tp_times_is_caught(
     assert first["max_abs"] > 1e-2
     drawn = next(n for n in data["notes"] if "initialised to zero" in n)
     assert drawn.startswith("12 parameters initialised to zero drawn from N(0, 0.1^2)")
+
+
+def test_a_router_buffer_meeting_a_dtensor_names_local_region(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V3's router adds a plain buffer to DTensor scores in validate mode: the check
+    names the cause and the fix instead of DTensor's bare message."""
+    rc = main(["check", "tests/recipes/broken-deepseek-v3-router.yaml",
+               "--model", "hf:deepseek_v3",
+               "--model-config", "tests/recipes/models/tiny-deepseek_v3.json",
+               "--mesh", "tp=2", "--mode", "validate", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["agree"] is False
+    val = data["modes"]["validate"]
+    assert val["first_divergent"]["fqn"] == "model.layers.1.mlp"
+    assert val["suggestion"]["cause"] == PLAIN_TENSOR_MEETS_DTENSOR
+    assert val["suggestion"]["evidence"].startswith("model.layers.1.mlp.gate raised in forward")
