@@ -503,20 +503,21 @@ def test_a_tensor_below_atol_is_still_compared_against_its_own_size() -> None:
     assert diff_tensors(torch.full((4,), 1e-12), torch.zeros(4), atol=1e-5, rtol=1e-4).ok
 
 
-def test_a_zero_initialised_expert_bias_counted_tp_times_is_caught(
+def test_a_zero_initialised_bias_counted_tp_times_is_caught(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """transformers zeroes GPT-OSS's expert biases; the check draws them, so a bias that every
+    """transformers zeroes a Llama's biases; the check draws them, so a row-wise bias that every
     rank adds to its partial output diverges instead of agreeing by accident."""
-    rc = main(["check", "tests/recipes/broken-gpt-oss-tp-expert-bias.yaml",
-               "--model", "hf:gpt_oss", "--model-config", "tests/recipes/models/tiny-gpt_oss.json",
+    rc = main(["check", "tests/recipes/broken-no-defer-bias.yaml", "--model", "hf:llama",
+               "--model-config",
+               json.dumps({**json.loads((in_root / "recipes/models/tiny-llama.json").read_text()),
+                           "attention_bias": True, "mlp_bias": True}),
                "--mesh", "tp=2", "--mode", "production", "--format", "json", "-q"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["agree"] is False
     first = data["modes"]["production"]["first_divergent"]
-    assert (first["fqn"], first["what"]) == ("model.layers.0.mlp", "output")
-    assert first["max_abs"] > 1e-2
+    assert first["fqn"] == "model.layers.0.self_attn.o_proj" and first["max_abs"] > 1e-2
     drawn = next(n for n in data["notes"] if "initialised to zero" in n)
-    assert drawn.startswith("12 parameters initialised to zero drawn from N(0, 0.1^2)")
+    assert drawn.startswith("14 parameters initialised to zero drawn from N(0, 0.1^2)")
 
 
 def test_a_router_buffer_meeting_a_dtensor_names_local_region(

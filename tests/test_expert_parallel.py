@@ -501,6 +501,20 @@ def test_per_expert_biases_left_whole_are_refused_at_compile_time(tmp_path: Path
                                  "expert tensors ({ep: shard(0)})")
 
 
+def test_a_whole_bias_of_tensor_parallel_experts_is_refused_at_compile_time() -> None:
+    """GPT-OSS's down_proj_bias after a down projection sharded on I would be added by every
+    rank to its partial sum: refused, pointing at expert parallelism."""
+    recipe = ROOT / "tests/recipes/broken-gpt-oss-tp-expert-bias.yaml"
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(recipe), _gpt_oss("meta"), {"tp": 2})
+    error = info.value
+    assert error.problem == (
+        "model.layers.0.mlp.experts: the experts' weights are sharded over tp but their "
+        "per-expert tensor 'down_proj_bias' [4, 64] is whole there: every rank would add all of "
+        "it to its own slice or partial sum")
+    assert "shard the experts whole over an ep dim instead" in error.hint
+
+
 def test_tiny_mixtral_experts_divide_by_two() -> None:
     assert config("mixtral")["num_local_experts"] % 2 == 0
 

@@ -3,6 +3,8 @@
 - :func:`vocab_parallel`: an ``nn.Embedding`` boundary whose table is sharded on the vocab dim
   over one mesh dim is looked up with production's masked local kernel; any other sharding of
   such a table has no kernel and is refused.
+- :func:`refuse_whole_biases_of_split_experts`: tensor-parallel experts with a per-expert bias
+  left whole over the weights' mesh dim are refused (every rank would add all of it).
 - :func:`expert_parallel`: a local region whose own per-expert tensors (3-D weights and
   ``[E, ...]`` biases) are sharded on dim 0 over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
   when they are whole on that dim, ``dispatch`` when they are all ``shard(0)``), and its first
@@ -24,7 +26,8 @@ from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, span_of
 from hyperrecipe.resolve.layouts import DeclaredLayouts
 
-__all__ = ["EMBEDDING", "expert_parallel", "vocab_parallel"]
+__all__ = ["EMBEDDING", "expert_parallel", "refuse_whole_biases_of_split_experts",
+           "vocab_parallel"]
 
 EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
@@ -113,6 +116,50 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
     total = experts[0].shape[0]
     return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
                           local_experts=total // inp.size(ep_dim))
+
+
+def refuse_whole_biases_of_split_experts(inp: ResolveInput, claims: ClaimTable,
+                                         module: ModuleInfo) -> None:
+    """Tensor-parallel experts (3-D weights sharded on a dim other than 0) with a per-expert
+    bias whole over that mesh dim: each rank adds the whole bias to its slice or partial sum
+    (GPT-OSS's ``down_proj_bias`` after a down projection sharded on ``I``: counted tp times;
+    ``gate_up_proj_bias`` next to a sliced ``gate_up_proj``: a shape error in production).
+
+    Raises:
+        RecipeError: at the rule that left the bias whole.
+    """
+    fqn = module.fqn
+    experts = _per_expert(module)
+    placed: dict[str, NamedPlacement] = {}
+    owners: dict[str, Claim] = {}
+    for p in experts:
+        claim = claims.get(p.tied_to or p.fqn, "params")
+        placed[p.name] = claim.value.canonical(inp.recipe.mesh) if claim else REPLICATED
+        if claim is not None:
+            owners[p.name] = claim
+    if not owners:
+        return
+    split = {d for p in experts if len(p.shape) == 3
+             for d, q in placed[p.name].dims if isinstance(q, Shard)}
+    for p in experts:
+        if len(p.shape) == 3 or not split:
+            continue
+        sharded = {d for d, q in placed[p.name].dims if isinstance(q, Shard)}
+        whole = sorted(split - sharded)
+        if not whole:
+            continue
+        owner = owners.get(p.name) or next(iter(owners.values()))
+        span, path = _param_span(owner, p.name)
+        raise RecipeError(
+            f"{fqn}: the experts' weights are sharded over {whole[0]} but their per-expert "
+            f"tensor '{p.name}' {list(p.shape)} is whole there: every rank would add all of it "
+            f"to its own slice or partial sum", span=span, path=path,
+            rule_index=owner.rule.index,
+            hint="a bias added after a projection sharded on its output features is sharded "
+                 "with them (GPT-OSS's gate_up_proj_bias: shard(1) with gate_up_proj's "
+                 "shard(2)); one added after a projection sharded on its input features "
+                 "(down_proj_bias) has no placement: shard the experts whole over an ep dim "
+                 "instead (shard(0), docs/cookbook.md, 'Other MoE families')")
 
 
 def _per_expert(module: ModuleInfo) -> list[ParamInfo]:
