@@ -30,6 +30,7 @@ from hyperrecipe.check.diagnose import (
     GRADIENT_REDUCTION_WRONG,
     HEAD_COUNT_UNDIVIDED,
     PARAMS_UNUSED_ON_RANKS,
+    PLAIN_TENSOR_MEETS_DTENSOR,
     DiagnosisContext,
     suggest,
 )
@@ -516,3 +517,36 @@ def test_a_tensor_below_atol_is_still_compared_against_its_own_size() -> None:
     assert not diff_tensors(2 * g, g, atol=1e-5, rtol=1e-4).ok
     assert diff_tensors(g * (1 + 1e-6), g, atol=1e-5, rtol=1e-4).ok
     assert diff_tensors(torch.full((4,), 1e-12), torch.zeros(4), atol=1e-5, rtol=1e-4).ok
+
+
+def test_a_zero_initialised_bias_counted_tp_times_is_caught(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers zeroes a Llama's biases; the check draws them, so a row-wise bias that every
+    rank adds to its partial output diverges instead of agreeing by accident."""
+    rc = main(["check", "tests/recipes/broken-no-defer-bias.yaml", "--model", "hf:llama",
+               "--model-config",
+               json.dumps({**json.loads((in_root / "recipes/models/tiny-llama.json").read_text()),
+                           "attention_bias": True, "mlp_bias": True}),
+               "--mesh", "tp=2", "--mode", "production", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["agree"] is False
+    first = data["modes"]["production"]["first_divergent"]
+    assert first["fqn"] == "model.layers.0.self_attn.o_proj" and first["max_abs"] > 1e-2
+    drawn = next(n for n in data["notes"] if "initialised to zero" in n)
+    assert drawn.startswith("14 parameters initialised to zero drawn from N(0, 0.1^2)")
+
+
+def test_a_router_buffer_meeting_a_dtensor_names_local_region(
+        in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V3's router adds a plain buffer to DTensor scores in validate mode: the check
+    names the cause and the fix instead of DTensor's bare message."""
+    rc = main(["check", "tests/recipes/broken-deepseek-v3-router.yaml",
+               "--model", "hf:deepseek_v3",
+               "--model-config", "tests/recipes/models/tiny-deepseek_v3.json",
+               "--mesh", "tp=2", "--mode", "validate", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["agree"] is False
+    val = data["modes"]["validate"]
+    assert val["first_divergent"]["fqn"] == "model.layers.1.mlp"
+    assert val["suggestion"]["cause"] == PLAIN_TENSOR_MEETS_DTENSOR
+    assert val["suggestion"]["evidence"].startswith("model.layers.1.mlp.gate raised in forward")

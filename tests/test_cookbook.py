@@ -44,6 +44,8 @@ CASES: list[Any] = [
                  f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",
                  f"{MODELS}/tiny-qwen2_moe.json", BOTH, (True, True), marks=pytest.mark.slow),
+    ("tests/recipes/cookbook/deepseek_v3.yaml", "hf:deepseek_v3",
+     "tests/recipes/models/tiny-deepseek_v3.json", BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/bloom.yaml", "hf:bloom", f"{MODELS}/tiny-bloom.json",
                  BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,

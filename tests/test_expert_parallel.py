@@ -430,10 +430,89 @@ def test_experts_sharded_on_different_axes_are_refused_at_compile_time(tmp_path:
     error, path = _refusal(tmp_path, RECIPE, "down_proj: {ep: shard(0)}",
                            "down_proj: {ep: shard(2)}")
     assert error.problem == (
-        "model.layers.0.mlp.experts: an expert-parallel region shards every 3-D expert tensor "
-        "on dim 0 over one mesh dim; found gate_up_proj: {ep: shard(0)}, "
+        "model.layers.0.mlp.experts: an expert-parallel region shards every per-expert tensor "
+        "(the 3-D weights and any [E, ...] bias) on dim 0 over one mesh dim; found "
+        "gate_up_proj: {ep: shard(0)}, "
         "down_proj: {ep: shard(2)}")
     assert error.span is not None and error.span.line == _line_of(path, "down_proj: {ep: shard(2)}")
+
+
+# ------------------------------------------------------------------ GPT-OSS: experts with biases
+
+GPT_OSS = str(ROOT / "tests/recipes/gpt-oss-ep.yaml")
+GPT_OSS_CONFIG = ROOT / "tests/recipes/models/tiny-gpt_oss.json"
+
+
+def _gpt_oss(device: str = "cpu", **overrides: Any) -> torch.nn.Module:
+    """Tiny GPT-OSS; its biases (zero at init, which would hide a misplaced one) drawn
+    nonzero."""
+    import json
+
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    cfg = {**json.loads(GPT_OSS_CONFIG.read_text()), **overrides}
+    model = build_model("hf:gpt_oss", cfg, device=device)
+    if device != "meta":
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def gpt_oss_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    from hyperrecipe import apply
+
+    model = _gpt_oss(**EAGER)
+    plan = compile_recipe(GPT_OSS, _gpt_oss("meta", **EAGER), {"ep": world})
+    inst = apply(model, plan, _ep_mesh(world), mode=mode)  # type: ignore[arg-type]
+    logits = step(model)
+    return {"logits": logits, "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_gpt_oss_experts_with_biases_match_one_process_at_ep2(mode: str) -> None:
+    """Per-expert biases sharded with their experts: logits and every gradient as one process."""
+    model = _gpt_oss(**EAGER)
+    logits = step(model)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for r in run_ranks(gpt_oss_worker, 2, mode, timeout_s=300):
+        assert_matches(r["logits"], logits, "logits")
+        assert set(r["grads"]) == set(grads)
+        for name, g in grads.items():
+            assert_matches(r["grads"][name], g, name)
+
+
+def test_per_expert_biases_left_whole_are_refused_at_compile_time(tmp_path: Path) -> None:
+    """A whole bias would be indexed with local expert ids: rank 1's experts 2, 3 would add
+    experts 0, 1's biases. Refused, naming the bias and the placement to give it."""
+    path = tmp_path / "edited.yaml"
+    path.write_text(Path(GPT_OSS).read_text().replace(
+        "      gate_up_proj_bias: {ep: shard(0)}\n", "").replace(
+        "      down_proj_bias: {ep: shard(0)}\n", ""))
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(path), _gpt_oss("meta"), {"ep": 2})
+    error = info.value
+    assert "gate_up_proj_bias: replicate" in error.problem
+    assert "down_proj_bias: replicate" in error.problem
+    assert error.hint.startswith("give 'gate_up_proj_bias' the same placement as the other "
+                                 "expert tensors ({ep: shard(0)})")
+
+
+def test_a_whole_bias_of_tensor_parallel_experts_is_refused_at_compile_time() -> None:
+    """GPT-OSS's down_proj_bias after a down projection sharded on I would be added by every
+    rank to its partial sum: refused, pointing at expert parallelism."""
+    recipe = ROOT / "tests/recipes/broken-gpt-oss-tp-expert-bias.yaml"
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(recipe), _gpt_oss("meta"), {"tp": 2})
+    error = info.value
+    assert error.problem == (
+        "model.layers.0.mlp.experts: the experts' weights are sharded over tp but their "
+        "per-expert tensor 'down_proj_bias' [4, 64] is whole there: every rank would add all of "
+        "it to its own slice or partial sum")
+    assert "shard the experts whole over an ep dim instead" in error.hint
 
 
 def test_tiny_mixtral_experts_divide_by_two() -> None:

@@ -30,6 +30,9 @@ Patterns, in the order they are tried at the first divergence:
   a parameter in it is sharded; the evidence lists the heads and each rank's
   share → :data:`HEADS_NOT_WHOLE`. Resolve refuses the splits it can see (a head size in the
   model tree); this names the ones it cannot (a head size the tree does not show).
+- **a plain tensor meets a DTensor** (validate mode): a forward raised DTensor's "got mixed
+  torch.Tensor and DTensor" (a buffer of the module's own added to its DTensor values) →
+  :data:`PLAIN_TENSOR_MEETS_DTENSOR`.
 - **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING` when the ranks'
   gradients of a parameter sum to the reference (named), otherwise
   :data:`GRADIENT_REDUCTION_WRONG` (a reduction missing, or one too many); when parameters got
@@ -64,6 +67,7 @@ __all__ = [
     "HEADS_NOT_WHOLE",
     "OUTPUT_LEFT_SHARDED",
     "PARAMS_UNUSED_ON_RANKS",
+    "PLAIN_TENSOR_MEETS_DTENSOR",
     "WHOLE_PARAM_ON_SHARD",
     "Suggestion",
     "suggest",
@@ -85,6 +89,10 @@ PARAMS_UNUSED_ON_RANKS = ("parameters a rank never used: per-head modules indexe
                           "head on every rank (a ModuleList of one module per head); gather the "
                           "heads around that module, as for norms over all heads")
 OUTPUT_LEFT_SHARDED = "the model's output is left sharded (gather it: out_dst replicate)"
+PLAIN_TENSOR_MEETS_DTENSOR = ("a plain tensor of the model's own (a buffer, a fresh tensor) meets "
+                              "a DTensor in validate mode: make the module that raised a "
+                              "`local_region: true` boundary, or add an adapter "
+                              "(docs/adapters.md)")
 
 _SHAPE_ERROR = re.compile(r"shape|size|mat1 and mat2|dimension|must match|unpack|split",
                           re.IGNORECASE)
@@ -564,6 +572,12 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
     found = _swapped_from_placement(failure, ctx)
     if found is not None:
         return found
+    if failure.phase == "forward" and "got mixed torch.Tensor and DTensor" in failure.error:
+        where = failure.module or first.fqn
+        return Suggestion(cause=PLAIN_TENSOR_MEETS_DTENSOR, evidence=(
+            f"{where} raised in forward ({failure.error}); a local region computes on local "
+            f"tensors in both modes (a router whose buffer, such as DeepSeek-V3's "
+            f"e_score_correction_bias, is added to its DTensor scores)"))
     if failure.phase == "forward" and _SHAPE_ERROR.search(failure.error):
         heads = _undivided_heads(first.fqn, ctx)
         if heads is not None:

@@ -36,7 +36,11 @@ from hyperrecipe.check.compare import ModeComparison, compare_mode
 from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
 from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ranks
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
-from hyperrecipe.check.sample import build_seeded, make_sample, weights_fingerprint
+from hyperrecipe.check.sample import (
+    build_seeded_noting,
+    make_sample,
+    weights_fingerprint,
+)
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
 from hyperrecipe.errors import CheckError, HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
@@ -318,7 +322,11 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     t_build = time.perf_counter()
     with (torch.random.fork_rng(devices=[]),
           parent_deadline(options.timeout_s, f"building {options.model}", _SLOW_FACTORY)):
-        model = build_seeded(options.model, config, options.seed)
+        model, drawn = build_seeded_noting(options.model, config, options.seed)
+    if drawn:
+        shown = ", ".join(drawn[:3]) + (f" and {len(drawn) - 3} more" if len(drawn) > 3 else "")
+        notes.append(f"{len(drawn)} parameters initialised to zero drawn from N(0, 0.1^2) for "
+                     f"every run ({shown}): a zero bias would hide its own misplacement")
     tree = snapshot(model)
     n_params = sum(p.numel() for p in model.parameters())
     progress(f"built {options.model}: {len(tree.modules)} modules, {n_params:,} parameters "

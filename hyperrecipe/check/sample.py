@@ -2,7 +2,8 @@
 
 The reference (in the parent) and every rank build the model the same way — ``torch.manual_seed``
 then :func:`~hyperrecipe.model_tree.build_model` on the CPU, in ``eval()`` mode so dropout cannot
-make two runs differ — and feed it the same batch. The loss is the **mean of squares of the first
+make two runs differ — with every all-zero parameter drawn at random (a zero bias hides its own
+misplacement), and feed it the same batch. The loss is the **mean of squares of the first
 output** (the logits of a causal LM): every output element gets a non-zero gradient, no labels
 are needed, and it is the same function on every rank once the output is replicated.
 
@@ -25,6 +26,8 @@ from hyperrecipe.model_tree import build_model
 __all__ = [
     "Sample",
     "build_seeded",
+    "build_seeded_noting",
+    "draw_zero_parameters",
     "first_output",
     "loss_of",
     "make_sample",
@@ -52,15 +55,42 @@ class Sample:
 
 
 def build_seeded(spec: str, config: Mapping[str, Any] | None, seed: int) -> nn.Module:
-    """The model of ``spec`` on the CPU with ``torch.manual_seed(seed)`` set first, in eval mode.
+    """The model of ``spec`` on the CPU with ``torch.manual_seed(seed)`` set first, in eval mode,
+    its all-zero parameters drawn at random (:func:`draw_zero_parameters`).
 
     Raises:
         ModelSpecError: the spec cannot be built.
     """
+    return build_seeded_noting(spec, config, seed)[0]
+
+
+def build_seeded_noting(spec: str, config: Mapping[str, Any] | None, seed: int
+                        ) -> tuple[nn.Module, list[str]]:
+    """:func:`build_seeded`, and the names of the parameters it drew because they were zero."""
     torch.manual_seed(seed)
     model = build_model(spec, config, device="cpu")
     model.eval()
-    return model
+    return model, draw_zero_parameters(model, seed)
+
+
+def draw_zero_parameters(model: nn.Module, seed: int) -> list[str]:
+    """Draw every all-zero floating parameter from ``N(0, 0.1^2)`` (a generator seeded from
+    ``seed``, so the reference and every rank draw the same); return their names.
+
+    transformers initialises biases (and GPT-OSS's per-expert biases, attention sinks) to zero.
+    A zero parameter hides every misplacement of itself: a bias added once per rank, or an expert
+    bias indexed with another rank's expert ids, still adds zero, and the check would agree on a
+    recipe that is wrong for every trained checkpoint. The check compares one model both ways, so
+    any values serve; nonzero ones make each parameter's placement visible.
+    """
+    g = torch.Generator().manual_seed(seed + 0x5EED)
+    drawn: list[str] = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel() > 0 and not bool(p.any()):
+                p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
+                drawn.append(name)
+    return drawn
 
 
 def weights_fingerprint(model: nn.Module) -> tuple[tuple[str, float, float], ...]:

@@ -3,8 +3,10 @@
 - :func:`vocab_parallel`: an ``nn.Embedding`` boundary whose table is sharded on the vocab dim
   over one mesh dim is looked up with production's masked local kernel; any other sharding of
   such a table has no kernel and is refused.
-- :func:`expert_parallel`: a local region whose own 3-D expert tensors are sharded on dim 0
-  over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
+- :func:`refuse_whole_biases_of_split_experts`: tensor-parallel experts with a per-expert bias
+  left whole over the weights' mesh dim are refused (every rank would add all of it).
+- :func:`expert_parallel`: a local region whose own per-expert tensors (3-D weights and
+  ``[E, ...]`` biases) are sharded on dim 0 over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
   when they are whole on that dim, ``dispatch`` when they are all ``shard(0)``), and its first
   output must be declared as that kernel produces it.
 
@@ -17,14 +19,15 @@ from collections.abc import Sequence
 from typing import Literal
 
 from hyperrecipe.errors import RecipeError, SourceSpan
-from hyperrecipe.model_tree import ModuleInfo
+from hyperrecipe.model_tree import ModuleInfo, ParamInfo
 from hyperrecipe.placement import REPLICATED, NamedPlacement, Partial, Shard
 from hyperrecipe.plan import ArgLayout, ExpertParallel
 from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, span_of
 from hyperrecipe.resolve.layouts import DeclaredLayouts
 
-__all__ = ["EMBEDDING", "expert_parallel", "vocab_parallel"]
+__all__ = ["EMBEDDING", "expert_parallel", "refuse_whole_biases_of_split_experts",
+           "vocab_parallel"]
 
 EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
@@ -75,7 +78,7 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
             produce, or a module without an integer ``num_experts``.
     """
     fqn = module.fqn
-    experts = [p for p in module.params if len(p.shape) == 3]
+    experts = _per_expert(module)
     on: dict[str, set[str]] = {}
     placed: dict[str, NamedPlacement] = {}
     owners: dict[str, Claim] = {}
@@ -96,9 +99,12 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
         blamed = owners.get(odd) or next(iter(owners.values()))
         span, path = _param_span(blamed, odd)
         raise RecipeError(
-            f"{fqn}: an expert-parallel region shards every 3-D expert tensor on dim 0 over "
-            f"one mesh dim; found {layout}", span=span, path=path,
-            rule_index=blamed.rule.index)
+            f"{fqn}: an expert-parallel region shards every per-expert tensor (the 3-D "
+            f"weights and any [E, ...] bias) on dim 0 over one mesh dim; found {layout}",
+            span=span, path=path, rule_index=blamed.rule.index,
+            hint=f"give '{odd}' the same placement as the other expert tensors "
+                 f"({{{next(iter(dims))}: shard(0)}}): a rank indexes it with its local expert "
+                 f"ids, so a whole copy would hand its experts other experts' rows")
     ep_dim = dims.pop()
     kernel = _kernel(fqn, ep_dim, layouts)
     if module.int_attr("num_experts") is None:
@@ -110,6 +116,63 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
     total = experts[0].shape[0]
     return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
                           local_experts=total // inp.size(ep_dim))
+
+
+def refuse_whole_biases_of_split_experts(inp: ResolveInput, claims: ClaimTable,
+                                         module: ModuleInfo) -> None:
+    """Tensor-parallel experts (3-D weights sharded on a dim other than 0) with a per-expert
+    bias whole over that mesh dim: each rank adds the whole bias to its slice or partial sum
+    (GPT-OSS's ``down_proj_bias`` after a down projection sharded on ``I``: counted tp times;
+    ``gate_up_proj_bias`` next to a sliced ``gate_up_proj``: a shape error in production).
+
+    Raises:
+        RecipeError: at the rule that left the bias whole.
+    """
+    fqn = module.fqn
+    experts = _per_expert(module)
+    placed: dict[str, NamedPlacement] = {}
+    owners: dict[str, Claim] = {}
+    for p in experts:
+        claim = claims.get(p.tied_to or p.fqn, "params")
+        placed[p.name] = claim.value.canonical(inp.recipe.mesh) if claim else REPLICATED
+        if claim is not None:
+            owners[p.name] = claim
+    if not owners:
+        return
+    split = {d for p in experts if len(p.shape) == 3
+             for d, q in placed[p.name].dims if isinstance(q, Shard)}
+    for p in experts:
+        if len(p.shape) == 3 or not split:
+            continue
+        sharded = {d for d, q in placed[p.name].dims if isinstance(q, Shard)}
+        whole = sorted(split - sharded)
+        if not whole:
+            continue
+        owner = owners.get(p.name) or next(iter(owners.values()))
+        span, path = _param_span(owner, p.name)
+        raise RecipeError(
+            f"{fqn}: the experts' weights are sharded over {whole[0]} but their per-expert "
+            f"tensor '{p.name}' {list(p.shape)} is whole there: every rank would add all of it "
+            f"to its own slice or partial sum", span=span, path=path,
+            rule_index=owner.rule.index,
+            hint="a bias added after a projection sharded on its output features is sharded "
+                 "with them (GPT-OSS's gate_up_proj_bias: shard(1) with gate_up_proj's "
+                 "shard(2)); one added after a projection sharded on its input features "
+                 "(down_proj_bias) has no placement: shard the experts whole over an ep dim "
+                 "instead (shard(0), docs/cookbook.md, 'Other MoE families')")
+
+
+def _per_expert(module: ModuleInfo) -> list[ParamInfo]:
+    """The module's per-expert tensors: its 3-D weights ``[E, ., .]`` and every other tensor of
+    two or more dims whose dim 0 is ``E`` (GPT-OSS's ``gate_up_proj_bias [E, 2I]`` and
+    ``down_proj_bias [E, H]``). The kernel indexes them all with local expert ids, so they are
+    sharded together or not at all."""
+    weights = [p for p in module.params if len(p.shape) == 3]
+    if not weights:
+        return []
+    count = weights[0].shape[0]
+    return [p for p in module.params
+            if len(p.shape) == 3 or (len(p.shape) >= 2 and p.shape[0] == count)]
 
 
 def _kernel(fqn: str, ep_dim: str, layouts: DeclaredLayouts) -> Literal["partial", "dispatch"]:
