@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.api import compile_recipe, load_plan, load_recipe
     from hyperrecipe.plan import Plan
     from hyperrecipe.runtime import Installation, apply
-    from hyperrecipe.runtime.vocab_loss import vocab_parallel_cross_entropy
+    from hyperrecipe.runtime.features.vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = [
     "HyperrecipeError",
@@ -62,7 +62,7 @@ _LAZY = {
     "Plan": "hyperrecipe.plan",
     "apply": "hyperrecipe.runtime",
     "Installation": "hyperrecipe.runtime",
-    "vocab_parallel_cross_entropy": "hyperrecipe.runtime.vocab_loss",
+    "vocab_parallel_cross_entropy": "hyperrecipe.runtime.features.vocab_loss",
 }
 
 

@@ -166,20 +166,20 @@ BUILTIN_WRAPPERS: Mapping[str, WrapperDeclaration] = {
         WrapperDeclaration(
             name="cp_allgather_kv", hook="attention", mesh_dims=("cp",),
             inner_out_src=((0, parse_named_placement({"cp": "shard(1)"})),),
-            factory="hyperrecipe.runtime.context_parallel:cp_allgather_kv",
+            factory="hyperrecipe.runtime.features.context_parallel:cp_allgather_kv",
             summary="context parallel attention: K/V all-gathered along the sequence, "
                     "offset-aware causal mask"),
         WrapperDeclaration(
             name="ulysses", hook="attention", mesh_dims=("cp",),
             inner_out_src=((0, parse_named_placement({"cp": "shard(1)"})),),
-            factory="hyperrecipe.runtime.context_parallel:ulysses",
+            factory="hyperrecipe.runtime.features.context_parallel:ulysses",
             summary="context parallel attention: all-to-all between heads and sequence "
                     "(Ulysses)"),
     )
 }
 """The built-in inner wrappers by registry name: their declarations (the attention output
 ``[batch, seq, heads, head_dim]`` comes back sharded on the sequence over ``cp``); the
-factories are in :mod:`hyperrecipe.runtime.context_parallel`."""
+factories are in :mod:`hyperrecipe.runtime.features.context_parallel`."""
 
 
 @attrs.frozen(kw_only=True)

@@ -21,15 +21,15 @@ from hyperrecipe.plan import AdapterPlan, Plan, Provenance
 from hyperrecipe.plan_report import explain, summary
 from hyperrecipe.refs import TRUST_ENV
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.adapters import install_adapters, make_method_adapter
-from tests import adapter_models
-from tests.adapter_models import DerivedHelpers, Helpers, make_positional_toy
-from tests.runtime_harness import ROOT, assert_close, grads_of, llama, llama_batch, llama_step
+from hyperrecipe.runtime.features.adapters import install_adapters, make_method_adapter
+from tests.support import adapter_models
+from tests.support.adapter_models import DerivedHelpers, Helpers, make_positional_toy
+from tests.support.runtime_harness import ROOT, assert_close, grads_of, llama, llama_batch, llama_step
 
 TOY_RECIPE = str(ROOT / "tests/recipes/toy-adapters.yaml")
 ROTARY_RECIPE = str(ROOT / "tests/recipes/llama-rotary-sp.yaml")
 ROTARY = "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding.forward"
-HELPERS = "tests.adapter_models:Helpers"
+HELPERS = "tests.support.adapter_models:Helpers"
 HEADER = "recipe: demo\nversion: 1\nmesh: [tp]\nrules: []\nadapters:\n"
 
 
@@ -120,8 +120,8 @@ def _toy_plan() -> Plan:
 def test_plan_lists_adapters_with_their_recipe_lines_and_round_trips(tmp_path: Path) -> None:
     plan = _toy_plan()
     assert [(a.target, a.mode, a.out_src, a.provenance.line) for a in plan.adapters] == [
-        ("tests.adapter_models:PositionalMLP.add_positions", "wrap", None, 20),
-        ("tests.adapter_models:PositionalMLP.rescale", "marshal", None, 22)]
+        ("tests.support.adapter_models:PositionalMLP.add_positions", "wrap", None, 20),
+        ("tests.support.adapter_models:PositionalMLP.rescale", "marshal", None, 22)]
     assert Plan.from_json(plan.to_json()) == plan
     with_out = attrs.evolve(plan, adapters=(
         *plan.adapters, _adapter(f"{HELPERS}.plain", "marshal", "{tp: shard(-1)}"))).sealed()
@@ -135,10 +135,10 @@ def test_plan_lists_adapters_with_their_recipe_lines_and_round_trips(tmp_path: P
 def test_summary_and_explain_list_the_adapters() -> None:
     plan = _toy_plan()
     text = summary(plan)
-    assert ("method adapters: tests.adapter_models:PositionalMLP.add_positions wrap, "
-            "tests.adapter_models:PositionalMLP.rescale marshal\n") in text
+    assert ("method adapters: tests.support.adapter_models:PositionalMLP.add_positions wrap, "
+            "tests.support.adapter_models:PositionalMLP.rescale marshal\n") in text
     why = explain(plan, "PositionalMLP.rescale")
-    assert why == ("tests.adapter_models:PositionalMLP.rescale: method adapter marshal, outputs "
+    assert why == ("tests.support.adapter_models:PositionalMLP.rescale: method adapter marshal, outputs "
                    "placed like the first DTensor argument\n"
                    f"  {plan.adapters[1].provenance.file}:22:5 (no rule): adapter marshal\n")
 
@@ -146,7 +146,7 @@ def test_summary_and_explain_list_the_adapters() -> None:
 def test_an_extending_recipe_re_declares_its_base_adapter(tmp_path: Path) -> None:
     child = tmp_path / "child.yaml"
     child.write_text(f"recipe: child\nversion: 1\nmesh: [tp]\nextends: {TOY_RECIPE}\nrules: []\n"
-                     "adapters:\n  - {target: \"tests.adapter_models:PositionalMLP.add_positions\","
+                     "adapters:\n  - {target: \"tests.support.adapter_models:PositionalMLP.add_positions\","
                      " mode: marshal, out_src: replicate}\n", encoding="utf-8")
     with torch.device("meta"):
         plan = compile_recipe(str(child), make_positional_toy(), {"tp": 2})
@@ -160,13 +160,13 @@ def test_an_extending_recipe_re_declares_its_base_adapter(tmp_path: Path) -> Non
 
 def test_a_misspelt_method_of_an_imported_module_fails_at_compile_time(tmp_path: Path) -> None:
     path = tmp_path / "demo.yaml"
-    path.write_text(HEADER + '  - {target: "tests.adapter_models:PositionalMLP.rescal"}\n',
+    path.write_text(HEADER + '  - {target: "tests.support.adapter_models:PositionalMLP.rescal"}\n',
                     encoding="utf-8")
     with torch.device("meta"), pytest.raises(RecipeError) as info:
         compile_recipe(str(path), make_positional_toy(), {"tp": 2})
     assert str(info.value).replace(str(tmp_path), "/path/to") == (
-        "/path/to/demo.yaml:6:5: adapter target 'tests.adapter_models:PositionalMLP.rescal': "
-        "tests.adapter_models:PositionalMLP has no attribute 'rescal'; did you mean 'rescale'? "
+        "/path/to/demo.yaml:6:5: adapter target 'tests.support.adapter_models:PositionalMLP.rescal': "
+        "tests.support.adapter_models:PositionalMLP has no attribute 'rescal'; did you mean 'rescale'? "
         "@ $.adapters[0].target")
 
 
@@ -185,8 +185,8 @@ def test_a_target_whose_module_is_not_imported_is_found_by_apply(
 
 
 @pytest.mark.parametrize(("target", "problem"), [
-    ("tests.adapter_models:Nope.plain", "tests.adapter_models has no attribute 'Nope'"),
-    ("tests.adapter_models:make_positional_toy.x", "tests.adapter_models:make_positional_toy is "
+    ("tests.support.adapter_models:Nope.plain", "tests.support.adapter_models has no attribute 'Nope'"),
+    ("tests.support.adapter_models:make_positional_toy.x", "tests.support.adapter_models:make_positional_toy is "
                                                    "a function, not a class"),
     (f"{HELPERS}.nope", "Helpers has no method 'nope'"),
 ])
@@ -205,7 +205,7 @@ def test_adapters_install_and_restore_the_exact_class_attributes() -> None:
     before = {name: vars(Helpers)[name] for name in KINDS}
     adapters = (*(_adapter(f"{HELPERS}.{n}", "marshal" if i % 2 else "wrap")
                   for i, n in enumerate(KINDS)),
-                _adapter("tests.adapter_models:DerivedHelpers.plain", "marshal"))
+                _adapter("tests.support.adapter_models:DerivedHelpers.plain", "marshal"))
     with Rewrite(label="adapters test") as tx:
         install_adapters(tx, adapters, ("tp",))
     try:
@@ -261,10 +261,10 @@ def test_two_adapters_reaching_one_method_through_a_re_export_are_refused() -> N
     tx = Rewrite(label="alias test")
     with pytest.raises(PlanMismatchError) as info, tx:
         install_adapters(tx, (_adapter(f"{HELPERS}.static"),
-                              _adapter("tests.adapter_models:HelpersAlias.static", line=8)),
+                              _adapter("tests.support.adapter_models:HelpersAlias.static", line=8)),
                          ("tp",))
     assert str(info.value) == (
-        "adapter 'tests.adapter_models:HelpersAlias.static' (demo.yaml:8:5) and adapter "
+        "adapter 'tests.support.adapter_models:HelpersAlias.static' (demo.yaml:8:5) and adapter "
         f"'{HELPERS}.static' (demo.yaml:7:5) adapt the same method Helpers.static; keep one")
     assert isinstance(vars(Helpers)["static"], staticmethod)
     assert vars(Helpers)["static"].__func__.__name__ == "static"
@@ -277,7 +277,7 @@ def test_two_adapters_reaching_one_method_through_a_re_export_are_refused() -> N
 def _semantics_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from tests.runtime_harness import mesh_1d
+    from tests.support.runtime_harness import mesh_1d
 
     mesh = mesh_1d(world)
     seen: list[str] = []
@@ -382,7 +382,7 @@ def _toy_step(model: torch.nn.Module) -> torch.Tensor:
 def _apply_and_step(model: torch.nn.Module, plan: Plan, mode: str,
                     step: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, Any]:
     from hyperrecipe import apply
-    from tests.runtime_harness import mesh_1d
+    from tests.support.runtime_harness import mesh_1d
 
     inst = apply(model, plan, mesh_1d(2), mode=mode)  # type: ignore[arg-type]
     try:
@@ -425,8 +425,8 @@ def test_toy_helpers_mixing_plain_buffers_run_in_validate_mode_with_adapters() -
             for name, g in ref_grads.items():
                 assert_close(got["grads"][name], g, f"{mode} grad {name}")
             assert got["rows"] == [
-                ("tests.adapter_models:PositionalMLP.add_positions", "adapter wrap", "installed"),
-                ("tests.adapter_models:PositionalMLP.rescale", "adapter marshal", "installed")]
+                ("tests.support.adapter_models:PositionalMLP.add_positions", "adapter wrap", "installed"),
+                ("tests.support.adapter_models:PositionalMLP.rescale", "adapter marshal", "installed")]
             assert [state for _, state in got["restored"]] == ["restored", "restored"]
         assert r["class_restored"]
 

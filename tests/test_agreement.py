@@ -17,8 +17,8 @@ import torch
 
 from hyperrecipe import PlanMismatchError, apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from hyperrecipe.runtime.agreement import TIMEOUT_ENV
-from tests.toy_models import Toy
+from hyperrecipe.runtime.preflight.agreement import TIMEOUT_ENV
+from tests.support.toy_models import Toy
 
 RECIPE = str(Path(__file__).resolve().parent / "recipes" / "toy.yaml")
 

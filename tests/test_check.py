@@ -40,7 +40,7 @@ from hyperrecipe.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes/models/tiny-llama.json")
-ATTN_TOY = "tests.check_models:make_attn_toy"
+ATTN_TOY = "tests.support.check_models:make_attn_toy"
 
 
 def check(recipe: str, model: str = "hf:llama", **kw: Any) -> CheckReport:
@@ -104,7 +104,7 @@ def test_a_linear_of_unequal_parts_agrees_in_validate_mode_used_whole_and_with_i
     """The toy MLP's ``up`` in parts, its bias in parts (layer 0) or replicated (layer 1), its
     fused output used whole by ``down``: validate mode computes ``up`` part by part and hands
     ``down`` the gathered concatenation."""
-    report = check("tests/recipes/toy-chunk-parts.yaml", "tests.toy_models:make_toy",
+    report = check("tests/recipes/toy-chunk-parts.yaml", "tests.support.toy_models:make_toy",
                    modes=("validate",))
     (m,) = report.modes
     assert m.error is None and m.agree, m.error or m.comparison.first
@@ -195,9 +195,9 @@ def test_swapped_colwise_rowwise_mlp_is_caught_in_the_mlp(
 def test_undeferred_bias_is_named_at_o_proj_as_a_bias_counted_tp_times(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["check", "tests/recipes/broken-no-defer-bias.yaml",
-               "--model", "tests.check_models:biased_llama",
+               "--model", "tests.support.check_models:biased_llama",
                "--model-config", "recipes/models/tiny-llama.json",
-               "--inputs", "tests.check_models:llama_inputs", "--mesh", "tp=2",
+               "--inputs", "tests.support.check_models:llama_inputs", "--mesh", "tp=2",
                "--mode", "both", "--format", "json", "-q"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["agree"] is False
@@ -289,7 +289,7 @@ def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
 def test_correct_plain_torch_recipe_agrees_without_importing_transformers(in_root: Path) -> None:
     code = ("import sys\nfrom hyperrecipe.cli import main\n"
             "rc = main(['check', 'tests/recipes/toy-attn.yaml', '--model', "
-            "'tests.check_models:make_attn_toy', '--mesh', 'tp=2', '-q'])\n"
+            "'tests.support.check_models:make_attn_toy', '--mesh', 'tp=2', '-q'])\n"
             "print('transformers imported:', 'transformers' in sys.modules)\n"
             "raise SystemExit(rc)\n")
     env = {**os.environ, "PYTHONPATH": str(in_root)}
@@ -305,11 +305,11 @@ def test_rank_that_raises_is_reported_with_its_error_and_exit_2(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
-               "tests.check_models:raising_in_rank_1", "--mesh", "tp=2", "--mode", "production"])
+               "tests.support.check_models:raising_in_rank_1", "--mesh", "tp=2", "--mode", "production"])
     err = capsys.readouterr().err
     assert rc == 2
     assert ("hyperrecipe: error: mode production: rank 1 of 2 failed: "
-            "hyperrecipe.errors.ModelSpecError: building 'tests.check_models:raising_in_rank_1' "
+            "hyperrecipe.errors.ModelSpecError: building 'tests.support.check_models:raising_in_rank_1' "
             "failed: RuntimeError: injected failure while building the model in rank 1") in err
     assert "--- traceback of rank 1 ---" in err
     assert multiprocessing.active_children() == [], "no rank is left running"
@@ -336,16 +336,16 @@ def test_recipe_that_does_not_fit_exits_2_before_any_rank_starts(
 def test_timeout_stops_a_model_factory_or_forward_that_hangs_in_the_parent(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
-               "tests.check_models:hanging_in_the_parent", "--mesh", "tp=2", "--timeout", "1"])
+               "tests.support.check_models:hanging_in_the_parent", "--mesh", "tp=2", "--timeout", "1"])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.splitlines()[-1] == (
-        "hyperrecipe: error: building tests.check_models:hanging_in_the_parent in this process "
+        "hyperrecipe: error: building tests.support.check_models:hanging_in_the_parent in this process "
         "did not finish within 1 s (--timeout); the model factory hangs or is too slow for this "
         "check")
     assert "launching" not in err and multiprocessing.active_children() == []
     rc = main(["check", "tests/recipes/toy-attn.yaml", "--model",
-               "tests.check_models:forward_hanging_in_the_parent", "--mesh", "tp=2",
+               "tests.support.check_models:forward_hanging_in_the_parent", "--mesh", "tp=2",
                "--timeout", "1"])
     err = capsys.readouterr().err
     assert rc == 2

@@ -12,7 +12,7 @@ import pytest
 
 from hyperrecipe.cli import main
 
-TOY = ["--model", "tests.toy_models:make_toy"]
+TOY = ["--model", "tests.support.toy_models:make_toy"]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -79,8 +79,8 @@ def test_recipe_error_prints_without_traceback_and_exits_2(in_root: Path, tmp_pa
                         "number written in digits, e.g. tp=2,dp=4"),
     (["--model", "nope.mod:f", "--mesh", "tp=2"], "cannot import 'nope.mod' for model spec "
                                                    "'nope.mod:f': No module named 'nope'"),
-    (["--model", "tests.toy_models", "--mesh", "tp=2"],
-     "model spec 'tests.toy_models' is neither 'pkg.module:factory' nor 'hf:<model_type>'"),
+    (["--model", "tests.support.toy_models", "--mesh", "tp=2"],
+     "model spec 'tests.support.toy_models' is neither 'pkg.module:factory' nor 'hf:<model_type>'"),
     (["--model-config", "{bad", "--mesh", "tp=2"], "--model-config is not valid JSON"),
 ])
 def test_bad_arguments_exit_2_with_a_message(in_root: Path, capsys: pytest.CaptureFixture[str],

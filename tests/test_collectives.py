@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.collective import IDENTITY, CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.runtime import collectives
-from hyperrecipe.runtime.collectives import (
+from hyperrecipe.runtime.comm import collectives
+from hyperrecipe.runtime.comm.collectives import (
     CollectiveRecord,
     CollectiveShapeError,
     count_collectives,

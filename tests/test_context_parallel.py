@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hyperrecipe.refs import TRUST_ENV
-from hyperrecipe.runtime.context_parallel import causal_mask_for_rank
+from hyperrecipe.runtime.features.context_parallel import causal_mask_for_rank
 
 CHECK = ["--model", "hf:llama", "--model-config", "recipes/models/tiny-llama.json", "-q"]
 
@@ -76,7 +76,7 @@ def _chain_worker(rank: int, world: int, recipe: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyperrecipe import apply, compile_recipe
-    from tests.runtime_harness import llama, llama_batch, llama_step
+    from tests.support.runtime_harness import llama, llama_batch, llama_step
 
     model = llama()
     scaling = model.model.layers[0].self_attn.scaling
@@ -93,7 +93,7 @@ def test_fallback_chain_skips_the_ineligible_and_rolls_back_the_failed(tmp_path:
 
     text = open("recipes/llama-cp.yaml").read().replace(
         "inner_wrapper: cp_allgather_kv",
-        "inner_wrapper: [tests.cp_chain:needs_nccl, tests.cp_chain:fails_midway, cp_allgather_kv]")
+        "inner_wrapper: [tests.support.cp_chain:needs_nccl, tests.support.cp_chain:fails_midway, cp_allgather_kv]")
     path = tmp_path / "chain.yaml"
     path.write_text(text)
     results = run_ranks(_chain_worker, 2, str(path))
@@ -101,8 +101,8 @@ def test_fallback_chain_skips_the_ineligible_and_rolls_back_the_failed(tmp_path:
         assert r["scaling_kept"]
         layer0 = [row for row in r["rows"] if row[0] == "model.layers.0.self_attn"]
         assert [(w, s) for _, w, s, _ in layer0] == [
-            ("inner wrapper tests.cp_chain:needs_nccl", "ineligible"),
-            ("inner wrapper tests.cp_chain:fails_midway", "failed"),
+            ("inner wrapper tests.support.cp_chain:needs_nccl", "ineligible"),
+            ("inner wrapper tests.support.cp_chain:fails_midway", "failed"),
             ("inner wrapper cp_allgather_kv", "installed")]
         assert "requires backend nccl: backend is gloo" in layer0[0][3]
         assert "RuntimeError: kernel not available" in layer0[1][3]
@@ -174,7 +174,7 @@ def test_ulysses_alone_fails_naming_the_boundary_when_heads_do_not_divide(
 def test_compile_summary_names_communication_the_manifest_cannot_list() -> None:
     from hyperrecipe import compile_recipe
     from hyperrecipe.plan_report import summary
-    from tests.runtime_harness import llama
+    from tests.support.runtime_harness import llama
 
     plan = compile_recipe("recipes/llama-cp.yaml", llama("meta"), {"cp": 2})
     text = summary(plan)
@@ -193,7 +193,7 @@ def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:
     """The error compiling one toy rule naming ``wrapper``; it must point at that rule's line."""
     from hyperrecipe import compile_recipe
     from hyperrecipe.errors import RecipeError
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     path = tmp_path / "w.yaml"
     path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
@@ -210,9 +210,9 @@ def _toy_wrapper_error(tmp_path: Any, wrapper: str) -> str:
 @pytest.mark.parametrize(("ref", "message"), [
     ("no_such_pkg.attn:ring", "inner wrapper 'no_such_pkg.attn:ring' names module "
                               "'no_such_pkg.attn', which is not trusted; "),
-    ("tests.cp_chain:nope", "'tests.cp_chain' has no attribute 'nope' (inner wrapper "
-                            "'tests.cp_chain:nope')"),
-    ("tests.toy_models:make_toy", "inner wrapper 'tests.toy_models:make_toy' is not declared with "
+    ("tests.support.cp_chain:nope", "'tests.support.cp_chain' has no attribute 'nope' (inner wrapper "
+                            "'tests.support.cp_chain:nope')"),
+    ("tests.support.toy_models:make_toy", "inner wrapper 'tests.support.toy_models:make_toy' is not declared with "
                                   "@hyperrecipe.wrappers.inner_wrapper"),
 ])
 def test_a_wrapper_reference_that_does_not_load_is_refused_at_compile_time(
@@ -244,7 +244,7 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
 
 def test_the_wrappers_declared_output_layout_is_the_default() -> None:
     from hyperrecipe import compile_recipe
-    from tests.runtime_harness import llama
+    from tests.support.runtime_harness import llama
 
     b = compile_recipe("recipes/llama-cp.yaml", llama("meta"), {"cp": 2}).boundary(
         "model.layers.0.self_attn")
@@ -255,19 +255,19 @@ def test_the_wrappers_declared_output_layout_is_the_default() -> None:
 
 
 def test_a_wrapper_declaring_no_output_layout_needs_inner_out_src(tmp_path: Any) -> None:
-    text = _toy_wrapper_error(tmp_path, "tests.cp_chain:undeclared")
-    assert ("inner wrapper 'tests.cp_chain:undeclared' of 'layers.0.mlp' declares no output "
+    text = _toy_wrapper_error(tmp_path, "tests.support.cp_chain:undeclared")
+    assert ("inner wrapper 'tests.support.cp_chain:undeclared' of 'layers.0.mlp' declares no output "
             "layout, so the rule must give inner_out_src") in text
 
 
 def test_a_rule_inner_out_src_overrides_the_declarations(tmp_path: Any) -> None:
     from hyperrecipe import compile_recipe
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     path = tmp_path / "w.yaml"
     path.write_text("recipe: w\nversion: 1\nmesh: [cp]\nrules:\n"
                     "  - {match: layers.*.mlp, boundary: true, inner_out_src: {0: replicate},\n"
-                    "     inner_wrapper: [tests.cp_chain:undeclared, tests.cp_chain:fails_midway]}\n")
+                    "     inner_wrapper: [tests.support.cp_chain:undeclared, tests.support.cp_chain:fails_midway]}\n")
     with torch.device("meta"):
         model = Toy()
     b = compile_recipe(str(path), model, {"cp": 2}).boundary("layers.0.mlp")
@@ -275,17 +275,17 @@ def test_a_rule_inner_out_src_overrides_the_declarations(tmp_path: Any) -> None:
 
 
 def test_a_chain_declaring_different_layouts_needs_inner_out_src(tmp_path: Any) -> None:
-    text = _toy_wrapper_error(tmp_path, "[tests.cp_chain:fails_midway, "
-                                        "tests.cp_chain:replicated_out]")
+    text = _toy_wrapper_error(tmp_path, "[tests.support.cp_chain:fails_midway, "
+                                        "tests.support.cp_chain:replicated_out]")
     assert ("the inner wrappers of 'layers.0.mlp' declare different output layouts "
-            "(tests.cp_chain:fails_midway: 0: {cp: shard(1)}; tests.cp_chain:replicated_out: "
+            "(tests.support.cp_chain:fails_midway: 0: {cp: shard(1)}; tests.support.cp_chain:replicated_out: "
             "0: replicate)") in text
 
 
 def test_a_declaration_silent_on_a_sharded_dim_is_refused(tmp_path: Any) -> None:
     from hyperrecipe import compile_recipe
     from hyperrecipe.errors import RecipeError
-    from tests.runtime_harness import llama
+    from tests.support.runtime_harness import llama
 
     text = "\n".join(line for line in open("recipes/llama-tp-cp.yaml").read().splitlines()
                      if "inner_out_src:" not in line)
@@ -336,7 +336,7 @@ def _forward_hook_worker(rank: int, world: int, recipe: str, mode: str) -> dict[
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyperrecipe import apply, compile_recipe
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     torch.manual_seed(0)
     model = Toy()
@@ -360,12 +360,12 @@ def test_a_forward_hook_wrapper_runs_the_compute_on_local_tensors(tmp_path: Any,
     """A ``hook="forward"`` wrapper calls the boundary's compute on local tensors in both modes
     (validate mode swaps the module's DTensor parameters for local views for the call)."""
     from hyperrecipe.check.launcher import run_ranks
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     path = tmp_path / "fwd.yaml"
     path.write_text("recipe: fwd\nversion: 1\nmesh: [cp]\nrules:\n"
                     "  - {match: layers.*.mlp, boundary: true, in_src: {x: replicate},\n"
-                    "     out_src: {0: replicate}, inner_wrapper: tests.cp_chain:replicated_out}\n")
+                    "     out_src: {0: replicate}, inner_wrapper: tests.support.cp_chain:replicated_out}\n")
     torch.manual_seed(0)
     ref = Toy()
     ref(torch.arange(8).reshape(2, 4) % 32).sum().backward()

@@ -22,9 +22,9 @@ import torch
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from hyperrecipe.runtime.weights import WeightLoadError
-from tests.family_harness import build, step
-from tests.runtime_harness import ROOT, assert_close, grads_of
+from hyperrecipe.runtime.state.weights import WeightLoadError
+from tests.support.family_harness import build, step
+from tests.support.runtime_harness import ROOT, assert_close, grads_of
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_a_conversion_that_cannot_be_read_by_slices_is_refused_by_name(
 
 
 def test_composite_reads_only_the_requested_block() -> None:
-    from hyperrecipe.runtime.hf_conversion import Composite
+    from hyperrecipe.integrations.hf_conversion import Composite
 
     full = {f"e{i}.{p}": torch.randn(3, 5) for i in range(4) for p in ("a", "b")}
     stacks = [Composite.stack(0, [Composite.leaf(f"e{i}.{p}", (3, 5)) for i in range(4)])

@@ -50,7 +50,7 @@ CASES: list[Any] = [
                  BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
                  (True, True), marks=pytest.mark.slow),
-    pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.sdpa_models:make_sdpa_transformer",
+    pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]
 

@@ -8,7 +8,7 @@ length exactly, and the generated token ids exactly.
 
 GPT-2's fused ``c_attn`` (``shard(1, chunks=3)``) runs in validate mode as DTensor's
 ``_StridedShard``, its ``split`` into q, k and v done on chunk boundaries
-(:mod:`hyperrecipe.runtime.strided`); at tp=4 as well. The sequence-sharded recipes (``llama-sp``,
+(:mod:`hyperrecipe.runtime.comm.strided`); at tp=4 as well. The sequence-sharded recipes (``llama-sp``,
 ``llama-cp``, ``llama-tp-cp`` on 4 ranks, GPT-2's in ``tests/recipes``) run the default forward; they cannot decode one token
 at a time (one token does not split over two ranks), which both modes refuse by name.
 """
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hyperrecipe.check.launcher import RankFailedError, run_ranks
-from tests.generate_harness import generate_worker, overrides_for, reference
-from tests.runtime_harness import ROOT, assert_close
+from tests.support.generate_harness import generate_worker, overrides_for, reference
+from tests.support.runtime_harness import ROOT, assert_close
 
 TP2 = {"tp": 2}
 CASES: list[tuple[str, str, dict[str, int], str]] = [
@@ -112,7 +112,7 @@ def _scope_worker(rank: int, world: int) -> dict[str, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from hyperrecipe.runtime.validate_scope import validate_compute
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     keys = DTensor.from_local(torch.ones(2, 3), mesh, (Shard(1),))

@@ -38,7 +38,7 @@ from hyperrecipe.recipe.validate import INNER_WRAPPERS, RULE_FIELD_SPECS, TOP_LE
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "recipes.md"
-TOY = "tests.toy_models:make_toy"
+TOY = "tests.support.toy_models:make_toy"
 CHECK_HEADER = "recipe: demo\nversion: 1\nmesh: [dp, tp]\nrules:\n"
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 

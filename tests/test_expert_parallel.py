@@ -30,8 +30,8 @@ from hyperrecipe import compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import RecipeError
-from tests.family_harness import build, config, reference, step
-from tests.runtime_harness import ROOT, assert_close
+from tests.support.family_harness import build, config, reference, step
+from tests.support.runtime_harness import ROOT, assert_close
 
 RECIPE = str(ROOT / "recipes/mixtral-ep.yaml")
 SHARDED_TOKENS = str(ROOT / "tests/recipes/mixtral-ep-sharded-tokens.yaml")
@@ -51,7 +51,7 @@ def ep_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict[str
               aux_loss: bool) -> dict[str, Any]:
     """Apply ``recipe`` to tiny Mixtral on an ep mesh, run one step; return what to compare."""
     from hyperrecipe import apply
-    from hyperrecipe.runtime.collectives import count_collectives
+    from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = build("mixtral", **overrides)
     plan = compile_recipe(recipe, build("mixtral", "meta", **overrides), {"ep": world})
@@ -169,7 +169,7 @@ def _full_experts(impl: str) -> Any:
 
 def _local_experts(full: Any, rank: int, count: int) -> Any:
     """Rank ``rank``'s ``count`` experts of ``full``, set up as ``apply`` sets them."""
-    from hyperrecipe.runtime.experts import expert_parallel_attributes
+    from hyperrecipe.runtime.features.experts import expert_parallel_attributes
 
     local = type(full)(full.config)
     experts = slice(rank * count, (rank + 1) * count)
@@ -182,8 +182,8 @@ def _local_experts(full: Any, rank: int, count: int) -> Any:
 
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
 def test_each_rank_sums_exactly_its_own_experts(impl: str) -> None:
-    from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.experts import expert_parallel_forward
+    from hyperrecipe.runtime.forward.compute import class_forward
+    from hyperrecipe.runtime.features.experts import expert_parallel_forward
 
     full = _full_experts(impl)
     cfg = full.config
@@ -240,9 +240,9 @@ def _experts_case(impl: str, world: int, skew: bool) -> dict[str, Any]:
 def dispatch_worker(rank: int, world: int, impl: str, skew: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.reach import reaching_forward
-    from hyperrecipe.runtime.token_dispatch import dispatch_forward
+    from hyperrecipe.runtime.forward.compute import class_forward
+    from hyperrecipe.runtime.features.reach import reaching_forward
+    from hyperrecipe.runtime.features.token_dispatch import dispatch_forward
 
     c = _experts_case(impl, world, skew)
     full, count, mine = c["full"], c["count"], slice(rank * c["T"], (rank + 1) * c["T"])
@@ -289,9 +289,9 @@ def test_dispatch_matches_the_whole_module_even_when_a_rank_receives_nothing(
 def test_experts_that_used_nothing_still_hand_back_zero_gradients() -> None:
     """transformers' eager experts, with no slot for this rank's experts, return zeros that
     depend on nothing; tied, backward reaches the inputs and every parameter with zeros."""
-    from hyperrecipe.runtime.compute import class_forward
-    from hyperrecipe.runtime.experts import expert_parallel_forward
-    from hyperrecipe.runtime.reach import reaching_forward
+    from hyperrecipe.runtime.forward.compute import class_forward
+    from hyperrecipe.runtime.features.experts import expert_parallel_forward
+    from hyperrecipe.runtime.features.reach import reaching_forward
 
     c = _experts_case("eager", 2, skew=True)  # every slot on rank 0's experts
     count = c["count"]
@@ -311,7 +311,7 @@ def test_experts_that_used_nothing_still_hand_back_zero_gradients() -> None:
 
 
 def test_an_output_that_requires_grad_is_returned_untouched() -> None:
-    from hyperrecipe.runtime.reach import tie_unreached
+    from hyperrecipe.runtime.features.reach import tie_unreached
 
     x = torch.randn(3, requires_grad=True)
     out = (x * 2, torch.arange(3))
@@ -522,7 +522,7 @@ def test_tiny_mixtral_experts_divide_by_two() -> None:
 def bad_ids_worker(rank: int, world: int) -> str:
     import torch.distributed as dist
 
-    from hyperrecipe.runtime.token_dispatch import dispatch_forward
+    from hyperrecipe.runtime.features.token_dispatch import dispatch_forward
 
     kernel = dispatch_forward(lambda h, i, w: h * w, count=2, group=dist.group.WORLD, size=world)
     ids = torch.tensor([[0, 1], [2, 3]]) if rank == 0 else torch.tensor([[0, 9], [1, 2]])
@@ -541,7 +541,7 @@ def test_an_expert_id_beyond_the_plan_fails_every_rank_without_a_hang() -> None:
 
 
 def test_the_tie_is_exactly_zero_even_when_a_source_overflows() -> None:
-    from hyperrecipe.runtime.reach import tie_unreached
+    from hyperrecipe.runtime.features.reach import tie_unreached
 
     big = torch.full((4096, 64), 60000.0, dtype=torch.float16, requires_grad=True)
     assert torch.isinf(big.sum()), "the sum itself overflows fp16"

@@ -14,7 +14,7 @@ all three expert implementations on local shards. The batch is 4 x 8 so that DTe
 choice of sharding the flattened tokens in Mixtral's backward divides at tp=4.
 
 GPT-2's fused ``c_attn`` is ``shard(1, chunks=3)``: in validate mode a ``_StridedShard`` DTensor
-whose ``split`` into q, k and v is done on chunk boundaries (:mod:`hyperrecipe.runtime.strided`).
+whose ``split`` into q, k and v is done on chunk boundaries (:mod:`hyperrecipe.runtime.comm.strided`).
 Phi-3's fused ``qkv_proj`` (``shard(0, chunks=3)``) and ``gate_up_proj`` (``chunks=2``) are
 sliced and chunked the same way; its production mode divides ``config.num_attention_heads``.
 """
@@ -30,7 +30,7 @@ import torch
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.cli import main
-from tests.family_harness import (
+from tests.support.family_harness import (
     FAMILIES,
     TIED_BY_DEFAULT,
     build,
@@ -38,7 +38,7 @@ from tests.family_harness import (
     recipe_path,
     reference,
 )
-from tests.runtime_harness import ROOT, assert_close, mesh_1d
+from tests.support.runtime_harness import ROOT, assert_close, mesh_1d
 
 SCALED_TOL = 1e-5
 EAGER = {"attn_implementation": "eager"}
@@ -175,8 +175,8 @@ def test_qwen2_and_mistral_are_llama_and_qwen3_adds_only_the_norm_reductions(
 def _validate_chunked_toy(rank: int, world: int, recipe: str) -> str:
     from hyperrecipe import apply, compile_recipe
     from hyperrecipe.errors import PlanMismatchError
-    from tests.runtime_harness import mesh_1d
-    from tests.toy_models import make_toy
+    from tests.support.runtime_harness import mesh_1d
+    from tests.support.toy_models import make_toy
 
     plan = compile_recipe(recipe, make_toy(), {"tp": world})
     try:
@@ -203,7 +203,7 @@ def test_validate_mode_refuses_unequal_chunks_of_input_features(tmp_path: Path) 
 
 def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) -> None:
     from hyperrecipe import compile_recipe
-    from tests.toy_models import make_toy
+    from tests.support.toy_models import make_toy
 
     recipe = tmp_path / "chunks.yaml"
     recipe.write_text(
@@ -230,7 +230,7 @@ def test_the_plan_records_which_shards_have_a_dtensor_placement(tmp_path: Path) 
 def test_conv1d_bias_free_forward_is_x_at_w() -> None:
     from transformers.pytorch_utils import Conv1D
 
-    from hyperrecipe.runtime.compute import bias_free_forward, class_forward
+    from hyperrecipe.runtime.forward.compute import bias_free_forward, class_forward
 
     torch.manual_seed(0)
     conv = Conv1D(6, 4)  # type: ignore[no-untyped-call]

@@ -22,9 +22,9 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.check.launcher import run_ranks
-from hyperrecipe.runtime.weights import WeightLoadError
+from hyperrecipe.runtime.state.weights import WeightLoadError
 from hyperrecipe.model_tree import build_model
-from tests.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d
+from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d
 
 TINY_GPT2 = json.loads((ROOT / "recipes/models/tiny-gpt2.json").read_text())
 RECIPES = {"llama": ROOT / "recipes/llama.yaml", "gpt2": ROOT / "recipes/gpt2.yaml"}
@@ -226,7 +226,7 @@ def test_unexpected_tensors_are_refused_naming_the_option_and_load_when_named(
 
 def _load_state_dict_worker(rank: int, world: int, family: str, mode: str,
                             how: str) -> dict[str, Any]:
-    from tests.family_harness import batch
+    from tests.support.family_harness import batch
 
     model, inst = _applied(family, world, mode)
     state = _model(family, "cpu", mode).state_dict()  # one process's full tensors
@@ -253,8 +253,8 @@ def test_load_state_dict_of_a_one_process_state_dict_loads_in_both_modes(
     2e-6 / rtol 1e-5), and the installation no longer reports its weights unset. Before,
     validate mode failed in ``copy_`` (a plain tensor into a DTensor) and production mode kept
     saying ``weights unset`` after the load."""
-    from tests.family_harness import batch
-    from tests.runtime_harness import assert_close, grads_of
+    from tests.support.family_harness import batch
+    from tests.support.runtime_harness import assert_close, grads_of
 
     ref = _model("gpt2", "cpu", mode)
     ref_logits = ref(input_ids=batch()).logits
@@ -433,7 +433,7 @@ def _export_worker(rank: int, world: int, family: str, recipe: str, dim: str, fo
                    out: str, dtype: torch.dtype | None) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.family_harness import batch, build
+    from tests.support.family_harness import batch, build
 
     meta = build(family, "meta")
     if dtype is not None:
@@ -462,7 +462,7 @@ def test_export_after_a_step_loads_with_from_pretrained_as_the_trained_model(
     model of the same construction given those weights."""
     from transformers import AutoModelForCausalLM
 
-    from tests.family_harness import batch, build
+    from tests.support.family_harness import batch, build
 
     source = build(family)
     source.save_pretrained(tmp_path / "in")
@@ -533,7 +533,7 @@ def _ddp_worker(rank: int, world: int, folder: str, dp_tp: bool) -> dict[str, An
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    from tests.family_harness import batch
+    from tests.support.family_harness import batch
 
     if dp_tp:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -576,8 +576,8 @@ def test_ddp_over_the_dp_dim_of_a_dp_tp_mesh_matches_one_process(tmp_path: Path)
     """DDP over the dp group of a dp=2 x tp=2 mesh is right and left alone: the gradients of
     one step (each dp rank half of the batch) equal one process on the whole batch (fp32,
     atol 2e-6 / rtol 1e-5)."""
-    from tests.family_harness import batch
-    from tests.runtime_harness import assert_close, grads_of
+    from tests.support.family_harness import batch
+    from tests.support.runtime_harness import assert_close, grads_of
 
     ref = llama()
     ref.save_pretrained(tmp_path / "in")

@@ -25,7 +25,7 @@ version: 1
 mesh: [tp]
 rules:
   - {match: layers.*.mlp, boundary: true, in_src: {x: replicate}, out_src: {0: replicate},
-     inner_wrapper: tests.cp_chain:tp_passthrough, inner_out_src: {0: replicate}}
+     inner_wrapper: tests.support.cp_chain:tp_passthrough, inner_out_src: {0: replicate}}
   - {match: layers.*.mlp.up, style: colwise, boundary: false}
   - {match: layers.*.mlp.down, style: rowwise}
 """
@@ -39,13 +39,13 @@ def _worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyperrecipe import apply, compile_recipe
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     torch.manual_seed(0)
     model = Toy()
     with torch.device("meta"):
         meta = Toy()
-    # The recipe names a test wrapper (tests.cp_chain): trusted explicitly, as a user would.
+    # The recipe names a test wrapper (tests.support.cp_chain): trusted explicitly, as a user would.
     plan = compile_recipe(recipe, meta, {"tp": world}, trust_code=["tests"])
     inst = apply(model, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
                  mode=mode, trust_code=["tests"])  # type: ignore[arg-type]
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_forward_hook_wrapper_over_sharded_parameters_keeps_every_gradient(
         tmp_path: Path, mode: str) -> None:
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     path = tmp_path / "tp-forward-hook.yaml"
     path.write_text(RECIPE)

@@ -1,6 +1,6 @@
 """Function adapters: a module-level function replaced while chosen modules run.
 
-``tests/sdpa_models.py:SdpaTransformer`` calls ``F.scaled_dot_product_attention`` inline, as the
+``tests/support/sdpa_models.py:SdpaTransformer`` calls ``F.scaled_dot_product_attention`` inline, as the
 test Transformer of torch's distributed tests does; torch 2.13 has no DTensor strategy for the CPU
 kernel, so validate mode cannot run it without ``tests/recipes/sdpa-toy-tp.yaml``'s function
 adapter. Compared with one process on two gloo ranks, both modes: the logits and every
@@ -27,7 +27,7 @@ from hyperrecipe.errors import RecipeError, RewriteError
 from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import load_recipe
 from hyperrecipe.rewriter import Rewrite
-from tests.sdpa_models import SdpaTransformer
+from tests.support.sdpa_models import SdpaTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "tests/recipes/sdpa-toy-tp.yaml")
@@ -118,7 +118,7 @@ def test_function_adapters_are_in_the_plan_json_and_the_summary() -> None:
     (f'  - {{target: "{SDPA}", mode: marshal}}\n',
      f"/path/to/demo.yaml:6:5: adapter target '{SDPA}' is a function: give `within`, the "
      f"modules whose forward calls it (a pattern, as in `match`) @ $.adapters[0]"),
-    ('  - {target: "tests.adapter_models:Helpers.plain", within: layers.*}\n',
+    ('  - {target: "tests.support.adapter_models:Helpers.plain", within: layers.*}\n',
      "/path/to/demo.yaml:6:52: within applies to a function target (`pkg.mod:function`); a "
      "method adapter patches its class @ $.adapters[0].within"),
 ])

@@ -3,7 +3,7 @@
 Compile-time tests read the plan of ``recipes/llama-sp.yaml`` (the sequence-parallel norms'
 gradients are partial). Multi-rank tests apply it on real gloo ranks to tiny Llama and compare
 with one process in fp32: every parameter's gradient after two micro-batches accumulated,
-atol 2e-6 and rtol 1e-5 (``tests/runtime_harness.py``; measured differences are ~1e-8), and
+atol 2e-6 and rtol 1e-5 (``tests/support/runtime_harness.py``; measured differences are ~1e-8), and
 count the collectives actually issued against the plan's manifest.
 """
 
@@ -22,7 +22,7 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ManifestEntry, Plan
 from hyperrecipe.resolve.grad_buckets import GRAD_BUCKET_CAP_BYTES, plan_grad_buckets
-from tests.runtime_harness import ROOT, assert_close, grads_of, llama, mesh_1d
+from tests.support.runtime_harness import ROOT, assert_close, grads_of, llama, mesh_1d
 
 SP = str(ROOT / "recipes/llama-sp.yaml")
 CP = str(ROOT / "recipes/llama-tp-cp.yaml")
@@ -138,7 +138,7 @@ def _reference(frozen: bool, **overrides: Any) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, mode: str, cap_bytes: int | None, frozen: bool,
             overrides: dict[str, Any]) -> dict[str, Any]:
-    from hyperrecipe.runtime.collectives import count_collectives
+    from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = llama(**overrides)
     if frozen:

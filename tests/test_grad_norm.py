@@ -20,8 +20,8 @@ from torch import nn
 
 from hyperrecipe import PlanMismatchError, apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from tests.family_harness import batch, build
-from tests.runtime_harness import ROOT, assert_close, grads_of
+from tests.support.family_harness import batch, build
+from tests.support.runtime_harness import ROOT, assert_close, grads_of
 
 MAX_NORM = 0.05
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -200,7 +200,7 @@ def test_grad_norm_under_fully_shard_on_dp_equals_one_process() -> None:
 def test_an_empty_piece_adds_nothing_to_any_norm() -> None:
     """fully_shard can leave a rank an empty piece of a small shard; torch's inf norm of an
     empty tensor raises, so empty pieces are left out (the identity of each reduction)."""
-    from hyperrecipe.runtime.grad_norm import _reduce_local
+    from hyperrecipe.runtime.grads.grad_norm import _reduce_local
 
     piece, empty = torch.tensor([3.0, -4.0]), torch.empty(0, 4)
     assert float(_reduce_local([piece, empty], 2.0, None)) == pytest.approx(25.0)

@@ -21,7 +21,7 @@ from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import RecipeError
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.resolve.head_counts import head_size_of
-from tests.recipe_text import locate
+from tests.support.recipe_text import locate
 
 ROOT = Path(__file__).resolve().parents[1]
 COOKBOOK_MODELS = ROOT / "tests/recipes/cookbook/models"
@@ -151,7 +151,7 @@ def test_check_names_heads_when_a_split_the_tree_cannot_see_fails_at_runtime() -
     global shapes (DTensor cannot keep one head sharded and replicates it) and agrees."""
     report = run_check(CheckOptions(
         recipe=str(ROOT / "tests/recipes/toy-attn-no-head-counts.yaml"),
-        model="tests.check_models:make_unlisted_head_size_toy", model_config={"heads": 1},
+        model="tests.support.check_models:make_unlisted_head_size_toy", model_config={"heads": 1},
         mesh={"tp": 2}))
     assert report.exit_code == 1
     prod, validate = report.modes

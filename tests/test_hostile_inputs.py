@@ -33,7 +33,7 @@ from hyperrecipe.lint.config import ConfigError, load_config
 from hyperrecipe.model_tree import build_model, load_model_config
 from hyperrecipe.plan import Plan, compute_fingerprint, converter
 from hyperrecipe.refs import is_trusted_module, trusting
-from tests.runtime_harness import ROOT
+from tests.support.runtime_harness import ROOT
 
 TOY = str(ROOT / "tests/recipes/toy.yaml")
 ALL_REPLICATED = "recipe: r\nversion: 1\nmesh: [tp]\nrules: []\n"
@@ -42,7 +42,7 @@ ALL_REPLICATED = "recipe: r\nversion: 1\nmesh: [tp]\nrules: []\n"
 def _toy_meta() -> Any:
     import torch
 
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     with torch.device("meta"):
         return Toy()
@@ -285,8 +285,8 @@ def _edited_plan_worker(rank: int, world: int) -> list[str]:
     import torch
 
     from hyperrecipe import apply
-    from tests.runtime_harness import mesh_1d
-    from tests.toy_models import Toy
+    from tests.support.runtime_harness import mesh_1d
+    from tests.support.toy_models import Toy
 
     plan = compile_recipe(TOY, _toy_meta(), {"tp": world})
     edits = [
@@ -397,7 +397,7 @@ def test_compile_output_that_cannot_be_written_is_an_error_not_a_traceback(
     recipe = tmp_path / "r.yaml"
     recipe.write_text(ALL_REPLICATED, encoding="utf-8")
     target = tmp_path / "missing" / "plan.json"
-    code = main(["compile", str(recipe), "--model", "tests.toy_models:Toy", "--mesh", "tp=2",
+    code = main(["compile", str(recipe), "--model", "tests.support.toy_models:Toy", "--mesh", "tp=2",
                  "-o", str(target)])
     assert code == 2
     assert capsys.readouterr().err == (f"hyperrecipe: error: cannot write the plan to {target}: "
@@ -407,7 +407,7 @@ def test_compile_output_that_cannot_be_written_is_an_error_not_a_traceback(
 @pytest.mark.parametrize("raw", ["inf", "1e300", "nan", "-1", "soon"])
 def test_an_agreement_timeout_no_wait_can_take_is_refused(raw: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyperrecipe.runtime.agreement import TIMEOUT_ENV, agreement_timeout
+    from hyperrecipe.runtime.preflight.agreement import TIMEOUT_ENV, agreement_timeout
 
     monkeypatch.setenv(TIMEOUT_ENV, raw)
     with pytest.raises(PlanMismatchError) as err:
@@ -431,8 +431,8 @@ def _apply_mistakes_worker(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyperrecipe import HyperrecipeError, apply
-    from tests.runtime_harness import mesh_1d
-    from tests.toy_models import Toy
+    from tests.support.runtime_harness import mesh_1d
+    from tests.support.toy_models import Toy
 
     plan = compile_recipe(TOY, _toy_meta(), {"tp": world})
     torch.manual_seed(0)
@@ -521,7 +521,7 @@ def test_a_safetensors_index_of_the_wrong_shape_is_a_weight_load_error(
     # the index reader behind load_weights
     from torch import nn
 
-    from hyperrecipe.runtime.weights import _key_files, _Safetensors
+    from hyperrecipe.runtime.state.weights import _key_files, _Safetensors
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(f'{{"weight_map": {weight_map}}}', encoding="utf-8")
@@ -655,7 +655,7 @@ def test_check_numbers_that_would_disable_the_check_or_overflow_are_refused(
     from hyperrecipe.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["check", TOY, "--model", "tests.toy_models:Toy", "--mesh", "tp=2", "-q",
+        main(["check", TOY, "--model", "tests.support.toy_models:Toy", "--mesh", "tp=2", "-q",
               option, value])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith(f"hyperrecipe: error: {problem}\n")

@@ -13,8 +13,8 @@ from torch import nn
 
 from hyperrecipe import compile_recipe
 from hyperrecipe.model_tree import snapshot
-from tests.runtime_harness import ROOT
-from tests.toy_models import Toy
+from tests.support.runtime_harness import ROOT
+from tests.support.toy_models import Toy
 
 TOY = str(ROOT / "tests/recipes/toy.yaml")
 

@@ -10,17 +10,19 @@ have one root.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import hyperrecipe
 from hyperrecipe.errors import HyperrecipeError, ModeError
-from tests.runtime_harness import ROOT
+from tests.support.runtime_harness import ROOT
 
 COMPILE_ALL = """
 import json, sys
@@ -116,3 +118,45 @@ def test_every_exception_outside_lint_lives_in_errors_and_has_one_root() -> None
         builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"
                    and b not in (object, BaseException, Exception)]
         assert builtin, f"{cls.__name__} derives from no fitting builtin"
+
+
+# The runtime's rooms and the rooms each may import (hyperrecipe/runtime/__init__.py's map).
+# The top of the package (install, installation, mode) may import every room; no room imports
+# the top except ``mode``, which only hands the Mode object around.
+RUNTIME_ROOMS: dict[str, set[str]] = {
+    "preflight": set(),
+    "comm": set(),
+    "forward": {"comm"},
+    "features": {"forward", "comm"},
+    "grads": {"comm", "state"},
+    "state": {"comm"},
+}
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Every ``hyperrecipe.runtime`` module ``path`` imports, at module level or in a function
+    (a lazy import is still an arrow)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("hyperrecipe.runtime.")}
+
+
+@pytest.mark.parametrize("room", sorted(RUNTIME_ROOMS))
+def test_each_runtime_room_imports_only_the_rooms_below_it(room: str) -> None:
+    folder = ROOT / "hyperrecipe" / "runtime" / room
+    assert (folder / "__init__.py").read_text().startswith('"""'), "each room says what it owns"
+    allowed = RUNTIME_ROOMS[room] | {room, "mode"}
+    for path in sorted(folder.glob("*.py")):
+        for module in _runtime_imports(path):
+            target = module.split(".")[2]
+            assert target in allowed, f"{path.relative_to(ROOT)} imports {module}"
+
+
+def test_the_runtime_has_no_loose_modules_beyond_its_seam() -> None:
+    loose = sorted(p.stem for p in (ROOT / "hyperrecipe" / "runtime").glob("*.py"))
+    assert loose == ["__init__", "install", "installation", "mode"]

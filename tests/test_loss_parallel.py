@@ -2,7 +2,7 @@
 process.
 
 Tolerances: fp32; the loss within atol 2e-6 / rtol 1e-5, and every parameter's gradient within
-the runtime tests' atol 2e-6 / rtol 1e-5 (tests/runtime_harness.py). The transformers cases run
+the runtime tests' atol 2e-6 / rtol 1e-5 (tests/support/runtime_harness.py). The transformers cases run
 tiny Llama (recipes/models/tiny-llama.json, vocab 128) with the shipped
 ``recipes/llama-sp-loss.yaml``; the plain-PyTorch cases a two-layer language model whose forward
 takes no labels, with ``hyperrecipe.vocab_parallel_cross_entropy``. Validate mode runs eager
@@ -24,7 +24,7 @@ import hyperrecipe
 from hyperrecipe import LossParallelError, RecipeError, apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.plan import Plan
-from tests.runtime_harness import ROOT, assert_close, llama, llama_batch, mesh_1d
+from tests.support.runtime_harness import ROOT, assert_close, llama, llama_batch, mesh_1d
 
 RECIPE = str(ROOT / "recipes/llama-sp-loss.yaml")
 
@@ -80,7 +80,7 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
                   decode: bool) -> dict[str, Any]:
     from collections import Counter
 
-    from hyperrecipe.runtime.collectives import count_collectives
+    from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = llama(**overrides)
     plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world})
@@ -159,7 +159,7 @@ def test_the_models_own_labels_loss_runs_on_vocab_shards_and_matches_one_process
 
 def _family_step(model: nn.Module, inst: Any = None) -> dict[str, Any]:
     """The model's own labels= loss on the family batch, backward; the full gradients."""
-    from tests.family_harness import batch
+    from tests.support.family_harness import batch
 
     ids = batch()
     out = model(input_ids=ids, labels=llama_labels(ids))
@@ -171,7 +171,7 @@ def _family_step(model: nn.Module, inst: Any = None) -> dict[str, Any]:
 
 def _family_worker(rank: int, world: int, family: str, recipe: str, mode: str,
                    overrides: dict[str, Any]) -> dict[str, Any]:
-    from tests.family_harness import build
+    from tests.support.family_harness import build
 
     model = build(family, **overrides)
     plan = compile_recipe(recipe, build(family, "meta", **overrides), {"tp": world})
@@ -187,7 +187,7 @@ def test_sequence_parallel_recipes_of_other_families_train_like_one_process(
         family: str, recipe: str, mode: str) -> None:
     """The labels= loss and every gradient at tp=2 (measured worst ~1e-7); tied GPT-2's
     lm_head gradient is its embedding's (one parameter, reported under the embedding's name)."""
-    from tests.family_harness import build
+    from tests.support.family_harness import build
 
     overrides = {"attn_implementation": "eager"} if mode == "validate" else {}
     ref = _family_step(build(family, **overrides))
@@ -504,7 +504,7 @@ def _marked_slice() -> Any:
     """A marked vocab slice without a process group: rank 1's half of an 8-entry vocab."""
     from types import SimpleNamespace
 
-    from hyperrecipe.runtime.vocab_loss import VocabShard, mark_vocab_shard
+    from hyperrecipe.runtime.features.vocab_loss import VocabShard, mark_vocab_shard
 
     shard = VocabShard(mesh=None, mesh_dims=("tp",), mesh_dim="tp",  # type: ignore[arg-type]
                        group=SimpleNamespace(rank=1), vocab=8, local_vocab=4,  # type: ignore[arg-type]
@@ -514,7 +514,7 @@ def _marked_slice() -> Any:
 
 
 def test_scaling_the_marked_slice_by_scalars_keeps_it_marked_and_anything_else_is_refused() -> None:
-    from hyperrecipe.runtime.vocab_loss import _LOSS_CALLS, VocabShardedLogits, plain_vocab_slice
+    from hyperrecipe.runtime.features.vocab_loss import _LOSS_CALLS, VocabShardedLogits, plain_vocab_slice
 
     logits = _marked_slice()
     local = plain_vocab_slice(logits)

@@ -26,7 +26,7 @@ from torch import nn
 
 from hyperrecipe import MixedParametersError, apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from tests.runtime_harness import llama, mesh_1d
+from tests.support.runtime_harness import llama, mesh_1d
 
 STEPS = 3
 LOSS_ATOL = 1e-5

@@ -21,7 +21,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from tests.runtime_harness import ROOT
+from tests.support.runtime_harness import ROOT
 
 
 def test_every_package_is_listed_for_the_wheel() -> None:

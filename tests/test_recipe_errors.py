@@ -11,8 +11,8 @@ from hyperrecipe.errors import RecipeError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.recipe import load_recipe
 from hyperrecipe.resolve import resolve_recipe
-from tests.recipe_text import locate, write_both
-from tests.toy_models import Toy
+from tests.support.recipe_text import locate, write_both
+from tests.support.toy_models import Toy
 
 STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
 RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, out_names, "

@@ -16,8 +16,8 @@ from hyperrecipe.model_tree import snapshot
 from hyperrecipe.recipe import load_recipe
 from hyperrecipe.recipe.validate import RULE_FIELD_SPECS, TOP_LEVEL_SPECS
 from hyperrecipe.resolve import resolve_recipe
-from tests.recipe_text import to_toml, to_yaml
-from tests.toy_models import Toy
+from tests.support.recipe_text import to_toml, to_yaml
+from tests.support.toy_models import Toy
 
 with torch.device("meta"):
     TREE = snapshot(Toy())

@@ -14,7 +14,7 @@ from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Replicate, Shard
 from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import load_recipe
-from tests.toy_models import Toy
+from tests.support.toy_models import Toy
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("HYPERRECIPE_REGEN_GOLDEN") == "1"
@@ -213,7 +213,7 @@ def test_plan_bytes_do_not_depend_on_the_hash_seed(in_root: Path, tmp_path: Path
         out = tmp_path / f"plan{seed}.json"
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(in_root)}
         subprocess.run([sys.executable, "-m", "hyperrecipe", "compile", "tests/recipes/toy-sp.yaml",
-                        "--model", "tests.toy_models:make_toy", "--mesh", "dp=2,tp=2", "-o",
+                        "--model", "tests.support.toy_models:make_toy", "--mesh", "dp=2,tp=2", "-o",
                         str(out)], check=True, env=env, capture_output=True)
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]

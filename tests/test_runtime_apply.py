@@ -15,8 +15,8 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import RankFailedError, run_ranks
 from hyperrecipe.errors import PlanMismatchError, RewriteError
-from tests.runtime_harness import ROOT, assert_close, mesh_1d
-from tests.toy_models import Toy
+from tests.support.runtime_harness import ROOT, assert_close, mesh_1d
+from tests.support.toy_models import Toy
 
 TOY = str(ROOT / "tests/recipes/toy.yaml")
 TOY_SP = str(ROOT / "tests/recipes/toy-sp.yaml")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hyperrecipe.check.launcher import run_ranks
-from tests.runtime_harness import ROOT, assert_close, llama_worker, reference
+from tests.support.runtime_harness import ROOT, assert_close, llama_worker, reference
 
 CASES = [
     ("llama", "production", 2, {}),

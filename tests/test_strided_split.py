@@ -48,7 +48,7 @@ def _split_once(rank: int, world: int, case: str, scoped: bool) -> dict[str, Any
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from hyperrecipe.runtime.validate_scope import validate_compute
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
 
     mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
     x_full, w_full = _full()
@@ -116,8 +116,8 @@ def _parts_worker(rank: int, world: int, in_place: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from hyperrecipe.runtime.strided import FusedParts, mark_parts
-    from hyperrecipe.runtime.validate_scope import validate_compute
+    from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
 
     mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
     x_full, w_full = _full()

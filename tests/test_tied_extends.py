@@ -21,7 +21,7 @@ from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import RecipeError
 from hyperrecipe.model_tree import build_model
 from hyperrecipe.recipe import load_recipe
-from tests.recipe_text import locate
+from tests.support.recipe_text import locate
 
 ROOT = Path(__file__).resolve().parents[1]
 TIED = ROOT / "tests/recipes/tied"

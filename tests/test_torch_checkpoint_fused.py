@@ -22,7 +22,7 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.model_tree import build_model
-from tests.runtime_harness import ROOT, mesh_1d
+from tests.support.runtime_harness import ROOT, mesh_1d
 
 LOSS_ATOL = 1e-5
 FAMILIES = ("gpt2", "phi3")

@@ -22,8 +22,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 from hyperrecipe import UnsupportedTorchError, compile_recipe
 from hyperrecipe.runtime import apply
-from hyperrecipe.runtime.torch_support import MIN_TORCH, require_supported_torch, torch_release
-from tests.runtime_harness import ROOT
+from hyperrecipe.runtime.preflight.torch_support import MIN_TORCH, require_supported_torch, torch_release
+from tests.support.runtime_harness import ROOT
 
 
 @pytest.mark.parametrize(("version", "release"), [
@@ -64,7 +64,7 @@ def test_the_extras_declare_the_same_lower_bound() -> None:
 
 def test_apply_refuses_an_old_torch_before_touching_the_model(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.toy_models import Toy
+    from tests.support.toy_models import Toy
 
     model = Toy()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

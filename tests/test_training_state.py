@@ -18,8 +18,8 @@ from torch import nn
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import RankFailedError, run_ranks
-from hyperrecipe.runtime.weights import WeightLoadError
-from tests.runtime_harness import ROOT, TINY_LLAMA, assert_close, grads_of, llama, mesh_1d
+from hyperrecipe.runtime.state.weights import WeightLoadError
+from tests.support.runtime_harness import ROOT, TINY_LLAMA, assert_close, grads_of, llama, mesh_1d
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 CFG = {**TINY_LLAMA, "num_key_value_heads": 4}  # whole heads at tp=4 too

@@ -18,9 +18,9 @@ from hyperrecipe.cli import main
 from hyperrecipe.plan import AdapterPlan, Provenance
 from hyperrecipe.refs import TRUST_ENV, UntrustedCodeError, _entry_point_packages, resolve_ref
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.adapters import install_adapters
+from hyperrecipe.runtime.features.adapters import install_adapters
 from hyperrecipe.wrappers import WrapperError, load_wrapper
-from tests.toy_models import Toy
+from tests.support.toy_models import Toy
 
 MODULE = '''\
 import pathlib
@@ -100,7 +100,7 @@ def test_the_cli_refuses_with_exit_2_and_trust_code_opts_in(
         monkeypatch: pytest.MonkeyPatch) -> None:
     name, marker = untrusted
     path = _recipe(tmp_path, f"{name}:factory")
-    argv = ["compile", str(path), "--model", "tests.toy_models:make_toy", "--mesh", "tp=2"]
+    argv = ["compile", str(path), "--model", "tests.support.toy_models:make_toy", "--mesh", "tp=2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "which is not trusted; " in err and "Traceback" not in err
@@ -157,7 +157,7 @@ def test_the_environment_opt_in_takes_module_prefixes(
 def test_built_in_and_already_imported_code_needs_no_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TRUST_ENV, raising=False)
     assert load_wrapper("ulysses").name == "ulysses"
-    assert resolve_ref("tests.toy_models:Toy", "test") is Toy
+    assert resolve_ref("tests.support.toy_models:Toy", "test") is Toy
 
 
 def test_a_package_declaring_an_entry_point_is_trusted(

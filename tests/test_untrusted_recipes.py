@@ -261,7 +261,7 @@ def test_the_cli_reports_hostile_recipes_without_a_traceback(
 
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
-    assert main(["compile", str(path), "--model", "tests.toy_models:make_toy", "--mesh",
+    assert main(["compile", str(path), "--model", "tests.support.toy_models:make_toy", "--mesh",
                  "tp=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"hyperrecipe: error: {path}:") and "Traceback" not in err, err

@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], batch: int, se
 
     from hyperrecipe import apply, compile_recipe
     from hyperrecipe.model_tree import build_model
-    from tests.runtime_harness import mesh_1d
+    from tests.support.runtime_harness import mesh_1d
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)

@@ -4,7 +4,7 @@ located error.
 Each case writes one hostile file (a billion-laughs YAML, 1000-deep nesting, a 10 MB
 description, a 20,000-rule recipe, catastrophic regexes, a 1200-file ``extends`` chain, hostile
 plan JSON) and times what ``hyperrecipe compile`` does with it: ``load_recipe`` and, when that
-succeeds, ``resolve_recipe`` against the toy model of ``tests/toy_models.py`` at ``tp=2``. Each
+succeeds, ``resolve_recipe`` against the toy model of ``tests/support/toy_models.py`` at ``tp=2``. Each
 case runs ``--repeats`` times; the slowest run is reported (worst case is the point). The output
 is a Markdown table for docs/benchmarks.md; ``--json`` also writes the figures.
 
@@ -38,7 +38,7 @@ from hyperrecipe.plan import Plan  # noqa: E402
 from hyperrecipe.recipe import load_recipe  # noqa: E402
 from hyperrecipe.recipe.patterns import compile_pattern  # noqa: E402
 from hyperrecipe.resolve import resolve_recipe  # noqa: E402
-from tests.toy_models import Toy  # noqa: E402
+from tests.support.toy_models import Toy  # noqa: E402
 
 HEAD = "recipe: t\nversion: 1\nmesh: [tp]\n"
 

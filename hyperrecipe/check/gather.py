@@ -4,7 +4,7 @@ A boundary's recorded value is whatever its caller sees: in validate mode a nest
 back a DTensor (made whole with ``full_tensor()``); in production mode, and at the outermost
 boundary in validate mode, a plain local tensor laid out as the plan says (``in_src`` for an
 input, ``out_dst`` for an output). :func:`full_view` reduces the partial mesh dims, then gathers
-the sharded ones with :func:`hyperrecipe.runtime.sharding.gather_full`.
+the sharded ones with :func:`hyperrecipe.runtime.comm.sharding.gather_full`.
 
 Every call is a collective over the whole world (a small all-gather of local shapes first, so
 that ranks holding differently shaped shards report it instead of hanging in a gather). All ranks
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from hyperrecipe.errors import CheckError
 from hyperrecipe.placement import NamedPlacement, Partial, Shard
-from hyperrecipe.runtime.collectives import group_for
-from hyperrecipe.runtime.sharding import gather_full
+from hyperrecipe.runtime.comm.collectives import group_for
+from hyperrecipe.runtime.comm.sharding import gather_full
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

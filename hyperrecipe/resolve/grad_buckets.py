@@ -7,7 +7,7 @@ DDP does, the resolver groups them into buckets: parameters with the same ``grad
 and dtype, walked in reverse parameter order (the order their gradients roughly become ready
 in backward), each bucket closed once it reaches :data:`GRAD_BUCKET_CAP_BYTES` of local
 gradient. The runtime flattens a bucket's gradients and runs each op once on the flat tensor
-(:mod:`hyperrecipe.runtime.grad_buckets`); the manifest lists one ``param_grad`` entry per
+(:mod:`hyperrecipe.runtime.grads.grad_buckets`); the manifest lists one ``param_grad`` entry per
 bucket and op, so it still equals what runs. Buckets are numbered in launch order: by the
 position of the last gradient each waits for.
 """

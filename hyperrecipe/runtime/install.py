@@ -4,7 +4,7 @@ Order inside one rewriter transaction: parameters (local shards, or DTensors in 
 tied parameters stay one object; in production, the hooks of the plan's gradient buckets),
 head counts (production), method adapters, then boundary
 forwards, innermost first. Before anything changes, the plan is checked against the model's structure, the
-``DeviceMesh`` and the other ranks' plans (:mod:`~hyperrecipe.runtime.agreement`: bounded
+``DeviceMesh`` and the other ranks' plans (:mod:`~hyperrecipe.runtime.preflight.agreement`: bounded
 waits); after everything is installed, every rank votes, so a failure on one rank rolls back
 all of them instead of leaving ranks out of step.
 """
@@ -25,32 +25,32 @@ from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
-from hyperrecipe.runtime.adapters import install_adapters
-from hyperrecipe.runtime.agreement import agree_before_apply, vote
-from hyperrecipe.runtime.boundary import make_boundary_forward
-from hyperrecipe.runtime.collectives import group_for
-from hyperrecipe.runtime.compute import (
+from hyperrecipe.runtime.features.adapters import install_adapters
+from hyperrecipe.runtime.preflight.agreement import agree_before_apply, vote
+from hyperrecipe.runtime.forward.boundary import make_boundary_forward
+from hyperrecipe.runtime.comm.collectives import group_for
+from hyperrecipe.runtime.forward.compute import (
     bias_free_forward,
     class_forward,
     local_padding_idx,
     vocab_parallel_embedding,
 )
-from hyperrecipe.runtime.export import model_save_pretrained
-from hyperrecipe.runtime.grad_buckets import GradBucketReducer
-from hyperrecipe.runtime.inner import InnerWrapperInstaller
+from hyperrecipe.runtime.state.export import model_save_pretrained
+from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
+from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
-from hyperrecipe.runtime.materialize import (
+from hyperrecipe.runtime.state.materialize import (
     allocate_unloaded,
     is_meta,
     materialize_buffers,
     mesh_device,
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
-from hyperrecipe.runtime.plan_fit import check_plan_fits
-from hyperrecipe.runtime.sharding import gather_full, local_shard
-from hyperrecipe.runtime.strided import FusedParts, mark_parts
-from hyperrecipe.runtime.torch_support import require_supported_torch
-from hyperrecipe.runtime.vocab_loss import (
+from hyperrecipe.runtime.preflight.plan_fit import check_plan_fits
+from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
+from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
+from hyperrecipe.runtime.preflight.torch_support import require_supported_torch
+from hyperrecipe.runtime.features.vocab_loss import (
     VocabShard,
     install_loss_parallel,
     make_vocab_shard,
@@ -257,7 +257,7 @@ class _Applier:
 
     def install_grad_buckets(self) -> None:
         """Production mode: the hooks that reduce the plan's gradient buckets, one flat
-        collective per bucket and op (:mod:`~hyperrecipe.runtime.grad_buckets`). They live on
+        collective per bucket and op (:mod:`~hyperrecipe.runtime.grads.grad_buckets`). They live on
         the shards made here, so a rollback or ``restore()`` drops them with the shards."""
         if self.mode.dtensor_parameters or not self.plan.grad_buckets:
             return
@@ -375,11 +375,11 @@ class _Applier:
                       tx: Rewrite) -> Callable[..., Any]:
         """A local-region boundary's compute: the expert-parallel kernel where the plan shards
         the module's experts, run on local tensors in both modes; the module's own compute
-        always reaches its inputs and parameters in backward (:mod:`~hyperrecipe.runtime.reach`)."""
-        from hyperrecipe.runtime.experts import expert_parallel_attributes, expert_parallel_forward
-        from hyperrecipe.runtime.local_region import local_region_forward
-        from hyperrecipe.runtime.reach import reaching_forward
-        from hyperrecipe.runtime.token_dispatch import dispatch_forward
+        always reaches its inputs and parameters in backward (:mod:`~hyperrecipe.runtime.features.reach`)."""
+        from hyperrecipe.runtime.features.experts import expert_parallel_attributes, expert_parallel_forward
+        from hyperrecipe.runtime.features.local_region import local_region_forward
+        from hyperrecipe.runtime.features.reach import reaching_forward
+        from hyperrecipe.runtime.features.token_dispatch import dispatch_forward
 
         compute = reaching_forward(compute, module)
         ep = b.expert_parallel
@@ -423,7 +423,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         RewriteError: the model already has a plan applied.
         ModeError: ``mode`` is neither ``"production"`` nor ``"validate"``.
         UnsupportedTorchError: the installed torch is older than the runtime supports
-            (:data:`~hyperrecipe.runtime.torch_support.MIN_TORCH`).
+            (:data:`~hyperrecipe.runtime.preflight.torch_support.MIN_TORCH`).
         UsageError: ``model``, ``plan`` or ``mesh`` is not an ``nn.Module``, a :class:`Plan`
             (a path is not: load it with :func:`hyperrecipe.load_plan`) or a ``DeviceMesh``.
         Anything an install raised on this rank, after rolling every rank back.

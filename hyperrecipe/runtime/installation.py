@@ -18,25 +18,25 @@ from torch import Tensor, nn
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.rewriter import RewriteRecord, Rewritten
-from hyperrecipe.runtime.inner import WrapperChoice
-from hyperrecipe.runtime.checkpoint import (
+from hyperrecipe.runtime.features.inner import WrapperChoice
+from hyperrecipe.runtime.state.checkpoint import (
     LiveParams,
     differing_ties,
     load_optimizer_state,
     optimizer_state,
 )
-from hyperrecipe.runtime.ddp_guard import install_ddp_guard
-from hyperrecipe.runtime.export import ExportItem, write_safetensors
-from hyperrecipe.runtime.grad_norm import clip_grads_by_norm, total_grad_norm
+from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
+from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
-from hyperrecipe.runtime.optimizer_kernels import install_mixed_kernel_check
-from hyperrecipe.runtime.sharding import local_shard
-from hyperrecipe.runtime.state_hooks import (
+from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
+from hyperrecipe.runtime.comm.sharding import local_shard
+from hyperrecipe.runtime.state.state_hooks import (
     install_optimizer_hooks,
     install_state_hooks,
     replaced_bucket_params,
 )
-from hyperrecipe.runtime.weights import (
+from hyperrecipe.runtime.state.weights import (
     LoadAttempt,
     WeightLoadError,
     persistent_buffers,

@@ -2,10 +2,10 @@
 
 ``production`` runs on plain local shards with the collectives the resolver lowered;
 ``validate`` runs on DTensors end to end and checks every declared placement. The two share
-every wrapper body (:mod:`~hyperrecipe.runtime.boundary`); where they differ, the code asks the
+every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they differ, the code asks the
 :class:`Mode` it was given what to do, never which mode it is:
 
-- ``redistributor``: the converters a boundary's body calls (:mod:`~hyperrecipe.runtime.layouts`).
+- ``redistributor``: the converters a boundary's body calls (:mod:`~hyperrecipe.runtime.forward.layouts`).
 - ``dtensor_parameters``: parameters become DTensors with the plan's ``dtensor`` placement
   (validate), or this rank's local shards with their gradient collectives (production).
 - ``local_kernels``: modules compute on local shards, so head counts are divided and a
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
     from hyperrecipe.plan import BoundaryPlan
-    from hyperrecipe.runtime.layouts import Redistributor
+    from hyperrecipe.runtime.forward.layouts import Redistributor
 
 __all__ = ["MODES", "PRODUCTION", "VALIDATE", "Mode", "ModeName", "as_mode"]
 
@@ -83,7 +83,7 @@ class _Production(Mode):
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False) -> Redistributor:
-        from hyperrecipe.runtime.layouts import ProductionRedistributor
+        from hyperrecipe.runtime.forward.layouts import ProductionRedistributor
 
         return ProductionRedistributor(mesh)
 
@@ -99,13 +99,13 @@ class _Validate(Mode):
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False) -> Redistributor:
-        from hyperrecipe.runtime.layouts import ValidateRedistributor
+        from hyperrecipe.runtime.forward.layouts import ValidateRedistributor
 
         return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code)
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
-        from hyperrecipe.runtime.inner import dtensor_edge
+        from hyperrecipe.runtime.features.inner import dtensor_edge
 
         return dtensor_edge(fn, boundary, mesh, mesh_dims, declared=declared)
 

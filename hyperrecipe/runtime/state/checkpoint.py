@@ -32,7 +32,7 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.runtime.mode import Mode, as_mode
-from hyperrecipe.runtime.sharding import gather_full, local_shard
+from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

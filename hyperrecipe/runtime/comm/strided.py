@@ -18,7 +18,7 @@ each part's gradient back into the fused tensor's. A split that does not fall on
 boundaries, or a tensor whose dim another mesh dim also shards, is left to DTensor (replicate:
 exact values, and the boundary's placement check refuses what production would not compute).
 Validate mode runs it in every boundary's compute
-(:func:`~hyperrecipe.runtime.validate_scope.validate_compute`).
+(:func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`).
 
 **Unequal chunks** (``shard(0, chunks=[64, 32, 32])``: a GQA ``qkv_proj``) have no DTensor
 placement. Where the plan says ``chunk_parts`` (a linear layer's output features), the

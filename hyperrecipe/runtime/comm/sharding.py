@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.placement import NamedPlacement, Shard
-from hyperrecipe.runtime.collectives import execute, group_for
+from hyperrecipe.runtime.comm.collectives import execute, group_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

@@ -3,7 +3,7 @@
 A :class:`Redistributor` is built once per ``apply`` by the
 :class:`~hyperrecipe.runtime.mode.Mode` it chose; at install time it builds, for each boundary
 and from plan data, the converters the boundary body calls, one for inputs and one for outputs.
-The body (:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
+The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it is in.
 
 - :class:`ProductionRedistributor`: plain local tensors; each declared tensor goes through the
   transitions the resolver lowered (forward op, and the backward op its gradient needs).
@@ -16,8 +16,8 @@ The body (:mod:`hyperrecipe.runtime.boundary`) never asks which mode it is in.
   :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor computes that gradient whole (a
   residual that bypasses the sharded parameters) — unless the plan runs code on local tensors
   inside boundaries, whose re-wrapping reduces a partial gradient early; the outermost boundary, and a boundary called from local code
-  (:mod:`~hyperrecipe.runtime.validate_scope`), hands local tensors back to the caller. The
-  compute runs under :func:`~hyperrecipe.runtime.validate_scope.validate_compute`.
+  (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the caller. The
+  compute runs under :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from torch import Tensor, is_grad_enabled
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
-from hyperrecipe.runtime.collectives import group_for, transition
-from hyperrecipe.runtime.validate_scope import caller_is_local, validate_compute
+from hyperrecipe.runtime.comm.collectives import group_for, transition
+from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

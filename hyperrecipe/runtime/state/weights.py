@@ -41,11 +41,11 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.hf_conversion import Composite, conversion_for
-from hyperrecipe.runtime.sharding import Ranges, read_ranges, shard_ranges
+from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
+from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers"]
 
@@ -582,7 +582,7 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
 def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:
     """Copy every target in; on any failure put back what was written (previous values, or
     NaN for never-loaded ones) and raise."""
-    from hyperrecipe.runtime.materialize import allocate_unloaded
+    from hyperrecipe.runtime.state.materialize import allocate_unloaded
 
     written: list[tuple[_Target, Tensor | None]] = []
     try:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.runtime.collectives import execute, transition
+from hyperrecipe.runtime.comm.collectives import execute, transition
 from hyperrecipe.wrappers import WrapperContext, builtin_wrapper, requirement
 
 __all__ = ["causal_mask_for_rank", "cp_allgather_kv", "ulysses"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe.runtime.marshal import map_tensors
+from hyperrecipe.runtime.forward.marshal import map_tensors
 
 __all__ = ["reaching_forward", "tie_unreached"]
 

@@ -25,7 +25,7 @@ forward hook's declared inputs with the gradient placement production reduces fr
 region's are) and the results wrapped with the boundary's ``inner_out_src`` (outputs it does
 not name: replicated). The wrapper runs as local code: a boundary nested in a forward hook's
 module takes local tensors and hands local tensors back
-(:mod:`~hyperrecipe.runtime.validate_scope`). In production the arguments are local already and
+(:mod:`~hyperrecipe.runtime.forward.validate_scope`). In production the arguments are local already and
 the edge is a pass-through.
 """
 
@@ -43,16 +43,16 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.arguments import Slot, map_declared
-from hyperrecipe.runtime.local_region import (
+from hyperrecipe.runtime.forward.arguments import Slot, map_declared
+from hyperrecipe.runtime.features.local_region import (
     input_grad_placements,
     unwrap_declared,
     with_local_parameters,
 )
-from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
-from hyperrecipe.runtime.collectives import group_for
+from hyperrecipe.runtime.forward.marshal import map_tensors, to_local_tree, wrap_local_tree
+from hyperrecipe.runtime.comm.collectives import group_for
 from hyperrecipe.runtime.mode import Mode, as_mode
-from hyperrecipe.runtime.validate_scope import running_local_code
+from hyperrecipe.runtime.forward.validate_scope import running_local_code
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -209,7 +209,7 @@ def dtensor_edge(fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMes
 
     With ``declared`` (the forward hook: ``args`` are the module's forward arguments), each
     declared input is unwrapped with the gradient placement production's backward reduces
-    from (:func:`~hyperrecipe.runtime.local_region.input_grad_placements`): a replicated
+    from (:func:`~hyperrecipe.runtime.features.local_region.input_grad_placements`): a replicated
     input consumed by parameters the wrapper's compute holds sharded gets a *partial*
     gradient from each rank, which DTensor then reduces, as production's lowered backward
     does. Other DTensors keep their placement for the gradient."""

@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
-from hyperrecipe.runtime.arguments import Slot, get_output, map_declared, set_output
-from hyperrecipe.runtime.layouts import Converter, Redistributor
-from hyperrecipe.runtime.marshal import map_tensors
+from hyperrecipe.runtime.forward.arguments import Slot, get_output, map_declared, set_output
+from hyperrecipe.runtime.forward.layouts import Converter, Redistributor
+from hyperrecipe.runtime.forward.marshal import map_tensors
 
 __all__ = ["make_boundary_forward"]
 

@@ -16,7 +16,7 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.model_tree import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = json.loads((ROOT / "recipes/models/tiny-llama.json").read_text())
 ATOL = 2e-6  # fp32; measured max differences are ~2e-7 on logits and ~1e-8 on gradients
 RTOL = 1e-5
@@ -61,7 +61,7 @@ def llama_worker(rank: int, world: int, recipe: str, mode: str,
     """Apply ``recipe`` to tiny Llama, run one step; return logits, full grads, counts."""
     from collections import Counter
 
-    from hyperrecipe.runtime.collectives import count_collectives
+    from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = llama(**overrides)
     plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world})

@@ -14,13 +14,13 @@ are local already and it changes nothing. In validate mode:
   region hands back is declared with the placement the resolver lowered production's backward
   from, i.e. *partial* where a replicated input is consumed by parameters sharded on that mesh dim
   (Megatron's *f*), so DTensor reduces it exactly as production does; undeclared DTensors go
-  through :func:`~hyperrecipe.runtime.marshal.to_local_tree` (their gradient keeps their placement);
+  through :func:`~hyperrecipe.runtime.forward.marshal.to_local_tree` (their gradient keeps their placement);
 - the region's DTensor parameters are swapped for their ``to_local()`` views in
   ``module._parameters`` for the call and put back in ``finally`` (gradients reach the DTensor
   parameter through ``to_local``, placed as the parameter is);
 - the call is marked as local code: a boundary nested in the region keeps its DTensor
   parameters, takes the local tensors it is called with, and hands local tensors back
-  (:mod:`~hyperrecipe.runtime.validate_scope`).
+  (:mod:`~hyperrecipe.runtime.forward.validate_scope`).
 
 Which inputs get which gradient placement, and which parameters are swapped, is decided once at
 install time; a call only indexes and unwraps.
@@ -36,10 +36,10 @@ from torch import nn
 
 from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
-from hyperrecipe.runtime.arguments import Slot, map_declared
+from hyperrecipe.runtime.forward.arguments import Slot, map_declared
 from hyperrecipe.rewriter import installed_forward_owner
-from hyperrecipe.runtime.marshal import to_local_tree
-from hyperrecipe.runtime.validate_scope import running_local_code
+from hyperrecipe.runtime.forward.marshal import to_local_tree
+from hyperrecipe.runtime.forward.validate_scope import running_local_code
 
 __all__ = ["input_grad_placements", "local_region_forward", "unwrap_declared",
            "with_local_parameters"]

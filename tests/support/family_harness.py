@@ -18,7 +18,7 @@ from torch import nn
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.model_tree import build_model
-from tests.runtime_harness import ROOT, grads_of, mesh_1d
+from tests.support.runtime_harness import ROOT, grads_of, mesh_1d
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "mixtral", "gpt2", "phi3")
 VOCAB = 128
@@ -71,7 +71,7 @@ def reference(family: str, aux_loss: bool = False, **overrides: Any
 def family_worker(rank: int, world: int, family: str, mode: str, overrides: dict[str, Any],
                   aux_loss_divisor: int | None = None) -> dict[str, Any]:
     """Apply the family's shipped recipe on this rank, run one step; return what to compare."""
-    from hyperrecipe.runtime.collectives import count_collectives
+    from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = build(family, **overrides)
     plan = compile_recipe(recipe_path(family), build(family, "meta", **overrides),

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.checkpoint import (
+from hyperrecipe.runtime.state.checkpoint import (
     LiveParams,
     differing_ties,
 )

@@ -17,10 +17,10 @@ plain tensor meeting a DTensor is still refused: treating it as replicated (DTen
 **Fused projections.** The same mode splits a chunk-sharded DTensor (``_StridedShard``: the
 output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, each part a
 ``Shard(d)`` DTensor, where DTensor itself would gather it, and runs a linear layer whose weight
-is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.strided`).
+is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.comm.strided`).
 
 **Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
-their module's code on local tensors (:mod:`~hyperrecipe.runtime.marshal`). A boundary nested in
+their module's code on local tensors (:mod:`~hyperrecipe.runtime.forward.marshal`). A boundary nested in
 such a module is called *from local code*: it must hand local tensors back, as the outermost
 boundary does. :func:`running_local_code` marks the local call (a context variable, so it holds
 per thread and per task), :func:`validate_compute` clears the mark for the boundary's own compute
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hyperrecipe.runtime.strided import SPLITS, linear_by_parts, split_strided
+from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 

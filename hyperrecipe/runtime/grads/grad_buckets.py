@@ -10,7 +10,7 @@ gets two hooks:
   backward's (partial) contribution;
 - a post-accumulate-grad hook, which marks the parameter ready. When every parameter of a
   bucket is ready, the bucket's contributions are flattened into one tensor, each op of the
-  bucket runs once on it (:func:`~hyperrecipe.runtime.collectives.execute`, so the collective
+  bucket runs once on it (:func:`~hyperrecipe.runtime.comm.collectives.execute`, so the collective
   is counted against the manifest), and each parameter's gradient becomes what it had set
   aside plus its reduced slice. Gradient accumulation over several backward calls therefore
   reduces each contribution exactly once, as the per-parameter hook it replaces did.
@@ -23,7 +23,7 @@ parameters that got no gradient in this backward (unused, frozen): every rank st
 one collective per bucket and op, and those parameters keep the gradient they had (``None``
 as in one process). A rank whose backward reaches no bucketed parameter at all while its peers'
 does would fall out of step: local regions tie their outputs to every parameter for exactly
-that reason (:mod:`~hyperrecipe.runtime.reach`).
+that reason (:mod:`~hyperrecipe.runtime.features.reach`).
 
 Refused, at the end of the backward: a gradient taken with ``torch.autograd.grad`` (autograd
 ran the tensor hook but never accumulated, so the value returned was not reduced), and the
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import GradBucket
-from hyperrecipe.runtime.collectives import MeshDimGroup, execute, group_for
+from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

@@ -43,7 +43,7 @@ from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.plan import AdapterPlan
 from hyperrecipe.refs import RefError, UntrustedCodeError, import_trusted_module
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.marshal import map_tensors, to_local_tree, wrap_local_tree
+from hyperrecipe.runtime.forward.marshal import map_tensors, to_local_tree, wrap_local_tree
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn

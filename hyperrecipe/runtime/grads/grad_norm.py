@@ -33,10 +33,10 @@ from torch import Tensor
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.placement import Shard
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.collectives import group_for
+from hyperrecipe.runtime.comm.collectives import group_for
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["clip_grads_by_norm", "total_grad_norm"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hyperrecipe import apply, compile_recipe
-from tests.family_harness import build
+from tests.support.family_harness import build
 
 PROMPT_SHAPE = (2, 6)
 NEW_TOKENS = 8

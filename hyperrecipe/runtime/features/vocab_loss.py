@@ -36,7 +36,7 @@ from torch import Tensor
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import LossParallelError, PlanMismatchError
 from hyperrecipe.plan import LossParallel, Transition
-from hyperrecipe.runtime.collectives import MeshDimGroup, execute, group_for, transition
+from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for, transition
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn

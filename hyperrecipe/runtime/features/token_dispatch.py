@@ -26,7 +26,7 @@ Every rank must issue the same backward exchanges in the same order, whatever it
 hidden states and routing weights travel through *one* autograd node (one backward, its two
 exchanges in a fixed order). ``inner`` must reach its inputs even when this rank received no
 rows: ``apply`` passes the experts' compute through
-:func:`~hyperrecipe.runtime.reach.reaching_forward` (transformers' ``eager`` experts return a
+:func:`~hyperrecipe.runtime.features.reach.reaching_forward` (transformers' ``eager`` experts return a
 tensor that depends on nothing when no expert is hit, and this rank would skip the backward
 exchanges its peers wait in).
 Traffic per layer is ``2 * T * k`` rows of ``H`` values out and back, against the all-gather

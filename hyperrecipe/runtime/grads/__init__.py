@@ -1,0 +1,8 @@
+"""The trainer's side of the backward: gradients after the model's own autograd.
+
+Owns ``grad_buckets`` (the plan's gradient buckets, one flat collective each, from
+post-accumulate-grad hooks), ``grad_norm`` (the norm of the full gradients and clipping by it,
+equal to one process on every rank), ``ddp_guard`` (refusing data parallel over ranks that hold
+different shards) and ``optimizer_kernels`` (validate mode's refusal of torch's multi-tensor
+kernels over mixed DTensor / plain parameters). It installs no forward.
+"""

@@ -1,0 +1,7 @@
+"""Preflight: what ``apply`` checks before it touches the model.
+
+Owns ``plan_fit`` (an edited plan's names, shapes and shard dims against the live model),
+``agreement`` (the ranks' fixed-size exchanges and the vote, each with a bounded wait) and
+``torch_support`` (the oldest torch the runtime runs on). Nothing here installs a forward or
+moves a tensor; a failure here leaves the model exactly as it was.
+"""

@@ -1,0 +1,1 @@
+"""Harnesses and small models the tests share: nothing here is a test."""
