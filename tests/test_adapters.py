@@ -68,7 +68,7 @@ def test_adapter_out_src_is_parsed_as_a_named_placement(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("adapters", "message"), [
     (f'  - {{target: "{HELPERS}.plain", out_src: replicate}}\n',
-     "/path/to/demo.yaml:6:52: out_src applies to mode 'marshal' only (a 'wrap' adapter returns "
+     "/path/to/demo.yaml:6:60: out_src applies to mode 'marshal' only (a 'wrap' adapter returns "
      "the method's outputs as they are) @ $.adapters[0].out_src"),
     (f'  - {{target: "{HELPERS}.plain", mode: marshal, out_src: {{cp: shard(1)}}}}\n',
      "/path/to/demo.yaml:6:77: placement names mesh dim 'cp', which the recipe does not declare"
@@ -83,7 +83,7 @@ def test_adapter_out_src_is_parsed_as_a_named_placement(tmp_path: Path) -> None:
      f"/path/to/demo.yaml:7:14: adapter target '{HELPERS}.plain' is listed twice (first at line "
      f"6); one method takes one adapter @ $.adapters[1].target"),
     (f'  - {{target: "{HELPERS}.plain", out: replicate}}\n',
-     "/path/to/demo.yaml:6:52: unknown key 'out' in an adapter; did you mean 'out_src'? "
+     "/path/to/demo.yaml:6:60: unknown key 'out' in an adapter; did you mean 'out_src'? "
      "@ $.adapters[0].out; expected one of: target, mode, out_src, within"),
 ])
 def test_adapter_field_errors_name_file_line_and_column(tmp_path: Path, adapters: str,
