@@ -71,12 +71,12 @@ def test_adapter_out_src_is_parsed_as_a_named_placement(tmp_path: Path) -> None:
      "/path/to/demo.yaml:6:60: out_src applies to mode 'marshal' only (a 'wrap' adapter returns "
      "the method's outputs as they are) @ $.adapters[0].out_src"),
     (f'  - {{target: "{HELPERS}.plain", mode: marshal, out_src: {{cp: shard(1)}}}}\n',
-     "/path/to/demo.yaml:6:77: placement names mesh dim 'cp', which the recipe does not declare"
+     "/path/to/demo.yaml:6:85: placement names mesh dim 'cp', which the recipe does not declare"
      "; did you mean 'tp'? @ $.adapters[0].out_src.cp; declared mesh dims: [tp]"),
     (f'  - {{target: "{HELPERS}.plain", mode: marshal, out_src: {{tp: shard(x)}}}}\n',
      None),
     (f'  - {{target: "{HELPERS}.plain", mode: marshal, out_src: {{tp: "shard(0, chunks=2)"}}}}\n',
-     "/path/to/demo.yaml:6:76: adapter out_src {tp: shard(0, chunks=2)} is a chunked shard, "
+     "/path/to/demo.yaml:6:84: adapter out_src {tp: shard(0, chunks=2)} is a chunked shard, "
      "which has no DTensor placement @ $.adapters[0].out_src"),
     (f'  - {{target: "{HELPERS}.plain", mode: marshal}}\n'
      f'  - {{target: "{HELPERS}.plain"}}\n',

@@ -119,7 +119,7 @@ def test_function_adapters_are_in_the_plan_json_and_the_summary() -> None:
      f"/path/to/demo.yaml:6:5: adapter target '{SDPA}' is a function: give `within`, the "
      f"modules whose forward calls it (a pattern, as in `match`) @ $.adapters[0]"),
     ('  - {target: "tests.support.adapter_models:Helpers.plain", within: layers.*}\n',
-     "/path/to/demo.yaml:6:52: within applies to a function target (`pkg.mod:function`); a "
+     "/path/to/demo.yaml:6:60: within applies to a function target (`pkg.mod:function`); a "
      "method adapter patches its class @ $.adapters[0].within"),
 ])
 def test_function_adapter_field_errors_name_file_line_and_column(tmp_path: Path, entry: str,

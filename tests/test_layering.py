@@ -69,8 +69,7 @@ def test_the_mode_is_one_object_chosen_from_its_name() -> None:
     assert as_mode("production") is PRODUCTION and as_mode("validate") is VALIDATE
     assert as_mode(VALIDATE) is VALIDATE
     assert PRODUCTION == "production" and VALIDATE != "production"
-    assert (PRODUCTION.dtensor_parameters, VALIDATE.dtensor_parameters) == (False, True)
-    assert (PRODUCTION.local_kernels, VALIDATE.local_kernels) == (True, False)
+    assert (PRODUCTION.parameters_are_dtensors, VALIDATE.parameters_are_dtensors) == (False, True)
     with pytest.raises(ModeError, match="mode must be 'production' or 'validate', not 'fast'"):
         as_mode("fast")
     assert issubclass(ModeError, ValueError)
@@ -208,3 +207,51 @@ def test_the_runtime_names_no_transformers_internals_outside_the_integration_roo
             offenders += [f"{path.relative_to(ROOT)}: {text!r}" for mark in TRANSFORMERS_MARKS
                           if mark in text]
     assert offenders == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Which ``hyperrecipe`` modules each module imports when it runs (module level or inside
+    a function; imports under ``if TYPE_CHECKING:`` are for the type checker only)."""
+    package = ROOT / "hyperrecipe"
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module in names:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in names)
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_module_of_the_package_imports_itself_back() -> None:
+    graph = _module_graph()
+    assert "hyperrecipe.runtime.mode" in graph
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []

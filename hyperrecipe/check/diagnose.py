@@ -285,7 +285,7 @@ def _undivided_heads(fqn: str, ctx: DiagnosisContext) -> str | None:
     """Evidence that a head-count attribute in ``fqn`` was left global while its module's
     parameters are sharded: named like a head count, divisible by a mesh dim, not divided by the
     plan, and used by the module's forward (when its source can be read)."""
-    if not as_mode(ctx.mode).local_kernels:
+    if as_mode(ctx.mode).parameters_are_dtensors:
         return None  # head counts are divided only where modules compute on local shards
     divided = {(h.module, h.attr) for h in ctx.plan.head_counts}
     for m in ctx.tree.subtree(fqn):

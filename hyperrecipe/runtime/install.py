@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError, UsageError
 from hyperrecipe.model_tree import snapshot
-from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
@@ -29,14 +28,8 @@ from hyperrecipe.runtime.features.adapters import install_adapters
 from hyperrecipe.runtime.preflight.agreement import agree_before_apply, vote
 from hyperrecipe.runtime.forward.boundary import make_boundary_forward
 from hyperrecipe.runtime.comm.collectives import group_for
-from hyperrecipe.runtime.forward.compute import (
-    bias_free_forward,
-    class_forward,
-    local_padding_idx,
-    vocab_parallel_embedding,
-)
+from hyperrecipe.runtime.forward.compute import bias_free_forward, class_forward
 from hyperrecipe.runtime.state.export import model_save_pretrained
-from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
 from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.state.materialize import (
@@ -48,12 +41,10 @@ from hyperrecipe.runtime.state.materialize import (
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
 from hyperrecipe.runtime.preflight.plan_fit import check_plan_fits
 from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
-from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
 from hyperrecipe.runtime.preflight.torch_support import require_supported_torch
 from hyperrecipe.runtime.features.vocab_loss import (
     VocabShard,
     install_loss_parallel,
-    make_vocab_shard,
     vocab_shard_output,
 )
 
@@ -122,13 +113,6 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
     raise PlanMismatchError(msg)
 
 
-def _placed_at(p: ParamPlan) -> str:
-    """`` (placed at file:line)``: the recipe line behind a parameter's placement."""
-    if not p.provenance:
-        return ""
-    return f" (placed at {p.provenance[-1].file}:{p.provenance[-1].line})"
-
-
 class _Applier:
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh,
                  mode: Mode | ModeName) -> None:
@@ -161,13 +145,12 @@ class _Applier:
             module = self.modules[p.module]
             original = module._parameters[p.name]
             assert original is not None
-            in_region = p.boundary is not None
             new: nn.Parameter | None = None
             if p.tied_to is not None:
                 new = self.new_params.get(p.tied_to)  # None when its owner was not sharded
             elif failure is None:
                 try:
-                    new = self._make_param(p, module, in_region)
+                    new = self._make_param(p, module)
                     self.new_params[p.fqn] = new
                 except Exception as exc:  # noqa: BLE001 - raised after the loop
                     failure = exc
@@ -205,47 +188,11 @@ class _Applier:
         different ranks always meet in the same gathers."""
         return gather_full(local.detach(), p.placement, p.shape, self.mesh, self.mesh_dims)
 
-    def _make_param(self, p: ParamPlan, module: nn.Module, in_region: bool) -> nn.Parameter:
+    def _make_param(self, p: ParamPlan, module: nn.Module) -> nn.Parameter:
         full = module._parameters[p.name]
         assert full is not None
-        requires_grad = full.requires_grad
-        if not self.mode.dtensor_parameters:
-            # gradient reductions (grad_reduce) run in buckets: install_grad_buckets
-            return nn.Parameter(self._local(p, full), requires_grad=requires_grad)
-        if not in_region:
-            if not p.placement.is_replicate:
-                msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
-                       f"needs a boundary around sharded parameters{_placed_at(p)}")
-                raise PlanMismatchError(msg)
-            return nn.Parameter(self._local(p, full), requires_grad=requires_grad)
-        from torch.distributed.tensor import DTensor
-
-        if p.no_dtensor is not None:
-            msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({p.no_dtensor}); validate "
-                   f"mode cannot run it (production mode can){_placed_at(p)}")
-            raise PlanMismatchError(msg)
-        local = self._local(p, full)
-        parts = parse_chunk_parts(p.dtensor)
-        if parts is not None:  # unequal chunks: plain, computed part by part (runtime.strided)
-            index, dim, sizes = parts
-            texts = tuple(f"shard({dim})" if i == index else t for i, t in enumerate(p.dtensor))
-            param = nn.Parameter(local, requires_grad=requires_grad)
-            mark_parts(param, FusedParts(mesh=self.mesh, placements=from_dtensor_text(texts),
-                                         index=index, dim=dim, sizes=sizes,
-                                         ways=self.mesh.size(index)))
-            return param
-        placements = from_dtensor_text(p.dtensor)
-        dt = DTensor.from_local(local, self.mesh, placements, run_check=False)
-        param = nn.Parameter(dt, requires_grad=requires_grad)
-
-        def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
-            # a replicated parameter used on sharded data gets a partial gradient: reduce it
-            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
-                return grad.redistribute(grad.device_mesh, placements)
-            return grad
-
-        param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
-        return param
+        return self.mode.make_parameter(p, self._local(p, full), self.mesh,
+                                        requires_grad=full.requires_grad)
 
     def _local(self, p: ParamPlan, full: Tensor) -> Tensor:
         """This rank's shard of ``full``: sliced once from a real tensor, or allocated (unset)
@@ -255,13 +202,11 @@ class _Applier:
             return allocate_unloaded(p.local_shape, full.dtype, self.device)
         return local_shard(full.detach(), p.placement, self.mesh, self.mesh_dims)
 
-    def install_grad_buckets(self) -> None:
-        """Production mode: the hooks that reduce the plan's gradient buckets, one flat
-        collective per bucket and op (:mod:`~hyperrecipe.runtime.grads.grad_buckets`). They live on
-        the shards made here, so a rollback or ``restore()`` drops them with the shards."""
-        if self.mode.dtensor_parameters or not self.plan.grad_buckets:
-            return
-        GradBucketReducer(self.plan.grad_buckets, self.new_params, self.mesh).install()
+    def install_grad_reductions(self) -> None:
+        """What reduces the plan's gradient buckets (production: hooks, one flat collective per
+        bucket and op, :mod:`~hyperrecipe.runtime.grads.grad_buckets`). They live on the shards
+        made here, so a rollback or ``restore()`` drops them with the shards."""
+        self.mode.install_grad_reductions(self.plan, self.new_params, self.mesh)
 
     def materialize_buffers(self, tx: Rewrite) -> None:
         self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
@@ -298,10 +243,8 @@ class _Applier:
         """Divided head counts (production). A ``config.`` count is set on a copy of the module's
         config (one per module, with every divided field), which the module then holds: the
         config object is shared with the rest of the model, whose counts stay global."""
-        if not self.mode.local_kernels:
-            return  # DTensor computes with global shapes; the attributes stay global
         configs: dict[str, Any] = {}
-        for h in self.plan.head_counts:
+        for h in self.mode.divided_head_counts(self.plan):
             module = self.modules[h.module]
             field = h.attr.removeprefix("config.")
             if field == h.attr:
@@ -342,8 +285,7 @@ class _Applier:
             tx.install_forward(module, forward, fqn=b.fqn, companions={"_hyperrecipe_boundary": b})
 
     def _vocab_shard(self, loss: LossParallel) -> VocabShard:
-        return make_vocab_shard(loss, self.mesh, self.mesh_dims,
-                                dtensor=self.mode.dtensor_parameters)
+        return self.mode.vocab_shard(loss, self.mesh, self.mesh_dims)
 
     def install_loss(self, tx: Rewrite) -> None:
         """The loss on vocab shards of a ``"model"`` loss (the lm_head's marking is part of its
@@ -357,12 +299,8 @@ class _Applier:
     def _compute(self, b: BoundaryPlan, module: nn.Module,
                  tx: Rewrite) -> tuple[Callable[..., Any], Any]:
         compute = class_forward(module)
-        if self.mode.local_kernels and b.vocab_parallel is not None:
-            g = group_for(self.mesh, b.vocab_parallel)
-            compute = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=b.fqn)
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                tx.set_attribute(module, "padding_idx",
-                                 local_padding_idx(module, rank=g.rank), fqn=b.fqn)
+        if b.vocab_parallel is not None:
+            compute = self.mode.embedding_compute(tx, b, module, compute, self.mesh)
         bias = None
         if "bias" in b.defer_bias:
             bias = module._parameters["bias"]
@@ -445,7 +383,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         error: BaseException | None = None
         try:
             applier.shard_parameters(tx)
-            applier.install_grad_buckets()
+            applier.install_grad_reductions()
             applier.materialize_buffers(tx)
             applier.set_head_counts(tx)
             applier.install_adapters(tx)

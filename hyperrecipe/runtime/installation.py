@@ -29,7 +29,6 @@ from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
-from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
 from hyperrecipe.runtime.comm.sharding import local_shard
 from hyperrecipe.runtime.state.state_hooks import (
     install_optimizer_hooks,
@@ -104,9 +103,8 @@ class Installation:
         # Production reduces these parameters' gradients with hooks on the objects apply
         # installed; a wrapper that replaces them would leave the gradients partial.
         by_fqn = {p.fqn: p for p in plan.params}
-        self._bucketed = ({fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
-                           for b in plan.grad_buckets for fqn in b.params}
-                          if not self.mode.dtensor_parameters else {})
+        self._bucketed = {fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
+                          for fqn in self.mode.hook_reduced_gradients(plan)}
         # Production: state dicts of local shards as DTensors. Both: the optimizer's hooks
         # (fused parameters' state replicated for DCP in validate mode too).
         # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
@@ -115,8 +113,7 @@ class Installation:
                                             self._enter_collective),
                        *install_optimizer_hooks(self._live, self._bucketed,
                                                 self._enter_collective),
-                       *(install_mixed_kernel_check(self._live)
-                         if self.mode.dtensor_parameters else ()),
+                       *self.mode.install_optimizer_checks(self._live),
                        install_ddp_guard(model, plan, mesh)]
 
     def _mark_loaded(self, fqns: set[str]) -> None:

@@ -6,17 +6,26 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
 :class:`Mode` it was given what to do, never which mode it is:
 
 - ``redistributor``: the converters a boundary's body calls (:mod:`~hyperrecipe.runtime.forward.layouts`).
-- ``dtensor_parameters``: parameters become DTensors with the plan's ``dtensor`` placement
-  (validate), or this rank's local shards with their gradient collectives (production).
-- ``local_kernels``: modules compute on local shards, so head counts are divided and a
-  vocab-parallel table is looked up with the masked local kernel (production); DTensor does
-  both itself on global shapes (validate).
+- ``make_parameter``: this rank's shard as the module's parameter: a plain tensor (production)
+  or a DTensor with the plan's ``dtensor`` placement (validate).
+- ``install_grad_reductions`` / ``hook_reduced_gradients``: the plan's gradient buckets run as
+  hooks on the shards (production); DTensor's own backward reduces them (validate).
+- ``install_optimizer_checks``: validate mode refuses torch's multi-tensor kernels over its
+  mixed DTensor / plain parameters at ``optimizer.step()``.
+- ``divided_head_counts``: the head counts modules read, divided where modules compute on local
+  shards (production); DTensor computes on global shapes, so none (validate).
+- ``embedding_compute``: a vocab-parallel table's lookup, the masked local kernel
+  (production) or the module's own on DTensor (validate).
+- ``vocab_shard``: how the loss on vocab shards computes (local kernels or DTensor ops).
 - ``wrapper_edge``: how an inner wrapper, which always computes on local tensors, meets the
   boundary's values (a pass-through in production; DTensors unwrapped and rewrapped with the
   plan's ``inner_out_src`` in validate).
+- ``parameters_are_dtensors``: what the state code (``LiveParams``) finds in the model after
+  apply; the one fact of the mode that is data rather than behaviour.
 
-This module is the only code that knows which mode runs. A :class:`Mode` compares equal to its
-name (``PRODUCTION == "production"``), so callers that hold the string keep working.
+This module is the only code that knows which mode runs: the rest of the runtime asks the
+:class:`Mode` it was given to do something. A :class:`Mode` compares equal to its name
+(``PRODUCTION == "production"``), so callers that hold the string keep working.
 """
 
 from __future__ import annotations
@@ -27,10 +36,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from hyperrecipe.errors import ModeError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor, nn
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
 
-    from hyperrecipe.plan import BoundaryPlan
+    from hyperrecipe.plan import BoundaryPlan, HeadCount, LossParallel, ParamPlan, Plan
+    from hyperrecipe.rewriter import Rewrite
+    from hyperrecipe.runtime.features.vocab_loss import VocabShard
     from hyperrecipe.runtime.forward.layouts import Redistributor
+    from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["MODES", "PRODUCTION", "VALIDATE", "Mode", "ModeName", "as_mode"]
 
@@ -41,8 +55,7 @@ class Mode:
     """How a plan runs; see the module docstring. Use :data:`PRODUCTION` or :data:`VALIDATE`."""
 
     name: ClassVar[ModeName]
-    dtensor_parameters: ClassVar[bool]
-    local_kernels: ClassVar[bool]
+    parameters_are_dtensors: ClassVar[bool]
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False) -> Redistributor:
@@ -57,6 +70,43 @@ class Mode:
         boundary calls it: on local tensors in both modes. ``declared``: ``args`` are the
         module's forward arguments, whose declared inputs unwrap with production's gradient
         placement (the forward hook)."""
+        raise NotImplementedError
+
+    def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
+                       requires_grad: bool) -> nn.Parameter:
+        """The parameter ``p`` becomes on this rank, from its local shard ``local``.
+
+        Raises:
+            PlanMismatchError: the mode cannot run this parameter as the plan places it.
+        """
+        raise NotImplementedError
+
+    def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
+                                mesh: DeviceMesh) -> None:
+        """Whatever reduces the plan's gradient buckets over ``params`` (the new shards)."""
+        raise NotImplementedError
+
+    def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
+        """The parameters whose gradients hooks on the objects apply installed reduce (a
+        wrapper that replaced those objects would leave the gradients partial)."""
+        raise NotImplementedError
+
+    def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
+        """Hooks that refuse an optimizer step this mode cannot run right."""
+        raise NotImplementedError
+
+    def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
+        """The head counts to set on modules for the length of the installation."""
+        raise NotImplementedError
+
+    def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                          compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+        """The compute of a vocab-parallel embedding boundary (``boundary.vocab_parallel``)."""
+        raise NotImplementedError
+
+    def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
+                    mesh_dims: tuple[str, ...]) -> VocabShard:
+        """The marked vocab-slice logits of the plan's loss on vocab shards."""
         raise NotImplementedError
 
     def __str__(self) -> str:
@@ -77,9 +127,10 @@ class Mode:
 
 
 class _Production(Mode):
+    """Local shards, the collectives the resolver lowered, local kernels."""
+
     name: ClassVar[ModeName] = "production"
-    dtensor_parameters: ClassVar[bool] = False
-    local_kernels: ClassVar[bool] = True
+    parameters_are_dtensors: ClassVar[bool] = False
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False) -> Redistributor:
@@ -91,11 +142,56 @@ class _Production(Mode):
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
         return fn  # the arguments are local already
 
+    def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
+                       requires_grad: bool) -> nn.Parameter:
+        from torch import nn
+
+        # gradient reductions (grad_reduce) run in buckets: install_grad_reductions
+        return nn.Parameter(local, requires_grad=requires_grad)
+
+    def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
+                                mesh: DeviceMesh) -> None:
+        from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
+
+        if plan.grad_buckets:
+            GradBucketReducer(plan.grad_buckets, params, mesh).install()
+
+    def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
+        return tuple(fqn for b in plan.grad_buckets for fqn in b.params)
+
+    def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
+        return []
+
+    def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
+        return plan.head_counts
+
+    def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                          compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+        from torch import nn
+
+        from hyperrecipe.runtime.comm.collectives import group_for
+        from hyperrecipe.runtime.forward.compute import local_padding_idx, vocab_parallel_embedding
+
+        assert boundary.vocab_parallel is not None
+        g = group_for(mesh, boundary.vocab_parallel)
+        local = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=boundary.fqn)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            tx.set_attribute(module, "padding_idx", local_padding_idx(module, rank=g.rank),
+                             fqn=boundary.fqn)
+        return local
+
+    def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
+                    mesh_dims: tuple[str, ...]) -> VocabShard:
+        from hyperrecipe.runtime.features.vocab_loss import make_vocab_shard
+
+        return make_vocab_shard(loss, mesh, mesh_dims, dtensor=False)
+
 
 class _Validate(Mode):
+    """DTensors end to end, every declared placement checked, DTensor's own kernels."""
+
     name: ClassVar[ModeName] = "validate"
-    dtensor_parameters: ClassVar[bool] = True
-    local_kernels: ClassVar[bool] = False
+    parameters_are_dtensors: ClassVar[bool] = True
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False) -> Redistributor:
@@ -108,6 +204,38 @@ class _Validate(Mode):
         from hyperrecipe.runtime.features.inner import dtensor_edge
 
         return dtensor_edge(fn, boundary, mesh, mesh_dims, declared=declared)
+
+    def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
+                       requires_grad: bool) -> nn.Parameter:
+        from hyperrecipe.runtime.comm.dtensor_parameters import dtensor_parameter
+
+        return dtensor_parameter(p, local, mesh, requires_grad=requires_grad)
+
+    def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
+                                mesh: DeviceMesh) -> None:
+        return None  # DTensor's backward reduces: a parameter's hook keeps its placement
+
+    def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
+        return ()  # DTensor's backward reduces them
+
+    def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
+        # torch's multi-tensor kernels over mixed DTensor / plain parameters: refused by name
+        from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
+
+        return list(install_mixed_kernel_check(live))
+
+    def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
+        return ()  # DTensor computes with global shapes; the attributes stay global
+
+    def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                          compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+        return compute  # DTensor looks a row-sharded table up itself
+
+    def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
+                    mesh_dims: tuple[str, ...]) -> VocabShard:
+        from hyperrecipe.runtime.features.vocab_loss import make_vocab_shard
+
+        return make_vocab_shard(loss, mesh, mesh_dims, dtensor=True)
 
 
 PRODUCTION: Mode = _Production()

@@ -51,12 +51,13 @@ from hyperrecipe.runtime.features.local_region import (
 )
 from hyperrecipe.runtime.forward.marshal import map_tensors, to_local_tree, wrap_local_tree
 from hyperrecipe.runtime.comm.collectives import group_for
-from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.forward.validate_scope import running_local_code
 from hyperrecipe.wrappers import WrapperContext, WrapperSpec, load_wrapper
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.runtime.mode import Mode
 
 __all__ = ["InnerWrapperInstaller", "WrapperChoice", "dtensor_edge"]
 
@@ -86,8 +87,8 @@ class InnerWrapperInstaller:
     """Installs the inner wrappers of one ``apply`` (one per applier: it owns the dispatchers
     it set, and refuses a registry entry another live installation set)."""
 
-    def __init__(self, *, mesh: DeviceMesh, mesh_dims: tuple[str, ...], mode: Mode | str) -> None:
-        self.mesh, self.mesh_dims, self.mode = mesh, mesh_dims, as_mode(mode)
+    def __init__(self, *, mesh: DeviceMesh, mesh_dims: tuple[str, ...], mode: Mode) -> None:
+        self.mesh, self.mesh_dims, self.mode = mesh, mesh_dims, mode
         self.choices: list[WrapperChoice] = []
         self._dispatchers: dict[str, Callable[..., Any]] = {}
 

@@ -128,7 +128,7 @@ class LiveParams:
             if value.device_mesh != self.mesh:
                 raise PlanMismatchError(self._wrapped_refusal(p, value))
             value = value._local_tensor
-        if tuple(value.shape) != p.local_shape and not (self.mode.dtensor_parameters
+        if tuple(value.shape) != p.local_shape and not (self.mode.parameters_are_dtensors
                                                         and tuple(value.shape) == p.shape):
             msg = (f"{p.fqn}: the live parameter has shape {list(value.shape)}, this rank's "
                    f"shard is {list(p.local_shape)}; it was replaced after apply")
@@ -170,7 +170,7 @@ class LiveParams:
         from torch.distributed.tensor.placement_types import _StridedShard
 
         if (not isinstance(value, DTensor) or value.device_mesh == self.mesh
-                or tuple(value.shape) != p.local_shape or self.mode.dtensor_parameters):
+                or tuple(value.shape) != p.local_shape or self.mode.parameters_are_dtensors):
             return None
         names = tuple(self.mesh.mesh_dim_names or ())
         wrapper = value.device_mesh
@@ -443,7 +443,7 @@ def load_optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer,
                     out[key] = live.piece_like(p, value, param)
                     continue
                 local = live.shard_of(p, value)
-                out[key] = local if not live.mode.dtensor_parameters or not isinstance(
+                out[key] = local if not live.mode.parameters_are_dtensors or not isinstance(
                     param, DTensor) else _like_param(live, p, local)
             else:
                 out[key] = value

@@ -15,7 +15,6 @@ unset afterwards is refused by name, with what to do instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch

@@ -80,7 +80,7 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
             key = prefix + fqn
             if key not in state or tuple(p.shape) == tuple(p.local_shape):
                 continue
-            if live.mode.dtensor_parameters:
+            if live.mode.parameters_are_dtensors:
                 # validate: the live DTensors as they are, but a fused (chunked) one, which
                 # DCP refuses as _StridedShard, replicated like production's
                 param = live.param(p)
@@ -117,7 +117,7 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
             if not isinstance(value, Tensor):
                 continue
             param = live.param(p)
-            if live.mode.dtensor_parameters:
+            if live.mode.parameters_are_dtensors:
                 if value is param and _strided(param):
                     raise PlanMismatchError(_broadcast_refusal(fqn))
                 if isinstance(value, DTensor) and isinstance(param, DTensor) and _strided(
@@ -158,7 +158,7 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
 def _gathers(live: LiveParams, p: ParamPlan) -> bool:
     """Whether the state-dict hooks gather ``p`` (and its optimizer state): production, a
     layout DCP cannot store shard by shard; validate, a ``_StridedShard`` parameter."""
-    if live.mode.dtensor_parameters:
+    if live.mode.parameters_are_dtensors:
         param = live.param(p)
         return _strided(param) and _on(param, live)
     return live.gathers(p) and live.wrapper_layout(p, live.param(p)) is None
@@ -257,7 +257,7 @@ def install_optimizer_hooks(live: LiveParams,
             enter_collective("optimizer.state_dict", GATHER_WHY)
         for p, entry in entries:
             for key, value in entry.items():
-                if live.mode.dtensor_parameters:  # validate: only fused moments, replicated
+                if live.mode.parameters_are_dtensors:  # validate: only fused moments, replicated
                     if _strided(value) and _on(value, live):
                         assert isinstance(value, DTensor)
                         entry[key] = live.as_dtensor(p, value._local_tensor)
@@ -279,7 +279,7 @@ def install_optimizer_hooks(live: LiveParams,
             for key, value in entry.items():
                 if not isinstance(value, DTensor):
                     continue
-                if not live.mode.dtensor_parameters:
+                if not live.mode.parameters_are_dtensors:
                     entry[key] = (live.piece_like(p, value, param) if wrapped
                                   else live.shard_of(p, value))
                 elif isinstance(param, DTensor) and _strided(param) and _on(param, live) and (

@@ -1,0 +1,77 @@
+"""Validate mode's parameters: this rank's shard as a DTensor with the plan's placement.
+
+The plan records, per parameter, the DTensor placement its shard has (``ParamPlan.dtensor``), or
+why it has none (``no_dtensor``). A parameter whose fused parts are unequal has no single DTensor
+placement: it stays a plain tensor marked with its parts, and is computed part by part
+(:mod:`~hyperrecipe.runtime.comm.strided`). Production never comes here: its parameters are the
+plain shards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
+from hyperrecipe.plan import ParamPlan
+from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["dtensor_parameter", "placed_at"]
+
+
+def placed_at(p: ParamPlan) -> str:
+    """`` (placed at file:line)``: the recipe line behind a parameter's placement."""
+    if not p.provenance:
+        return ""
+    return f" (placed at {p.provenance[-1].file}:{p.provenance[-1].line})"
+
+
+def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
+                      requires_grad: bool) -> nn.Parameter:
+    """``local`` (this rank's shard of ``p``) as validate mode's parameter.
+
+    A replicated parameter outside every boundary stays a plain tensor (the model's own code
+    uses it on plain values). A DTensor parameter keeps its placement through backward: a
+    replicated one used on sharded data gets a partial gradient, which its hook reduces.
+
+    Raises:
+        PlanMismatchError: ``p`` is sharded outside every boundary, or its placement has no
+            DTensor form (production mode runs both).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if p.boundary is None:
+        if not p.placement.is_replicate:
+            msg = (f"{p.fqn} is placed {p.placement} but lies in no boundary; validate mode "
+                   f"needs a boundary around sharded parameters{placed_at(p)}")
+            raise PlanMismatchError(msg)
+        return nn.Parameter(local, requires_grad=requires_grad)
+    if p.no_dtensor is not None:
+        msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({p.no_dtensor}); validate "
+               f"mode cannot run it (production mode can){placed_at(p)}")
+        raise PlanMismatchError(msg)
+    parts = parse_chunk_parts(p.dtensor)
+    if parts is not None:  # unequal chunks: plain, computed part by part (comm.strided)
+        index, dim, sizes = parts
+        texts = tuple(f"shard({dim})" if i == index else t for i, t in enumerate(p.dtensor))
+        param = nn.Parameter(local, requires_grad=requires_grad)
+        mark_parts(param, FusedParts(mesh=mesh, placements=from_dtensor_text(texts),
+                                     index=index, dim=dim, sizes=sizes, ways=mesh.size(index)))
+        return param
+    placements = from_dtensor_text(p.dtensor)
+    dt = DTensor.from_local(local, mesh, placements, run_check=False)
+    param = nn.Parameter(dt, requires_grad=requires_grad)
+
+    def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
+        # a replicated parameter used on sharded data gets a partial gradient: reduce it
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+            return grad.redistribute(grad.device_mesh, placements)
+        return grad
+
+    param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
+    return param
