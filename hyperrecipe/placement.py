@@ -18,6 +18,7 @@ it does not name is replicate.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Union
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
 __all__ = [
+    "DTensorEntry",
+    "DTensorLayout",
     "NamedPlacement",
     "Partial",
     "Placement",
@@ -38,8 +41,7 @@ __all__ = [
     "Shard",
     "chunk_parts_layout",
     "dtensor_layout",
-    "from_dtensor_text",
-    "parse_chunk_parts",
+    "parse_dtensor",
     "parse_named_placement",
     "parse_placement",
     "to_torch_placements",
@@ -348,41 +350,90 @@ def chunk_parts_layout(p: NamedPlacement, shape: Sequence[int], mesh_dims: Seque
     return tuple(out)
 
 
-_CHUNK_PARTS_TEXT = re.compile(r"^chunk_parts\((\d+), \[([\d, ]+)\]\)$")
+_DTENSOR_ENTRY = re.compile(r"^(?:(replicate)|shard\((-?\d+)\)|strided_shard\((\d+), (\d+)\)"
+                            r"|chunk_parts\((\d+), \[([\d, ]+)\]\))$")
 
 
-def parse_chunk_parts(texts: Sequence[str]) -> tuple[int, int, tuple[int, ...]] | None:
-    """``(mesh dim index, tensor dim, part sizes)`` of a :func:`chunk_parts_layout` text among a
-    parameter's ``dtensor`` texts; ``None`` when there is none."""
-    for i, text in enumerate(texts):
-        m = _CHUNK_PARTS_TEXT.match(text)
-        if m is not None:
-            return i, int(m.group(1)), tuple(int(s) for s in m.group(2).split(","))
-    return None
+@attrs.frozen(kw_only=True)
+class DTensorEntry:
+    """One mesh dim of a plan's ``dtensor`` text, parsed: ``replicate``, ``shard`` (``dim``),
+    ``strided_shard`` (``dim``, ``split_factor``) or ``chunk_parts`` (``dim``, ``sizes``)."""
+
+    kind: Literal["replicate", "shard", "strided_shard", "chunk_parts"]
+    dim: int = 0
+    split_factor: int = 1
+    sizes: tuple[int, ...] = ()
 
 
-_DTENSOR_TEXT = re.compile(r"^(replicate|shard\((-?\d+)\)|strided_shard\((\d+), (\d+)\))$")
+@attrs.frozen(kw_only=True)
+class DTensorLayout:
+    """A parameter's DTensor placement as the plan records it (``ParamPlan.dtensor``), parsed
+    once (:func:`parse_dtensor`): the typed value every runtime reader uses instead of the text.
+
+    ``parts`` is ``(mesh dim index, tensor dim, part sizes)`` when one mesh dim shards unequal
+    chunks (one ``Shard(d)`` DTensor per part in validate mode), else ``None``.
+    """
+
+    entries: tuple[DTensorEntry, ...]
+
+    @property
+    def parts(self) -> tuple[int, int, tuple[int, ...]] | None:
+        for i, e in enumerate(self.entries):
+            if e.kind == "chunk_parts":
+                return i, e.dim, e.sizes
+        return None
+
+    def torch_placements(self, *, parts_as_shard: bool = False) -> tuple[TorchPlacement, ...]:
+        """The torch placements, one per mesh dim. ``parts_as_shard``: the unequal-chunks dim
+        as the ``Shard(d)`` each of its parts is.
+
+        Raises:
+            PlacementError: the layout has unequal chunks and ``parts_as_shard`` is false (no
+                single DTensor holds them).
+        """
+        from torch.distributed.tensor import Replicate as TReplicate
+        from torch.distributed.tensor import Shard as TShard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        out: list[TorchPlacement] = []
+        for e in self.entries:
+            if e.kind == "shard" or (e.kind == "chunk_parts" and parts_as_shard):
+                out.append(TShard(e.dim))
+            elif e.kind == "strided_shard":
+                out.append(_StridedShard(e.dim, split_factor=e.split_factor))
+            elif e.kind == "replicate":
+                out.append(TReplicate())
+            else:
+                raise PlacementError("unequal chunks have no single DTensor placement")
+        return tuple(out)
 
 
-def from_dtensor_text(texts: Sequence[str]) -> tuple[TorchPlacement, ...]:
-    """Torch placements from the texts :func:`dtensor_layout` wrote (the plan's ``dtensor``).
+def parse_dtensor(texts: Sequence[str]) -> DTensorLayout:
+    """The :class:`DTensorLayout` of a plan's ``dtensor`` texts (what :func:`dtensor_layout` and
+    :func:`chunk_parts_layout` wrote), cached: a plan's texts are parsed once per process.
 
     Raises:
-        PlacementError: a text that is none of ``replicate``, ``shard(d)``, ``strided_shard(d, k)``.
+        PlacementError: a text that is none of ``replicate``, ``shard(d)``,
+            ``strided_shard(d, k)``, ``chunk_parts(d, [s, ...])``.
     """
-    from torch.distributed.tensor import Replicate as TReplicate
-    from torch.distributed.tensor import Shard as TShard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    return _parse_dtensor(tuple(texts))
 
-    out: list[TorchPlacement] = []
+
+@functools.lru_cache(maxsize=4096)
+def _parse_dtensor(texts: tuple[str, ...]) -> DTensorLayout:
+    entries = []
     for text in texts:
-        m = _DTENSOR_TEXT.match(text)
+        m = _DTENSOR_ENTRY.match(text)
         if m is None:
             raise PlacementError(f"{text!r} is not a DTensor placement of a plan")
-        if m.group(2) is not None:
-            out.append(TShard(int(m.group(2))))
+        if m.group(1) is not None:
+            entries.append(DTensorEntry(kind="replicate"))
+        elif m.group(2) is not None:
+            entries.append(DTensorEntry(kind="shard", dim=int(m.group(2))))
         elif m.group(3) is not None:
-            out.append(_StridedShard(int(m.group(3)), split_factor=int(m.group(4))))
+            entries.append(DTensorEntry(kind="strided_shard", dim=int(m.group(3)),
+                                        split_factor=int(m.group(4))))
         else:
-            out.append(TReplicate())
-    return tuple(out)
+            sizes = tuple(int(s) for s in m.group(6).split(","))
+            entries.append(DTensorEntry(kind="chunk_parts", dim=int(m.group(5)), sizes=sizes))
+    return DTensorLayout(entries=tuple(entries))

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import attrs
 
 from hyperrecipe.errors import ExplainError, closest
-from hyperrecipe.placement import Shard
+from hyperrecipe.placement import Shard, parse_dtensor
 from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 
@@ -228,7 +228,7 @@ def explain(plan: Plan, pattern: str) -> str:
             if p.no_dtensor is not None:
                 out.append(f"  no DTensor placement ({p.no_dtensor}): production mode runs it, "
                            f"validate mode refuses it")
-            elif any(t.startswith("chunk_parts(") for t in p.dtensor):
+            elif parse_dtensor(p.dtensor).parts is not None:
                 out.append("  unequal chunks: validate mode computes this linear layer part by "
                            "part, each part a Shard(0) DTensor")
             for op in p.grad_reduce:

@@ -121,13 +121,13 @@ def test_dtensor_layout_names_the_placement_or_why_there_is_none(
 ], ids=["unequal", "with-another-dim", "negative-dim", "equal", "shared-dim"])
 def test_unequal_chunks_of_one_dim_have_a_layout_of_parts(
         text: str, mesh: tuple[str, ...], want: tuple[str, ...] | None) -> None:
-    from hyperrecipe.placement import chunk_parts_layout, parse_chunk_parts, parse_named_text
+    from hyperrecipe.placement import chunk_parts_layout, parse_dtensor, parse_named_text
 
     got = chunk_parts_layout(parse_named_text(text), (16, 4), mesh)
     assert got == want
     if want is not None:
-        assert parse_chunk_parts(want) == (mesh.index("tp"), 0, (8, 4, 4))
-    assert parse_chunk_parts(("replicate", "strided_shard(0, 2)")) is None
+        assert parse_dtensor(want).parts == (mesh.index("tp"), 0, (8, 4, 4))
+    assert parse_dtensor(("replicate", "strided_shard(0, 2)")).parts is None
 
 
 def test_dtensor_texts_become_torch_placements() -> None:
@@ -136,10 +136,14 @@ def test_dtensor_texts_become_torch_placements() -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from hyperrecipe.errors import PlacementError
-    from hyperrecipe.placement import from_dtensor_text
+    from hyperrecipe.placement import parse_dtensor
 
-    got = from_dtensor_text(("replicate", "shard(-1)", "strided_shard(0, 3)"))
+    got = parse_dtensor(("replicate", "shard(-1)", "strided_shard(0, 3)")).torch_placements()
     assert got == (TReplicate(), TShard(-1), _StridedShard(0, split_factor=3))
     with pytest.raises(PlacementError) as info:
-        from_dtensor_text(("shard(x)",))
+        parse_dtensor(("shard(x)",))
     assert str(info.value) == "'shard(x)' is not a DTensor placement of a plan"
+    parts = parse_dtensor(("chunk_parts(0, [8, 4, 4])", "shard(1)"))
+    assert parts.torch_placements(parts_as_shard=True) == (TShard(0), TShard(1))
+    with pytest.raises(PlacementError, match="unequal chunks have no single DTensor placement"):
+        parts.torch_placements()

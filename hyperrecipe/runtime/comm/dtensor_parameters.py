@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
+from hyperrecipe.placement import parse_dtensor
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
 
@@ -55,15 +55,15 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
         msg = (f"{p.fqn}: {p.placement} has no DTensor placement ({p.no_dtensor}); validate "
                f"mode cannot run it (production mode can){placed_at(p)}")
         raise PlanMismatchError(msg)
-    parts = parse_chunk_parts(p.dtensor)
-    if parts is not None:  # unequal chunks: plain, computed part by part (comm.strided)
-        index, dim, sizes = parts
-        texts = tuple(f"shard({dim})" if i == index else t for i, t in enumerate(p.dtensor))
+    layout = parse_dtensor(p.dtensor)
+    if layout.parts is not None:  # unequal chunks: plain, computed part by part (comm.strided)
+        index, dim, sizes = layout.parts
         param = nn.Parameter(local, requires_grad=requires_grad)
-        mark_parts(param, FusedParts(mesh=mesh, placements=from_dtensor_text(texts),
+        mark_parts(param, FusedParts(mesh=mesh,
+                                     placements=layout.torch_placements(parts_as_shard=True),
                                      index=index, dim=dim, sizes=sizes, ways=mesh.size(index)))
         return param
-    placements = from_dtensor_text(p.dtensor)
+    placements = layout.torch_placements()
     dt = DTensor.from_local(local, mesh, placements, run_check=False)
     param = nn.Parameter(dt, requires_grad=requires_grad)
 

@@ -13,18 +13,16 @@ the model tree; a plan written by ``compile`` for this model always passes.
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 from collections.abc import Callable
 
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import PlacementError, PlanMismatchError
 from hyperrecipe.model_tree import ModelTree
-from hyperrecipe.placement import NamedPlacement, Shard
+from hyperrecipe.placement import NamedPlacement, Shard, parse_dtensor
 from hyperrecipe.plan import Plan
 
 __all__ = ["check_plan_fits"]
 
-_SHARD_DIM = re.compile(r"^(?:shard|strided_shard|chunk_parts)\((-?\d+)")
 
 
 def check_plan_fits(plan: Plan, tree: ModelTree) -> None:
@@ -74,9 +72,12 @@ def check_plan_fits(plan: Plan, tree: ModelTree) -> None:
         _check_placement(p.shape, p.placement, p.local_shape, sizes,
                          functools.partial(fail, where))
         ndim = len(p.shape)
-        for text in p.dtensor:
-            m = _SHARD_DIM.match(text)
-            if m is not None and not -ndim <= int(m.group(1)) < ndim:
+        try:
+            layout = parse_dtensor(p.dtensor)
+        except PlacementError as exc:
+            raise fail(where, str(exc)) from None
+        for text, entry in zip(p.dtensor, layout.entries):
+            if entry.kind != "replicate" and not -ndim <= entry.dim < ndim:
                 raise fail(where, f"dtensor placement {text!r} is on a dim a {ndim}-d "
                                   f"parameter does not have")
     for i, h in enumerate(plan.head_counts):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
+from hyperrecipe.placement import parse_dtensor
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
@@ -53,9 +53,12 @@ def dtensor_placements(p: ParamPlan, mesh_dims: tuple[str, ...]) -> tuple[Any, .
     ``_StridedShard(d, split_factor=K)``; unequal chunks, or a chunked dim that another mesh dim
     shards too, have none (``ParamPlan.no_dtensor`` says why)."""
     del mesh_dims  # the plan records the placement in its own mesh order
-    if p.no_dtensor is not None or parse_chunk_parts(p.dtensor) is not None:
-        return None  # no DTensor, or one per part (unequal chunks): stored whole
-    return from_dtensor_text(p.dtensor)
+    if p.no_dtensor is not None:
+        return None
+    layout = parse_dtensor(p.dtensor)
+    if layout.parts is not None:
+        return None  # one DTensor per part (unequal chunks): stored whole
+    return layout.torch_placements()
 
 
 def differing_ties(plan: Plan, state: Mapping[str, Any], prefix: str = "") -> str | None:
