@@ -38,6 +38,8 @@ import unicodedata
 from collections.abc import Iterator
 from typing import Final, cast
 
+from hyperrecipe.errors import InterpreterLimit
+
 __all__ = [
     "ENTRY_NAMES",
     "SUPPRESSION_HINT",
@@ -416,21 +418,6 @@ class _Screen:
 #: The interpreter's messages for sources it refuses because of a limit, not the grammar.
 _LIMIT_MESSAGES: Final = ("too many nested parentheses", "too many levels of indentation",
                           "too many statically nested blocks")
-
-
-class InterpreterLimit(Exception):
-    """The interpreter refuses the source for one of its limits (nesting, parser stack).
-
-    Such a file is not Python any interpreter runs, and the same nesting can overflow libcst's
-    native parser (a crash, not an error), so it is reported as a syntax error and never handed
-    to libcst. Attributes: ``message``, ``line``, ``column`` (1-based).
-    """
-
-    def __init__(self, message: str, line: int, column: int) -> None:
-        super().__init__(message)
-        self.message = message
-        self.line = line
-        self.column = column
 
 
 def interpreter_limit(error: BaseException) -> InterpreterLimit | None:
