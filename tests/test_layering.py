@@ -7,7 +7,8 @@ have one root.
 - ``apply`` takes the mode as a string or as the :class:`Mode` object, and refuses others;
 - every exception class the package defines (the lint's included) lives in ``errors.py`` and
   derives from ``HyperrecipeError`` and a builtin (that the lint still imports no torch is
-  tests/lint/test_cli.py's).
+  tests/lint/test_cli.py's);
+- the lint's screen and its rule base share only the guarded names, neither imports the other.
 """
 
 from __future__ import annotations
@@ -140,6 +141,28 @@ def test_every_exception_lives_in_errors_and_has_one_root() -> None:
         builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"
                    and b not in (object, BaseException, Exception)]
         assert builtin, f"{cls.__name__} derives from no fitting builtin"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at module level or in a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_lints_rules_and_its_screen_do_not_import_each_other() -> None:
+    """The screen (``prefilter``) and the rule base share only the guarded names (``targets``):
+    the screen must stay free of libcst, and a rule must not depend on how files are screened."""
+    lint = ROOT / "hyperrecipe" / "lint"
+    screen = _imported_modules(lint / "prefilter.py")
+    assert not {m for m in screen if m.startswith(("libcst", "hyperrecipe.lint.rule"))}, screen
+    assert "hyperrecipe.lint.targets" in screen
+    for path in [lint / "rule.py", *sorted((lint / "rules").glob("*.py"))]:
+        assert "hyperrecipe.lint.prefilter" not in _imported_modules(path), path
 
 
 # The runtime's rooms and the rooms each may import (hyperrecipe/runtime/__init__.py's map).

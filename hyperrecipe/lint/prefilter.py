@@ -39,21 +39,15 @@ from collections.abc import Iterator
 from typing import Final, cast
 
 from hyperrecipe.errors import InterpreterLimit
+from hyperrecipe.lint.targets import ENTRY_NAMES, TARGET_NAMES
 
 __all__ = [
-    "ENTRY_NAMES",
     "SUPPRESSION_HINT",
-    "TARGET_NAMES",
     "InterpreterLimit",
     "check_interpreter_limits",
     "interpreter_limit",
     "needs_libcst",
 ]
-
-#: The attributes that decide what ``m(x)`` runs (the rules import this: one source of truth).
-ENTRY_NAMES: Final = frozenset({"forward", "_call_impl", "_compiled_call_impl", "__call__"})
-#: Attribute names whose assignment the gate forbids.
-TARGET_NAMES: Final = ENTRY_NAMES | {"__class__"}
 
 _WORD_BYTES: Final = frozenset(
     b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_" + bytes(range(0x80, 0x100))
