@@ -4,7 +4,8 @@ Lints the installed ``torch/distributed`` package (no configuration, so no rewri
 and, in the same run, times a plain single-process ``ast.parse`` of every file of that tree —
 the floor any Python-aware checker pays. Also times the full libcst pass (``--no-screen``) and
 checks that both passes report the same findings, and that the forward findings are exactly the
-three known assignments in ``pipelining/_IR.py``.
+three known assignments in ``pipelining/_IR.py`` (on that default tree; another ``--root`` has
+no expected findings, so only the agreement of the passes is checked).
 
 With ``--transformers`` it also lints the installed ``transformers`` package against its own
 floor (screened pass only; CPU time is the figure the target is stated in). And it times the
