@@ -18,9 +18,12 @@ import attrs
 __all__ = [
     "CheckError",
     "CollectiveShapeError",
+    "ConfigError",
+    "DeadlinePassed",
     "HyperrecipeError",
     "ExplainError",
     "ImpossibleTransition",
+    "InterpreterLimit",
     "LaunchError",
     "LossParallelError",
     "MixedParametersError",
@@ -39,6 +42,7 @@ __all__ = [
     "UntrustedCodeError",
     "UsageError",
     "RewriteError",
+    "SelectorError",
     "SourceSpan",
     "StepFailed",
     "WeightLoadError",
@@ -305,6 +309,50 @@ class RankFailedError(HyperrecipeError, RuntimeError):
         self.rank_traceback = rank_traceback
         self.unfinished = unfinished
         super().__init__(message)
+
+
+class DeadlinePassed(BaseException):
+    """``hyperrecipe check``'s own deadline for work in its parent process passed (the
+    ``SIGALRM`` of :func:`~hyperrecipe.check.run.parent_deadline`).
+
+    Deliberately outside :class:`HyperrecipeError` and ``Exception``: the signal handler raises
+    it inside the user's code (a model factory, a forward), whose own ``except Exception`` must
+    not swallow it, and raising is the only way a signal handler can stop the code it
+    interrupted. It never leaves ``parent_deadline``, which turns it into a :class:`CheckError`.
+    """
+
+
+# ----------------------------------------------------------------------------- lint
+
+
+class SelectorError(HyperrecipeError, ValueError):
+    """A lint rule code, name or prefix (``--select``, ``ignore``, a suppression) that matches
+    no rule."""
+
+
+class ConfigError(HyperrecipeError, ValueError):
+    """The lint's ``[tool.hyperrecipe.lint]`` table is malformed; the message names the file and
+    the key."""
+
+
+class InterpreterLimit(HyperrecipeError, ValueError):
+    """The interpreter refuses a linted source for one of its limits (nesting, parser stack).
+
+    Such a file is not Python any interpreter runs, and the same nesting can overflow libcst's
+    native parser (a crash, not an error), so the lint reports it as a syntax error and never
+    hands it to libcst.
+
+    Args:
+        message: the interpreter's words.
+        line: 1-based.
+        column: 1-based.
+    """
+
+    def __init__(self, message: str, line: int, column: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.column = column
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

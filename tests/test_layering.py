@@ -5,7 +5,10 @@ have one root.
   model imports no ``hyperrecipe.runtime`` module, checked in a fresh interpreter;
 - the wrapper registry declares the built-ins exactly as their runtime factories do;
 - ``apply`` takes the mode as a string or as the :class:`Mode` object, and refuses others;
-- every exception class the package defines derives from ``HyperrecipeError`` and a builtin.
+- every exception class the package defines (the lint's included) lives in ``errors.py`` and
+  derives from ``HyperrecipeError`` and a builtin (that the lint still imports no torch is
+  tests/lint/test_cli.py's);
+- the lint's screen and its rule base share only the guarded names, neither imports the other.
 """
 
 from __future__ import annotations
@@ -87,36 +90,78 @@ def test_apply_refuses_an_unknown_mode_before_touching_the_model() -> None:
     assert model.weight is before
 
 
+OUTSIDE_THE_ROOT = {
+    "DeadlinePassed": "check's SIGALRM deadline is raised inside user code and must get past "
+                      "its `except Exception`; parent_deadline turns it into a CheckError",
+}
+"""Exceptions in errors.py that derive from ``BaseException`` but not ``HyperrecipeError`` (nor
+``Exception``), each with its reason. Nothing else may."""
+
+NOT_MOVED_YET = {
+    "hyperrecipe.lint.runner.LintUsageError": "lint/runner.py is being changed on another branch "
+                                              "(the supervisor's deadlock); issue 24",
+}
+"""Exception classes still defined outside errors.py, by module path, with why. Empty this as
+each moves: the test fails while a name here has moved, so the list cannot go stale."""
+
+
 def _package_exceptions() -> list[type[BaseException]]:
+    """Every exception class defined in a module of the package, the lint's included."""
     found: list[type[BaseException]] = []
     for info in pkgutil.walk_packages(hyperrecipe.__path__, "hyperrecipe."):
-        if info.name.startswith("hyperrecipe.lint") or info.name == "hyperrecipe.__main__":
+        if info.name == "hyperrecipe.__main__":
             continue
         module = __import__(info.name, fromlist=["_"])
-        for name, obj in inspect.getmembers(module, inspect.isclass):
-            if not (issubclass(obj, BaseException) and obj.__module__ == info.name):
-                continue
-            if name.startswith("_") and not issubclass(obj, Exception):
-                # a private control-flow signal (check's SIGALRM deadline) that must get past
-                # user code's ``except Exception`` and never leaves the module: it is
-                # converted into a package error where it is caught
-                continue
-            found.append(obj)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == info.name:
+                found.append(obj)
     return found
 
 
-def test_every_exception_outside_lint_lives_in_errors_and_has_one_root() -> None:
+def test_every_exception_lives_in_errors_and_has_one_root() -> None:
     classes = _package_exceptions()
-    assert classes
     assert HyperrecipeError in classes
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in classes}
+    assert {f"hyperrecipe.lint.{name}" for name in ("codes.SelectorError", "config.ConfigError",
+                                                    "prefilter.InterpreterLimit")}.isdisjoint(names)
+    for path, why in NOT_MOVED_YET.items():
+        assert path in names, f"{path} moved: remove it from NOT_MOVED_YET ({why})"
     for cls in classes:
-        assert cls.__module__ == "hyperrecipe.errors", cls
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        if path in NOT_MOVED_YET:
+            continue
+        assert cls.__module__ == "hyperrecipe.errors", f"{path}: define it in hyperrecipe/errors.py"
         if cls is HyperrecipeError:
+            continue
+        if cls.__name__ in OUTSIDE_THE_ROOT:
+            assert not issubclass(cls, Exception), cls
             continue
         assert issubclass(cls, HyperrecipeError), cls
         builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"
                    and b not in (object, BaseException, Exception)]
         assert builtin, f"{cls.__name__} derives from no fitting builtin"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at module level or in a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_lints_rules_and_its_screen_do_not_import_each_other() -> None:
+    """The screen (``prefilter``) and the rule base share only the guarded names (``targets``):
+    the screen must stay free of libcst, and a rule must not depend on how files are screened."""
+    lint = ROOT / "hyperrecipe" / "lint"
+    screen = _imported_modules(lint / "prefilter.py")
+    assert not {m for m in screen if m.startswith(("libcst", "hyperrecipe.lint.rule"))}, screen
+    assert "hyperrecipe.lint.targets" in screen
+    for path in [lint / "rule.py", *sorted((lint / "rules").glob("*.py"))]:
+        assert "hyperrecipe.lint.prefilter" not in _imported_modules(path), path
 
 
 # The runtime's rooms and the rooms each may import (hyperrecipe/runtime/__init__.py's map).

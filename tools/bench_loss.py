@@ -30,44 +30,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from peak_rss import PeakRss, rss_anon  # tools/peak_rss.py: tools/ is sys.path[0]
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 RECIPES = {"gathered": "recipes/llama-sp.yaml", "shards": "recipes/llama-sp-loss.yaml"}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _rss_anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class _Peak:
-    """The largest RssAnon seen while it runs (sampled every millisecond by a thread)."""
-
-    def __init__(self) -> None:
-        self.peak = _rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
-            time.sleep(0.001)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, _rss_anon())
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,7 +55,7 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], batch: int, se
 
     from hyperrecipe import apply, compile_recipe
     from hyperrecipe.model_tree import build_model
-    from tests.support.runtime_harness import mesh_1d
+    from torch.distributed.device_mesh import init_device_mesh
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
@@ -93,7 +64,8 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], batch: int, se
     model = build_model("hf:llama", cfg)
     plan = compile_recipe(str(ROOT / RECIPES[how]), build_model("hf:llama", cfg, device="meta"),
                           {"tp": world})
-    apply(model, plan, mesh_1d(world), mode="production")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    apply(model, plan, mesh, mode="production")
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator()
                         .manual_seed(1))
 
@@ -103,8 +75,8 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], batch: int, se
     step()  # warm-up: gradients exist from here on, and lazily built state is built
     peaks = []
     for _ in range(repeat):
-        base = _rss_anon()
-        peak = _Peak()
+        base = rss_anon()
+        peak = PeakRss(0.001)
         step()
         peaks.append(peak.stop() - base)
     return {"peak": min(peaks)}

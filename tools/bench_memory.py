@@ -20,44 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peak_rss import PeakRss, rss_anon  # tools/peak_rss.py: tools/ is sys.path[0]
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-
-
-def _rss_anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class _Peak:
-    def __init__(self) -> None:
-        self.peak = _rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
-            time.sleep(0.002)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, _rss_anon())
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,8 +53,8 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
     plan = hyperrecipe.compile_recipe(LLAMA, build_model("hf:llama", cfg, device="meta"),
                                       {"tp": world})
     gc.collect()
-    base = _rss_anon()
-    peak = _Peak()
+    base = rss_anon()
+    peak = PeakRss(0.002)
     if how == "meta":
         model = build_model("hf:llama", cfg, device="meta")
         inst = hyperrecipe.apply(model, plan, mesh, mode="production")
@@ -93,8 +66,8 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
         torch.manual_seed(0)
         model = build_model("hf:llama", cfg, device="cpu")
         gc.collect()
-        built = _rss_anon()
-        during = _Peak()  # what sharding adds on top of the materialized model
+        built = rss_anon()
+        during = PeakRss(0.002)  # what sharding adds on top of the materialized model
         if how == "materialized":
             hyperrecipe.apply(model, plan, mesh, mode="production")
         else:
@@ -121,7 +94,7 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         shard += local.numel() * local.element_size()
-    return {"peak": top - base, "shard": shard, "after": _rss_anon() - base, "base": base,
+    return {"peak": top - base, "shard": shard, "after": rss_anon() - base, "base": base,
             "over_built": over_built}
 
 

@@ -108,6 +108,8 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.model_tree import build_model
 from hyperrecipe.plan import Plan
 
+import bench_loss  # tools/bench_loss.py: tools/ is sys.path[0] when this script runs
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llama.yaml"
 SP_RECIPE = REPO / "recipes" / "llama-sp.yaml"
@@ -755,18 +757,10 @@ def _plans(config: dict[str, Any]) -> dict[str, Plan]:
 def _loss_on_shards(skip: bool) -> dict[str, Any]:
     """``loss_shards_peak_bytes`` and ``loss_gathered_peak_bytes``: measured by
     ``tools/bench_loss.py`` (its ``measure_loss_memory`` at its default sizes: vocab 32000,
-    batch 4 x 512 tokens) and carried into this tool's JSON. Imported optionally: without that
-    tool, or with ``--skip-loss-memory``, both are ``None``."""
-    none: dict[str, Any] = {"loss_shards_peak_bytes": None, "loss_gathered_peak_bytes": None}
+    batch 4 x 512 tokens) and carried into this tool's JSON. With ``--skip-loss-memory`` both
+    are ``None``."""
     if skip:
-        return none
-    try:
-        sys.path.insert(0, str(REPO / "tools"))
-        import bench_loss  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return none
-    finally:
-        sys.path.pop(0)
+        return {"loss_shards_peak_bytes": None, "loss_gathered_peak_bytes": None}
     args = argparse.Namespace(vocab=32000, hidden=256, layers=2, batch=4, seq=512, world=WORLD,
                               repeat=3)
     figures: dict[str, Any] = bench_loss.measure_loss_memory(args)

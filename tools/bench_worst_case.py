@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# The toy model is the checkout's documented example (docs/recipes.md compiles against
+# ``tests.support.toy_models:make_toy`` from the repository root), not part of the package: put
+# the root on the path on purpose, since running ``python tools/X.py`` puts only tools/ there.
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -155,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
     args = parser.parse_args(argv)
+    known = [*RECIPE_CASES, *MATCH_CASES, *PLAN_CASES]
+    unknown = [name for name in args.only or () if name not in known]
+    if unknown:
+        parser.error(f"--only: no case named {unknown}; the cases are {known}")
     with torch.device("meta"):
         tree = snapshot(Toy())
     rows: list[dict[str, Any]] = []

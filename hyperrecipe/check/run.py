@@ -42,7 +42,7 @@ from hyperrecipe.check.sample import (
     weights_fingerprint,
 )
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
-from hyperrecipe.errors import CheckError, HyperrecipeError, ModelSpecError
+from hyperrecipe.errors import CheckError, DeadlinePassed, HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 from hyperrecipe.runtime.mode import ModeName
@@ -220,11 +220,6 @@ def _refuse_default_config(options: CheckOptions) -> None:
 _SLOW_FACTORY = "the model factory hangs or is too slow for this check"
 
 
-class _DeadlinePassed(BaseException):
-    """Raised by the ``SIGALRM`` handler; a ``BaseException`` so that neither the factory's own
-    ``except Exception`` nor :func:`~hyperrecipe.model_tree.build_model`'s wrapping catch it."""
-
-
 @contextlib.contextmanager
 def parent_deadline(timeout_s: float, what: str, cause: str) -> Iterator[None]:
     """Stop work in this process (the one that runs the check) that takes longer than
@@ -251,13 +246,13 @@ def parent_deadline(timeout_s: float, what: str, cause: str) -> Iterator[None]:
 
     def expire(signum: int, frame: object) -> None:
         del signum, frame
-        raise _DeadlinePassed
+        raise DeadlinePassed
 
     previous = signal.signal(signal.SIGALRM, expire)
     left, _interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         yield
-    except _DeadlinePassed:
+    except DeadlinePassed:
         msg = (f"{what} in this process did not finish within {timeout_s:g} s (--timeout); "
                f"{cause}")
         raise CheckError(msg) from None

@@ -21,7 +21,7 @@ from typing import Final, Literal
 
 import attrs
 
-from hyperrecipe.errors import did_you_mean
+from hyperrecipe.errors import SelectorError, did_you_mean
 
 __all__ = [
     "ALWAYS_ON",
@@ -85,10 +85,6 @@ _BY_NAME: Final[Mapping[str, CodeInfo]] = {info.name: info for info in CODES}
 #: Reported whatever the selection: silencing them would hide files that were never checked.
 ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR998", "HR999"})
 SELECTABLE: Final[tuple[str, ...]] = tuple(i.code for i in CODES if i.code not in ALWAYS_ON)
-
-
-class SelectorError(ValueError):
-    """A code, name or prefix that matches nothing."""
 
 
 def by_code(code: str) -> CodeInfo:

@@ -30,8 +30,8 @@ from typing import Any, Final
 import attrs
 
 from hyperrecipe._files import read_regular_file
-from hyperrecipe.errors import did_you_mean
-from hyperrecipe.lint.codes import SelectorError, resolve_selectors
+from hyperrecipe.errors import ConfigError, SelectorError, did_you_mean
+from hyperrecipe.lint.codes import resolve_selectors
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,10 +47,6 @@ DEFAULT_EXCLUDE: Final[tuple[str, ...]] = (
     "node_modules", "__pypackages__",
 )
 _KEYS: Final = ("rewriter", "exclude", "select", "ignore", "per-file-ignores")
-
-
-class ConfigError(ValueError):
-    """The configuration table is malformed; the message names the file and the key."""
 
 
 @attrs.frozen(kw_only=True)

@@ -38,20 +38,16 @@ import unicodedata
 from collections.abc import Iterator
 from typing import Final, cast
 
+from hyperrecipe.errors import InterpreterLimit
+from hyperrecipe.lint.targets import ENTRY_NAMES, TARGET_NAMES
+
 __all__ = [
-    "ENTRY_NAMES",
     "SUPPRESSION_HINT",
-    "TARGET_NAMES",
     "InterpreterLimit",
     "check_interpreter_limits",
     "interpreter_limit",
     "needs_libcst",
 ]
-
-#: The attributes that decide what ``m(x)`` runs (the rules import this: one source of truth).
-ENTRY_NAMES: Final = frozenset({"forward", "_call_impl", "_compiled_call_impl", "__call__"})
-#: Attribute names whose assignment the gate forbids.
-TARGET_NAMES: Final = ENTRY_NAMES | {"__class__"}
 
 _WORD_BYTES: Final = frozenset(
     b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_" + bytes(range(0x80, 0x100))
@@ -416,21 +412,6 @@ class _Screen:
 #: The interpreter's messages for sources it refuses because of a limit, not the grammar.
 _LIMIT_MESSAGES: Final = ("too many nested parentheses", "too many levels of indentation",
                           "too many statically nested blocks")
-
-
-class InterpreterLimit(Exception):
-    """The interpreter refuses the source for one of its limits (nesting, parser stack).
-
-    Such a file is not Python any interpreter runs, and the same nesting can overflow libcst's
-    native parser (a crash, not an error), so it is reported as a syntax error and never handed
-    to libcst. Attributes: ``message``, ``line``, ``column`` (1-based).
-    """
-
-    def __init__(self, message: str, line: int, column: int) -> None:
-        super().__init__(message)
-        self.message = message
-        self.line = line
-        self.column = column
 
 
 def interpreter_limit(error: BaseException) -> InterpreterLimit | None:

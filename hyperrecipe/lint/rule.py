@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Final
 import attrs
 import libcst as cst
 
-from hyperrecipe.lint.prefilter import ENTRY_NAMES, TARGET_NAMES
+from hyperrecipe.lint.targets import ENTRY_NAMES, TARGET_NAMES
 
 if TYPE_CHECKING:
     from libcst.metadata import CodeRange, QualifiedName
@@ -39,9 +39,7 @@ __all__ = [
 StatementPath = tuple[int, ...] | None
 
 #: The attribute names the rules care about; name constants are resolved only for these.
-#: :data:`ENTRY_NAMES` are the attributes that decide what ``m(x)`` runs: ``forward``, the
-#: ``nn.Module.__call__`` implementations it dispatches through (``_call_impl``, and the
-#: ``_compiled_call_impl`` that ``Module.compile`` installs), and ``__call__`` itself.
+#: :data:`ENTRY_NAMES` (from ``targets``) are the attributes that decide what ``m(x)`` runs.
 WATCHED_NAMES: Final = TARGET_NAMES
 
 

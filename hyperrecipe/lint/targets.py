@@ -1,0 +1,18 @@
+"""The attribute names the gate guards: one source of truth for the rules and the screen.
+
+A leaf module (no libcst, no ``ast``), so the screen (``prefilter``) and the rule base
+(``rule``) both read it and neither depends on the other.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["ENTRY_NAMES", "TARGET_NAMES"]
+
+#: The attributes that decide what ``m(x)`` runs: ``forward``, the ``nn.Module.__call__``
+#: implementations it dispatches through (``_call_impl``, and the ``_compiled_call_impl`` that
+#: ``Module.compile`` installs), and ``__call__`` itself.
+ENTRY_NAMES: Final = frozenset({"forward", "_call_impl", "_compiled_call_impl", "__call__"})
+#: Attribute names whose assignment the gate forbids.
+TARGET_NAMES: Final = ENTRY_NAMES | {"__class__"}

@@ -1,0 +1,106 @@
+"""Every script under ``tools/`` runs as the docs write it (``python tools/NAME.py ...`` from the
+repository root), in its smallest configuration.
+
+The scripts run in fresh interpreters with only the package under test on the path, as an
+install provides it: ``python tools/X.py`` puts ``tools/`` first on ``sys.path`` and not the
+checkout's root, so a tool that imports ``tests.*`` by accident fails here as it fails for a
+user (issue 24). Each run asserts on what the tool prints, so a tool that runs but measures
+nothing fails too. Speed figures are not asserted (they belong to docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hyperrecipe
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
+
+SHARED_MODULES = {"peak_rss.py"}
+"""Modules the tools import from each other, not scripts a user runs."""
+
+COVERED_ELSEWHERE = {
+    "train.py": "tests/test_training_state.py::test_documented_trainer_resumes_at_another_tp_size"
+                "_and_exports runs it under torchrun as docs/training.md does",
+}
+
+
+def _torch_pipelining() -> str:
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.origin is not None
+    return str(Path(spec.origin).parent / "distributed" / "pipelining")
+
+
+# tool -> (its smallest arguments, a line fragment its output must hold)
+SMOKE: dict[str, tuple[list[str], str]] = {
+    "gen_docs.py": (["--check"], ""),
+    "bench_cli.py": (["--runs", "1", "--quiet"], "code 0"),
+    "bench_launch.py": (["--repeats", "1", "--world-sizes", "2"], "| fork | 2 |"),
+    "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],
+                      "identical findings: True"),
+    "bench_loss.py": (["--vocab", "1024", "--hidden", "64", "--layers", "1", "--batch", "1",
+                       "--seq", "16", "--world", "2", "--repeat", "1", "--json"],
+                      '"loss_shards_peak_bytes"'),
+    "bench_memory.py": (["--hidden", "128", "--layers", "1", "--vocab", "1024", "--world", "2",
+                         "--json"], '"meta_over_ideal"'),
+    "bench_resolve.py": (["--repeats", "1", "--layers", "1"], "| 1 |"),
+    "bench_runtime.py": (["--rounds", "1", "--steps", "1", "--warmup", "1",
+                          "--skip-loss-memory"], "sp_production / sp_torchtitan"),
+    "bench_worst_case.py": (["--repeats", "1", "--only", "20000-rules", "plan 100000-deep JSON"],
+                            "| 20000-rules |"),
+    "editor_diagnostics.py": (["--server", "node_modules/.bin/yaml-language-server",
+                               "recipes/llama.yaml"], "recipes/llama.yaml"),
+}
+
+
+def _path_with_only_the_package(folder: Path) -> str:
+    """A folder holding just ``hyperrecipe`` (the package this test imported), for PYTHONPATH."""
+    folder.mkdir()
+    (folder / "hyperrecipe").symlink_to(Path(hyperrecipe.__file__).resolve().parent)
+    return str(folder)
+
+
+def run_tool(name: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    args = [_torch_pipelining() if a == "<pipelining>" else a for a in args]
+    env = {**os.environ, "PYTHONPATH": _path_with_only_the_package(tmp_path / "path"),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, f"tools/{name}", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_every_tool_has_a_smoke_run() -> None:
+    scripts = {p.name for p in TOOLS.glob("*.py")} - SHARED_MODULES
+    assert scripts == set(SMOKE) | set(COVERED_ELSEWHERE), (
+        "add the new tool's smallest documented command to SMOKE in tests/test_tools.py")
+
+
+@pytest.mark.slow  # starts fresh interpreters, most of them gloo ranks (docs/benchmarks.md#test-suite)
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_tool_runs_as_documented(name: str, tmp_path: Path) -> None:
+    args, expected = SMOKE[name]
+    if name == "editor_diagnostics.py" and not (
+            shutil.which("node") and (REPO / args[1]).exists()):
+        pytest.skip("needs Node.js and `npm install yaml-language-server` (docs/editor.md)")
+    proc = run_tool(name, args, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "No module named" not in output, output[-3000:]
+    assert expected in proc.stdout, proc.stdout[-3000:]
+    if "--json" in args:
+        json.loads(proc.stdout)
+
+
+@pytest.mark.slow  # starts a fresh interpreter
+def test_worst_case_refuses_a_case_name_it_does_not_have(tmp_path: Path) -> None:
+    proc = run_tool("bench_worst_case.py", ["--repeats", "1", "--only", "laughs"], tmp_path)
+    assert proc.returncode == 2
+    assert "--only: no case named ['laughs']; the cases are ['billion-laughs'" in proc.stderr
