@@ -125,7 +125,6 @@ def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
         raise cause from None
     payload = trace.to_payload()
     payload["timings"].update(build_s=t1 - t0, apply_s=t2 - t1)
-    payload["wrapper_choices"] = [[r.fqn, r.what.removeprefix("inner wrapper "), r.state,
-                                   r.error or ""]
-                                  for r in inst.status() if r.what.startswith("inner wrapper ")]
+    payload["wrapper_choices"] = [[c.fqn, c.wrapper, c.state, c.reason or ""]
+                                  for c in inst.wrapper_choices]
     return payload

@@ -121,6 +121,13 @@ class Installation:
         owners = {p.fqn: p.tied_to or p.fqn for p in self.plan.params}
         self._unloaded -= {owners.get(f, f) for f in fqns}
 
+    @property
+    def wrapper_choices(self) -> tuple[WrapperChoice, ...]:
+        """Every candidate of every inner-wrapper chain and what ``apply`` made of it
+        (installed, ineligible with the reason, failed and rolled back, not tried): the
+        structured form of the ``inner wrapper`` rows of :meth:`status`."""
+        return self._wrapper_choices
+
     def status(self) -> list[StatusRow]:
         """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
         marshal``…), state, error. A method adapter's fqn is its target,
