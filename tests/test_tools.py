@@ -29,7 +29,7 @@ SHARED_MODULES = {"peak_rss.py"}
 """Modules the tools import from each other, not scripts a user runs."""
 
 COVERED_ELSEWHERE = {
-    "train.py": "tests/test_training_state.py::test_documented_trainer_resumes_at_another_tp_size"
+    "train.py": "tests/runtime/state/test_training_state.py::test_documented_trainer_resumes_at_another_tp_size"
                 "_and_exports runs it under torchrun as docs/training.md does",
 }
 

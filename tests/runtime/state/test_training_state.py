@@ -688,7 +688,7 @@ def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint
 def _shard_failure_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     import hyperrecipe.runtime.install as install_mod
     from hyperrecipe.errors import PlanMismatchError
-    from tests.test_runtime_apply import same_state, snapshot_state, toy, toy_plan
+    from tests.runtime.test_runtime_apply import same_state, snapshot_state, toy, toy_plan
 
     model = toy(tie=True)
     before = snapshot_state(model)

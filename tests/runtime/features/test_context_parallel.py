@@ -227,7 +227,7 @@ def test_the_documented_custom_wrapper_agrees_with_one_process(
     import re
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs/context-parallel.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs/context-parallel.md").read_text()
     found = re.search(r"```python\n# file: user_cp\.py\n(.*?)```", doc, re.S)
     assert found, "docs/context-parallel.md shows user_cp.py"
     (tmp_path / "user_cp.py").write_text(found.group(1))

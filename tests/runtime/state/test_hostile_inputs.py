@@ -1,7 +1,7 @@
 """Hostile paths, configs, meshes, API arguments and hand-edited plans: each ends in a located
 hyperrecipe error (CLI exit 2), never a traceback, a hang or a process eating all memory.
 
-Complements tests/test_untrusted_recipes.py (hostile recipe *content*). The inputs here come
+Complements tests/recipe/test_untrusted_recipes.py (hostile recipe *content*). The inputs here come
 from red-teaming every entry point (docs/security.md): a FIFO or ``/dev/zero`` given as a recipe
 or plan, a transformers config with a field of the wrong type, ``--mesh tp=2,tp =4``, a
 ``pyproject.toml`` with ``tool = 1``, a plan edited by hand with its checksum recomputed. No

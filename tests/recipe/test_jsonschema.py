@@ -22,7 +22,7 @@ else:  # pragma: no cover
 
 jsonschema = pytest.importorskip("jsonschema")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "recipes" / "recipe.schema.json"
 MODELINE = "# yaml-language-server: $schema=recipe.schema.json"
 YAML_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

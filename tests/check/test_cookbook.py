@@ -24,7 +24,7 @@ from hyperrecipe.check.diagnose import (
 )
 from hyperrecipe.check.run import CheckOptions, CheckReport, run_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COOKBOOK = ROOT / "docs/cookbook.md"
 MODELS = "tests/recipes/cookbook/models"
 BOTH = ("production", "validate")

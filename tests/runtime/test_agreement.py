@@ -20,7 +20,7 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.runtime.preflight.agreement import TIMEOUT_ENV
 from tests.support.toy_models import Toy
 
-RECIPE = str(Path(__file__).resolve().parent / "recipes" / "toy.yaml")
+RECIPE = str(Path(__file__).resolve().parents[2] / "tests" / "recipes" / "toy.yaml")
 
 
 def _plan_and_model(hidden: int = 16) -> tuple[Any, Toy]:

@@ -29,7 +29,7 @@ from hyperrecipe.recipe import load_recipe
 from hyperrecipe.rewriter import Rewrite
 from tests.support.sdpa_models import SdpaTransformer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 RECIPE = str(ROOT / "tests/recipes/sdpa-toy-tp.yaml")
 SDPA = "torch.nn.functional:scaled_dot_product_attention"
 

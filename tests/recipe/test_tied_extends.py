@@ -23,7 +23,7 @@ from hyperrecipe.model_tree import build_model
 from hyperrecipe.recipe import load_recipe
 from tests.support.recipe_text import locate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIED = ROOT / "tests/recipes/tied"
 BASE = ROOT / "recipes/llama.yaml"
 

@@ -16,7 +16,7 @@ from hyperrecipe.plan import Plan
 from hyperrecipe.recipe import load_recipe
 from tests.support.toy_models import Toy
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden"
 REGEN = os.environ.get("HYPERRECIPE_REGEN_GOLDEN") == "1"
 
 
@@ -136,7 +136,7 @@ def test_sequence_parallel_norm_weights_get_their_gradients_all_reduced(in_root:
     # the deferred bias is added to a sequence-sharded output: each rank sees its tokens only
     assert plan.param("layers.0.mlp.down.bias").grad_reduce == (
         CollectiveOp(kind="all_reduce", mesh_dim="tp"),)
-    # the six reductions run as one bucket: one manifest entry (tests/test_grad_buckets.py)
+    # the six reductions run as one bucket: one manifest entry (tests/runtime/grads/test_grad_buckets.py)
     assert sum(len(b.params) for b in plan.grad_buckets) == 6
     assert [e.name for e in plan.manifest if e.stage == "param_grad"] == ["grad_buckets[0]"]
     # the refining rule overrode the base rule, and explain shows both

@@ -12,7 +12,7 @@
 - the plans: the expected collectives, the recorded kernel and expert counts, and the
   compile-time refusal (at the recipe line) of a layout no kernel fits.
 
-Tolerances (fp32), as in ``tests/test_family_recipes.py``: every element within atol 2e-6, rtol
+Tolerances (fp32), as in ``tests/runtime/test_family_recipes.py``: every element within atol 2e-6, rtol
 1e-5, and every tensor's largest difference within 1e-5 of its largest value. The kernel test
 uses atol 1e-6, rtol 1e-5 (sums of the same products in a different order).
 """

@@ -7,9 +7,9 @@ checkpoint the way ``from_pretrained`` places it, still reading only each rank's
 
 The reference is ``from_pretrained`` of the same folder in one process (transformers' own
 conversion); logits and every gradient within atol 2e-6, rtol 1e-5 (fp32), as in
-``tests/test_family_recipes.py``. Validate mode runs eager attention and ``batched_mm`` experts on both
+``tests/runtime/test_family_recipes.py``. Validate mode runs eager attention and ``batched_mm`` experts on both
 sides (DTensor has no strategy for CPU SDPA nor for fp32 ``grouped_mm``; see
-``tests/test_family_recipes.py``).
+``tests/runtime/test_family_recipes.py``).
 """
 
 from __future__ import annotations

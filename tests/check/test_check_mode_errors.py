@@ -14,7 +14,7 @@ from pathlib import Path
 from hyperrecipe.check.report import render_text, report_json
 from hyperrecipe.check.run import CheckOptions, run_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SDPA_LLAMA = {**json.loads((ROOT / "recipes/models/tiny-llama.json").read_text()),
               "attn_implementation": "sdpa"}
 NO_STRATEGY = ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"

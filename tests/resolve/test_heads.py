@@ -23,7 +23,7 @@ from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.resolve.head_counts import head_size_of
 from tests.support.recipe_text import locate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COOKBOOK_MODELS = ROOT / "tests/recipes/cookbook/models"
 
 

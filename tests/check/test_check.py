@@ -38,7 +38,7 @@ from hyperrecipe.check.record import Event, Trace
 from hyperrecipe.check.run import CheckOptions, CheckReport, ModeResult, run_check
 from hyperrecipe.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes/models/tiny-llama.json")
 ATTN_TOY = "tests.support.check_models:make_attn_toy"
 
