@@ -27,19 +27,21 @@ from hyperrecipe.errors import TrainerSetupError  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
+DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
 LOSS_ATOL = 1e-5
 
 
-def _data() -> list[dict[str, torch.Tensor]]:
-    """Three batches of two: an epoch ends at step 3, where the checkpoint is taken (Lightning
-    restarts an epoch's loader from its start on resume)."""
+def _data(n: int = 6) -> list[dict[str, torch.Tensor]]:
+    """Three batches per dp rank: an epoch ends at step 3, where the checkpoint is taken
+    (Lightning restarts an epoch's loader from its start on resume)."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (6, 8), generator=g)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n, 8), generator=g)
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
 def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
-            apply_plan: bool = True, stock: bool = False) -> list[tuple[int, float]]:
+            apply_plan: bool = True, stock: bool = False, dp: int = 1,
+            batch: int = 2) -> list[tuple[int, float]]:
     """``stock``: Lightning's own ``ModelParallelStrategy`` with the plan applied by hand in
     ``configure_model`` (what a user without the integration writes)."""
     import lightning.pytorch as L
@@ -61,7 +63,9 @@ def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
                 plan = compile_recipe(LLAMA, self.model, {"tp": world})
                 apply(self.model, plan, mesh_1d(world))
             elif planned and apply_plan:
-                self.trainer.strategy.apply(self.model, LLAMA)
+                self.trainer.strategy.apply(
+                    self.model, LLAMA if dp == 1 else DP_TP,
+                    fully_shard_modules=lambda m: m.model.layers)
 
         def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
             loss = self.model(**batch).loss
@@ -71,14 +75,15 @@ def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    data = _data()
+    data = _data(3 * batch * dp)
     if planned:  # Lightning puts its DistributedSampler over `data_parallel` (size 1) in
-        loader = DataLoader(data, batch_size=2)
+        loader = DataLoader(data, batch_size=batch)
         strategy = (ModelParallelStrategy(tensor_parallel_size=world) if stock
-                    else HyperrecipeStrategy(tensor_parallel_size=world))
+                    else HyperrecipeStrategy(tensor_parallel_size=world // dp,
+                                             data_parallel_size=dp))
         extra: dict[str, Any] = {"strategy": strategy}
     else:  # the same sampler, given by hand: one process keeps a loader's own sampler
-        loader = DataLoader(data, batch_size=2,
+        loader = DataLoader(data, batch_size=batch,
                             sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=0))
         extra = {"use_distributed_sampler": False}
     save = [L.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=3, save_top_k=-1)]
@@ -133,8 +138,57 @@ def test_the_strategy_refuses_a_module_whose_configure_model_applied_no_plan(
                               "LightningModule's configure_model()")
 
 
-def test_the_strategy_refuses_data_parallel_it_does_not_average() -> None:
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_lightning_at_dp2_tp2_with_fully_shard_on_dp_matches_one_process(tmp_path: Path) -> None:
+    """dp=2 x tp=2: Lightning's sampler gives each dp rank half of one process's batch of 4
+    (so the mean of the two dp ranks' losses is one process's loss),
+    fully_shard on dp (per decoder layer and the root) averages, clipping by the full norm
+    counts each FSDP piece once. Losses equal one process's; the checkpoint at step 3 resumes at
+    tp=2 (dp=1) with the uninterrupted run's losses."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), False, None, True, False, 1, 4,
+                    timeout_s=600)[0]
+    out = tmp_path / "dp-tp"
+    ranks = run_ranks(_worker, 4, str(out), True, None, True, False, 2, 2, timeout_s=900)
+    assert ranks[0] == ranks[1] and ranks[2] == ranks[3]  # the tp ranks of a replica agree
+    mean = [(a + b) / 2 for (_, a), (_, b) in zip(ranks[0], ranks[2], strict=True)]
+    assert mean == pytest.approx([v for _, v in ref], abs=LOSS_ATOL)  # each dp rank: half
+    resumed = run_ranks(_worker, 2, str(tmp_path / "tp2"), True, str(out / "epoch=0-step=3.ckpt"),
+                        True, False, 1, 4, timeout_s=600)[0]
+    assert [s for s, _ in resumed] == [3, 4]
+    assert [v for _, v in resumed] == pytest.approx([v for _, v in ref[3:]], abs=LOSS_ATOL)
+
+
+def test_the_strategy_refuses_a_recipe_without_the_data_dim(tmp_path: Path) -> None:
+    for res in run_ranks(_mesh_refusal_worker, 2, str(tmp_path), timeout_s=600):
+        assert res.startswith("HyperrecipeStrategy.apply: the recipe's mesh is ['tp']; at "
+                              "data_parallel_size=2 it must be ['dp', 'tp']")
+
+
+def _mesh_refusal_worker(rank: int, world: int, out: str) -> str:
+    import lightning.pytorch as L
+
     from hyperrecipe.integrations.lightning import HyperrecipeStrategy
 
-    with pytest.raises(TrainerSetupError, match=r"data_parallel_size=2 is not supported yet"):
-        HyperrecipeStrategy(tensor_parallel_size=2, data_parallel_size=2)
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama()
+
+        def configure_model(self) -> None:
+            self.trainer.strategy.apply(self.model, LLAMA)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            raise AssertionError("not reached")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=1, logger=False,
+                        strategy=HyperrecipeStrategy(tensor_parallel_size=1,
+                                                     data_parallel_size=2),
+                        enable_progress_bar=False, enable_checkpointing=False)
+    try:
+        trainer.fit(Lit(), [_data(2)])
+    except TrainerSetupError as exc:
+        return str(exc)
+    return "ran"

@@ -43,8 +43,10 @@ TABLE = {
     "`HyperrecipeTrainer` at dp × tp": "made right",
     "Lightning `gradient_clip_val` under `ModelParallelStrategy`": "wrong",
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
+    "Lightning at dp × tp under `HyperrecipeStrategy`": "made right",
     "Lightning `fit(ckpt_path=...)` under `HyperrecipeStrategy`": "made right",
     "Lightning `HyperrecipeStrategy` without a plan applied": "refused",
+    "Lightning `HyperrecipeStrategy` with a recipe lacking the `dp` dim at `dp > 1`": "refused",
 }
 
 

@@ -18,14 +18,14 @@ wrong or refused:
 
 Lightning's mesh has dims ``data_parallel`` and ``tensor_parallel``; the strategy builds the
 recipe's mesh (``dp``, ``tp`` by default) with the same rank layout, so its distributed sampler
-(split over ``data_parallel``) and the plan agree. ``data_parallel_size > 1`` is refused for
-now: gradients would need averaging over it (``fully_shard`` on ``dp``), which is untested here.
+(split over ``data_parallel``) and the plan agree. With ``data_parallel_size > 1``
+``fully_shard`` goes on ``dp`` after apply, which averages gradients over it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,7 +52,8 @@ class HyperrecipeStrategy(ModelParallelStrategy):
 
     Args:
         tensor_parallel_size: ranks per model replica (``"auto"``: every process of the node).
-        data_parallel_size: must be 1 (see the module docstring).
+        data_parallel_size: model replicas (``"auto"``: the number of nodes); above 1 the
+            recipe's mesh is ``[dp, tp]``.
         mode: ``"production"`` or ``"validate"``, as :func:`hyperrecipe.apply`.
         mesh_dims: the recipe's names for Lightning's ``data_parallel`` and
             ``tensor_parallel`` dims.
@@ -70,25 +71,27 @@ class HyperrecipeStrategy(ModelParallelStrategy):
                   gradient_clip_val=1.0).fit(LitLlama(), loader)
     """
 
-    def __init__(self, tensor_parallel_size: int | Literal["auto"] = "auto", data_parallel_size: int = 1, *,
-                 mode: str = "production",
-                 mesh_dims: Mapping[str, str] | None = None, **kwargs: Any) -> None:
-        if data_parallel_size != 1:
-            msg = (f"HyperrecipeStrategy: data_parallel_size={data_parallel_size} is not "
-                   f"supported yet (gradients would need averaging over it, untested here); "
-                   f"use data_parallel_size=1, or your own loop with fully_shard on 'dp' "
-                   f"(docs/training.md)")
-            raise TrainerSetupError(msg)
-        super().__init__(data_parallel_size=1, tensor_parallel_size=tensor_parallel_size,
-                         **kwargs)
+    def __init__(self, tensor_parallel_size: int | Literal["auto"] = "auto",
+                 data_parallel_size: int | Literal["auto"] = 1, *,
+                 mode: str = "production", mesh_dims: Mapping[str, str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size, **kwargs)
         self._mode = mode
         self._names = dict(mesh_dims or {"data_parallel": "dp", "tensor_parallel": "tp"})
         self.installation: Installation | None = None
 
-    def apply(self, module: nn.Module, recipe: str | os.PathLike[str] | Recipe) -> Installation:
+    def apply(self, module: nn.Module, recipe: str | os.PathLike[str] | Recipe, *,
+              fully_shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
+              ) -> Installation:
         """Compile ``recipe`` for ``module`` on this strategy's mesh and apply it (call from
         ``LightningModule.configure_model``, on every rank). ``module`` may be on the meta
-        device; then load its weights with the returned installation's ``load_weights``."""
+        device; then load its weights with the returned installation's ``load_weights``.
+
+        With ``data_parallel_size > 1`` the recipe's mesh is ``[dp, tp]`` and ``fully_shard``
+        goes on the ``dp`` dim after apply (FSDP2 averages gradients over it, as Lightning's
+        strategy expects of ``configure_model``): on each module ``fully_shard_modules(module)``
+        yields (innermost first, e.g. the decoder layers), then on ``module``."""
         from torch.distributed.device_mesh import init_device_mesh
 
         from hyperrecipe.api import compile_recipe, load_recipe
@@ -99,16 +102,31 @@ class HyperrecipeStrategy(ModelParallelStrategy):
                    "(configure_model ran twice?); one model per strategy")
             raise TrainerSetupError(msg)
         loaded = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
-        tp_name = self._names["tensor_parallel"]
-        if tuple(loaded.mesh) != (tp_name,):
-            msg = (f"HyperrecipeStrategy.apply: the recipe's mesh is {list(loaded.mesh)}; with "
-                   f"data_parallel_size=1 it must be [{tp_name!r}] (mesh_dims= renames it)")
+        dp_name, tp_name = self._names["data_parallel"], self._names["tensor_parallel"]
+        dp = self.device_mesh["data_parallel"].size()
+        tp = self.device_mesh["tensor_parallel"].size()
+        wanted = (dp_name, tp_name) if dp > 1 else (tp_name,)
+        if tuple(loaded.mesh) != wanted:
+            msg = (f"HyperrecipeStrategy.apply: the recipe's mesh is {list(loaded.mesh)}; at "
+                   f"data_parallel_size={dp} it must be {list(wanted)} (mesh_dims= renames "
+                   f"Lightning's dims; a dp x tp recipe extends the tp one with mesh: "
+                   f"[{dp_name}, {tp_name}])")
             raise TrainerSetupError(msg)
-        size = self.device_mesh["tensor_parallel"].size()
-        mesh = init_device_mesh(self.root_device.type, (size,), mesh_dim_names=(tp_name,))
-        plan = compile_recipe(loaded, module, {tp_name: size})
-        self.installation = apply(module, plan, mesh, mode=self._mode)  # type: ignore[arg-type]
-        return self.installation
+        shape = {dp_name: dp, tp_name: tp} if dp > 1 else {tp_name: tp}
+        # Lightning's own mesh is (data_parallel, tensor_parallel) in rank order; this one has
+        # the same layout under the recipe's names, so its sampler and the plan agree.
+        mesh = init_device_mesh(self.root_device.type, tuple(shape.values()),
+                                mesh_dim_names=tuple(shape))
+        plan = compile_recipe(loaded, module, shape)
+        inst = apply(module, plan, mesh, mode=self._mode)  # type: ignore[arg-type]
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for inner in (fully_shard_modules(module) if fully_shard_modules else ()):
+                fully_shard(inner, mesh=mesh[dp_name])
+            fully_shard(module, mesh=mesh[dp_name])
+        self.installation = inst
+        return inst
 
     def setup(self, trainer: pl.Trainer) -> None:
         if self.installation is None:
