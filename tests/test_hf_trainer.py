@@ -30,16 +30,18 @@ LOSS_ATOL = 1e-5
 MAX_GRAD_NORM = 0.5
 
 
-def _data(n: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
+def _data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (n, 8), generator=g)
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _args(out: str, batch: int) -> Any:
+def _args(out: str, batch: int, accumulate: int, eval_batch: int) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=5,
+                             per_device_eval_batch_size=eval_batch,
+                             gradient_accumulation_steps=accumulate,
                              learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
                              save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
 
@@ -49,17 +51,24 @@ def _logged(trainer: Any) -> list[tuple[int, float, float]]:
             if "loss" in h]
 
 
+def _eval_data(n: int) -> list[dict[str, torch.Tensor]]:
+    return _data(n, seed=5)
+
+
 def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
-            resume: str | None) -> list[tuple[int, float, float]]:
-    """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2)."""
+            resume: str | None, accumulate: int = 1, evaluate: int = 0,
+            eval_batch: int = 3) -> dict[str, Any]:
+    """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2);
+    ``evaluate``: the size of an eval set evaluated after training."""
     from transformers import Trainer
 
     from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
 
     model = llama()
-    args = _args(out, batch)
+    args = _args(out, batch, accumulate, eval_batch)
+    sets = {"train_dataset": _data(samples), "eval_dataset": _eval_data(evaluate or 1)}
     if how == "one":
-        trainer = Trainer(model=model, args=args, train_dataset=_data(samples))
+        trainer = Trainer(model=model, args=args, **sets)
     else:
         if how == "tp":
             mesh = mesh_1d(world)
@@ -70,10 +79,10 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             plan = compile_recipe(DP_TP, llama("meta"), {"dp": 2, "tp": 2})
         inst = apply(model, plan, mesh)
-        trainer = HyperrecipeTrainer(model=model, installation=inst, args=args,
-                                     train_dataset=_data(samples))
+        trainer = HyperrecipeTrainer(model=model, installation=inst, args=args, **sets)
     trainer.train(resume_from_checkpoint=resume)
-    return _logged(trainer)
+    return {"logged": _logged(trainer),
+            "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None}
 
 
 def _assert_same_run(actual: list[tuple[int, float, float]],
@@ -88,12 +97,16 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
     """``max_grad_norm`` clips by the full norm (torch's clip over the shards would return
     2.0 and 1.9 on the two ranks where one process has 2.8: other coefficients, other
     losses); ``save_steps=3`` writes consolidated weights and DCP state; resuming from it at
-    tp=1 continues the uninterrupted run."""
-    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, timeout_s=600)[0]
-    assert all(norm > 2 * MAX_GRAD_NORM for _, _, norm in ref)  # every step clips
+    tp=1 continues the uninterrupted run. ``evaluate()`` on 7 samples in batches of 3 (a short
+    last batch) gives one process's eval_loss (measured 1e-6; 4.815 against 4.840 with the
+    stock gather and padding)."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 7,
+                    timeout_s=600)[0]
+    assert all(norm > 2 * MAX_GRAD_NORM for _, _, norm in ref["logged"])  # every step clips
     out = tmp_path / "tp2"
-    for ranks in run_ranks(_worker, 2, str(out), "tp", 2, 10, None, timeout_s=600):
-        _assert_same_run(ranks, ref)
+    for ranks in run_ranks(_worker, 2, str(out), "tp", 2, 10, None, 1, 7, timeout_s=600):
+        _assert_same_run(ranks["logged"], ref["logged"])
+        assert ranks["eval_loss"] == pytest.approx(ref["eval_loss"], abs=LOSS_ATOL)
     ckpt = out / "checkpoint-3"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "hyperrecipe-dcp/.metadata").is_file()
     from transformers import AutoModelForCausalLM
@@ -102,17 +115,20 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
     assert sum(p.numel() for p in saved.parameters()) == sum(
         p.numel() for p in llama().parameters())
     resumed = run_ranks(_worker, 1, str(out), "tp", 2, 10, str(ckpt), timeout_s=600)[0]
-    _assert_same_run([r for r in resumed if r[0] > 3], ref[3:])
+    _assert_same_run([r for r in resumed["logged"] if r[0] > 3], ref["logged"][3:])
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_trainer_at_dp2_tp2_splits_batches_over_dp_only_like_one_process(tmp_path: Path) -> None:
     """Each dp rank gets half of one process's batch of 4, both tp ranks of a replica the same
-    half; DDP averages over dp only. Losses and norms equal one process's."""
-    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 20, None, timeout_s=600)[0]
-    for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", 2, 20, None,
+    half; DDP averages over dp only, also with two accumulation steps (DDP's no_sync). Losses,
+    norms and eval_loss (8 samples, gathered over dp only) equal one process's."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 40, None, 2, 8, 4,
+                    timeout_s=600)[0]
+    for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", 2, 40, None, 2, 8, 2,
                            timeout_s=900):
-        _assert_same_run(ranks, ref)
+        _assert_same_run(ranks["logged"], ref["logged"])
+        assert ranks["eval_loss"] == pytest.approx(ref["eval_loss"], abs=LOSS_ATOL)
 
 
 def _refusal_worker(rank: int, world: int, out: str, how: str) -> str:
