@@ -138,14 +138,16 @@ def _refusal_worker(rank: int, world: int, out: str, how: str) -> str:
 
     model = llama()
     plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
-    inst = apply(model, plan, mesh_1d(world))
+    inst = apply(model, plan, mesh_1d(world),
+                 mode="validate" if how == "validate" else "production")
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
                              report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
     try:
         if how == "stock":
             Trainer(model=model, args=args, train_dataset=_data(4)).train()
         else:
-            HyperrecipeTrainer(model=llama(), installation=inst, args=args)
+            HyperrecipeTrainer(model=llama() if how == "other" else model, installation=inst,
+                               args=args)
     except (PlanMismatchError, TrainerSetupError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ran"
@@ -163,3 +165,9 @@ def test_the_integration_refuses_a_model_other_than_the_applied_one(tmp_path: Pa
     for res in run_ranks(_refusal_worker, 2, str(tmp_path), "other", timeout_s=600):
         assert res.startswith("TrainerSetupError: HyperrecipeTrainer: model= must be the model "
                               "the installation was applied to")
+
+
+def test_the_integration_refuses_validate_mode(tmp_path: Path) -> None:
+    for res in run_ranks(_refusal_worker, 2, str(tmp_path), "validate", timeout_s=600):
+        assert res.startswith("TrainerSetupError: HyperrecipeTrainer: the installation is in "
+                              "validate mode; train through the Trainer in production mode")

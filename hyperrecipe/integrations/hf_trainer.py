@@ -55,7 +55,7 @@ class HyperrecipeTrainer(Trainer):
     Raises:
         TrainerSetupError: ``model`` is not the installation's model; the mesh has several
             data dims or does not span the world; a setting that cannot be right on shards
-            (DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
+            (validate mode, DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
             process, ``save_safetensors=False``, ``torch.compile`` through the Trainer).
 
     Example::
@@ -73,6 +73,13 @@ class HyperrecipeTrainer(Trainer):
             msg = ("HyperrecipeTrainer: model= must be the model the installation was applied to "
                    f"(got {type(model).__name__}, applied to "
                    f"{type(installation.model).__name__}); wrappers go on after the Trainer")
+            raise TrainerSetupError(msg)
+        if installation.mode.dtensor_parameters:
+            msg = ("HyperrecipeTrainer: the installation is in validate mode; train through the "
+                   "Trainer in production mode (validate mode is for checking layouts: "
+                   "`hyperrecipe check` or a few steps of your own loop). Measured: under the "
+                   "Trainer, validate mode's embedding gradient arrives replicated where the plan "
+                   "shards it, and the norm refuses it")
             raise TrainerSetupError(msg)
         self.installation = installation
         self.data_parallel: DataParallel = data_parallel_of(installation,
