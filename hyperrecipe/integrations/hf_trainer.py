@@ -207,6 +207,13 @@ class HyperrecipeTrainer(Trainer):
         """Each rank reads its slices of the consolidated weights (any tp size)."""
         self.installation.load_weights(resume_from_checkpoint)
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: each rank reads its slices of the best checkpoint's
+        consolidated weights (the Trainer would read whole tensors on every rank)."""
+        best = self.state.best_model_checkpoint
+        if best is not None:
+            self.installation.load_weights(best)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
