@@ -1,6 +1,12 @@
 """Integrations: every piece of knowledge of a third-party library by name.
 
-Owns ``hf_conversion`` (transformers' checkpoint key conversions and renames). The runtime calls
-this room through small functions; the aim (docs/architecture.md) is that no runtime module
-names a transformers class, loss or kernel string itself.
+Owns ``hf_conversion`` (transformers' checkpoint key conversions and renames), ``hf_trainer``
+(``HyperrecipeTrainer``: the Hugging Face Trainer over an applied plan), ``lightning``
+(``HyperrecipeStrategy``: Lightning's model-parallel strategy applying a plan) and
+``trainer_mesh`` (which mesh dims a trainer may split batches and average gradients over,
+read from the plan). The runtime calls this room through small functions and never imports
+the trainer modules; those import their library (``transformers.Trainer`` and accelerate,
+``lightning``) at their top, so they are imported only by the user who trains with them
+(``pip install 'hyperrecipe[trainers]'``). The aim (docs/architecture.md) is that no runtime
+module names a transformers class, loss or kernel string, or a trainer, itself.
 """
