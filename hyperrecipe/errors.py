@@ -372,3 +372,8 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """A ``"; did you mean 'x'?"`` suffix, or ``""`` when nothing is close."""
     near = closest(name, candidates, n=1)
     return f"; did you mean {near[0]!r}?" if near else ""
+
+
+class TrainerSetupError(HyperrecipeError, ValueError):
+    """A trainer (the Hugging Face Trainer, Lightning) is set up in a way its integration cannot
+    make right on an applied plan; the message names the setting and what to use instead."""

@@ -111,7 +111,13 @@ def _package_exceptions() -> list[type[BaseException]]:
     for info in pkgutil.walk_packages(hyperrecipe.__path__, "hyperrecipe."):
         if info.name == "hyperrecipe.__main__":
             continue
-        module = __import__(info.name, fromlist=["_"])
+        try:
+            module = __import__(info.name, fromlist=["_"])
+        except ModuleNotFoundError as exc:  # a trainer integration without its extra
+            if info.name.startswith("hyperrecipe.integrations.") and exc.name in (
+                    "accelerate", "lightning"):
+                continue
+            raise
         for _, obj in inspect.getmembers(module, inspect.isclass):
             if issubclass(obj, BaseException) and obj.__module__ == info.name:
                 found.append(obj)

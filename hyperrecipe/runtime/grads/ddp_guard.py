@@ -81,7 +81,9 @@ def _crossing(ddp: Any, mesh: DeviceMesh, names: tuple[str, ...],
             f"built and would average gradients of different shards, training silently wrong. "
             f"Wrap with DDP only over a dim the plan does not shard "
             f"(DDP(model, process_group=mesh['dp'].get_group())) or use fully_shard on it; "
-            f"the shards were overwritten, so rebuild and reload the model")
+            f"the shards were overwritten, so rebuild and reload the model. Under the Hugging "
+            f"Face Trainer use hyperrecipe.integrations.hf_trainer.HyperrecipeTrainer, which "
+            f"wraps over the data dim only (docs/training.md)")
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,93 @@
+"""Which ranks of an applied plan hold the same shards and see different batches.
+
+A trainer that does data parallel itself (the Hugging Face Trainer's DDP wrap and its sampler
+split, Lightning's strategy) assumes every rank holds the whole model. On an applied plan only
+the ranks that differ on a *data* dim (a mesh dim the plan never splits anything over: no
+parameter, no boundary layout, no transition, no expert or vocab split) hold the same shards;
+ranks that differ on any other dim must see the same batch and must never average gradients.
+This module reads that from the plan, so both trainer integrations agree on it.
+
+What does not live here: wrapping (each integration wraps through its trainer's seam).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from hyperrecipe.errors import TrainerSetupError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.plan import Plan
+    from hyperrecipe.runtime.installation import Installation
+
+__all__ = ["DataParallel", "data_parallel_of", "model_parallel_dims"]
+
+
+def model_parallel_dims(plan: Plan) -> tuple[str, ...]:
+    """The mesh dims the plan splits something over, in mesh order."""
+    used: set[str] = set()
+    for p in plan.params:
+        used.update(p.placement.mesh_dims)
+    for b in plan.boundaries:
+        for layout in (*b.inputs, *b.outputs, *b.inner_out_src):
+            used.update(layout.src.mesh_dims)
+            used.update(layout.dst.mesh_dims)
+        used.update(t.mesh_dim for t in b.transitions)
+        if b.expert_parallel is not None:
+            used.add(b.expert_parallel.mesh_dim)
+    if plan.loss_parallel is not None:
+        used.add(plan.loss_parallel.mesh_dim)
+    return tuple(d for d in plan.mesh_dims if d in used)
+
+
+@attrs.frozen(kw_only=True)
+class DataParallel:
+    """The data-parallel side of an applied plan, seen from this rank.
+
+    Attributes:
+        dim: the mesh dim batches are split over (``None``: every rank sees the same batch).
+        size: how many different batches one step sees (1 without ``dim``).
+        rank: this rank's index among them.
+        model_parallel: how many ranks share each batch (the product of the other dims).
+        group: the process group of the ranks that hold this rank's shards (``None`` when
+            ``size`` is 1): the only group a DDP wrapper may average over.
+    """
+
+    dim: str | None
+    size: int
+    rank: int
+    model_parallel: int
+    group: Any
+
+
+def data_parallel_of(inst: Installation, *, trainer: str) -> DataParallel:
+    """The data dim of ``inst``'s mesh and this rank's place on it.
+
+    Raises:
+        TrainerSetupError: the mesh has more than one data dim (flatten them into one), or the
+            mesh does not span the world (the trainer would split batches over ranks outside it).
+    """
+    import torch.distributed as dist
+
+    names = tuple(inst.mesh.mesh_dim_names or ())
+    sizes = dict(zip(names, inst.mesh.mesh.shape, strict=True))
+    used = set(model_parallel_dims(inst.plan))
+    data = [d for d in names if d not in used]
+    if len(data) > 1:
+        msg = (f"{trainer}: the mesh has {len(data)} dims the plan splits nothing over "
+               f"({data}); batches can be split over one. Declared mesh: {names}; flatten "
+               f"the data dims into one (mesh[{tuple(data)}]._flatten('dp')) or size all but one 1")
+        raise TrainerSetupError(msg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if inst.mesh.mesh.numel() != world:
+        msg = (f"{trainer}: the mesh {dict(sizes)} has {inst.mesh.mesh.numel()} ranks, the world "
+               f"{world}; the trainer splits batches over the world, so the mesh must span it")
+        raise TrainerSetupError(msg)
+    dim = data[0] if data and int(sizes[data[0]]) > 1 else None
+    size = int(sizes[dim]) if dim is not None else 1
+    return DataParallel(
+        dim=dim, size=size, rank=inst.mesh.get_local_rank(dim) if dim is not None else 0,
+        model_parallel=world // size,
+        group=inst.mesh.get_group(dim) if dim is not None else None)
