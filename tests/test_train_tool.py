@@ -153,11 +153,11 @@ def test_resume_at_tp1_continues_data_and_schedule_like_the_uninterrupted_run(
 def test_bf16_autocast_trains_near_the_fp32_run(
         checkpoint: Path, uninterrupted: tuple[list[dict[str, Any]], Path],
         tmp_path: Path) -> None:
-    """--bf16 runs the forward under autocast: the first loss is within bf16's error of the
-    fp32 run's (2e-2 at these logits) and not equal to it, so autocast was on."""
+    """--bf16 runs the forward under autocast: the first loss is within 1e-3 of the fp32 run's
+    (measured 6e-5) and not equal to it, so autocast was on."""
     fp32 = uninterrupted[0][0]["loss"]
     bf16 = _run(2, _args(checkpoint, tmp_path, "--stop-after", "1", "--bf16"))[0]["loss"]
-    assert bf16 == pytest.approx(fp32, abs=2e-2)
+    assert bf16 == pytest.approx(fp32, abs=1e-3)
     assert bf16 != fp32
 
 
