@@ -223,3 +223,32 @@ def test_dp2_tp2_out_of_the_box_matches_one_process(checkpoint: Path, tmp_path: 
     assert "recipe llama-dp, mesh {'dp': 2, 'tp': 2}" in proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     _assert_matches(records, _reference(checkpoint, 2 * 2 * MICRO, _byte_ids()))
+
+
+def test_help_names_the_recipe_for_dp(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        TRAIN.parse_args(["--help"])
+    assert "'llama-dp' (recipes/llama-dp.yaml, mesh [dp, tp]) at --dp > 1" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_tokens_past_the_vocab_and_a_file_shorter_than_a_sequence_are_refused(
+        tmp_path: Path) -> None:
+    """A tokenizer whose ids pass the model's vocab_size would index past the embedding (an
+    error on one rank, another row on a vocab shard): refused, naming both numbers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "big": 300}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("small big words", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"produced id 300, but the model's vocab_size is 128"):
+        TRAIN.tokenize(text, tmp_path, 128)
+
+    ids, how = TRAIN.tokenize(text, tmp_path / "no-tokenizer", 128)
+    assert how == "bytes modulo vocab 128" and ids.tolist() == list(b"small big words")
+    with pytest.raises(SystemExit, match=r"--data holds 15 tokens, fewer than one --seq-len "
+                                         r"\(16\) sequence"):
+        TRAIN.Batches(ids, vocab=128, seq_len=16, micro_batch=1, grad_accum=1, dp=1)
