@@ -66,7 +66,8 @@ def _run(world: int, argv: list[str]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("hf-tiny-llama")
-    llama().save_pretrained(folder)
+    model: Any = llama()
+    model.save_pretrained(folder)
     return folder
 
 
