@@ -30,7 +30,8 @@ SHARED_MODULES = {"peak_rss.py"}
 
 COVERED_ELSEWHERE = {
     "train.py": "tests/runtime/state/test_training_state.py::test_documented_trainer_resumes_at_another_tp_size"
-                "_and_exports runs it under torchrun as docs/training.md does",
+                "_and_exports runs it under torchrun as docs/training.md does; tests/test_train_tool.py "
+                "runs its data, schedule, accumulation, bf16 and dp x tp options against one process",
 }
 
 

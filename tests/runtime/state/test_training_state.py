@@ -651,7 +651,7 @@ def _torchrun(nproc: int, *args: str) -> list[dict[str, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         str(ROOT / "tools/train.py"), *args],
+         str(ROOT / "tools/train.py"), "--json", *args],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -661,7 +661,8 @@ def _torchrun(nproc: int, *args: str) -> list[dict[str, float]]:
 def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint: Path,
                                                                     tmp_path: Path) -> None:
     """tools/train.py (docs/training.md) at tp=2 for 4 steps, checkpointing every 2; killed
-    after step 2 and resumed at tp=1 it prints the same losses and gradient norms; its export
+    after step 2 (``--stop-after 2``: the cosine schedule still spans four steps) and resumed
+    at tp=1 it prints the same losses and gradient norms; its export
     loads. The trainer clips every step (the norms are above its max_grad_norm 1.0), so a
     clip that saw only a rank's shards would change the tp=2 losses."""
     from transformers import AutoModelForCausalLM
@@ -670,7 +671,7 @@ def test_documented_trainer_resumes_at_another_tp_size_and_exports(hf_checkpoint
                       "--steps", "4", "--save-every", "2")
     assert len(whole) == 4
     first = _torchrun(2, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
-                      "--steps", "2", "--save-every", "2")
+                      "--steps", "4", "--stop-after", "2", "--save-every", "2")
     resumed = _torchrun(1, "--weights", str(hf_checkpoint), "--out", str(tmp_path / "b"),
                         "--steps", "4", "--save-every", "2")
     assert [r["loss"] for r in first + resumed] == pytest.approx(
