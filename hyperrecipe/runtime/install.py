@@ -439,6 +439,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     chosen = as_mode(mode)
     _check_arguments(model, plan, mesh)
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
+    if chosen.dtensor_parameters:
+        from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
+
+        register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
     with tx, trusting(trust_code):

@@ -32,18 +32,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hyperrecipe.errors import HyperrecipeError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 
 Forward = Callable[..., Any]
 
+_NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy")
+_PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for (aten\.[\w.]+)\(")
 _CONCATENATIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _LOCAL_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_local_code",
                                                                    default=False)
@@ -88,10 +92,35 @@ class _ValidateComputeMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def validate_compute(compute: Forward) -> Forward:
+def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
+    """DTensor's bare "does not have a sharding strategy" / "Sharding propagation failed"
+    errors, raised again as a :class:`~hyperrecipe.errors.ValidateUnsupportedError` naming the
+    boundary and the way out; any other error is left alone."""
+    if isinstance(exc, HyperrecipeError):
+        return  # a nested boundary's refusal already names its module
+    text = str(exc)
+    found = _NO_STRATEGY.search(text) or _PROPAGATION_FAILED.search(text)
+    if found is None:
+        return
+    op = found.group(1)
+    cause = str(exc.__cause__ or "").strip().splitlines()
+    why = ("it has no sharding rule for it" if found.re is _NO_STRATEGY
+           else "its sharding rule refused these inputs" + (f" ({cause[0]})" if cause else ""))
+    msg = (f"{fqn}: validate mode cannot run {op} here: DTensor (torch {torch.__version__}) "
+           f"cannot shard it: {why}. Run the code that calls it on local tensors: mark this "
+           f"boundary `local_region: true` (its compute then sees this rank's shards, with its "
+           f"head counts divided), or give the function that calls it a function adapter "
+           f"(`adapters: [{{target: pkg.mod:function, mode: marshal, within: {fqn}}}]`, "
+           f"docs/adapters.md). Production mode needs no DTensor rule and runs as it is")
+    raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
+
+
+def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
     """``compute`` run as a validate-mode boundary's compute: DTensor code (not local code, even
     when the boundary was called from local code) in which a concatenation drops legacy empty
-    plain tensors next to DTensors and a chunk-sharded DTensor splits into its parts locally."""
+    plain tensors next to DTensors and a chunk-sharded DTensor splits into its parts locally.
+    An op DTensor has no rule for is refused naming ``fqn`` (the boundary), not with DTensor's
+    bare error."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         local = _LOCAL_CODE.set(False)
@@ -104,6 +133,9 @@ def validate_compute(compute: Forward) -> Forward:
                     return compute(*args, **kwargs)
             finally:
                 _SCOPED.reset(scoped)
+        except RuntimeError as exc:  # NotImplementedError is one
+            _refuse_unsupported_op(exc, fqn)
+            raise
         finally:
             _LOCAL_CODE.reset(local)
 
