@@ -38,6 +38,11 @@ from hyperrecipe.runtime.forward.compute import (
 from hyperrecipe.runtime.state.export import model_save_pretrained
 from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
 from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
+from hyperrecipe.runtime.features.local_region import (
+    local_grad_placements,
+    mark_local_grad,
+    runs_on_local_tensors,
+)
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.state.materialize import (
     allocate_unloaded,
@@ -245,6 +250,9 @@ class _Applier:
             return grad
 
         param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
+        # local code (a local region) computing with it hands back this rank's partial sum where
+        # the plan reduces the gradient (reduce_grads); keep_placement then all-reduces it
+        mark_local_grad(param, local_grad_placements(placements, p.grad_reduce, self.mesh_dims))
         return param
 
     def _local(self, p: ParamPlan, full: Tensor) -> Tensor:
@@ -295,13 +303,17 @@ class _Applier:
         return restore
 
     def set_head_counts(self, tx: Rewrite) -> None:
-        """Divided head counts (production). A ``config.`` count is set on a copy of the module's
+        """Divided head counts: every one in production; in validate mode those of modules
+        whose code runs in a local region (it computes on local shards there too), while
+        DTensor computes everywhere else with global shapes and the counts stay global. A
+        ``config.`` count is set on a copy of the module's
         config (one per module, with every divided field), which the module then holds: the
         config object is shared with the rest of the model, whose counts stay global."""
-        if not self.mode.local_kernels:
-            return  # DTensor computes with global shapes; the attributes stay global
         configs: dict[str, Any] = {}
         for h in self.plan.head_counts:
+            if not (self.mode.local_kernels
+                    or runs_on_local_tensors(h.module, self.plan.boundaries)):
+                continue
             module = self.modules[h.module]
             field = h.attr.removeprefix("config.")
             if field == h.attr:

@@ -103,15 +103,21 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
     if found is None:
         return
     op = found.group(1)
-    cause = str(exc.__cause__ or "").strip().splitlines()
-    why = ("it has no sharding rule for it" if found.re is _NO_STRATEGY
-           else "its sharding rule refused these inputs" + (f" ({cause[0]})" if cause else ""))
-    msg = (f"{fqn}: validate mode cannot run {op} here: DTensor (torch {torch.__version__}) "
-           f"cannot shard it: {why}. Run the code that calls it on local tensors: mark this "
-           f"boundary `local_region: true` (its compute then sees this rank's shards, with its "
-           f"head counts divided), or give the function that calls it a function adapter "
-           f"(`adapters: [{{target: pkg.mod:function, mode: marshal, within: {fqn}}}]`, "
-           f"docs/adapters.md). Production mode needs no DTensor rule and runs as it is")
+    local = (f"run the code that calls it on local tensors: mark this boundary "
+             f"`local_region: true` (its compute then sees this rank's shards, with its head "
+             f"counts divided), or give the function that calls it a function adapter "
+             f"(`adapters: [{{target: pkg.mod:function, mode: marshal, within: {fqn}}}]`, "
+             f"docs/adapters.md). Production mode needs no DTensor rule")
+    if found.re is _NO_STRATEGY:
+        msg = (f"{fqn}: validate mode cannot run {op} here: DTensor (torch {torch.__version__}) "
+               f"has no sharding rule for it. To check this boundary in validate mode, {local}")
+    else:
+        cause = str(exc.__cause__ or "").strip().splitlines()
+        detail = f": {cause[0]}" if cause else ""
+        msg = (f"{fqn}: DTensor (torch {torch.__version__}) refused {op} on these inputs in "
+               f"validate mode{detail}. A shape the module computed from a count or size that "
+               f"does not fit the shards it was given shows here; an op DTensor cannot shard "
+               f"with these placements too: then, {local}")
     raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
 
 
