@@ -38,6 +38,7 @@ __all__ = [
     "RefError",
     "UntrustedCodeError",
     "UsageError",
+    "ValidateShardingError",
     "ValidateUnsupportedError",
     "RewriteError",
     "SourceSpan",
@@ -236,6 +237,25 @@ class ValidateUnsupportedError(HyperrecipeError, NotImplementedError):
         message: the whole message.
         fqn: the boundary module whose compute called the op.
         op: the aten op, as DTensor names it (``aten.foo.default``).
+    """
+
+    def __init__(self, message: str, *, fqn: str, op: str) -> None:
+        self.fqn = fqn
+        self.op = op
+        super().__init__(message)
+
+
+class ValidateShardingError(HyperrecipeError, RuntimeError):
+    """DTensor's sharding propagation refused an op's inputs inside a validate-mode boundary's
+    compute (a matmul of mismatched shapes: most often a count or size the module computed that
+    does not fit the shards it was given). The message names the boundary, the op and DTensor's
+    reason. Not a :class:`ValidateUnsupportedError`: the op runs, these inputs do not fit it,
+    and ``check`` diagnoses it as the step's failure.
+
+    Args:
+        message: the whole message.
+        fqn: the boundary module whose compute called the op.
+        op: the aten op, as DTensor names it.
     """
 
     def __init__(self, message: str, *, fqn: str, op: str) -> None:

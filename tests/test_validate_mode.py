@@ -114,7 +114,48 @@ def test_an_op_dtensor_cannot_shard_is_refused_naming_the_boundary_and_the_op() 
         run_ranks(_worker, 2, "mixtral", recipe_path("mixtral"), "validate",
                   {"experts_implementation": "eager"}, timeout_s=300)
     text = str(info.value)
-    assert ("ValidateUnsupportedError: model.layers.0.mlp: DTensor (torch "
-            f"{torch.__version__}) refused aten.nonzero.default on these inputs in validate "
-            "mode") in text
+    assert ("ValidateUnsupportedError: model.layers.0.mlp: validate mode cannot run "
+            f"aten.nonzero.default here: DTensor (torch {torch.__version__}) cannot shard it: "
+            "its output's shape depends on the data") in text
     assert "`local_region: true`" in text and "Production mode needs no DTensor rule" in text
+
+
+def _refusals(rank: int, world: int) -> dict[str, tuple[str, str, str]]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hyperrecipe.errors import ValidateShardingError, ValidateUnsupportedError
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
+
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    mask = DTensor.from_local(torch.tensor([True, False, True]), mesh, (Replicate(),))
+    a = DTensor.from_local(torch.ones(4, 6), mesh, (Shard(1),))  # global [4, 12]
+    b = DTensor.from_local(torch.ones(6, 3), mesh, (Shard(0),))  # global [12, 3]
+    wrong = DTensor.from_local(torch.ones(3, 3), mesh, (Shard(0),))  # global [6, 3]
+    out: dict[str, tuple[str, str, str]] = {}
+    validate_compute(lambda: a @ b, "blk.proj")()  # fits: nothing raised
+    for case, compute in (("nonzero", lambda: torch.nonzero(mask)), ("mm", lambda: a @ wrong)):
+        try:
+            validate_compute(compute, "blk.proj")()
+        except (ValidateUnsupportedError, ValidateShardingError) as exc:
+            out[case] = (type(exc).__name__, f"{exc.fqn} {exc.op}", str(exc))
+    return out
+
+
+def test_dtensor_refusals_name_the_boundary_and_tell_an_unshardable_op_from_a_shape() -> None:
+    """``nonzero`` (an output shape that depends on the data) cannot be sharded at all: refused
+    as unsupported (a ``NotImplementedError``; ``check`` reports the mode as unable to run). A
+    matmul of shapes that do not fit is the module's mistake: a ``RuntimeError`` that ``check``
+    diagnoses as the step's failure. Both name the boundary and the op."""
+    from hyperrecipe.errors import ValidateShardingError, ValidateUnsupportedError
+
+    res = run_ranks(_refusals, 2, timeout_s=120)[0]
+    kind, where, text = res["nonzero"]
+    assert (kind, where) == ("ValidateUnsupportedError", "blk.proj aten.nonzero.default")
+    assert text.startswith("blk.proj: validate mode cannot run aten.nonzero.default here")
+    kind, where, text = res["mm"]
+    assert (kind, where) == ("ValidateShardingError", "blk.proj aten.mm.default")
+    assert text.startswith(f"blk.proj: DTensor (torch {torch.__version__}) refused "
+                           "aten.mm.default on these inputs in validate mode: ")
+    assert issubclass(ValidateUnsupportedError, NotImplementedError)
+    assert not issubclass(ValidateShardingError, NotImplementedError)

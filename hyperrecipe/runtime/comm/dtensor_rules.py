@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["register_validate_rules", "validate_rule_ops"]
 
 _LOCK = threading.Lock()
-_REGISTERED = False
+_REGISTERED = threading.Event()
 
 
 def _mask_placement(mask: Any, dim: int) -> Any:
@@ -95,11 +95,10 @@ def register_validate_rules() -> None:
 
     Only ops DTensor has no strategy for are registered: a torch that ships its own keeps it.
     """
-    global _REGISTERED
-    if _REGISTERED:
+    if _REGISTERED.is_set():
         return
     with _LOCK:
-        if _REGISTERED:
+        if _REGISTERED.is_set():
             return
         import torch
         from torch.distributed.tensor import DTensor
@@ -114,5 +113,5 @@ def register_validate_rules() -> None:
                   _sdpa_cpu_backward))
         for op, rule in rules:
             if not any(op in table for table in known):
-                register_sharding(op)(rule)  # type: ignore[no-untyped-call]
-        _REGISTERED = True
+                register_sharding(op)(rule)
+        _REGISTERED.set()

@@ -19,6 +19,13 @@ output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, 
 ``Shard(d)`` DTensor, where DTensor itself would gather it, and runs a linear layer whose weight
 is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.comm.strided`).
 
+**Ops DTensor cannot shard.** DTensor's own error for an op it has no rule for (or whose rule
+refuses the inputs) names the aten op and nothing else. :func:`validate_compute` raises it again
+as :class:`~hyperrecipe.errors.ValidateUnsupportedError` naming the boundary and the way out
+(a local region or a function adapter); the innermost boundary names it, an enclosing one lets
+it through. The ops torch lacks a rule for that real models run by default (CPU SDPA) get one
+from :mod:`~hyperrecipe.runtime.comm.dtensor_rules` instead.
+
 **Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
 their module's code on local tensors (:mod:`~hyperrecipe.runtime.forward.marshal`). A boundary nested in
 such a module is called *from local code*: it must hand local tensors back, as the outermost
@@ -39,7 +46,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hyperrecipe.errors import HyperrecipeError, ValidateUnsupportedError
+from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
@@ -92,10 +99,23 @@ class _ValidateComputeMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _data_dependent(exc: BaseException | None) -> bool:
+    """Whether DTensor failed because the op's output shape depends on the data (``nonzero``,
+    boolean-mask indexing): no placement can describe it, whatever the inputs."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException))
+
+
 def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
     """DTensor's bare "does not have a sharding strategy" / "Sharding propagation failed"
-    errors, raised again as a :class:`~hyperrecipe.errors.ValidateUnsupportedError` naming the
-    boundary and the way out; any other error is left alone."""
+    errors, raised again naming the boundary: an op DTensor cannot shard at all as
+    :class:`~hyperrecipe.errors.ValidateUnsupportedError` with the way out, inputs its rule
+    refuses as :class:`~hyperrecipe.errors.ValidateShardingError`; any other error is left
+    alone."""
     if isinstance(exc, HyperrecipeError):
         return  # a nested boundary's refusal already names its module
     text = str(exc)
@@ -103,22 +123,24 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
     if found is None:
         return
     op = found.group(1)
-    local = (f"run the code that calls it on local tensors: mark this boundary "
-             f"`local_region: true` (its compute then sees this rank's shards, with its head "
-             f"counts divided), or give the function that calls it a function adapter "
-             f"(`adapters: [{{target: pkg.mod:function, mode: marshal, within: {fqn}}}]`, "
-             f"docs/adapters.md). Production mode needs no DTensor rule")
-    if found.re is _NO_STRATEGY:
-        msg = (f"{fqn}: validate mode cannot run {op} here: DTensor (torch {torch.__version__}) "
-               f"has no sharding rule for it. To check this boundary in validate mode, {local}")
-    else:
-        cause = str(exc.__cause__ or "").strip().splitlines()
-        detail = f": {cause[0]}" if cause else ""
-        msg = (f"{fqn}: DTensor (torch {torch.__version__}) refused {op} on these inputs in "
-               f"validate mode{detail}. A shape the module computed from a count or size that "
-               f"does not fit the shards it was given shows here; an op DTensor cannot shard "
-               f"with these placements too: then, {local}")
-    raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
+    version = f"DTensor (torch {torch.__version__})"
+    if found.re is _NO_STRATEGY or _data_dependent(exc.__cause__):
+        why = ("has no sharding rule for it" if found.re is _NO_STRATEGY
+               else "cannot shard it: its output's shape depends on the data")
+        msg = (f"{fqn}: validate mode cannot run {op} here: {version} {why}. To check this "
+               f"boundary in validate mode, run the code that calls it on local tensors: mark "
+               f"the boundary `local_region: true` (its compute then sees this rank's shards, "
+               f"with its head counts divided), or give the function that calls it a function "
+               f"adapter (`adapters: [{{target: pkg.mod:function, mode: marshal, within: "
+               f"{fqn}}}]`, docs/adapters.md). Production mode needs no DTensor rule")
+        raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
+    cause = str(exc.__cause__ or "").strip().splitlines()
+    detail = f": {cause[0]}" if cause else ""
+    msg = (f"{fqn}: {version} refused {op} on these inputs in validate mode{detail}. The "
+           f"module computed a shape that does not fit the DTensors it was given (a count or "
+           f"size that should be divided, or was divided twice), or DTensor's rule for {op} "
+           f"does not accept these placements")
+    raise ValidateShardingError(msg, fqn=fqn, op=op) from exc
 
 
 def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
