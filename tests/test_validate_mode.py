@@ -11,6 +11,10 @@ atol 2e-6 / rtol 1e-5 and every tensor's largest difference within 1e-5 of its l
 transformers' defaults (``sdpa`` attention), so validate mode runs the CPU SDPA kernel on
 hyperrecipe's DTensor rule (:mod:`hyperrecipe.runtime.comm.dtensor_rules`) outside the region.
 
+The other kind of ``reduce_grads`` in a local region — a region computing on whole data whose
+output gradients arrive partial in production (DeepSeek-V3's router) — is
+``tests/test_cookbook.py``'s ``deepseek_v3`` case: validate mode must not reduce it twice.
+
 Before the fix, validate mode dropped ``reduce_grads`` inside a local region (the norms'
 gradients off by up to 100% with nothing refused) and kept the head counts global there (Phi-3's
 attention sliced its local fused q/k/v at global offsets).

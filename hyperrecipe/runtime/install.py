@@ -41,6 +41,7 @@ from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.features.local_region import (
     local_grad_placements,
     mark_local_grad,
+    region_partial_dims,
     runs_on_local_tensors,
 )
 from hyperrecipe.runtime.installation import Installation
@@ -148,6 +149,9 @@ class _Applier:
         """Set when a rank did not vote in time: a rollback then gathers nothing."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=self.mode)
         self.device = mesh_device(mesh)
+        self.boundaries = {b.fqn: b for b in plan.boundaries}
+        self.partial_dims: dict[str, frozenset[str]] = {}
+        """Per local region: the mesh dims its code computes on parts of the data along."""
         self.unloaded: list[str] = []
         """Parameters and persistent buffers allocated on the meta device's behalf: no value yet."""
 
@@ -250,9 +254,14 @@ class _Applier:
             return grad
 
         param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
-        # local code (a local region) computing with it hands back this rank's partial sum where
-        # the plan reduces the gradient (reduce_grads); keep_placement then all-reduces it
-        mark_local_grad(param, local_grad_placements(placements, p.grad_reduce, self.mesh_dims))
+        # local code (a local region) computing with it on this rank's part of the data hands
+        # back a partial sum where the plan reduces the gradient; keep_placement all-reduces it
+        region = self.boundaries.get(p.boundary or "")
+        if region is not None and region.local_region and p.grad_reduce:
+            if region.fqn not in self.partial_dims:
+                self.partial_dims[region.fqn] = region_partial_dims(region, self.plan.params)
+            ops = tuple(op for op in p.grad_reduce if op.mesh_dim in self.partial_dims[region.fqn])
+            mark_local_grad(param, local_grad_placements(placements, ops, self.mesh_dims))
         return param
 
     def _local(self, p: ParamPlan, full: Tensor) -> Tensor:

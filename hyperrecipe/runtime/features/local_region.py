@@ -34,16 +34,16 @@ from typing import Any
 
 from torch import nn
 
-from hyperrecipe.placement import to_torch_placements
 from hyperrecipe.collective import CollectiveOp
-from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.placement import Shard, to_torch_placements
+from hyperrecipe.plan import ArgLayout, BoundaryPlan, ParamPlan
 from hyperrecipe.runtime.forward.arguments import Slot, map_declared
 from hyperrecipe.rewriter import installed_forward_owner
 from hyperrecipe.runtime.forward.marshal import to_local_tree
 from hyperrecipe.runtime.forward.validate_scope import running_local_code
 
 __all__ = ["input_grad_placements", "local_grad_placements", "local_region_forward",
-           "mark_local_grad", "runs_on_local_tensors", "unwrap_declared",
+           "mark_local_grad", "region_partial_dims", "runs_on_local_tensors", "unwrap_declared",
            "with_local_parameters"]
 
 Forward = Callable[..., Any]
@@ -111,6 +111,25 @@ def runs_on_local_tensors(fqn: str, boundaries: Sequence[BoundaryPlan]) -> bool:
             if best is None or len(b.fqn) > len(best.fqn):
                 best = b
     return best is not None and bool(best.local_region)
+
+
+def region_partial_dims(region: BoundaryPlan, params: Sequence[ParamPlan]) -> frozenset[str]:
+    """The mesh dims along which a local region's code computes on this rank's part of the
+    data: a parameter in the region (nested boundaries included) or a declared input is sharded
+    on them. A replicated parameter's gradient computed there is this rank's partial sum, which
+    ``reduce_grads`` all-reduces in both modes.
+
+    On any other mesh dim the region computes on whole data, and a ``reduce_grads`` there
+    stands for gradients that arrive partial at the region's outputs in production (a router
+    whose scores feed sharded experts); validate mode's output edge has reduced those already
+    (DTensor redistributes the arriving gradient to the declared ``out_src``), so they are left
+    as the parameter is placed there."""
+    inside = region.fqn + "."
+    dims = {d for p in params if p.module == region.fqn or p.module.startswith(inside)
+            for d in p.placement.mesh_dims if isinstance(p.placement.get(d), Shard)}
+    dims.update(d for a in region.inputs for d in a.dst.mesh_dims
+                if isinstance(a.dst.get(d), Shard))
+    return frozenset(dims)
 
 
 def local_grad_placements(placements: Sequence[Any], grad_reduce: Sequence[CollectiveOp],
