@@ -163,3 +163,52 @@ def test_dtensor_refusals_name_the_boundary_and_tell_an_unshardable_op_from_a_sh
                            "aten.mm.default on these inputs in validate mode: ")
     assert issubclass(ValidateUnsupportedError, NotImplementedError)
     assert not issubclass(ValidateShardingError, NotImplementedError)
+
+
+def _expand_kv(rank: int, world: int, scoped: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
+
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    kv_full, rot_full = _kv_inputs()
+    kv = DTensor.from_local(kv_full.chunk(world, 1)[rank].clone(), mesh,
+                            (Shard(1),)).requires_grad_()
+    rot = DTensor.from_local(rot_full, mesh, (Replicate(),)).requires_grad_()
+
+    def expand() -> Any:  # DeepSeek-V2's expand_kv, on head-sharded keys
+        keys = kv.new_empty(*kv.shape[:-1], 8)
+        keys[..., :6].copy_(kv)
+        keys[..., 6:].copy_(rot.expand(-1, kv.shape[1], -1, -1))
+        return keys
+
+    keys = (validate_compute(expand, "attn") if scoped else expand)()
+    keys.pow(2).sum().backward()
+    assert isinstance(kv.grad, DTensor) and isinstance(rot.grad, DTensor)
+    return {"placements": str(keys.placements), "keys": keys.full_tensor(),
+            "kv_grad": kv.grad.full_tensor(), "rot_grad": rot.grad.full_tensor()}
+
+
+def _kv_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 4, 3, 6, generator=g), torch.randn(2, 1, 3, 2, generator=g)
+
+
+@pytest.mark.parametrize("scoped", [True, False])
+def test_new_empty_of_head_sharded_keys_keeps_their_placement_in_a_validate_compute(
+        scoped: bool) -> None:
+    """``kv.new_empty(*kv.shape[:-1], d)`` of keys sharded by head: DTensor alone hands back a
+    replicated tensor (the unscoped run shows it), so the keys built in it arrive replicated
+    where production holds this rank's heads; in a validate compute it is sharded like ``kv``.
+    Values and both gradients equal one process's exactly (a copy and a square)."""
+    kv, rot = (t.requires_grad_() for t in _kv_inputs())
+    keys = kv.new_empty(*kv.shape[:-1], 8)
+    keys[..., :6].copy_(kv)
+    keys[..., 6:].copy_(rot.expand(-1, kv.shape[1], -1, -1))
+    keys.pow(2).sum().backward()
+    for res in run_ranks(_expand_kv, 2, scoped, timeout_s=120):
+        assert res["placements"] == ("(Shard(dim=1),)" if scoped else "(Replicate(),)")
+        torch.testing.assert_close(res["keys"], keys.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(res["kv_grad"], kv.grad, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["rot_grad"], rot.grad, atol=1e-6, rtol=1e-6)

@@ -115,3 +115,60 @@ def register_validate_rules() -> None:
             if not any(op in table for table in known):
                 register_sharding(op)(rule)
         _REGISTERED.set()
+
+
+NEW_TENSOR_METHODS = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
+"""``Tensor.new_*`` methods whose result keeps a sharded DTensor's placements in validate mode
+(:func:`new_tensor_placed`)."""
+
+
+def _size_of(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[Any, ...] | None:
+    rest = args[1:]
+    if name == "new_full":
+        rest = rest[:1]
+    if "size" in kwargs:
+        rest = (kwargs["size"],)
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        rest = tuple(rest[0])
+    return tuple(rest) if all(isinstance(s, int) for s in rest) else None
+
+
+def new_tensor_placed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.new_empty(size)`` (``new_zeros``, ``new_ones``, ``new_full``) of a sharded DTensor
+    ``x``, placed as ``x`` is, where DTensor would hand back a replicated tensor.
+
+    torch 2.13 keeps ``x``'s placements only when ``size`` is ``x``'s shape; any other size
+    comes back replicated, so a model that builds a tensor of heads this way and copies its
+    head-sharded parts into it (DeepSeek-V2's ``expand_kv``: ``kv.new_empty(*kv.shape[:-1],
+    d)``) leaves its attention with replicated keys where production holds this rank's heads.
+    The values are a constant or unset, so any placement holds the same global tensor: placed as
+    ``x``, each rank allocates its part. Applies where ``size`` has ``x``'s rank and ``x``'s size
+    on every sharded dim, ``x`` has no partial placement and no gradient is asked for; returns
+    ``NotImplemented`` otherwise (DTensor then does what it does).
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    x = args[0] if args else None
+    if not isinstance(x, DTensor) or kwargs.get("requires_grad"):
+        return NotImplemented
+    size = _size_of(args, dict(kwargs), name)
+    if size is None or len(size) != x.ndim or tuple(size) == tuple(x.shape):
+        return NotImplemented
+    sharded = [p for p in x.placements if not isinstance(p, Replicate)]
+    if not sharded or not all(type(p) is Shard for p in sharded):
+        return NotImplemented  # partial, strided: left to DTensor
+    dims = {p.dim % x.ndim for p in sharded if isinstance(p, Shard)}
+    if any(size[d] != x.shape[d] for d in dims):
+        return NotImplemented
+    local_size = [x._local_tensor.shape[d] if d in dims else s for d, s in enumerate(size)]
+    extra = {k: v for k, v in kwargs.items() if k != "size"}
+    local_x = x._local_tensor
+    if name == "new_full":
+        fill = args[2] if len(args) > 2 else extra.pop("fill_value")
+        local = local_x.new_full(local_size, fill, **extra)
+    else:
+        local = getattr(local_x, name)(local_size, **extra)
+    stride = torch.empty(size, device="meta").stride()
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                              shape=torch.Size(size), stride=stride)

@@ -47,6 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
+from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
@@ -60,6 +61,10 @@ _LOCAL_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_
                                                                    default=False)
 _SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_validate_scope",
                                                               default=False)
+
+
+def _is_tensor_method(func: Any) -> bool:
+    return getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func
 
 
 def _legacy_empty(t: Any) -> bool:
@@ -77,6 +82,10 @@ class _ValidateComputeMode(TorchFunctionMode):
             parts = split_strided(func, args, kwargs)
             if parts is not NotImplemented:
                 return parts
+        elif getattr(func, "__name__", None) in NEW_TENSOR_METHODS and _is_tensor_method(func):
+            placed = new_tensor_placed(func.__name__, tuple(args), kwargs)
+            if placed is not NotImplemented:
+                return placed
         elif func is torch.nn.functional.linear and len(args) >= 2:
             out = linear_by_parts(args, kwargs)
             if out is not NotImplemented:
