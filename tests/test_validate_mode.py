@@ -212,3 +212,46 @@ def test_new_empty_of_head_sharded_keys_keeps_their_placement_in_a_validate_comp
         torch.testing.assert_close(res["keys"], keys.detach(), atol=0, rtol=0)
         torch.testing.assert_close(res["kv_grad"], kv.grad, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(res["rot_grad"], rot.grad, atol=1e-6, rtol=1e-6)
+
+
+EP_LLAMA4 = """recipe: llama4-ep
+version: 1
+mesh: [ep]
+rules:
+  - match: model.layers.0.feed_forward.experts
+    boundary: true
+    local_region: true
+    in_src: {hidden_states: replicate}
+    out_src: {0: {ep: partial}}
+    out_dst: {0: replicate}
+    params: {gate_up_proj: {ep: shard(0)}, down_proj: {ep: shard(0)}}
+"""
+
+
+@pytest.mark.parametrize(("local_region", "line", "column", "message"), [
+    (True, 7, 19, "model.layers.0.feed_forward.experts: the expert-parallel kernel calls the "
+                  "experts' forward as forward(hidden_states, expert ids, routing weights) with "
+                  "this rank's ids; Llama4TextExperts.forward takes (hidden_states): it is "
+                  "handed tokens already routed, so no kernel can pick this rank's experts"),
+    (False, 10, 28, "model.layers.0.feed_forward.experts: its experts are sharded whole over ep "
+                    "('gate_up_proj' {ep: shard(0)}), but only an expert-parallel local region "
+                    "picks this rank's experts; without one each rank computes with its 2 local "
+                    "experts against the router's global ids"),
+])
+def test_expert_parallelism_no_kernel_can_run_is_refused_at_compile_time(
+        tmp_path: Path, local_region: bool, line: int, column: int, message: str) -> None:
+    """Llama-4's experts take tokens already routed (``forward(hidden_states)``): with a local
+    region the kernel would raise a raw ``TypeError`` at the first forward; without one,
+    production ran and was silently wrong (the model reads the expert count off its local
+    weights). Both are refused at compile time, at the recipe line."""
+    from hyperrecipe.errors import RecipeError
+    from hyperrecipe.model_tree import build_model
+
+    text = EP_LLAMA4 if local_region else EP_LLAMA4.replace("    local_region: true\n", "")
+    path = tmp_path / "ep.yaml"
+    path.write_text(text)
+    model = build_model("hf:llama4_text", str(ROOT / "tests/recipes/models/tiny-llama4_text.json"),
+                        device="meta")
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(str(path), model, {"ep": 2})
+    assert str(info.value).startswith(f"{path}:{line}:{column}: {message}")
