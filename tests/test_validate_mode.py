@@ -255,3 +255,18 @@ def test_expert_parallelism_no_kernel_can_run_is_refused_at_compile_time(
     with pytest.raises(RecipeError) as info:
         compile_recipe(str(path), model, {"ep": 2})
     assert str(info.value).startswith(f"{path}:{line}:{column}: {message}")
+
+
+def test_the_default_grouped_mm_experts_are_refused_at_validate_apply_with_the_fix() -> None:
+    """Mixtral built with transformers' default experts kernel (``grouped_mm``): DTensor runs
+    ``aten._grouped_mm`` in bfloat16 only, so fp32 experts on DTensors would fail inside
+    transformers at the first forward; ``apply`` refuses them first, naming the module and both
+    ways out. (The ``batched_mm`` experts agree with one process: test_family_recipes.)"""
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_worker, 2, "mixtral", recipe_path("mixtral"), "validate", {}, timeout_s=300)
+    text = str(info.value)
+    assert ("ValidateUnsupportedError: model.layers.0.mlp.experts: transformers' default experts "
+            "kernel (experts_implementation='grouped_mm') calls aten._grouped_mm, which DTensor "
+            f"(torch {torch.__version__}) runs in bfloat16 only, and these experts are float32. "
+            "For validate mode build the model with experts_implementation='batched_mm'") in text
+    assert "Sharding propagation failed" not in text

@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe.errors import PlanMismatchError, RewriteError, UsageError
+from hyperrecipe.errors import (
+    PlanMismatchError,
+    RewriteError,
+    UsageError,
+    ValidateUnsupportedError,
+)
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import from_dtensor_text, parse_chunk_parts
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
@@ -464,6 +469,12 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
 
         register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)
+        from hyperrecipe.integrations.hf_kernels import validate_experts_refusal
+
+        refusal = validate_experts_refusal(model, plan)  # same model on every rank: all raise
+        if refusal is not None:
+            raise ValidateUnsupportedError(refusal, fqn=refusal.split(":", 1)[0],
+                                           op="aten._grouped_mm.default")
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
     with tx, trusting(trust_code):
