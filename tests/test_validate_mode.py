@@ -270,3 +270,35 @@ def test_the_default_grouped_mm_experts_are_refused_at_validate_apply_with_the_f
             f"(torch {torch.__version__}) runs in bfloat16 only, and these experts are float32. "
             "For validate mode build the model with experts_implementation='batched_mm'") in text
     assert "Sharding propagation failed" not in text
+
+
+def _padded_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    model = build("llama")
+    plan = compile_recipe(recipe_path("llama"), build("llama", "meta"), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    logits = _padded_step(model)
+    grads = inst.full_grads()
+    inst.restore()
+    return {"logits": logits, "grads": grads}
+
+
+def _padded_step(model: Any) -> torch.Tensor:
+    ids = torch.arange(16).reshape(2, 8) % 128
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: sdpa gets an explicit [B, 1, L, L] mask, not is_causal
+    logits: torch.Tensor = model(input_ids=ids, attention_mask=mask).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach()
+
+
+def test_sdpa_with_a_padding_mask_runs_in_validate_mode_like_one_process() -> None:
+    """A padded batch hands the CPU SDPA kernel an ``attn_mask`` (broadcast over heads): the
+    rule keeps it replicated beside head-sharded q, k, v, in forward and backward."""
+    model = build("llama")
+    ref_logits = _padded_step(model)
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, res in enumerate(run_ranks(_padded_worker, 2, "validate", timeout_s=300)):
+        _assert_matches(res["logits"], ref_logits, f"rank {rank} logits")
+        assert set(res["grads"]) == set(ref_grads)
+        for name, g in ref_grads.items():
+            _assert_matches(res["grads"][name], g, f"rank {rank} grad {name}")
