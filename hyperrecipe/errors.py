@@ -41,6 +41,8 @@ __all__ = [
     "RefError",
     "UntrustedCodeError",
     "UsageError",
+    "ValidateShardingError",
+    "ValidateUnsupportedError",
     "RewriteError",
     "SelectorError",
     "SourceSpan",
@@ -225,6 +227,45 @@ class UnsupportedTorchError(HyperrecipeError, RuntimeError):
     extra, not a core dependency, so pip never checks the range for a torch the user brought;
     older DTensor releases fail in ways that name the wrong cause (torch 2.6: validate mode
     reports a sharded input as arriving replicated), so ``apply`` refuses them by name."""
+
+
+class ValidateUnsupportedError(HyperrecipeError, NotImplementedError):
+    """Validate mode met an op DTensor has no sharding rule for, inside a boundary's compute.
+
+    DTensor's own error names the aten op and nothing else; this one names the boundary module
+    whose compute called it and the way out (a function adapter or a local region runs that code
+    on local tensors; production mode needs no rule). It derives from ``NotImplementedError``,
+    as DTensor's does, so code that caught that keeps working.
+
+    Args:
+        message: the whole message.
+        fqn: the boundary module whose compute called the op.
+        op: the aten op, as DTensor names it (``aten.foo.default``).
+    """
+
+    def __init__(self, message: str, *, fqn: str, op: str) -> None:
+        self.fqn = fqn
+        self.op = op
+        super().__init__(message)
+
+
+class ValidateShardingError(HyperrecipeError, RuntimeError):
+    """DTensor's sharding propagation refused an op's inputs inside a validate-mode boundary's
+    compute (a matmul of mismatched shapes: most often a count or size the module computed that
+    does not fit the shards it was given). The message names the boundary, the op and DTensor's
+    reason. Not a :class:`ValidateUnsupportedError`: the op runs, these inputs do not fit it,
+    and ``check`` diagnoses it as the step's failure.
+
+    Args:
+        message: the whole message.
+        fqn: the boundary module whose compute called the op.
+        op: the aten op, as DTensor names it.
+    """
+
+    def __init__(self, message: str, *, fqn: str, op: str) -> None:
+        self.fqn = fqn
+        self.op = op
+        super().__init__(message)
 
 
 class ModeError(HyperrecipeError, ValueError):

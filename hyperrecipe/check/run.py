@@ -301,17 +301,6 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         _refuse_default_config(options)
     progress(f"recipe {recipe.name!r} loaded ({len(recipe.rules)} rules)")
     notes: list[str] = []
-    wraps_attention = any(rule.fields.inner_wrapper for rule in recipe.rules)
-    if (options.model.startswith("hf:") and "validate" in options.modes
-            and "attn_implementation" not in config):
-        if wraps_attention:
-            notes.append("attn_implementation left at transformers' default (sdpa): the recipe's "
-                         "inner wrappers hook it and run attention on local tensors")
-        else:
-            config["attn_implementation"] = "eager"
-            notes.append("attn_implementation=eager for every run (DTensor has no CPU SDPA "
-                         "strategy, so validate mode needs eager attention; the reference uses "
-                         "the same)")
     first = "; transformers is imported first" if options.model.startswith("hf:") else ""
     progress(f"building {options.model} on the CPU (seed {options.seed}{first})")
     t_build = time.perf_counter()

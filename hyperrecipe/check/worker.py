@@ -116,8 +116,8 @@ def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
         cause = failed.__cause__
         assert cause is not None
         if isinstance(cause, (torch.OutOfMemoryError, NotImplementedError)):
-            # the machine's limit, or an op DTensor has no sharding strategy for (CPU SDPA in
-            # validate mode): the check cannot run, which says nothing about the plan
+            # the machine's limit, or an op DTensor cannot shard (ValidateUnsupportedError, a
+            # NotImplementedError): the check cannot run, which says nothing about the plan
             raise cause from None
         payload = failed.trace.to_payload()
         payload["timings"].update(build_s=t1 - t0, apply_s=t2 - t1)

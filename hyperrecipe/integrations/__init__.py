@@ -2,7 +2,8 @@
 
 Owns ``transformers`` (what the runtime asks of a transformers model: attention dispatch, the
 causal-LM loss, initializers, checkpoint conventions, the experts kernels' flag),
-``hf_conversion`` (its checkpoint key conversions and renames), ``hf_trainer``
+``hf_conversion`` (its checkpoint key conversions and renames), ``hf_kernels``
+(its compute kernels validate mode cannot run on DTensors, named before apply), ``hf_trainer``
 (``HyperrecipeTrainer``: the Hugging Face Trainer over an applied plan), ``lightning``
 (``HyperrecipeStrategy``: Lightning's model-parallel strategy applying a plan) and
 ``trainer_mesh`` (which mesh dims a trainer may split batches and average gradients over, read

@@ -5,6 +5,8 @@
   such a table has no kernel and is refused.
 - :func:`refuse_whole_biases_of_split_experts`: tensor-parallel experts with a per-expert bias
   left whole over the weights' mesh dim are refused (every rank would add all of it).
+- :func:`refuse_experts_split_outside_a_region`: experts sharded whole over a mesh dim in a
+  module that is not a local region are refused (no kernel picks this rank's experts).
 - :func:`expert_parallel`: a local region whose own per-expert tensors (3-D weights and
   ``[E, ...]`` biases) are sharded on dim 0 over one mesh dim runs the expert-parallel kernel the declared inputs call for (``partial``
   when they are whole on that dim, ``dispatch`` when they are all ``shard(0)``), and its first
@@ -26,8 +28,8 @@ from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, span_of
 from hyperrecipe.resolve.layouts import DeclaredLayouts
 
-__all__ = ["EMBEDDING", "expert_parallel", "refuse_whole_biases_of_split_experts",
-           "vocab_parallel"]
+__all__ = ["EMBEDDING", "expert_parallel", "refuse_experts_split_outside_a_region",
+           "refuse_whole_biases_of_split_experts", "vocab_parallel"]
 
 EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
@@ -113,9 +115,78 @@ def expert_parallel(inp: ResolveInput, claims: ClaimTable, module: ModuleInfo, r
             f"{fqn}: an expert-parallel region needs the experts module's integer "
             f"'num_experts' attribute; {module.cls.rsplit('.', 1)[-1]} has none",
             span=span, path=path, rule_index=region.rule.index)
+    _refuse_unrouted_forward(module, region)
     total = experts[0].shape[0]
     return ExpertParallel(mesh_dim=ep_dim, kernel=kernel, experts=total,
                           local_experts=total // inp.size(ep_dim))
+
+
+_KERNEL_ARGS = 3
+"""The expert-parallel kernels call the experts' forward as ``forward(hidden_states, expert ids,
+routing weights, ...)``: transformers' fused experts (Mixtral's ``top_k_index, top_k_weights``,
+GPT-OSS's ``router_indices, routing_weights``)."""
+
+
+def _refuse_unrouted_forward(module: ModuleInfo, region: Claim) -> None:
+    """An experts module whose forward takes no expert ids (Llama-4's
+    ``Llama4TextExperts.forward(hidden_states)``: its MoE block routes and hands it every
+    expert's tokens) cannot be told which experts are this rank's; the kernel would fail on the
+    first call, and without a local region the module would read the expert count off its local
+    weights, silently wrong."""
+    if not module.signature:
+        return  # the forward's signature could not be read: nothing to judge by
+    positional = [a.name for a in module.signature
+                  if a.kind in ("positional", "positional_only")]
+    if len(positional) >= _KERNEL_ARGS or any(a.kind == "var_positional"
+                                              for a in module.signature):
+        return
+    cls = module.cls.rsplit(".", 1)[-1]
+    span, path = span_of(region, "local_region")
+    raise RecipeError(
+        f"{module.fqn}: the expert-parallel kernel calls the experts' forward as "
+        f"forward(hidden_states, expert ids, routing weights) with this rank's ids; "
+        f"{cls}.forward takes ({', '.join(positional)}): it is handed tokens already routed, so "
+        f"no kernel can pick this rank's experts", span=span, path=path,
+        rule_index=region.rule.index,
+        hint="keep the experts whole on that mesh dim and shard them tensor-parallel on their "
+             "intermediate dim instead (a fused gate/up dim with chunks=2), or "
+             "expert-parallelize a module whose forward takes the router's ids")
+
+
+def refuse_experts_split_outside_a_region(inp: ResolveInput, claims: ClaimTable,
+                                          module: ModuleInfo) -> None:
+    """Experts sharded whole over a mesh dim (3-D weights ``shard(0)``) in a module that is
+    not a local region: only a local region runs the expert-parallel kernel, and without it the
+    module computes with its local experts against the router's global ids (a model that reads
+    the expert count off its weights raises nothing: production is silently wrong).
+
+    Raises:
+        RecipeError: at the rule that placed the first such weight.
+    """
+    experts = [p for p in _per_expert(module) if len(p.shape) == 3]
+    if not experts:
+        return
+    region = claims.get(module.fqn, "local_region")
+    if region is not None and region.value:
+        return
+    for p in experts:
+        claim = claims.get(p.tied_to or p.fqn, "params")
+        if claim is None:
+            continue
+        placement: NamedPlacement = claim.value.canonical(inp.recipe.mesh)
+        ep = [d for d, q in placement.dims if isinstance(q, Shard) and not q.is_chunked
+              and q.dim in (0, -3) and inp.size(d) > 1]
+        if not ep:
+            continue
+        span, path = _param_span(claim, p.name)
+        raise RecipeError(
+            f"{module.fqn}: its experts are sharded whole over {ep[0]} ('{p.name}' "
+            f"{placement}), but only an expert-parallel local region picks this rank's "
+            f"experts; without one each rank computes with its {p.shape[0] // inp.size(ep[0])} "
+            f"local experts against the router's global ids", span=span, path=path,
+            rule_index=claim.rule.index,
+            hint=f"make {module.fqn} a boundary with `local_region: true` and its in_src/out_src "
+                 f"(docs/runtime.md#expert-parallel, recipes/mixtral-ep.yaml)")
 
 
 def refuse_whole_biases_of_split_experts(inp: ResolveInput, claims: ClaimTable,

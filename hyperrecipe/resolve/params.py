@@ -28,7 +28,10 @@ from hyperrecipe.plan import ParamPlan, Provenance
 from hyperrecipe.resolve.boundaries import BoundaryTree, BuiltBoundaries
 from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, provenance_of
-from hyperrecipe.resolve.kernels import refuse_whole_biases_of_split_experts
+from hyperrecipe.resolve.kernels import (
+    refuse_experts_split_outside_a_region,
+    refuse_whole_biases_of_split_experts,
+)
 
 __all__ = ["settle_params"]
 
@@ -47,6 +50,7 @@ def settle_params(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
     owners: dict[str, ParamPlan] = {}
     for module in inp.tree.modules:
         refuse_whole_biases_of_split_experts(inp, claims, module)
+        refuse_experts_split_outside_a_region(inp, claims, module)
         for p in module.params:
             claim = claims.get(p.tied_to or p.fqn, "params")
             if claim is None:

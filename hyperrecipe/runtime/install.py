@@ -31,6 +31,11 @@ from hyperrecipe.runtime.comm.collectives import group_for
 from hyperrecipe.runtime.forward.compute import bias_free_forward, class_forward
 from hyperrecipe.runtime.state.export import model_save_pretrained
 from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
+from hyperrecipe.runtime.features.local_region import (
+    local_grad_placements,
+    mark_local_grad,
+    region_partial_dims,
+)
 from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.state.materialize import (
     allocate_unloaded,
@@ -127,6 +132,9 @@ class _Applier:
         """Set when a rank did not vote in time: a rollback then gathers nothing."""
         self.inner = InnerWrapperInstaller(mesh=mesh, mesh_dims=self.mesh_dims, mode=self.mode)
         self.device = mesh_device(mesh)
+        self.boundaries = {b.fqn: b for b in plan.boundaries}
+        self.partial_dims: dict[str, frozenset[str]] = {}
+        """Per local region: the mesh dims its code computes on parts of the data along."""
         self.unloaded: list[str] = []
         """Parameters and persistent buffers allocated on the meta device's behalf: no value yet."""
 
@@ -191,8 +199,26 @@ class _Applier:
     def _make_param(self, p: ParamPlan, module: nn.Module) -> nn.Parameter:
         full = module._parameters[p.name]
         assert full is not None
-        return self.mode.make_parameter(p, self._local(p, full), self.mesh,
-                                        requires_grad=full.requires_grad)
+        param = self.mode.make_parameter(p, self._local(p, full), self.mesh,
+                                         requires_grad=full.requires_grad)
+        self._mark_local_region_grad(p, param)
+        return param
+
+    def _mark_local_region_grad(self, p: ParamPlan, param: nn.Parameter) -> None:
+        """A DTensor parameter that a local region's code computes with on this rank's part of
+        the data hands back a partial sum where the plan reduces its gradient: declare it so,
+        and its placement hook all-reduces it (production's buckets do the same)."""
+        from torch.distributed.tensor import DTensor
+
+        region = self.boundaries.get(p.boundary or "")
+        if region is None or not region.local_region or not p.grad_reduce \
+                or not isinstance(param, DTensor):
+            return
+        if region.fqn not in self.partial_dims:
+            self.partial_dims[region.fqn] = region_partial_dims(region, self.plan.params)
+        ops = tuple(op for op in p.grad_reduce if op.mesh_dim in self.partial_dims[region.fqn])
+        mark_local_grad(param, local_grad_placements(tuple(param.placements), ops,
+                                                     self.mesh_dims))
 
     def _local(self, p: ParamPlan, full: Tensor) -> Tensor:
         """This rank's shard of ``full``: sliced once from a real tensor, or allocated (unset)
@@ -240,7 +266,10 @@ class _Applier:
         return restore
 
     def set_head_counts(self, tx: Rewrite) -> None:
-        """Divided head counts (production). A ``config.`` count is set on a copy of the module's
+        """Divided head counts: every one in production; in validate mode those of modules
+        whose code runs in a local region (it computes on local shards there too), while
+        DTensor computes everywhere else with global shapes and the counts stay global. A
+        ``config.`` count is set on a copy of the module's
         config (one per module, with every divided field), which the module then holds: the
         config object is shared with the rest of the model, whose counts stay global."""
         configs: dict[str, Any] = {}
@@ -377,6 +406,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     chosen = as_mode(mode)
     _check_arguments(model, plan, mesh)
     agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
+    chosen.prepare(model, plan)  # the same model on every rank: all raise together
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")
     with tx, trusting(trust_code):

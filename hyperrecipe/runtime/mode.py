@@ -12,8 +12,11 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
   hooks on the shards (production); DTensor's own backward reduces them (validate).
 - ``install_optimizer_checks``: validate mode refuses torch's multi-tensor kernels over its
   mixed DTensor / plain parameters at ``optimizer.step()``.
+- ``prepare``: validate mode registers DTensor rules for the ops torch ships without one (CPU
+  SDPA) and refuses a kernel that cannot run on DTensors before anything is installed.
 - ``divided_head_counts``: the head counts modules read, divided where modules compute on local
-  shards (production); DTensor computes on global shapes, so none (validate).
+  shards (production; in validate mode only inside local regions, whose code runs on local
+  tensors in both modes).
 - ``embedding_compute``: a vocab-parallel table's lookup, the masked local kernel
   (production) or the module's own on DTensor (validate).
 - ``vocab_shard``: how the loss on vocab shards computes (local kernels or DTensor ops).
@@ -70,6 +73,14 @@ class Mode:
         boundary calls it: on local tensors in both modes. ``declared``: ``args`` are the
         module's forward arguments, whose declared inputs unwrap with production's gradient
         placement (the forward hook)."""
+        raise NotImplementedError
+
+    def prepare(self, model: nn.Module, plan: Plan) -> None:
+        """What this mode needs before anything is installed, or its refusal of the model.
+
+        Raises:
+            ValidateUnsupportedError: (validate) a kernel the model runs cannot run on DTensors.
+        """
         raise NotImplementedError
 
     def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
@@ -142,6 +153,9 @@ class _Production(Mode):
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
         return fn  # the arguments are local already
 
+    def prepare(self, model: nn.Module, plan: Plan) -> None:
+        return None  # local kernels run whatever the model runs
+
     def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
                        requires_grad: bool) -> nn.Parameter:
         from torch import nn
@@ -205,6 +219,17 @@ class _Validate(Mode):
 
         return dtensor_edge(fn, boundary, mesh, mesh_dims, declared=declared)
 
+    def prepare(self, model: nn.Module, plan: Plan) -> None:
+        from hyperrecipe.errors import ValidateUnsupportedError
+        from hyperrecipe.integrations.hf_kernels import validate_experts_refusal
+        from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
+
+        register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)
+        refusal = validate_experts_refusal(model, plan)
+        if refusal is not None:
+            raise ValidateUnsupportedError(refusal, fqn=refusal.split(":", 1)[0],
+                                           op="aten._grouped_mm.default")
+
     def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
                        requires_grad: bool) -> nn.Parameter:
         from hyperrecipe.runtime.comm.dtensor_parameters import dtensor_parameter
@@ -225,7 +250,12 @@ class _Validate(Mode):
         return list(install_mixed_kernel_check(live))
 
     def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
-        return ()  # DTensor computes with global shapes; the attributes stay global
+        # DTensor computes with global shapes, so the attributes stay global, except in modules
+        # whose code runs on local tensors (a local region) in both modes
+        from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
+
+        return tuple(h for h in plan.head_counts
+                     if runs_on_local_tensors(h.module, plan.boundaries))
 
     def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
                           compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:

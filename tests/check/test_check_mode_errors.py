@@ -1,9 +1,11 @@
 """``hyperrecipe check`` reports every mode, even when another could not run.
 
-Tiny Llama built with SDPA attention, explicitly: production agrees with one process; validate
-mode cannot run on the CPU (torch 2.13 has no DTensor strategy for the CPU flash kernel, a
-``NotImplementedError`` in the rank, outside anything the recipe decides). The report keeps
-production's verdict and gives validate its own ERROR line; the exit code is 2.
+Tiny Mixtral with transformers' ``eager`` experts, chosen explicitly (``check`` keeps what the
+config names): production agrees with one process; validate mode cannot run the loop's
+``nonzero`` on a DTensor (an op DTensor cannot shard, outside anything the recipe decides), and
+the rank refuses it with hyperrecipe's error naming the boundary and the op, not DTensor's bare
+text. The report keeps production's verdict and gives validate its own ERROR line; the exit
+code is 2.
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ from hyperrecipe.check.report import render_text, report_json
 from hyperrecipe.check.run import CheckOptions, run_check
 
 ROOT = Path(__file__).resolve().parents[2]
-SDPA_LLAMA = {**json.loads((ROOT / "recipes/models/tiny-llama.json").read_text()),
-              "attn_implementation": "sdpa"}
-NO_STRATEGY = ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"
-               ".default does not have a sharding strategy registered.")
+EAGER_EXPERTS = {**json.loads((ROOT / "recipes/models/tiny-mixtral.json").read_text()),
+                 "experts_implementation": "eager"}
+NO_STRATEGY = ("ValidateUnsupportedError: model.layers.0.mlp: validate mode cannot run "
+               "aten.nonzero.default here: DTensor (torch ")
+NONZERO = "cannot shard it: its output's shape depends on the data"
 
 
 def test_a_mode_that_cannot_run_keeps_the_other_modes_verdict() -> None:
-    report = run_check(CheckOptions(recipe=str(ROOT / "recipes/llama.yaml"), model="hf:llama",
-                                    model_config=SDPA_LLAMA, mesh={"tp": 2}))
+    report = run_check(CheckOptions(recipe=str(ROOT / "recipes/mixtral.yaml"), model="hf:mixtral",
+                                    model_config=EAGER_EXPERTS, mesh={"tp": 2}))
     production, validate = report.modes
     assert (production.mode, validate.mode) == ("production", "validate")
     assert production.agree and production.error is None
     assert not validate.agree and validate.comparison is None
     assert validate.error is not None and NO_STRATEGY in validate.error
+    assert NONZERO in validate.error and "sharding strategy" not in validate.error
+    assert "Sharding propagation failed" not in validate.error
     assert report.exit_code == 2 and [m.mode for m in report.errors] == ["validate"]
 
     lines = render_text(report).splitlines()

@@ -7,8 +7,9 @@ catches a missing reduction on a small gradient (the norms' are ~1e-4, below wha
 resolves); measured worst cases are ~3e-7 on logits and ~2e-6 relative on gradients (the
 Mixtral router's).
 
-Validate mode runs eager attention (torch 2.13 has no DTensor strategy for CPU SDPA) and, for
-Mixtral, transformers' ``batched_mm`` experts: the default ``grouped_mm`` has no fp32 DTensor
+Validate mode runs transformers' default ``sdpa`` attention (on the CPU kernel's DTensor rule that
+validate mode registers, :mod:`hyperrecipe.runtime.comm.dtensor_rules`) and, for Mixtral,
+transformers' ``batched_mm`` experts: the default ``grouped_mm`` has no fp32 DTensor
 strategy and the ``eager`` loop calls ``nonzero``, which DTensor cannot shard. Production runs
 all three expert implementations on local shards. The batch is 4 x 8 so that DTensor's own
 choice of sharding the flattened tokens in Mixtral's backward divides at tp=4.
@@ -41,23 +42,23 @@ from tests.support.family_harness import (
 from tests.support.runtime_harness import ROOT, assert_close, mesh_1d
 
 SCALED_TOL = 1e-5
-EAGER = {"attn_implementation": "eager"}
-VALIDATE_MIXTRAL = {**EAGER, "experts_implementation": "batched_mm"}
+DEFAULTS: dict[str, Any] = {}
+VALIDATE_MIXTRAL = {"experts_implementation": "batched_mm"}
 
 CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("qwen2", "production", 2, {}),
-    ("qwen2", "validate", 2, EAGER),
+    ("qwen2", "validate", 2, DEFAULTS),
     ("qwen2", "production", 2, {"tie_word_embeddings": True}),
     ("qwen2", "production", 4, {}),
-    ("qwen2", "validate", 4, EAGER),
+    ("qwen2", "validate", 4, DEFAULTS),
     ("qwen3", "production", 2, {}),
-    ("qwen3", "validate", 2, EAGER),
+    ("qwen3", "validate", 2, DEFAULTS),
     ("qwen3", "production", 4, {}),
-    ("qwen3", "validate", 4, EAGER),
+    ("qwen3", "validate", 4, DEFAULTS),
     ("mistral", "production", 2, {}),
-    ("mistral", "validate", 2, EAGER),
+    ("mistral", "validate", 2, DEFAULTS),
     ("mistral", "production", 4, {}),
-    ("mistral", "validate", 4, EAGER),
+    ("mistral", "validate", 4, DEFAULTS),
     ("mixtral", "production", 2, {}),  # grouped_mm experts (transformers' default)
     ("mixtral", "production", 2, {"experts_implementation": "eager"}),
     ("mixtral", "production", 2, {"experts_implementation": "batched_mm"}),
@@ -65,13 +66,13 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("mixtral", "production", 4, {}),
     ("mixtral", "validate", 4, VALIDATE_MIXTRAL),
     ("gpt2", "production", 2, {}),
-    ("gpt2", "validate", 2, EAGER),
+    ("gpt2", "validate", 2, DEFAULTS),
     ("gpt2", "production", 4, {}),
-    ("gpt2", "validate", 4, EAGER),
+    ("gpt2", "validate", 4, DEFAULTS),
     ("phi3", "production", 2, {}),
-    ("phi3", "validate", 2, EAGER),
+    ("phi3", "validate", 2, DEFAULTS),
     ("phi3", "production", 4, {}),
-    ("phi3", "validate", 4, EAGER),
+    ("phi3", "validate", 4, DEFAULTS),
 ]
 
 

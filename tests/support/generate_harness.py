@@ -3,10 +3,10 @@
 No forward argument is overridden: ``model(input_ids=ids)`` runs with the config's defaults
 (``use_cache=True``, so every attention grows a KV cache inside its boundary), and
 ``model.generate(ids, max_new_tokens=8, do_sample=False)`` decodes greedily, feeding the cache
-back in one token at a time. Only what torch 2.13 forces is set: validate mode on the CPU runs
-eager attention (DTensor has no CPU SDPA strategy) and, for Mixtral's experts on DTensors,
-``batched_mm`` (``grouped_mm`` has no fp32 DTensor path); the single-process reference is built
-the same way.
+back in one token at a time, on transformers' default ``sdpa`` attention in both modes
+(validate mode registers a DTensor rule for the CPU kernel). Only what torch 2.13 forces is set:
+for Mixtral's experts on DTensors, ``batched_mm`` (``grouped_mm`` has no fp32 DTensor path); the
+single-process reference is built the same way.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def overrides_for(family: str, mode: str, recipe: str) -> dict[str, Any]:
     """The config fields validate mode needs on the CPU (none in production)."""
     if mode != "validate":
         return {}
-    # the context-parallel recipes' inner wrappers hook SDPA and run it on local tensors
-    out: dict[str, Any] = {} if "cp" in recipe else {"attn_implementation": "eager"}
+    out: dict[str, Any] = {}
     if family == "mixtral" and not recipe.endswith("-ep.yaml"):
         out["experts_implementation"] = "batched_mm"
     return out

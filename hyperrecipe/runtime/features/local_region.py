@@ -34,18 +34,21 @@ from typing import Any
 
 from torch import nn
 
-from hyperrecipe.placement import to_torch_placements
-from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.collective import CollectiveOp
+from hyperrecipe.placement import Shard, to_torch_placements
+from hyperrecipe.plan import ArgLayout, BoundaryPlan, ParamPlan
 from hyperrecipe.runtime.forward.arguments import Slot, map_declared
 from hyperrecipe.rewriter import installed_forward_owner
 from hyperrecipe.runtime.forward.marshal import to_local_tree
 from hyperrecipe.runtime.forward.validate_scope import running_local_code
 
-__all__ = ["input_grad_placements", "local_region_forward", "unwrap_declared",
+__all__ = ["input_grad_placements", "local_grad_placements", "local_region_forward",
+           "mark_local_grad", "region_partial_dims", "runs_on_local_tensors", "unwrap_declared",
            "with_local_parameters"]
 
 Forward = Callable[..., Any]
 
+_LOCAL_GRAD_ATTR = "_hyperrecipe_local_grad_placements"
 _PARTIAL_GRAD_OPS = ("all_reduce", "reduce_scatter")
 """Backward ops that consume a partial gradient: the region hands that input's gradient back
 partial on the transition's mesh dim."""
@@ -97,10 +100,70 @@ def _dtensor_parameters(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
     return tuple(dict.fromkeys(found))  # a module reached twice (shared) is swapped once
 
 
+def runs_on_local_tensors(fqn: str, boundaries: Sequence[BoundaryPlan]) -> bool:
+    """Whether module ``fqn``'s own code computes on local tensors in validate mode too: the
+    innermost boundary that is ``fqn`` or encloses it is a local region. (A boundary nested in a
+    region computes on DTensors again.) Such a module needs its head counts divided in both
+    modes, as production divides them everywhere."""
+    best: BoundaryPlan | None = None
+    for b in boundaries:
+        if fqn == b.fqn or fqn.startswith(b.fqn + ".") or not b.fqn:
+            if best is None or len(b.fqn) > len(best.fqn):
+                best = b
+    return best is not None and bool(best.local_region)
+
+
+def region_partial_dims(region: BoundaryPlan, params: Sequence[ParamPlan]) -> frozenset[str]:
+    """The mesh dims along which a local region's code computes on this rank's part of the
+    data: a parameter in the region (nested boundaries included) or a declared input is sharded
+    on them. A replicated parameter's gradient computed there is this rank's partial sum, which
+    ``reduce_grads`` all-reduces in both modes.
+
+    On any other mesh dim the region computes on whole data, and a ``reduce_grads`` there
+    stands for gradients that arrive partial at the region's outputs in production (a router
+    whose scores feed sharded experts); validate mode's output edge has reduced those already
+    (DTensor redistributes the arriving gradient to the declared ``out_src``), so they are left
+    as the parameter is placed there."""
+    inside = region.fqn + "."
+    dims = {d for p in params if p.module == region.fqn or p.module.startswith(inside)
+            for d in p.placement.mesh_dims if isinstance(p.placement.get(d), Shard)}
+    dims.update(d for a in region.inputs for d in a.dst.mesh_dims
+                if isinstance(a.dst.get(d), Shard))
+    return frozenset(dims)
+
+
+def local_grad_placements(placements: Sequence[Any], grad_reduce: Sequence[CollectiveOp],
+                          mesh_dims: Sequence[str]) -> tuple[Any, ...] | None:
+    """The gradient placement local code hands a DTensor parameter back with: its own
+    ``placements``, except partial on every mesh dim the plan's ``grad_reduce`` all-reduces
+    (``reduce_grads``: a replicated parameter applied to this rank's part of a sharded value).
+    ``None`` where the plan reduces nothing: the gradient is placed as the parameter is."""
+    from torch.distributed.tensor import Partial as TPartial
+
+    out = list(placements)
+    for op in grad_reduce:
+        if op.kind == "all_reduce" and op.mesh_dim in mesh_dims:
+            out[list(mesh_dims).index(op.mesh_dim)] = TPartial(op.reduce)
+    return tuple(out) if out != list(placements) else None
+
+
+def mark_local_grad(param: Any, grad_placements: tuple[Any, ...] | None) -> None:
+    """Marks a DTensor parameter with the gradient placement its ``to_local()`` view declares
+    when local code (a local region, a forward inner wrapper) computes with it."""
+    if grad_placements is not None:
+        setattr(param, _LOCAL_GRAD_ATTR, grad_placements)
+
+
+def _local_view(param: Any) -> Any:
+    return param.to_local(grad_placements=getattr(param, _LOCAL_GRAD_ATTR, None))
+
+
 def with_local_parameters(module: nn.Module, inner: Forward) -> Forward:
     """``inner`` called while ``module``'s DTensor parameters (found now) are swapped for their
     ``to_local()`` views in ``_parameters``, put back in ``finally``; gradients reach the DTensor
-    parameters through ``to_local``. With no DTensor parameter (production) it is ``inner``.
+    parameters through ``to_local``, placed as the parameter is, or partial where the plan
+    reduces them (:func:`mark_local_grad`: production's bucket all-reduce and validate mode's
+    then agree). With no DTensor parameter (production) it is ``inner``.
     Parameters of a boundary nested in ``module`` stay DTensors (see ``_dtensor_parameters``)."""
     params = _dtensor_parameters(module)
     if not params:
@@ -112,7 +175,7 @@ def with_local_parameters(module: nn.Module, inner: Forward) -> Forward:
             for m, name in params:
                 param: Any = m._parameters[name]
                 saved.append((m, name, param))
-                m._parameters[name] = param.to_local()
+                m._parameters[name] = _local_view(param)
             return inner(*args, **kwargs)
         finally:
             for m, name, param in saved:

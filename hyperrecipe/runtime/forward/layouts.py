@@ -291,7 +291,7 @@ class ValidateRedistributor:
         return convert
 
     def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward:
-        return validate_compute(compute)
+        return validate_compute(compute, boundary.fqn)
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
         """At the outermost boundary, and at one called from local code, undeclared DTensor

@@ -19,6 +19,13 @@ output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, 
 ``Shard(d)`` DTensor, where DTensor itself would gather it, and runs a linear layer whose weight
 is held in unequal parts part by part (:mod:`~hyperrecipe.runtime.comm.strided`).
 
+**Ops DTensor cannot shard.** DTensor's own error for an op it has no rule for (or whose rule
+refuses the inputs) names the aten op and nothing else. :func:`validate_compute` raises it again
+as :class:`~hyperrecipe.errors.ValidateUnsupportedError` naming the boundary and the way out
+(a local region or a function adapter); the innermost boundary names it, an enclosing one lets
+it through. The ops torch lacks a rule for that real models run by default (CPU SDPA) get one
+from :mod:`~hyperrecipe.runtime.comm.dtensor_rules` instead.
+
 **Local code calling a boundary.** Inner wrappers with ``hook="forward"`` and local regions run
 their module's code on local tensors (:mod:`~hyperrecipe.runtime.forward.marshal`). A boundary nested in
 such a module is called *from local code*: it must hand local tensors back, as the outermost
@@ -32,23 +39,32 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
+from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 
 Forward = Callable[..., Any]
 
+_NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy")
+_PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for (aten\.[\w.]+)\(")
 _CONCATENATIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _LOCAL_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_local_code",
                                                                    default=False)
 _SCOPED: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperrecipe_validate_scope",
                                                               default=False)
+
+
+def _is_tensor_method(func: Any) -> bool:
+    return getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func
 
 
 def _legacy_empty(t: Any) -> bool:
@@ -66,6 +82,10 @@ class _ValidateComputeMode(TorchFunctionMode):
             parts = split_strided(func, args, kwargs)
             if parts is not NotImplemented:
                 return parts
+        elif getattr(func, "__name__", None) in NEW_TENSOR_METHODS and _is_tensor_method(func):
+            placed = new_tensor_placed(func.__name__, tuple(args), kwargs)
+            if placed is not NotImplemented:
+                return placed
         elif func is torch.nn.functional.linear and len(args) >= 2:
             out = linear_by_parts(args, kwargs)
             if out is not NotImplemented:
@@ -88,10 +108,56 @@ class _ValidateComputeMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def validate_compute(compute: Forward) -> Forward:
+def _data_dependent(exc: BaseException | None) -> bool:
+    """Whether DTensor failed because the op's output shape depends on the data (``nonzero``,
+    boolean-mask indexing): no placement can describe it, whatever the inputs."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException))
+
+
+def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
+    """DTensor's bare "does not have a sharding strategy" / "Sharding propagation failed"
+    errors, raised again naming the boundary: an op DTensor cannot shard at all as
+    :class:`~hyperrecipe.errors.ValidateUnsupportedError` with the way out, inputs its rule
+    refuses as :class:`~hyperrecipe.errors.ValidateShardingError`; any other error is left
+    alone."""
+    if isinstance(exc, HyperrecipeError):
+        return  # a nested boundary's refusal already names its module
+    text = str(exc)
+    found = _NO_STRATEGY.search(text) or _PROPAGATION_FAILED.search(text)
+    if found is None:
+        return
+    op = found.group(1)
+    version = f"DTensor (torch {torch.__version__})"
+    if found.re is _NO_STRATEGY or _data_dependent(exc.__cause__):
+        why = ("has no sharding rule for it" if found.re is _NO_STRATEGY
+               else "cannot shard it: its output's shape depends on the data")
+        msg = (f"{fqn}: validate mode cannot run {op} here: {version} {why}. To check this "
+               f"boundary in validate mode, run the code that calls it on local tensors: mark "
+               f"the boundary `local_region: true` (its compute then sees this rank's shards, "
+               f"with its head counts divided), or give the function that calls it a function "
+               f"adapter (`adapters: [{{target: pkg.mod:function, mode: marshal, within: "
+               f"{fqn}}}]`, docs/adapters.md). Production mode needs no DTensor rule")
+        raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
+    cause = str(exc.__cause__ or "").strip().splitlines()
+    detail = f": {cause[0]}" if cause else ""
+    msg = (f"{fqn}: {version} refused {op} on these inputs in validate mode{detail}. The "
+           f"module computed a shape that does not fit the DTensors it was given (a count or "
+           f"size that should be divided, or was divided twice), or DTensor's rule for {op} "
+           f"does not accept these placements")
+    raise ValidateShardingError(msg, fqn=fqn, op=op) from exc
+
+
+def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
     """``compute`` run as a validate-mode boundary's compute: DTensor code (not local code, even
     when the boundary was called from local code) in which a concatenation drops legacy empty
-    plain tensors next to DTensors and a chunk-sharded DTensor splits into its parts locally."""
+    plain tensors next to DTensors and a chunk-sharded DTensor splits into its parts locally.
+    An op DTensor has no rule for is refused naming ``fqn`` (the boundary), not with DTensor's
+    bare error."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         local = _LOCAL_CODE.set(False)
@@ -104,6 +170,9 @@ def validate_compute(compute: Forward) -> Forward:
                     return compute(*args, **kwargs)
             finally:
                 _SCOPED.reset(scoped)
+        except RuntimeError as exc:  # NotImplementedError is one
+            _refuse_unsupported_op(exc, fqn)
+            raise
         finally:
             _LOCAL_CODE.reset(local)
 
