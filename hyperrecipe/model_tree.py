@@ -492,8 +492,10 @@ def _check_family(model_type: str, fields: Mapping[str, Any], config_class: Any)
     known |= set(inspect.signature(config_class.__init__).parameters)
     unknown = sorted(set(fields) - known - {"model_type"})
     sizes = {"hidden_size", "num_hidden_layers"}
+    # attribute_map maps the common name to the family's own: T5's hidden_size is d_model
     sized = any(aliases.get(k, k) in sizes or k in sizes for k in fields) or any(
-        alias in fields for alias, target in aliases.items() if target in sizes)
+        alias in fields for alias, target in aliases.items() if target in sizes) or any(
+        aliases.get(size) in fields for size in sizes)
     if unknown and not sized:
         near = ", ".join(k + "".join(f" (did you mean {c!r}?)" for c in closest(k, known, n=1))
                          for k in unknown[:6]) + (", ..." if len(unknown) > 6 else "")
