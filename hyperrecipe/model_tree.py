@@ -454,7 +454,7 @@ def _hf_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
             f"{shown!r}{did_you_mean(model_type, known)}; use the config's `model_type` "
             f"(hf:llama, hf:qwen2, hf:gpt2, ...: {len(known)} are known)")
     auto_class: Any = getattr(transformers, _check_task(model_type, task, spec))
-    _check_family(model_type, fields, CONFIG_MAPPING[model_type])
+    _check_family(spec, fields, CONFIG_MAPPING[model_type])
     # a config.json from a checkpoint names its model_type (checked above): for_model takes
     # the type positionally and raised "got multiple values for argument 'model_type'"
     fields = {k: v for k, v in fields.items() if k != "model_type"}
@@ -479,14 +479,15 @@ _RUN_TIME_FIELDS = frozenset({"attn_implementation", "experts_implementation", "
 """Config keywords transformers takes for every family without listing them in ``to_dict``."""
 
 
-def _check_family(model_type: str, fields: Mapping[str, Any], config_class: Any) -> None:
+def _check_family(spec: str, fields: Mapping[str, Any], config_class: Any) -> None:
     """Refuse a config written for another family: transformers keeps fields it does not know
     as plain attributes, so ``--model hf:llama --model-config tiny-gpt2`` silently built the
     default Llama (6.7 B parameters: on the meta device for compile, for real in ``check``)."""
+    model_type, sep, task = spec.removeprefix("hf:").partition("/")
     given = fields.get("model_type")
     if isinstance(given, str) and given != model_type:
-        raise ModelSpecError(f"--model hf:{model_type} with a {given!r} config (its model_type); "
-                             f"use --model hf:{given}, or a config for {model_type}")
+        raise ModelSpecError(f"--model {spec} with a {given!r} config (its model_type); "
+                             f"use --model hf:{given}{sep}{task}, or a config for {model_type}")
     aliases = dict(getattr(config_class, "attribute_map", {}) or {})
     known = set(config_class().to_dict()) | set(aliases) | _RUN_TIME_FIELDS
     known |= set(inspect.signature(config_class.__init__).parameters)
@@ -500,7 +501,7 @@ def _check_family(model_type: str, fields: Mapping[str, Any], config_class: Any)
         near = ", ".join(k + "".join(f" (did you mean {c!r}?)" for c in closest(k, known, n=1))
                          for k in unknown[:6]) + (", ..." if len(unknown) > 6 else "")
         raise ModelSpecError(
-            f"--model hf:{model_type}: the model config sets neither hidden_size nor "
+            f"--model {spec}: the model config sets neither hidden_size nor "
             f"num_hidden_layers of {config_class.__name__}, and has fields it does not know "
             f"({near}): it looks like a config for another family, and would build "
             f"transformers' default size; give a {model_type} config (e.g. --model-config "

@@ -50,6 +50,13 @@ CASES: list[Any] = [
                  BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
                  (True, True), marks=pytest.mark.slow),
+    # an encoder, a vision model and an encoder-decoder, built by hf:<model_type>/<task>
+    ("tests/recipes/cookbook/bert.yaml", "hf:bert/sequence-classification",
+     f"{MODELS}/tiny-bert.json", BOTH, (True, True)),
+    ("tests/recipes/cookbook/vit.yaml", "hf:vit/image-classification",
+     f"{MODELS}/tiny-vit.json", BOTH, (True, True)),
+    pytest.param("tests/recipes/cookbook/t5.yaml", "hf:t5/seq2seq-lm", f"{MODELS}/tiny-t5.json",
+                 BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]

@@ -4,8 +4,9 @@ The reference (in the parent) and every rank build the model the same way — ``
 then :func:`~hyperrecipe.model_tree.build_model` on the CPU, in ``eval()`` mode so dropout cannot
 make two runs differ — with every all-zero parameter drawn at random (a zero bias hides its own
 misplacement), and feed it the same batch. The loss is the **mean of squares of the first
-output** (the logits of a causal LM): every output element gets a non-zero gradient, no labels
-are needed, and it is the same function on every rank once the output is replicated.
+output** (the logits of a causal LM, a classifier or a seq2seq LM; a base model's last hidden
+state): every output element gets a non-zero gradient, no labels are needed, and it is the same
+function on every rank once the output is replicated.
 
 Nothing here knows about process groups or plans.
 """
