@@ -72,6 +72,10 @@ NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
 """Checked by its own test below: production's likely cause points at the ALiBi input."""
 
 
+NAIVE_BERT = "tests/recipes/cookbook/bert-naive-attention-residual.yaml"
+"""Checked by its own test below: production names a gradient reduced wrongly."""
+
+
 def _recipe_of(case: Any) -> str:
     return str(case.values[0] if hasattr(case, "values") else case[0])
 
@@ -147,10 +151,25 @@ def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> Non
         "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
+def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_in_production() -> None:
+    """BertAttention hands its input to ``output`` as the residual: a boundary there declares it
+    replicated and production all-reduces a gradient whose residual part is already whole. The
+    forward agrees; check blames the gradient reduction. (Validate mode agrees on this recipe
+    today, which is why the cookbook tells the reader to read the production line.)"""
+    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json",
+                 ("production",))
+    (prod,) = report.modes
+    assert prod.error is None and not prod.agree and report.exit_code == 1
+    assert prod.comparison is not None and prod.comparison.forward_agrees
+    assert len(prod.comparison.diverged_gradients) == 20
+    assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
-    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI}
+    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI,
+                                                NAIVE_BERT}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named
