@@ -122,7 +122,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     "agrees, 1 when one diverges, 2 on errors.")
     k.add_argument("recipe", help="recipe file (.yaml/.toml) or shipped recipe name")
     k.add_argument("--model", required=True,
-                   help="pkg.module:factory, or hf:<model_type> (with --model-config)")
+                   help="pkg.module:factory, or hf:<model_type>[/<task>] (with --model-config; "
+                        "task: causal-lm (default), base, sequence-classification, "
+                        "seq2seq-lm, image-classification, ...: docs/guide.md#model-classes)")
     k.add_argument("--model-config", help="JSON file or inline JSON of config fields")
     k.add_argument("--mesh", required=True, type=parse_mesh,
                    help="e.g. tp=2 or dp=2,tp=2; the world size is the product")
@@ -144,7 +146,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tokens per row of the sample batch (default 8)")
     k.add_argument("--inputs", metavar="PKG.MOD:FN",
                    help="make_inputs(model, batch=, seq=, generator=) -> (args, kwargs), for "
-                        "models that do not take token ids")
+                        "models check makes no batch for (it makes token ids, decoder ids for "
+                        "an encoder-decoder, pixel values for a vision model)")
     k.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
                    help="seconds allowed for each step in this process (building the model, "
                         "the sample batch, the reference step) and for each mode's launch "
@@ -212,7 +215,9 @@ def _parser() -> argparse.ArgumentParser:
                        description=_COMPILE_DESCRIPTION)
     c.add_argument("recipe", help="recipe file (.yaml/.toml) or shipped recipe name")
     c.add_argument("--model", required=True,
-                   help="pkg.module:factory, or hf:<model_type> (with --model-config)")
+                   help="pkg.module:factory, or hf:<model_type>[/<task>] (with --model-config; "
+                        "task: causal-lm (default), base, sequence-classification, "
+                        "seq2seq-lm, image-classification, ...: docs/guide.md#model-classes)")
     c.add_argument("--model-config", help="JSON file or inline JSON of config fields")
     c.add_argument("--mesh", required=True, type=parse_mesh, help="e.g. tp=2 or dp=2,tp=4")
     c.add_argument("-o", "--output", help="write the plan JSON here")

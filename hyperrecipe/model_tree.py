@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
 __all__ = [
+    "DEFAULT_HF_TASK",
+    "HF_TASKS",
     "ArgInfo",
     "ModelTree",
     "ModuleInfo",
@@ -34,6 +36,7 @@ __all__ = [
     "default_config_note",
     "shipped_tiny_config",
     "snapshot",
+    "split_hf_spec",
 ]
 
 ArgKind = Literal["positional", "positional_only", "keyword_only", "var_positional", "var_keyword"]
@@ -330,8 +333,10 @@ def build_model(spec: str, config: str | Mapping[str, Any] | None = None, *,
 
     Args:
         spec: ``pkg.module:factory`` (a callable returning an ``nn.Module``, called with the
-            config fields as keyword arguments) or ``hf:<model_type>`` (a transformers causal LM
-            built from ``AutoConfig.for_model(model_type, **config)``; nothing is downloaded).
+            config fields as keyword arguments) or ``hf:<model_type>[/<task>]`` (a transformers
+            model built by the task's Auto class, :data:`HF_TASKS`, from
+            ``AutoConfig.for_model(model_type, **config)``; the task defaults to ``causal-lm``,
+            ``AutoModelForCausalLM``; nothing is downloaded).
         config: a JSON file, inline JSON, or a mapping of config fields.
         device: where parameters are created (``"meta"`` for compile; a real device to run).
 
@@ -344,7 +349,7 @@ def build_model(spec: str, config: str | Mapping[str, Any] | None = None, *,
     fields = load_model_config(config)
     factory: Callable[[], Any]
     if spec.startswith("hf:"):
-        factory = _hf_factory(spec[3:], fields)
+        factory = _hf_factory(spec, fields)
     else:
         factory = _import_factory(spec, fields)
     with torch.device(device):
@@ -363,7 +368,7 @@ def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ModelSpecError(f"model spec {spec!r} is neither 'pkg.module:factory' nor "
-                             f"'hf:<model_type>'")
+                             f"'hf:<model_type>[/<task>]'")
     try:
         target = resolve_ref(spec, "model spec", named_by_user=True)
     except RefError as exc:
@@ -373,13 +378,73 @@ def _import_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
     return lambda: target(**fields)
 
 
-def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
+HF_TASKS: Mapping[str, tuple[str, str]] = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "sequence-classification": ("AutoModelForSequenceClassification",
+                                "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification",
+                             "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "question-answering": ("AutoModelForQuestionAnswering",
+                           "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    "seq2seq-lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification",
+                             "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+}
+"""The tasks ``hf:<model_type>/<task>`` names: task -> (transformers' Auto class, the name of
+the ``modeling_auto`` table of the model types it builds). ``causal-lm`` is the default, so a
+plain ``hf:llama`` builds what it always built."""
+
+DEFAULT_HF_TASK = "causal-lm"
+
+
+def split_hf_spec(spec: str) -> tuple[str, str]:
+    """``hf:<model_type>[/<task>]`` as ``(model_type, task)``; the task defaults to
+    ``causal-lm``, and ``hf:bert/`` gives an empty task. Neither part is checked here
+    (:func:`build_model` does)."""
+    model_type, sep, task = spec.removeprefix("hf:").partition("/")
+    return model_type, task if sep else DEFAULT_HF_TASK
+
+
+def _task_tables() -> dict[str, Mapping[str, str]]:
+    from transformers.models.auto import modeling_auto
+
+    return {task: getattr(modeling_auto, table) for task, (_, table) in HF_TASKS.items()}
+
+
+def _check_task(model_type: str, task: str, spec: str) -> str:
+    """The Auto class of ``task`` for ``model_type``, or a :class:`ModelSpecError` that names the
+    tasks there are (closest first) or those this model type has."""
+    names = ", ".join(HF_TASKS)
+    if task not in HF_TASKS:
+        by_class = {auto.lower(): t for t, (auto, _) in HF_TASKS.items()}
+        if task.lower() in by_class:
+            hint = f"; spell {task} as hf:{model_type}/{by_class[task.lower()]}"
+        else:
+            hint = did_you_mean(task, HF_TASKS)
+        raise ModelSpecError(f"--model {spec}: no task {task!r}{hint} (hf:<model_type>/<task> "
+                             f"takes one of: {names}; hf:{model_type} alone means "
+                             f"{DEFAULT_HF_TASK})")
+    tables = _task_tables()
+    if model_type not in tables[task]:
+        has = [t for t, table in tables.items() if model_type in table]
+        offer = (f"{model_type} has: " + ", ".join(f"hf:{model_type}/{t}" for t in has)
+                 if has else f"transformers has no Auto class for {model_type} among: {names}; "
+                 f"build it with a pkg.module:factory of your own")
+        raise ModelSpecError(f"--model {spec}: transformers has no {task} model for "
+                             f"{model_type!r} ({HF_TASKS[task][0]} does not list it); {offer}")
+    return HF_TASKS[task][0]
+
+
+def _hf_factory(spec: str, fields: dict[str, Any]) -> Callable[[], Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_type, task = split_hf_spec(spec)
     try:
         import transformers
     except ImportError:
         raise ModelSpecError("--model hf:... needs transformers: pip install 'hyperrecipe[hf]'") from None
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     known = list(CONFIG_MAPPING.keys())
     if model_type not in known:
@@ -388,7 +453,8 @@ def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
             f"--model hf:{shown}: transformers {transformers.__version__} has no model type "
             f"{shown!r}{did_you_mean(model_type, known)}; use the config's `model_type` "
             f"(hf:llama, hf:qwen2, hf:gpt2, ...: {len(known)} are known)")
-    _check_family(model_type, fields, CONFIG_MAPPING[model_type])
+    auto_class: Any = getattr(transformers, _check_task(model_type, task, spec))
+    _check_family(spec, fields, CONFIG_MAPPING[model_type])
     # a config.json from a checkpoint names its model_type (checked above): for_model takes
     # the type positionally and raised "got multiple values for argument 'model_type'"
     fields = {k: v for k, v in fields.items() if k != "model_type"}
@@ -403,7 +469,7 @@ def _hf_factory(model_type: str, fields: dict[str, Any]) -> Callable[[], Any]:
     del transformers
 
     def make() -> Any:
-        return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        return auto_class.from_config(config)
 
     return make
 
@@ -413,26 +479,29 @@ _RUN_TIME_FIELDS = frozenset({"attn_implementation", "experts_implementation", "
 """Config keywords transformers takes for every family without listing them in ``to_dict``."""
 
 
-def _check_family(model_type: str, fields: Mapping[str, Any], config_class: Any) -> None:
+def _check_family(spec: str, fields: Mapping[str, Any], config_class: Any) -> None:
     """Refuse a config written for another family: transformers keeps fields it does not know
     as plain attributes, so ``--model hf:llama --model-config tiny-gpt2`` silently built the
     default Llama (6.7 B parameters: on the meta device for compile, for real in ``check``)."""
+    model_type, sep, task = spec.removeprefix("hf:").partition("/")
     given = fields.get("model_type")
     if isinstance(given, str) and given != model_type:
-        raise ModelSpecError(f"--model hf:{model_type} with a {given!r} config (its model_type); "
-                             f"use --model hf:{given}, or a config for {model_type}")
+        raise ModelSpecError(f"--model {spec} with a {given!r} config (its model_type); "
+                             f"use --model hf:{given}{sep}{task}, or a config for {model_type}")
     aliases = dict(getattr(config_class, "attribute_map", {}) or {})
     known = set(config_class().to_dict()) | set(aliases) | _RUN_TIME_FIELDS
     known |= set(inspect.signature(config_class.__init__).parameters)
     unknown = sorted(set(fields) - known - {"model_type"})
     sizes = {"hidden_size", "num_hidden_layers"}
+    # attribute_map maps the common name to the family's own: T5's hidden_size is d_model
     sized = any(aliases.get(k, k) in sizes or k in sizes for k in fields) or any(
-        alias in fields for alias, target in aliases.items() if target in sizes)
+        alias in fields for alias, target in aliases.items() if target in sizes) or any(
+        aliases.get(size) in fields for size in sizes)
     if unknown and not sized:
         near = ", ".join(k + "".join(f" (did you mean {c!r}?)" for c in closest(k, known, n=1))
                          for k in unknown[:6]) + (", ..." if len(unknown) > 6 else "")
         raise ModelSpecError(
-            f"--model hf:{model_type}: the model config sets neither hidden_size nor "
+            f"--model {spec}: the model config sets neither hidden_size nor "
             f"num_hidden_layers of {config_class.__name__}, and has fields it does not know "
             f"({near}): it looks like a config for another family, and would build "
             f"transformers' default size; give a {model_type} config (e.g. --model-config "
@@ -446,7 +515,7 @@ def shipped_tiny_config(spec: str) -> str | None:
 
     if not spec.startswith("hf:"):
         return None
-    path = shipped_recipe_dir() / "models" / f"tiny-{spec[3:]}.json"
+    path = shipped_recipe_dir() / "models" / f"tiny-{split_hf_spec(spec)[0]}.json"
     if not path.is_file():
         return None
     try:

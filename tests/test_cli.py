@@ -80,7 +80,8 @@ def test_recipe_error_prints_without_traceback_and_exits_2(in_root: Path, tmp_pa
     (["--model", "nope.mod:f", "--mesh", "tp=2"], "cannot import 'nope.mod' for model spec "
                                                    "'nope.mod:f': No module named 'nope'"),
     (["--model", "tests.support.toy_models", "--mesh", "tp=2"],
-     "model spec 'tests.support.toy_models' is neither 'pkg.module:factory' nor 'hf:<model_type>'"),
+     "model spec 'tests.support.toy_models' is neither 'pkg.module:factory' nor "
+     "'hf:<model_type>[/<task>]'"),
     (["--model-config", "{bad", "--mesh", "tp=2"], "--model-config is not valid JSON"),
 ])
 def test_bad_arguments_exit_2_with_a_message(in_root: Path, capsys: pytest.CaptureFixture[str],

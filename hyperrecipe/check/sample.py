@@ -4,8 +4,9 @@ The reference (in the parent) and every rank build the model the same way — ``
 then :func:`~hyperrecipe.model_tree.build_model` on the CPU, in ``eval()`` mode so dropout cannot
 make two runs differ — with every all-zero parameter drawn at random (a zero bias hides its own
 misplacement), and feed it the same batch. The loss is the **mean of squares of the first
-output** (the logits of a causal LM): every output element gets a non-zero gradient, no labels
-are needed, and it is the same function on every rank once the output is replicated.
+output** (the logits of a causal LM, a classifier or a seq2seq LM; a base model's last hidden
+state): every output element gets a non-zero gradient, no labels are needed, and it is the same
+function on every rank once the output is replicated.
 
 Nothing here knows about process groups or plans.
 """
@@ -131,17 +132,22 @@ def make_sample(model: nn.Module, spec: str, *, batch: int, seq: int, seed: int,
     """The batch every run of one check feeds the model.
 
     Args:
-        model: the built model (its vocabulary size is read from it).
-        spec: the model spec; ``hf:`` models get ``input_ids`` (every other argument
-            keeps the model's default)
-        batch: rows of token ids.
-        seq: tokens per row.
+        model: the built model (its vocabulary size, or image size, is read from it).
+        spec: the model spec. ``hf:`` models get keyword arguments by what the model reads
+            first (its ``main_input_name``): ``input_ids``, plus ``decoder_input_ids`` of the
+            same shape for an encoder-decoder (T5, BART: they have no decoder input of their
+            own without labels), or ``pixel_values`` of the config's ``num_channels`` and
+            ``image_size`` for a vision model (ViT); every other argument keeps the model's
+            default. Other specs get the token ids as their one positional argument.
+        batch: rows of token ids, or images.
+        seq: tokens per row (encoder and decoder alike); images take their size from the config.
         seed: seeds the generator the ids (or ``inputs``) draw from.
         inputs: ``pkg.module:make_inputs``, called as ``make_inputs(model, batch=, seq=,
             generator=)`` and returning ``(args, kwargs)``; overrides the token ids.
 
     Raises:
-        ModelSpecError: no vocabulary size to draw ids from, or ``inputs`` is not usable.
+        ModelSpecError: no vocabulary size to draw ids from, an ``hf:`` model that reads
+            something else first (audio features), or ``inputs`` is not usable.
     """
     g = torch.Generator().manual_seed(seed)
     if inputs is not None:
@@ -155,12 +161,44 @@ def make_sample(model: nn.Module, spec: str, *, batch: int, seq: int, seed: int,
             raise ModelSpecError(f"--inputs {inputs!r} must return (args, kwargs): a tuple of "
                                  f"positional arguments and a dict of keyword arguments")
         return Sample(args=tuple(made[0]), kwargs=dict(made[1]), description=f"from {inputs}")
+    if spec.startswith("hf:"):
+        return _hf_sample(model, spec, batch=batch, seq=seq, generator=g)
     vocab = _vocab_of(model, spec)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return Sample(args=(ids,), kwargs={}, description=f"token ids [{batch}, {seq}] < {vocab}")
+
+
+def _hf_sample(model: nn.Module, spec: str, *, batch: int, seq: int,
+               generator: torch.Generator) -> Sample:
+    """A transformers model's batch, by its ``main_input_name`` (see :func:`make_sample`)."""
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        channels = getattr(config, "num_channels", 3)
+        size = getattr(config, "image_size", None)
+        side = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+        if not all(isinstance(s, int) and s > 0 for s in side) or not isinstance(channels, int):
+            raise ModelSpecError(f"cannot make pixel values for {spec!r}: its config has no "
+                                 f"integer image_size and num_channels (image_size={size!r}); "
+                                 f"pass --inputs pkg.module:make_inputs")
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        shape = (batch, channels, *side)
+        pixels = torch.randn(shape, generator=generator).to(dtype)
+        return Sample(args=(), kwargs={"pixel_values": pixels},
+                      description=f"pixel values {list(shape)} ~ N(0, 1)")
+    if main != "input_ids":
+        raise ModelSpecError(f"cannot make a sample batch for {spec!r}: it reads {main!r} first "
+                             f"and check makes input_ids and pixel_values only; pass --inputs "
+                             f"pkg.module:make_inputs (called as make_inputs(model, batch=B, "
+                             f"seq=L, generator=g), returning (args, kwargs))")
+    vocab = _vocab_of(model, spec)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
     text = f"token ids [{batch}, {seq}] < {vocab}"
-    if spec.startswith("hf:"):
+    if not getattr(config, "is_encoder_decoder", False):
         return Sample(args=(), kwargs={"input_ids": ids}, description=text)
-    return Sample(args=(ids,), kwargs={}, description=text)
+    decoder_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    return Sample(args=(), kwargs={"input_ids": ids, "decoder_input_ids": decoder_ids},
+                  description=f"{text}, decoder token ids [{batch}, {seq}]")
 
 
 def first_output(out: Any) -> Any:

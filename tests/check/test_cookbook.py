@@ -3,8 +3,8 @@ against one process, in the modes the cookbook claims, with the verdict it claim
 
 Tolerances are check's defaults for fp32 (atol 1e-5, rtol 1e-4). Each case is a tiny config
 (``tests/recipes/cookbook/models/`` or ``recipes/models/``) at ``tp=2``. The chunked Phi-3 recipe
-is checked in production mode only (validate mode cannot split a chunked shard yet, which the
-cookbook says); the two naive OLMo-2 recipes must agree in validate mode and diverge in
+and the head-sharded T5 recipe are checked in production mode only (validate mode cannot split
+a chunked shard yet, nor divide a head count inside a local region, which the cookbook says); the two naive OLMo-2 recipes must agree in validate mode and diverge in
 production mode, which is the cookbook's point about them. Cases that repeat what other test
 files cover (the shipped Qwen3 recipe, the SDPA toy) are in the slow tier.
 """
@@ -50,6 +50,18 @@ CASES: list[Any] = [
                  BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("recipes/qwen3.yaml", "hf:qwen3", "recipes/models/tiny-qwen3.json", BOTH,
                  (True, True), marks=pytest.mark.slow),
+    # an encoder, a vision model and an encoder-decoder, built by hf:<model_type>/<task>
+    ("tests/recipes/cookbook/bert.yaml", "hf:bert/sequence-classification",
+     f"{MODELS}/tiny-bert.json", BOTH, (True, True)),
+    ("tests/recipes/cookbook/vit.yaml", "hf:vit/image-classification",
+     f"{MODELS}/tiny-vit.json", BOTH, (True, True)),
+    pytest.param("tests/recipes/cookbook/t5.yaml", "hf:t5/seq2seq-lm", f"{MODELS}/tiny-t5.json",
+                 BOTH, (True, True), marks=pytest.mark.slow),
+    # production only: in validate mode the decoder's second self-attention meets a plain
+    # position-bias tensor with a DTensor (aten.where), which check names with the fix: another
+    # local region (the first block's regions pass since local regions divide head counts)
+    pytest.param("tests/recipes/cookbook/t5-heads.yaml", "hf:t5/seq2seq-lm",
+                 f"{MODELS}/tiny-t5.json", ("production",), (True,), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]
@@ -63,6 +75,10 @@ DECLARED_RESIDUAL = "tests/recipes/cookbook/bloom-declared-residual.yaml"
 
 NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
 """Checked by its own test below: production's likely cause points at the ALiBi input."""
+
+
+NAIVE_BERT = "tests/recipes/cookbook/bert-naive-attention-residual.yaml"
+"""Checked by its own test below: production names a gradient reduced wrongly."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -89,6 +105,23 @@ def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
             assert m.comparison is not None and not m.comparison.diverged_gradients
             assert len(m.comparison.gradients) > 10
     assert report.exit_code == (0 if all(agree) else 1)
+
+
+@pytest.mark.parametrize(("recipe", "model"), [
+    ("bert", "hf:bert/sequence-classification"),
+    ("vit", "hf:vit/image-classification"),
+    pytest.param("t5", "hf:t5/seq2seq-lm", marks=pytest.mark.slow),
+])
+def test_model_class_recipes_agree_in_production_on_the_models_default_attention(
+        recipe: str, model: str) -> None:
+    """Run with both modes, check picks eager attention for every run (validate mode has no CPU
+    SDPA sharding rule yet); production alone keeps transformers' default, which users run."""
+    report = run(f"tests/recipes/cookbook/{recipe}.yaml", model, f"{MODELS}/tiny-{recipe}.json",
+                 ("production",))
+    assert not any("attn_implementation" in note for note in report.notes), report.notes
+    (prod,) = report.modes
+    assert prod.error is None and prod.agree, prod.comparison and prod.comparison.first
+    assert prod.comparison is not None and len(prod.comparison.gradients) >= 40
 
 
 def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
@@ -140,10 +173,25 @@ def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> Non
         "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
+def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_in_production() -> None:
+    """BertAttention hands its input to ``output`` as the residual: a boundary there declares it
+    replicated and production all-reduces a gradient whose residual part is already whole. The
+    forward agrees; check blames the gradient reduction. (Validate mode agrees on this recipe
+    today, which is why the cookbook tells the reader to read the production line.)"""
+    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json",
+                 ("production",))
+    (prod,) = report.modes
+    assert prod.error is None and not prod.agree and report.exit_code == 1
+    assert prod.comparison is not None and prod.comparison.forward_agrees
+    assert len(prod.comparison.diverged_gradients) == 20
+    assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
-    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI}
+    checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI,
+                                                NAIVE_BERT}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named

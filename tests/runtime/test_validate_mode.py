@@ -13,7 +13,7 @@ hyperrecipe's DTensor rule (:mod:`hyperrecipe.runtime.comm.dtensor_rules`) outsi
 
 The other kind of ``reduce_grads`` in a local region — a region computing on whole data whose
 output gradients arrive partial in production (DeepSeek-V3's router) — is
-``tests/test_cookbook.py``'s ``deepseek_v3`` case: validate mode must not reduce it twice.
+``tests/check/test_cookbook.py``'s ``deepseek_v3`` case: validate mode must not reduce it twice.
 
 Before the fix, validate mode dropped ``reduce_grads`` inside a local region (the norms'
 gradients off by up to 100% with nothing refused) and kept the head counts global there (Phi-3's
