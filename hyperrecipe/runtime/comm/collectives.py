@@ -80,6 +80,7 @@ __all__ = [
     "bind_transition",
     "count_collectives",
     "execute",
+    "gather_flat",
     "group_for",
     "transition",
     "unchanged_tensor",
@@ -392,11 +393,15 @@ def _bind_op(op: CollectiveOp, group: ProcessGroup, group_size: int, group_rank:
     kind: str = op.kind
     if kind == "identity":
         return unchanged_tensor
-    if kind == "all_reduce":
+    if kind == "all_reduce":  # _all_reduce inlined: Megatron's f and g, once per block
+        sum_op, avg = dist.ReduceOp.SUM, op.reduce == "avg"
+
         def all_reduce(x: Tensor) -> Tensor:
             if _logs:
                 _record(op, direction)
-            return _all_reduce(x, op, group, group_size)
+            out = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, op=sum_op, group=group)
+            return out.div_(group_size) if avg else out
 
         return all_reduce
     if kind in ("local_slice", "all_gather", "reduce_scatter", "all_to_all"):
@@ -534,6 +539,15 @@ def _backend(group: ProcessGroup) -> str:
 # Newer torch (2.13 here) names these ``*_single`` and deprecates the ``*_tensor`` spellings.
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_flat(out: Tensor, src: Tensor, op: CollectiveOp, group: ProcessGroup) -> None:
+    """Every rank's contiguous ``src`` into the contiguous ``out``, one after the other in rank
+    order (``out.numel() == group size * src.numel()``), counted as ``op`` (an all_gather). The
+    caller decides where ``out`` lies (:mod:`~hyperrecipe.runtime.comm.gather_into`: inside the
+    full tensor)."""
+    _record(op, "forward")
+    _gather_into(out, src, group)
 
 
 def _gather_into(out: Tensor, src: Tensor, group: ProcessGroup) -> None:

@@ -16,25 +16,13 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
-from hyperrecipe.runtime.forward.arguments import Slot, get_output, set_output
+from hyperrecipe.runtime.forward.arguments import get_output, set_output
 from hyperrecipe.runtime.forward.layouts import Converter, Redistributor, unchanged
 from hyperrecipe.runtime.forward.marshal import map_tensors
 
 __all__ = ["make_boundary_forward"]
 
 Forward = Callable[..., Any]
-
-
-def _each_tensor(convert: Converter, name: str) -> Callable[[Any], Any]:
-    """A declared argument's slot function; an argument that is a tuple or list of tensors (a
-    rotary ``(cos, sin)`` pair) has every tensor in it converted alike."""
-
-    def each(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return convert(value, name)
-        return map_tensors(value, lambda t: convert(t, name))
-
-    return each
 
 
 def _gradient_free(convert: Converter, fqn: str) -> Converter:
@@ -52,19 +40,32 @@ def _gradient_free(convert: Converter, fqn: str) -> Converter:
     return guarded
 
 
+InputSlot = tuple[int | None, str, Converter]
+"""``(position, name, converter)`` of a declared input a call converts."""
+
+
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
-                 ) -> tuple[Slot, ...]:
+                 ) -> tuple[InputSlot, ...]:
     """The declared inputs a call must convert; one whose layout the plan leaves as it is
     (:func:`~hyperrecipe.runtime.forward.layouts.unchanged`) has no slot at all."""
-    slots: list[Slot] = []
+    slots: list[InputSlot] = []
     for a in layouts:
         convert = redist.input_converter(boundary, a)
         if a.name in boundary.no_grad:
             convert = _gradient_free(convert, boundary.fqn)
         elif convert is unchanged:
             continue
-        slots.append((a.position, a.name, _each_tensor(convert, a.name)))
+        slots.append((a.position, a.name, convert))
     return tuple(slots)
+
+
+def _convert_input(value: Any, name: str, convert: Converter) -> Any:
+    """A declared input that is not one tensor: a tuple or list of tensors (a rotary
+    ``(cos, sin)`` pair) has every tensor in it converted alike; anything else is given to the
+    converter as it is (a no_grad guard, a validate-mode check)."""
+    if isinstance(value, (tuple, list, dict)):
+        return map_tensors(value, lambda t: convert(t, name))
+    return convert(value, name)
 
 
 def make_boundary_forward(
@@ -112,11 +113,16 @@ def make_boundary_forward(
         call: Sequence[Any] = args
         if inputs:
             call = args_l = list(args)
-            for position, name, fn in inputs:  # map_declared, inlined: this is the hot path
+            # map_declared, inlined: this is the hot path
+            for position, name, convert in inputs:
                 if position is not None and position < len(args_l):
-                    args_l[position] = fn(args_l[position])
+                    v = args_l[position]
+                    args_l[position] = (convert(v, name) if isinstance(v, Tensor)
+                                        else _convert_input(v, name, convert))
                 elif name in kwargs:
-                    kwargs[name] = fn(kwargs[name])
+                    v = kwargs[name]
+                    kwargs[name] = (convert(v, name) if isinstance(v, Tensor)
+                                    else _convert_input(v, name, convert))
         if undeclared is not None:
             call = args_l = list(call)
             for i, v in enumerate(args_l):
