@@ -152,17 +152,21 @@ def _simulate_rank(model: nn.Module, plan: Plan, shape: Mapping[str, int], rank:
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("meta", tuple(shape.values()), mesh_dim_names=tuple(shape))
-        apply(copied, plan, mesh, mode=mode)  # type: ignore[arg-type]
+        installation = apply(copied, plan, mesh, mode=mode)  # type: ignore[arg-type]
         coords = tuple((name, mesh.get_local_rank(name)) for name in shape)
+        params = list(copied.parameters())  # each object once: tied parameters count once
+        trainable = [p for p in params if p.requires_grad]
+        row = RankMemory(rank=rank, coords=coords,
+                         parameters=sum(_bytes(p) for p in params),
+                         gradients=sum(_bytes(p) for p in trainable),
+                         optimizer=sum(_local(p).numel() for p in trainable) * ADAMW_STATE_BYTES,
+                         buffers=sum(_bytes(b) for b in copied.buffers()))
+        # process-wide installs (an attention hook of an inner wrapper) go with the copy, so
+        # the next rank's apply finds the process as this one did
+        installation.restore()
     finally:
         dist.destroy_process_group()
-    params = list(copied.parameters())  # each object once: tied parameters count once
-    trainable = [p for p in params if p.requires_grad]
-    return RankMemory(rank=rank, coords=coords,
-                      parameters=sum(_bytes(p) for p in params),
-                      gradients=sum(_bytes(p) for p in trainable),
-                      optimizer=sum(_local(p).numel() for p in trainable) * ADAMW_STATE_BYTES,
-                      buffers=sum(_bytes(b) for b in copied.buffers()))
+    return row
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -106,3 +106,14 @@ def test_dry_run_of_a_70b_llama_at_tp8_holds_an_eighth_of_every_sharded_weight()
     assert (row.rank, row.coords) == (5, (("tp", 5),))
     assert row.parameters == elements * 2  # bf16
     assert row.optimizer == elements * ADAMW_STATE_BYTES
+
+
+def test_dry_run_of_every_rank_of_a_2d_mesh_with_inner_wrappers() -> None:
+    """Context parallel hooks attention process-wide; each rank's copy is restored before the
+    next rank's apply, which would otherwise find attention already hooked."""
+    model = llama("meta")
+    plan = compile_recipe(str(ROOT / "recipes/llama-tp-cp.yaml"), model, {"cp": 2, "tp": 2})
+    sim = simulate(model, plan)
+    assert [dict(r.coords) for r in sim.ranks] == [
+        {"tp": 0, "cp": 0}, {"tp": 0, "cp": 1}, {"tp": 1, "cp": 0}, {"tp": 1, "cp": 1}]
+    assert len({r.parameters for r in sim.ranks}) == 1
