@@ -237,7 +237,37 @@ def _parser() -> argparse.ArgumentParser:
                                "and recipe files against the recipe format; run "
                                "`hyperrecipe lint --help` for its options.")
     _add_check(sub)
+    _add_simulate(sub)
     return p
+
+
+_SIMULATE_DESCRIPTION = (
+    "A dry run at real scale on this machine: compile the recipe, build the model on the meta "
+    "device, and apply the plan once per rank under torch's fake process group (no "
+    "communication, no memory), then report what each rank holds (parameter, gradient and AdamW "
+    "optimizer bytes) and the collectives of one training step from the plan's manifest. Exit "
+    "0, or 2 on errors (the recipe, the model, or an apply that would fail on the cluster).")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("simulate", help="dry-run a recipe at real size: memory and collectives "
+                                        "per rank", description=_SIMULATE_DESCRIPTION)
+    s.add_argument("recipe", help="recipe file (.yaml/.toml) or shipped recipe name")
+    s.add_argument("--model", required=True,
+                   help="pkg.module:factory, or hf:<model_type> (with --model-config)")
+    s.add_argument("--model-config", help="JSON file or inline JSON of config fields")
+    s.add_argument("--mesh", required=True, type=parse_mesh, help="e.g. tp=8 or dp=8,tp=8")
+    s.add_argument("--mode", choices=("production", "validate"), default="production",
+                   help="the apply mode to simulate (default production)")
+    s.add_argument("--ranks", type=_rank_list, metavar="R[,R...]",
+                   help="simulate only these ranks (default every rank)")
+    s.add_argument("--format", choices=("text", "json"), default="text",
+                   help="a table (default) or a JSON object on stdout")
+    _add_trust(s)
+
+
+def _rank_list(text: str) -> list[int]:
+    return [_non_negative(part.strip()) for part in text.split(",")]
 
 
 def run(argv: Sequence[str], *, started: float | None = None, end_process: bool = False) -> int:
@@ -290,6 +320,9 @@ def _dispatch(args: argparse.Namespace, started: float) -> int:
         if args.command == "check":
             _apply_trust(args)
             return _check(args, started)
+        if args.command == "simulate":
+            _apply_trust(args)
+            return _simulate(args)
     except HyperrecipeError as exc:
         print(f"hyperrecipe: error: {exc}", file=sys.stderr)
         return 2
@@ -364,6 +397,21 @@ def _check(args: argparse.Namespace, started: float) -> int:
     for failed in report.errors:  # after every mode's verdict is out
         print(f"hyperrecipe: error: mode {failed.mode}: {failed.error}", file=sys.stderr)
     return report.exit_code
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from hyperrecipe.api import compile_recipe
+    from hyperrecipe.model_tree import build_model
+    from hyperrecipe.simulate import render_table, simulate
+
+    model = build_model(args.model, args.model_config)
+    plan = compile_recipe(args.recipe, model, args.mesh)
+    sim = simulate(model, plan, ranks=args.ranks, mode=args.mode)
+    if args.format == "json":
+        print(json.dumps(sim.to_json(), indent=2))
+    else:
+        print(render_table(sim), end="")
+    return 0
 
 
 def _quiet(message: str) -> None:

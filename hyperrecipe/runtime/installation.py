@@ -65,10 +65,16 @@ class StatusRow:
 
 def _barrier_group() -> Any:
     """A gloo group for monitored barriers (gloo is the only backend that has them): the
-    world group when it is gloo, otherwise a new one, made while every rank is in apply."""
+    world group when it is gloo, otherwise a new one, made while every rank is in apply.
+
+    None under torch's fake process group (a dry run, :mod:`hyperrecipe.simulate`): its peers
+    are imagined, so there is nobody to wait for, and gloo cannot be built on its store."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    if dist.get_backend() == "gloo":
+    backend = dist.get_backend()
+    if backend == "fake":
+        return None
+    if backend == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo")
 

@@ -8,6 +8,9 @@ gradient back); this module executes such pairs on local shards, with no DTensor
   one :class:`torch.autograd.Function`. Any pairing is accepted; choosing the right one is the
   resolver's job. Megatron's ``f`` is ``(identity, all_reduce)``, its ``g`` is
   ``(all_reduce, identity)``, the sequence-parallel gather is ``(all_gather d, reduce_scatter d)``.
+- :func:`bind_transition` is :func:`transition` built once, at install time, for one pair of
+  ops on one group: the op kinds are dispatched then, not on every call (the production
+  boundary's hot path, :mod:`~hyperrecipe.runtime.forward.layouts`).
 - :func:`execute` runs one op, outside autograd.
 - :func:`count_collectives` records every communicating op issued through this module, so tests
   and the runtime can compare a step with the plan's expected-collectives manifest.
@@ -49,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
@@ -74,10 +77,13 @@ __all__ = [
     "CollectiveShapeError",
     "Direction",
     "MeshDimGroup",
+    "bind_transition",
     "count_collectives",
     "execute",
+    "gather_flat",
     "group_for",
     "transition",
+    "unchanged_tensor",
 ]
 
 Direction = Literal["forward", "backward"]
@@ -323,6 +329,90 @@ class _Transition(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+OpFn = Callable[[Tensor], Tensor]
+
+
+def bind_transition(
+    forward: CollectiveOp,
+    backward: CollectiveOp,
+    group: ProcessGroup,
+    *,
+    group_size: int,
+    group_rank: int,
+) -> OpFn:
+    """:func:`transition` with everything bound: ``fn(x)`` runs ``forward`` on ``x`` and
+    ``backward`` on its gradient, exactly as ``transition(x, forward, backward, group, ...)``
+    does (the same checks, counting and results), with each op's kind dispatched here, once.
+
+    A pair of identities is ``x`` itself (no autograd node: the gradient passes unchanged, as it
+    would through one).
+
+    Raises:
+        PlanFormatError: an op of a kind this hyperrecipe does not know (at bind time).
+    """
+    if forward.kind == "identity" and backward.kind == "identity":
+        return unchanged_tensor
+    pair = _BoundPair(_bind_op(forward, group, group_size, group_rank, "forward"),
+                      _bind_op(backward, group, group_size, group_rank, "backward"))
+    apply = _BoundTransition.apply
+
+    def run(x: Tensor) -> Tensor:
+        out: Tensor = apply(x, pair)  # type: ignore[no-untyped-call]
+        return out
+
+    return run
+
+
+def unchanged_tensor(x: Tensor) -> Tensor:
+    return x
+
+
+class _BoundPair(NamedTuple):
+    forward: OpFn
+    backward: OpFn
+
+
+class _BoundTransition(torch.autograd.Function):
+    """:class:`_Transition` with its ops bound (:func:`bind_transition`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, pair: _BoundPair) -> Tensor:
+        ctx.backward_fn = pair.backward
+        return pair.forward(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return ctx.backward_fn(grad), None
+
+
+def _bind_op(op: CollectiveOp, group: ProcessGroup, group_size: int, group_rank: int,
+             direction: Direction) -> OpFn:
+    """One op as a function of the local tensor, its kind dispatched now; runs what
+    :func:`_execute` runs for it (no autograd of its own: it is called inside a Function)."""
+    kind: str = op.kind
+    if kind == "identity":
+        return unchanged_tensor
+    if kind == "all_reduce":  # _all_reduce inlined: Megatron's f and g, once per block
+        sum_op, avg = dist.ReduceOp.SUM, op.reduce == "avg"
+
+        def all_reduce(x: Tensor) -> Tensor:
+            if _logs:
+                _record(op, direction)
+            out = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, op=sum_op, group=group)
+            return out.div_(group_size) if avg else out
+
+        return all_reduce
+    if kind in ("local_slice", "all_gather", "reduce_scatter", "all_to_all"):
+        def other(x: Tensor) -> Tensor:
+            return _execute(x, op, group, group_size, group_rank, direction)
+
+        return other
+    msg = f"unknown collective kind {kind!r} in {op!r}; recompile the plan with this hyperrecipe"
+    raise PlanFormatError(msg)
+
+
 def _dim(x: Tensor, op: CollectiveOp, field: str, direction: Direction) -> int:
     """``op``'s ``field`` normalised to ``0 <= dim < x.ndim``."""
     value = getattr(op, field)
@@ -449,6 +539,15 @@ def _backend(group: ProcessGroup) -> str:
 # Newer torch (2.13 here) names these ``*_single`` and deprecates the ``*_tensor`` spellings.
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_flat(out: Tensor, src: Tensor, op: CollectiveOp, group: ProcessGroup) -> None:
+    """Every rank's contiguous ``src`` into the contiguous ``out``, one after the other in rank
+    order (``out.numel() == group size * src.numel()``), counted as ``op`` (an all_gather). The
+    caller decides where ``out`` lies (:mod:`~hyperrecipe.runtime.comm.gather_into`: inside the
+    full tensor)."""
+    _record(op, "forward")
+    _gather_into(out, src, group)
 
 
 def _gather_into(out: Tensor, src: Tensor, group: ProcessGroup) -> None:

@@ -17,6 +17,7 @@ from torch import Tensor
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.placement import NamedPlacement, Shard
 from hyperrecipe.runtime.comm.collectives import execute, group_for
+from hyperrecipe.runtime.comm.gather_into import gather_full_in_place
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -111,7 +112,13 @@ def local_shard(full: Tensor, placement: NamedPlacement, mesh: DeviceMesh,
 
 def gather_full(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],
                 mesh: DeviceMesh, mesh_dims: Sequence[str]) -> Tensor:
-    """The full tensor from every rank's ``local`` shard (a collective: call on all ranks)."""
+    """The full tensor from every rank's ``local`` shard (a collective: call on all ranks).
+
+    Sharded over one mesh dim, each block is gathered straight into its place in the full
+    tensor (:mod:`~hyperrecipe.runtime.comm.gather_into`); otherwise mesh dim by mesh dim."""
+    direct = gather_full_in_place(local, placement, full_shape, mesh, mesh_dims)
+    if direct is not None:
+        return direct
     sharded = [(name, placement.get(name)) for name in mesh_dims
                if isinstance(placement.get(name), Shard)]
     ways: dict[int, int] = {}

@@ -16,25 +16,13 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
-from hyperrecipe.runtime.forward.arguments import Slot, get_output, map_declared, set_output
-from hyperrecipe.runtime.forward.layouts import Converter, Redistributor
+from hyperrecipe.runtime.forward.arguments import get_output, set_output
+from hyperrecipe.runtime.forward.layouts import Converter, Redistributor, unchanged
 from hyperrecipe.runtime.forward.marshal import map_tensors
 
 __all__ = ["make_boundary_forward"]
 
 Forward = Callable[..., Any]
-
-
-def _each_tensor(convert: Converter) -> Converter:
-    """A declared argument that is a tuple or list of tensors (a rotary ``(cos, sin)`` pair) has
-    every tensor in it converted alike."""
-
-    def each(value: Any, name: str) -> Any:
-        if isinstance(value, Tensor):
-            return convert(value, name)
-        return map_tensors(value, lambda t: convert(t, name))
-
-    return each
 
 
 def _gradient_free(convert: Converter, fqn: str) -> Converter:
@@ -52,19 +40,32 @@ def _gradient_free(convert: Converter, fqn: str) -> Converter:
     return guarded
 
 
-def _named(convert: Converter, name: str) -> Callable[[Any], Any]:
-    return lambda value: convert(value, name)
+InputSlot = tuple[int | None, str, Converter]
+"""``(position, name, converter)`` of a declared input a call converts."""
 
 
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
-                 ) -> tuple[Slot, ...]:
-    slots: list[Slot] = []
+                 ) -> tuple[InputSlot, ...]:
+    """The declared inputs a call must convert; one whose layout the plan leaves as it is
+    (:func:`~hyperrecipe.runtime.forward.layouts.unchanged`) has no slot at all."""
+    slots: list[InputSlot] = []
     for a in layouts:
         convert = redist.input_converter(boundary, a)
         if a.name in boundary.no_grad:
             convert = _gradient_free(convert, boundary.fqn)
-        slots.append((a.position, a.name, _named(_each_tensor(convert), a.name)))
+        elif convert is unchanged:
+            continue
+        slots.append((a.position, a.name, convert))
     return tuple(slots)
+
+
+def _convert_input(value: Any, name: str, convert: Converter) -> Any:
+    """A declared input that is not one tensor: a tuple or list of tensors (a rotary
+    ``(cos, sin)`` pair) has every tensor in it converted alike; anything else is given to the
+    converter as it is (a no_grad guard, a validate-mode check)."""
+    if isinstance(value, (tuple, list, dict)):
+        return map_tensors(value, lambda t: convert(t, name))
+    return convert(value, name)
 
 
 def make_boundary_forward(
@@ -75,6 +76,11 @@ def make_boundary_forward(
     deferred_bias: nn.Parameter | None = None,
 ) -> Forward:
     """The forward installed on a boundary module.
+
+    Everything a call needs is decided here, once: the declared inputs and outputs whose
+    layout changes (the others are not looked at per call), the converters, and, when only
+    output 0 is converted and nothing else is, a call path that converts a tensor result
+    directly.
 
     Args:
         boundary: the plan's boundary entry.
@@ -87,28 +93,47 @@ def make_boundary_forward(
         A callable accepting the module's forward arguments (positional or by keyword).
     """
     inputs = _input_slots(boundary.inputs, redist, boundary)
-    outputs = tuple((a.position if a.position is not None else 0, a.name,
-                     redist.output_converter(boundary, a, deferred_bias if i == 0 else None))
-                    for i, a in enumerate(boundary.outputs))
+    converted = ((a.position if a.position is not None else 0, a.name,
+                  redist.output_converter(boundary, a, deferred_bias if i == 0 else None))
+                 for i, a in enumerate(boundary.outputs))
+    outputs = tuple(o for o in converted if o[2] is not unchanged)
     undeclared = redist.undeclared_converter(boundary)
     finish = redist.finish_outputs(boundary)
     compute = redist.wrap_compute(boundary, compute)
-    declared_positions = {p for p, _, _ in inputs if p is not None}
-    declared_names = {n for _, n, _ in inputs}
-    declared_outputs = {p for p, _, _ in outputs}
+    declared_positions = {a.position for a in boundary.inputs if a.position is not None}
+    declared_names = {a.name for a in boundary.inputs}
+    declared_outputs = {a.position if a.position is not None else 0 for a in boundary.outputs}
     names = boundary.out_names
+    first_only = (undeclared is None and finish is None and len(outputs) == 1
+                  and outputs[0][0] == 0)
+    first_name = outputs[0][1] if outputs else ""
+    first_convert = outputs[0][2] if outputs else unchanged
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        args_l = list(args)
-        map_declared(args_l, kwargs, inputs)
+        call: Sequence[Any] = args
+        if inputs:
+            call = args_l = list(args)
+            # map_declared, inlined: this is the hot path
+            for position, name, convert in inputs:
+                if position is not None and position < len(args_l):
+                    v = args_l[position]
+                    args_l[position] = (convert(v, name) if isinstance(v, Tensor)
+                                        else _convert_input(v, name, convert))
+                elif name in kwargs:
+                    v = kwargs[name]
+                    kwargs[name] = (convert(v, name) if isinstance(v, Tensor)
+                                    else _convert_input(v, name, convert))
         if undeclared is not None:
+            call = args_l = list(call)
             for i, v in enumerate(args_l):
                 if i not in declared_positions:
                     args_l[i] = undeclared(v, f"#{i}")
             for k, v in kwargs.items():
                 if k not in declared_names:
                     kwargs[k] = undeclared(v, k)
-        out = compute(*args_l, **kwargs)
+        out = compute(*call, **kwargs)
+        if first_only and isinstance(out, Tensor):
+            return first_convert(out, first_name)
         for position, name, convert in outputs:
             value = get_output(out, position, name)
             if value is not None:
@@ -124,4 +149,3 @@ def make_boundary_forward(
         return out
 
     return forward
-

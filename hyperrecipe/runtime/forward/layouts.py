@@ -30,16 +30,24 @@ from torch import Tensor, is_grad_enabled
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
-from hyperrecipe.runtime.comm.collectives import group_for, transition
+from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Converter", "ProductionRedistributor", "Redistributor", "ValidateRedistributor"]
+__all__ = ["Converter", "ProductionRedistributor", "Redistributor", "ValidateRedistributor",
+           "unchanged"]
 
 Converter = Callable[[Any, str], Any]
 """(value, name) → converted value; ``name`` is the declared argument or output."""
+
+
+def unchanged(value: Any, name: str) -> Any:
+    """The converter of a declared tensor whose layout the plan leaves as it is (no
+    transition, no bias): a redistributor returns this very function so that the boundary body
+    can leave the tensor out of its per-call work."""
+    return value
 
 Forward = Callable[..., Any]
 
@@ -69,16 +77,31 @@ class ProductionRedistributor:
         self.mesh = mesh
 
     def _chain(self, steps: Sequence[Transition], bias: Tensor | None = None) -> Converter:
+        """The transitions of one declared tensor, bound now (op kinds, groups, sizes), so a
+        call runs them and nothing else; none and no bias is :func:`unchanged`, which the
+        boundary body leaves out of its call path altogether."""
         bound = []
         for t in steps:
             g = group_for(self.mesh, t.mesh_dim)
-            bound.append((t.forward, t.backward, g.group, g.size, g.rank))
+            fn = bind_transition(t.forward, t.backward, g.group, group_size=g.size,
+                                 group_rank=g.rank)
+            if fn is not unchanged_tensor:
+                bound.append(fn)
+        if not bound and bias is None:
+            return unchanged
+        if len(bound) == 1 and bias is None:
+            (only,) = bound
+
+            def convert_one(value: Any, name: str) -> Any:
+                return only(value) if isinstance(value, Tensor) else value
+
+            return convert_one
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
                 return value
-            for fwd, bwd, group, size, rank in bound:
-                value = transition(value, fwd, bwd, group, group_size=size, group_rank=rank)
+            for fn in bound:
+                value = fn(value)
             return value if bias is None else value + bias
 
         return convert

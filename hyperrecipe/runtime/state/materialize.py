@@ -34,8 +34,8 @@ __all__ = ["allocate_unloaded", "is_meta", "materialize_buffers", "mesh_device"]
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device this rank's shards live on: the mesh's device type, the current index."""
     kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
+    if kind in ("cpu", "meta"):  # meta: a dry run (hyperrecipe.simulate) allocates nothing
+        return torch.device(kind)
     module = getattr(torch, kind, None)
     index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
     return torch.device(kind, index)
@@ -81,6 +81,8 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
         lost = [n for n in names if n in module._non_persistent_buffers_set]
         if lost:
             recompute.append((fqn, module, lost))
+    if device.type == "meta":
+        return pending  # a dry run: no buffer has a value to recompute or check
     init = model_initializer(model)
     for fqn, module, lost in recompute:
         if init is not None and not any(True for _ in module.parameters(recurse=False)):

@@ -33,6 +33,7 @@ from hyperrecipe.runtime.comm import collectives
 from hyperrecipe.runtime.comm.collectives import (
     CollectiveRecord,
     CollectiveShapeError,
+    bind_transition,
     count_collectives,
     execute,
     group_for,
@@ -168,6 +169,30 @@ def _rank_checks(rank: int, ws: int) -> dict[str, Any]:
         )
     out["identity_pair"] = through(mine, IDENTITY, IDENTITY, lambda y: (shared * y).sum())
     out["mlp"] = _megatron_mlp(rank, ws)
+
+    # -- bind_transition: the same pairs, bound once, against transition ----------------------
+    pairs = [(full, IDENTITY, _op("all_reduce")), (mine, _op("all_reduce"), IDENTITY),
+             (_chunk(full, 1, rank, ws), _op("all_gather", gather_dim=1),
+              _op("reduce_scatter", scatter_dim=1)),
+             (_chunk(full, -1, rank, ws), _op("all_gather", gather_dim=-1),
+              _op("local_slice", scatter_dim=-1)),
+             (full, _op("local_slice", scatter_dim=0), _op("all_gather", gather_dim=0)),
+             (_chunk(full, 0, rank, ws), _op("all_to_all", gather_dim=0, scatter_dim=2),
+              _op("all_to_all", gather_dim=2, scatter_dim=0)),
+             (mine, IDENTITY, IDENTITY)]
+    bound_runs = []
+    for x0, fwd, bwd in pairs:
+        runs = []
+        for fn in (lambda t, f=fwd, b=bwd: pair(t, f, b),
+                   bind_transition(fwd, bwd, world, group_size=ws, group_rank=rank)):
+            x = x0.clone().requires_grad_(True)
+            with count_collectives() as log:
+                y = fn(x)
+                (_randn(tuple(y.shape), 5 + rank) * y).sum().backward()
+            assert x.grad is not None
+            runs.append((y.detach(), x.grad, list(log.records)))
+        bound_runs.append(runs)
+    out["bound"] = bound_runs
 
     # -- errors -------------------------------------------------------------------------------
     out["errors"] = _errors(rank, ws)
@@ -502,6 +527,25 @@ def test_identity_pair_passes_value_and_gradient_unchanged(
         y, g = res[r]["identity_pair"]
         _exact(y, per_rank[r])
         _exact(g, shared)
+
+
+def test_a_bound_transition_gives_what_transition_gives_value_gradient_and_counts(
+    ranks: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = ranks
+    for res in results:
+        for unbound, bound in res["bound"]:
+            _exact(bound[0], unbound[0])
+            _exact(bound[1], unbound[1])
+            assert bound[2] == unbound[2]
+
+
+def test_binding_an_unknown_collective_kind_fails_at_install_not_per_call() -> None:
+    from hyperrecipe.errors import PlanFormatError
+
+    bogus = CollectiveOp(kind="broadcast", mesh_dim="tp")  # type: ignore[arg-type]
+    with pytest.raises(PlanFormatError, match="unknown collective kind 'broadcast'"):
+        bind_transition(IDENTITY, bogus, None, group_size=2, group_rank=0)  # type: ignore[arg-type]
 
 
 def test_megatron_mlp_matches_the_single_process_model(

@@ -1,0 +1,77 @@
+"""Full tensors gathered straight into their place: one buffer, no ``torch.cat`` reassembly.
+
+:func:`~hyperrecipe.runtime.comm.sharding.gather_full` rebuilds a full tensor by gathering
+each shard into a staging buffer and concatenating: two full-size copies per tensor, and the
+concatenation runs while the peers wait. When a parameter is sharded over one mesh dim (the
+usual tensor-parallel layout), the gather can land each rank's block where it belongs:
+
+- sharded on dim 0 (column-parallel weights, embeddings, the lm_head), every rank's block is a
+  contiguous slice of the full tensor, so the all-gather writes into the full tensor itself
+  (per fused part for a chunked shard: each part is a contiguous slice too); no copy at all;
+- sharded on another dim (row-parallel weights), the blocks are strided in the full tensor, which
+  a collective cannot write; they are gathered into one staging buffer and copied into the
+  full tensor once (what ``cat`` did, without the second allocation).
+
+Other layouts (several mesh dims, or a dim sharded twice) are left to ``gather_full``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from hyperrecipe.collective import CollectiveOp
+from hyperrecipe.placement import NamedPlacement, Shard
+from hyperrecipe.runtime.comm.collectives import MeshDimGroup, gather_flat, group_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["gather_full_in_place"]
+
+
+def gather_full_in_place(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],
+                         mesh: DeviceMesh, mesh_dims: Sequence[str]) -> Tensor | None:
+    """The full tensor from every rank's ``local`` shard, gathered into one preallocated
+    tensor (a collective: call on all ranks), or ``None`` when the placement is not sharded
+    over exactly one mesh dim (then every rank returns ``None`` alike, before any traffic).
+    """
+    sharded = [(name, q) for name in mesh_dims
+               if isinstance(q := placement.get(name), Shard)]
+    if len(sharded) != 1:
+        return None
+    name, q = sharded[0]
+    assert isinstance(q, Shard)
+    ndim = len(full_shape)
+    d = q.dim + ndim if q.dim < 0 else q.dim
+    g = group_for(mesh, name)
+    op = CollectiveOp(kind="all_gather", mesh_dim=name, gather_dim=d)
+    x = local.detach()
+    expected = tuple(full_shape[:d]) + (full_shape[d] // g.size,) + tuple(full_shape[d + 1:])
+    if tuple(x.shape) != expected or full_shape[d] % g.size:
+        return None  # not an even shard (the same on every rank): the general path says why
+    full = x.new_empty(tuple(full_shape))
+    offset = 0  # where the part starts in the full tensor
+    local_offset = 0
+    for size in q.part_sizes(full_shape[d]):
+        part = x.narrow(d, local_offset, size // g.size).contiguous()
+        _gather_part(full.narrow(d, offset, size), part, d, op, g)
+        offset += size
+        local_offset += size // g.size
+    return full
+
+
+def _gather_part(slot: Tensor, part: Tensor, dim: int, op: CollectiveOp, g: MeshDimGroup) -> None:
+    """Every rank's ``part`` into ``slot`` (this part's range of the full tensor), in rank
+    order along ``dim``."""
+    if dim == 0:  # rank j's block is rows [j*l, (j+1)*l) of the slot: contiguous
+        gather_flat(slot.view(-1), part.view(-1), op, g.group)
+        return
+    staged = part.new_empty((g.size, *part.shape))
+    gather_flat(staged.view(-1), part.view(-1), op, g.group)
+    # staged[j] is rank j's block; the slot holds them side by side along ``dim``
+    blocks = slot.unflatten(dim, (g.size, part.shape[dim]))  # type: ignore[no-untyped-call]
+    blocks.copy_(staged.movedim(0, dim))

@@ -1,0 +1,61 @@
+"""Full tensors gathered straight into their place (:mod:`hyperrecipe.runtime.comm.gather_into`).
+
+On real gloo ranks (2 on a 1-D mesh, 4 on a dp x tp mesh), each layout's shards, cut from one
+full tensor by ``local_shard``, must gather back to that tensor exactly (data movement: bit for
+bit), through the direct path where the placement is one mesh dim and through the general path
+(mesh dim by mesh dim) for the others; the all-gathers are counted as the plan counts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.placement import parse_named_text
+from hyperrecipe.runtime.comm.collectives import count_collectives
+from hyperrecipe.runtime.comm.gather_into import gather_full_in_place
+from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
+
+SHAPE = (12, 8, 6)
+ONE_DIM = ["{tp: shard(0)}", "{tp: shard(1)}", "{tp: shard(-1)}", "{tp: shard(0, chunks=3)}",
+           "{tp: shard(1, chunks=[4, 2, 2])}", "{tp: shard(2, chunks=3)}"]
+TWO_DIMS = ["{dp: shard(0), tp: shard(1)}", "{dp: shard(0), tp: shard(0)}"]
+
+
+def _gathers(rank: int, world: int) -> dict[str, Any]:
+    full = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    out: dict[str, Any] = {}
+    if world == 2:
+        mesh, dims, cases = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), ("tp",), ONE_DIM
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dims, cases = ("dp", "tp"), ONE_DIM + TWO_DIMS
+    for text in cases:
+        p = parse_named_text(text)
+        local = local_shard(full, p, mesh, dims)
+        direct = gather_full_in_place(local, p, SHAPE, mesh, dims)
+        with count_collectives() as log:
+            whole = gather_full(local, p, SHAPE, mesh, dims)
+        out[text] = (direct is not None and torch.equal(direct, full), torch.equal(whole, full),
+                     len(log))
+    return out
+
+
+def test_one_mesh_dim_shards_gather_straight_into_the_full_tensor_bit_for_bit() -> None:
+    for world in (2, 4):
+        for res in run_ranks(_gathers, world, timeout_s=300):
+            for text in ONE_DIM:
+                direct_equal, equal, gathers = res[text]
+                assert direct_equal and equal, text
+                parts = 3 if "chunks" in text else 1
+                assert gathers == parts, f"{text}: one all_gather per fused part"
+
+
+def test_two_mesh_dim_shards_take_the_general_path_and_still_gather_exactly() -> None:
+    for res in run_ranks(_gathers, 4, timeout_s=300):
+        for text in TWO_DIMS:
+            direct_equal, equal, _ = res[text]
+            assert not direct_equal and equal, text

@@ -1,0 +1,221 @@
+"""Host overhead of a production step: hyperrecipe against hand-written Megatron, compute negligible.
+
+A transformers ``LlamaForCausalLM`` so small that the step is almost all Python and dispatch
+(hidden 64, 8 layers, 4 heads, 4 KV heads, intermediate 128, vocab 256; fp32, eager attention;
+batch 2 x 16 token ids), on 2 gloo ranks started by
+:func:`hyperrecipe.check.launcher.run_ranks` (fork, one intra-op thread per rank), two ways:
+
+``production``
+    ``hyperrecipe.apply(model, compile_recipe("recipes/llama.yaml", ...), mesh)``.
+``handwritten``
+    ``tools/bench_runtime.py``'s Megatron-style step: the same weights swapped for local shards
+    and Megatron's ``f`` / ``g`` put around each block by module hooks; the same collectives.
+
+Both first run ``--warmup`` untimed steps (their first losses must agree within rtol 1e-4), then
+``--rounds`` rounds, alternating which goes first, of ``--steps`` steps each, with
+``time.thread_time`` (the rank's main thread: Python, dispatch and kernels, not the time spent
+waiting for the peer) and ``time.perf_counter`` around each forward+backward. A step's figure is
+the larger rank's; the summary gives medians and ``production / handwritten``.
+
+``--baseline REV`` measures a git revision's ``hyperrecipe`` in the same launch of this tool:
+``git archive REV hyperrecipe`` is unpacked into a temporary folder and the ranks are launched
+``--launches`` times per tree, alternating baseline and working tree (each launch in its own
+``python`` with that tree first on ``PYTHONPATH``), so both see the same machine load.
+``--profile`` counts, with ``cProfile`` on rank 0, the calls into ``hyperrecipe`` code in one
+production step and their own time.
+
+Usage::
+
+    python tools/bench_host.py [--baseline REV] [--launches 2] [--rounds 30] [--steps 10]
+                               [--warmup 3] [--profile] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "attn_implementation": "eager",
+}
+BATCH, SEQ = 2, 16
+WORLD = 2
+TARGET = 1.02
+IMPLS = ("production", "handwritten")
+
+
+def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
+            profile: bool) -> dict[str, Any]:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_runtime as br
+
+    from hyperrecipe import apply, compile_recipe
+    from hyperrecipe.model_tree import build_model
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    plan = compile_recipe(str(REPO / "recipes/llama.yaml"),
+                          build_model("hf:llama", CONFIG), {"tp": world})
+    models: dict[str, Any] = {}
+    keep: list[Any] = []
+    losses: dict[str, float] = {}
+    for name in IMPLS:
+        model = br.build_llama(CONFIG)
+        if name == "production":
+            keep.append(apply(model, plan, mesh))
+        else:
+            keep.extend(br.megatron_parallelize(model, rank, world))
+        for i in range(warmup):
+            loss = float(br.step_loss(model, ids))
+            if i == 0:
+                losses[name] = loss
+            model.zero_grad(set_to_none=True)
+        models[name] = model
+    cpu: dict[str, list[float]] = {n: [] for n in IMPLS}
+    wall: dict[str, list[float]] = {n: [] for n in IMPLS}
+    for r in range(rounds):
+        for name in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+            model = models[name]
+            gc.collect()
+            dist.barrier()
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                br.step_loss(model, ids)
+                cpu[name].append((time.thread_time() - c0) * 1e3)
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+    out: dict[str, Any] = {"cpu": cpu, "wall": wall, "losses": losses}
+    if profile:
+        out["profile"] = _profile_calls(models["production"], ids, br.step_loss)
+    return out
+
+
+def _profile_calls(model: Any, ids: Any, step: Any) -> dict[str, Any]:
+    """Calls into hyperrecipe's own code in one production step, and their own time."""
+    import cProfile
+    import pstats
+
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    step(model, ids)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    ours = {f"{Path(f).name}:{line}:{fn}": (calls, tt) for (f, line, fn), (_, calls, tt, _, _)
+            in stats.items() if "/hyperrecipe/" in f}
+    top = sorted(ours.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"calls": sum(c for c, _ in ours.values()),
+            "own_ms": round(sum(t for _, t in ours.values()) * 1e3, 3),
+            "top": [(k, c, round(t * 1e3, 3)) for k, (c, t) in top]}
+
+
+def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
+    """One launch of the ranks with whatever ``hyperrecipe`` this interpreter imports."""
+    import hyperrecipe
+    from hyperrecipe.check.launcher import run_ranks
+
+    results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.warmup, args.profile,
+                        timeout_s=1800)
+    summary: dict[str, Any] = {"hyperrecipe": str(Path(hyperrecipe.__file__).parent)}
+    for metric in ("cpu", "wall"):
+        per_step = {n: [max(vals) for vals in zip(*(r[metric][n] for r in results))]
+                    for n in IMPLS}
+        med = {n: statistics.median(v) for n, v in per_step.items()}
+        summary[metric] = {**{n: round(m, 4) for n, m in med.items()},
+                           "ratio": round(med["production"] / med["handwritten"], 4)}
+    losses = [r["losses"] for r in results]
+    summary["losses_agree"] = all(
+        abs(l["production"] - l["handwritten"]) <= 1e-4 * abs(l["handwritten"]) for l in losses)
+    if args.profile:
+        summary["profile"] = results[0]["profile"]
+    return summary
+
+
+def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """One launch in a fresh interpreter with ``tree``'s hyperrecipe first (``None``: this
+    checkout's)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--one-launch", "--json", out.name,
+               "--rounds", str(args.rounds), "--steps", str(args.steps),
+               "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+        env = dict(os.environ)
+        paths = [str(tree)] if tree is not None else []
+        env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)])
+        subprocess.run(cmd, env=env, check=True, cwd=REPO)
+        result: dict[str, Any] = json.loads(Path(out.name).read_text())
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REV", help="also measure this git revision")
+    parser.add_argument("--launches", type=int, default=2, help="launches per tree")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_launch:
+        result = _launch_here(args)
+        if args.json:
+            args.json.write_text(json.dumps(result))
+        return 0
+    runs: dict[str, list[dict[str, Any]]] = {"current": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        base: Path | None = None
+        if args.baseline:
+            runs["baseline"] = []
+            base = Path(tmp)
+            archive = subprocess.run(["git", "archive", args.baseline, "hyperrecipe"], cwd=REPO,
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for i in range(args.launches):
+            order = ["baseline", "current"] if i % 2 == 0 else ["current", "baseline"]
+            for which in order:
+                if which in runs:
+                    result = _launch_tree(base if which == "baseline" else None, args)
+                    runs[which].append(result)
+                    print(f"{which}: {json.dumps(result)}", flush=True)
+    summary = {which: {m: round(statistics.median(r[m]["ratio"] for r in rs), 4)
+                       for m in ("cpu", "wall")} for which, rs in runs.items()}
+    print(f"production / handwritten (median over launches; target <= {TARGET}): "
+          f"{json.dumps(summary)}")
+    if args.json:
+        args.json.write_text(json.dumps({"config": CONFIG, "batch": [BATCH, SEQ],
+                                         "baseline": args.baseline, "runs": runs,
+                                         "summary": summary}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
