@@ -1,0 +1,188 @@
+"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3 code.
+
+torchtitan (0.3) builds its model on the meta device and hands it to the model spec's
+``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
+dump_folder)``. :func:`parallelize_llama` has that signature: it compiles a recipe written for
+torchtitan's module names (``recipes/torchtitan-llama3.yaml`` by default) against the model and
+the ``tp`` mesh torchtitan built, and applies it in production mode (plain local shards, every
+collective lowered at compile time). The logits leave ``lm_head`` on vocab shards, so the
+trainer's loss must be :func:`cross_entropy_loss` (torchtitan's signature and reduction); the
+stock one is refused on them by name.
+
+What torchtitan's parallelize step also does and this one does not (each refused loudly, never
+skipped): FSDP2 on a data-parallel dim (the recipe's sequence-parallel norms reduce their
+gradients over ``tp`` through hooks that ``fully_shard`` would leave behind:
+docs/training.md#fsdp2-on-a-dp-dim), context and pipeline parallel, and ``torch.compile``
+(activation checkpointing is applied after the plan, as torchtitan applies it after its TP). torchtitan is imported only when one of these functions runs; nothing of
+hyperrecipe imports this module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError
+
+if TYPE_CHECKING:
+    from hyperrecipe.runtime.installation import Installation
+
+__all__ = ["RECIPE", "build_llama3", "cross_entropy_loss", "installation_of",
+           "parallelize_llama"]
+
+#: The shipped recipe :func:`parallelize_llama` compiles when given none.
+RECIPE = "torchtitan-llama3"
+
+IGNORE_INDEX = -100
+
+_INSTALLATIONS: weakref.WeakKeyDictionary[nn.Module, Installation] = (
+    weakref.WeakKeyDictionary())
+
+
+def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                 vocab_size: int = 256, max_seq_len: int = 64, multiple_of: int = 32,
+                 fuse_qkv: bool = True) -> nn.Module:
+    """torchtitan's ``Llama3Model`` at the given size, as torchtitan's flavors build it.
+
+    The layers are torchtitan's own (``Llama3TransformerBlock``, ``GQAttention`` with its fused
+    ``qkv_linear.wqkv``, ``FeedForward``, ``RMSNorm``, ``ComplexRoPE``) with the same
+    initializers as its ``debugmodel``. The inner attention is torchtitan's
+    ``ScaledDotProductAttention`` (causal), because its default FlexAttention compiles a kernel
+    that CPU test ranks cannot afford; the module names, and so the recipe, are the same.
+    Parameters are created on the current default device (``build_model`` puts them on meta).
+    """
+    from functools import partial
+
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+
+    linear_init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    norm_init = {"weight": nn.init.ones_}
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            attention=make_gqa_config(
+                dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                wqkv_param_init=linear_init, wo_param_init=linear_init,
+                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=fuse_qkv,
+                rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max_seq_len,
+                                        theta=500000)),
+            feed_forward=make_ffn_config(
+                dim=dim, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=multiple_of),
+                w1_param_init=linear_init, w2w3_param_init=linear_init))
+        for _ in range(n_layers)]
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
+                                        param_init={"weight": partial(nn.init.normal_,
+                                                                      std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=linear_init),
+        layers=layers)
+    model: nn.Module = config.build()
+    return model
+
+
+def _refuse_unsupported(parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
+    asked = []
+    for name in ("dp_replicate", "dp_shard", "cp", "pp", "ep"):
+        size = int(getattr(parallel_dims, name, 1))
+        if size not in (1, -1):
+            asked.append(f"{name}={size}")
+    if compile_config is not None and getattr(compile_config, "enable", False):
+        asked.append("compile.enable=True")
+    if parallelism is not None and not getattr(parallelism, "enable_sequence_parallel", True):
+        asked.append("enable_sequence_parallel=False (the recipe is sequence parallel)")
+    if asked:
+        msg = (f"hyperrecipe's torchtitan parallelize_llama applies tensor (+ sequence) parallel "
+               f"only; the job asks for {', '.join(asked)}. Declared: tp="
+               f"{getattr(parallel_dims, 'tp', '?')}; supported: tp (with sequence parallel), "
+               f"activation checkpointing, compile off. Use torchtitan's own "
+               f"parallelize_llama for the others (FSDP2 over sequence-parallel norms: "
+               f"docs/training.md#fsdp2-on-a-dp-dim).")
+        raise PlanMismatchError(msg)
+
+
+def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = None,
+                      parallelism: Any = None, compile_config: Any = None,
+                      ac_config: Any = None, dump_folder: str = "",
+                      recipe: str = RECIPE) -> nn.Module:
+    """torchtitan's ``parallelize_fn`` for ``Llama3Model``, from a hyperrecipe plan.
+
+    Args:
+        model: torchtitan's ``Llama3Model`` (on meta, as torchtitan's trainer builds it, or
+            materialized: each rank then keeps only its shards of the given weights).
+        parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` may
+            exceed 1.
+        training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
+            what this step does not do.
+        ac_config: torchtitan's activation checkpointing policy, applied after the plan.
+        recipe: a recipe file or shipped recipe name for torchtitan's module names.
+
+    Returns:
+        ``model``, applied in production mode; :func:`installation_of` gives its installation
+        (``clip_grad_norm_``, ``state_dict`` for DCP, ``restore``).
+
+    Raises:
+        PlanMismatchError: the job asks for data, context or pipeline parallel, or compile
+            (see the module docstring).
+        RecipeError: the recipe does not fit the model or the tp size.
+    """
+    del training
+    _refuse_unsupported(parallel_dims, parallelism, compile_config)
+    from hyperrecipe import apply, compile_recipe
+
+    mesh = parallel_dims.get_mesh("tp")
+    plan = compile_recipe(recipe, model, {"tp": mesh.size()})
+    _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
+    if ac_config is not None:  # after apply, as torchtitan does after its TP
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    return model
+
+
+def installation_of(model: nn.Module) -> Installation:
+    """The installation :func:`parallelize_llama` made on ``model``.
+
+    Raises:
+        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize_llama`.
+    """
+    inst = _INSTALLATIONS.get(model)
+    if inst is None:
+        msg = (f"{type(model).__name__} was not parallelized by "
+               f"hyperrecipe.integrations.torchtitan.parallelize_llama; no installation")
+        raise PlanMismatchError(msg)
+    return inst
+
+
+def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
+    """torchtitan's ``cross_entropy_loss`` (sum over tokens, ``ignore_index=-100``) that also
+    takes the vocab-sharded logits of a plan with ``loss_parallel``.
+
+    torchtitan's own function flattens and casts the logits, which the vocab slice refuses;
+    this one hands the slice to :func:`hyperrecipe.vocab_parallel_cross_entropy` and full
+    logits to torchtitan's. ``kwargs`` (torchtitan's ``global_vocab_size``) are accepted and,
+    for full logits, passed on.
+    """
+    from hyperrecipe import vocab_parallel_cross_entropy
+    from hyperrecipe.runtime.features.vocab_loss import VocabShardedLogits
+
+    if isinstance(pred, VocabShardedLogits):
+        return vocab_parallel_cross_entropy(pred, labels, ignore_index=IGNORE_INDEX,
+                                            reduction="sum")
+    from torchtitan.components.loss import cross_entropy_loss as titan_loss
+
+    loss: Callable[..., Tensor] = titan_loss
+    return loss(pred, labels, **kwargs)
