@@ -147,10 +147,69 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
 
     mesh = parallel_dims.get_mesh("tp")
     plan = compile_recipe(recipe, model, {"tp": mesh.size()})
+    _compute_meta_buffers(model, mesh.device_type)
     _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
+    _initialize_through_the_plan(model, {p.fqn: p.shape for p in plan.params})
     if ac_config is not None:  # after apply, as torchtitan does after its TP
         ac_config.build(dump_folder=dump_folder).apply(model)
     return model
+
+
+def _compute_meta_buffers(model: nn.Module, device_type: str) -> None:
+    """Compute the non-persistent buffers (RoPE caches) of a model built on meta.
+
+    torchtitan's trainer builds on meta and recomputes buffers in ``init_weights`` after the
+    parallelize step, but apply must place every buffer first and refuses a meta buffer that no
+    checkpoint holds. torchtitan's modules recompute their own (``_init_self_buffers``, what
+    ``init_states`` calls), on the device apply allocates shards on.
+    """
+    import torch
+
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type)
+    for module in model.modules():
+        on_meta = any(b is not None and b.is_meta for b in module.buffers(recurse=False))
+        recompute = getattr(module, "_init_self_buffers", None)
+        if on_meta and callable(recompute):
+            recompute(buffer_device=device)
+
+
+def _initialize_through_the_plan(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Make torchtitan's ``init_weights`` after the parallelize step initialize the shards.
+
+    torchtitan's trainer calls ``model.to_empty()`` and ``model.init_weights()`` after its
+    ``parallelize_fn``; each module initializes its parameters with the functions in its
+    ``_param_init``. On a DTensor those draw the full tensor's values; on a plain local shard
+    they would draw a shard-sized tensor from the same seed on every rank (every rank's rows of
+    ``lm_head`` equal, a fused ``wqkv``'s initializer failing on the shape). Each module gets its
+    own copy of ``_param_init`` (the config's dict is shared by all layers) whose functions
+    draw the full tensor, exactly as one process would, and hand it to ``load_state_dict``,
+    whose production hook keeps this rank's shard and marks the weight set.
+    """
+    import torch
+
+    for prefix, module in model.named_modules():
+        inits = getattr(module, "_param_init", None)
+        if not isinstance(inits, dict):
+            continue
+        own = dict(inits)
+        for name, _ in module.named_parameters(recurse=False):
+            fqn = f"{prefix}.{name}" if prefix else name
+            if name in own and fqn in shapes:
+                own[name] = _full_then_shard(model, fqn, shapes[fqn], own[name], torch)
+        module._param_init = own  # noqa: SLF001  (torchtitan's per-module init table)
+
+
+def _full_then_shard(root: nn.Module, fqn: str, shape: tuple[int, ...],
+                     init: Callable[[Tensor], Any], torch: Any) -> Callable[[Tensor], None]:
+    def initialize(param: Tensor) -> None:
+        full = torch.empty(shape, dtype=param.dtype, device=param.device)
+        init(full)
+        root.load_state_dict({fqn: full}, strict=False)
+
+    return initialize
 
 
 def installation_of(model: nn.Module) -> Installation:
