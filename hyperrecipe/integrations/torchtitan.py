@@ -145,7 +145,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     _refuse_unsupported(parallel_dims, parallelism, compile_config)
     from hyperrecipe import apply, compile_recipe
 
-    mesh = parallel_dims.get_mesh("tp")
+    # include_singleton_axes: at tp=1 the plan still applies (a checkpoint resumed on one rank)
+    mesh = parallel_dims.get_optional_mesh("tp", include_singleton_axes=True)
     plan = compile_recipe(recipe, model, {"tp": mesh.size()})
     _compute_meta_buffers(model, mesh.device_type)
     _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
