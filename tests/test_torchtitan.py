@@ -85,3 +85,17 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
         model = build_llama3()
     with pytest.raises(PlanMismatchError, match=f"the job asks for {asked}"):
         parallelize_llama(model, parallel_dims=parallel_dims)
+
+
+def test_clipping_through_torchtitans_trainer_is_refused_naming_the_method_to_use() -> None:
+    from torchtitan.config import TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+
+    with torch.device("meta"):
+        model = build_llama3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    with pytest.raises(PlanMismatchError, match=r"Declared: training.max_norm=1.0; required: "
+                                                r"training.max_norm=inf .*clip_grad_norm_"):
+        parallelize_llama(model, parallel_dims=dims, training=TrainingConfig())

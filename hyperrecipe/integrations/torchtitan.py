@@ -13,12 +13,15 @@ What torchtitan's parallelize step also does and this one does not (each refused
 skipped): FSDP2 on a data-parallel dim (the recipe's sequence-parallel norms reduce their
 gradients over ``tp`` through hooks that ``fully_shard`` would leave behind:
 docs/training.md#fsdp2-on-a-dp-dim), context and pipeline parallel, and ``torch.compile``
-(activation checkpointing is applied after the plan, as torchtitan applies it after its TP). torchtitan is imported only when one of these functions runs; nothing of
+(activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
+torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
+finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``. torchtitan is imported only when one of these functions runs; nothing of
 hyperrecipe imports this module.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -96,7 +99,18 @@ def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_hea
     return model
 
 
-def _refuse_unsupported(parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
+def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
+                        compile_config: Any) -> None:
+    max_norm = float(getattr(training, "max_norm", float("inf")))
+    if math.isfinite(max_norm):
+        msg = (f"torchtitan's Trainer clips with torch's norm (dist_utils.clip_grad_norm_), "
+               f"which on hyperrecipe's production shards is each rank's own norm: each rank "
+               f"would clip by another coefficient, silently. Declared: training.max_norm="
+               f"{max_norm}; required: training.max_norm=inf (the Trainer's call then only "
+               f"measures), and clip with hyperrecipe.integrations.torchtitan.installation_of("
+               f"model).clip_grad_norm_(max_norm) after backward "
+               f"(docs/training.md#gradient-clipping-and-norms).")
+        raise PlanMismatchError(msg)
     asked = []
     for name in ("dp_replicate", "dp_shard", "cp", "pp", "ep"):
         size = int(getattr(parallel_dims, name, 1))
@@ -128,7 +142,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
         parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` may
             exceed 1.
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
-            what this step does not do.
+            what this step does not do. ``training.max_norm`` must be ``inf``: torchtitan's
+            Trainer clips with torch's norm, which is wrong on these shards.
         ac_config: torchtitan's activation checkpointing policy, applied after the plan.
         recipe: a recipe file or shipped recipe name for torchtitan's module names.
 
@@ -138,11 +153,11 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
 
     Raises:
         PlanMismatchError: the job asks for data, context or pipeline parallel, or compile
-            (see the module docstring).
+            (see the module docstring), or clipping through torchtitan's Trainer (a finite
+            ``training.max_norm``).
         RecipeError: the recipe does not fit the model or the tp size.
     """
-    del training
-    _refuse_unsupported(parallel_dims, parallelism, compile_config)
+    _refuse_unsupported(parallel_dims, training, parallelism, compile_config)
     from hyperrecipe import apply, compile_recipe
 
     # include_singleton_axes: at tp=1 the plan still applies (a checkpoint resumed on one rank)
