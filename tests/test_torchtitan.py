@@ -99,3 +99,26 @@ def test_clipping_through_torchtitans_trainer_is_refused_naming_the_method_to_us
     with pytest.raises(PlanMismatchError, match=r"Declared: training.max_norm=1.0; required: "
                                                 r"training.max_norm=inf .*clip_grad_norm_"):
         parallelize_llama(model, parallel_dims=dims, training=TrainingConfig())
+
+
+@pytest.mark.slow  # starts torchrun and two fresh interpreters
+def test_the_documented_torchtitan_example_runs_under_torchrun(tmp_path: Path) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs/training.md").read_text(encoding="utf-8").split("\n## torchtitan\n")[1]
+    body = re.search(r"```python\n(# file: titan_tp.py\n.*?)```", doc, re.S)
+    assert body is not None, "docs/training.md#torchtitan: the titan_tp.py block"
+    (tmp_path / "titan_tp.py").write_text(body.group(1), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "titan_tp.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [float(x) for x in re.findall(r"^step \d loss (\S+)$", done.stdout, re.M)]
+    torch.testing.assert_close(torch.tensor(printed), torch.tensor(h.one_process(5)["losses"]),
+                               atol=2e-6, rtol=0.0)  # printed with 6 decimals
+    assert (tmp_path / "titan-ckpt" / ".metadata").exists()

@@ -15,7 +15,8 @@ batches, so their losses must agree step by step.
 
 ``OUT`` (``-`` for stdout) gets ``torchtitan_ms`` and ``hyperrecipe_ms`` (median step),
 ``ratio`` (hyperrecipe / torchtitan; the target is <= 1.0), ``losses_equal`` (every step's
-loss within rtol 1e-5), ``max_loss_rel_diff`` and the arguments.
+loss within rtol 1e-5), ``max_loss_rel_diff``, each one's fastest and slowest step
+(``*_min_max_ms``) and the arguments. Exits 1 when the losses differ.
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
     hr_ms = 1000 * statistics.median(result["times"]["hyperrecipe"])
     tt_ms = 1000 * statistics.median(result["times"]["torchtitan"])
-    report = {"torchtitan_ms": round(tt_ms, 3), "hyperrecipe_ms": round(hr_ms, 3),
+    spread = {f"{name}_min_max_ms": [round(1000 * min(t), 3), round(1000 * max(t), 3)]
+              for name, t in result["times"].items()}
+    report = {"torchtitan_ms": round(tt_ms, 3), "hyperrecipe_ms": round(hr_ms, 3), **spread,
               "ratio": round(hr_ms / tt_ms, 3), "losses_equal": rel <= LOSS_RTOL,
               "max_loss_rel_diff": rel, "args": vars(args)}
     text = json.dumps(report, indent=2, sort_keys=True)
