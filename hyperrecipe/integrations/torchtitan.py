@@ -15,8 +15,10 @@ gradients over ``tp`` through hooks that ``fully_shard`` would leave behind:
 docs/training.md#fsdp2-on-a-dp-dim), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
 torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
-finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``. torchtitan is imported only when one of these functions runs; nothing of
-hyperrecipe imports this module.
+finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``.
+torchtitan is imported only when one of these functions runs; nothing of hyperrecipe imports
+this module. ``restore()`` puts the forwards and parameters back but leaves the modules' own
+initializer tables (:func:`_initialize_through_the_plan`) in place.
 """
 
 from __future__ import annotations
