@@ -11,8 +11,8 @@ stock one is refused on them by name.
 
 What torchtitan's parallelize step also does and this one does not (each refused loudly, never
 skipped): FSDP2 on a data-parallel dim (the recipe's sequence-parallel norms reduce their
-gradients over ``tp`` through hooks that ``fully_shard`` would leave behind:
-docs/training.md#fsdp2-on-a-dp-dim), context and pipeline parallel, and ``torch.compile``
+gradients over ``tp`` through hooks that ``fully_shard`` would leave behind, and FSDP2's root
+hooks touch the vocab-sharded logits, which refuse it: docs/training.md#torchtitan), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
 torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
 finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``.
