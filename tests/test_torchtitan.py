@@ -69,7 +69,7 @@ def test_dcp_checkpoint_resumes_at_the_same_and_at_another_tp_size(tmp_path: Pat
 
 
 @pytest.mark.parametrize(("dims", "asked"), [
-    ({"dp_shard": 2}, "dp_shard=2"), ({"cp": 2}, "cp=2"), ({"pp": 2}, "pp=2")])
+    ({"dp_replicate": 2}, "dp_replicate=2"), ({"cp": 2}, "cp=2"), ({"pp": 2}, "pp=2")])
 def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
         dims: dict[str, int], asked: str) -> None:
     from torchtitan.distributed import ParallelDims
@@ -122,3 +122,30 @@ def test_the_documented_torchtitan_example_runs_under_torchrun(tmp_path: Path) -
     torch.testing.assert_close(torch.tensor(printed), torch.tensor(h.one_process(5)["losses"]),
                                atol=2e-6, rtol=0.0)  # printed with 6 decimals
     assert (tmp_path / "titan-ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_fsdp2_on_the_fsdp_dim_after_the_plan_trains_as_one_process_on_the_whole_batch() -> None:
+    ref = h.one_process(STEPS)
+    results = run_ranks(h.dp_tp_run, 4, STEPS, timeout_s=400)
+    for rank, got in enumerate(results):
+        _close(got["losses"], ref["losses"], f"dp x tp rank {rank} (dp mean) vs one process")
+    assert set(results[0]["grads"]) == set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(results[0]["grads"][name], grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"dp x tp grad {n}: {m}")
+
+
+def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+
+    with torch.device("meta"):
+        model = build_llama3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    with pytest.raises(PlanMismatchError, match=r"enable_sequence_parallel=True at dp_shard=2 "
+                                                r"\(the dp x tp recipe is not: set it False\)"):
+        parallelize_llama(model, parallel_dims=dims, parallelism=ParallelismConfig(
+            tensor_parallel_degree=2, data_parallel_shard_degree=2))

@@ -9,10 +9,15 @@ collective lowered at compile time). The logits leave ``lm_head`` on vocab shard
 trainer's loss must be :func:`cross_entropy_loss` (torchtitan's signature and reduction); the
 stock one is refused on them by name.
 
+With ``dp_shard > 1`` it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for torchtitan's
+``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
+that recipe is neither sequence parallel nor loss-on-shards, because FSDP2 composes with
+neither yet (the sequence-parallel norms reduce their gradients through hooks that
+``fully_shard`` would leave behind, and FSDP2's root hook touches the output, which
+vocab-sharded logits refuse: docs/training.md#torchtitan).
+
 What torchtitan's parallelize step also does and this one does not (each refused loudly, never
-skipped): FSDP2 on a data-parallel dim (the recipe's sequence-parallel norms reduce their
-gradients over ``tp`` through hooks that ``fully_shard`` would leave behind, and FSDP2's root
-hooks touch the vocab-sharded logits, which refuse it: docs/training.md#torchtitan), context and pipeline parallel, and ``torch.compile``
+skipped): replicated data parallel (HSDP), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
 torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
 finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``.
@@ -35,11 +40,13 @@ from hyperrecipe.errors import PlanMismatchError
 if TYPE_CHECKING:
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["RECIPE", "build_llama3", "cross_entropy_loss", "installation_of",
+__all__ = ["RECIPE", "RECIPE_DP_TP", "build_llama3", "cross_entropy_loss", "installation_of",
            "parallelize_llama"]
 
-#: The shipped recipe :func:`parallelize_llama` compiles when given none.
+#: The shipped recipe :func:`parallelize_llama` compiles when given none (tp only).
 RECIPE = "torchtitan-llama3"
+#: ... and with a data-parallel shard dim (``dp_shard > 1``: FSDP2 over torchtitan's ``fsdp``).
+RECIPE_DP_TP = "torchtitan-llama3-dp-tp"
 
 IGNORE_INDEX = -100
 
@@ -114,47 +121,61 @@ def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
                f"(docs/training.md#gradient-clipping-and-norms).")
         raise PlanMismatchError(msg)
     asked = []
-    for name in ("dp_replicate", "dp_shard", "cp", "pp", "ep"):
+    for name in ("dp_replicate", "cp", "pp", "ep"):
         size = int(getattr(parallel_dims, name, 1))
         if size not in (1, -1):
             asked.append(f"{name}={size}")
     if compile_config is not None and getattr(compile_config, "enable", False):
         asked.append("compile.enable=True")
-    if parallelism is not None and not getattr(parallelism, "enable_sequence_parallel", True):
-        asked.append("enable_sequence_parallel=False (the recipe is sequence parallel)")
+    fsdp = int(getattr(parallel_dims, "dp_shard", 1)) > 1
+    sp = parallelism is None or getattr(parallelism, "enable_sequence_parallel", True)
+    if not fsdp and not sp:
+        asked.append("enable_sequence_parallel=False at dp_shard=1 (that recipe is sequence "
+                     "parallel)")
+    if fsdp and parallelism is not None and sp:
+        asked.append(f"enable_sequence_parallel=True at dp_shard={parallel_dims.dp_shard} (the "
+                     f"dp x tp recipe is not: set it False)")
+    param_dtype = getattr(training, "mixed_precision_param", "float32")
+    if fsdp and param_dtype != "float32":
+        asked.append(f"mixed_precision_param={param_dtype!r} under FSDP2 (tested in fp32 only: "
+                     f"set 'float32')")
     if asked:
-        msg = (f"hyperrecipe's torchtitan parallelize_llama applies tensor (+ sequence) parallel "
-               f"only; the job asks for {', '.join(asked)}. Declared: tp="
-               f"{getattr(parallel_dims, 'tp', '?')}; supported: tp (with sequence parallel), "
-               f"activation checkpointing, compile off. Use torchtitan's own "
-               f"parallelize_llama for the others (FSDP2 over sequence-parallel norms: "
-               f"docs/training.md#fsdp2-on-a-dp-dim).")
+        msg = (f"hyperrecipe's torchtitan parallelize_llama applies tensor parallel, with "
+               f"sequence parallel at dp_shard=1 or FSDP2 on dp_shard > 1; the job asks for "
+               f"{', '.join(asked)}. Declared: tp={getattr(parallel_dims, 'tp', '?')}, "
+               f"dp_shard={getattr(parallel_dims, 'dp_shard', '?')}; supported: tp, dp_shard, "
+               f"activation checkpointing, compile off. Use torchtitan's own parallelize_llama "
+               f"for the others (docs/training.md#torchtitan).")
         raise PlanMismatchError(msg)
 
 
 def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = None,
                       parallelism: Any = None, compile_config: Any = None,
                       ac_config: Any = None, dump_folder: str = "",
-                      recipe: str = RECIPE) -> nn.Module:
+                      recipe: str | None = None) -> nn.Module:
     """torchtitan's ``parallelize_fn`` for ``Llama3Model``, from a hyperrecipe plan.
 
     Args:
         model: torchtitan's ``Llama3Model`` (on meta, as torchtitan's trainer builds it, or
             materialized: each rank then keeps only its shards of the given weights).
-        parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` may
-            exceed 1.
+        parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` and
+            ``dp_shard`` may exceed 1.
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
             what this step does not do. ``training.max_norm`` must be ``inf``: torchtitan's
             Trainer clips with torch's norm, which is wrong on these shards.
         ac_config: torchtitan's activation checkpointing policy, applied after the plan.
-        recipe: a recipe file or shipped recipe name for torchtitan's module names.
+        recipe: a recipe file or shipped recipe name for torchtitan's module names; by default
+            :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or, with
+            ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is applied
+            over ``fsdp`` after the plan, per block and on the root).
 
     Returns:
         ``model``, applied in production mode; :func:`installation_of` gives its installation
         (``clip_grad_norm_``, ``state_dict`` for DCP, ``restore``).
 
     Raises:
-        PlanMismatchError: the job asks for data, context or pipeline parallel, or compile
+        PlanMismatchError: the job asks for replicated data, context or pipeline parallel,
+            sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
             (see the module docstring), or clipping through torchtitan's Trainer (a finite
             ``training.max_norm``).
         RecipeError: the recipe does not fit the model or the tp size.
@@ -162,14 +183,29 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     _refuse_unsupported(parallel_dims, training, parallelism, compile_config)
     from hyperrecipe import apply, compile_recipe
 
-    # include_singleton_axes: at tp=1 the plan still applies (a checkpoint resumed on one rank)
-    mesh = parallel_dims.get_optional_mesh("tp", include_singleton_axes=True)
-    plan = compile_recipe(recipe, model, {"tp": mesh.size()})
+    fsdp = int(parallel_dims.dp_shard) > 1
+    if fsdp:
+        mesh = parallel_dims.get_mesh(["fsdp", "tp"])
+        shape = {"fsdp": mesh["fsdp"].size(), "tp": mesh["tp"].size()}
+    else:
+        # include_singleton_axes: at tp=1 the plan still applies (a checkpoint resumed on one
+        # rank)
+        mesh = parallel_dims.get_optional_mesh("tp", include_singleton_axes=True)
+        shape = {"tp": mesh.size()}
+    chosen = recipe if recipe is not None else (RECIPE_DP_TP if fsdp else RECIPE)
+    plan = compile_recipe(chosen, model, shape)
     _compute_meta_buffers(model, mesh.device_type)
     _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
     _initialize_through_the_plan(model, {p.fqn: p.shape for p in plan.params})
     if ac_config is not None:  # after apply, as torchtitan does after its TP
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if fsdp:  # after apply and AC, as torchtitan's apply_fsdp_to_decoder: each block, the root
+        from torch.distributed.fsdp import fully_shard
+
+        layers: Any = model.get_submodule("layers")
+        for block in layers.values():
+            fully_shard(block, mesh=mesh["fsdp"])
+        fully_shard(model, mesh=mesh["fsdp"])
     return model
 
 

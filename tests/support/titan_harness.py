@@ -202,3 +202,42 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "unset": unset, "refused": refused}
+
+
+def dp_tp_run(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """dp=2 x tp=2: FSDP2 over torchtitan's ``fsdp`` dim after the plan; each dp rank trains on
+    its half of the batch. Returns the dp-mean losses and the first step's full gradients."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+
+    from hyperrecipe.integrations.torchtitan import installation_of, parallelize_llama
+
+    parallel_dims(1)  # device type and DTensor backend, as for the other runs
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=world // 2, pp=1, ep=1,
+                                   world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    model = parallelize_llama(
+        materialized(), parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32", max_norm=float("inf")),
+        parallelism=ParallelismConfig(tensor_parallel_degree=world // 2,
+                                      data_parallel_shard_degree=2,
+                                      enable_sequence_parallel=False,
+                                      spmd_backend="partial_dtensor"))
+    inst = installation_of(model)
+    fsdp = dims.get_mesh("fsdp")
+    dp = fsdp.get_local_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    tokens, labels = batch()
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = loss_of(model, tokens[dp:dp + 1], labels[dp:dp + 1])
+        loss.backward()
+        if step == 0:
+            grads = inst.full_grads()
+        inst.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=fsdp.get_group())
+        losses.append(mean.item() / fsdp.size())
+    return {"losses": losses, "grads": grads}
