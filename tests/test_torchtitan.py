@@ -136,6 +136,13 @@ def test_fsdp2_on_the_fsdp_dim_after_the_plan_trains_as_one_process_on_the_whole
                                    msg=lambda m, n=name: f"dp x tp grad {n}: {m}")
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_fsdp2_in_torchtitans_trainer_order_on_meta_initializes_as_one_process() -> None:
+    ref = h.one_process(3)
+    for rank, got in enumerate(run_ranks(h.dp_tp_run, 4, 3, True, timeout_s=400)):
+        _close(got["losses"], ref["losses"], f"dp x tp rank {rank} after to_empty + init_weights")
+
+
 def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims

@@ -38,6 +38,9 @@ from torch import Tensor, nn
 from hyperrecipe.errors import PlanMismatchError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.plan import ParamPlan, Plan
     from hyperrecipe.runtime.installation import Installation
 
 __all__ = ["RECIPE", "RECIPE_DP_TP", "build_llama3", "cross_entropy_loss", "installation_of",
@@ -196,7 +199,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     plan = compile_recipe(chosen, model, shape)
     _compute_meta_buffers(model, mesh.device_type)
     _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
-    _initialize_through_the_plan(model, {p.fqn: p.shape for p in plan.params})
+    _initialize_through_the_plan(model, plan, mesh)
     if ac_config is not None:  # after apply, as torchtitan does after its TP
         ac_config.build(dump_folder=dump_folder).apply(model)
     if fsdp:  # after apply and AC, as torchtitan's apply_fsdp_to_decoder: each block, the root
@@ -230,7 +233,7 @@ def _compute_meta_buffers(model: nn.Module, device_type: str) -> None:
             recompute(buffer_device=device)
 
 
-def _initialize_through_the_plan(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+def _initialize_through_the_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     """Make torchtitan's ``init_weights`` after the parallelize step initialize the shards.
 
     torchtitan's trainer calls ``model.to_empty()`` and ``model.init_weights()`` after its
@@ -239,11 +242,14 @@ def _initialize_through_the_plan(model: nn.Module, shapes: dict[str, tuple[int, 
     they would draw a shard-sized tensor from the same seed on every rank (every rank's rows of
     ``lm_head`` equal, a fused ``wqkv``'s initializer failing on the shape). Each module gets its
     own copy of ``_param_init`` (the config's dict is shared by all layers) whose functions
-    draw the full tensor, exactly as one process would, and hand it to ``load_state_dict``,
-    whose production hook keeps this rank's shard and marks the weight set.
+    draw the full tensor, exactly as one process would, and keep this rank's part: through
+    ``load_state_dict`` (whose production hook keeps the shard and marks the weight set), or,
+    under FSDP2, as FSDP's piece of the rank's shard (``inst.status()`` then still lists the
+    weights as unset: the installation cannot see that write).
     """
     import torch
 
+    params = {p.fqn: p for p in plan.params}
     for prefix, module in model.named_modules():
         inits = getattr(module, "_param_init", None)
         if not isinstance(inits, dict):
@@ -251,17 +257,31 @@ def _initialize_through_the_plan(model: nn.Module, shapes: dict[str, tuple[int, 
         own = dict(inits)
         for name, _ in module.named_parameters(recurse=False):
             fqn = f"{prefix}.{name}" if prefix else name
-            if name in own and fqn in shapes:
-                own[name] = _full_then_shard(model, fqn, shapes[fqn], own[name], torch)
+            if name in own and fqn in params:
+                own[name] = _full_then_shard(model, params[fqn], plan.mesh_dims, mesh,
+                                             own[name], torch)
         module._param_init = own  # noqa: SLF001  (torchtitan's per-module init table)
 
 
-def _full_then_shard(root: nn.Module, fqn: str, shape: tuple[int, ...],
-                     init: Callable[[Tensor], Any], torch: Any) -> Callable[[Tensor], None]:
+def _full_then_shard(root: nn.Module, param_plan: ParamPlan, mesh_dims: tuple[str, ...],
+                     mesh: DeviceMesh, init: Callable[[Tensor], Any],
+                     torch: Any) -> Callable[[Tensor], None]:
     def initialize(param: Tensor) -> None:
-        full = torch.empty(shape, dtype=param.dtype, device=param.device)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        full = torch.empty(param_plan.shape, dtype=param.dtype, device=param.device)
         init(full)
-        root.load_state_dict({fqn: full}, strict=False)
+        if not isinstance(param, DTensor):
+            root.load_state_dict({param_plan.fqn: full}, strict=False)
+            return
+        from hyperrecipe.runtime.comm.sharding import local_shard
+
+        # FSDP2's piece of this rank's tp shard: every rank drew the same full tensor, so
+        # each slices its own (src_data_rank=None: no scatter)
+        shard = local_shard(full, param_plan.placement, mesh, mesh_dims)
+        piece = distribute_tensor(shard, param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        param.copy_(piece)
 
     return initialize
 

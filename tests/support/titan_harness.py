@@ -204,26 +204,43 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
     return {"losses": losses, "unset": unset, "refused": refused}
 
 
-def dp_tp_run(rank: int, world: int, steps: int) -> dict[str, Any]:
+def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False) -> dict[str, Any]:
     """dp=2 x tp=2: FSDP2 over torchtitan's ``fsdp`` dim after the plan; each dp rank trains on
-    its half of the batch. Returns the dp-mean losses and the first step's full gradients."""
+    its half of the batch. Returns the dp-mean losses and the first step's full gradients.
+
+    ``on_meta``: in torchtitan's Trainer's order (meta, parallelize, ``to_empty``,
+    ``init_weights`` seeded as one process seeds ``init_states``) instead of from weights."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig, TrainingConfig
 
-    from hyperrecipe.integrations.torchtitan import installation_of, parallelize_llama
+    from hyperrecipe.integrations.torchtitan import (
+        build_llama3,
+        installation_of,
+        parallelize_llama,
+    )
 
     parallel_dims(1)  # device type and DTensor backend, as for the other runs
     dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=world // 2, pp=1, ep=1,
                                    world_size=world, spmd_backend="partial_dtensor")
     dims.build_mesh()
+    if on_meta:
+        with torch.device("meta"):
+            model = build_llama3(vocab_size=VOCAB)
+    else:
+        model = materialized()
     model = parallelize_llama(
-        materialized(), parallel_dims=dims,
+        model, parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param="float32", max_norm=float("inf")),
         parallelism=ParallelismConfig(tensor_parallel_degree=world // 2,
                                       data_parallel_shard_degree=2,
                                       enable_sequence_parallel=False,
                                       spmd_backend="partial_dtensor"))
     inst = installation_of(model)
+    if on_meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(SEED)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)  # type: ignore[operator]
     fsdp = dims.get_mesh("fsdp")
     dp = fsdp.get_local_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
