@@ -143,6 +143,18 @@ def test_fsdp2_in_torchtitans_trainer_order_on_meta_initializes_as_one_process()
         _close(got["losses"], ref["losses"], f"dp x tp rank {rank} after to_empty + init_weights")
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_a_dp_times_tp_checkpoint_resumes_at_tp_2_without_fsdp(tmp_path: Path) -> None:
+    """Saved under FSDP2 at dp=2 x tp=2 (each rank's FSDP piece of its tp shard, with AdamW's
+    moments), resumed by the sequence-parallel tp=2 recipe on the whole batch."""
+    folder = str(tmp_path / "ckpt")
+    run_ranks(h.dp_tp_run, 4, 3, False, folder, timeout_s=400)
+    resumed = run_ranks(h.checkpoint_run, 2, folder, None, 3, timeout_s=300)
+    expected = h.one_process(6)["losses"][3:]
+    for rank, losses in enumerate(resumed):
+        _close(losses, expected, f"resumed at tp=2 from dp x tp, rank {rank}")
+
+
 def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims

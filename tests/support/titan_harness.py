@@ -204,12 +204,14 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
     return {"losses": losses, "unset": unset, "refused": refused}
 
 
-def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False) -> dict[str, Any]:
+def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
+              save_to: str | None = None) -> dict[str, Any]:
     """dp=2 x tp=2: FSDP2 over torchtitan's ``fsdp`` dim after the plan; each dp rank trains on
     its half of the batch. Returns the dp-mean losses and the first step's full gradients.
 
     ``on_meta``: in torchtitan's Trainer's order (meta, parallelize, ``to_empty``,
-    ``init_weights`` seeded as one process seeds ``init_states``) instead of from weights."""
+    ``init_weights`` seeded as one process seeds ``init_states``) instead of from weights.
+    ``save_to``: a DCP checkpoint (``inst.state_dict(opt)``) written there after the last step."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig, TrainingConfig
 
@@ -257,4 +259,8 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False) -> dict[
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=fsdp.get_group())
         losses.append(mean.item() / fsdp.size())
+    if save_to is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(inst.state_dict(opt), checkpoint_id=save_to)
     return {"losses": losses, "grads": grads}
