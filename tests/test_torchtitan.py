@@ -4,7 +4,10 @@
 signature) with ``recipes/torchtitan-llama3.yaml`` (tensor + sequence parallel, loss on vocab
 shards) against one process and against torchtitan's own ``parallelize_llama`` (TP + SP + loss
 parallel) on real gloo ranks, fp32. Losses of AdamW steps with clipping agree to rtol 1e-5
-(measured: equal to ~1e-7); the first step's gradients to atol 2e-6 / rtol 1e-5.
+(measured: equal to ~1e-7); the first step's gradients to atol 2e-6 / rtol 1e-5. With
+``dp_shard > 1`` the same step composes FSDP2 (``recipes/torchtitan-llama3-dp-tp.yaml``): at
+dp=2 x tp=2 the dp-mean losses equal one process's on the whole batch. torchtitan's Trainer
+order (meta, parallelize, ``to_empty``, ``init_weights``) and DCP resumes are covered too.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.errors import PlanMismatchError
+from tests.support import titan_harness as h
+
 pytest.importorskip(
     "torchtitan",
     reason="torchtitan is not installed (the `titan` extra: `pip install torchtitan==0.3.0 "
            "--no-deps` plus its import deps, see docs/training.md#torchtitan)")
-
-from hyperrecipe.check.launcher import run_ranks  # noqa: E402
-from hyperrecipe.errors import PlanMismatchError  # noqa: E402
-from tests.support import titan_harness as h  # noqa: E402
 
 STEPS = 5
 RTOL = 1e-5
