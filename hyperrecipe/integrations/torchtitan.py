@@ -305,17 +305,26 @@ def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
     takes the vocab-sharded logits of a plan with ``loss_parallel``.
 
     torchtitan's own function flattens and casts the logits, which the vocab slice refuses;
-    this one hands the slice to :func:`hyperrecipe.vocab_parallel_cross_entropy` and full
-    logits to torchtitan's. ``kwargs`` (torchtitan's ``global_vocab_size``) are accepted and,
-    for full logits, passed on.
+    this one hands the slice to :func:`hyperrecipe.vocab_parallel_cross_entropy`, full logits
+    (``recipes/torchtitan-llama3-dp-tp.yaml`` gathers them) to ``F.cross_entropy`` as
+    torchtitan's plain-tensor branch does, and DTensor logits (torchtitan's own
+    parallelization) to torchtitan's function with ``kwargs`` (its ``global_vocab_size``).
+    Full logits do not go through torchtitan's function: under its default ``spmd_types``
+    backend with a tp mesh it takes any plain tensor for a vocab shard.
     """
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
     from hyperrecipe import vocab_parallel_cross_entropy
     from hyperrecipe.runtime.features.vocab_loss import VocabShardedLogits
 
     if isinstance(pred, VocabShardedLogits):
         return vocab_parallel_cross_entropy(pred, labels, ignore_index=IGNORE_INDEX,
                                             reduction="sum")
-    from torchtitan.components.loss import cross_entropy_loss as titan_loss
+    if isinstance(pred, DTensor):
+        from torchtitan.components.loss import cross_entropy_loss as titan_loss
 
-    loss: Callable[..., Tensor] = titan_loss
-    return loss(pred, labels, **kwargs)
+        loss: Callable[..., Tensor] = titan_loss
+        return loss(pred, labels, **kwargs)
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
