@@ -48,11 +48,18 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_launch.py": (["--repeats", "1", "--world-sizes", "2"], "| fork | 2 |"),
     "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],
                       "identical findings: True"),
+    "bench_gather.py": (["--rounds", "1"], '"in_place_over_floor"'),
+    "bench_host.py": (["--launches", "1", "--rounds", "1", "--steps", "1", "--warmup", "1"],
+                      '"losses_agree": true'),
     "bench_loss.py": (["--vocab", "1024", "--hidden", "64", "--layers", "1", "--batch", "1",
                        "--seq", "16", "--world", "2", "--repeat", "1", "--json"],
                       '"loss_shards_peak_bytes"'),
     "bench_memory.py": (["--hidden", "128", "--layers", "1", "--vocab", "1024", "--world", "2",
                          "--json"], '"meta_over_ideal"'),
+    "bench_torchtitan.py": (["--json", "-", "--dim", "64", "--layers", "1", "--heads", "4",
+                             "--kv-heads", "2", "--vocab", "256", "--seq", "16", "--batch", "1",
+                             "--warmup", "1", "--steps", "1", "--rounds", "1"],
+                            '"losses_equal": true'),
     "bench_resolve.py": (["--repeats", "1", "--layers", "1"], "| 1 |"),
     "bench_runtime.py": (["--rounds", "1", "--steps", "1", "--warmup", "1",
                           "--skip-loss-memory"], "sp_production / sp_torchtitan"),
@@ -91,6 +98,8 @@ def test_tool_runs_as_documented(name: str, tmp_path: Path) -> None:
     if name == "editor_diagnostics.py" and not (
             shutil.which("node") and (REPO / args[1]).exists()):
         pytest.skip("needs Node.js and `npm install yaml-language-server` (docs/editor.md)")
+    if name == "bench_torchtitan.py" and importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("needs torchtitan (the `titan` extra; docs/training.md#torchtitan)")
     proc = run_tool(name, args, tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]

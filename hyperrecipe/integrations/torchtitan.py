@@ -1,0 +1,330 @@
+"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3 code.
+
+torchtitan (0.3) builds its model on the meta device and hands it to the model spec's
+``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
+dump_folder)``. :func:`parallelize_llama` has that signature: it compiles a recipe written for
+torchtitan's module names (``recipes/torchtitan-llama3.yaml`` by default) against the model and
+the ``tp`` mesh torchtitan built, and applies it in production mode (plain local shards, every
+collective lowered at compile time). The logits leave ``lm_head`` on vocab shards, so the
+trainer's loss must be :func:`cross_entropy_loss` (torchtitan's signature and reduction); the
+stock one is refused on them by name.
+
+With ``dp_shard > 1`` it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for torchtitan's
+``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
+that recipe is neither sequence parallel nor loss-on-shards, because FSDP2 composes with
+neither yet (the sequence-parallel norms reduce their gradients through hooks that
+``fully_shard`` would leave behind, and FSDP2's root hook touches the output, which
+vocab-sharded logits refuse: docs/training.md#torchtitan).
+
+What torchtitan's parallelize step also does and this one does not (each refused loudly, never
+skipped): replicated data parallel (HSDP), context and pipeline parallel, and ``torch.compile``
+(activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
+torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
+finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``.
+torchtitan is imported only when one of these functions runs; nothing of hyperrecipe imports
+this module. ``restore()`` puts the forwards and parameters back but leaves the modules' own
+initializer tables (:func:`_initialize_through_the_plan`) in place.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.plan import ParamPlan, Plan
+    from hyperrecipe.runtime.installation import Installation
+
+__all__ = ["RECIPE", "RECIPE_DP_TP", "build_llama3", "cross_entropy_loss", "installation_of",
+           "parallelize_llama"]
+
+#: The shipped recipe :func:`parallelize_llama` compiles when given none (tp only).
+RECIPE = "torchtitan-llama3"
+#: ... and with a data-parallel shard dim (``dp_shard > 1``: FSDP2 over torchtitan's ``fsdp``).
+RECIPE_DP_TP = "torchtitan-llama3-dp-tp"
+
+IGNORE_INDEX = -100
+
+_INSTALLATIONS: weakref.WeakKeyDictionary[nn.Module, Installation] = (
+    weakref.WeakKeyDictionary())
+
+
+def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                 vocab_size: int = 256, max_seq_len: int = 64, multiple_of: int = 32,
+                 fuse_qkv: bool = True) -> nn.Module:
+    """torchtitan's ``Llama3Model`` at the given size, as torchtitan's flavors build it.
+
+    The layers are torchtitan's own (``Llama3TransformerBlock``, ``GQAttention`` with its fused
+    ``qkv_linear.wqkv``, ``FeedForward``, ``RMSNorm``, ``ComplexRoPE``) with the same
+    initializers as its ``debugmodel``. The inner attention is torchtitan's
+    ``ScaledDotProductAttention`` (causal), because its default FlexAttention compiles a kernel
+    that CPU test ranks cannot afford; the module names, and so the recipe, are the same.
+    Parameters are created on the current default device (``build_model`` puts them on meta).
+    """
+    from functools import partial
+
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+
+    linear_init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    norm_init = {"weight": nn.init.ones_}
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            attention=make_gqa_config(
+                dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                wqkv_param_init=linear_init, wo_param_init=linear_init,
+                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=fuse_qkv,
+                rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max_seq_len,
+                                        theta=500000)),
+            feed_forward=make_ffn_config(
+                dim=dim, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=multiple_of),
+                w1_param_init=linear_init, w2w3_param_init=linear_init))
+        for _ in range(n_layers)]
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
+                                        param_init={"weight": partial(nn.init.normal_,
+                                                                      std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=linear_init),
+        layers=layers)
+    model: nn.Module = config.build()
+    return model
+
+
+def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
+                        compile_config: Any) -> None:
+    max_norm = float(getattr(training, "max_norm", float("inf")))
+    if math.isfinite(max_norm):
+        msg = (f"torchtitan's Trainer clips with torch's norm (dist_utils.clip_grad_norm_), "
+               f"which on hyperrecipe's production shards is each rank's own norm: each rank "
+               f"would clip by another coefficient, silently. Declared: training.max_norm="
+               f"{max_norm}; required: training.max_norm=inf (the Trainer's call then only "
+               f"measures), and clip with hyperrecipe.integrations.torchtitan.installation_of("
+               f"model).clip_grad_norm_(max_norm) after backward "
+               f"(docs/training.md#gradient-clipping-and-norms).")
+        raise PlanMismatchError(msg)
+    asked = []
+    for name in ("dp_replicate", "cp", "pp", "ep"):
+        size = int(getattr(parallel_dims, name, 1))
+        if size not in (1, -1):
+            asked.append(f"{name}={size}")
+    if compile_config is not None and getattr(compile_config, "enable", False):
+        asked.append("compile.enable=True")
+    fsdp = int(getattr(parallel_dims, "dp_shard", 1)) > 1
+    sp = parallelism is None or getattr(parallelism, "enable_sequence_parallel", True)
+    if not fsdp and not sp:
+        asked.append("enable_sequence_parallel=False at dp_shard=1 (that recipe is sequence "
+                     "parallel)")
+    if fsdp and parallelism is not None and sp:
+        asked.append(f"enable_sequence_parallel=True at dp_shard={parallel_dims.dp_shard} (the "
+                     f"dp x tp recipe is not: set it False)")
+    param_dtype = getattr(training, "mixed_precision_param", "float32")
+    if fsdp and param_dtype != "float32":
+        asked.append(f"mixed_precision_param={param_dtype!r} under FSDP2 (tested in fp32 only: "
+                     f"set 'float32')")
+    if asked:
+        msg = (f"hyperrecipe's torchtitan parallelize_llama applies tensor parallel, with "
+               f"sequence parallel at dp_shard=1 or FSDP2 on dp_shard > 1; the job asks for "
+               f"{', '.join(asked)}. Declared: tp={getattr(parallel_dims, 'tp', '?')}, "
+               f"dp_shard={getattr(parallel_dims, 'dp_shard', '?')}; supported: tp, dp_shard, "
+               f"activation checkpointing, compile off. Use torchtitan's own parallelize_llama "
+               f"for the others (docs/training.md#torchtitan).")
+        raise PlanMismatchError(msg)
+
+
+def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = None,
+                      parallelism: Any = None, compile_config: Any = None,
+                      ac_config: Any = None, dump_folder: str = "",
+                      recipe: str | None = None) -> nn.Module:
+    """torchtitan's ``parallelize_fn`` for ``Llama3Model``, from a hyperrecipe plan.
+
+    Args:
+        model: torchtitan's ``Llama3Model`` (on meta, as torchtitan's trainer builds it, or
+            materialized: each rank then keeps only its shards of the given weights).
+        parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` and
+            ``dp_shard`` may exceed 1.
+        training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
+            what this step does not do. ``training.max_norm`` must be ``inf``: torchtitan's
+            Trainer clips with torch's norm, which is wrong on these shards.
+        ac_config: torchtitan's activation checkpointing policy, applied after the plan.
+        recipe: a recipe file or shipped recipe name for torchtitan's module names; by default
+            :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or, with
+            ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is applied
+            over ``fsdp`` after the plan, per block and on the root).
+
+    Returns:
+        ``model``, applied in production mode; :func:`installation_of` gives its installation
+        (``clip_grad_norm_``, ``state_dict`` for DCP, ``restore``).
+
+    Raises:
+        PlanMismatchError: the job asks for replicated data, context or pipeline parallel,
+            sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
+            (see the module docstring), or clipping through torchtitan's Trainer (a finite
+            ``training.max_norm``).
+        RecipeError: the recipe does not fit the model or the tp size.
+    """
+    _refuse_unsupported(parallel_dims, training, parallelism, compile_config)
+    from hyperrecipe import apply, compile_recipe
+
+    fsdp = int(parallel_dims.dp_shard) > 1
+    if fsdp:
+        mesh = parallel_dims.get_mesh(["fsdp", "tp"])
+        shape = {"fsdp": mesh["fsdp"].size(), "tp": mesh["tp"].size()}
+    else:
+        # include_singleton_axes: at tp=1 the plan still applies (a checkpoint resumed on one
+        # rank)
+        mesh = parallel_dims.get_optional_mesh("tp", include_singleton_axes=True)
+        shape = {"tp": mesh.size()}
+    chosen = recipe if recipe is not None else (RECIPE_DP_TP if fsdp else RECIPE)
+    plan = compile_recipe(chosen, model, shape)
+    _compute_meta_buffers(model, mesh.device_type)
+    _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
+    _initialize_through_the_plan(model, plan, mesh)
+    if ac_config is not None:  # after apply, as torchtitan does after its TP
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if fsdp:  # after apply and AC, as torchtitan's apply_fsdp_to_decoder: each block, the root
+        from torch.distributed.fsdp import fully_shard
+
+        layers: Any = model.get_submodule("layers")
+        for block in layers.values():
+            fully_shard(block, mesh=mesh["fsdp"])
+        fully_shard(model, mesh=mesh["fsdp"])
+    return model
+
+
+def _compute_meta_buffers(model: nn.Module, device_type: str) -> None:
+    """Compute the non-persistent buffers (RoPE caches) of a model built on meta.
+
+    torchtitan's trainer builds on meta and recomputes buffers in ``init_weights`` after the
+    parallelize step, but apply must place every buffer first and refuses a meta buffer that no
+    checkpoint holds. torchtitan's modules recompute their own (``_init_self_buffers``, what
+    ``init_states`` calls), on the device apply allocates shards on.
+    """
+    import torch
+
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type)
+    for module in model.modules():
+        on_meta = any(b is not None and b.is_meta for b in module.buffers(recurse=False))
+        recompute = getattr(module, "_init_self_buffers", None)
+        if on_meta and callable(recompute):
+            recompute(buffer_device=device)
+
+
+def _initialize_through_the_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """Make torchtitan's ``init_weights`` after the parallelize step initialize the shards.
+
+    torchtitan's trainer calls ``model.to_empty()`` and ``model.init_weights()`` after its
+    ``parallelize_fn``; each module initializes its parameters with the functions in its
+    ``_param_init``. On a DTensor those draw the full tensor's values; on a plain local shard
+    they would draw a shard-sized tensor from the same seed on every rank (every rank's rows of
+    ``lm_head`` equal, a fused ``wqkv``'s initializer failing on the shape). Each module gets its
+    own copy of ``_param_init`` (the config's dict is shared by all layers) whose functions
+    draw the full tensor, exactly as one process would, and keep this rank's part: through
+    ``load_state_dict`` (whose production hook keeps the shard and marks the weight set), or,
+    under FSDP2, as FSDP's piece of the rank's shard (``inst.status()`` then still lists the
+    weights as unset: the installation cannot see that write).
+    """
+    import torch
+
+    params = {p.fqn: p for p in plan.params}
+    for prefix, module in model.named_modules():
+        inits = getattr(module, "_param_init", None)
+        if not isinstance(inits, dict):
+            continue
+        own = dict(inits)
+        for name, _ in module.named_parameters(recurse=False):
+            fqn = f"{prefix}.{name}" if prefix else name
+            if name in own and fqn in params:
+                own[name] = _full_then_shard(model, params[fqn], plan.mesh_dims, mesh,
+                                             own[name], torch)
+        module._param_init = own  # noqa: SLF001  (torchtitan's per-module init table)
+
+
+def _full_then_shard(root: nn.Module, param_plan: ParamPlan, mesh_dims: tuple[str, ...],
+                     mesh: DeviceMesh, init: Callable[[Tensor], Any],
+                     torch: Any) -> Callable[[Tensor], None]:
+    def initialize(param: Tensor) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        full = torch.empty(param_plan.shape, dtype=param.dtype, device=param.device)
+        init(full)
+        if not isinstance(param, DTensor):
+            root.load_state_dict({param_plan.fqn: full}, strict=False)
+            return
+        from hyperrecipe.runtime.comm.sharding import local_shard
+
+        # FSDP2's piece of this rank's tp shard: every rank drew the same full tensor, so
+        # each slices its own (src_data_rank=None: no scatter)
+        shard = local_shard(full, param_plan.placement, mesh, mesh_dims)
+        piece = distribute_tensor(shard, param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        param.copy_(piece)
+
+    return initialize
+
+
+def installation_of(model: nn.Module) -> Installation:
+    """The installation :func:`parallelize_llama` made on ``model``.
+
+    Raises:
+        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize_llama`.
+    """
+    inst = _INSTALLATIONS.get(model)
+    if inst is None:
+        msg = (f"{type(model).__name__} was not parallelized by "
+               f"hyperrecipe.integrations.torchtitan.parallelize_llama; no installation")
+        raise PlanMismatchError(msg)
+    return inst
+
+
+def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
+    """torchtitan's ``cross_entropy_loss`` (sum over tokens, ``ignore_index=-100``) that also
+    takes the vocab-sharded logits of a plan with ``loss_parallel``.
+
+    torchtitan's own function flattens and casts the logits, which the vocab slice refuses;
+    this one hands the slice to :func:`hyperrecipe.vocab_parallel_cross_entropy`, full logits
+    (``recipes/torchtitan-llama3-dp-tp.yaml`` gathers them) to ``F.cross_entropy`` as
+    torchtitan's plain-tensor branch does, and DTensor logits (torchtitan's own
+    parallelization) to torchtitan's function with ``kwargs`` (its ``global_vocab_size``).
+    Full logits do not go through torchtitan's function: under its default ``spmd_types``
+    backend with a tp mesh it takes any plain tensor for a vocab shard.
+    """
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from hyperrecipe import vocab_parallel_cross_entropy
+    from hyperrecipe.runtime.features.vocab_loss import VocabShardedLogits
+
+    if isinstance(pred, VocabShardedLogits):
+        return vocab_parallel_cross_entropy(pred, labels, ignore_index=IGNORE_INDEX,
+                                            reduction="sum")
+    if isinstance(pred, DTensor):
+        from torchtitan.components.loss import cross_entropy_loss as titan_loss
+
+        loss: Callable[..., Tensor] = titan_loss
+        return loss(pred, labels, **kwargs)
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
+                           ignore_index=IGNORE_INDEX)

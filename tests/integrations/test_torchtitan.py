@@ -1,0 +1,173 @@
+"""torchtitan's own Llama 3 code under a hyperrecipe plan as its parallelize step.
+
+``hyperrecipe.integrations.torchtitan.parallelize_llama`` (torchtitan's ``parallelize_fn``
+signature) with ``recipes/torchtitan-llama3.yaml`` (tensor + sequence parallel, loss on vocab
+shards) against one process and against torchtitan's own ``parallelize_llama`` (TP + SP + loss
+parallel) on real gloo ranks, fp32. Losses of AdamW steps with clipping agree to rtol 1e-5
+(measured: equal to ~1e-7); the first step's gradients to atol 2e-6 / rtol 1e-5. With
+``dp_shard > 1`` the same step composes FSDP2 (``recipes/torchtitan-llama3-dp-tp.yaml``): at
+dp=2 x tp=2 the dp-mean losses equal one process's on the whole batch. torchtitan's Trainer
+order (meta, parallelize, ``to_empty``, ``init_weights``) and DCP resumes are covered too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.errors import PlanMismatchError
+from tests.support import titan_harness as h
+
+pytest.importorskip(
+    "torchtitan",
+    reason="torchtitan is not installed (the `titan` extra: `pip install torchtitan==0.3.0 "
+           "--no-deps` plus its import deps, see docs/training.md#torchtitan)")
+
+STEPS = 5
+RTOL = 1e-5
+ATOL = 2e-6
+
+
+def _close(actual: list[float], expected: list[float], what: str) -> None:
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=RTOL,
+                               atol=0.0, msg=lambda m: f"{what}: {m}")
+
+
+def test_plan_trains_torchtitans_llama3_as_one_process_and_as_its_own_tensor_parallel() -> None:
+    ref = h.one_process(STEPS)
+    ours = run_ranks(h.hyperrecipe_run, 2, STEPS, timeout_s=300)
+    theirs = run_ranks(h.torchtitan_run, 2, STEPS, timeout_s=300)
+    for rank in range(2):
+        _close(ours[rank]["losses"], ref["losses"], f"hyperrecipe rank {rank} vs one process")
+        _close(theirs[rank]["losses"], ref["losses"], f"torchtitan rank {rank} vs one process")
+    assert set(ours[0]["grads"]) == set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(ours[0]["grads"][name], grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"hyperrecipe grad {n}: {m}")
+        torch.testing.assert_close(theirs[0]["grads"][name], grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"torchtitan grad {n}: {m}")
+
+
+def test_torchtitans_trainer_order_on_meta_initializes_as_one_process_and_refuses_its_loss() -> None:
+    ref = h.one_process(3)
+    results = run_ranks(h.meta_trainer_order, 2, 3, timeout_s=300)
+    for rank, got in enumerate(results):
+        _close(got["losses"], ref["losses"], f"rank {rank} after to_empty + init_weights")
+        assert got["unset"] == []
+        assert "flatten() on the logits of 'lm_head'" in got["refused"]
+        assert "hyperrecipe.vocab_parallel_cross_entropy" in got["refused"]
+
+
+def test_dcp_checkpoint_resumes_at_the_same_and_at_another_tp_size(tmp_path: Path) -> None:
+    full = run_ranks(h.checkpoint_run, 2, str(tmp_path / "ckpt"), 3, 6, timeout_s=300)[0]
+    at_two = run_ranks(h.checkpoint_run, 2, str(tmp_path / "ckpt"), None, 3, timeout_s=300)
+    at_one = run_ranks(h.checkpoint_run, 1, str(tmp_path / "ckpt"), None, 3, timeout_s=300)
+    _close(full, h.one_process(6)["losses"], "tp=2 run vs one process")
+    for rank, losses in enumerate(at_two):
+        _close(losses, full[3:], f"resumed at tp=2, rank {rank}")
+    _close(at_one[0], full[3:], "resumed at tp=1")
+
+
+@pytest.mark.parametrize(("dims", "asked"), [
+    ({"dp_replicate": 2}, "dp_replicate=2"), ({"cp": 2}, "cp=2"), ({"pp": 2}, "pp=2")])
+def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
+        dims: dict[str, int], asked: str) -> None:
+    from torchtitan.distributed import ParallelDims
+
+    sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1, **dims}
+    world = 1
+    for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
+        world *= sizes[name]
+    parallel_dims = ParallelDims(**sizes, world_size=world)
+    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+
+    with torch.device("meta"):
+        model = build_llama3()
+    with pytest.raises(PlanMismatchError, match=f"the job asks for {asked}"):
+        parallelize_llama(model, parallel_dims=parallel_dims)
+
+
+def test_clipping_through_torchtitans_trainer_is_refused_naming_the_method_to_use() -> None:
+    from torchtitan.config import TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+
+    with torch.device("meta"):
+        model = build_llama3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    with pytest.raises(PlanMismatchError, match=r"Declared: training.max_norm=1.0; required: "
+                                                r"training.max_norm=inf .*clip_grad_norm_"):
+        parallelize_llama(model, parallel_dims=dims, training=TrainingConfig())
+
+
+@pytest.mark.slow  # starts torchrun and two fresh interpreters
+def test_the_documented_torchtitan_example_runs_under_torchrun(tmp_path: Path) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs/training.md").read_text(encoding="utf-8").split("\n## torchtitan\n")[1]
+    body = re.search(r"```python\n(# file: titan_tp.py\n.*?)```", doc, re.S)
+    assert body is not None, "docs/training.md#torchtitan: the titan_tp.py block"
+    (tmp_path / "titan_tp.py").write_text(body.group(1), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "titan_tp.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [float(x) for x in re.findall(r"^step \d loss (\S+)$", done.stdout, re.M)]
+    torch.testing.assert_close(torch.tensor(printed), torch.tensor(h.one_process(5)["losses"]),
+                               atol=2e-6, rtol=0.0)  # printed with 6 decimals
+    assert (tmp_path / "titan-ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_fsdp2_on_the_fsdp_dim_after_the_plan_trains_as_one_process_on_the_whole_batch() -> None:
+    ref = h.one_process(STEPS)
+    results = run_ranks(h.dp_tp_run, 4, STEPS, timeout_s=400)
+    for rank, got in enumerate(results):
+        _close(got["losses"], ref["losses"], f"dp x tp rank {rank} (dp mean) vs one process")
+    assert set(results[0]["grads"]) == set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(results[0]["grads"][name], grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"dp x tp grad {n}: {m}")
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_fsdp2_in_torchtitans_trainer_order_on_meta_initializes_as_one_process() -> None:
+    ref = h.one_process(3)
+    for rank, got in enumerate(run_ranks(h.dp_tp_run, 4, 3, True, timeout_s=400)):
+        _close(got["losses"], ref["losses"], f"dp x tp rank {rank} after to_empty + init_weights")
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_a_dp_times_tp_checkpoint_resumes_at_tp_2_without_fsdp(tmp_path: Path) -> None:
+    """Saved under FSDP2 at dp=2 x tp=2 (each rank's FSDP piece of its tp shard, with AdamW's
+    moments), resumed by the sequence-parallel tp=2 recipe on the whole batch."""
+    folder = str(tmp_path / "ckpt")
+    run_ranks(h.dp_tp_run, 4, 3, False, folder, timeout_s=400)
+    resumed = run_ranks(h.checkpoint_run, 2, folder, None, 3, timeout_s=300)
+    expected = h.one_process(6)["losses"][3:]
+    for rank, losses in enumerate(resumed):
+        _close(losses, expected, f"resumed at tp=2 from dp x tp, rank {rank}")
+
+
+def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+
+    with torch.device("meta"):
+        model = build_llama3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    with pytest.raises(PlanMismatchError, match=r"enable_sequence_parallel=True at dp_shard=2 "
+                                                r"\(the dp x tp recipe is not: set it False\)"):
+        parallelize_llama(model, parallel_dims=dims, parallelism=ParallelismConfig(
+            tensor_parallel_degree=2, data_parallel_shard_degree=2))

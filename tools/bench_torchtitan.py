@@ -1,0 +1,179 @@
+"""Step time of torchtitan's Llama 3 under hyperrecipe's plan and under torchtitan's own TP.
+
+One launch of ``--world`` ranks (gloo on CPU, NCCL when there are enough GPUs). Each rank
+builds torchtitan's ``Llama3Model`` twice from the same seed: once parallelized by
+``hyperrecipe.integrations.torchtitan.parallelize_llama`` (``recipes/torchtitan-llama3.yaml``,
+production mode) and once by torchtitan's own ``parallelize_llama`` (TP + sequence parallel +
+loss parallel, DTensor backend ``partial_dtensor``, fp32 parameters). Rounds alternate the two
+(``--steps`` timed steps each, after ``--warmup``), so drift in the machine's load hits both. A
+step is forward, torchtitan's summed cross entropy over the vocab shards divided by the token
+count, backward, gradient clipping to norm 1 (``inst.clip_grad_norm_`` / torch's over
+DTensors), AdamW and ``zero_grad``; its time is the slowest rank's. Both runs see the same
+batches, so their losses must agree step by step.
+
+    python tools/bench_torchtitan.py --json OUT [--world 2 --dim 256 --layers 4 --seq 256]
+
+``OUT`` (``-`` for stdout) gets ``torchtitan_ms`` and ``hyperrecipe_ms`` (median step),
+``ratio`` (hyperrecipe / torchtitan; the target is <= 1.0), ``losses_equal`` (every step's
+loss within rtol 1e-5), ``max_loss_rel_diff``, each one's fastest and slowest step
+(``*_min_max_ms``) and the arguments. Exits 1 when the losses differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+LOSS_RTOL = 1e-5
+
+
+def _parallel_dims(world: int) -> Any:
+    import torch
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    if not torch.cuda.is_available():  # torchtitan falls back to "cuda" without accelerators
+        titan_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1,
+                                   world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
+def _models(args: argparse.Namespace, world: int, device: Any) -> dict[str, Any]:
+    import torch
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.llama3 import parallelize_llama as titan_parallelize
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    from hyperrecipe.integrations.torchtitan import (
+        build_llama3,
+        installation_of,
+        parallelize_llama,
+    )
+
+    def weights() -> Any:
+        with device:
+            model = build_llama3(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                                 n_kv_heads=args.kv_heads, vocab_size=args.vocab,
+                                 max_seq_len=args.seq, multiple_of=args.dim)
+        torch.manual_seed(0)
+        model.init_states()
+        return model
+
+    dims = _parallel_dims(world)
+    ours = parallelize_llama(weights(), parallel_dims=dims)
+    inst = installation_of(ours)
+    source = weights()
+    config = source.config
+    set_llama3_sharding_config(config, enable_sp=True)
+    with device:
+        theirs = config.build()
+    theirs.load_state_dict(source.state_dict())
+    del source
+    theirs = titan_parallelize(
+        theirs, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(tensor_parallel_degree=world,
+                                      spmd_backend="partial_dtensor"),
+        compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    return {
+        "hyperrecipe": (ours, lambda: inst.clip_grad_norm_(1.0)),
+        "torchtitan": (theirs, lambda: torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)),
+    }
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from hyperrecipe.integrations.torchtitan import cross_entropy_loss
+
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    runs = _models(args, world, device)
+    opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for name, (model, _) in runs.items()}
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+               for _ in range(4)]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+
+    def step(name: str, i: int) -> float:
+        model, clip = runs[name]
+        tokens = batches[i % len(batches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        clip()
+        opts[name].step()
+        opts[name].zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's step
+        losses[name].append(loss.item())
+        return float(took.item())
+
+    counter = dict.fromkeys(runs, 0)
+    for name in runs:
+        for _ in range(args.warmup):
+            step(name, counter[name])
+            counter[name] += 1
+    for _ in range(args.rounds):
+        for name in runs:
+            for _ in range(args.steps):
+                times[name].append(step(name, counter[name]))
+                counter[name] += 1
+    return {"times": times, "losses": losses}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, metavar="OUT", help="output file, - for stdout")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and model")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    from hyperrecipe.check.launcher import run_ranks
+
+    result = run_ranks(_worker, args.world, args, timeout_s=1800)[0]
+    ours, theirs = result["losses"]["hyperrecipe"], result["losses"]["torchtitan"]
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
+    hr_ms = 1000 * statistics.median(result["times"]["hyperrecipe"])
+    tt_ms = 1000 * statistics.median(result["times"]["torchtitan"])
+    spread = {f"{name}_min_max_ms": [round(1000 * min(t), 3), round(1000 * max(t), 3)]
+              for name, t in result["times"].items()}
+    report = {"torchtitan_ms": round(tt_ms, 3), "hyperrecipe_ms": round(hr_ms, 3), **spread,
+              "ratio": round(hr_ms / tt_ms, 3), "losses_equal": rel <= LOSS_RTOL,
+              "max_loss_rel_diff": rel, "args": vars(args)}
+    text = json.dumps(report, indent=2, sort_keys=True)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+        print(f"torchtitan {tt_ms:.1f} ms, hyperrecipe {hr_ms:.1f} ms per step "
+              f"(ratio {hr_ms / tt_ms:.3f}); losses equal: {rel <= LOSS_RTOL} "
+              f"(max rel diff {rel:.2e}) -> {args.json}")
+    return 0 if rel <= LOSS_RTOL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
