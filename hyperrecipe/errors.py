@@ -41,6 +41,7 @@ __all__ = [
     "RewriteError",
     "SourceSpan",
     "StepFailed",
+    "SuggestError",
     "WeightLoadError",
     "WrapperDeclarationError",
     "WrapperError",
@@ -304,6 +305,23 @@ class RankFailedError(HyperrecipeError, RuntimeError):
         self.rank = rank
         self.rank_traceback = rank_traceback
         self.unfinished = unfinished
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------- suggest
+
+
+class SuggestError(HyperrecipeError, RuntimeError):
+    """``hyperrecipe suggest`` has no recipe it can hand over: the model carries no plan it can
+    translate, or every suggested rule had to be narrowed away before ``check`` agreed.
+
+    Args:
+        message: what was tried and why nothing is left.
+        narrowed: ``(what, why)`` for each rule given up on the way.
+    """
+
+    def __init__(self, message: str, *, narrowed: tuple[tuple[str, str], ...] = ()) -> None:
+        self.narrowed = narrowed
         super().__init__(message)
 
 
