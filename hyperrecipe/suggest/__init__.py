@@ -255,8 +255,10 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         narrowed.append(Narrowed(what="(the given config)", why=(
             f"the suggestion verified on the tiny config does not compile against the given "
             f"config: {exc}")))
+    kept = {r.match for r in rules}  # a correction whose rule was narrowed away says nothing
+    corrections = tuple(c for c in translation.corrections if c.what in kept)
     draft = Suggestion(model=model, mesh=dict(mesh), text="", verified=agree, rules=rules,
-                       narrowed=tuple(narrowed), corrections=translation.corrections,
+                       narrowed=tuple(narrowed), corrections=corrections,
                        attempts=attempts, check_config=check_config,
                        sharded_fraction=fractions, collectives=collectives, reason=reason,
                        seconds=time.perf_counter() - t0)

@@ -121,6 +121,9 @@ class _Builder:
         self.narrowed: list[Narrowed] = []
         self.corrections: list[Correction] = []
         self.claimed: set[str] = set()  # folded module FQNs whose params a rule places
+        #: module -> its own per-head parameters a plan shards column-wise (attention sinks)
+        self.head_params: dict[str, dict[str, PlanEntry]] = {}
+        self.sharded_heads: set[str] = set()
 
     def add(self, match: str, fields: Mapping[str, Any], sources: Iterable[str], group: str,
             anchor: str, *, deeper: bool = False) -> None:
@@ -192,10 +195,16 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     region = b.modules[parent]
     names = ", ".join(_leaf(f) for f, _ in cols)
     outs = ", ".join(_leaf(f) for f, _ in rows)
-    b.add(parent, _region_fields(region, dim),
-          [f"region: {parent} holds the column-wise {names} and the row-wise {outs} of "
-           f"{cols[0][1].source}; replicated in and out, one all-reduce each way"],
-          parent, parent)
+    fields = _region_fields(region, dim)
+    sources = [f"region: {parent} holds the column-wise {names} and the row-wise {outs} of "
+               f"{cols[0][1].source}; replicated in and out, one all-reduce each way"]
+    own = b.head_params.pop(parent, {})
+    if own:
+        b.sharded_heads.add(parent)
+        fields["params"] = {p: _placement(dim, "shard(0)") for p in own}
+        sources += [_entry_text(e) + " (a parameter per head: sharded with the heads)"
+                    for e in own.values()]
+    b.add(parent, fields, sources, parent, parent)
     plain = [(f, e) for f, e in cols if e.style != "packed_colwise"]
     if plain:
         b.add(_alternatives(parent, [f for f, _ in plain]),
@@ -297,6 +306,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
     vocab: dict[str, PlanEntry] = {}
     gather: dict[str, PlanEntry] = {}
     planned: dict[str, PlanEntry] = {}
+    local: dict[str, PlanEntry] = {}
     for entry in entries:
         if entry.plan != "tp" or opts.dim not in mesh:
             if entry.plan == "ep":
@@ -305,6 +315,12 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                     f"yet, so the experts stay whole on every rank")))
             continue
         found = b.matches(entry.pattern)
+        owner = b.matches(_parent(entry.pattern)) if not found else []
+        if not found and entry.style == "colwise" and owner and all(
+                b.modules[o].param(_leaf(entry.pattern)) is not None for o in owner):
+            for o in owner:  # a per-head parameter of its own (attention sinks): by head
+                b.head_params.setdefault(o, {})[_leaf(entry.pattern)] = entry
+            continue
         if not found:
             if entry.style not in ("replicate",):
                 b.narrowed.append(Narrowed(what=entry.pattern, why=(
@@ -332,11 +348,23 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 vocab[fqn] = entry
             elif style in ("replicated_with_grad_allreduce", "replicate"):
                 planned[fqn] = entry
+            elif style == "local_params":
+                local[fqn] = entry  # fine where its per-head parameters go with a region
             else:
                 why = _UNTRANSLATED.get(style, f"style {style!r} has no translation")
                 b.narrowed.append(Narrowed(what=fqn, why=f"{entry.source} says {style}: {why}; "
                                                          f"left replicated"))
     _translate_regions(b, linear)
+    for fqn, entry in local.items():
+        if fqn not in b.sharded_heads:
+            b.narrowed.append(Narrowed(what=fqn, why=(
+                f"{entry.source} says local_params: {_UNTRANSLATED['local_params']}; left "
+                f"replicated")))
+    for fqn, own in b.head_params.items():
+        for name, entry in own.items():
+            b.narrowed.append(Narrowed(what=f"{fqn}.{name}", why=(
+                f"{entry.source} says {entry.style} for a parameter of {fqn}, which holds no "
+                f"column-wise and row-wise projections to shard it with; left replicated")))
     for fqn, entry in gather.items():
         if not entry.source.endswith("._tp_plan"):  # the head class's own plan: the lm_head
             b.add(fqn, {"style": "colwise_gather_output"}, [_entry_text(entry)], fqn, fqn)
