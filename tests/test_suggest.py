@@ -155,3 +155,22 @@ def test_cli_writes_nothing_when_check_never_agreed(tmp_path: Path) -> None:
 
 def test_suggest_options_default_to_verifying() -> None:
     assert SuggestOptions().verify and SuggestOptions().max_attempts == 6
+
+
+def test_the_tiny_config_shrinks_every_size_the_family_names_under_its_own_spelling() -> None:
+    from hyperrecipe.integrations.hf_tiny import tiny_config
+
+    # GPT-style field names through the config's attribute_map; ids inside the tiny vocabulary
+    assert tiny_config("codegen") == {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
+                                      "n_positions": 128, "bos_token_id": 127,
+                                      "eos_token_id": 127}
+    # grouped-query attention stays grouped; multi-head stays multi-head
+    assert tiny_config("mixtral")["num_key_value_heads"] == 2
+    assert tiny_config("llama")["num_key_value_heads"] == 4
+    # the given fields win where they are not sizes
+    assert tiny_config("llama", {"rms_norm_eps": 1e-5, "hidden_size": 4096})["hidden_size"] == 64
+
+
+def test_a_check_config_that_is_not_tiny_is_refused_before_anything_is_built_for_real() -> None:
+    with pytest.raises(SuggestError, match=r"would be checked on has 6,738,415,616 parameters"):
+        suggest_recipe("hf:llama", TP2, options=SuggestOptions(check_config={}))

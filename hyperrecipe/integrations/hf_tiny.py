@@ -34,19 +34,25 @@ TINY_SIZES: dict[str, int] = {
     "topk_group": 1,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
     "v_head_dim": 16,
-    "qk_head_dim": 16,
+    "qk_head_dim": 32,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "sliding_window": 4,
+    "vocab_size_per_layer_input": 128,
+    "hidden_size_per_layer_input": 16,
+    "intermediate_size_mlp": 128,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 2,
     "query_pre_attn_scalar": 16,
 }
 """Size fields and their tiny values (hidden 64, 2 layers, 4 heads of 16, vocab 128, 4 experts)."""
 
+_ALWAYS = frozenset({"num_experts_per_tok"})
 _SMALL_HIDDEN = 256
 _SMALL_LAYERS = 4
 
@@ -85,19 +91,31 @@ def tiny_config(model_type: str, fields: Mapping[str, Any] | None = None) -> dic
     """
     from transformers import CONFIG_MAPPING
 
+    config_class = CONFIG_MAPPING[model_type]
+    aliases = dict(getattr(config_class, "attribute_map", {}) or {})  # hidden_size -> n_embd
     given = dict(fields or {})
-    defaults = dict(CONFIG_MAPPING[model_type]().to_dict())
+    defaults = dict(config_class().to_dict())
     defaults.update(given)
     out = dict(given)
     for key, value in TINY_SIZES.items():
-        # a field the family leaves off (None: no q_lora_rank, no sliding window) stays off
-        if isinstance(defaults.get(key), int) and not isinstance(defaults[key], bool):
-            out[key] = value
-    if "num_key_value_heads" in defaults and isinstance(defaults["num_key_value_heads"], int):
-        out["num_key_value_heads"] = _kv_heads(defaults)
-    layers = out.get("num_hidden_layers", TINY_SIZES["num_hidden_layers"])
+        real = aliases.get(key, key)
+        current = defaults.get(real)
+        # a field the family leaves off (None: no q_lora_rank, no sliding window) stays off,
+        # except the experts per token, which a family may leave to its checkpoints
+        if (isinstance(current, int) and not isinstance(current, bool)) or (
+                current is None and real in defaults and real in _ALWAYS):
+            out[real] = value
+    kv = aliases.get("num_key_value_heads", "num_key_value_heads")
+    if isinstance(defaults.get(kv), int):
+        heads = defaults.get(aliases.get("num_attention_heads", "num_attention_heads"))
+        out[kv] = _kv_heads({"num_attention_heads": heads, "num_key_value_heads": defaults[kv]})
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token_id = defaults.get(token)  # an id past the tiny vocabulary fails the embedding
+        if isinstance(token_id, int) and token_id >= TINY_SIZES["vocab_size"]:
+            out[token] = TINY_SIZES["vocab_size"] - 1
+    layers_key = aliases.get("num_hidden_layers", "num_hidden_layers")
     types = defaults.get("layer_types")
-    if isinstance(types, list) and types:
-        out["layer_types"] = _layer_types(types, int(layers))
-        out["num_hidden_layers"] = len(out["layer_types"])
+    if isinstance(types, list) and types and layers_key in out:
+        out["layer_types"] = _layer_types(types, int(out[layers_key]))
+        out[layers_key] = len(out["layer_types"])
     return out

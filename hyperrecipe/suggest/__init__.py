@@ -166,8 +166,9 @@ def _fractions(text: str, model: Any, mesh: Mapping[str, int]
 def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
             check_config: Mapping[str, Any], lines: list[str]) -> list[str]:
     import json
+    import shlex
 
-    given = f" --model-config {model_config}" if isinstance(model_config, str) else ""
+    given = f" --model-config {shlex.quote(model_config)}" if isinstance(model_config, str) else ""
     return [f"Suggested by `hyperrecipe suggest --model {model}{given} --mesh "
             f"{_mesh_text(mesh)}` from the model's own parallel plan; the comment above each "
             f"rule says where it came from.",
@@ -220,6 +221,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                     else _check_config(model, model_config))
     progress(f"building {model} on the meta device (the check's config)")
     small = build_model(model, check_config)
+    _refuse_large(model, small, check_config)
     entries = read_plans(small)
     if not any(e.plan == "tp" for e in entries):
         msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
@@ -264,6 +266,24 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                        seconds=time.perf_counter() - t0)
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft)))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
+
+
+MAX_CHECK_PARAMETERS = 20_000_000
+"""Largest model ``suggest`` checks (built for real in this process and on every rank)."""
+
+
+def _refuse_large(model: str, meta: Any, check_config: Mapping[str, Any]) -> None:
+    """The check builds the model for real, several times: refuse a "tiny" config that is not
+    (a size field the shrinking does not know, such as a per-layer embedding's vocabulary)."""
+    sizes = sorted(((p.numel(), n) for n, p in meta.named_parameters()), reverse=True)
+    total = sum(n for n, _ in sizes)
+    if total <= MAX_CHECK_PARAMETERS:
+        return
+    largest = ", ".join(f"{name} ({n:,})" for n, name in sizes[:3])
+    msg = (f"the config {model} would be checked on has {total:,} parameters, more than "
+           f"{MAX_CHECK_PARAMETERS:,} (largest: {largest}); give a smaller one with "
+           f"--check-config (the check config was {dict(check_config)})")
+    raise SuggestError(msg)
 
 
 def _load(config: str | Mapping[str, Any]) -> dict[str, Any]:

@@ -274,7 +274,8 @@ def _embedding_and_head(b: _Builder, vocab: Mapping[str, PlanEntry],
     if head is not None and embed is not None:
         w = b.modules[head].param("weight")
         tied = w is not None and w.tied_to == f"{embed}.weight"
-    group = "embedding" if tied else (embed or "")
+    both = f"{embed} and the tied {head}"
+    group = both if tied else (embed or "")
     if embed is not None:
         b.add(embed, {"style": "vocab_parallel"}, embed_src, group, embed,
               deeper=embed not in vocab)
@@ -286,7 +287,7 @@ def _embedding_and_head(b: _Builder, vocab: Mapping[str, PlanEntry],
             fields = {"style": "colwise_gather_output", "out_dst": {0: _placement(dim, "shard(-1)")},
                       "loss_parallel": True}
             sources.append("deeper than the plan: logits stay sharded on the vocab for the loss")
-        b.add(head, fields, sources, "embedding" if tied else head, head)
+        b.add(head, fields, sources, both if tied else head, head)
         b.claimed.add(head)
 
 
