@@ -63,6 +63,23 @@ def test_suggest_verifies_the_family_plan_and_the_written_file_passes_check(
     _recheck(path, f"hf:{family}", config)
 
 
+def test_experts_are_sharded_whole_over_ep_from_the_expert_parallel_plan(tmp_path: Path) -> None:
+    config = str(ROOT / "recipes/models/tiny-mixtral.json")
+    s = suggest_recipe("hf:mixtral", {"ep": 2}, model_config=config)
+    assert s.verified, s.summary()
+    (rule,) = s.rules
+    assert rule.match == "model.layers.*.mlp.experts"
+    assert dict(rule.fields)["params"] == {"gate_up_proj": {"ep": "shard(0)"},
+                                           "down_proj": {"ep": "shard(0)"}}
+    assert "# MixtralConfig.base_model_ep_plan: model.layers.*.mlp.experts: ep_dispatch_experts" in s.text
+    assert 0.5 < s.sharded_fraction["ep"] < 1
+    path = tmp_path / "mixtral-ep.yaml"
+    path.write_text(s.text)
+    report = run_check(CheckOptions(recipe=str(path), model="hf:mixtral", model_config=config,
+                                    mesh={"ep": 2}))
+    assert report.agree
+
+
 def test_an_untranslatable_style_is_narrowed_with_its_reason(tmp_path: Path) -> None:
     # MiniCPM3's multi-head latent attention: transformers' `mla_kv_a_proj` style has no
     # translation, and its plan names a q_proj this (q_lora_rank) config does not build
@@ -121,7 +138,7 @@ def test_a_family_without_a_plan_is_refused_by_name() -> None:
     with pytest.raises(SuggestError, match=r"hf:gpt2 \(GPT2LMHeadModel\) declares no "
                                            r"tensor-parallel plan"):
         suggest_recipe("hf:gpt2", TP2, model_config=str(ROOT / "recipes/models/tiny-gpt2.json"))
-    with pytest.raises(SuggestError, match="the mesh dp=2 does not have; give --mesh tp=N"):
+    with pytest.raises(SuggestError, match="the mesh dp=2 has neither: give --mesh tp=N"):
         suggest_recipe("hf:llama", {"dp": 2})
 
 

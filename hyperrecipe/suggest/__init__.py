@@ -23,7 +23,7 @@ import attrs
 
 from hyperrecipe.errors import RecipeError, SuggestError
 from hyperrecipe.suggest.rules import Correction, Narrowed, SuggestedRule
-from hyperrecipe.suggest.translate import TranslateOptions
+from hyperrecipe.suggest.translate import EP_DIM, TranslateOptions
 from hyperrecipe.suggest.verify import Attempt
 
 __all__ = ["Correction", "Narrowed", "SuggestError", "SuggestOptions", "SuggestedRule",
@@ -213,9 +213,10 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     progress = on_progress or _ignore
     t0 = time.perf_counter()
     dim = opts.translate.dim
-    if dim not in mesh:
-        msg = (f"suggest proposes tensor parallelism on the mesh dim {dim!r}, which the mesh "
-               f"{_mesh_text(mesh)} does not have; give --mesh {dim}=N")
+    if dim not in mesh and EP_DIM not in mesh:
+        msg = (f"suggest proposes tensor parallelism on the mesh dim {dim!r} and expert "
+               f"parallelism on {EP_DIM!r}; the mesh {_mesh_text(mesh)} has neither: give "
+               f"--mesh {dim}=N (and {EP_DIM}=M for MoE experts)")
         raise SuggestError(msg)
     check_config = (dict(_load(opts.check_config)) if opts.check_config is not None
                     else _check_config(model, model_config))
@@ -223,7 +224,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     small = build_model(model, check_config)
     _refuse_large(model, small, check_config)
     entries = read_plans(small)
-    if not any(e.plan == "tp" for e in entries):
+    if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
         msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
                f"(transformers' base_model_tp_plan / _tp_plan); suggest translates such a plan "
                f"and has no other source yet: write the recipe by hand (docs/guide.md)")
@@ -233,11 +234,12 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     progress(f"translated into {len(translation.rules)} rules "
              f"({len(translation.narrowed)} entries left replicated)")
     name = f"{model.removeprefix('hf:')}-suggested"
+    kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert")) if d in mesh)
     mesh_dims = list(mesh)
 
     def render(rules: Any, header: list[str] | None = None) -> str:
         return render_recipe(name, mesh_dims, rules, header=header or [],
-                             description=f"Suggested tensor parallel {model}")
+                             description=f"Suggested {kinds} parallel {model}")
 
     narrowed = list(translation.narrowed)
     if opts.verify:

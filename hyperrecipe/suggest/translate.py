@@ -291,6 +291,51 @@ def _embedding_and_head(b: _Builder, vocab: Mapping[str, PlanEntry],
         b.claimed.add(head)
 
 
+EP_DIM = "ep"
+"""The mesh dim experts are sharded over."""
+
+
+def _expert_entry(b: _Builder, entry: PlanEntry, mesh: Mapping[str, int]) -> None:
+    """transformers' ``ep_dispatch_experts`` on a fused experts module: every expert whole on
+    one rank of ``ep``, computed in a local region (token dispatch is data-dependent), each rank
+    adding its experts' share of every token, all-reduced once at the region's exit."""
+    if entry.style == "grouped_gemm":
+        return  # a parameter of the experts module: placed with it
+    if EP_DIM not in mesh:
+        b.narrowed.append(Narrowed(what=entry.pattern, why=(
+            f"{entry.source} says {entry.style}; the mesh has no {EP_DIM!r} dim, so the experts "
+            f"stay whole on every rank (give --mesh ...,{EP_DIM}=N to shard them)")))
+        return
+    found = b.matches(entry.pattern)
+    if entry.style != "ep_dispatch_experts" or not found:
+        why = ("matches no module of this model" if not found
+               else f"style {entry.style!r} of the expert-parallel plan has no translation")
+        b.narrowed.append(Narrowed(what=entry.pattern, why=f"{entry.source} says {entry.style}: "
+                                                           f"{why}; left replicated"))
+        return
+    for fqn in found:
+        m = b.modules[fqn]
+        args = {a.name for a in m.signature}
+        three_d = [p for p in m.params if len(p.shape) == 3]
+        experts = three_d[0].shape[0] if three_d else 0
+        if not {"hidden_states", "top_k_weights"} <= args or not experts:
+            b.narrowed.append(Narrowed(what=fqn, why=(
+                f"{entry.source} says ep_dispatch_experts, but {fqn} is not a fused experts "
+                f"module called as experts(hidden_states, top_k_index, top_k_weights) with "
+                f"3-D per-expert parameters; left replicated")))
+            continue
+        params = {p.name: {EP_DIM: "shard(0)"} for p in m.params
+                  if p.shape and p.shape[0] == experts}
+        b.add(fqn, {"boundary": True, "local_region": True,
+                    "in_src": {"hidden_states": "replicate", "top_k_weights": "replicate"},
+                    "out_src": {0: {EP_DIM: "partial"}}, "out_dst": {0: "replicate"},
+                    "params": params},
+              [_entry_text(entry) + f" ({experts} experts, each whole on one rank of "
+                                    f"{EP_DIM}; each rank adds its experts' share of every token, "
+                                    f"all-reduced at the exit)"], fqn, fqn)
+        b.claimed.add(fqn)
+
+
 def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, int],
               options: TranslateOptions | None = None) -> Translation:
     """Suggested rules for ``tree`` from transformers' plan ``entries`` (see the module doc).
@@ -309,11 +354,10 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
     planned: dict[str, PlanEntry] = {}
     local: dict[str, PlanEntry] = {}
     for entry in entries:
+        if entry.plan == "ep":
+            _expert_entry(b, entry, mesh)
+            continue
         if entry.plan != "tp" or opts.dim not in mesh:
-            if entry.plan == "ep":
-                b.narrowed.append(Narrowed(what=entry.pattern, why=(
-                    f"{entry.source} says {entry.style}; expert parallelism is not suggested "
-                    f"yet, so the experts stay whole on every rank")))
             continue
         found = b.matches(entry.pattern)
         owner = b.matches(_parent(entry.pattern)) if not found else []
@@ -370,7 +414,8 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
         if not entry.source.endswith("._tp_plan"):  # the head class's own plan: the lm_head
             b.add(fqn, {"style": "colwise_gather_output"}, [_entry_text(entry)], fqn, fqn)
             b.claimed.add(fqn)
-    _embedding_and_head(b, vocab, {f: e for f, e in gather.items() if f not in b.claimed})
+    if opts.dim in mesh:
+        _embedding_and_head(b, vocab, {f: e for f, e in gather.items() if f not in b.claimed})
     regions = [r.match for r in b.rules if dict(r.fields).get("boundary") is True
                and r.group == r.match and "style" not in dict(r.fields)]
     _reached(b, regions, planned)
