@@ -186,8 +186,10 @@ def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="do not all-reduce the gradients of replicated parameters inside a "
                         "region (learnable activation scalars, per-head norms) that the plan "
                         "leaves out")
-    s.add_argument("--loss-parallel", action="store_true",
-                   help="keep the logits sharded on the vocab for the model's own loss")
+    s.add_argument("--no-sequence-parallel", action="store_true",
+                   help="do not shard the residual stream on the sequence between blocks")
+    s.add_argument("--no-loss-parallel", action="store_true",
+                   help="do not keep the logits sharded on the vocab for the model's own loss")
     s.add_argument("--max-attempts", type=_positive, default=6, metavar="N",
                    help="check runs at most, each narrowing one failing rule (default 6)")
     s.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
@@ -419,7 +421,8 @@ def _suggest(args: argparse.Namespace, started: float) -> int:
     options = SuggestOptions(
         translate=TranslateOptions(embedding=not args.no_embedding,
                                    reduce_reached=not args.no_reduce_reached,
-                                   loss_parallel=args.loss_parallel),
+                                   loss_parallel=not args.no_loss_parallel,
+                                   sequence_parallel=not args.no_sequence_parallel),
         verify=not args.unverified, max_attempts=args.max_attempts, timeout_s=args.timeout,
         check_config=args.check_config)
     result = suggest_recipe(args.model, args.mesh, model_config=args.model_config,

@@ -54,10 +54,14 @@ def test_suggest_verifies_the_family_plan_and_the_written_file_passes_check(
     assert "# region: model.layers.*.self_attn holds the column-wise q_proj, k_proj, v_proj" in s.text
     assert "  - match: model.embed_tokens\n    style: vocab_parallel\n" in s.text
     assert "  - match: lm_head\n    style: colwise_gather_output\n" in s.text
+    # deeper than transformers' plan: sequence parallelism and the loss on vocab shards
+    assert ('  - match: "{model.layers.*.input_layernorm,model.layers.*.post_attention_layernorm,'
+            'model.norm}"\n    style: sequence_parallel\n') in s.text
+    assert "    out_dst: {0: {tp: shard(-1)}}\n    loss_parallel: true\n" in s.text
     assert "# verified: hyperrecipe check agreed in production and validate mode at tp=2" in s.text
     # all projections, the embedding and the head are sharded; only the norms stay whole
     assert 0.9 < s.sharded_fraction["tp"] < 1.0
-    assert s.collectives == (6, 5)
+    assert s.collectives == (11, 11)  # sequence parallel: gathers and reduce-scatters
     path = tmp_path / f"{family}.yaml"
     path.write_text(s.text)
     _recheck(path, f"hf:{family}", config)
@@ -117,7 +121,8 @@ def test_attention_sinks_are_sharded_with_the_heads_they_belong_to() -> None:
 
     model = build_model("hf:granite_swa", tiny_config("granite_swa"))
     t = translate(read_plans(model), snapshot(model), TP2)
-    attn = {r.match: dict(r.fields) for r in t.rules}["model.layers.*.self_attn"]
+    attn = next(dict(r.fields) for r in t.rules
+                if r.match == "model.layers.*.self_attn" and not r.deeper)
     assert attn["params"] == {"sinks": {"tp": "shard(0)"}}
     assert t.narrowed == ()  # `local_params` on the attention is what the region does
 

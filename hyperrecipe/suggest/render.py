@@ -11,9 +11,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from hyperrecipe.suggest.rules import SuggestedRule
 
-__all__ = ["render_recipe", "write_recipe"]
+__all__ = ["merge_rules", "render_recipe", "write_recipe"]
 
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.*{},]*|shard\(-?\d+\)|-?\d+")
 
@@ -41,6 +43,36 @@ def _match(pattern: str) -> str:
     return json.dumps(pattern) if "{" in pattern or pattern.startswith("*") else pattern
 
 
+def _refine(fields: dict[str, Any], more: Sequence[tuple[str, Any]]) -> None:
+    for key, value in more:
+        old = fields.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            fields[key] = {**old, **value}
+        else:
+            fields[key] = value
+
+
+def merge_rules(rules: Sequence[SuggestedRule]
+                ) -> list[tuple[SuggestedRule, tuple[SuggestedRule, ...]]]:
+    """The rules as written: a rule whose ``match`` an earlier rule already has refines that
+    rule (mappings key by key) instead of being a rule of its own — a recipe refuses two rules
+    deciding one field. Each written rule comes with the suggested rules it was made of."""
+    out: list[tuple[SuggestedRule, tuple[SuggestedRule, ...]]] = []
+    index: dict[str, int] = {}
+    for rule in rules:
+        at = index.get(rule.match)
+        if at is None:
+            index[rule.match] = len(out)
+            out.append((rule, (rule,)))
+            continue
+        written, parts = out[at]
+        fields = dict(written.fields)
+        _refine(fields, rule.fields)
+        out[at] = (attrs.evolve(written, fields=tuple(fields.items()),
+                                sources=written.sources + rule.sources), (*parts, rule))
+    return out
+
+
 def render_recipe(name: str, mesh: Sequence[str], rules: Sequence[SuggestedRule], *,
                   header: Sequence[str], description: str) -> str:
     """The recipe file's text.
@@ -60,7 +92,7 @@ def render_recipe(name: str, mesh: Sequence[str], rules: Sequence[SuggestedRule]
         lines.append("rules: []")
         return "\n".join(lines) + "\n"
     lines.append("rules:")
-    for rule in rules:
+    for rule, _parts in merge_rules(rules):
         for source in rule.sources:
             lines.append(f"  # {source}")
         lines.append(f"  - match: {_match(rule.match)}")

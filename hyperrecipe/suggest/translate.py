@@ -24,8 +24,9 @@ import attrs
 from hyperrecipe.integrations.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
 from hyperrecipe.suggest.rules import Correction, Narrowed, SuggestedRule
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
-__all__ = ["Translation", "TranslateOptions", "fold", "translate"]
+__all__ = ["EP_DIM", "LOSS_GROUP", "Translation", "TranslateOptions", "fold", "translate"]
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -60,12 +61,15 @@ class TranslateOptions:
             does not.
         reduce_reached: all-reduce the gradients of every replicated parameter inside a region.
         loss_parallel: keep the logits sharded on the vocab for the model's own loss.
+        sequence_parallel: shard the residual stream on the sequence between regions
+            (:mod:`hyperrecipe.suggest.sequence`).
     """
 
     dim: str = "tp"
     embedding: bool = True
     reduce_reached: bool = True
-    loss_parallel: bool = False
+    loss_parallel: bool = True
+    sequence_parallel: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -281,16 +285,19 @@ def _embedding_and_head(b: _Builder, vocab: Mapping[str, PlanEntry],
               deeper=embed not in vocab)
         b.claimed.add(embed)
     if head is not None:
-        fields: dict[str, Any] = {"style": "colwise_gather_output"}
-        sources = [_entry_text(gather[head])]
-        if b.options.loss_parallel:
-            fields = {"style": "colwise_gather_output", "out_dst": {0: _placement(dim, "shard(-1)")},
-                      "loss_parallel": True}
-            sources.append("deeper than the plan: logits stay sharded on the vocab for the loss")
-        b.add(head, fields, sources, both if tied else head, head)
+        b.add(head, {"style": "colwise_gather_output"}, [_entry_text(gather[head])],
+              both if tied else head, head)
         b.claimed.add(head)
+        if b.options.loss_parallel:
+            b.rules.append(SuggestedRule(
+                match=head, fields=(("out_dst", {0: _placement(dim, "shard(-1)")}),
+                                    ("loss_parallel", True)),
+                sources=("deeper than the plan: the logits stay sharded on the vocab for the "
+                         "model's own loss (a call without labels still gets them whole)",),
+                group=LOSS_GROUP, deeper=True, order=2 * 10**9))
 
 
+LOSS_GROUP = "loss on vocab shards"
 EP_DIM = "ep"
 """The mesh dim experts are sharded over."""
 
@@ -424,6 +431,11 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
             b.corrections.append(Correction(what=fqn, detail=(
                 f"{entry.source} asks to all-reduce the gradient of {fqn}, but no column-wise "
                 f"projection shards what it sees here: left replicated without a reduction")))
+    if opts.sequence_parallel and opts.dim in mesh:
+        extra, why_not = sequence_parallel_rules(b.rules, b.modules, opts.dim)
+        b.rules += extra
+        if why_not:
+            b.narrowed.append(Narrowed(what=SEQUENCE_GROUP, why=f"not proposed: {why_not}"))
     rules = sorted(b.rules, key=lambda r: r.order)
     return Translation(rules=tuple(rules), narrowed=tuple(b.narrowed),
                        corrections=tuple(b.corrections))

@@ -24,6 +24,7 @@ import attrs
 
 from hyperrecipe.errors import RecipeError
 from hyperrecipe.recipe.patterns import compile_pattern
+from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
@@ -63,9 +64,9 @@ def _owner(fqn: str, rules: Sequence[SuggestedRule]) -> tuple[SuggestedRule | No
     parts = fqn.split(".")
     for depth in range(len(parts), 0, -1):
         prefix = ".".join(parts[:depth])
-        for rule in rules:
-            if compile_pattern(rule.match).fullmatch(prefix):
-                return rule, depth >= len(parts) - 1
+        found = [r for r in rules if compile_pattern(r.match).fullmatch(prefix)]
+        if found:  # an addition beyond the plan is suspected before the plan's own rule
+            return next((r for r in found if r.deeper), found[0]), depth >= len(parts) - 1
     return None, False
 
 
@@ -97,7 +98,9 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
 
 def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
              ) -> tuple[list[SuggestedRule], str]:
-    if culprit.deeper and exact:
+    """Drop the culprit's group; a gradient reduction beyond the plan goes alone, and only
+    when it is the failing module's own rule."""
+    if culprit.deeper and "reduce_grads" in dict(culprit.fields) and exact:
         return [r for r in rules if r is not culprit], culprit.match
     return [r for r in rules if r.group != culprit.group], culprit.group
 
@@ -140,13 +143,14 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                 report = run_check(options)
             except RecipeError as exc:
                 seconds = time.perf_counter() - t0
-                if exc.rule_index is None or not 0 <= exc.rule_index < len(current):
+                if exc.rule_index is None or not 0 <= exc.rule_index < len(merge_rules(current)):
                     attempts.append(Attempt(rules=len(current), verdict="compile error",
                                             seconds=seconds))
                     return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
                                     attempts=tuple(attempts),
                                     reason=f"the suggestion does not compile: {exc.problem}")
-                failing = current[exc.rule_index]
+                parts = merge_rules(current)[exc.rule_index][1]  # the rule as written
+                failing = next((r for r in parts if r.deeper), parts[0])
                 current, what = _give_up(current, failing, exact=True)
                 why = f"does not compile: {exc.problem}"
                 narrowed.append(Narrowed(what=what, why=why))
