@@ -56,26 +56,40 @@ def families_with_a_plan() -> list[str]:
     return out
 
 
-def _one(model_type: str, out_dir: Path, recheck: bool) -> dict[str, Any]:
+def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, Any]:
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.errors import HyperrecipeError
     from hyperrecipe.integrations.hf_tiny import tiny_config
     from hyperrecipe.suggest import SuggestOptions, suggest_recipe
+    from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+    from hyperrecipe.suggest.translate import LOSS_GROUP
+
+    from transformers import CONFIG_MAPPING
 
     t0 = time.perf_counter()
     row: dict[str, Any] = {"family": model_type}
+    moe = bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+    mesh = {"tp": 2, "ep": 2} if moe and ep else {"tp": 2}
+    row["mesh"] = ",".join(f"{k}={v}" for k, v in mesh.items())
     try:
         config = tiny_config(model_type)
-        s = suggest_recipe(f"hf:{model_type}", {"tp": 2}, model_config=config,
+        s = suggest_recipe(f"hf:{model_type}", mesh, model_config=config,
                            options=SuggestOptions(timeout_s=120, max_attempts=6))
     except (HyperrecipeError, Exception) as exc:  # noqa: BLE001 - a family's own failure
-        row.update(outcome="refused", why=" ".join(f"{type(exc).__name__}: {exc}".split())[:300],
-                   seconds=time.perf_counter() - t0)
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())
+        outcome = ("not a causal LM" if "for this kind of AutoModel: AutoModelForCausalLM" in why
+                   else "refused")
+        row.update(outcome=outcome, why=why[:300], seconds=time.perf_counter() - t0)
         return row
+    groups = {r.group for r in s.rules}
+    row.update(sequence_parallel=SEQUENCE_GROUP in groups, loss_parallel=LOSS_GROUP in groups,
+               experts=any(dict(r.fields).get("local_region") for r in s.rules),
+               sharded_ep=s.sharded_fraction.get("ep", 0.0))
     # an entry for a module this config does not build, and the expert-parallel plan on a
     # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing
     plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
-                    and "so the experts stay whole" not in n.why]
+                    and "so the experts stay whole" not in n.why
+                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP)]
     row.update(
         attempts=len(s.attempts), sharded=s.sharded_fraction.get("tp", 0.0),
         narrowed=[f"{n.what}: {' '.join(n.why.split())[:200]}" for n in plan_gave_up],
@@ -88,7 +102,7 @@ def _one(model_type: str, out_dir: Path, recheck: bool) -> dict[str, Any]:
     path.write_text(s.text, encoding="utf-8")
     if recheck:
         report = run_check(CheckOptions(recipe=str(path), model=f"hf:{model_type}",
-                                        model_config=s.check_config, mesh={"tp": 2},
+                                        model_config=s.check_config, mesh=mesh,
                                         timeout_s=120))
         row["recheck"] = report.agree
     return row
@@ -100,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=3600.0,
                    help="stop starting families after this many seconds")
     p.add_argument("--recheck", action="store_true", help="check each written file again")
+    p.add_argument("--no-ep", action="store_true",
+                   help="MoE families at tp=2 only (default: tp=2,ep=2, four ranks)")
     p.add_argument("--out", default="/tmp/suggest-families", help="folder for the recipes")
     p.add_argument("--json", default="/tmp/suggest-families.json", help="results file")
     args = p.parse_args(argv)
@@ -116,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, family in enumerate(families):
         if time.perf_counter() - start > args.budget_s:
             break
-        row = _one(family, out_dir, args.recheck)
+        row = _one(family, out_dir, args.recheck, not args.no_ep)
         rows.append(row)
         print(f"[{i + 1}/{len(families)} {time.perf_counter() - start:7.1f} s] {family}: "
               f"{row['outcome']} ({row['seconds']:.1f} s)"
@@ -125,16 +141,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"families": len(families), "rows": rows},
                                               indent=1), encoding="utf-8")
     counts = Counter(r["outcome"] for r in rows)
+    ok = [r for r in rows if r["outcome"] in ("verified", "narrowed")]
     print(f"\n{len(rows)} of {len(families)} families with a base_model_tp_plan reached in "
           f"{time.perf_counter() - start:.0f} s: verified {counts['verified']}, narrowed "
-          f"{counts['narrowed']}, refused {counts['refused']}")
-    print("\n| family | outcome | check runs | tp-sharded bytes | s | given up / why |")
-    print("|---|---|---|---|---|---|")
+          f"{counts['narrowed']}, refused {counts['refused']}, not a causal LM "
+          f"{counts['not a causal LM']}; of the {len(ok)} with a recipe: sequence parallel "
+          f"{sum(r['sequence_parallel'] for r in ok)}, loss on vocab shards "
+          f"{sum(r['loss_parallel'] for r in ok)}, experts over ep "
+          f"{sum(r['experts'] for r in ok)}"
+          + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
+             if args.recheck else ""))
+    print("\n| family | mesh | outcome | checks | SP | loss | tp bytes | ep bytes | s | "
+          "given up / why |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         detail = r.get("why") or "; ".join(r.get("narrowed", []))
-        print(f"| {r['family']} | {r['outcome']} | {r.get('attempts', '-')} | "
-              f"{r.get('sharded', 0.0):.0%} | {r['seconds']:.0f} | "
-              f"{detail[:160].replace('|', '/')} |")
+        yes = {True: "yes", False: "-", None: "-"}
+        print(f"| {r['family']} | {r.get('mesh', '')} | {r['outcome']} | "
+              f"{r.get('attempts', '-')} | {yes[r.get('sequence_parallel')]} | "
+              f"{yes[r.get('loss_parallel')]} | {r.get('sharded', 0.0):.0%} | "
+              f"{r.get('sharded_ep', 0.0):.0%} | {r['seconds']:.0f} | "
+              f"{detail[:140].replace('|', '/')} |")
     return 0
 
 

@@ -96,13 +96,42 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
     return None
 
 
+def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
+    """A refinement (sequence parallelism, the loss) whose base rule was given up, so the module
+    is replicated now. The head's sequence gather becomes a boundary of its own around the
+    replicated head (its weight a replicated DTensor in validate mode, the logits whole);
+    anything else (a region's layouts, a reduce-scatter, the loss on shards) goes with its base,
+    and a region's takes its whole group with it (see :func:`_give_up`)."""
+    fields = dict(rule.fields)
+    if "in_dst" not in fields or "out_src" in fields or fields.get("loss_parallel"):
+        return None
+    fields.update(boundary=True, out_src={0: "replicate"}, params={"weight": "replicate"})
+    return attrs.evolve(rule, fields=tuple(fields.items()),
+                        sources=(*rule.sources, "(around a head left replicated)"))
+
+
 def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
              ) -> tuple[list[SuggestedRule], str]:
     """Drop the culprit's group; a gradient reduction beyond the plan goes alone, and only
-    when it is the failing module's own rule."""
+    when it is the failing module's own rule. Refinements of what was dropped follow it."""
     if culprit.deeper and "reduce_grads" in dict(culprit.fields) and exact:
         return [r for r in rules if r is not culprit], culprit.match
-    return [r for r in rules if r.group != culprit.group], culprit.group
+    dropped = {r.match for r in rules if r.group == culprit.group}
+    kept = [r for r in rules if r.group != culprit.group]
+    bases = {r.match for r in kept if not r.deeper}
+    orphans = [r for r in kept if r.deeper and r.match in dropped and r.match not in bases]
+    lost = {r.group for r in orphans if "out_src" in dict(r.fields)}  # a region's layouts
+    out: list[SuggestedRule] = []
+    for rule in kept:
+        if rule.group in lost:
+            continue
+        if rule in orphans:
+            replaced = _orphan(rule)
+            if replaced is not None:
+                out.append(replaced)
+            continue
+        out.append(rule)
+    return out, culprit.group + "".join(f" (and {g}, which depends on it)" for g in sorted(lost))
 
 
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
