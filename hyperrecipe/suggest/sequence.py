@@ -48,9 +48,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Mapping[str
         modules: folded FQN -> module (layer indices as ``*``).
         dim: the tensor-parallel mesh dim.
     """
-    regions = [r for r in rules if dict(r.fields).get("boundary") is True
-               and "style" not in dict(r.fields) and not dict(r.fields).get("local_region")
-               and r.group == r.match]
+    regions = [r for r in rules if r.sources and r.sources[0].startswith("region: ")]
     heads = [r for r in rules if dict(r.fields).get("style") == "colwise_gather_output"
              and "*" not in r.match]
     if not regions or len(heads) != 1:

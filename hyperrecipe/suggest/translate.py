@@ -26,7 +26,7 @@ from hyperrecipe.model_tree import ModelTree, ModuleInfo
 from hyperrecipe.suggest.rules import Correction, Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
-__all__ = ["EP_DIM", "LOSS_GROUP", "Translation", "TranslateOptions", "fold", "translate"]
+__all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "fold", "translate"]
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -116,11 +116,16 @@ class _Builder:
         self.options = options
         self.modules: dict[str, ModuleInfo] = {}
         self.order: dict[str, int] = {}
+        self.instances: dict[str, list[ModuleInfo]] = {}
         for i, m in enumerate(tree.modules):
             key = fold(m.fqn)
+            self.instances.setdefault(key, []).append(m)
             if key not in self.modules:
                 self.modules[key] = m
                 self.order[key] = i
+        self.fqns = {m.fqn for m in tree.modules}
+        #: folded region -> the concrete modules that are the region (all, or a kind of layer)
+        self.region_instances: dict[str, list[str]] = {}
         self.rules: list[SuggestedRule] = []
         self.narrowed: list[Narrowed] = []
         self.corrections: list[Correction] = []
@@ -147,6 +152,11 @@ class _Builder:
 
 def _entry_text(e: PlanEntry) -> str:
     return f"{e.source}: {e.pattern}: {e.style}"
+
+
+def is_region(rule: SuggestedRule) -> bool:
+    """A boundary this translation put around a column-wise and row-wise pair."""
+    return bool(rule.sources) and rule.sources[0].startswith("region: ")
 
 
 def _region_fields(m: ModuleInfo, dim: str) -> dict[str, Any]:
@@ -196,11 +206,19 @@ def _translate_regions(b: _Builder, linear: dict[str, tuple[str, PlanEntry]]) ->
 def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
                 rows: list[tuple[str, PlanEntry]]) -> None:
     dim = b.options.dim
-    region = b.modules[parent]
+    leaves = [_leaf(f) for f, _ in (*cols, *rows)]
+    holding = [m for m in b.instances[parent]
+               if all(f"{m.fqn}.{leaf}" in b.fqns for leaf in leaves)]
+    region = holding[0] if holding else b.modules[parent]
+    # layers of two kinds under one name (a dense MLP in the first layers, MoE after): the
+    # region is only the ones holding the projections
+    b.region_instances[parent] = [m.fqn for m in holding] or [region.fqn]
+    match = parent if len(holding) == len(b.instances[parent]) else (
+        holding[0].fqn if len(holding) == 1 else "{" + ",".join(m.fqn for m in holding) + "}")
     names = ", ".join(_leaf(f) for f, _ in cols)
     outs = ", ".join(_leaf(f) for f, _ in rows)
     fields = _region_fields(region, dim)
-    sources = [f"region: {parent} holds the column-wise {names} and the row-wise {outs} of "
+    sources = [f"region: {match} holds the column-wise {names} and the row-wise {outs} of "
                f"{cols[0][1].source}; replicated in and out, one all-reduce each way"]
     own = b.head_params.pop(parent, {})
     if own:
@@ -208,7 +226,7 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
         fields["params"] = {p: _placement(dim, "shard(0)") for p in own}
         sources += [_entry_text(e) + " (a parameter per head: sharded with the heads)"
                     for e in own.values()]
-    b.add(parent, fields, sources, parent, parent)
+    b.add(match, fields, sources, parent, parent)
     plain = [(f, e) for f, e in cols if e.style != "packed_colwise"]
     if plain:
         b.add(_alternatives(parent, [f for f, _ in plain]),
@@ -238,6 +256,9 @@ def _reached(b: _Builder, regions: Sequence[str], planned: Mapping[str, PlanEntr
                 continue
             if any(_under(fqn, c) for c in b.claimed):
                 continue
+            inside = b.region_instances.get(region, [])
+            if not all(any(_under(i.fqn, r) for r in inside) for i in b.instances[fqn]):
+                continue  # some of its instances lie outside the region (another kind of layer)
             reduce = {p.name: dim for p in m.params if p.tied_to is None}
             if not reduce:
                 continue
@@ -423,8 +444,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
             b.claimed.add(fqn)
     if opts.dim in mesh:
         _embedding_and_head(b, vocab, {f: e for f, e in gather.items() if f not in b.claimed})
-    regions = [r.match for r in b.rules if dict(r.fields).get("boundary") is True
-               and r.group == r.match and "style" not in dict(r.fields)]
+    regions = [r.group for r in b.rules if is_region(r)]
     _reached(b, regions, planned)
     for fqn, entry in planned.items():
         if fqn not in b.claimed and entry.style == "replicated_with_grad_allreduce":
