@@ -196,3 +196,14 @@ def test_the_tiny_config_shrinks_every_size_the_family_names_under_its_own_spell
 def test_a_check_config_that_is_not_tiny_is_refused_before_anything_is_built_for_real() -> None:
     with pytest.raises(SuggestError, match=r"would be checked on has 6,738,415,616 parameters"):
         suggest_recipe("hf:llama", TP2, options=SuggestOptions(check_config={}))
+
+
+def test_suggest_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["suggest", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Propose a recipe for a transformers model from its own tensor-parallel plan" in text
+    assert "--no-sequence-parallel" in text and "--unverified" in text
