@@ -21,7 +21,8 @@ docs/benchmarks.md.
 Usage::
 
     python tools/suggest_families.py [--only llama qwen2] [--budget-s 1800] [--recheck]
-                                     [--out /tmp/suggest-families] [--json results.json]
+                                     [--no-ep] [--out /tmp/suggest-families] [--json results.json]
+    python tools/suggest_families.py --recheck-dir /tmp/suggest-families [--budget-s 600]
 """
 
 from __future__ import annotations
@@ -108,6 +109,30 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
     return row
 
 
+def recheck_dir(folder: Path, budget_s: float) -> int:
+    """``hyperrecipe check`` (both modes) on every recipe written under ``folder``, on the config
+    its header says it was checked on; prints one line each and the count that agree."""
+    from hyperrecipe.check.run import CheckOptions, run_check
+
+    start, agree, done = time.perf_counter(), 0, 0
+    for path in sorted(folder.glob("*.yaml")):
+        if time.perf_counter() - start > budget_s:
+            break
+        text = path.read_text(encoding="utf-8")
+        header = next(line for line in text.splitlines() if line.startswith("# Checked on the config "))
+        mesh_line = next(line for line in text.splitlines() if line.startswith("mesh: ["))
+        dims = [d.strip() for d in mesh_line[len("mesh: ["):-1].split(",")]
+        config = json.loads(header.removeprefix("# Checked on the config "))
+        report = run_check(CheckOptions(recipe=str(path), model=f"hf:{path.stem}",
+                                        model_config=config, mesh={d: 2 for d in dims},
+                                        timeout_s=120))
+        done += 1
+        agree += report.agree
+        print(f"{path.stem}: {'agree' if report.agree else 'DISAGREE'}", flush=True)
+    print(f"re-checked from the written file: {agree} of {done} agree in both modes")
+    return 0 if agree == done else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="these model types only")
@@ -118,10 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="MoE families at tp=2 only (default: tp=2,ep=2, four ranks)")
     p.add_argument("--out", default="/tmp/suggest-families", help="folder for the recipes")
     p.add_argument("--json", default="/tmp/suggest-families.json", help="results file")
+    p.add_argument("--recheck-dir", metavar="DIR",
+                   help="only re-check the recipes a previous run wrote under DIR")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
+    if args.recheck_dir:
+        return recheck_dir(Path(args.recheck_dir), args.budget_s)
     families = families_with_a_plan()
     if args.only:
         families = [f for f in families if f in set(args.only)]
