@@ -159,7 +159,7 @@ def test_cli_unverified_writes_the_translation_marked_not_verified(tmp_path: Pat
                 str(ROOT / "recipes/models/tiny-llama.json"), "--mesh", "tp=2", "--unverified",
                 "-o", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "# NOT verified (--unverified)" in out.read_text()
+    assert "# NOT verified: not checked (--unverified)" in out.read_text()
     assert "hyperrecipe suggest [" in done.stderr  # progress lines
     assert f"recipe written to {out}" in done.stdout
 

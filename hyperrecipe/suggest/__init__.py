@@ -90,6 +90,9 @@ class Suggestion:
         return "\n".join(_summary_lines(self)) + "\n"
 
 
+_UNCHECKED = "not checked (--unverified): run `hyperrecipe check` on it before use"
+
+
 def _one_line(text: str, limit: int = 240) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[:limit - 3] + "..."
@@ -103,10 +106,8 @@ def _summary_lines(s: Suggestion) -> list[str]:
     if s.verified:
         verdict = (f"verified: hyperrecipe check agreed in production and validate mode at "
                    f"{_mesh_text(s.mesh)} ({len(s.attempts)} check run(s))")
-    elif s.attempts:
-        verdict = f"NOT verified: {s.reason}"
     else:
-        verdict = "NOT verified (--unverified): run `hyperrecipe check` on it before use"
+        verdict = f"NOT verified: {s.reason}"
     shares = ", ".join(f"{d} {f:.1%}" for d, f in s.sharded_fraction.items()) or "none"
     lines = [verdict,
              f"parameter bytes sharded: {shares}; collectives per step: {s.collectives[0]} "
@@ -250,15 +251,15 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                                           outcome.reason)
         narrowed += outcome.narrowed
     else:
-        rules, agree, attempts, reason = translation.rules, False, (), "not checked"
+        rules, agree, attempts, reason = translation.rules, False, (), _UNCHECKED
     progress(f"building {model} on the meta device (the given config) for the summary")
     try:
         fractions, collectives = _fractions(render(rules), build_model(model, model_config), mesh)
     except RecipeError as exc:  # the given config differs from the check's where it matters
         fractions, collectives = {}, (0, 0)
-        narrowed.append(Narrowed(what="(the given config)", why=(
-            f"the suggestion verified on the tiny config does not compile against the given "
-            f"config: {exc}")))
+        agree = False  # a recipe that does not fit the user's model is not handed over
+        reason = (f"the recipe check agreed on (tiny config) does not compile against the given "
+                  f"config: {exc.problem}")
     kept = {r.match for r in rules}  # a correction whose rule was narrowed away says nothing
     corrections = tuple(c for c in translation.corrections if c.what in kept)
     draft = Suggestion(model=model, mesh=dict(mesh), text="", verified=agree, rules=rules,
