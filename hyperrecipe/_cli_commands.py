@@ -1,4 +1,5 @@
-"""Argument parsing and dispatch for ``compile``, ``explain``, ``schema`` and ``check``.
+"""Argument parsing and dispatch for ``compile``, ``explain``, ``schema``, ``check`` and
+``suggest``.
 
 Kept apart from :mod:`hyperrecipe.cli` so that ``hyperrecipe lint`` never pays for argparse
 set-up of the torch-backed commands, and each command imports its parts only when it runs.
@@ -156,6 +157,49 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add_trust(k)
 
 
+_SUGGEST_DESCRIPTION = (
+    "Propose a recipe for a transformers model from its own tensor-parallel plan "
+    "(base_model_tp_plan), with the regions, vocab-parallel embedding and gradient reductions "
+    "our format needs, and prove it: the recipe is checked in production and validate mode "
+    "against one process on a tiny config of the same structure, and a rule that fails is "
+    "narrowed (its modules left replicated) until both modes agree. Writes the recipe (-o, or "
+    "stdout) with a comment per rule on where it came from, and a summary: the share of "
+    "parameter bytes sharded, the collectives per step, what was narrowed and why. A recipe "
+    "that check did not pass is never written without --unverified. Exit 0 with a verified "
+    "recipe, 1 when none could be verified, 2 on errors.")
+
+
+def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("suggest", help="suggest a recipe from the model's own plan, verified",
+                       description=_SUGGEST_DESCRIPTION)
+    s.add_argument("--model", required=True, help="hf:<model_type>")
+    s.add_argument("--model-config",
+                   help="JSON file or inline JSON of config fields (the model the recipe is for)")
+    s.add_argument("--mesh", required=True, type=parse_mesh, help="e.g. tp=2")
+    s.add_argument("-o", "--output", help="write the recipe here (default: stdout)")
+    s.add_argument("--unverified", action="store_true",
+                   help="do not run check: write the translated recipe as it is, marked "
+                        "NOT verified")
+    s.add_argument("--check-config", metavar="JSON",
+                   help="config the check builds (default: --model-config when small, the "
+                        "family's shipped tiny config, or the given config with sizes shrunk)")
+    s.add_argument("--no-embedding", action="store_true",
+                   help="leave the input embedding replicated when the plan does not shard it")
+    s.add_argument("--no-reduce-reached", action="store_true",
+                   help="do not all-reduce the gradients of replicated parameters inside a "
+                        "region (learnable activation scalars, per-head norms) that the plan "
+                        "leaves out")
+    s.add_argument("--no-sequence-parallel", action="store_true",
+                   help="do not shard the residual stream on the sequence between blocks")
+    s.add_argument("--no-loss-parallel", action="store_true",
+                   help="do not keep the logits sharded on the vocab for the model's own loss")
+    s.add_argument("--max-attempts", type=_positive, default=6, metavar="N",
+                   help="check runs at most, each narrowing one failing rule (default 6)")
+    s.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
+                   help="seconds allowed for each step of each check (default 300)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def _add_trust(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-code", action="store_true",
                    help="import code the recipe names (inner wrappers, adapter targets) from any "
@@ -238,6 +282,7 @@ def _parser() -> argparse.ArgumentParser:
                                "`hyperrecipe lint --help` for its options.")
     _add_check(sub)
     _add_simulate(sub)
+    _add_suggest(sub)
     return p
 
 
@@ -323,6 +368,8 @@ def _dispatch(args: argparse.Namespace, started: float) -> int:
         if args.command == "simulate":
             _apply_trust(args)
             return _simulate(args)
+        if args.command == "suggest":
+            return _suggest(args, started)
     except HyperrecipeError as exc:
         print(f"hyperrecipe: error: {exc}", file=sys.stderr)
         return 2
@@ -411,6 +458,45 @@ def _simulate(args: argparse.Namespace) -> int:
         print(json.dumps(sim.to_json(), indent=2))
     else:
         print(render_table(sim), end="")
+    return 0
+
+
+def _suggest(args: argparse.Namespace, started: float) -> int:
+    def progress(message: str) -> None:
+        print(f"hyperrecipe suggest [{time.perf_counter() - started:6.1f} s] {message}",
+              file=sys.stderr, flush=True)
+
+    say = _quiet if args.quiet else progress
+    say(f"suggesting a recipe for {args.model} on {_mesh_text(args.mesh)}: importing torch")
+    from hyperrecipe.suggest import SuggestOptions, TranslateOptions, suggest_recipe
+    from hyperrecipe.suggest.render import write_recipe
+
+    options = SuggestOptions(
+        translate=TranslateOptions(embedding=not args.no_embedding,
+                                   reduce_reached=not args.no_reduce_reached,
+                                   loss_parallel=not args.no_loss_parallel,
+                                   sequence_parallel=not args.no_sequence_parallel),
+        verify=not args.unverified, max_attempts=args.max_attempts, timeout_s=args.timeout,
+        check_config=args.check_config)
+    result = suggest_recipe(args.model, args.mesh, model_config=args.model_config,
+                            options=options, on_progress=say)
+    if options.verify and not result.verified:
+        print(result.summary(), end="", file=sys.stderr)
+        print("hyperrecipe: error: no verified recipe, so none was written; --unverified "
+              "writes the translation unchecked", file=sys.stderr)
+        return 1
+    if args.output:
+        try:
+            write_recipe(args.output, result.text)
+        except OSError as exc:
+            print(f"hyperrecipe: error: cannot write the recipe to {args.output}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(result.summary(), end="")
+        print(f"recipe written to {args.output} ({result.seconds:.1f} s)")
+    else:
+        sys.stdout.write(result.text)
+        print(result.summary(), end="", file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "SelectorError",
     "SourceSpan",
     "StepFailed",
+    "SuggestError",
     "WeightLoadError",
     "WrapperDeclarationError",
     "WrapperError",
@@ -394,6 +395,23 @@ class InterpreterLimit(HyperrecipeError, ValueError):
         self.message = message
         self.line = line
         self.column = column
+
+
+# ----------------------------------------------------------------------------- suggest
+
+
+class SuggestError(HyperrecipeError, RuntimeError):
+    """``hyperrecipe suggest`` has no recipe it can hand over: the model carries no plan it can
+    translate, or every suggested rule had to be narrowed away before ``check`` agreed.
+
+    Args:
+        message: what was tried and why nothing is left.
+        narrowed: ``(what, why)`` for each rule given up on the way.
+    """
+
+    def __init__(self, message: str, *, narrowed: tuple[tuple[str, str], ...] = ()) -> None:
+        self.narrowed = narrowed
+        super().__init__(message)
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

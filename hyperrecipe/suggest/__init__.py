@@ -1,0 +1,296 @@
+"""``hyperrecipe suggest``: a recipe proposed from the model's own parallel plans, and proven.
+
+What lives here: reading what a model declares (transformers' ``tp_plan``, through
+:mod:`hyperrecipe.integrations.hf_plans`) and translating it into rules with the regions our
+format needs (``translate``), writing them with a comment per rule on its source (``render``),
+and keeping only what ``check`` verified in both modes against one process, narrowing a failing
+rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the whole flow;
+``hyperrecipe suggest`` is a thin layer over it. What does not: any placement decision of its
+own at run time (the recipe goes through ``compile`` and ``check`` like a hand-written one), the
+check itself (:mod:`hyperrecipe.check`), knowledge of transformers by name
+(:mod:`hyperrecipe.integrations`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from hyperrecipe.errors import RecipeError, SuggestError
+from hyperrecipe.suggest.rules import Correction, Narrowed, SuggestedRule
+from hyperrecipe.suggest.translate import EP_DIM, TranslateOptions
+from hyperrecipe.suggest.verify import Attempt
+
+__all__ = ["Correction", "Narrowed", "SuggestError", "SuggestOptions", "SuggestedRule",
+           "Suggestion", "TranslateOptions", "suggest_recipe"]
+
+
+@attrs.frozen(kw_only=True)
+class SuggestOptions:
+    """How to suggest.
+
+    Attributes:
+        translate: what to add beyond the source plan.
+        verify: run ``check`` (both modes) and narrow until it agrees; ``False`` hands over an
+            unverified recipe (``--unverified``).
+        max_attempts: checks at most (each one builds the tiny model and runs both modes).
+        timeout_s: per check step, as ``hyperrecipe check --timeout``.
+        check_config: the config the check builds; default: the given config when it is small,
+            the shipped tiny config of the family, or one derived from the given config with
+            every size shrunk (:func:`hyperrecipe.integrations.hf_tiny.tiny_config`).
+    """
+
+    translate: TranslateOptions = TranslateOptions()
+    verify: bool = True
+    max_attempts: int = 6
+    timeout_s: float = 300.0
+    check_config: str | Mapping[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Suggestion:
+    """A suggested recipe and what is known about it.
+
+    Attributes:
+        text: the recipe file's text (with its comments).
+        verified: ``check`` agreed in both modes on the rules in ``text``.
+        rules: the rules in ``text``.
+        narrowed: what was given up (left replicated) and why.
+        corrections: where the source plan was wrong or incomplete.
+        attempts: each check run.
+        check_config: the config the check built.
+        sharded_fraction: mesh dim -> fraction of the model's parameter bytes sharded on it
+            (the model as configured, not the tiny one).
+        collectives: expected collectives per step, forward and backward.
+        reason: why ``verified`` is false (``""`` when it is true).
+        seconds: the whole run.
+    """
+
+    model: str
+    mesh: dict[str, int]
+    text: str
+    verified: bool
+    rules: tuple[SuggestedRule, ...]
+    narrowed: tuple[Narrowed, ...]
+    corrections: tuple[Correction, ...]
+    attempts: tuple[Attempt, ...]
+    check_config: dict[str, Any]
+    sharded_fraction: dict[str, float]
+    collectives: tuple[int, int]
+    reason: str
+    seconds: float
+
+    def summary(self) -> str:
+        """What a user reads after the recipe: verdict, shares, narrowings, corrections."""
+        return "\n".join(_summary_lines(self)) + "\n"
+
+
+_UNCHECKED = "not checked (--unverified): run `hyperrecipe check` on it before use"
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def _summary_lines(s: Suggestion) -> list[str]:
+    if s.verified:
+        verdict = (f"verified: hyperrecipe check agreed in production and validate mode at "
+                   f"{_mesh_text(s.mesh)} ({len(s.attempts)} check run(s))")
+    else:
+        verdict = f"NOT verified: {s.reason}"
+    shares = ", ".join(f"{d} {f:.1%}" for d, f in s.sharded_fraction.items()) or "none"
+    lines = [verdict,
+             f"parameter bytes sharded: {shares}; collectives per step: {s.collectives[0]} "
+             f"forward, {s.collectives[1]} backward"]
+    for n in s.narrowed:
+        lines.append(f"narrowed: {n.what}: {_one_line(n.why)}")
+    for c in s.corrections:
+        lines.append(f"beyond the source plan: {_one_line(c.detail)}")
+    return lines
+
+
+def _check_config(model: str, model_config: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    from hyperrecipe.integrations.hf_tiny import is_tiny, tiny_config
+    from hyperrecipe.model_tree import load_model_config, shipped_tiny_config
+
+    fields = load_model_config(model_config)
+    if not model.startswith("hf:") or is_tiny(fields):
+        return fields
+    shipped = shipped_tiny_config(model) if model_config is None else None
+    if shipped is not None:
+        return load_model_config(shipped)
+    return tiny_config(model[3:], fields)
+
+
+def _ignore(message: str) -> None:
+    del message
+
+
+def _fractions(text: str, model: Any, mesh: Mapping[str, int]
+               ) -> tuple[dict[str, float], tuple[int, int]]:
+    from hyperrecipe.model_tree import snapshot
+    from hyperrecipe.placement import Shard
+    from hyperrecipe.plan_report import plan_totals
+    from hyperrecipe.recipe import load_recipe
+    from hyperrecipe.resolve import resolve_recipe
+
+    with tempfile.TemporaryDirectory(prefix="hyperrecipe-suggest-") as tmp:
+        path = os.path.join(tmp, "suggested.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        plan = resolve_recipe(load_recipe(path), snapshot(model), dict(mesh))
+    owned = [p for p in plan.params if p.tied_to is None]
+
+    def nbytes(shape: tuple[int, ...]) -> int:
+        n = 1
+        for s in shape:
+            n *= s
+        return n
+
+    total = sum(nbytes(p.shape) for p in owned) or 1
+    fractions = {d: sum(nbytes(p.shape) for p in owned if isinstance(p.placement.get(d), Shard))
+                 / total for d in mesh}
+    totals = plan_totals(plan)
+    return fractions, (totals.forward_collectives, totals.backward_collectives)
+
+
+def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
+            check_config: Mapping[str, Any], lines: list[str]) -> list[str]:
+    import json
+    import shlex
+
+    given = f" --model-config {shlex.quote(model_config)}" if isinstance(model_config, str) else ""
+    return [f"Suggested by `hyperrecipe suggest --model {model}{given} --mesh "
+            f"{_mesh_text(mesh)}` from the model's own parallel plan; the comment above each "
+            f"rule says where it came from.",
+            f"Checked on the config {json.dumps(dict(check_config), sort_keys=True)}",
+            *lines]
+
+
+def suggest_recipe(model: str, mesh: Mapping[str, int], *,
+                   model_config: str | Mapping[str, Any] | None = None,
+                   options: SuggestOptions | None = None,
+                   on_progress: Callable[[str], None] | None = None) -> Suggestion:
+    """Suggest a recipe for ``model`` on ``mesh`` and verify it (see the package doc).
+
+    Args:
+        model: ``hf:<model_type>``.
+        mesh: mesh dim -> size, e.g. ``{"tp": 2}``.
+        model_config: the model's config (JSON file, inline JSON or mapping); the recipe is
+            written for it, and checked on a tiny config of the same structure.
+        options: see :class:`SuggestOptions`.
+        on_progress: called with one line per step.
+
+    Returns:
+        The suggestion; ``verified`` says whether ``check`` agreed on it.
+
+    Raises:
+        SuggestError: the model declares no tensor-parallel plan, or no mesh dim is ``tp``.
+        ModelSpecError: the model cannot be built.
+
+    Example::
+
+        s = suggest_recipe("hf:llama", {"tp": 2}, model_config="recipes/models/tiny-llama.json")
+        if s.verified:
+            Path("llama.yaml").write_text(s.text)
+    """
+    from hyperrecipe.integrations.hf_plans import read_plans
+    from hyperrecipe.model_tree import build_model, snapshot
+    from hyperrecipe.suggest.render import render_recipe
+    from hyperrecipe.suggest.translate import translate
+    from hyperrecipe.suggest.verify import verify_rules
+
+    opts = options or SuggestOptions()
+    progress = on_progress or _ignore
+    t0 = time.perf_counter()
+    dim = opts.translate.dim
+    if dim not in mesh and EP_DIM not in mesh:
+        msg = (f"suggest proposes tensor parallelism on the mesh dim {dim!r} and expert "
+               f"parallelism on {EP_DIM!r}; the mesh {_mesh_text(mesh)} has neither: give "
+               f"--mesh {dim}=N (and {EP_DIM}=M for MoE experts)")
+        raise SuggestError(msg)
+    check_config = (dict(_load(opts.check_config)) if opts.check_config is not None
+                    else _check_config(model, model_config))
+    progress(f"building {model} on the meta device (the check's config)")
+    small = build_model(model, check_config)
+    _refuse_large(model, small, check_config)
+    entries = read_plans(small)
+    if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
+        msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
+               f"(transformers' base_model_tp_plan / _tp_plan); suggest translates such a plan "
+               f"and has no other source yet: write the recipe by hand (docs/guide.md)")
+        raise SuggestError(msg)
+    progress(f"read {len(entries)} plan entries from {type(small).__name__}")
+    translation = translate(entries, snapshot(small), mesh, opts.translate)
+    progress(f"translated into {len(translation.rules)} rules "
+             f"({len(translation.narrowed)} entries left replicated)")
+    name = f"{model.removeprefix('hf:')}-suggested"
+    kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert")) if d in mesh)
+    mesh_dims = list(mesh)
+
+    def render(rules: Any, header: list[str] | None = None) -> str:
+        return render_recipe(name, mesh_dims, rules, header=header or [],
+                             description=f"Suggested {kinds} parallel {model}")
+
+    narrowed = list(translation.narrowed)
+    if opts.verify:
+        outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
+                               mesh=mesh, max_attempts=opts.max_attempts,
+                               timeout_s=opts.timeout_s, progress=progress)
+        rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
+                                          outcome.reason)
+        narrowed += outcome.narrowed
+    else:
+        rules, agree, attempts, reason = translation.rules, False, (), _UNCHECKED
+    progress(f"building {model} on the meta device (the given config) for the summary")
+    try:
+        fractions, collectives = _fractions(render(rules), build_model(model, model_config), mesh)
+    except RecipeError as exc:  # the given config differs from the check's where it matters
+        fractions, collectives = {}, (0, 0)
+        agree = False  # a recipe that does not fit the user's model is not handed over
+        reason = (f"the recipe check agreed on (tiny config) does not compile against the given "
+                  f"config: {exc.problem}")
+    kept = {r.match for r in rules}  # a correction whose rule was narrowed away says nothing
+    corrections = tuple(c for c in translation.corrections if c.what in kept)
+    draft = Suggestion(model=model, mesh=dict(mesh), text="", verified=agree, rules=rules,
+                       narrowed=tuple(narrowed), corrections=corrections,
+                       attempts=attempts, check_config=check_config,
+                       sharded_fraction=fractions, collectives=collectives, reason=reason,
+                       seconds=time.perf_counter() - t0)
+    text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft)))
+    return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
+
+
+MAX_CHECK_PARAMETERS = 20_000_000
+"""Largest model ``suggest`` checks (built for real in this process and on every rank)."""
+
+
+def _refuse_large(model: str, meta: Any, check_config: Mapping[str, Any]) -> None:
+    """The check builds the model for real, several times: refuse a "tiny" config that is not
+    (a size field the shrinking does not know, such as a per-layer embedding's vocabulary)."""
+    sizes = sorted(((p.numel(), n) for n, p in meta.named_parameters()), reverse=True)
+    total = sum(n for n, _ in sizes)
+    if total <= MAX_CHECK_PARAMETERS:
+        return
+    largest = ", ".join(f"{name} ({n:,})" for n, name in sizes[:3])
+    msg = (f"the config {model} would be checked on has {total:,} parameters, more than "
+           f"{MAX_CHECK_PARAMETERS:,} (largest: {largest}); give a smaller one with "
+           f"--check-config (the check config was {dict(check_config)})")
+    raise SuggestError(msg)
+
+
+def _load(config: str | Mapping[str, Any]) -> dict[str, Any]:
+    from hyperrecipe.model_tree import load_model_config
+
+    return load_model_config(config)
+

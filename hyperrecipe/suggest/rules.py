@@ -1,0 +1,50 @@
+"""The data a suggestion is made of: suggested rules, and what was given up or corrected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["Correction", "Narrowed", "SuggestedRule"]
+
+
+@attrs.frozen(kw_only=True)
+class SuggestedRule:
+    """One rule of the suggested recipe, with where it came from.
+
+    Attributes:
+        match: the rule's ``match`` pattern.
+        fields: the rule's other fields, as they are written in the recipe (YAML-ready values:
+            strings, ints, bools, lists and mappings of them), in writing order.
+        sources: one line each, for the comment above the rule: the plan entries or the part of
+            the model's structure that it comes from.
+        group: the unit that narrowing gives up together (a region and its projections, an
+            embedding and the ``lm_head`` tied to it).
+        deeper: the rule goes beyond the source plan (an option the user can turn off); a
+            failing deeper rule is given up alone before its group is.
+        order: position of the rule's first module in the model, for writing order.
+    """
+
+    match: str
+    fields: tuple[tuple[str, Any], ...]
+    sources: tuple[str, ...]
+    group: str
+    deeper: bool = False
+    order: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Narrowed:
+    """Something the suggestion gave up: ``what`` (a pattern, a plan entry) stays replicated."""
+
+    what: str
+    why: str
+
+
+@attrs.frozen(kw_only=True)
+class Correction:
+    """A place where the source plan was wrong or incomplete, and what the suggestion does."""
+
+    what: str
+    detail: str

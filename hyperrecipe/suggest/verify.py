@@ -1,0 +1,222 @@
+"""Prove a suggestion with ``check`` in both modes, narrowing what fails, a bounded number of times.
+
+Each attempt writes the rules as a recipe file and runs :func:`hyperrecipe.check.run.run_check`
+on it (the same code as ``hyperrecipe check``: the recipe compiled against the model, then
+production and validate mode on local ranks, compared with one process). When it does not
+agree, the failure is attributed to one rule: a compile error names its rule index; a divergent
+boundary, a rank's error message or a divergent gradient names a module, and the rule that
+places that module — or the innermost region around it — is blamed. A blamed rule that goes
+beyond the source plan is given up alone; otherwise its whole group (a region and its
+projections, an embedding and its tied ``lm_head``) is, so that module stays replicated. What
+was given up, and why, is recorded. Nothing here decides a placement of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from hyperrecipe.errors import RecipeError
+from hyperrecipe.recipe.patterns import compile_pattern
+from hyperrecipe.suggest.render import merge_rules
+from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
+
+__all__ = ["Attempt", "Verified", "verify_rules"]
+
+
+@attrs.frozen(kw_only=True)
+class Attempt:
+    """One check of the rules: its verdict in one line, and how long it took."""
+
+    rules: int
+    verdict: str
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
+class Verified:
+    """The outcome: the rules left, whether ``check`` agreed on them, what was given up."""
+
+    rules: tuple[SuggestedRule, ...]
+    agree: bool
+    narrowed: tuple[Narrowed, ...]
+    attempts: tuple[Attempt, ...]
+    reason: str = ""
+
+
+def _shards(rules: Sequence[SuggestedRule]) -> bool:
+    for rule in rules:
+        fields = dict(rule.fields)
+        if fields.get("style") not in (None, "replicate") or "shard" in str(fields.get("params")):
+            return True
+    return False
+
+
+def _owner(fqn: str, rules: Sequence[SuggestedRule]) -> tuple[SuggestedRule | None, bool]:
+    """The rule to blame for ``fqn`` (a module or a parameter): the rule matching it or its
+    module exactly, else the one matching its innermost ancestor. The flag says exact."""
+    parts = fqn.split(".")
+    for depth in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:depth])
+        found = [r for r in rules if compile_pattern(r.match).fullmatch(prefix)]
+        if found:  # an addition beyond the plan is suspected before the plan's own rule
+            return next((r for r in found if r.deeper), found[0]), depth >= len(parts) - 1
+    return None, False
+
+
+_FQN = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
+
+
+def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | None:
+    """``(fqn, why)`` for the first failure of the report that names a module of the model."""
+    for mode in report.modes:
+        if mode.error is not None:
+            first_line = str(mode.error).strip().splitlines()[0]
+            for token in _FQN.findall(str(mode.error)):
+                if _owner(token, rules)[0] is not None:
+                    return token, f"{mode.mode} mode could not run: {first_line}"
+            continue
+        cmp = mode.comparison
+        if cmp is None or cmp.agree:
+            continue
+        if cmp.first is not None and cmp.first.fqn not in ("", "<output>"):
+            return cmp.first.fqn, (f"{mode.mode} mode diverged at {cmp.first.fqn} "
+                                   f"({cmp.first.what}): {cmp.first.detail}")
+        bad = cmp.diverged_gradients or cmp.diverged_params
+        if bad:
+            last = bad[-1]  # errors flow backward: the last one in forward order is the source
+            return last.name, (f"{mode.mode} mode: the gradient of {last.name} differs from one "
+                               f"process (max abs {last.diff.max_abs})")
+    return None
+
+
+def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
+    """A refinement (sequence parallelism, the loss) whose base rule was given up, so the module
+    is replicated now. The head's sequence gather becomes a boundary of its own around the
+    replicated head (its weight a replicated DTensor in validate mode, the logits whole);
+    anything else (a region's layouts, a reduce-scatter, the loss on shards) goes with its base,
+    and a region's takes its whole group with it (see :func:`_give_up`)."""
+    fields = dict(rule.fields)
+    if "in_dst" not in fields or "out_src" in fields or fields.get("loss_parallel"):
+        return None
+    fields.update(boundary=True, out_src={0: "replicate"}, params={"weight": "replicate"})
+    return attrs.evolve(rule, fields=tuple(fields.items()),
+                        sources=(*rule.sources, "(around a head left replicated)"))
+
+
+def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
+             ) -> tuple[list[SuggestedRule], str]:
+    """Drop the culprit's group; a gradient reduction beyond the plan goes alone, and only
+    when it is the failing module's own rule. Refinements of what was dropped follow it."""
+    if culprit.deeper and "reduce_grads" in dict(culprit.fields) and exact:
+        return [r for r in rules if r is not culprit], culprit.match
+    dropped = {r.match for r in rules if r.group == culprit.group}
+    kept = [r for r in rules if r.group != culprit.group]
+    bases = {r.match for r in kept if not r.deeper}
+    orphans = [r for r in kept if r.deeper and r.match in dropped and r.match not in bases]
+    lost = {r.group for r in orphans if "out_src" in dict(r.fields)}  # a region's layouts
+    out: list[SuggestedRule] = []
+    for rule in kept:
+        if rule.group in lost:
+            continue
+        if rule in orphans:
+            replaced = _orphan(rule)
+            if replaced is not None:
+                out.append(replaced)
+            continue
+        out.append(rule)
+    return out, culprit.group + "".join(f" (and {g}, which depends on it)" for g in sorted(lost))
+
+
+def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
+                 *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
+                 max_attempts: int, timeout_s: float,
+                 progress: Callable[[str], None]) -> Verified:
+    """Check ``rules`` and narrow them until ``check`` agrees, at most ``max_attempts`` times.
+
+    Args:
+        rules: the suggested rules.
+        render: the recipe text of a list of rules.
+        model: the model spec (``hf:llama``).
+        check_config: the (tiny) config the check builds.
+        mesh: mesh dim -> size.
+        max_attempts: checks at most.
+        timeout_s: per check step (``hyperrecipe check --timeout``).
+        progress: one line per step.
+    """
+    from hyperrecipe.check.run import CheckOptions, run_check
+
+    current = list(rules)
+    narrowed: list[Narrowed] = []
+    attempts: list[Attempt] = []
+    with tempfile.TemporaryDirectory(prefix="hyperrecipe-suggest-") as tmp:
+        path = os.path.join(tmp, "suggested.yaml")
+        for attempt in range(1, max_attempts + 1):
+            if not _shards(current):
+                return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
+                                attempts=tuple(attempts),
+                                reason="every rule that shards something was given up")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(render(current))
+            progress(f"check {attempt}/{max_attempts}: {len(current)} rules, both modes")
+            t0 = time.perf_counter()
+            options = CheckOptions(recipe=path, model=model, model_config=dict(check_config),
+                                   mesh=dict(mesh), timeout_s=timeout_s)
+            try:
+                report = run_check(options)
+            except RecipeError as exc:
+                seconds = time.perf_counter() - t0
+                if exc.rule_index is None or not 0 <= exc.rule_index < len(merge_rules(current)):
+                    attempts.append(Attempt(rules=len(current), verdict="compile error",
+                                            seconds=seconds))
+                    return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
+                                    attempts=tuple(attempts),
+                                    reason=f"the suggestion does not compile: {exc.problem}")
+                parts = merge_rules(current)[exc.rule_index][1]  # the rule as written
+                failing = next((r for r in parts if r.deeper), parts[0])
+                current, what = _give_up(current, failing, exact=True)
+                why = f"does not compile: {exc.problem}"
+                narrowed.append(Narrowed(what=what, why=why))
+                attempts.append(Attempt(rules=len(current), verdict=f"compile error at {what}",
+                                        seconds=seconds))
+                progress(f"check {attempt}: compile error in rule {exc.rule_index} "
+                         f"({failing.match}); narrowing {what}")
+                continue
+            seconds = time.perf_counter() - t0
+            if report.agree:
+                attempts.append(Attempt(rules=len(current), verdict="both modes agree",
+                                        seconds=seconds))
+                progress(f"check {attempt}: both modes agree with one process ({seconds:.1f} s)")
+                return Verified(rules=tuple(current), agree=True, narrowed=tuple(narrowed),
+                                attempts=tuple(attempts))
+            blamed = _blame(report, current)
+            culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
+            if blamed is None or culprit is None:
+                deeper = [r for r in current if r.deeper]
+                verdict = "diverged, no module to blame"
+                attempts.append(Attempt(rules=len(current), verdict=verdict, seconds=seconds))
+                if not deeper:
+                    return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
+                                    attempts=tuple(attempts), reason=(
+                                        "check diverged and no suggested rule could be blamed"))
+                current = [r for r in current if not r.deeper]
+                narrowed += [Narrowed(what=r.match, why="check diverged with no module to blame; "
+                                      "every addition beyond the source plan given up")
+                             for r in deeper]
+                progress(f"check {attempt}: diverged; giving up the additions beyond the plan")
+                continue
+            current, what = _give_up(current, culprit, exact)
+            narrowed.append(Narrowed(what=what, why=blamed[1]))
+            attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
+                                    seconds=seconds))
+            progress(f"check {attempt}: diverged at {blamed[0]} ({seconds:.1f} s); "
+                     f"narrowing {what} (left replicated)")
+    return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
+                    attempts=tuple(attempts),
+                    reason=f"check still disagreed after {max_attempts} attempts")

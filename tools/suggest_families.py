@@ -1,0 +1,198 @@
+"""Run ``hyperrecipe suggest`` over every transformers family whose config carries a
+``base_model_tp_plan``, at tp=2, and count verified / narrowed / refused.
+
+The families are not hand-picked: every model type in transformers' ``CONFIG_MAPPING`` whose
+config class has a non-empty ``base_model_tp_plan``, in sorted order (``--only`` picks some).
+Each is built from a tiny config derived from the family's defaults
+(:func:`hyperrecipe.integrations.hf_tiny.tiny_config`: hidden 64, 2 layers, 4 heads of 16,
+vocab 128, 4 experts, ...) and :func:`hyperrecipe.suggest.suggest_recipe` is run with
+verification (``check`` in both modes against one process). A family is
+
+- **verified**: check agreed, nothing the plan shards was given up;
+- **narrowed**: check agreed after some rules were left replicated (each listed with why);
+- **refused**: no recipe (no plan entry translates, every rule narrowed away, the model is not a
+  causal LM or fails in one process; the reason is listed).
+
+Every verified or narrowed recipe is written under ``--out`` and checked again from the file
+(``--recheck``), as a user would. Results go to a JSON file as they come (a run cut short by
+``--budget-s`` reports what it reached) and a Markdown summary is printed for
+docs/benchmarks.md.
+
+Usage::
+
+    python tools/suggest_families.py [--only llama qwen2] [--budget-s 1800] [--recheck]
+                                     [--no-ep] [--out /tmp/suggest-families] [--json results.json]
+    python tools/suggest_families.py --recheck-dir /tmp/suggest-families [--budget-s 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def families_with_a_plan() -> list[str]:
+    """Every model type whose config class declares a tensor-parallel plan."""
+    from transformers import CONFIG_MAPPING
+
+    out = []
+    for model_type in sorted(CONFIG_MAPPING.keys()):
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except Exception:  # noqa: BLE001 - a family whose optional dependency is missing
+            continue
+        if getattr(cls, "base_model_tp_plan", None):
+            out.append(model_type)
+    return out
+
+
+def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, Any]:
+    from hyperrecipe.check.run import CheckOptions, run_check
+    from hyperrecipe.errors import HyperrecipeError
+    from hyperrecipe.integrations.hf_tiny import tiny_config
+    from hyperrecipe.suggest import SuggestOptions, suggest_recipe
+    from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+    from hyperrecipe.suggest.translate import LOSS_GROUP
+
+    from transformers import CONFIG_MAPPING
+
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"family": model_type}
+    moe = bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+    mesh = {"tp": 2, "ep": 2} if moe and ep else {"tp": 2}
+    row["mesh"] = ",".join(f"{k}={v}" for k, v in mesh.items())
+    try:
+        config = tiny_config(model_type)
+        s = suggest_recipe(f"hf:{model_type}", mesh, model_config=config,
+                           options=SuggestOptions(timeout_s=120, max_attempts=6))
+    except (HyperrecipeError, Exception) as exc:  # noqa: BLE001 - a family's own failure
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())
+        outcome = ("not a causal LM" if "for this kind of AutoModel: AutoModelForCausalLM" in why
+                   else "refused")
+        row.update(outcome=outcome, why=why[:300], seconds=time.perf_counter() - t0)
+        return row
+    groups = {r.group for r in s.rules}
+    row.update(sequence_parallel=SEQUENCE_GROUP in groups, loss_parallel=LOSS_GROUP in groups,
+               experts=any(dict(r.fields).get("local_region") for r in s.rules),
+               sharded_ep=s.sharded_fraction.get("ep", 0.0))
+    # an entry for a module this config does not build, and the expert-parallel plan on a
+    # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing
+    plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
+                    and "so the experts stay whole" not in n.why
+                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP)]
+    row.update(
+        attempts=len(s.attempts), sharded=s.sharded_fraction.get("tp", 0.0),
+        narrowed=[f"{n.what}: {' '.join(n.why.split())[:200]}" for n in plan_gave_up],
+        corrections=[c.what for c in s.corrections], seconds=time.perf_counter() - t0)
+    if not s.verified:
+        row.update(outcome="refused", why=s.reason)
+        return row
+    row["outcome"] = "narrowed" if plan_gave_up else "verified"
+    path = out_dir / f"{model_type}.yaml"
+    path.write_text(s.text, encoding="utf-8")
+    if recheck:
+        report = run_check(CheckOptions(recipe=str(path), model=f"hf:{model_type}",
+                                        model_config=s.check_config, mesh=mesh,
+                                        timeout_s=120))
+        row["recheck"] = report.agree
+    return row
+
+
+def recheck_dir(folder: Path, budget_s: float) -> int:
+    """``hyperrecipe check`` (both modes) on every recipe written under ``folder``, on the config
+    its header says it was checked on; prints one line each and the count that agree."""
+    from hyperrecipe.check.run import CheckOptions, run_check
+
+    start, agree, done = time.perf_counter(), 0, 0
+    for path in sorted(folder.glob("*.yaml")):
+        if time.perf_counter() - start > budget_s:
+            break
+        text = path.read_text(encoding="utf-8")
+        header = next(line for line in text.splitlines() if line.startswith("# Checked on the config "))
+        mesh_line = next(line for line in text.splitlines() if line.startswith("mesh: ["))
+        dims = [d.strip() for d in mesh_line[len("mesh: ["):-1].split(",")]
+        config = json.loads(header.removeprefix("# Checked on the config "))
+        report = run_check(CheckOptions(recipe=str(path), model=f"hf:{path.stem}",
+                                        model_config=config, mesh={d: 2 for d in dims},
+                                        timeout_s=120))
+        done += 1
+        agree += report.agree
+        print(f"{path.stem}: {'agree' if report.agree else 'DISAGREE'}", flush=True)
+    print(f"re-checked from the written file: {agree} of {done} agree in both modes")
+    return 0 if agree == done else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", help="these model types only")
+    p.add_argument("--budget-s", type=float, default=3600.0,
+                   help="stop starting families after this many seconds")
+    p.add_argument("--recheck", action="store_true", help="check each written file again")
+    p.add_argument("--no-ep", action="store_true",
+                   help="MoE families at tp=2 only (default: tp=2,ep=2, four ranks)")
+    p.add_argument("--out", default="/tmp/suggest-families", help="folder for the recipes")
+    p.add_argument("--json", default="/tmp/suggest-families.json", help="results file")
+    p.add_argument("--recheck-dir", metavar="DIR",
+                   help="only re-check the recipes a previous run wrote under DIR")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    if args.recheck_dir:
+        return recheck_dir(Path(args.recheck_dir), args.budget_s)
+    families = families_with_a_plan()
+    if args.only:
+        families = [f for f in families if f in set(args.only)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for i, family in enumerate(families):
+        if time.perf_counter() - start > args.budget_s:
+            break
+        row = _one(family, out_dir, args.recheck, not args.no_ep)
+        rows.append(row)
+        print(f"[{i + 1}/{len(families)} {time.perf_counter() - start:7.1f} s] {family}: "
+              f"{row['outcome']} ({row['seconds']:.1f} s)"
+              + (f" recheck={row['recheck']}" if "recheck" in row else "")
+              + (f" -- {row['why']}" if row.get("why") else ""), flush=True)
+        Path(args.json).write_text(json.dumps({"families": len(families), "rows": rows},
+                                              indent=1), encoding="utf-8")
+    counts = Counter(r["outcome"] for r in rows)
+    ok = [r for r in rows if r["outcome"] in ("verified", "narrowed")]
+    print(f"\n{len(rows)} of {len(families)} families with a base_model_tp_plan reached in "
+          f"{time.perf_counter() - start:.0f} s: verified {counts['verified']}, narrowed "
+          f"{counts['narrowed']}, refused {counts['refused']}, not a causal LM "
+          f"{counts['not a causal LM']}; of the {len(ok)} with a recipe: sequence parallel "
+          f"{sum(r['sequence_parallel'] for r in ok)}, loss on vocab shards "
+          f"{sum(r['loss_parallel'] for r in ok)}, experts over ep "
+          f"{sum(r['experts'] for r in ok)}"
+          + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
+             if args.recheck else ""))
+    print("\n| family | mesh | outcome | checks | SP | loss | tp bytes | ep bytes | s | "
+          "given up / why |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        detail = r.get("why") or "; ".join(r.get("narrowed", []))
+        yes = {True: "yes", False: "-", None: "-"}
+        print(f"| {r['family']} | {r.get('mesh', '')} | {r['outcome']} | "
+              f"{r.get('attempts', '-')} | {yes[r.get('sequence_parallel')]} | "
+              f"{yes[r.get('loss_parallel')]} | {r.get('sharded', 0.0):.0%} | "
+              f"{r.get('sharded_ep', 0.0):.0%} | {r['seconds']:.0f} | "
+              f"{detail[:140].replace('|', '/')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
