@@ -22,7 +22,7 @@ from hyperrecipe.runtime.features.inner import WrapperChoice
 from hyperrecipe.runtime.state.checkpoint import (
     LiveParams,
     differing_ties,
-    load_optimizer_state,
+    load_training_state,
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
@@ -364,42 +364,34 @@ class Installation:
                 optimizer was given but the state has none, or other parameter groups.
         """
         self._check_live()
-        model = state.get("model")
-        if not isinstance(model, Mapping):
-            raise PlanMismatchError("load_state_dict: the state has no 'model' entry; pass what "
-                                    "Installation.state_dict() returned (after dcp.load)")
-        missing = [p.fqn for p in self._own()
-                   if p.fqn not in model and not any(q.tied_to == p.fqn and q.fqn in model
-                                                     for q in self.plan.params)]
-        if missing:
-            raise PlanMismatchError(f"load_state_dict: missing {missing}")
-        why = differing_ties(self.plan, model)
-        if why is not None:
-            raise PlanMismatchError(f"load_state_dict: {why}")
-        writes: list[tuple[ParamPlan, Tensor, Tensor]] = []
-        for p in self._own():
-            value = model[p.fqn] if p.fqn in model else next(
-                model[q.fqn] for q in self.plan.params if q.tied_to == p.fqn and q.fqn in model)
-            live = self._live.param(p)
-            if self._live.wrapper_layout(p, live) is not None:  # fully_shard's piece
-                piece = self._live.piece_like(p, value, live)
-                writes.append((p, live._local_tensor, piece._local_tensor))  # type: ignore[attr-defined]
-            else:
-                writes.append((p, self._live.local(p), self._live.shard_of(p, value)))
-        with torch.no_grad():
-            for p, target, shard in writes:
-                if target.data_ptr() != shard.data_ptr():
-                    target.copy_(shard)
-                self._unloaded.discard(p.fqn)
-            for name, buf in persistent_buffers(self.model):
-                if name in model and model[name] is not buf:
-                    buf.copy_(model[name])
-                self._unloaded.discard(name)
-        if optimizer is not None:
-            if "optimizer" not in state:
-                raise PlanMismatchError("load_state_dict: an optimizer was given but the state "
-                                        "holds none; save with Installation.state_dict(optimizer)")
-            load_optimizer_state(self._live, optimizer, state["optimizer"])
+        load_training_state(self._live, state, optimizer, self._unloaded)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume from a DCP folder written by ``dcp.save(inst.state_dict(optimizer))``, on any
+        mesh: ``dcp.load`` into :meth:`state_dict` then :meth:`load_state_dict`, reading the
+        folder as data (call on every rank).
+
+        torch's own ``dcp.load`` unpickles ``.metadata`` and non-tensor entries with plain
+        ``pickle``, so a folder someone else wrote can run code; this reads them through an
+        allow-list (docs/security.md, "Checkpoints"). A trainer that calls ``dcp.load`` itself
+        gets the same by passing ``storage_reader=hyperrecipe.runtime.state.dcp_reader.
+        trusted_reader(folder)``.
+
+        Raises:
+            WeightLoadError: the folder is refused (a global outside DCP's metadata classes,
+                non-tensor entries that are not plain data, storage files missing, truncated,
+                not regular or outside the folder) or a rank failed reading it; nothing was
+                written.
+            PlanMismatchError: see :meth:`load_state_dict`.
+        """
+        from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
+
+        self._check_live()
+        state = self.state_dict(optimizer)
+        staged = _staged(state)
+        trusted_dcp_load(staged, folder)
+        load_training_state(self._live, staged, optimizer, self._unloaded)
 
     def save_pretrained(self, folder: str | os.PathLike[str], *,
                         max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
@@ -466,3 +458,11 @@ class Installation:
     def _check_live(self) -> None:
         if self._rewritten.restored:
             raise PlanMismatchError("this installation was restored; its shards are gone")
+
+
+def _staged(state: Any) -> Any:
+    """``state`` with every tensor cloned: ``dcp.load`` writes into what it is given, and the
+    state dict shares the live shards, so a load that fails halfway would leave a mixture."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, state)

@@ -6,8 +6,16 @@ strategy says whether it can read a source (``ineligible`` with the reason when 
 that a missing, unexpected or mis-shaped tensor is one error naming every such tensor and its
 file before a byte of the model changes (``load_state_dict(strict=True)``'s contract). Only then
 does it write, slice by slice; if writing fails anyway, what it wrote is rolled back (to the
-previous values, or to "unset" for weights that were never loaded) before the next strategy is
-tried.
+previous values, or to "unset" for weights that were never loaded). The first strategy that
+can read a source is the format the source declares: when it fails, no other is tried (a
+folder handed over as safetensors is never read as a DCP folder because a ``.metadata`` is
+hidden in it), and the error says which strategy failed and why.
+
+Files are read only when they are regular files inside the folder (a FIFO would block
+forever; an index naming ``../`` or an absolute path, or a symlink leading out of the folder,
+is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed);
+indexes are read up to :data:`MAX_INDEX_BYTES`; DCP metadata is read without running code
+(:mod:`~hyperrecipe.runtime.state.dcp_reader`).
 
 Strategies:
 
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +48,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
@@ -245,26 +255,78 @@ class _MappedTensor:
         return self.tensor[block]
 
 
+MAX_INDEX_BYTES = 64 << 20
+"""The largest ``*.index.json`` read (DeepSeek-V3's, 91,000 tensors, is under 9 MiB)."""
+
+
+def _roots(folder: Path) -> tuple[Path, ...]:
+    """Where a checkpoint folder's files may lie once symlinks are followed: the folder, and
+    for a Hugging Face cache snapshot (``.../snapshots/<rev>``, whose files are symlinks into
+    ``../../blobs``) its ``blobs`` folder."""
+    root = folder.resolve()
+    if root.parent.name == "snapshots":
+        return root, root.parent.parent / "blobs"
+    return (root,)
+
+
+def regular_file(path: Path, folder: Path | None = None) -> Path:
+    """``path`` when it is a regular file (after symlinks) that lies in ``folder`` (see
+    :func:`_roots`); opening a FIFO would block forever, and a folder handed over reads only
+    its own files.
+
+    Raises:
+        WeightLoadError: it is missing, not a regular file, or lies outside ``folder``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device or socket")
+        raise WeightLoadError(f"{path}: not a regular file ({kind}); checkpoints are read only "
+                              f"from regular files")
+    if folder is not None:
+        real = path.resolve()
+        if not any(real.is_relative_to(root) for root in _roots(folder)):
+            raise WeightLoadError(f"{path}: leads to {real}, outside the checkpoint folder "
+                                  f"{folder}; a checkpoint reads only its own files")
+    return path
+
+
+def _index_file(folder: Path, index: Path, name: str) -> Path:
+    """The file an index names, refused unless it is a relative name inside the folder."""
+    parts = Path(name).parts
+    if not name or "\0" in name or Path(name).is_absolute() or ".." in parts:
+        raise WeightLoadError(f"{index}: names {name!r:.200}, which is not a file name inside "
+                              f"{folder}; an index may name only the folder's own files")
+    return regular_file(folder / name, folder)
+
+
 def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
     """Checkpoint key → the file holding it (an index's weight map, or each file's keys)."""
-    if source.is_file():
-        files = [source]
+    if not source.is_dir():
+        files = [regular_file(source)]
     else:
         index = source / fmt.index_name
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                text = read_regular_file(index, limit=MAX_INDEX_BYTES)
+                weight_map = json.loads(text.decode("utf-8"))["weight_map"]
+            except OSError as exc:
+                raise WeightLoadError(f"{index}: cannot be read: {exc.strerror or exc}") from None
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise WeightLoadError(f"{index}: not a {fmt.name} index ({exc!r:.200})") from None
             if not (isinstance(weight_map, dict) and all(
                     isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items())):
                 raise WeightLoadError(f"{index}: not a {fmt.name} index (weight_map must map "
                                       f"tensor names to file names)")
-            missing = sorted({f for f in weight_map.values() if not (source / f).is_file()})
+            missing = sorted({f for f in weight_map.values() if not (source / f).exists()})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")
-            return {k: source / f for k, f in weight_map.items()}
-        files = fmt.files(source)
+            checked = {f: _index_file(source, index, f) for f in sorted(set(weight_map.values()))}
+            return {k: checked[f] for k, f in weight_map.items()}
+        files = [regular_file(f, source) for f in fmt.files(source)]
     out: dict[str, Path] = {}
     for path in files:
         try:
@@ -294,14 +356,11 @@ class _DCP:
 
     def plan(self, source: Path, targets: Sequence[_Target],
              ignore: Callable[[str], bool]) -> _Reader:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        try:
-            metadata = FileSystemReader(str(source)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
-            raise WeightLoadError(f"{source}: cannot read DCP metadata: {exc}") from None
+        from hyperrecipe.runtime.state.dcp_reader import read_dcp_metadata, trusted_dcp_load
+
+        metadata = read_dcp_metadata(source)  # no code runs; storage files checked
         stored = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
                   if isinstance(v, TensorStorageMetadata)}
         prefix = "model." if any(k.startswith("model.") for k in stored) and not any(
@@ -334,10 +393,7 @@ class _DCP:
                 local = request[key]._local_tensor  # type: ignore[attr-defined]
                 if local.data_ptr() != buffers[name].data_ptr():
                     gathered.append((t, name))
-        try:
-            dcp_load(request, checkpoint_id=str(source))
-        except Exception as exc:  # noqa: BLE001 - reported with the source, model untouched
-            raise WeightLoadError(f"{source}: dcp.load failed: {exc}") from None
+        trusted_dcp_load(request, source)  # into fresh buffers: the model is untouched
         for t, name in gathered:
             assert t.plan is not None
             buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
@@ -542,7 +598,8 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
     ignore = _ignore_patterns(model, ignore_unexpected)
-    errors: list[str] = []
+    if path.exists() and not path.is_dir():
+        regular_file(path)  # a FIFO given as the file itself: refused, not opened
     for i, strategy in enumerate(strategies):
         why = strategy.ineligible(path)
         if why is not None:
@@ -554,10 +611,18 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
             _refuse_differing_ties(targets, reader, live.mesh)
             _write_all(targets, reader, unloaded)
         except WeightLoadError as exc:
+            # The first strategy that can read the source is the format it declares; trying
+            # the next would read other files of the folder (a stale export, a .metadata
+            # hidden beside the safetensors) without a word.
+            rest = [s.name for s in strategies[i + 1:]]
             attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="failed",
                                         detail=str(exc)))
-            errors.append(f"{strategy.name}: {exc}")
-            continue
+            attempts.extend(LoadAttempt(strategy=n, source=str(path), state="not tried",
+                                        detail=f"{path} is a {strategy.name} checkpoint")
+                            for n in rest)
+            tail = (f"\n(not tried: {', '.join(rest)}; {path} holds {strategy.name} files, so "
+                    f"it is read as {strategy.name} only)" if rest else "")
+            raise WeightLoadError(f"{strategy.name}: {exc}{tail}") from None
         notes = []
         if isinstance(strategy, _Safetensors) and strategy.renamed:
             notes.append(f"{strategy.renamed} tensors read from keys of other names "
@@ -573,10 +638,8 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
         attempts.extend(LoadAttempt(strategy=s.name, source=str(path), state="not tried")
                         for s in strategies[i + 1:])
         return attempts
-    if not errors:
-        reasons = "; ".join(f"{a.strategy}: {a.detail}" for a in attempts)
-        raise WeightLoadError(f"no loading strategy can read {path}: {reasons}")
-    raise WeightLoadError("\n".join(errors))
+    reasons = "; ".join(f"{a.strategy}: {a.detail}" for a in attempts)
+    raise WeightLoadError(f"no loading strategy can read {path}: {reasons}")
 
 
 def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:

@@ -1,0 +1,321 @@
+"""Training state you can trust (issue 28): no checkpoint runs code, no format is tried behind
+the user's back, files are regular and confined to their folder, a resume writes nothing until
+everything checked, and an export replaces the previous one whole or not at all.
+
+Real files throughout: ``save_pretrained`` of a tiny Llama, ``dcp.save`` from real gloo ranks,
+hostile pickles that would write a marker file if they ran (each test asserts it was not
+written, and that torch's own reader *does* run them, so the hostile file is real).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hyperrecipe import apply, compile_recipe
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.errors import PlanMismatchError, WeightLoadError
+from tests.support.runtime_harness import ROOT, llama, mesh_1d
+
+LLAMA = str(ROOT / "recipes/llama.yaml")
+
+
+class _Hostile:
+    """Unpickles to ``os.system("touch <marker>")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
+    model = llama(device)
+    plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
+    return model, apply(model, plan, mesh_1d(world), mode="production")
+
+
+def _save_dcp(rank: int, world: int, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model, inst = _applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
+    opt.step()
+    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save(inst.state_dict(opt))`` at tp=2 after one AdamW step."""
+    ckpt = tmp_path_factory.mktemp("dcp") / "step-1"
+    run_ranks(_save_dcp, 2, str(ckpt))
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("hf")
+    llama().save_pretrained(folder)
+    return folder
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _plain_metadata_runs(folder: Path) -> None:
+    """torch's own reader: a plain ``pickle.load`` of ``.metadata``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        FileSystemReader(str(folder)).read_metadata()
+    except Exception:  # noqa: BLE001 - os.system's int is not Metadata; the code has run
+        pass
+
+
+# -- 1. no checkpoint runs code ------------------------------------------------------------
+
+
+def _load_weights_worker(rank: int, world: int, source: str) -> dict[str, Any]:
+    model, inst = _applied(world, "meta")
+    try:
+        inst.load_weights(source)
+    except WeightLoadError as exc:
+        rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
+        return {"error": str(exc), "rows": rows}
+    return {"error": None}
+
+
+def test_a_hostile_dcp_metadata_is_refused_by_load_weights_without_running(
+        dcp_folder: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    bad = _copy(dcp_folder, tmp_path / "bad")
+    (bad / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    results = run_ranks(_load_weights_worker, 2, str(bad))
+    assert not marker.exists(), "loading a checkpoint ran code"
+    for res in results:
+        assert res["error"] is not None
+        assert f"{bad / '.metadata'}: refused: the pickle names posix.system" in res["error"]
+    _plain_metadata_runs(bad)
+    assert marker.exists(), "the hostile file is real: torch's plain reader runs it"
+
+
+def _resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    model, inst = _applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+    try:
+        inst.load_checkpoint(ckpt, opt)
+    except WeightLoadError as exc:
+        after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        return {"error": str(exc), "unchanged": same}
+    return {"error": None, "full": inst.full_state_dict(), "opt": len(opt.state)}
+
+
+def test_load_checkpoint_resumes_what_dcp_save_wrote(dcp_folder: Path) -> None:
+    two = run_ranks(_resume_worker, 2, str(dcp_folder))
+    one = run_ranks(_resume_worker, 1, str(dcp_folder))[0]
+    assert two[0]["error"] is None and one["error"] is None
+    assert one["opt"] > 0, "the optimizer's state came back"
+    for name, value in two[0]["full"].items():
+        torch.testing.assert_close(one["full"][name], value, atol=0, rtol=0)
+
+
+def test_a_hostile_dcp_metadata_is_refused_on_the_resume_path(dcp_folder: Path,
+                                                              tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    bad = _copy(dcp_folder, tmp_path / "bad")
+    (bad / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    for res in run_ranks(_resume_worker, 2, str(bad)):
+        assert "refused: the pickle names posix.system" in res["error"]
+        assert res["unchanged"]
+    assert not marker.exists()
+
+
+def _hostile_bytes_entry(folder: Path, marker: Path) -> str:
+    """Point one non-tensor entry of ``folder`` (an optimizer hyperparameter, read by torch
+    with ``torch.load(weights_only=False)``) at a hostile ``torch.save`` pickle appended to a
+    storage file; returns the entry's name."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from hyperrecipe.runtime.state.dcp_reader import read_dcp_metadata
+
+    metadata = read_dcp_metadata(folder)
+    name = next(k for k, v in metadata.state_dict_metadata.items()
+                if isinstance(v, BytesStorageMetadata))
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == name)
+    buf = io.BytesIO()
+    torch.save(_Hostile(marker), buf)
+    data = folder / info.relative_path
+    offset = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(buf.getvalue())
+    info.offset, info.length = offset, len(buf.getvalue())
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return name
+
+
+def test_a_hostile_non_tensor_entry_is_refused_on_the_resume_path(dcp_folder: Path,
+                                                                  tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    bad = _copy(dcp_folder, tmp_path / "bad")
+    name = _hostile_bytes_entry(bad, marker)
+    for res in run_ranks(_resume_worker, 2, str(bad)):
+        assert f"refused the non-tensor entry {name!r}: it is not plain data" in res["error"]
+        assert res["unchanged"]
+    assert not marker.exists()
+    try:  # torch's own reader and planner run it
+        dcp.load({name: 0.0}, checkpoint_id=str(bad), no_dist=True)  # type: ignore[call-arg]
+    except BaseException:  # noqa: BLE001 - the value is not a float; the code has run
+        pass
+    assert marker.exists(), "the hostile entry is real: torch's plain dcp.load runs it"
+
+
+# -- 2. no silent fall-through -------------------------------------------------------------
+
+
+def test_a_safetensors_folder_that_does_not_fit_is_not_read_as_dcp(
+        hf_folder: Path, dcp_folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    marker = tmp_path / "ran"
+    folder = _copy(hf_folder, tmp_path / "hf")
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({**state, "extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    res = run_ranks(_load_weights_worker, 1, str(folder))[0]
+    assert not marker.exists()
+    assert res["error"].startswith("safetensors: the checkpoint does not fit the model")
+    assert "unexpected 'extra.weight' in model.safetensors" in res["error"]
+    assert f"(not tried: torch, dcp; {folder} holds safetensors files" in res["error"]
+    assert res["rows"].get("weights *") == "failed"
+
+
+# -- 3. regular files, bounded, confined, wrapped ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin", "__0_0.distcp",
+                                  "file-as-source"])
+def test_a_fifo_is_refused_not_opened(name: str, dcp_folder: Path, tmp_path: Path) -> None:
+    if name == "__0_0.distcp":
+        folder = _copy(dcp_folder, tmp_path / "ckpt")
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+        source, where = folder, folder / name
+    elif name == "file-as-source":
+        os.mkfifo(tmp_path / "weights.safetensors")
+        source = where = tmp_path / "weights.safetensors"
+    else:
+        os.mkfifo(tmp_path / name)
+        source, where = tmp_path, tmp_path / name
+    res = run_ranks(_load_weights_worker, 1, str(source), timeout_s=60)[0]
+    assert f"{where}: not a regular file (a FIFO)" in res["error"]
+
+
+def _index(folder: Path, weight_map: dict[str, str]) -> None:
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_index_size_is_bounded_and_its_paths_are_confined(hf_folder: Path,
+                                                          tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from hyperrecipe.runtime.state.weights import MAX_INDEX_BYTES
+
+    keys = list(safe_open(str(hf_folder / "model.safetensors"), framework="pt").keys())
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(hf_folder / "model.safetensors", outside)
+    cases: dict[str, str] = {}
+    for case, target in [("dotdot", "../outside.safetensors"), ("absolute", str(outside))]:
+        folder = tmp_path / case
+        folder.mkdir()
+        _index(folder, {k: target for k in keys})
+        cases[str(folder)] = f"names {target!r}, which is not a file name inside {folder}"
+    link = tmp_path / "symlink"
+    link.mkdir()
+    (link / "model.safetensors").symlink_to(outside)
+    cases[str(link)] = f"leads to {outside}, outside the checkpoint folder {link}"
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "model.safetensors.index.json", "wb") as f:
+        f.truncate(MAX_INDEX_BYTES + 1)  # sparse: the size alone refuses it
+    cases[str(big)] = f"the file is {MAX_INDEX_BYTES + 1} bytes; the limit is {MAX_INDEX_BYTES}"
+    for source, expected in cases.items():
+        res = run_ranks(_load_weights_worker, 1, source)[0]
+        assert expected in res["error"], (source, res["error"])
+
+
+def test_a_hugging_face_cache_snapshot_is_read_through_its_blob_symlinks(
+        hf_folder: Path, tmp_path: Path) -> None:
+    blobs = tmp_path / "models--tiny" / "blobs"
+    snapshot = tmp_path / "models--tiny" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    shutil.copy(hf_folder / "model.safetensors", blobs / "0123abcd")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/0123abcd")
+    assert run_ranks(_load_weights_worker, 1, str(snapshot))[0]["error"] is None
+
+
+def test_truncated_and_corrupt_dcp_storage_is_a_project_error(dcp_folder: Path,
+                                                              tmp_path: Path) -> None:
+    short = _copy(dcp_folder, tmp_path / "short")
+    data = short / "__0_0.distcp"
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    res = run_ranks(_load_weights_worker, 2, str(short))[0]
+    assert f"{data}: {size // 2} bytes, but .metadata places data up to byte" in res["error"]
+    corrupt = _copy(dcp_folder, tmp_path / "corrupt")
+    data = corrupt / "__0_0.distcp"
+    data.write_bytes(b"\0" * size)  # same length, no tensor in it: torch.load fails inside DCP
+    for res in run_ranks(_load_weights_worker, 2, str(corrupt)):
+        assert f"{corrupt}: dcp.load failed" in res["error"], res["error"]
+
+
+# -- 4. load_state_dict checks everything before writing -----------------------------------
+
+
+def _load_state_worker(rank: int, world: int) -> dict[str, Any]:
+    model, inst = _applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = inst.full_state_dict()
+    doubled = {k: v * 2 for k, v in before.items()}
+    errors = []
+    for state in ({"model": doubled},
+                  {"model": doubled, "optimizer": {"state": 3, "param_groups": []}},
+                  {"model": doubled, "optimizer": {"state": {}, "param_groups": [{"lr": 1}]}}):
+        try:
+            inst.load_state_dict(state, opt)
+        except PlanMismatchError as exc:
+            errors.append(str(exc))
+    after = inst.full_state_dict()
+    return {"errors": errors, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "opt_state": len(opt.state)}
+
+
+def test_load_state_dict_with_a_bad_optimizer_entry_leaves_the_model_unchanged() -> None:
+    for res in run_ranks(_load_state_worker, 2):
+        assert len(res["errors"]) == 3, res["errors"]
+        assert "an optimizer was given but the state holds none" in res["errors"][0]
+        assert "the optimizer entry is a dict without 'state' (a mapping)" in res["errors"][1]
+        assert "param_groups must be mappings with 'params'" in res["errors"][2]
+        assert res["unchanged"], "a refused load_state_dict wrote into the model"
+        assert res["opt_state"] == 0
