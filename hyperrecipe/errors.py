@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveShapeError",
     "HyperrecipeError",
     "ExplainError",
+    "ExportError",
     "ImpossibleTransition",
     "LaunchError",
     "LossParallelError",
@@ -232,6 +233,11 @@ class WeightLoadError(HyperrecipeError, ValueError):
 
     The model is left as it was before the call.
     """
+
+
+class ExportError(HyperrecipeError, RuntimeError):
+    """An export failed on some rank (a full disk, a file-size limit, an unwritable folder);
+    every rank raises it, and the folder's previous export is left as it was."""
 
 
 class WrapperError(PlanMismatchError):

@@ -319,3 +319,78 @@ def test_load_state_dict_with_a_bad_optimizer_entry_leaves_the_model_unchanged()
         assert "param_groups must be mappings with 'params'" in res["errors"][2]
         assert res["unchanged"], "a refused load_state_dict wrote into the model"
         assert res["opt_state"] == 0
+
+
+# -- 5. exports replace the previous one whole, or not at all ------------------------------
+
+
+def _export_worker(rank: int, world: int, folder: str, shard_bytes: list[int],
+                   limit: int | None) -> dict[str, Any]:
+    """Export once per entry of ``shard_bytes``, doubling the weights before each export after
+    the first; with ``limit``, the writer's file size limit (``ulimit -f``) for the last."""
+    import resource
+
+    model, inst = _applied(world)
+    fulls = []
+    for i, max_shard_bytes in enumerate(shard_bytes):
+        if i:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(2)
+        fulls.append(inst.full_state_dict())
+        if limit is not None and i == len(shard_bytes) - 1 and rank == 0:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        try:
+            inst.save_pretrained(folder, max_shard_bytes=max_shard_bytes)
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+            return {"error": f"{type(exc).__name__}: {exc}", "fulls": fulls}
+    return {"error": None, "fulls": fulls}
+
+
+def _load_full_worker(rank: int, world: int, folder: str) -> dict[str, torch.Tensor]:
+    model, inst = _applied(world, "meta")
+    inst.load_weights(folder)
+    return inst.full_state_dict()
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("order", ["sharded-then-single", "single-then-sharded"])
+def test_exporting_twice_into_one_folder_leaves_only_the_new_weights(order: str,
+                                                                     tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sizes = [40_000, 1 << 40] if order == "sharded-then-single" else [1 << 40, 40_000]
+    folder = tmp_path / "export"
+    res = run_ranks(_export_worker, 2, str(folder), sizes, None)[0]
+    assert res["error"] is None
+    new = res["fulls"][-1]
+    names = sorted(f.name for f in folder.iterdir() if "safetensors" in f.name)
+    if order == "sharded-then-single":
+        assert names == ["model.safetensors"]
+    else:
+        assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
+    loaded = run_ranks(_load_full_worker, 1, str(folder))[0]
+    hf = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(hf) <= set(new)
+    for name, value in new.items():
+        torch.testing.assert_close(loaded[name], value, atol=0, rtol=0)
+    for name, value in hf.items():
+        torch.testing.assert_close(value, new[name], atol=0, rtol=0)
+
+
+def test_an_export_that_fails_on_the_writer_leaves_the_previous_export_exactly(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "export"
+    run_ranks(_export_worker, 2, str(folder), [40_000], None)
+    before = _snapshot(folder)
+    results = run_ranks(_export_worker, 2, str(folder), [40_000, 40_000], 20_000, timeout_s=120)
+    for res in results:
+        assert res["error"] is not None and res["error"].startswith(
+            f"ExportError: save_pretrained into {folder} failed, so nothing was replaced"), \
+            res["error"]
+        assert "rank 0: writing" in res["error"] and "File too large" in res["error"]
+    assert _snapshot(folder) == before
