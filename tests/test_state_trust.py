@@ -394,3 +394,44 @@ def test_an_export_that_fails_on_the_writer_leaves_the_previous_export_exactly(
             res["error"]
         assert "rank 0: writing" in res["error"] and "File too large" in res["error"]
     assert _snapshot(folder) == before
+
+
+# -- 6. ranks agree before they load -------------------------------------------------------
+
+
+def _mixed_load_worker(rank: int, world: int, sources: list[str]) -> dict[str, Any]:
+    model, inst = _applied(world, "meta")
+    try:
+        inst.load_weights(sources[rank])
+    except WeightLoadError as exc:
+        unset = [r.state for r in inst.status() if r.what == "weights"]
+        return {"error": str(exc), "unset": unset}
+    return {"error": None}
+
+
+def test_ranks_handed_different_checkpoints_all_refuse_before_loading(
+        hf_folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    other = _copy(hf_folder, tmp_path / "other")
+    state = load_file(str(other / "model.safetensors"))
+    save_file({k: v * 2 for k, v in state.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    short = _copy(hf_folder, tmp_path / "short")
+    data = short / "model.safetensors"
+    os.truncate(data, data.stat().st_size - 8)
+    for second in (other, short):
+        results = run_ranks(_mixed_load_worker, 2, [str(hf_folder), str(second)])
+        for rank, res in enumerate(results):
+            assert res["error"] is not None, "a rank loaded another checkpoint than its peer"
+            assert res["error"].startswith(f"ranks read different checkpoints: this rank "
+                                           f"(rank {rank}) reads"), res["error"]
+            assert f"rank(s) [{1 - rank}] read other contents" in res["error"]
+            assert res["unset"] == ["unset"]
+
+
+def test_ranks_reading_their_own_copies_of_one_checkpoint_load(hf_folder: Path,
+                                                               tmp_path: Path) -> None:
+    copy = _copy(hf_folder, tmp_path / "copy")
+    results = run_ranks(_mixed_load_worker, 2, [str(hf_folder), str(copy)])
+    assert [r["error"] for r in results] == [None, None]

@@ -41,6 +41,7 @@ from hyperrecipe.runtime.state.weights import (
     WeightLoadError,
     persistent_buffers,
     load_weights,
+    source_digest,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -317,6 +318,7 @@ class Installation:
         """
         self._check_live()
         try:
+            self._agree_on_source(source, "load_weights")
             attempts = load_weights(self._live, self.model, source, self._unloaded,
                                     tuple(ignore_unexpected))
         except WeightLoadError as exc:
@@ -388,10 +390,39 @@ class Installation:
         from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
 
         self._check_live()
+        self._agree_on_source(folder, "load_checkpoint")
         state = self.state_dict(optimizer)
         staged = _staged(state)
         trusted_dcp_load(staged, folder)
         load_training_state(self._live, staged, optimizer, self._unloaded)
+
+    def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
+        """Every rank compares a digest of what it is about to read (``source_digest``) in
+        one bounded exchange before any rank loads: ranks handed different checkpoints (or one
+        a truncated copy) would otherwise each load their own and train on a mixture."""
+        from hyperrecipe.runtime.preflight.agreement import agree_on_digest
+
+        error: WeightLoadError | None = None
+        digest: str | None = None
+        try:
+            digest = source_digest(source)
+        except WeightLoadError as exc:
+            error = exc
+        failed, differ = agree_on_digest(digest, f"the agreement before {what}")
+        if error is not None:
+            raise error
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if failed:
+            raise WeightLoadError(f"rank {rank}: {what}({os.fspath(source)!r}) cannot read the "
+                                  f"checkpoint on rank(s) {failed} (see their errors); no rank "
+                                  f"loaded")
+        if differ:
+            assert digest is not None
+            raise WeightLoadError(
+                f"ranks read different checkpoints: this rank (rank {rank}) reads "
+                f"{os.fspath(source)!r} (digest {digest[:12]}), rank(s) {differ} read other "
+                f"contents (another checkpoint or step, or a truncated or partial copy); every "
+                f"rank must {what} the same checkpoint; no rank loaded")
 
     def save_pretrained(self, folder: str | os.PathLike[str], *,
                         max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -57,7 +58,8 @@ from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers"]
+__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
+           "source_digest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -579,6 +581,48 @@ def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: An
 def _same(a: Tensor, b: Tensor) -> bool:
     """Equal values, NaN equal to NaN (a tensor stored twice is the same tensor)."""
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|distcp)|.*\.index\.json|\.metadata")
+_SAMPLE_BYTES = 1 << 16
+
+
+def source_digest(source: str | os.PathLike[str]) -> str:
+    """A digest of what ``load_weights(source)`` would read, for ranks to compare before they
+    load: each weight file's name and size and three 64 KiB windows of its bytes (start,
+    middle, end; a file up to 192 KiB whole), the index and DCP metadata included. Another
+    checkpoint, another training step of the same one, or a truncated copy differ; a change
+    that keeps the size and lies outside the windows does not (it is a sample, not a hash of
+    everything: that would read every byte on every rank). Paths are not part of it, so ranks
+    on different hosts may hold their own copies.
+
+    Raises:
+        WeightLoadError: a file cannot be read.
+    """
+    import hashlib
+
+    path = Path(source)
+    digest = hashlib.sha256()
+    if not path.exists():
+        return digest.hexdigest()  # loading says what is missing
+    try:
+        files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
+                 if path.is_dir() else [path])
+        for f in files:
+            mode = os.stat(f).st_mode
+            if not stat.S_ISREG(mode):
+                digest.update(f"{f.name}\0not a regular file\0".encode())
+                continue  # never opened: loading refuses it by name
+            size = os.stat(f).st_size
+            digest.update(f"{f.name}\0{size}\0".encode())
+            with open(f, "rb") as handle:
+                for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
+                                      max(0, size - _SAMPLE_BYTES)}):
+                    handle.seek(offset)
+                    digest.update(handle.read(_SAMPLE_BYTES))
+    except OSError as exc:
+        raise WeightLoadError(f"{source}: cannot be read: {exc}") from None
+    return digest.hexdigest()
 
 
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
