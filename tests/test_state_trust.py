@@ -435,3 +435,45 @@ def test_ranks_reading_their_own_copies_of_one_checkpoint_load(hf_folder: Path,
     copy = _copy(hf_folder, tmp_path / "copy")
     results = run_ranks(_mixed_load_worker, 2, [str(hf_folder), str(copy)])
     assert [r["error"] for r in results] == [None, None]
+
+
+# -- 5b. the export's manifest -------------------------------------------------------------
+
+
+def _tamper(folder: Path, how: str) -> str:
+    """Change an export the way issue 28 saw it changed; return the file the error names."""
+    from safetensors.torch import load_file, save_file
+
+    data = folder / "model.safetensors"
+    if how == "truncated":
+        os.truncate(data, data.stat().st_size - 4)
+    elif how == "relabelled-dtype":  # F32 read as I32: same size, values around 1e9
+        raw = data.read_bytes()
+        data.write_bytes(raw.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1))
+    elif how == "stale-shard":
+        save_file(load_file(str(data)), str(folder / "model-00001-of-00002.safetensors"),
+                  metadata={"format": "pt"})
+        return str(folder)
+    return str(data)
+
+
+@pytest.mark.parametrize("how", ["truncated", "relabelled-dtype", "stale-shard"])
+def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
+                                                                   tmp_path: Path) -> None:
+    folder = tmp_path / "export"
+    run_ranks(_export_worker, 2, str(folder), [1 << 40], None)
+    manifest = json.loads((folder / "hyperrecipe.manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["model.safetensors"]
+    named = _tamper(folder, how)
+    results = run_ranks(_load_weights_worker, 2, str(folder))
+    errors = [res["error"] for res in results]
+    assert all(e is not None for e in errors), errors
+    own = [e for e in errors if e.startswith(named)]
+    assert own, errors
+    expected = {"truncated": "bytes, hyperrecipe.manifest.json says",
+                "relabelled-dtype": "its sha256 is not the one in hyperrecipe.manifest.json",
+                "stale-shard": "['model-00001-of-00002.safetensors'] are not in"}[how]
+    assert expected in own[0]
+    for e in errors:
+        assert e in own or "cannot read the checkpoint on rank(s) [0]" in e, e
+    assert run_ranks(_load_weights_worker, 1, str(folder))[0]["error"].startswith(named)

@@ -42,6 +42,7 @@ from hyperrecipe.runtime.state.weights import (
     persistent_buffers,
     load_weights,
     source_digest,
+    verify_manifest,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -404,14 +405,16 @@ class Installation:
 
         error: WeightLoadError | None = None
         digest: str | None = None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
         try:
             digest = source_digest(source)
+            verify_manifest(source, rank, world)  # each rank hashes its share of the files
         except WeightLoadError as exc:
-            error = exc
+            error, digest = exc, None
         failed, differ = agree_on_digest(digest, f"the agreement before {what}")
         if error is not None:
             raise error
-        rank = dist.get_rank() if dist.is_initialized() else 0
         if failed:
             raise WeightLoadError(f"rank {rank}: {what}({os.fspath(source)!r}) cannot read the "
                                   f"checkpoint on rank(s) {failed} (see their errors); no rank "

@@ -16,6 +16,7 @@ export's files that this one does not write are removed (see :func:`write_safete
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportError, PlanMismatchError
 
-__all__ = ["ExportItem", "model_save_pretrained", "write_safetensors"]
+__all__ = ["MANIFEST", "ExportItem", "model_save_pretrained", "write_safetensors"]
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -69,7 +70,11 @@ def _files(items: Sequence[ExportItem], max_shard_bytes: int) -> list[list[Expor
     return files
 
 
-_OWN_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+MANIFEST = "hyperrecipe.manifest.json"
+"""Written last by an export: each weight file's size and sha256 (``load_weights`` checks them)."""
+MANIFEST_FORMAT = "hyperrecipe-export/1"
+
+EXPORT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """Names an export writes: anything else of that name in the folder is an earlier export's."""
 
 
@@ -100,6 +105,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     temps: list[Path] = []
     failure: str | None = None
+    manifest: dict[str, dict[str, Any]] = {}
     try:
         if writer:
             try:
@@ -109,11 +115,16 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
         for name, group in zip(names, groups, strict=True):
             temp = out / f".{name}.tmp-{os.getpid()}"
             handle = None
+            digest = hashlib.sha256()  # hashed as the bytes stream: no second pass
+            size = 0
             if writer and failure is None:
                 try:
                     handle = open(temp, "wb")  # noqa: SIM115 - closed below
                     temps.append(temp)
-                    handle.write(_header(group))
+                    header = _header(group)
+                    handle.write(header)
+                    digest.update(header)
+                    size += len(header)
                 except OSError as exc:
                     failure = f"writing {temp}: {exc}"
             for item in group:
@@ -122,10 +133,14 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                     data = value.detach().to("cpu", item.dtype).contiguous()
                     try:
                         if data.numel():
-                            handle.write(data.reshape(-1).view(torch.uint8).numpy().data)
+                            view = data.reshape(-1).view(torch.uint8).numpy().data
+                            handle.write(view)
+                            digest.update(view)
+                            size += view.nbytes
                     except OSError as exc:
                         failure = f"writing {temp}: {exc}"
                 del value
+            manifest[name] = {"bytes": size, "sha256": digest.hexdigest()}
             if handle is not None:
                 try:
                     if failure is None:
@@ -148,11 +163,16 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
             index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
                      "weight_map": {i.name: n for n, g in zip(names, groups, strict=True)
                                     for i in g}}
-            _replace_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+            text = json.dumps(index, indent=2) + "\n"
+            _replace_text(out / "model.safetensors.index.json", text)
+            manifest["model.safetensors.index.json"] = {
+                "bytes": len(text.encode()), "sha256": hashlib.sha256(text.encode()).hexdigest()}
         keep = set(names) | ({"model.safetensors.index.json"} if len(groups) > 1 else set())
         for stale in sorted(out.iterdir()):
-            if _OWN_FILES.fullmatch(stale.name) and stale.name not in keep:
+            if EXPORT_FILES.fullmatch(stale.name) and stale.name not in keep:
                 stale.unlink()
+        _replace_text(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": manifest},
+                                                 indent=2, sort_keys=True) + "\n")
         _sync_folder(out)
     finally:
         for temp in temps:

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
-           "source_digest"]
+           "source_digest", "verify_manifest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -623,6 +623,64 @@ def source_digest(source: str | os.PathLike[str]) -> str:
     except OSError as exc:
         raise WeightLoadError(f"{source}: cannot be read: {exc}") from None
     return digest.hexdigest()
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 1) -> None:
+    """Check a folder an export wrote against its manifest (``hyperrecipe.manifest.json``,
+    written last by ``save_pretrained``): the export's files are exactly the ones it lists,
+    each of its size, and the files of this rank's share (every ``world``-th, from ``rank``)
+    hash to its sha256, so the ranks together read every byte once. Nothing to do without a
+    manifest (a checkpoint from another tool).
+
+    Raises:
+        WeightLoadError: the manifest is malformed, a file is missing, extra (a later write by
+            another tool, or an earlier export), of another size, or of other contents.
+    """
+    import hashlib
+
+    from hyperrecipe.runtime.state.export import EXPORT_FILES, MANIFEST, MANIFEST_FORMAT
+
+    folder = Path(source)
+    path = folder / MANIFEST
+    if not folder.is_dir() or not os.path.lexists(path):
+        return
+    try:
+        manifest = json.loads(read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not all(
+                isinstance(n, str) and isinstance(e, dict) and isinstance(e.get("bytes"), int)
+                and isinstance(e.get("sha256"), str) for n, e in files.items()):
+            raise ValueError(f"not a {MANIFEST_FORMAT} manifest")
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:
+        raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
+    again = (f"; the folder no longer holds what its export wrote: export again, or remove "
+             f"{MANIFEST} if its files were replaced on purpose by another tool")
+    extra = sorted(f.name for f in folder.iterdir()
+                   if EXPORT_FILES.fullmatch(f.name) and f.name not in files)
+    if extra:
+        raise WeightLoadError(f"{folder}: {extra} are not in {MANIFEST}{again}")
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise WeightLoadError(f"{path}: names {name!r:.200}, not a file of the folder")
+        file = regular_file(folder / name, folder)
+        size = os.stat(file).st_size
+        if size != entry["bytes"]:
+            raise WeightLoadError(f"{file}: {size} bytes, {MANIFEST} says {entry['bytes']}"
+                                  f"{again}")
+        if i % world != rank:
+            continue
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != entry["sha256"]:
+            raise WeightLoadError(f"{file}: its sha256 is not the one in {MANIFEST} (same size, "
+                                  f"other bytes: a relabelled header, overwritten data){again}")
 
 
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
