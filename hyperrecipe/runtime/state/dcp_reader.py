@@ -69,17 +69,15 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset({
 arguments (dataclasses, ``torch.Size``, paths, an enum) or a lookup in torch's own table."""
 
 
-class _Refused(Exception):
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.module, self.name = module, name
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose ``find_class`` admits only :data:`_ALLOWED` and torch's
     dtype, layout and memory-format constants; every way a pickle reaches a callable
     (``GLOBAL``, ``STACK_GLOBAL``, ``EXT*``) goes through ``find_class``, and persistent ids
     are refused."""
+
+    def __init__(self, data: bytes, path: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
@@ -88,10 +86,16 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
-        raise _Refused(module, name)
+        raise self._refuse(f"{module}.{name}"[:200])
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _Refused("<persistent id>", repr(pid)[:80])
+        raise self._refuse(f"the persistent id {pid!r:.80}")
+
+    def _refuse(self, what: str) -> WeightLoadError:
+        msg = (f"{self.path}: refused: the pickle names {what}, which is not one of DCP's "
+               f"metadata classes; a checkpoint is data and loading it runs no code (see "
+               f"docs/security.md, 'Checkpoints'). Re-save it with torch.distributed.checkpoint")
+        return WeightLoadError(msg)
 
 
 def _metadata_path(folder: Path, rank: int | None) -> Path:
@@ -118,12 +122,9 @@ def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None) -
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot read DCP metadata: {exc.strerror or exc}") from None
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except _Refused as exc:
-        msg = (f"{path}: refused: the pickle names {exc.module}.{exc.name}, which is not one of "
-               f"DCP's metadata classes; a checkpoint is data and loading it runs no code (see "
-               f"docs/security.md, 'Checkpoints'). Re-save it with torch.distributed.checkpoint")
-        raise WeightLoadError(msg) from None
+        metadata = _MetadataUnpickler(data, path).load()
+    except WeightLoadError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is "not DCP metadata"
         msg = f"{path}: not DCP metadata ({type(exc).__name__}: {exc!s:.200})"
         raise WeightLoadError(msg) from None

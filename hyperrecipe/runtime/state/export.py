@@ -22,6 +22,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     temps: list[Path] = []
     failure: str | None = None
     manifest: dict[str, dict[str, Any]] = {}
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-hash")
     try:
         if writer:
             try:
@@ -134,8 +136,11 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                     try:
                         if data.numel():
                             view = data.reshape(-1).view(torch.uint8).numpy().data
+                            # hashlib and the write both release the GIL: hash beside the
+                            # write, so the hash costs about nothing where writing is slower
+                            hashed = hasher.submit(digest.update, view)
                             handle.write(view)
-                            digest.update(view)
+                            hashed.result()
                             size += view.nbytes
                     except OSError as exc:
                         failure = f"writing {temp}: {exc}"
@@ -175,6 +180,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                                                  indent=2, sort_keys=True) + "\n")
         _sync_folder(out)
     finally:
+        hasher.shutdown()
         for temp in temps:
             temp.unlink(missing_ok=True)
     for attr in ("config", "generation_config"):
