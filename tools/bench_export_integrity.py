@@ -5,6 +5,7 @@ two ways, interleaved, into fresh folders on the same file system:
 
 - ``plain``: what ``save_pretrained`` did before issue 28: open the final name ``"wb"``, write
   the header and each tensor's bytes, close;
+- ``plain+fsync``: the same, synced before close (what durability alone costs);
 - ``export``: :func:`hyperrecipe.runtime.state.export.write_safetensors` as it is now
   (temporary names, sha256 hashed beside the write, fsync, ``os.replace``, the manifest).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -39,7 +41,7 @@ def _items(gib: float) -> list[ExportItem]:
             for i, t in enumerate(tensors)]
 
 
-def _plain(folder: Path, items: list[ExportItem]) -> None:
+def _plain(folder: Path, items: list[ExportItem], sync: bool = False) -> None:
     folder.mkdir()
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -53,6 +55,9 @@ def _plain(folder: Path, items: list[ExportItem]) -> None:
         f.write(struct.pack("<Q", len(text)) + text)
         for item in items:
             f.write(item.gather().reshape(-1).view(torch.uint8).numpy().data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def main() -> None:
@@ -64,14 +69,14 @@ def main() -> None:
     items = _items(args.gib)
     size = sum(i.nbytes for i in items) / (1 << 30)
     root = Path(tempfile.mkdtemp(prefix="bench-export-", dir=args.dir))
-    times: dict[str, list[float]] = {"plain": [], "export": []}
+    times: dict[str, list[float]] = {"plain": [], "plain+fsync": [], "export": []}
     try:
         for r in range(args.repeat):
-            for kind in ("plain", "export"):
+            for kind in times:
                 folder = root / f"{kind}-{r}"
                 start = time.perf_counter()
-                if kind == "plain":
-                    _plain(folder, items)
+                if kind.startswith("plain"):
+                    _plain(folder, items, sync=kind == "plain+fsync")
                 else:
                     write_safetensors(folder, items, writer=True, max_shard_bytes=1 << 40,
                                       model=nn.Module())
@@ -80,8 +85,9 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     best = {k: min(v) for k, v in times.items()}
-    print(f"{size:.2f} GiB, best of {args.repeat}: plain {best['plain']:.2f} s, "
-          f"export {best['export']:.2f} s, ratio {best['export'] / best['plain']:.2f}x")
+    print(f"{size:.2f} GiB, best of {args.repeat}: plain {best['plain']:.2f} s, plain+fsync "
+          f"{best['plain+fsync']:.2f} s, export {best['export']:.2f} s; export / plain+fsync "
+          f"{best['export'] / best['plain+fsync']:.2f}x")
     print(json.dumps({"gib": size, "times": times}))
 
 

@@ -312,10 +312,18 @@ class Installation:
                 compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
                 being named, as ``from_pretrained`` does; any other unexpected key is refused.
 
+        Before any rank reads, the ranks compare a digest of what each is about to read, and
+        a folder that ``save_pretrained`` wrote is checked against its manifest (sizes, and
+        sha256, each rank hashing its share): all ranks load, or all raise. The first strategy
+        that can read the source is the only one tried; DCP metadata is read without running
+        code (docs/security.md, "Checkpoints").
+
         Raises:
             WeightLoadError: the checkpoint does not fit (every missing, unexpected and
                 mis-shaped tensor named, with its file; tied names holding different values),
-                or cannot be read; the model is left as it was before the call.
+                cannot be read, differs between ranks or from its manifest, or is refused (a
+                FIFO, a path out of the folder, a pickle naming code); the model is left as it
+                was before the call.
         """
         self._check_live()
         try:
@@ -437,9 +445,15 @@ class Installation:
         stays applied and keeps training. Tied parameters are written once, under their owner's
         name, as ``save_pretrained`` does.
 
+        The files replace an earlier export in ``folder`` whole or not at all: they are
+        written under temporary names and renamed into place once every rank got through, an
+        earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
+        file's size and sha256) is written last.
+
         Raises:
             PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
                 instead of hanging until the process group's watchdog.
+            ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
         """
         self._check_live()
         self._enter_collective("save_pretrained")
