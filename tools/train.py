@@ -96,9 +96,7 @@ def main() -> None:
     start = 0
     if resume is not None:
         start, folder = resume
-        state = inst.state_dict(opt)
-        dcp.load(state, checkpoint_id=str(folder))
-        inst.load_state_dict(state, opt)
+        inst.load_checkpoint(folder, opt)  # dcp.load, reading the folder as data
 
     dp_rank = mesh.get_local_rank("dp") if args.dp > 1 else 0
     for step in range(start, args.steps):
