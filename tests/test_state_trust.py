@@ -477,3 +477,66 @@ def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
     for e in errors:
         assert e in own or "cannot read the checkpoint on rank(s) [0]" in e, e
     assert run_ranks(_load_weights_worker, 1, str(folder))[0]["error"].startswith(named)
+
+
+# -- 5c. a DCP checkpoint is committed last ------------------------------------------------
+
+
+def _save_checkpoint_worker(rank: int, world: int, folder: str, how: str) -> dict[str, Any]:
+    """Save a committed checkpoint, step, then write the same folder again ``how``:
+    ``limited`` (save_checkpoint with rank 1 under ``ulimit -f``) or ``plain`` (dcp.save)."""
+    import resource
+
+    import torch.distributed.checkpoint as dcp
+
+    model, inst = _applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inst.save_checkpoint(folder, opt)
+    ids = torch.arange(8).view(1, 8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    error = None
+    if how == "limited":
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            inst.save_checkpoint(folder, opt)
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+            error = f"{type(exc).__name__}: {exc}"
+    else:
+        dcp.save(inst.state_dict(opt), checkpoint_id=folder)
+    return {"error": error}
+
+
+def _resume_error(rank: int, world: int, folder: str) -> str | None:
+    return _resume_worker(rank, world, folder)["error"]
+
+
+@pytest.mark.parametrize("how", ["limited", "plain"])
+def test_a_checkpoint_written_again_without_a_commit_is_refused(how: str, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    results = run_ranks(_save_checkpoint_worker, 2, str(folder), how)
+    if how == "limited":
+        for res in results:
+            assert res["error"].startswith(f"ExportError: save_checkpoint into {folder} failed;"
+                                           f" the folder is marked uncommitted"), res["error"]
+        expected = f"{folder}: not committed (hyperrecipe.commit.json says 'writing')"
+    else:
+        expected = f"{folder}: written again after it was committed"
+    for error in run_ranks(_resume_error, 2, str(folder)):
+        assert error is not None and expected in error, error
+    assert expected in run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
+
+
+def test_save_checkpoint_then_load_checkpoint_resumes(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    run_ranks(_commit_only_worker, 2, str(folder))
+    record = json.loads((folder / "hyperrecipe.commit.json").read_text())
+    assert record["state"] == "committed"
+    assert run_ranks(_resume_error, 1, str(folder)) == [None]
+
+
+def _commit_only_worker(rank: int, world: int, folder: str) -> None:
+    model, inst = _applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inst.save_checkpoint(folder, opt)

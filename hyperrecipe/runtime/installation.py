@@ -405,6 +405,23 @@ class Installation:
         trusted_dcp_load(staged, folder)
         load_training_state(self._live, staged, optimizer, self._unloaded)
 
+    def save_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``dcp.save(inst.state_dict(optimizer), checkpoint_id=folder)`` that marks the folder
+        committed only when the save finished (call on every rank): a save that dies halfway
+        (a full disk, a killed rank) leaves a folder that :meth:`load_checkpoint` and
+        :meth:`load_weights` refuse instead of loading a mix of two saves, and a folder
+        written again after its commit by a plain ``dcp.save`` is refused too.
+
+        Raises:
+            ExportError: ``dcp.save`` failed on a rank.
+        """
+        from hyperrecipe.runtime.state.dcp_reader import committed_dcp_save
+
+        self._check_live()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        committed_dcp_save(self.state_dict(optimizer), folder, rank)
+
     def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
         """Every rank compares a digest of what it is about to read (``source_digest``) in
         one bounded exchange before any rank loads: ranks handed different checkpoints (or one

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["MAX_METADATA_BYTES", "TrustedFileSystemReader", "read_dcp_metadata",
+__all__ = ["COMMIT", "MAX_METADATA_BYTES", "commit_record", "TrustedFileSystemReader", "read_dcp_metadata",
            "trusted_dcp_load", "trusted_reader"]
 
 MAX_METADATA_BYTES = 1 << 30
@@ -133,19 +133,74 @@ def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None) -
                                                             BytesStorageMetadata))
                        for k, v in metadata.state_dict_metadata.items()):
         raise WeightLoadError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
-    _check_storage(base, path, metadata)
+    record = _commit_of(base) if rank is None else None  # "not committed" says most: first
+    sizes = _check_storage(base, path, metadata)
+    if record is not None:
+        _check_commit(base, record, data, sizes)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
 
 
-def _check_storage(base: Path, path: Path, metadata: Any) -> None:
+COMMIT = "hyperrecipe.commit.json"
+"""Written by ``Installation.save_checkpoint``: ``{"state": "writing"}`` before ``dcp.save``,
+then ``committed`` with the ``.metadata``'s sha256 and each storage file's size."""
+
+
+def commit_record(folder: Path) -> dict[str, Any]:
+    """The committed record of a folder ``dcp.save`` just finished writing."""
+    import hashlib
+
+    data = read_regular_file(folder / ".metadata", limit=MAX_METADATA_BYTES)
+    sizes = {f.name: f.stat().st_size for f in sorted(folder.iterdir())
+             if f.name.endswith(".distcp")}
+    return {"state": "committed", "metadata_sha256": hashlib.sha256(data).hexdigest(),
+            "files": sizes}
+
+
+def _commit_of(base: Path) -> dict[str, Any] | None:
+    """The folder's commit record (``None`` without one: another tool's folder passes),
+    refused when it says its save did not finish."""
+    import json
+
+    path = base / COMMIT
+    if not os.path.lexists(path):
+        return None
+    try:
+        record = json.loads(read_regular_file(path, limit=1 << 24).decode("utf-8"))
+        state = record["state"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
+    if state != "committed":
+        raise WeightLoadError(f"{base}: not committed ({COMMIT} says {state!r:.40}): the "
+                              f"save_checkpoint that wrote it did not finish, so its files may "
+                              f"mix two saves; resume from an earlier checkpoint")
+    if not isinstance(record, dict):
+        raise WeightLoadError(f"{path}: malformed (not an object)")
+    return record
+
+
+def _check_commit(base: Path, record: Mapping[str, Any], data: bytes,
+                  sizes: Mapping[str, int]) -> None:
+    """Refuse a committed folder written again since (a plain ``dcp.save`` into it)."""
+    import hashlib
+
+    files = record.get("files")
+    if record.get("metadata_sha256") != hashlib.sha256(data).hexdigest() or not isinstance(
+            files, dict) or any(files.get(name) != size for name, size in sizes.items()):
+        raise WeightLoadError(f"{base}: written again after it was committed (.metadata or a "
+                              f"storage file is not what {COMMIT} records: a dcp.save into the "
+                              f"same folder?); its files may mix two saves")
+
+
+def _check_storage(base: Path, path: Path, metadata: Any) -> dict[str, int]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):
         raise WeightLoadError(f"{path}: not DCP metadata (storage_data is not a mapping)")
     ends: dict[str, int] = {}
+    sizes: dict[str, int] = {}
     for index, info in storage.items():
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or \
                 not isinstance(info.offset, int) or not isinstance(info.length, int) or \
@@ -173,6 +228,8 @@ def _check_storage(base: Path, path: Path, metadata: Any) -> None:
             raise WeightLoadError(f"{file}: {st.st_size} bytes, but {path.name} places data up "
                                   f"to byte {end}: the file is truncated or belongs to another "
                                   f"checkpoint")
+        sizes[name] = st.st_size
+    return sizes
 
 
 class TrustedFileSystemReader(FileSystemReader):
@@ -249,3 +306,37 @@ def _describe(failure: Any) -> str:
         return f"{type(exc).__name__}: {exc!s:.300}"
     text = str(exc)
     return text.strip().splitlines()[-1][:300] if text.strip() else type(exc).__name__
+
+
+def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int) -> None:
+    """``dcp.save(state, checkpoint_id=folder)`` between two commit records: ``writing``
+    before any rank writes (rank 0 writes it before entering ``dcp.save``, whose first step
+    is a collective), ``committed`` after ``.metadata`` is written. A save that dies between
+    the two leaves ``writing``, which every reader here refuses.
+
+    Raises:
+        ExportError: ``dcp.save`` failed on a rank (the folder stays uncommitted).
+    """
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from hyperrecipe.errors import ExportError
+    from hyperrecipe.runtime.state.export import replace_text
+
+    path = Path(folder)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        replace_text(path / COMMIT, json.dumps({"state": "writing"}) + "\n")
+    try:
+        dcp_save(state, checkpoint_id=str(path))
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        lines = [f"rank {r}: {_describe(e)}" for r, e in sorted(failures.items())]
+        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
+                          f"uncommitted and will not load:\n  " + "\n  ".join(
+                              lines or [str(exc)])) from None
+    if rank == 0:
+        replace_text(path / COMMIT, json.dumps(commit_record(path), indent=2,
+                                               sort_keys=True) + "\n")

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportError, PlanMismatchError
 
-__all__ = ["MANIFEST", "ExportItem", "model_save_pretrained", "write_safetensors"]
+__all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors"]
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -169,14 +169,14 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                      "weight_map": {i.name: n for n, g in zip(names, groups, strict=True)
                                     for i in g}}
             text = json.dumps(index, indent=2) + "\n"
-            _replace_text(out / "model.safetensors.index.json", text)
+            replace_text(out / "model.safetensors.index.json", text)
             manifest["model.safetensors.index.json"] = {
                 "bytes": len(text.encode()), "sha256": hashlib.sha256(text.encode()).hexdigest()}
         keep = set(names) | ({"model.safetensors.index.json"} if len(groups) > 1 else set())
         for stale in sorted(out.iterdir()):
             if EXPORT_FILES.fullmatch(stale.name) and stale.name not in keep:
                 stale.unlink()
-        _replace_text(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": manifest},
+        replace_text(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": manifest},
                                                  indent=2, sort_keys=True) + "\n")
         _sync_folder(out)
     finally:
@@ -213,7 +213,7 @@ def _agree(failure: str | None) -> list[tuple[int, str]]:
     return [(r, f) for r, f in enumerate(everyone) if f is not None]
 
 
-def _replace_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temp, "w", encoding="utf-8") as f:
