@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 import hyperrecipe
@@ -114,7 +113,8 @@ def main() -> None:
                               "grad_norm": round(float(norm), 6)}), flush=True)
         if (step + 1) % args.save_every == 0:
             # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
-            dcp.save(inst.state_dict(opt), checkpoint_id=str(out / f"step-{step + 1}"))
+            # Committed last, so a save that dies halfway is refused on resume.
+            inst.save_checkpoint(out / f"step-{step + 1}", opt)
 
     # 7. Export for from_pretrained (every rank gathers, rank 0 writes).
     inst.save_pretrained(out / "final")
