@@ -540,3 +540,17 @@ def _commit_only_worker(rank: int, world: int, folder: str) -> None:
     model, inst = _applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inst.save_checkpoint(folder, opt)
+
+
+def test_a_checkpoint_of_thousands_of_foreign_tensors_gives_a_short_error(
+        hf_folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(hf_folder, tmp_path / "hf")
+    state = load_file(str(folder / "model.safetensors"))
+    foreign = {f"other.{i}.weight": torch.zeros(1) for i in range(3000)}
+    save_file({**state, **foreign}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    error = run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
+    assert "the checkpoint does not fit the model (3000 problems)" in error
+    assert "  ... and 2950 more" in error
+    assert len(error.splitlines()) < 60

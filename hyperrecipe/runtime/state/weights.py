@@ -500,8 +500,16 @@ def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> 
             for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
+MAX_LISTED = 50
+"""Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
+tensors made a 300,000-line error)."""
+
+
 def _listing(head: str, problems: Sequence[str]) -> str:
-    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(problems)
+    shown = list(problems[:MAX_LISTED])
+    if len(problems) > MAX_LISTED:
+        shown.append(f"... and {len(problems) - MAX_LISTED} more")
+    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
 
 
 def _targets(live: LiveParams, model: nn.Module) -> list[_Target]:
