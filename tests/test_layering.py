@@ -160,3 +160,51 @@ def test_each_runtime_room_imports_only_the_rooms_below_it(room: str) -> None:
 def test_the_runtime_has_no_loose_modules_beyond_its_seam() -> None:
     loose = sorted(p.stem for p in (ROOT / "hyperrecipe" / "runtime").glob("*.py"))
     assert loose == ["__init__", "install", "installation", "mode"]
+
+
+def _code_strings_and_names(path: Path) -> list[str]:
+    """The identifiers and the word-like string constants of ``path``'s code: docstrings and
+    messages (strings with spaces) may name transformers for the user; code may not."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                       ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    ours = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("hyperrecipe.") for a in node.names}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.alias)) and (getattr(node, "id", None) in ours
+                                                        or getattr(node, "name", None) in ours):
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings and not any(c.isspace() for c in node.value):
+            found.append(node.value)
+        elif isinstance(node, ast.Name):
+            found.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.append(node.attr)
+        elif isinstance(node, ast.alias):
+            found.append(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+    return found
+
+
+# What only a transformers model has: its module, its private attributes, its loss and kernels.
+TRANSFORMERS_MARKS = ("transformers.", "_attn_implementation", "ALL_ATTENTION_FUNCTIONS",
+                      "ForCausalLMLoss", "_init_weights", "_tied_weights_keys",
+                      "base_model_prefix", "_keys_to_ignore", "_is_expert_parallel", "Conv1D",
+                      "convert_file_size_to_int")
+
+
+def test_the_runtime_names_no_transformers_internals_outside_the_integration_room() -> None:
+    offenders = []
+    for path in sorted((ROOT / "hyperrecipe" / "runtime").rglob("*.py")):
+        for text in _code_strings_and_names(path):
+            if text.startswith("hyperrecipe."):
+                continue
+            offenders += [f"{path.relative_to(ROOT)}: {text!r}" for mark in TRANSFORMERS_MARKS
+                          if mark in text]
+    assert offenders == []

@@ -33,6 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.integrations.transformers import expert_kernel_flags
 
 __all__ = ["expert_parallel_attributes", "expert_parallel_forward"]
 
@@ -54,8 +55,7 @@ def expert_parallel_attributes(module: nn.Module, num_local: int, *, fqn: str
     out: dict[str, object] = {}
     if count != num_local:
         out["num_experts"] = num_local
-    if hasattr(module, "_is_expert_parallel"):
-        out["_is_expert_parallel"] = True
+    out.update(expert_kernel_flags(module))
     return out
 
 

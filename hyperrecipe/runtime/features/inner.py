@@ -32,14 +32,14 @@ the edge is a pass-through.
 from __future__ import annotations
 
 import functools
-import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import nn
 
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
+from hyperrecipe.integrations.transformers import attention_implementation, attention_registry
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
@@ -80,12 +80,6 @@ def _note_mesh(t: Any, meshes: list[Any]) -> Any:
     if isinstance(t, DTensor):
         meshes.append(t.device_mesh)
     return t
-
-
-def _attention_registry() -> MutableMapping[str, Any] | None:
-    utils = sys.modules.get("transformers.modeling_utils")
-    registry = getattr(utils, "ALL_ATTENTION_FUNCTIONS", None)
-    return registry if isinstance(registry, MutableMapping) else None
 
 
 class InnerWrapperInstaller:
@@ -167,15 +161,15 @@ class InnerWrapperInstaller:
         return compute
 
     def _hook_attention(self, tx: Rewrite, fqn: str, module: nn.Module) -> None:
-        config = getattr(module, "config", None)
-        impl = getattr(config, "_attn_implementation", None)
-        if not isinstance(impl, str):
+        impl = attention_implementation(module)
+        if impl is None:
             msg = (f"{fqn}: the attention hook needs a transformers attention module (one with "
                    f"config._attn_implementation); {type(module).__name__} has none — declare "
                    f"the wrapper with hook='forward'")
             raise PlanMismatchError(msg)
-        registry = _attention_registry()
-        if registry is None or impl == "eager" or impl not in registry:
+        registries = attention_registry()
+        registry, target = registries if registries is not None else ({}, {})
+        if impl == "eager" or impl not in registry:
             msg = (f"{fqn}: attention implementation {impl!r} is not looked up through "
                    f"transformers' AttentionInterface (eager attention is called directly), so "
                    f"it cannot be wrapped; build the model with attn_implementation='sdpa'")
@@ -196,8 +190,6 @@ class InnerWrapperInstaller:
             return wrapper(original, module, *args, **kwargs)
 
         setattr(dispatch, _DISPATCHER_MARK, True)
-        local = getattr(registry, "_local_mapping", None)  # transformers' per-instance overrides
-        target: MutableMapping[str, Any] = local if isinstance(local, dict) else registry
         tx.set_item(target, impl, dispatch, fqn=f"transformers ALL_ATTENTION_FUNCTIONS[{impl!r}]")
         self._dispatchers[impl] = dispatch
 

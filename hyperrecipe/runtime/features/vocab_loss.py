@@ -35,6 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import LossParallelError, PlanMismatchError
+from hyperrecipe.integrations.transformers import causal_lm_loss_name, is_causal_lm_loss
 from hyperrecipe.plan import LossParallel, Transition
 from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for, transition
 
@@ -526,11 +527,10 @@ def install_loss_parallel(tx: Rewrite, owner: nn.Module, loss: LossParallel, sha
     """
     where = loss.owner or "<root>"
     original = getattr(owner, "loss_function", None)
-    if (getattr(original, "__name__", None) != "ForCausalLMLoss"
-            or not getattr(original, "__module__", "").startswith("transformers.")):
+    if not is_causal_lm_loss(original):
         found = getattr(original, "__qualname__", None) or type(original).__name__
         msg = (f"{where} ({type(owner).__name__}) takes labels=, but its loss_function is "
-               f"{found}, not transformers' ForCausalLMLoss: only a causal-LM cross entropy runs "
+               f"{found}, not {causal_lm_loss_name}: only a causal-LM cross entropy runs "
                f"on vocab shards. Drop loss_parallel from the recipe (or compute the loss "
                f"yourself from a model whose forward takes no labels, with "
                f"hyperrecipe.vocab_parallel_cross_entropy)")

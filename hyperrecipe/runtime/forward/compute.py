@@ -17,7 +17,6 @@ The choice is made once, at install time.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.integrations.transformers import is_conv1d
 
 __all__ = ["bias_free_forward", "class_forward", "vocab_parallel_embedding"]
 
@@ -37,14 +37,6 @@ def class_forward(module: nn.Module) -> Forward:
     return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is exactly transformers' ``Conv1D`` (without importing transformers:
-    an instance exists only once its module has been imported)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    conv1d = getattr(utils, "Conv1D", None)
-    return conv1d is not None and type(module) is conv1d
-
-
 def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
     """``inner`` with the module's bias left out."""
     if type(module) is nn.Linear:
@@ -52,7 +44,7 @@ def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
             return F.linear(input, module.weight)
 
         return linear
-    if _is_hf_conv1d(module):
+    if is_conv1d(module):
         def conv1d(x: Tensor) -> Tensor:
             return torch.matmul(x, module.get_parameter("weight"))
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportError, PlanMismatchError
+from hyperrecipe.integrations.transformers import size_to_bytes
 
 __all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors"]
 
@@ -265,10 +266,8 @@ def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None
                    f"max_shard_size and is_main_process are supported; call "
                    f"Installation.save_pretrained(folder) on every rank, or restore() first")
             raise PlanMismatchError(msg)
-        from transformers.utils.hub import convert_file_size_to_int
-
         del is_main_process  # rank 0 writes; every rank gathers
         installation().save_pretrained(save_directory,
-                                       max_shard_bytes=convert_file_size_to_int(max_shard_size))
+                                       max_shard_bytes=size_to_bytes(max_shard_size))
 
     return save_pretrained

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.integrations.transformers import model_initializer
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -81,7 +82,7 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
         lost = [n for n in names if n in module._non_persistent_buffers_set]
         if lost:
             recompute.append((fqn, module, lost))
-    init = _model_initializer(model)
+    init = model_initializer(model)
     for fqn, module, lost in recompute:
         if init is not None and not any(True for _ in module.parameters(recurse=False)):
             with torch.no_grad():
@@ -96,12 +97,6 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
                    f"meta)")
             raise PlanMismatchError(msg)
     return pending
-
-
-def _model_initializer(model: nn.Module) -> Callable[[nn.Module], object] | None:
-    """A transformers model's per-module initializer, which recomputes rotary buffers."""
-    init = getattr(model, "_init_weights", None)
-    return init if callable(init) else None
 
 
 def _join(prefix: str, name: str) -> str:

@@ -53,6 +53,11 @@ from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
+from hyperrecipe.integrations.transformers import (
+    base_model_prefix,
+    ignored_checkpoint_keys,
+    tied_weight_keys,
+)
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -472,22 +477,20 @@ def _tied_hints(model: nn.Module, shapes: Mapping[str, Any]) -> dict[str, str]:
     """Why a parameter transformers ties is missing from a checkpoint holding its source: the
     checkpoint was saved tied (stored once, under the source's name) and this model is built
     untied, so ``from_pretrained`` would initialize the missing one randomly."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    if not isinstance(tied, Mapping):
-        return {}
+    tied = tied_weight_keys(model)
     return {target: (f"the checkpoint stores it tied to {source!r} (saved with "
                      f"tie_word_embeddings=True, which writes the tensor once), and this model is "
                      f"built untied; build it with tie_word_embeddings=True and compile the plan "
                      f"for it")
             for target, source in tied.items()
-            if isinstance(target, str) and source in shapes and target not in shapes}
+            if source in shapes and target not in shapes}
 
 
 def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> dict[str, str]:
     """Why a tensor outside the base model is missing when the checkpoint was saved from the
     base model (keys without ``base_model_prefix``, as ``LlamaModel.save_pretrained`` writes
     them, read here as ``from_pretrained`` does by adding the prefix)."""
-    prefix = getattr(model, "base_model_prefix", None)
+    prefix = base_model_prefix(model)
     if not prefix or not any(c.kind == "leaf" and k == f"{prefix}.{c.key}"
                              for k, c in composites.items()):
         return {}
@@ -551,8 +554,8 @@ def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], 
     everything else is."""
     import re
 
-    patterns = [re.compile(p) for p in (*(getattr(model, "_keys_to_ignore_on_load_unexpected",
-                                                  None) or ()), *STALE_BUFFERS, *extra)]
+    patterns = [re.compile(p) for p in (*ignored_checkpoint_keys(model), *STALE_BUFFERS,
+                                        *extra)]
     non_persistent = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                       for n in mod._non_persistent_buffers_set}
     return lambda key: key in non_persistent or any(p.search(key) for p in patterns)
