@@ -22,8 +22,10 @@ __all__ = [
     "DeadlinePassed",
     "HyperrecipeError",
     "ExplainError",
+    "ExportError",
     "ImpossibleTransition",
     "InterpreterLimit",
+    "LintUsageError",
     "LaunchError",
     "LossParallelError",
     "MixedParametersError",
@@ -280,6 +282,11 @@ class WeightLoadError(HyperrecipeError, ValueError):
     """
 
 
+class ExportError(HyperrecipeError, RuntimeError):
+    """An export failed on some rank (a full disk, a file-size limit, an unwritable folder);
+    every rank raises it, and the folder's previous export is left as it was."""
+
+
 class WrapperError(PlanMismatchError):
     """An inner-wrapper reference cannot be loaded, or is not an inner wrapper."""
 
@@ -365,6 +372,10 @@ class DeadlinePassed(BaseException):
 
 
 # ----------------------------------------------------------------------------- lint
+
+
+class LintUsageError(HyperrecipeError, ValueError):
+    """The lint's command line or configuration is wrong (exit 2); the message says how."""
 
 
 class SelectorError(HyperrecipeError, ValueError):

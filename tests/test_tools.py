@@ -49,6 +49,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],
                       "identical findings: True"),
     "bench_gather.py": (["--rounds", "1"], '"in_place_over_floor"'),
+    "suggest_families.py": (["--only", "llama", "--no-ep"], "| llama | tp=2 | verified |"),
+    "bench_export_integrity.py": (["--gib", "0.05", "--repeat", "1"], "export"),
     "bench_host.py": (["--launches", "1", "--rounds", "1", "--steps", "1", "--warmup", "1"],
                       '"losses_agree": true'),
     "bench_loss.py": (["--vocab", "1024", "--hidden", "64", "--layers", "1", "--batch", "1",

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
@@ -188,9 +187,19 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int) -> fl
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def _committed(folder: Path) -> bool:
+    """Whether ``inst.save_checkpoint`` finished writing ``folder`` (its commit record says so):
+    a save killed halfway leaves ``writing``, and resuming skips it for the one before."""
+    try:
+        record = json.loads((folder / "hyperrecipe.commit.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("state") == "committed"
+
+
 def newest_checkpoint(out: Path) -> tuple[int, Path] | None:
     steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
-                   if (p / ".metadata").is_file())
+                   if p.name.split("-")[1].isdigit() and _committed(p))
     return steps[-1] if steps else None
 
 
@@ -252,9 +261,7 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     start = 0
     if resume is not None:
         start, folder = resume
-        state = inst.state_dict(opt)
-        dcp.load(state, checkpoint_id=str(folder))
-        inst.load_state_dict(state, opt)
+        inst.load_checkpoint(folder, opt)  # dcp.load, reading the folder as data
 
     tokens, how = (None, "synthetic (random tokens seeded by step)")
     if args.data is not None:
@@ -308,7 +315,8 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             print(json.dumps(rec) if args.json else progress_line(rec, args.steps), flush=True)
         if (step + 1) % args.save_every == 0:
             # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
-            dcp.save(inst.state_dict(opt), checkpoint_id=str(out / f"step-{step + 1}"))
+            # Committed last, so a save that dies halfway is refused on resume.
+            inst.save_checkpoint(out / f"step-{step + 1}", opt)
 
     # 7. Export for from_pretrained (every rank gathers, rank 0 writes).
     if stop == args.steps:

@@ -21,6 +21,25 @@ FORMATS: Final[tuple[OutputFormat, ...]] = ("text", "json", "github", "sarif")
 _SARIF_SCHEMA: Final = "https://json.schemastore.org/sarif-2.1.0.json"
 
 
+def _printable(value: str) -> str:
+    """``value`` with control and format characters (a newline, ESC, a bidi override) and
+    undecodable bytes escaped as ``\\xNN`` / ``\\uNNNN``: a file name is chosen by whoever
+    named the file, and printed raw it could forge finding lines or send terminal escapes."""
+    if value.isprintable():
+        return value
+    out = []
+    for ch in value:
+        if ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x100:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x10000:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
 def _github_data(value: str) -> str:
     return value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
@@ -101,7 +120,8 @@ def render(findings: Sequence[Finding], fmt: OutputFormat, *, version: str = "")
     """The findings in one format, one per line (``json``, ``sarif``: one document), ending in a
     newline.
 
-    * ``text``: ``path:line:col: HR001 forward-assignment message``
+    * ``text``: ``path:line:col: HR001 forward-assignment message`` (control characters in
+      the path and message escaped, so every finding is one line)
     * ``json``: a list of objects with ``path``, ``line``, ``column``, ``end_line``,
       ``end_column``, ``code``, ``name`` and ``message`` (``[]`` when clean)
     * ``github``: ``::error file=…,line=…,col=…,endLine=…,endColumn=…,title=HR001
@@ -124,13 +144,15 @@ def render(findings: Sequence[Finding], fmt: OutputFormat, *, version: str = "")
         return json.dumps(_sarif(findings, version), indent=2) + "\n"
     if fmt == "github":
         lines = [
-            f"::error file={_github_property(f.path)},line={f.line},col={f.column},"
+            f"::error file={_github_property(_printable(f.path))},line={f.line},col={f.column},"
             f"endLine={f.end_line},endColumn={f.end_column},"
-            f"title={_github_property(f'{f.code} {f.name}')}::{_github_data(f.message)}"
+            f"title={_github_property(f'{f.code} {f.name}')}::"
+            f"{_github_data(_printable(f.message))}"
             for f in findings
         ]
     else:
-        lines = [f"{f.path}:{f.line}:{f.column}: {f.code} {f.name} {f.message}" for f in findings]
+        lines = [f"{_printable(f.path)}:{f.line}:{f.column}: {f.code} {f.name} "
+                 f"{_printable(f.message)}" for f in findings]
     return "".join(line + "\n" for line in lines)
 
 

@@ -22,6 +22,7 @@ from typing import Final
 
 import attrs
 
+from hyperrecipe.errors import LintUsageError
 from hyperrecipe.lint.codes import by_code, resolve_selection, resolve_selectors
 from hyperrecipe.lint.config import ConfigError, ConfigFinder, LintConfig
 from hyperrecipe.lint.files import Target, discover, display_path
@@ -41,10 +42,6 @@ POOL_MIN_FILES: Final = 8
 INLINE_MAX_BYTES: Final = 256 * 1024
 #: The path that stands for standard input, as in ruff.
 STDIN_PATH: Final = "-"
-
-
-class LintUsageError(ValueError):
-    """The command line or configuration is wrong (exit 2); the message says how."""
 
 
 @attrs.frozen(kw_only=True)

@@ -140,11 +140,32 @@ def run_here(function: Callable[[T], R], argument: T, *, budget: Budget) -> R | 
         _restore_memory(soft)
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to kill this worker when the parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Without it a worker outlives a killed parent: its pipe does not close, because the
+    workers forked after it inherited the parent's end, so a worker blocked sending a result
+    stays blocked, orphaned. Elsewhere the worker notices on its next read (``EOFError``).
+    """
+    if not os.uname().sysname == "Linux":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def _worker(
     conn: Connection,
     function: Callable[[Any], Any],
     arguments: Sequence[Any],
     memory_mib: int | None,
+    parent: int,
 ) -> None:
     """The worker loop: receive task indices, send back one result per task, until told to stop.
 
@@ -153,6 +174,7 @@ def _worker(
     running (for its deadline, and to name it if the worker dies).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    _die_with_parent(parent)
     _limit_memory(memory_mib)
     while True:
         try:
@@ -197,10 +219,11 @@ class _Slot:
 
 
 #: At least this many tasks are sent to a worker ahead of its results, and about a sixth of
-#: its share with many tasks, so it never waits on the parent between files — not even while
-#: the parent imports libcst for the next phase.
+#: its share with many tasks (at most :data:`_MAX_IN_FLIGHT`), so it never waits on the parent
+#: between files — not even while the parent imports libcst for the next phase.
 _MIN_IN_FLIGHT: Final = 2
 _SHARES_IN_FLIGHT: Final = 6
+_MAX_IN_FLIGHT: Final = 256
 
 
 def run_bounded(
@@ -238,12 +261,14 @@ def run_bounded(
     slots: list[_Slot] = []
     pending: collections.deque[int] = collections.deque(range(len(arguments)))
     count = max(1, min(workers, len(arguments)))
-    in_flight = max(_MIN_IN_FLIGHT, len(arguments) // (count * _SHARES_IN_FLIGHT))
+    in_flight = min(_MAX_IN_FLIGHT,
+                    max(_MIN_IN_FLIGHT, len(arguments) // (count * _SHARES_IN_FLIGHT)))
+    parent = os.getpid()
 
     def start() -> _Slot:
         parent_end, child_end = context.Pipe(duplex=True)
         process = context.Process(
-            target=_worker, args=(child_end, function, arguments, budget.memory_mib),
+            target=_worker, args=(child_end, function, arguments, budget.memory_mib, parent),
             daemon=True,
         )
         process.start()
@@ -251,6 +276,14 @@ def run_bounded(
         return _Slot(process, parent_end)
 
     def fill(slot: _Slot, now: float) -> None:
+        # A worker reads its next batch only after finishing the one it holds, and meanwhile
+        # sends a result per task. Sending a batch per result would fill the parent-to-worker
+        # socket (every small message costs ~1 KiB of its buffer) while the worker fills the
+        # other direction: both block in send, forever (8,000 files did it). So a batch goes
+        # out only when at most half of the tasks in flight remain: then the worker has read
+        # every earlier batch, and at most one message waits in the socket.
+        if slot.tasks and len(slot.tasks) > in_flight // 2:
+            return
         batch: list[int] = []
         while pending and len(slot.tasks) < in_flight:
             index = pending.popleft()

@@ -22,7 +22,7 @@ from hyperrecipe.runtime.features.inner import WrapperChoice
 from hyperrecipe.runtime.state.checkpoint import (
     LiveParams,
     differing_ties,
-    load_optimizer_state,
+    load_training_state,
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
@@ -40,6 +40,8 @@ from hyperrecipe.runtime.state.weights import (
     WeightLoadError,
     persistent_buffers,
     load_weights,
+    source_digest,
+    verify_manifest,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -320,13 +322,22 @@ class Installation:
                 compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
                 being named, as ``from_pretrained`` does; any other unexpected key is refused.
 
+        Before any rank reads, the ranks compare a digest of what each is about to read, and
+        a folder that ``save_pretrained`` wrote is checked against its manifest (sizes, and
+        sha256, each rank hashing its share): all ranks load, or all raise. The first strategy
+        that can read the source is the only one tried; DCP metadata is read without running
+        code (docs/security.md, "Checkpoints").
+
         Raises:
             WeightLoadError: the checkpoint does not fit (every missing, unexpected and
                 mis-shaped tensor named, with its file; tied names holding different values),
-                or cannot be read; the model is left as it was before the call.
+                cannot be read, differs between ranks or from its manifest, or is refused (a
+                FIFO, a path out of the folder, a pickle naming code); the model is left as it
+                was before the call.
         """
         self._check_live()
         try:
+            self._agree_on_source(source, "load_weights")
             attempts = load_weights(self._live, self.model, source, self._unloaded,
                                     tuple(ignore_unexpected))
         except WeightLoadError as exc:
@@ -374,42 +385,82 @@ class Installation:
                 optimizer was given but the state has none, or other parameter groups.
         """
         self._check_live()
-        model = state.get("model")
-        if not isinstance(model, Mapping):
-            raise PlanMismatchError("load_state_dict: the state has no 'model' entry; pass what "
-                                    "Installation.state_dict() returned (after dcp.load)")
-        missing = [p.fqn for p in self._own()
-                   if p.fqn not in model and not any(q.tied_to == p.fqn and q.fqn in model
-                                                     for q in self.plan.params)]
-        if missing:
-            raise PlanMismatchError(f"load_state_dict: missing {missing}")
-        why = differing_ties(self.plan, model)
-        if why is not None:
-            raise PlanMismatchError(f"load_state_dict: {why}")
-        writes: list[tuple[ParamPlan, Tensor, Tensor]] = []
-        for p in self._own():
-            value = model[p.fqn] if p.fqn in model else next(
-                model[q.fqn] for q in self.plan.params if q.tied_to == p.fqn and q.fqn in model)
-            live = self._live.param(p)
-            if self._live.wrapper_layout(p, live) is not None:  # fully_shard's piece
-                piece = self._live.piece_like(p, value, live)
-                writes.append((p, live._local_tensor, piece._local_tensor))  # type: ignore[attr-defined]
-            else:
-                writes.append((p, self._live.local(p), self._live.shard_of(p, value)))
-        with torch.no_grad():
-            for p, target, shard in writes:
-                if target.data_ptr() != shard.data_ptr():
-                    target.copy_(shard)
-                self._unloaded.discard(p.fqn)
-            for name, buf in persistent_buffers(self.model):
-                if name in model and model[name] is not buf:
-                    buf.copy_(model[name])
-                self._unloaded.discard(name)
-        if optimizer is not None:
-            if "optimizer" not in state:
-                raise PlanMismatchError("load_state_dict: an optimizer was given but the state "
-                                        "holds none; save with Installation.state_dict(optimizer)")
-            load_optimizer_state(self._live, optimizer, state["optimizer"])
+        load_training_state(self._live, state, optimizer, self._unloaded)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume from a DCP folder written by ``dcp.save(inst.state_dict(optimizer))``, on any
+        mesh: ``dcp.load`` into :meth:`state_dict` then :meth:`load_state_dict`, reading the
+        folder as data (call on every rank).
+
+        torch's own ``dcp.load`` unpickles ``.metadata`` and non-tensor entries with plain
+        ``pickle``, so a folder someone else wrote can run code; this reads them through an
+        allow-list (docs/security.md, "Checkpoints"). A trainer that calls ``dcp.load`` itself
+        gets the same by passing ``storage_reader=hyperrecipe.runtime.state.dcp_reader.
+        trusted_reader(folder)``.
+
+        Raises:
+            WeightLoadError: the folder is refused (a global outside DCP's metadata classes,
+                non-tensor entries that are not plain data, storage files missing, truncated,
+                not regular or outside the folder) or a rank failed reading it; nothing was
+                written.
+            PlanMismatchError: see :meth:`load_state_dict`.
+        """
+        from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
+
+        self._check_live()
+        self._agree_on_source(folder, "load_checkpoint")
+        state = self.state_dict(optimizer)
+        staged = _staged(state)
+        trusted_dcp_load(staged, folder)
+        load_training_state(self._live, staged, optimizer, self._unloaded)
+
+    def save_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``dcp.save(inst.state_dict(optimizer), checkpoint_id=folder)`` that marks the folder
+        committed only when the save finished (call on every rank): a save that dies halfway
+        (a full disk, a killed rank) leaves a folder that :meth:`load_checkpoint` and
+        :meth:`load_weights` refuse instead of loading a mix of two saves, and a folder
+        written again after its commit by a plain ``dcp.save`` is refused too.
+
+        Raises:
+            ExportError: ``dcp.save`` failed on a rank.
+        """
+        from hyperrecipe.runtime.state.dcp_reader import committed_dcp_save
+
+        self._check_live()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        committed_dcp_save(self.state_dict(optimizer), folder, rank)
+
+    def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
+        """Every rank compares a digest of what it is about to read (``source_digest``) in
+        one bounded exchange before any rank loads: ranks handed different checkpoints (or one
+        a truncated copy) would otherwise each load their own and train on a mixture."""
+        from hyperrecipe.runtime.preflight.agreement import agree_on_digest
+
+        error: WeightLoadError | None = None
+        digest: str | None = None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        try:
+            digest = source_digest(source)
+            verify_manifest(source, rank, world)  # each rank hashes its share of the files
+        except WeightLoadError as exc:
+            error, digest = exc, None
+        failed, differ = agree_on_digest(digest, f"the agreement before {what}")
+        if error is not None:
+            raise error
+        if failed:
+            raise WeightLoadError(f"rank {rank}: {what}({os.fspath(source)!r}) cannot read the "
+                                  f"checkpoint on rank(s) {failed} (see their errors); no rank "
+                                  f"loaded")
+        if differ:
+            assert digest is not None
+            raise WeightLoadError(
+                f"ranks read different checkpoints: this rank (rank {rank}) reads "
+                f"{os.fspath(source)!r} (digest {digest[:12]}), rank(s) {differ} read other "
+                f"contents (another checkpoint or step, or a truncated or partial copy); every "
+                f"rank must {what} the same checkpoint; no rank loaded")
 
     def save_pretrained(self, folder: str | os.PathLike[str], *,
                         max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
@@ -421,9 +472,15 @@ class Installation:
         stays applied and keeps training. Tied parameters are written once, under their owner's
         name, as ``save_pretrained`` does.
 
+        The files replace an earlier export in ``folder`` whole or not at all: they are
+        written under temporary names and renamed into place once every rank got through, an
+        earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
+        file's size and sha256) is written last.
+
         Raises:
             PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
                 instead of hanging until the process group's watchdog.
+            ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
         """
         self._check_live()
         self._enter_collective("save_pretrained")
@@ -476,3 +533,11 @@ class Installation:
     def _check_live(self) -> None:
         if self._rewritten.restored:
             raise PlanMismatchError("this installation was restored; its shards are gone")
+
+
+def _staged(state: Any) -> Any:
+    """``state`` with every tensor cloned: ``dcp.load`` writes into what it is given, and the
+    state dict shares the live shards, so a load that fails halfway would leave a mixture."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, state)

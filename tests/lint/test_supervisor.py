@@ -95,13 +95,30 @@ def test_a_small_file_too_deep_for_the_parser_is_hr998_beside_a_finding(
         assert rows[0][0] == "deep.py" and rows[0][3] in {"HR998", "HR000"}
 
 
+IN_PROCESS_BUDGET = """
+import json
+from hyperrecipe.lint.runner import Budget, lint_paths
+result = lint_paths(["wide.py", "hit.py"], budget=Budget(seconds=None, memory_mib=20))
+print(json.dumps([[f.path, f.line, f.column, f.code, f.message] for f in result.findings]))
+"""
+
+
 def test_the_memory_budget_holds_for_files_screened_in_process(write_tree: WriteTree) -> None:
     """A 200 kB tuple display takes the parser ~80 MB: over a 20 MiB budget, in-process too;
-    the limit is lifted afterwards, so the next file is checked as usual."""
-    write_tree({"wide.py": "y = " + "x, " * 66_000 + "x\n", "hit.py": HIT})
-    result = lint_paths(["wide.py", "hit.py"], budget=Budget(seconds=None, memory_mib=20))
-    assert _rows(result.findings) == [("hit.py", 1, 1, "HR001"), ("wide.py", 1, 1, "HR998")]
-    assert "memory budget (20 MiB)" in result.findings[1].message
+    the limit is lifted afterwards, so the next file is checked as usual. Run in a fresh
+    interpreter, as the pre-commit hook runs the lint: the budget caps address space on top of
+    what the process holds, and a test process that already freed hundreds of MB (earlier
+    tests) would serve the parser from its own free heap without growing at all."""
+    import json
+
+    root = write_tree({"wide.py": "y = " + "x, " * 66_000 + "x\n", "hit.py": HIT})
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS_BUDGET], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [tuple(r[:4]) for r in rows] == [("hit.py", 1, 1, "HR001"), ("wide.py", 1, 1, "HR998")]
+    assert "memory budget (20 MiB)" in rows[1][4]
 
 
 @pytest.mark.parametrize("crash", [2, 3], ids=["with-a-task-queued-behind", "last-queued"])
@@ -179,3 +196,73 @@ def test_a_recipe_toml_nested_1000_deep_is_reported_without_a_traceback(
     # the recipe loader's nesting bound, at the bracket past it (or the budget's HR998 at 1:1)
     assert done.stdout.startswith(("deep.toml:2:69: HR100 recipe-schema the document nests "
                                    "deeper than 64 levels", "deep.toml:1:1: HR998")), done.stdout
+
+
+def test_a_tree_of_10000_files_finishes_with_every_finding(tmp_path: Path) -> None:
+    """Issue 28: from about 8,000 files the parent and both workers sat blocked sending on
+    their sockets, forever. Run in a child with a timeout, so a regression fails instead of
+    hanging the suite."""
+    for i in range(10_000):
+        folder = tmp_path / f"pkg{i // 500}"
+        folder.mkdir(exist_ok=True)
+        (folder / f"m{i}.py").write_text(HIT if i % 1000 == 0 else f"def f(x):\n    return x + {i}\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from hyperrecipe.cli import main; "
+         "sys.exit(main(['lint', '--jobs', '2', '.']))"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.count("HR001") == 10
+
+
+SLOW_PARENT = """
+import sys, time
+from hyperrecipe.lint.supervisor import Budget, run_bounded
+
+def slow(x):
+    time.sleep(0.2)
+    return x
+
+for index, _ in run_bounded(slow, list(range(1000)), workers=2, budget=Budget()):
+    print("running", flush=True)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
+def test_workers_die_with_their_parent() -> None:
+    """A killed parent's workers used to live on, orphaned: the workers forked later held the
+    parent's end of the earlier ones' pipes, so those never saw it close."""
+    import signal
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", SLOW_PARENT], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert parent.stdout is not None
+        parent.stdout.readline()
+        workers = _children(parent.pid)
+        assert len(workers) == 2
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    alive = workers
+    for _ in range(100):  # up to 10 s, polled: the kernel's signal is immediate
+        alive = [w for w in alive if _running(w)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert alive == [], "workers outlived their parent"

@@ -32,7 +32,7 @@ from hyperrecipe.plan import Plan
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agreement_timeout", "vote"]
+__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agree_on_digest", "agreement_timeout", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
@@ -144,6 +144,25 @@ def agree_before_apply(plan: Plan, mesh: DeviceMesh, *local_checks: Callable[[],
                f"{_mesh_text(mesh)}, ranks {differ} hold another; every rank must apply the same "
                f"plan on the same mesh")
         raise PlanMismatchError(msg)
+
+
+def agree_on_digest(digest: str | None, what: str) -> tuple[list[int], list[int]]:
+    """Every rank's view of one input (``digest``: a hex digest of it, ``None`` when this rank
+    could not read it), in one bounded exchange: ``(ranks that could not read it, ranks whose
+    digest differs from this rank's)``, the same table on every rank.
+
+    Raises:
+        PlanMismatchError: a rank did not arrive within :func:`agreement_timeout`.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ([] if digest is not None else [0]), []
+    text = digest or "0"
+    words = [int(text[i:i + 15].ljust(15, "0"), 16) for i in range(0, 15 * _WORDS, 15)]
+    row = [*words, _OK if digest is not None else _FAILED]
+    rows = _all_gather_rows(row, what)
+    failed = [r for r, other in enumerate(rows) if other[-1] != _OK]
+    differ = [r for r, other in enumerate(rows) if other[-1] == _OK and other[:-1] != row[:-1]]
+    return failed, differ
 
 
 def vote(ok: bool) -> list[int]:

@@ -42,7 +42,9 @@ __all__ = [
     "differing_ties",
     "dtensor_placements",
     "load_optimizer_state",
+    "load_training_state",
     "optimizer_state",
+    "optimizer_state_to_load",
 ]
 
 
@@ -408,11 +410,32 @@ def load_optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer,
                          state: Mapping[str, Any]) -> None:
     """Put an :func:`optimizer_state` dict (after ``dcp.load``, possibly saved on another mesh)
     back into ``optimizer``: each tensor becomes this rank's shard of the live layout."""
+    optimizer.load_state_dict(optimizer_state_to_load(live, optimizer, state))
+
+
+def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
+                            state: Any) -> dict[str, Any]:
+    """What ``optimizer.load_state_dict`` takes for an :func:`optimizer_state` dict, checked
+    whole and built without touching the optimizer (so a caller can check everything before
+    writing anything).
+
+    Raises:
+        PlanMismatchError: the entry is not an optimizer state of this optimizer's groups and
+            parameters, or a tensor has another global shape.
+    """
     from torch.distributed.tensor import DTensor
 
     by_id = _param_fqns(live)
     groups = _groups_with_fqns(optimizer, by_id)
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups", []), list) \
+            or not isinstance(state.get("state", {}), Mapping):
+        msg = (f"the optimizer entry is a {type(state).__name__} without 'state' (a mapping) and "
+               f"'param_groups' (a list); pass what Installation.state_dict(optimizer) returned")
+        raise PlanMismatchError(msg)
     saved_groups = state.get("param_groups", [])
+    if not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+               for g in saved_groups):
+        raise PlanMismatchError("optimizer state's param_groups must be mappings with 'params'")
     if len(saved_groups) != len(groups):
         msg = (f"optimizer state has {len(saved_groups)} param groups, the optimizer "
                f"{len(groups)}; build the optimizer with the same groups as when it was saved")
@@ -436,6 +459,9 @@ def load_optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer,
     for fqn, entry in per_fqn.items():
         if fqn not in ids:
             continue
+        if not isinstance(entry, Mapping):
+            raise PlanMismatchError(f"optimizer state of {fqn!r} is a {type(entry).__name__}, "
+                                    f"not a mapping of its state tensors")
         p = live.plan.param(fqn)
         out: dict[str, Any] = {}
         for key, value in entry.items():
@@ -451,7 +477,75 @@ def load_optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer,
             else:
                 out[key] = value
         out_state[ids[fqn]] = out
-    optimizer.load_state_dict({"state": out_state, "param_groups": out_groups})
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def load_training_state(live: LiveParams, state: Mapping[str, Any],
+                        optimizer: torch.optim.Optimizer | None, unloaded: set[str]) -> None:
+    """``Installation.load_state_dict``: every parameter's shard, every buffer and the
+    optimizer's state are computed and checked first; only then is anything written, so a
+    missing or malformed entry leaves the model and the optimizer as they were. A collective
+    (resharding may gather).
+
+    Raises:
+        PlanMismatchError: a parameter or buffer is missing or has another shape; tied names
+            hold different values; an optimizer was given and the state has no valid entry.
+    """
+    model = state.get("model") if isinstance(state, Mapping) else None
+    if not isinstance(model, Mapping):
+        raise PlanMismatchError("load_state_dict: the state has no 'model' entry; pass what "
+                                "Installation.state_dict() returned (after dcp.load)")
+    plan = live.plan
+    missing = [p.fqn for p in live.own
+               if p.fqn not in model and not any(q.tied_to == p.fqn and q.fqn in model
+                                                 for q in plan.params)]
+    if missing:
+        raise PlanMismatchError(f"load_state_dict: missing {missing}")
+    if optimizer is not None and "optimizer" not in state:
+        raise PlanMismatchError("load_state_dict: an optimizer was given but the state holds "
+                                "none; save with Installation.state_dict(optimizer)")
+    why = differing_ties(plan, model)
+    if why is not None:
+        raise PlanMismatchError(f"load_state_dict: {why}")
+    writes: list[tuple[str, Tensor, Tensor]] = []
+    for p in live.own:
+        value = model[p.fqn] if p.fqn in model else next(
+            model[q.fqn] for q in plan.params if q.tied_to == p.fqn and q.fqn in model)
+        if not isinstance(value, Tensor):
+            raise PlanMismatchError(f"load_state_dict: {p.fqn!r} is a {type(value).__name__}, "
+                                    f"not a tensor")
+        param = live.param(p)
+        if live.wrapper_layout(p, param) is not None:  # fully_shard's piece
+            piece = live.piece_like(p, value, param)
+            writes.append((p.fqn, param._local_tensor,  # type: ignore[attr-defined]
+                           piece._local_tensor))  # type: ignore[attr-defined]
+        else:
+            writes.append((p.fqn, live.local(p), live.shard_of(p, value)))
+    from hyperrecipe.runtime.state.weights import persistent_buffers
+
+    buffers: list[tuple[str, Tensor, Any]] = []
+    for name, buf in persistent_buffers(live.model):
+        value = model.get(name)
+        if value is not None and value is not buf:
+            if not isinstance(value, Tensor) or tuple(value.shape) != tuple(buf.shape):
+                shape = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise PlanMismatchError(f"load_state_dict: buffer {name!r} is {shape}, the "
+                                        f"model's is {list(buf.shape)}")
+        buffers.append((name, buf, value))
+    to_load = (optimizer_state_to_load(live, optimizer, state["optimizer"])
+               if optimizer is not None else None)
+    with torch.no_grad():
+        for fqn, target, shard in writes:
+            if target.data_ptr() != shard.data_ptr():
+                target.copy_(shard)
+            unloaded.discard(fqn)
+        for name, buf, value in buffers:
+            if value is not None and value is not buf:
+                buf.copy_(value)
+            unloaded.discard(name)
+    if optimizer is not None:
+        assert to_load is not None
+        optimizer.load_state_dict(to_load)
 
 
 def _like_param(live: LiveParams, p: ParamPlan, local: Tensor) -> Tensor:

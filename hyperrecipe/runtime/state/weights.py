@@ -6,8 +6,16 @@ strategy says whether it can read a source (``ineligible`` with the reason when 
 that a missing, unexpected or mis-shaped tensor is one error naming every such tensor and its
 file before a byte of the model changes (``load_state_dict(strict=True)``'s contract). Only then
 does it write, slice by slice; if writing fails anyway, what it wrote is rolled back (to the
-previous values, or to "unset" for weights that were never loaded) before the next strategy is
-tried.
+previous values, or to "unset" for weights that were never loaded). The first strategy that
+can read a source is the format the source declares: when it fails, no other is tried (a
+folder handed over as safetensors is never read as a DCP folder because a ``.metadata`` is
+hidden in it), and the error says which strategy failed and why.
+
+Files are read only when they are regular files inside the folder (a FIFO would block
+forever; an index naming ``../`` or an absolute path, or a symlink leading out of the folder,
+is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed);
+indexes are read up to :data:`MAX_INDEX_BYTES`; DCP metadata is read without running code
+(:mod:`~hyperrecipe.runtime.state.dcp_reader`).
 
 Strategies:
 
@@ -31,6 +39,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +49,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from hyperrecipe._files import read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
@@ -52,7 +63,8 @@ from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers"]
+__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
+           "source_digest", "verify_manifest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -250,26 +262,78 @@ class _MappedTensor:
         return self.tensor[block]
 
 
+MAX_INDEX_BYTES = 64 << 20
+"""The largest ``*.index.json`` read (DeepSeek-V3's, 91,000 tensors, is under 9 MiB)."""
+
+
+def _roots(folder: Path) -> tuple[Path, ...]:
+    """Where a checkpoint folder's files may lie once symlinks are followed: the folder, and
+    for a Hugging Face cache snapshot (``.../snapshots/<rev>``, whose files are symlinks into
+    ``../../blobs``) its ``blobs`` folder."""
+    root = folder.resolve()
+    if root.parent.name == "snapshots":
+        return root, root.parent.parent / "blobs"
+    return (root,)
+
+
+def regular_file(path: Path, folder: Path | None = None) -> Path:
+    """``path`` when it is a regular file (after symlinks) that lies in ``folder`` (see
+    :func:`_roots`); opening a FIFO would block forever, and a folder handed over reads only
+    its own files.
+
+    Raises:
+        WeightLoadError: it is missing, not a regular file, or lies outside ``folder``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device or socket")
+        raise WeightLoadError(f"{path}: not a regular file ({kind}); checkpoints are read only "
+                              f"from regular files")
+    if folder is not None:
+        real = path.resolve()
+        if not any(real.is_relative_to(root) for root in _roots(folder)):
+            raise WeightLoadError(f"{path}: leads to {real}, outside the checkpoint folder "
+                                  f"{folder}; a checkpoint reads only its own files")
+    return path
+
+
+def _index_file(folder: Path, index: Path, name: str) -> Path:
+    """The file an index names, refused unless it is a relative name inside the folder."""
+    parts = Path(name).parts
+    if not name or "\0" in name or Path(name).is_absolute() or ".." in parts:
+        raise WeightLoadError(f"{index}: names {name!r:.200}, which is not a file name inside "
+                              f"{folder}; an index may name only the folder's own files")
+    return regular_file(folder / name, folder)
+
+
 def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
     """Checkpoint key → the file holding it (an index's weight map, or each file's keys)."""
-    if source.is_file():
-        files = [source]
+    if not source.is_dir():
+        files = [regular_file(source)]
     else:
         index = source / fmt.index_name
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                text = read_regular_file(index, limit=MAX_INDEX_BYTES)
+                weight_map = json.loads(text.decode("utf-8"))["weight_map"]
+            except OSError as exc:
+                raise WeightLoadError(f"{index}: cannot be read: {exc.strerror or exc}") from None
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise WeightLoadError(f"{index}: not a {fmt.name} index ({exc!r:.200})") from None
             if not (isinstance(weight_map, dict) and all(
                     isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items())):
                 raise WeightLoadError(f"{index}: not a {fmt.name} index (weight_map must map "
                                       f"tensor names to file names)")
-            missing = sorted({f for f in weight_map.values() if not (source / f).is_file()})
+            missing = sorted({f for f in weight_map.values() if not (source / f).exists()})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")
-            return {k: source / f for k, f in weight_map.items()}
-        files = fmt.files(source)
+            checked = {f: _index_file(source, index, f) for f in sorted(set(weight_map.values()))}
+            return {k: checked[f] for k, f in weight_map.items()}
+        files = [regular_file(f, source) for f in fmt.files(source)]
     out: dict[str, Path] = {}
     for path in files:
         try:
@@ -299,14 +363,11 @@ class _DCP:
 
     def plan(self, source: Path, targets: Sequence[_Target],
              ignore: Callable[[str], bool]) -> _Reader:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        try:
-            metadata = FileSystemReader(str(source)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
-            raise WeightLoadError(f"{source}: cannot read DCP metadata: {exc}") from None
+        from hyperrecipe.runtime.state.dcp_reader import read_dcp_metadata, trusted_dcp_load
+
+        metadata = read_dcp_metadata(source)  # no code runs; storage files checked
         stored = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
                   if isinstance(v, TensorStorageMetadata)}
         prefix = "model." if any(k.startswith("model.") for k in stored) and not any(
@@ -339,10 +400,7 @@ class _DCP:
                 local = request[key]._local_tensor  # type: ignore[attr-defined]
                 if local.data_ptr() != buffers[name].data_ptr():
                     gathered.append((t, name))
-        try:
-            dcp_load(request, checkpoint_id=str(source))
-        except Exception as exc:  # noqa: BLE001 - reported with the source, model untouched
-            raise WeightLoadError(f"{source}: dcp.load failed: {exc}") from None
+        trusted_dcp_load(request, source)  # into fresh buffers: the model is untouched
         for t, name in gathered:
             assert t.plan is not None
             buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
@@ -445,8 +503,16 @@ def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> 
             for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
+MAX_LISTED = 50
+"""Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
+tensors made a 300,000-line error)."""
+
+
 def _listing(head: str, problems: Sequence[str]) -> str:
-    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(problems)
+    shown = list(problems[:MAX_LISTED])
+    if len(problems) > MAX_LISTED:
+        shown.append(f"... and {len(problems) - MAX_LISTED} more")
+    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
 
 
 def _targets(live: LiveParams, model: nn.Module) -> list[_Target]:
@@ -528,6 +594,106 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|distcp)|.*\.index\.json|\.metadata")
+_SAMPLE_BYTES = 1 << 16
+
+
+def source_digest(source: str | os.PathLike[str]) -> str:
+    """A digest of what ``load_weights(source)`` would read, for ranks to compare before they
+    load: each weight file's name and size and three 64 KiB windows of its bytes (start,
+    middle, end; a file up to 192 KiB whole), the index and DCP metadata included. Another
+    checkpoint, another training step of the same one, or a truncated copy differ; a change
+    that keeps the size and lies outside the windows does not (it is a sample, not a hash of
+    everything: that would read every byte on every rank). Paths are not part of it, so ranks
+    on different hosts may hold their own copies.
+
+    Raises:
+        WeightLoadError: a file cannot be read.
+    """
+    import hashlib
+
+    path = Path(source)
+    digest = hashlib.sha256()
+    if not path.exists():
+        return digest.hexdigest()  # loading says what is missing
+    try:
+        files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
+                 if path.is_dir() else [path])
+        for f in files:
+            mode = os.stat(f).st_mode
+            if not stat.S_ISREG(mode):
+                digest.update(f"{f.name}\0not a regular file\0".encode())
+                continue  # never opened: loading refuses it by name
+            size = os.stat(f).st_size
+            digest.update(f"{f.name}\0{size}\0".encode())
+            with open(f, "rb") as handle:
+                for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
+                                      max(0, size - _SAMPLE_BYTES)}):
+                    handle.seek(offset)
+                    digest.update(handle.read(_SAMPLE_BYTES))
+    except OSError as exc:
+        raise WeightLoadError(f"{source}: cannot be read: {exc}") from None
+    return digest.hexdigest()
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 1) -> None:
+    """Check a folder an export wrote against its manifest (``hyperrecipe.manifest.json``,
+    written last by ``save_pretrained``): the export's files are exactly the ones it lists,
+    each of its size, and the files of this rank's share (every ``world``-th, from ``rank``)
+    hash to its sha256, so the ranks together read every byte once. Nothing to do without a
+    manifest (a checkpoint from another tool).
+
+    Raises:
+        WeightLoadError: the manifest is malformed, a file is missing, extra (a later write by
+            another tool, or an earlier export), of another size, or of other contents.
+    """
+    import hashlib
+
+    from hyperrecipe.runtime.state.export import EXPORT_FILES, MANIFEST, MANIFEST_FORMAT
+
+    folder = Path(source)
+    path = folder / MANIFEST
+    if not folder.is_dir() or not os.path.lexists(path):
+        return
+    try:
+        manifest = json.loads(read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not all(
+                isinstance(n, str) and isinstance(e, dict) and isinstance(e.get("bytes"), int)
+                and isinstance(e.get("sha256"), str) for n, e in files.items()):
+            raise ValueError(f"not a {MANIFEST_FORMAT} manifest")
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:
+        raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
+    again = (f"; the folder no longer holds what its export wrote: export again, or remove "
+             f"{MANIFEST} if its files were replaced on purpose by another tool")
+    extra = sorted(f.name for f in folder.iterdir()
+                   if EXPORT_FILES.fullmatch(f.name) and f.name not in files)
+    if extra:
+        raise WeightLoadError(f"{folder}: {extra} are not in {MANIFEST}{again}")
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise WeightLoadError(f"{path}: names {name!r:.200}, not a file of the folder")
+        file = regular_file(folder / name, folder)
+        size = os.stat(file).st_size
+        if size != entry["bytes"]:
+            raise WeightLoadError(f"{file}: {size} bytes, {MANIFEST} says {entry['bytes']}"
+                                  f"{again}")
+        if i % world != rank:
+            continue
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != entry["sha256"]:
+            raise WeightLoadError(f"{file}: its sha256 is not the one in {MANIFEST} (same size, "
+                                  f"other bytes: a relabelled header, overwritten data){again}")
+
+
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
                  unloaded: set[str], ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
@@ -545,7 +711,8 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
     ignore = _ignore_patterns(model, ignore_unexpected)
-    errors: list[str] = []
+    if path.exists() and not path.is_dir():
+        regular_file(path)  # a FIFO given as the file itself: refused, not opened
     for i, strategy in enumerate(strategies):
         why = strategy.ineligible(path)
         if why is not None:
@@ -557,10 +724,18 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
             _refuse_differing_ties(targets, reader, live.mesh)
             _write_all(targets, reader, unloaded)
         except WeightLoadError as exc:
+            # The first strategy that can read the source is the format it declares; trying
+            # the next would read other files of the folder (a stale export, a .metadata
+            # hidden beside the safetensors) without a word.
+            rest = [s.name for s in strategies[i + 1:]]
             attempts.append(LoadAttempt(strategy=strategy.name, source=str(path), state="failed",
                                         detail=str(exc)))
-            errors.append(f"{strategy.name}: {exc}")
-            continue
+            attempts.extend(LoadAttempt(strategy=n, source=str(path), state="not tried",
+                                        detail=f"{path} is a {strategy.name} checkpoint")
+                            for n in rest)
+            tail = (f"\n(not tried: {', '.join(rest)}; {path} holds {strategy.name} files, so "
+                    f"it is read as {strategy.name} only)" if rest else "")
+            raise WeightLoadError(f"{strategy.name}: {exc}{tail}") from None
         notes = []
         if isinstance(strategy, _Safetensors) and strategy.renamed:
             notes.append(f"{strategy.renamed} tensors read from keys of other names "
@@ -576,10 +751,8 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
         attempts.extend(LoadAttempt(strategy=s.name, source=str(path), state="not tried")
                         for s in strategies[i + 1:])
         return attempts
-    if not errors:
-        reasons = "; ".join(f"{a.strategy}: {a.detail}" for a in attempts)
-        raise WeightLoadError(f"no loading strategy can read {path}: {reasons}")
-    raise WeightLoadError("\n".join(errors))
+    reasons = "; ".join(f"{a.strategy}: {a.detail}" for a in attempts)
+    raise WeightLoadError(f"no loading strategy can read {path}: {reasons}")
 
 
 def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:

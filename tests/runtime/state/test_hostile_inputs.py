@@ -352,7 +352,7 @@ def test_a_mistyped_recipe_path_or_name_suggests_the_nearest(in_root: Path) -> N
     assert str(err.value) == (
         "recipes/lama.yaml:1:1: cannot read recipe file: no such file; did you mean "
         "'recipes/llama.yaml'? @ $; a recipe is a .yaml, .yml or .toml file, or a shipped "
-        "recipe's name (gpt2, llama, llama-cp, llama-sp, ...)")
+        "recipe's name (gpt2, llama, llama-cp, llama-dp, ...)")
     with pytest.raises(RecipeError) as err:
         load_recipe("lama")
     assert err.value.problem == ("no recipe file 'lama' and no shipped recipe of that name; did "

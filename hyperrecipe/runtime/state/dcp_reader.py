@@ -1,0 +1,342 @@
+"""Reading ``torch.distributed.checkpoint`` folders without running code a folder holds.
+
+A DCP folder is pickles: ``.metadata`` is read by torch's ``FileSystemReader`` with a plain
+``pickle.load``, and the non-tensor entries of a state dict (an optimizer's ``param_groups``)
+are read by ``DefaultLoadPlanner.load_bytes`` with ``torch.load(weights_only=False)``. A folder
+someone else handed over can therefore run any code on ``dcp.load``. Here:
+
+- ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which admits only the globals that
+  DCP's own metadata pickles name (found by pickling the metadata of real checkpoints, saved
+  by ``dcp.save(inst.state_dict(opt))`` and by ``get_state_dict`` in both modes), and the
+  result must be a ``Metadata`` whose every file name is a regular file of the folder that
+  holds the bytes the metadata says it does: a refused global, a path out of the folder, a
+  FIFO or a truncated ``.distcp`` are a :class:`WeightLoadError` naming the file, before
+  torch reads anything;
+- non-tensor entries are read with ``torch.load(weights_only=True)`` first (plain data:
+  numbers, strings, lists, dicts, tensors) and handed to the planner only if that succeeds.
+
+:class:`TrustedFileSystemReader` is torch's reader with both; pass it as ``storage_reader`` to
+``dcp.load``, or call :func:`trusted_dcp_load`, which also turns torch's
+``CheckpointException`` (a ``BaseException``) into a :class:`WeightLoadError`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from hyperrecipe._files import read_regular_file
+from hyperrecipe.errors import WeightLoadError
+
+__all__ = ["COMMIT", "MAX_METADATA_BYTES", "commit_record", "TrustedFileSystemReader", "read_dcp_metadata",
+           "trusted_dcp_load", "trusted_reader"]
+
+MAX_METADATA_BYTES = 1 << 30
+"""The largest ``.metadata`` read (a 70B model's metadata is tens of MiB)."""
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    (_DCP_METADATA, "Metadata"),
+    (_DCP_METADATA, "MetadataIndex"),
+    (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # torch before 2.2 pickled TensorProperties from the sharded-tensor package
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+})
+"""Every global a DCP ``.metadata`` may name, besides ``torch.<dtype>`` / ``torch.<layout>`` /
+``torch.<memory_format>`` constants. Each is a class whose construction only stores its
+arguments (dataclasses, ``torch.Size``, paths, an enum) or a lookup in torch's own table."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` admits only :data:`_ALLOWED` and torch's
+    dtype, layout and memory-format constants; every way a pickle reaches a callable
+    (``GLOBAL``, ``STACK_GLOBAL``, ``EXT*``) goes through ``find_class``, and persistent ids
+    are refused."""
+
+    def __init__(self, data: bytes, path: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise self._refuse(f"{module}.{name}"[:200])
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise self._refuse(f"the persistent id {pid!r:.80}")
+
+    def _refuse(self, what: str) -> WeightLoadError:
+        msg = (f"{self.path}: refused: the pickle names {what}, which is not one of DCP's "
+               f"metadata classes; a checkpoint is data and loading it runs no code (see "
+               f"docs/security.md, 'Checkpoints'). Re-save it with torch.distributed.checkpoint")
+        return WeightLoadError(msg)
+
+
+def _metadata_path(folder: Path, rank: int | None) -> Path:
+    return folder / (".metadata" if rank is None else f"__{rank}.metadata")
+
+
+def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None) -> Any:
+    """The ``Metadata`` of a DCP folder, read without running code, with every storage file
+    checked: a plain name inside the folder, a regular file, long enough for the bytes the
+    metadata places in it.
+
+    Raises:
+        WeightLoadError: the file is not a regular file, too large, names a global outside the
+            allow-list (the message names it), is not DCP metadata, or names a storage file
+            that is missing, outside the folder, not a regular file, or too short.
+    """
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                        StorageMeta, TensorStorageMetadata)
+
+    base = Path(folder)
+    path = _metadata_path(base, rank)
+    try:
+        data = read_regular_file(path, limit=MAX_METADATA_BYTES)
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot read DCP metadata: {exc.strerror or exc}") from None
+    try:
+        metadata = _MetadataUnpickler(data, path).load()
+    except WeightLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformed pickle is "not DCP metadata"
+        msg = f"{path}: not DCP metadata ({type(exc).__name__}: {exc!s:.200})"
+        raise WeightLoadError(msg) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not all(isinstance(k, str) and isinstance(v, (TensorStorageMetadata,
+                                                            BytesStorageMetadata))
+                       for k, v in metadata.state_dict_metadata.items()):
+        raise WeightLoadError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+    record = _commit_of(base) if rank is None else None  # "not committed" says most: first
+    sizes = _check_storage(base, path, metadata)
+    if record is not None:
+        _check_commit(base, record, data, sizes)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+COMMIT = "hyperrecipe.commit.json"
+"""Written by ``Installation.save_checkpoint``: ``{"state": "writing"}`` before ``dcp.save``,
+then ``committed`` with the ``.metadata``'s sha256 and each storage file's size."""
+
+
+def commit_record(folder: Path) -> dict[str, Any]:
+    """The committed record of a folder ``dcp.save`` just finished writing."""
+    import hashlib
+
+    data = read_regular_file(folder / ".metadata", limit=MAX_METADATA_BYTES)
+    sizes = {f.name: f.stat().st_size for f in sorted(folder.iterdir())
+             if f.name.endswith(".distcp")}
+    return {"state": "committed", "metadata_sha256": hashlib.sha256(data).hexdigest(),
+            "files": sizes}
+
+
+def _commit_of(base: Path) -> dict[str, Any] | None:
+    """The folder's commit record (``None`` without one: another tool's folder passes),
+    refused when it says its save did not finish."""
+    import json
+
+    path = base / COMMIT
+    if not os.path.lexists(path):
+        return None
+    try:
+        record = json.loads(read_regular_file(path, limit=1 << 24).decode("utf-8"))
+        state = record["state"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
+    if state != "committed":
+        raise WeightLoadError(f"{base}: not committed ({COMMIT} says {state!r:.40}): the "
+                              f"save_checkpoint that wrote it did not finish, so its files may "
+                              f"mix two saves; resume from an earlier checkpoint")
+    if not isinstance(record, dict):
+        raise WeightLoadError(f"{path}: malformed (not an object)")
+    return record
+
+
+def _check_commit(base: Path, record: Mapping[str, Any], data: bytes,
+                  sizes: Mapping[str, int]) -> None:
+    """Refuse a committed folder written again since (a plain ``dcp.save`` into it)."""
+    import hashlib
+
+    files = record.get("files")
+    if record.get("metadata_sha256") != hashlib.sha256(data).hexdigest() or not isinstance(
+            files, dict) or any(files.get(name) != size for name, size in sizes.items()):
+        raise WeightLoadError(f"{base}: written again after it was committed (.metadata or a "
+                              f"storage file is not what {COMMIT} records: a dcp.save into the "
+                              f"same folder?); its files may mix two saves")
+
+
+def _check_storage(base: Path, path: Path, metadata: Any) -> dict[str, int]:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    storage = metadata.storage_data
+    if not isinstance(storage, Mapping):
+        raise WeightLoadError(f"{path}: not DCP metadata (storage_data is not a mapping)")
+    ends: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or \
+                not isinstance(info.offset, int) or not isinstance(info.length, int) or \
+                info.offset < 0 or info.length < 0:
+            raise WeightLoadError(f"{path}: not DCP metadata (storage entry {index!r:.120})")
+        name = info.relative_path
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            msg = (f"{path}: storage file {name!r:.120} is not a plain file name in the folder; "
+                   f"a checkpoint reads only its own files")
+            raise WeightLoadError(msg)
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = base / name
+        try:
+            st = os.lstat(file)
+        except OSError as exc:
+            raise WeightLoadError(f"{file}: named by {path.name} but cannot be read: "
+                                  f"{exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a symlink" if stat.S_ISLNK(
+                st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a device")
+            raise WeightLoadError(f"{file}: not a regular file ({kind}); DCP writes its storage "
+                                  f"files as regular files, and only those are read")
+        if st.st_size < end:
+            raise WeightLoadError(f"{file}: {st.st_size} bytes, but {path.name} places data up "
+                                  f"to byte {end}: the file is truncated or belongs to another "
+                                  f"checkpoint")
+        sizes[name] = st.st_size
+    return sizes
+
+
+class TrustedFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` that reads metadata with :func:`read_dcp_metadata` and
+    non-tensor entries as plain data (``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        metadata = read_dcp_metadata(Path(os.fspath(self.path)), kwargs.get("rank"))
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(plan, _PlainBytes(planner))  # type: ignore[arg-type]
+
+
+class _PlainBytes:
+    """A load planner whose ``load_bytes`` admits only what ``torch.load(weights_only=True)``
+    reads; the wrapped planner then reads the same bytes (which name only those globals)."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - reported by name
+            fqn = getattr(getattr(read_item, "dest_index", None), "fqn", "?")
+            msg = (f"refused the non-tensor entry {fqn!r}: it is not plain data "
+                   f"(torch.load(weights_only=True): {exc!s:.300})")
+            raise WeightLoadError(msg) from None
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+
+def trusted_reader(folder: str | os.PathLike[str]) -> TrustedFileSystemReader:
+    """A :class:`TrustedFileSystemReader` on ``folder``, for ``dcp.load(storage_reader=...)``."""
+    return TrustedFileSystemReader(os.fspath(folder))
+
+
+def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
+                     process_group: Any = None) -> None:
+    """``dcp.load(state, checkpoint_id=folder)`` through :func:`trusted_reader`: the metadata
+    is checked first (on every rank, so all raise the same error), and torch's
+    ``CheckpointException`` becomes a :class:`WeightLoadError` naming the folder.
+
+    Raises:
+        WeightLoadError: the folder is refused (see :func:`read_dcp_metadata`) or a rank failed
+            reading it.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    read_dcp_metadata(folder)
+    try:
+        dcp_load(state, storage_reader=trusted_reader(folder), process_group=process_group)
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        lines = [f"rank {r}: {_describe(e)}" for r, e in sorted(failures.items())]
+        raise WeightLoadError(f"{folder}: dcp.load failed:\n  " + "\n  ".join(
+            lines or [str(exc)])) from None
+    except WeightLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the folder
+        raise WeightLoadError(f"{folder}: dcp.load failed: {type(exc).__name__}: "
+                              f"{exc!s:.500}") from None
+
+
+def _describe(failure: Any) -> str:
+    exc = failure[0] if isinstance(failure, tuple) and failure else failure
+    if isinstance(exc, BaseException):
+        return f"{type(exc).__name__}: {exc!s:.300}"
+    text = str(exc)
+    return text.strip().splitlines()[-1][:300] if text.strip() else type(exc).__name__
+
+
+def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int) -> None:
+    """``dcp.save(state, checkpoint_id=folder)`` between two commit records: ``writing``
+    before any rank writes (rank 0 writes it before entering ``dcp.save``, whose first step
+    is a collective), ``committed`` after ``.metadata`` is written. A save that dies between
+    the two leaves ``writing``, which every reader here refuses.
+
+    Raises:
+        ExportError: ``dcp.save`` failed on a rank (the folder stays uncommitted).
+    """
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from hyperrecipe.errors import ExportError
+    from hyperrecipe.runtime.state.export import replace_text
+
+    path = Path(folder)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        replace_text(path / COMMIT, json.dumps({"state": "writing"}) + "\n")
+    try:
+        dcp_save(state, checkpoint_id=str(path))
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        lines = [f"rank {r}: {_describe(e)}" for r, e in sorted(failures.items())]
+        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
+                          f"uncommitted and will not load:\n  " + "\n  ".join(
+                              lines or [str(exc)])) from None
+    if rank == 0:
+        replace_text(path / COMMIT, json.dumps(commit_record(path), indent=2,
+                                               sort_keys=True) + "\n")
