@@ -440,8 +440,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
-    installation = Installation(model=model, plan=plan, mode=chosen, rewritten=tx.result,
-                                mesh=mesh, wrapper_choices=applier.inner.choices,
-                                unloaded=applier.unloaded)
+    installation = Installation.attach(model=model, plan=plan, mode=chosen,
+                                       rewritten=tx.result, mesh=mesh,
+                                       wrapper_choices=applier.inner.choices,
+                                       unloaded=applier.unloaded)
     return installation
 

@@ -107,22 +107,36 @@ class Installation:
         self._loads: list[LoadAttempt] = []
         # Parameters are looked up live (LiveParams), never kept: to_empty(), fully_shard and
         # load_state_dict(assign=True) replace them after apply.
-        self._barrier_group = _barrier_group()
         # Production reduces these parameters' gradients with hooks on the objects apply
         # installed; a wrapper that replaces them would leave the gradients partial.
         by_fqn = {p.fqn: p for p in plan.params}
         self._bucketed = {fqn: (by_fqn[fqn], self._live.param(by_fqn[fqn]))
                           for fqn in self.mode.hook_reduced_gradients(plan)}
-        # Production: state dicts of local shards as DTensors. Both: the optimizer's hooks
-        # (fused parameters' state replicated for DCP in validate mode too).
-        # Validate: a step of torch's multi-tensor kernels over its mixed DTensor / plain
-        # parameters refused by name. Both: model.load_state_dict's checks, the DDP guard.
-        self._hooks = [*install_state_hooks(model, self._live, self._mark_loaded,
-                                            self._enter_collective),
-                       *install_optimizer_hooks(self._live, self._bucketed,
-                                                self._enter_collective),
-                       *self.mode.install_optimizer_checks(self._live),
+        self._barrier_group: Any = None
+        self._hooks: list[Any] = []
+
+    @classmethod
+    def attach(cls, *, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritten,
+               mesh: DeviceMesh, wrapper_choices: Sequence[WrapperChoice] = (),
+               unloaded: Sequence[str] = ()) -> Installation:
+        """The handle ``apply`` returns once every rank committed, with what it documents
+        beside the rewritten model: the group whose barrier refuses a collective entered on
+        one rank only, and the hooks through which a trainer's own calls reach the plan
+        (production: state dicts of local shards as DTensors; both: the optimizer's hooks,
+        fused parameters' state replicated for DCP; validate: a step of torch's multi-tensor
+        kernels over mixed DTensor / plain parameters refused by name; both:
+        ``model.load_state_dict``'s checks and the DDP guard). ``restore()`` removes them.
+        Constructing an :class:`Installation` itself changes nothing."""
+        inst = cls(model=model, plan=plan, mode=mode, rewritten=rewritten, mesh=mesh,
+                   wrapper_choices=wrapper_choices, unloaded=unloaded)
+        inst._barrier_group = _barrier_group()
+        inst._hooks = [*install_state_hooks(model, inst._live, inst._mark_loaded,
+                                            inst._enter_collective),
+                       *install_optimizer_hooks(inst._live, inst._bucketed,
+                                                inst._enter_collective),
+                       *inst.mode.install_optimizer_checks(inst._live),
                        install_ddp_guard(model, plan, mesh)]
+        return inst
 
     def _mark_loaded(self, fqns: set[str]) -> None:
         """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
