@@ -16,7 +16,9 @@ Fork caveats, which :func:`run_ranks` handles where it can:
   parent's entries can compute wrong gradients).
 - Threads do not survive ``fork``. The parent should not hold locks in other threads while
   launching; torch's intra-op pool is re-created in the child, which is pinned to one thread
-  (``torch.set_num_threads(1)``) so that ranks do not oversubscribe the cores.
+  (``torch.set_num_threads(1)``, and ``OMP_NUM_THREADS=1`` so that libraries such as accelerate
+  keep it) so that ranks do not oversubscribe the cores. A child that raises its thread count
+  after the parent started its OpenMP pool hangs in GNU OpenMP's first parallel region.
 - CUDA cannot be used in a forked child once the parent has initialised it. The backend is
   chosen with :func:`torch.cuda.device_count`, which asks NVML and does not initialise CUDA; if
   CUDA is already initialised and NCCL is needed, pass ``start_method="spawn"``.
@@ -354,6 +356,10 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
+        # what the pinning below chose, said where libraries look: accelerate raises the
+        # thread count of a CPU rank whose OMP_NUM_THREADS is unset, and a forked child whose
+        # parent had started its OpenMP pool then hangs in its first parallel region
+        OMP_NUM_THREADS="1",
     )
     import torch
     import torch.distributed as dist

@@ -188,15 +188,35 @@ def test_progress_reports_start_and_every_rank_ready_and_done() -> None:
 
 
 def test_fork_after_the_parent_used_intra_op_threads_does_not_hang() -> None:
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
+    try:
+        a = torch.randn(512, 512)
+        torch.mm(a, a)  # starts the parent's OpenMP pool
+
+        def rank_fn(rank: int, world_size: int) -> float:
+            b = torch.randn(512, 512)
+            return float(torch.mm(b, b).sum().isfinite())
+
+        assert run_ranks(rank_fn, 2, timeout_s=30.0) == [1.0, 1.0]
+    finally:
+        torch.set_num_threads(before)  # the rest of the session forks from this process
+
+
+def test_a_library_that_sizes_its_threads_from_the_environment_keeps_one_in_a_rank() -> None:
+    """accelerate raises a CPU rank's thread count when OMP_NUM_THREADS is unset; after the
+    parent started its OpenMP pool, the rank then hung in its first parallel region (MKL's
+    vectorised cos inside the Hugging Face Trainer's first forward)."""
     a = torch.randn(512, 512)
-    torch.mm(a, a)  # starts the parent's OpenMP pool
+    torch.mm(a, a)  # the parent's OpenMP pool exists before the fork
 
-    def rank_fn(rank: int, world_size: int) -> float:
-        b = torch.randn(512, 512)
-        return float(torch.mm(b, b).sum().isfinite())
+    def rank_fn(rank: int, world_size: int) -> tuple[str | None, float]:
+        if not os.environ.get("OMP_NUM_THREADS"):  # what accelerate.PartialState does
+            torch.set_num_threads(2)
+        return os.environ.get("OMP_NUM_THREADS"), float(torch.randn(1 << 16).cos().sum())
 
-    assert run_ranks(rank_fn, 2, timeout_s=30.0) == [1.0, 1.0]
+    results = run_ranks(rank_fn, 1, timeout_s=60.0)
+    assert results[0][0] == "1"
 
 
 def test_forked_ranks_clear_dtensor_sharding_cache(
