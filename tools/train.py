@@ -335,7 +335,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        return train(args, device)
+        records = train(args, device)
+        if owned:
+            # rank 0 is still renaming the export's files when the others return: they leave
+            # together, so no rank tears its connections down under a peer that still has them
+            dist.barrier()
+        return records
     finally:
         if owned:
             dist.destroy_process_group()
