@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hyperrecipe.errors import HyperrecipeError
 
@@ -415,11 +415,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, started: float) -> int:
-    def progress(message: str) -> None:
-        print(f"hyperrecipe check [{time.perf_counter() - started:6.1f} s] {message}",
-              file=sys.stderr, flush=True)
-
-    say = _quiet if args.quiet else progress
+    say = _quiet if args.quiet else _progress("check", started)
     # The first line comes before torch is imported: that import alone takes seconds.
     say(f"checking {args.recipe} on {_mesh_text(args.mesh)}: importing torch")
     from hyperrecipe.check.report import render_text, report_json
@@ -462,11 +458,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _suggest(args: argparse.Namespace, started: float) -> int:
-    def progress(message: str) -> None:
-        print(f"hyperrecipe suggest [{time.perf_counter() - started:6.1f} s] {message}",
-              file=sys.stderr, flush=True)
-
-    say = _quiet if args.quiet else progress
+    say = _quiet if args.quiet else _progress("suggest", started)
     say(f"suggesting a recipe for {args.model} on {_mesh_text(args.mesh)}: importing torch")
     from hyperrecipe.suggest import SuggestOptions, TranslateOptions, suggest_recipe
     from hyperrecipe.suggest.render import write_recipe
@@ -502,6 +494,16 @@ def _suggest(args: argparse.Namespace, started: float) -> int:
 
 def _quiet(message: str) -> None:
     del message
+
+
+def _progress(command: str, started: float) -> Callable[[str], None]:
+    """A long command's progress lines on stderr, each with the seconds since it started."""
+
+    def say(message: str) -> None:
+        print(f"hyperrecipe {command} [{time.perf_counter() - started:6.1f} s] {message}",
+              file=sys.stderr, flush=True)
+
+    return say
 
 
 def _mesh_text(mesh: dict[str, int]) -> str:
