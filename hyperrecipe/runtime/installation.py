@@ -135,6 +135,7 @@ class Installation:
                        *install_optimizer_hooks(inst._live, inst._bucketed,
                                                 inst._enter_collective),
                        *inst.mode.install_optimizer_checks(inst._live),
+                       *inst.mode.keep_hooks_through_moves(model),
                        install_ddp_guard(model, plan, mesh)]
         return inst
 
