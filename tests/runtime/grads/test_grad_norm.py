@@ -101,12 +101,12 @@ def test_grad_norm_and_clipping_equal_one_process_on_every_rank(
                         timeout_s=300)
     _check(results, ref)
     if mode == "production":
-        # what torch.nn.utils.clip_grad_norm_(model.parameters()) would have used: each
-        # rank's own shards, another number on every rank, none of them the model's norm (to
-        # ten times the tolerance the norms above meet; measured: 0.02% to 30% off)
-        local = [float(r["torch_local"]) for r in results]
-        assert local[0] != pytest.approx(local[1], rel=1e-4)
-        assert all(n != pytest.approx(float(ref["norm"]), rel=1e-4) for n in local)
+        # torch's own get_total_norm over model.parameters()' gradients: routed to the full
+        # norm while the installation lives (torch_clip_guard); torch alone returned each
+        # rank's own shards' norm, 0.02% to 30% off
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["torch_local"], ref["norm"], **NORM_TOL,
+                                       msg=lambda m, r=rank: f"rank {r} torch's norm: {m}")
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
