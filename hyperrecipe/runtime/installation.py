@@ -238,9 +238,10 @@ class Installation:
         data-parallel wrapper holds it): each rank sums ``|g|^p`` of its pieces, the sums are
         all-reduced over the mesh dims that split them (max for ``inf``), and a replicated
         parameter counts once. Parameters without a gradient are skipped, tied ones counted
-        once. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is *not* this in
-        production mode: it sees only this rank's shards (docs/training.md, "Gradient
-        clipping and norms").
+        once. torch's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees
+        only this rank's shards in production mode; while this installation lives it is handed
+        this norm instead (``runtime/grads/torch_clip_guard.py``; docs/training.md, "torch's
+        own clip_grad_norm_ on shards").
 
         Args:
             norm_type: ``p`` of the p-norm (positive), or ``float("inf")`` / ``-inf``.

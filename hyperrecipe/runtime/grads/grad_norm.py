@@ -5,7 +5,8 @@ production mode those are plain local shards: every rank computes the norm of it
 (replicated parameters, such as norms, counted on every rank), so the ranks clip by different
 coefficients and replicated weights drift apart without an error. In validate mode the
 parameters are DTensors, except replicated ones outside every boundary, which are plain; torch's
-call then refuses to mix the two.
+call then refuses to mix the two. (``torch_clip_guard`` hands torch's call this module's norm
+while an installation lives.)
 
 Here the norm is computed from what the plan records: for each parameter, the mesh dims its
 placement shards it over (``ParamPlan.placement``, never re-derived from the live tensor), plus
