@@ -7,7 +7,7 @@ rank's own (replicated parameters counted in full, sharded ones only in part): t
 by different coefficients and replicated weights drift apart without an error. No hook on the
 model or the optimizer sees that call, so the only seam is torch's module itself:
 ``torch.nn.utils.clip_grad.clip_grad_norm_`` looks its helper ``_get_total_norm`` up in its
-module's globals at every call (torch 2.6 to 2.13 at least), whoever imported it however.
+module's globals at every call (torch 2.13), whoever imported it however.
 
 While at least one installation with sharded parameters is alive, that global and its public
 alias ``torch.nn.utils.get_total_norm`` are replaced by :func:`_guarded_total_norm`. It compares
@@ -26,10 +26,11 @@ Validate mode's gradients are DTensors inside boundaries and plain outside; torc
 scaling refuses that mix, so ``_clip_grads_with_norm_`` (and ``clip_grads_with_norm_``) is
 replaced too and scales such a list tensor by tensor (what ``foreach=False`` does).
 
-On a torch without ``_get_total_norm`` (older than 2.6) ``clip_grad_norm_`` itself is replaced
-on ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``; a caller that bound it by name before
-the first apply (``from torch.nn.utils import clip_grad_norm_`` at import time) is then not
-covered. The last installation to go (``restore()``, or collected) puts torch's functions back.
+On a torch without ``_get_total_norm`` (a release that renames it) ``clip_grad_norm_`` itself
+is replaced on ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``; a caller that bound it by
+name before the first apply (``from torch.nn.utils import clip_grad_norm_`` at import time) is
+then not covered. The last installation to go (``restore()``, or its live parameters garbage
+collected) puts torch's functions back.
 ``clip_grad_value_`` is elementwise, right on shards, and left alone.
 """
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -239,7 +240,7 @@ def _guarded_total_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2
     found = _owner_of(listed)
     if found is None:
         original = _original("torch.nn.utils.clip_grad", "_get_total_norm")
-        return original(listed, norm_type, error_if_nonfinite, foreach)  # type: ignore[no-any-return]
+        return cast(Tensor, original(listed, norm_type, error_if_nonfinite, foreach))
     with torch.no_grad():
         return _true_norm(found, norm_type, error_if_nonfinite, foreach)
 
@@ -271,8 +272,7 @@ def _guarded_clip_grad_norm(parameters: Tensor | Iterable[Tensor], max_norm: flo
     found = _owner_of(grads)
     if found is None:
         original = _original("torch.nn.utils.clip_grad", "clip_grad_norm_")
-        return original(listed, max_norm, norm_type, error_if_nonfinite,  # type: ignore[no-any-return]
-                        foreach)
+        return cast(Tensor, original(listed, max_norm, norm_type, error_if_nonfinite, foreach))
     with torch.no_grad():
         total = _true_norm(found, norm_type, error_if_nonfinite, foreach)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

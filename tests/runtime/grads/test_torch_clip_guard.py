@@ -94,7 +94,7 @@ def test_torch_clip_grad_norm_in_a_plain_loop_clips_like_one_process(mode: str) 
 
 
 def _fallback_worker(rank: int, world: int) -> list[tuple[float, float]]:
-    """A torch without ``_get_total_norm`` (older than 2.6): the guard replaces
+    """A torch without ``_get_total_norm`` (a release that renames it): the guard replaces
     ``clip_grad_norm_`` itself, as the first apply finds torch."""
     from torch.nn.utils import clip_grad
 
