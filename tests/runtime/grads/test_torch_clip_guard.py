@@ -8,8 +8,8 @@ own ``labels=`` loss, AdamW.
   Without the guard each rank clipped by its own shards' norm (measured 2.65 / 2.97 where one
   process has 3.98) and the losses drift.
 - A subset of the parameters gets the norm one process computes over the same subset.
-- Mixing in another installation's gradients or a foreign tensor is refused by name before
-  anything is scaled; an unrelated model's gradients get torch's own function's answer; the
+- Mixing in another installation's gradients, a foreign tensor or a parameter added after
+  apply is refused by name before anything is scaled; an unrelated model's gradients get torch's own function's answer; the
   last installation restored puts torch's function back.
 - On a torch without ``_get_total_norm`` the fallback (``clip_grad_norm_`` itself replaced)
   clips as one process does.
@@ -139,6 +139,14 @@ def _subset_and_refusals_worker(rank: int, world: int) -> dict[str, Any]:
         except ShardedGradNormError as exc:
             out[name] = str(exc)
     out["untouched"] = all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
+    model.extra = nn.Linear(4, 4)  # added after apply: the plan has no layout for it
+    model.extra(torch.ones(1, 4)).sum().backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        out["added"] = "clipped"
+    except ShardedGradNormError as exc:
+        out["added"] = str(exc)
+    del model.extra
     # an unrelated model's gradients: torch's own answer
     plain = nn.Linear(4, 3)
     plain(torch.ones(2, 4)).sum().backward()
@@ -168,7 +176,10 @@ def test_a_subset_is_normed_right_mixtures_are_refused_and_torch_comes_back() ->
             "torch.nn.utils.clip_grad_norm_ / get_total_norm got ")
         assert "together with a Tensor of shape [3], whose layout on the mesh is unknown" in (
             res["foreign"])
-        for message in (res["two"], res["foreign"]):
+        assert ("together with the gradient of extra.weight (not in the plan: added after "
+                "apply?), the gradient of extra.bias (not in the plan: added after apply?), "
+                "whose layout on the mesh is unknown") in res["added"]
+        for message in (res["two"], res["foreign"], res["added"]):
             assert "use inst.clip_grad_norm_(max_norm)" in message
         assert res["untouched"]  # refused before anything was scaled
         assert res["plain"][0] == res["plain"][1]
