@@ -27,6 +27,7 @@ from hyperrecipe.runtime.state.checkpoint import (
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import local_shard
@@ -135,7 +136,8 @@ class Installation:
                        *install_optimizer_hooks(inst._live, inst._bucketed,
                                                 inst._enter_collective),
                        *inst.mode.install_optimizer_checks(inst._live),
-                       install_ddp_guard(model, plan, mesh)]
+                       install_ddp_guard(model, plan, mesh),
+                       keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         return inst
 
     def _mark_loaded(self, fqns: set[str]) -> None:
