@@ -179,7 +179,8 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
     Raises:
         UsageError: a process group is already initialized in this process (the dry run needs
             the default group for the fake one), a parameter of ``model`` is not on the meta
-            device, a rank is outside the mesh, or ``seq_len`` is not positive.
+            device, a rank is outside the mesh, or ``seq_len`` is not positive or given with
+            ``mode="validate"``.
         Anything ``apply`` (or, with ``seq_len``, the model's forward) raises for this plan
         and model.
     """
@@ -204,6 +205,11 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
         raise UsageError(msg)
     if seq_len is not None and seq_len <= 0:
         msg = f"simulate(): seq_len must be a positive number of tokens, not {seq_len}"
+        raise UsageError(msg)
+    if seq_len is not None and mode != "production":
+        msg = (f"simulate(seq_len=...) traces production mode only, not {mode!r}: validate "
+               f"mode's DTensor ops do not run on a meta mesh; drop seq_len (or --seq-len) or "
+               f"the mode")
         raise UsageError(msg)
     started = time.perf_counter()
     rows = tuple(_simulate_rank(model, plan, shape, rank, world, mode, seq_len)

@@ -193,3 +193,12 @@ def test_simulate_command_reports_the_traced_step(capsys: pytest.CaptureFixture[
     assert code == 0
     assert "one step of 16 tokens traced" in out and "act/token" in out
     assert "from an inner wrapper, not in the manifest" in out
+
+
+def test_traced_step_refuses_validate_mode_and_a_bad_length() -> None:
+    model = llama("meta")
+    plan = compile_recipe(RECIPE, model, {"tp": 2})
+    with pytest.raises(UsageError, match="traces production mode only, not 'validate'"):
+        simulate(model, plan, seq_len=SEQ, mode="validate")
+    with pytest.raises(UsageError, match="seq_len must be a positive number of tokens, not 0"):
+        simulate(model, plan, seq_len=0)
