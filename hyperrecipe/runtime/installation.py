@@ -30,6 +30,7 @@ from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
+from hyperrecipe.runtime.grads.torch_clip_guard import guard_torch_clipping
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import local_shard
 from hyperrecipe.runtime.state.state_hooks import (
@@ -122,7 +123,8 @@ class Installation:
         (production: state dicts of local shards as DTensors; both: the optimizer's hooks,
         fused parameters' state replicated for DCP; validate: a step of torch's multi-tensor
         kernels over mixed DTensor / plain parameters refused by name; both:
-        ``model.load_state_dict``'s checks and the DDP guard). ``restore()`` removes them.
+        ``model.load_state_dict``'s checks, the DDP guard and, for a plan that shards, torch's
+        ``clip_grad_norm_`` routed to :meth:`grad_norm`). ``restore()`` removes them.
         Constructing an :class:`Installation` itself changes nothing."""
         inst = cls(model=model, plan=plan, mode=mode, rewritten=rewritten, mesh=mesh,
                    wrapper_choices=wrapper_choices, unloaded=unloaded)
@@ -132,8 +134,11 @@ class Installation:
                        *install_optimizer_hooks(inst._live, inst._bucketed,
                                                 inst._enter_collective),
                        *inst.mode.install_optimizer_checks(inst._live),
+                       *inst.mode.keep_hooks_through_moves(model),
                        install_ddp_guard(model, plan, mesh),
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
+        if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
+            inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))
         return inst
 
     def _mark_loaded(self, fqns: set[str]) -> None:
@@ -232,9 +237,10 @@ class Installation:
         data-parallel wrapper holds it): each rank sums ``|g|^p`` of its pieces, the sums are
         all-reduced over the mesh dims that split them (max for ``inf``), and a replicated
         parameter counts once. Parameters without a gradient are skipped, tied ones counted
-        once. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is *not* this in
-        production mode: it sees only this rank's shards (docs/training.md, "Gradient
-        clipping and norms").
+        once. torch's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees
+        only this rank's shards in production mode; while this installation lives it is handed
+        this norm instead (``runtime/grads/torch_clip_guard.py``; docs/training.md, "torch's
+        own clip_grad_norm_ on shards").
 
         Args:
             norm_type: ``p`` of the p-norm (positive), or ``float("inf")`` / ``-inf``.
