@@ -30,6 +30,7 @@ from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
 from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
+from hyperrecipe.runtime.grads.scaler_guard import guard_grad_scaler
 from hyperrecipe.runtime.grads.torch_clip_guard import guard_torch_clipping
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import local_shard
@@ -139,6 +140,7 @@ class Installation:
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
             inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))
+            inst._hooks.append(guard_grad_scaler(inst._live))  # and GradScaler's inf check
         return inst
 
     def _mark_loaded(self, fqns: set[str]) -> None:
