@@ -55,8 +55,10 @@ class HyperrecipeTrainer(Trainer):
     Raises:
         TrainerSetupError: ``model`` is not the installation's model; the mesh has several
             data dims or does not span the world; a setting that cannot be right on shards
-            (validate mode, DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
-            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer).
+            (DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
+            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer, a full
+            fp16/bf16 eval in validate mode), or the model is on another device than the
+            Trainer's (move it before ``apply``).
 
     Example::
 
@@ -74,13 +76,6 @@ class HyperrecipeTrainer(Trainer):
                    f"(got {type(model).__name__}, applied to "
                    f"{type(installation.model).__name__}); wrappers go on after the Trainer")
             raise TrainerSetupError(msg)
-        if installation.mode.parameters_are_dtensors:
-            msg = ("HyperrecipeTrainer: the installation is in validate mode; train through the "
-                   "Trainer in production mode (validate mode is for checking layouts: "
-                   "`hyperrecipe check` or a few steps of your own loop). Measured: under the "
-                   "Trainer, validate mode's embedding gradient arrives replicated where the plan "
-                   "shards it, and the norm refuses it")
-            raise TrainerSetupError(msg)
         self.installation = installation
         self.data_parallel: DataParallel = data_parallel_of(installation,
                                                             trainer="HyperrecipeTrainer")
@@ -91,6 +86,25 @@ class HyperrecipeTrainer(Trainer):
         # `_prepare_for_training`).
         self.is_distributed_loading_by_transformers = True
         self._dp_wrapped: nn.Module | None = None
+
+    # -- where the model lives ------------------------------------------------------------
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The model stays where ``apply`` put it. The Trainer's ``model.to(args.device)``
+        runs before it hears that the model owns its placement, and in validate mode ``to``
+        swaps every DTensor parameter for a new object (``torch.utils.swap_tensors``, which
+        ``Module._apply`` uses for tensor subclasses) that has lost the hook keeping its
+        gradient's placement: the embedding's gradient then arrives ``Replicate()`` where
+        the plan shards it, and the norm refuses it. A model on another device is refused:
+        move it before ``apply``."""
+        wrong = sorted({str(p.device) for p in model.parameters()
+                        if p.device.type != torch.device(device).type})
+        if wrong:
+            msg = (f"HyperrecipeTrainer: the model's parameters are on {wrong}, the Trainer's "
+                   f"device is {device}; move the model to {device} before "
+                   "hyperrecipe.apply (the Trainer does not move an applied model: moving "
+                   "DTensor parameters replaces them and drops their gradient hooks)")
+            raise TrainerSetupError(msg)
 
     # -- data parallel over the data dim only ----------------------------------------------
 
@@ -279,6 +293,11 @@ def _refuse_unsupported(trainer: Any) -> None:
                              "the weights are written as safetensors"),
         "torch_compile": (bool(args.torch_compile),
                           "compile after apply, on the model (docs/training.md)"),
+        "fp16_full_eval/bf16_full_eval": (
+            trainer.installation.mode.parameters_are_dtensors
+            and bool(args.fp16_full_eval or args.bf16_full_eval),
+            "evaluate() would cast the model with .to(dtype), which replaces validate mode's "
+            "DTensor parameters and drops their gradient hooks; evaluate in the model's dtype"),
     }
     for name, (bad, why) in refusals.items():
         if bad:

@@ -40,7 +40,7 @@ TABLE = {
     "`transformers.Trainer` under `torchrun`": "refused",
     "`HyperrecipeTrainer`: `max_grad_norm`, logged `grad_norm`": "made right",
     "`HyperrecipeTrainer`: `save_steps`, `resume_from_checkpoint`": "made right",
-    "`HyperrecipeTrainer` with a validate-mode installation": "refused",
+    "`HyperrecipeTrainer` with a validate-mode installation": "made right",
     "`HyperrecipeTrainer` at dp × tp": "made right",
     "Lightning `gradient_clip_val` under `ModelParallelStrategy`": "wrong",
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
