@@ -37,16 +37,23 @@ from hyperrecipe.integrations.trainer_mesh import DataParallel, data_parallel_of
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["DCP_FOLDER", "HyperrecipeTrainer"]
+__all__ = ["DCP_FOLDER", "HyperrecipeTrainer", "HyperrecipeTrainerMixin"]
 
 DCP_FOLDER = "hyperrecipe-dcp"
 """The folder inside each ``checkpoint-N`` holding model and optimizer state for DCP."""
 
 _SCHEDULER = "scheduler.pt"
 
+if TYPE_CHECKING:  # pragma: no cover
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-class HyperrecipeTrainer(Trainer):
-    """``transformers.Trainer`` for a model with an applied plan (call on every rank).
+
+class HyperrecipeTrainerMixin(_TrainerBase):
+    """The seams of :class:`HyperrecipeTrainer`, for any subclass of ``transformers.Trainer``
+    (TRL's trainers): put it first, ``class MyTrainer(HyperrecipeTrainerMixin, SFTTrainer)``,
+    and construct with ``installation=`` as :class:`HyperrecipeTrainer`.
 
     Args:
         installation: what ``hyperrecipe.apply`` returned for ``model``.
@@ -81,6 +88,7 @@ class HyperrecipeTrainer(Trainer):
                                                             trainer="HyperrecipeTrainer")
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
+        _refuse_unhandled_fused_head(self)
         # The Trainer's own seam for a model that owns placement and gradient reduction:
         # accelerate then prepares autocast only, and wraps nothing (transformers'
         # `_prepare_for_training`).
@@ -248,6 +256,11 @@ class HyperrecipeTrainer(Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
+class HyperrecipeTrainer(HyperrecipeTrainerMixin, Trainer):
+    """``transformers.Trainer`` for a model with an applied plan (call on every rank); see
+    :class:`HyperrecipeTrainerMixin` for the arguments and what is refused."""
+
+
 def _gather_tensors(data: Any, group: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_gather_tensors(d, group) for d in data)
@@ -276,6 +289,26 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "optimizer", optimizer)
     assert isinstance(inner, torch.optim.Optimizer)
     return inner
+
+
+def _refuse_unhandled_fused_head(trainer: Any) -> None:
+    """TRL's trainers patch the model with a fused LM head that multiplies by the output
+    weight outside the plan's ``lm_head`` boundary: on production shards, this rank's vocab
+    slice only. ``hyperrecipe.integrations.trl`` hands it the full weight (SFT); any other
+    trainer that patched it is refused."""
+    patched = trainer.model.__dict__.get("forward")
+    code = getattr(patched, "__code__", None)
+    if code is None or "add_fused_lm_head" not in code.co_qualname:
+        return
+    if getattr(trainer, "handles_fused_lm_head", False):
+        return
+    if trainer.installation.mode.parameters_are_dtensors:
+        return  # TRL gathers a DTensor weight itself
+    msg = (f"HyperrecipeTrainer: {type(trainer).__name__} patched the model with TRL's fused LM "
+           "head, which multiplies by the output weight outside the plan's lm_head boundary: "
+           "on production shards it scores this rank's vocab slice only. Use "
+           "hyperrecipe.integrations.trl.HyperrecipeSFTTrainer (SFT), or validate mode")
+    raise TrainerSetupError(msg)
 
 
 def _refuse_unsupported(trainer: Any) -> None:

@@ -128,7 +128,7 @@ def test_torch_clipping_calls_on_shards_do_what_the_table_says(mode: str) -> Non
         assert abs(norms[0] - norms[1]) > 1e-3, norms
 
 
-_TRAINER_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning")
+_TRAINER_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning", "trl")
 
 
 def test_only_the_integrations_import_trainer_libraries() -> None:
