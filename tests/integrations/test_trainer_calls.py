@@ -42,6 +42,14 @@ TABLE = {
     "`HyperrecipeTrainer`: `save_steps`, `resume_from_checkpoint`": "made right",
     "`HyperrecipeTrainer` with a validate-mode installation": "made right",
     "`HyperrecipeTrainer` at dp × tp": "made right",
+    "`accelerate.Accelerator().prepare(model)` under `torchrun`": "refused",
+    "`HyperrecipeAccelerator`: `clip_grad_norm_`, LR schedule, `save_state`/`load_state`":
+        "made right",
+    "`HyperrecipeAccelerator` at dp × tp": "made right",
+    "`HyperrecipeAccelerator` with an optimizer built before apply": "refused",
+    "TRL `SFTTrainer`'s fused LM head under `HyperrecipeSFTTrainer`": "made right",
+    "`HyperrecipeTrainerMixin` over a TRL trainer that patched the fused LM head, production "
+    "mode": "refused",
     "Lightning `gradient_clip_val` under `ModelParallelStrategy`": "wrong",
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
     "Lightning at dp × tp under `HyperrecipeStrategy`": "made right",
@@ -160,6 +168,8 @@ def _example(name: str) -> str:
 @pytest.mark.slow  # starts fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("name", "library", "checkpoint"), [
     ("hf-trainer", "accelerate", "out-hf/checkpoint-8/hyperrecipe-dcp/.metadata"),
+    ("accelerate", "accelerate", "out-accelerate/step-8/hyperrecipe-dcp/.metadata"),
+    ("trl-sft", "trl", "out-sft/checkpoint-8/hyperrecipe-dcp/.metadata"),
     ("lightning", "lightning", "out-lightning/epoch=0-step=8.ckpt/.metadata")])
 def test_the_documented_trainer_examples_run_under_torchrun(
         name: str, library: str, checkpoint: str, tmp_path: Path) -> None:
