@@ -213,6 +213,9 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         """accelerate's state as accelerate writes it, less the applied model and its
         optimizers, which go to ``<folder>/hyperrecipe-dcp`` as DCP (every rank writes its
         shards once; reshardable)."""
+        if self.installation is None:
+            return str(super().save_state(output_dir, safe_serialization,
+                                          **save_model_func_kwargs))
         with self._without_applied() as (_, optimizer):
             location = str(super().save_state(output_dir, safe_serialization,
                                               **save_model_func_kwargs))
@@ -228,6 +231,9 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
             TrainerSetupError: the folder has no ``hyperrecipe-dcp/`` (not written by
                 :class:`HyperrecipeAccelerator`).
         """
+        if self.installation is None:
+            super().load_state(input_dir, **load_model_func_kwargs)
+            return
         read: list[str] = []
 
         def remember(models: list[Any], folder: str) -> None:
@@ -253,10 +259,7 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         """Hide the applied model and its optimizer from accelerate's lists while accelerate
         saves or loads the rest (it would write rank 0's shards, or read them on every rank)."""
         inst = self.installation
-        if inst is None:
-            msg = (f"{_NAME}: save_state/load_state before prepare(..., installation=inst); "
-                   "nothing applied is prepared")
-            raise TrainerSetupError(msg)
+        assert inst is not None
         mine = {id(p) for p in inst.model.parameters()}
         models, optimizers = self._models, self._optimizers
         held = [o for o in optimizers

@@ -5,7 +5,8 @@ parameters(), 0.5)`` (every step clips: the full norms are 2.1-4.0) and a linear
 against the stock ``Accelerator`` on the whole model in one process with the same seed and data.
 
 Losses agree to atol 1e-5, the returned norms to rtol 1e-5 (measured: 4.8e-7 and 3.3e-6). ``save_state`` after step 3 at tp=2 and
-``load_state`` at tp=1 continue with the uninterrupted run's losses for steps 4 and 5.
+``load_state`` at tp=1 continue with the uninterrupted run's losses for steps 4 and 5, and
+``save_model`` writes weights ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, accumulate: i
                 accelerator.save_state(out)
             if step == STEPS:
                 break
+    if how != "one" and resume is None and save_at:
+        accelerator.save_model(model, out + "-export")
     return logged
 
 
@@ -133,6 +136,11 @@ def test_accelerate_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: P
     assert (ckpt / "scheduler.bin").is_file() and not (ckpt / "optimizer.bin").exists()
     resumed = run_ranks(_worker, 1, "", "tp", 2, 1, True, 3, str(ckpt), timeout_s=600)[0]
     _assert_same_run(resumed, ref[3:])
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(f"{ckpt}-export")  # save_model: consolidated
+    assert sum(p.numel() for p in saved.parameters()) == sum(
+        p.numel() for p in llama().parameters())
 
 
 def test_accelerate_in_validate_mode_at_tp2_matches_one_process(tmp_path: Path) -> None:
