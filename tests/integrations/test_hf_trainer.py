@@ -174,13 +174,15 @@ def test_trainer_in_validate_mode_at_tp2_trains_like_one_process_and_resumes_at_
     6e-6). It failed before the integration kept the Trainer from calling ``model.to(device)``:
     ``Module._apply`` swaps DTensor parameters for new objects (``torch.utils.swap_tensors``)
     and the hook that keeps each gradient's placement went with the old ones, so the
-    embedding's gradient arrived ``Replicate()`` and the norm refused it. Its checkpoint
-    resumes in production mode at tp=1."""
-    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, timeout_s=600)[0]
+    embedding's gradient arrived ``Replicate()`` and the norm refused it. ``evaluate()``
+    gives one process's eval_loss; the checkpoint resumes in production mode at tp=1."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 7,
+                    timeout_s=600)[0]
     out = tmp_path / "validate"
-    for ranks in run_ranks(_worker, 2, str(out), "tp", 2, 10, None, 1, 0, 3, "validate",
+    for ranks in run_ranks(_worker, 2, str(out), "tp", 2, 10, None, 1, 7, 3, "validate",
                            timeout_s=600):
         _assert_same_run(ranks["logged"], ref["logged"])
+        assert ranks["eval_loss"] == pytest.approx(ref["eval_loss"], abs=LOSS_ATOL)
     resumed = run_ranks(_worker, 1, str(out), "tp", 2, 10, str(out / "checkpoint-3"),
                         timeout_s=600)[0]
     _assert_same_run([r for r in resumed["logged"] if r[0] > 3], ref["logged"][3:])

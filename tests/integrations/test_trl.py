@@ -87,8 +87,11 @@ def _worker(rank: int, world: int, out: str, how: str, mode: str,
         except TrainerSetupError as exc:
             return f"{type(exc).__name__}: {exc}"
     trainer.train(resume_from_checkpoint=resume)
-    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
-            if "loss" in h]
+    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
+              if "loss" in h]
+    if resume is None and how in ("one", "sft"):  # eval_loss as the step-0 entry
+        logged.insert(0, (0, trainer.evaluate(_data(7))["eval_loss"], 0.0))
+    return logged
 
 
 def _assert_same_run(actual: Any, expected: Any) -> None:
@@ -104,17 +107,18 @@ def test_sft_at_tp2_in_production_matches_one_process_and_resumes_at_tp1(
     """SFTTrainer's fused LM head multiplies by the output weight itself; on production shards
     it got this rank's vocab slice (measured: step 1's loss 4.147 where one process has 4.841,
     nothing warned). HyperrecipeSFTTrainer hands it the gathered weight: one process's losses
-    and norms, and its checkpoint resumes at tp=1."""
+    and norms, and ``evaluate()`` on 7 samples one process's eval_loss (logged as step 0); its
+    checkpoint resumes at tp=1."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", "production", None,
                     timeout_s=600)[0]
-    assert isinstance(ref, list) and all(n > 2 * MAX_GRAD_NORM for _, _, n in ref)
+    assert isinstance(ref, list) and all(n > 2 * MAX_GRAD_NORM for _, _, n in ref[1:])
     out = tmp_path / "tp2"
     for ranks in run_ranks(_worker, 2, str(out), "sft", "production", None, timeout_s=600):
         _assert_same_run(ranks, ref)
     resumed = run_ranks(_worker, 1, str(out), "sft", "production", str(out / "checkpoint-3"),
                         timeout_s=600)[0]
     assert isinstance(resumed, list), resumed
-    _assert_same_run([r for r in resumed if r[0] > 3], ref[3:])
+    _assert_same_run([r for r in resumed if r[0] > 3], ref[4:])
 
 
 def test_sft_at_tp2_in_validate_mode_matches_one_process(tmp_path: Path) -> None:
@@ -134,7 +138,7 @@ def test_sft_at_dp2_tp2_matches_one_process(tmp_path: Path) -> None:
                     timeout_s=600)[0]
     for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", "production", None, 2,
                            timeout_s=900):
-        _assert_same_run(ranks, ref)
+        _assert_same_run(ranks, ref[1:])  # ref[0]: one process's eval_loss
 
 
 def test_the_bare_mixin_over_sfttrainer_in_production_is_refused_by_name(
