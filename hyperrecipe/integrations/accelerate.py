@@ -14,6 +14,7 @@ handed to ``prepare(..., installation=inst)``, meets each of these where acceler
   dim only (:mod:`~hyperrecipe.integrations.trainer_mesh`), or none;
 - ``prepare_data_loader``: accelerate's own splitting, over the data dim only, and a prepared
   scheduler steps once per data rank (accelerate steps it once per process);
+  ``gather_for_metrics`` gathers over the data dim only;
 - ``clip_grad_norm_`` over the model's parameters: :meth:`Installation.clip_grad_norm_` (the
   full norm, as one process clips);
 - ``save_state`` / ``load_state``: accelerate's state (schedulers, samplers, RNG, the step,
@@ -37,7 +38,11 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch import nn
 
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.trainer_mesh import DataParallel, data_parallel_of
+from hyperrecipe.integrations.trainer_mesh import (
+    DataParallel,
+    data_parallel_of,
+    gather_over_data_dim,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.installation import Installation
@@ -178,6 +183,22 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
                                  split_batches=prepared.split_batches, data_size=dp.size)
         self._schedulers[self._schedulers.index(prepared)] = ours
         return ours
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Over the data dim only (accelerate gathers over the world, where the model-parallel
+        ranks hold copies of each batch), the padding of the last batch dropped.
+
+        Raises:
+            TrainerSetupError: ``use_gather_object=True``.
+        """
+        dp = self.data_parallel
+        if dp is None:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        if use_gather_object:
+            msg = (f"{_NAME}: gather_for_metrics(use_gather_object=True) is not supported on an "
+                   "applied plan; gather tensors")
+            raise TrainerSetupError(msg)
+        return gather_over_data_dim(input_data, dp, self.gradient_state)
 
     # -- clipping --------------------------------------------------------------------------
 

@@ -32,7 +32,11 @@ from torch import nn
 from transformers import Trainer
 
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.trainer_mesh import DataParallel, data_parallel_of
+from hyperrecipe.integrations.trainer_mesh import (
+    DataParallel,
+    data_parallel_of,
+    gather_over_data_dim,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.installation import Installation
@@ -180,11 +184,7 @@ class HyperrecipeTrainerMixin(_TrainerBase):
             msg = ("HyperrecipeTrainer: eval_use_gather_object=True is not supported on an "
                    "applied plan; gather tensors")
             raise TrainerSetupError(msg)
-        gathered = _gather_tensors(data, self.data_parallel.group)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:  # drop the padding samples
-            return _truncate(gathered, state.remainder)
-        return gathered
+        return gather_over_data_dim(data, self.data_parallel, self.accelerator.gradient_state)
 
     # -- clipping and the logged norm ------------------------------------------------------
 
@@ -259,29 +259,6 @@ class HyperrecipeTrainerMixin(_TrainerBase):
 class HyperrecipeTrainer(HyperrecipeTrainerMixin, Trainer):
     """``transformers.Trainer`` for a model with an applied plan (call on every rank); see
     :class:`HyperrecipeTrainerMixin` for the arguments and what is refused."""
-
-
-def _gather_tensors(data: Any, group: Any) -> Any:
-    if isinstance(data, (list, tuple)):
-        return type(data)(_gather_tensors(d, group) for d in data)
-    if isinstance(data, dict):
-        return {k: _gather_tensors(v, group) for k, v in data.items()}
-    if group is None or not isinstance(data, torch.Tensor):
-        return data
-    import torch.distributed as dist
-
-    value = data.contiguous() if data.dim() else data.reshape(1)
-    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, value, group=group)
-    return torch.cat(parts)
-
-
-def _truncate(data: Any, count: int) -> Any:
-    if isinstance(data, (list, tuple)):
-        return type(data)(_truncate(d, count) for d in data)
-    if isinstance(data, dict):
-        return {k: _truncate(v, count) for k, v in data.items()}
-    return data[:count] if isinstance(data, torch.Tensor) and data.dim() else data
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -110,6 +110,21 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, accumulate: i
                 break
     if how != "one" and resume is None and save_at:
         accelerator.save_model(model, out + "-export")
+    # metrics over an eval set of 7 in batches of 2 (a short last batch): gathered input rows
+    # in the set's order, and the mean eval loss over its samples
+    evaluation = accelerator.prepare(DataLoader(_data(7), batch_size=2))
+    rows, sample_losses = [], []
+    model.eval()
+    with torch.no_grad():
+        for batch_ in evaluation:
+            logits = model(input_ids=batch_["input_ids"]).logits[:, :-1]
+            per_sample = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), batch_["labels"][:, 1:], reduction="none").mean(1)
+            gathered = accelerator.gather_for_metrics((batch_["input_ids"], per_sample))
+            rows.append(gathered[0])
+            sample_losses.append(gathered[1])
+    assert torch.equal(torch.cat(rows), torch.stack([d["input_ids"] for d in _data(7)]))
+    logged.append((0, float(torch.cat(sample_losses).mean()), 0.0))  # eval as step 0
     return logged
 
 
@@ -128,14 +143,14 @@ def test_accelerate_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: P
     the uninterrupted run."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 1, True, 3, None,
                     timeout_s=600)[0]
-    assert all(norm > 2 * MAX_GRAD_NORM for _, _, norm in ref)  # every step clips
+    assert all(norm > 2 * MAX_GRAD_NORM for _, _, norm in ref[:-1])  # every step clips
     ckpt = tmp_path / "tp2"
     for ranks in run_ranks(_worker, 2, str(ckpt), "tp", 2, 1, True, 3, None, timeout_s=600):
         _assert_same_run(ranks, ref)
     assert (ckpt / "hyperrecipe-dcp/.metadata").is_file()
     assert (ckpt / "scheduler.bin").is_file() and not (ckpt / "optimizer.bin").exists()
     resumed = run_ranks(_worker, 1, "", "tp", 2, 1, True, 3, str(ckpt), timeout_s=600)[0]
-    _assert_same_run(resumed, ref[3:])
+    _assert_same_run(resumed, ref[3:])  # steps 4 and 5, then the eval
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(f"{ckpt}-export")  # save_model: consolidated
@@ -157,7 +172,9 @@ def test_accelerate_in_validate_mode_at_tp2_matches_one_process(tmp_path: Path) 
 def test_accelerate_at_dp2_tp2_wraps_ddp_over_dp_only_like_one_process(tmp_path: Path) -> None:
     """Each dp rank gets half of one process's batch of 4 (accelerate's own splitting, over
     dp), both tp ranks of a replica the same half; DDP averages over dp only, with two
-    accumulation steps (``accelerator.accumulate``: DDP's ``no_sync``)."""
+    accumulation steps (``accelerator.accumulate``: DDP's ``no_sync``). ``gather_for_metrics``
+    over 7 eval samples in batches of 2 gathers over dp only and drops the last batch's
+    padding: every row once, in order, and one process's mean eval loss."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 2, False, 0, None,
                     timeout_s=600)[0]
     for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", 2, 2, False, 0, None,
