@@ -3,8 +3,8 @@
 ``Accelerator.prepare`` assumes every rank holds the whole model: on several processes it wraps
 ``DistributedDataParallel`` over the world (refused by the DDP guard: it would average different
 shards), splits batches over every rank (ranks of one model replica must see the same batch),
-``clip_grad_norm_`` is torch's norm of each rank's own shards (silently wrong on production
-shards), and ``save_state`` writes rank 0's shards. accelerate's own tensor-parallel route
+steps an LR scheduler once per process, gathers metrics over every rank, and ``save_state``
+writes rank 0's shards. accelerate's own tensor-parallel route
 (``ParallelismConfig(tp_size=...)``) builds its mesh on accelerators and wants a model that
 transformers sharded. :class:`HyperrecipeAccelerator` is an ``Accelerator`` that, for the model
 handed to ``prepare(..., installation=inst)``, meets each of these where accelerate decides it:
@@ -16,7 +16,8 @@ handed to ``prepare(..., installation=inst)``, meets each of these where acceler
   scheduler steps once per data rank (accelerate steps it once per process);
   ``gather_for_metrics`` gathers over the data dim only;
 - ``clip_grad_norm_`` over the model's parameters: :meth:`Installation.clip_grad_norm_` (the
-  full norm, as one process clips);
+  full norm, as one process clips; accelerate's own call reaches hyperrecipe's guard on torch's
+  norm and is right too, this skips the detour);
 - ``save_state`` / ``load_state``: accelerate's state (schedulers, samplers, RNG, the step,
   custom objects) as accelerate writes it, the model and its optimizers as DCP in
   ``hyperrecipe-dcp/`` (:meth:`Installation.save_checkpoint`), so ``load_state`` resumes on any
@@ -129,9 +130,8 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> Any:
-        """The applied model: autocast as accelerate prepares it, never moved (moving DTensor
-        parameters replaces them, through torch's ``swap_tensors``, with objects that lost
-        their gradient hooks), then DDP over the data dim only."""
+        """The applied model: autocast as accelerate prepares it, not moved (apply placed the
+        shards), then DDP over the data dim only."""
         if not self._applied(model):
             return super().prepare_model(model, device_placement, evaluation_mode)
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -204,27 +204,16 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Over the applied model's parameters: the norm of the full gradients, as one process
-        clips (:meth:`Installation.clip_grad_norm_`). Other parameters: accelerate's.
-
-        Raises:
-            TrainerSetupError: ``parameters`` hold some of the applied model's parameters but
-                not all (the plan's norm spans every parameter of the model).
-        """
+        """Over the applied model's parameters: :meth:`Installation.clip_grad_norm_`, the norm
+        of the full gradients as one process clips. Anything else: accelerate's, which norms
+        with torch's ``get_total_norm`` (hyperrecipe supplies the full norm of a subset of the
+        model's gradients and refuses a mixture with other tensors by name)."""
         params = list(parameters)
         inst = self.installation
-        if inst is None:
-            return super().clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[no-any-return]
-        mine = {id(p) for p in inst.model.parameters()}
-        given = {id(p) for p in params}
-        if given == mine:
+        if inst is not None and {id(p) for p in params} == {id(p) for p in
+                                                            inst.model.parameters()}:
             self.unscale_gradients()
             return inst.clip_grad_norm_(max_norm, norm_type)
-        if given & mine:
-            msg = (f"{_NAME}: clip_grad_norm_ got {len(given & mine)} of the applied model's "
-                   f"{len(mine)} parameters; the plan clips by the norm over all of them: pass "
-                   "model.parameters()")
-            raise TrainerSetupError(msg)
         return super().clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[no-any-return]
 
     # -- checkpoints -----------------------------------------------------------------------

@@ -67,9 +67,8 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         TrainerSetupError: ``model`` is not the installation's model; the mesh has several
             data dims or does not span the world; a setting that cannot be right on shards
             (DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
-            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer, a full
-            fp16/bf16 eval in validate mode), or the model is on another device than the
-            Trainer's (move it before ``apply``).
+            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer), or the
+            model is on another device than the Trainer's (move it before ``apply``).
 
     Example::
 
@@ -103,19 +102,18 @@ class HyperrecipeTrainerMixin(_TrainerBase):
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """The model stays where ``apply`` put it. The Trainer's ``model.to(args.device)``
-        runs before it hears that the model owns its placement, and in validate mode ``to``
-        swaps every DTensor parameter for a new object (``torch.utils.swap_tensors``, which
-        ``Module._apply`` uses for tensor subclasses) that has lost the hook keeping its
-        gradient's placement: the embedding's gradient then arrives ``Replicate()`` where
-        the plan shards it, and the norm refuses it. A model on another device is refused:
-        move it before ``apply``."""
+        runs before it hears that the model owns its placement; in validate mode ``to``
+        replaces every DTensor parameter's tensor (``torch.utils.swap_tensors``, which
+        ``Module._apply`` uses for tensor subclasses), which is what left the embedding's
+        gradient ``Replicate()`` under the Trainer before the runtime re-bound gradient hooks
+        after moves. A model on another device is refused: move it before ``apply``."""
         wrong = sorted({str(p.device) for p in model.parameters()
                         if p.device.type != torch.device(device).type})
         if wrong:
             msg = (f"HyperrecipeTrainer: the model's parameters are on {wrong}, the Trainer's "
                    f"device is {device}; move the model to {device} before "
-                   "hyperrecipe.apply (the Trainer does not move an applied model: moving "
-                   "DTensor parameters replaces them and drops their gradient hooks)")
+                   "hyperrecipe.apply (the Trainer does not move an applied model: apply placed "
+                   "its shards, and the plan's process groups, on their devices)")
             raise TrainerSetupError(msg)
 
     # -- data parallel over the data dim only ----------------------------------------------
@@ -303,11 +301,6 @@ def _refuse_unsupported(trainer: Any) -> None:
                              "the weights are written as safetensors"),
         "torch_compile": (bool(args.torch_compile),
                           "compile after apply, on the model (docs/training.md)"),
-        "fp16_full_eval/bf16_full_eval": (
-            trainer.installation.mode.parameters_are_dtensors
-            and bool(args.fp16_full_eval or args.bf16_full_eval),
-            "evaluate() would cast the model with .to(dtype), which replaces validate mode's "
-            "DTensor parameters and drops their gradient hooks; evaluate in the model's dtype"),
     }
     for name, (bad, why) in refusals.items():
         if bad:

@@ -200,11 +200,6 @@ def _refusal_worker(rank: int, world: int, how: str) -> str:
                 model, installation=inst)
         elif how == "early":
             HyperrecipeAccelerator(cpu=True).prepare(model, early, installation=inst)
-        elif how == "subset":
-            accelerator = HyperrecipeAccelerator(cpu=True)
-            prepared = accelerator.prepare(model, installation=inst)
-            prepared(input_ids=ids, labels=ids).loss.backward()
-            accelerator.clip_grad_norm_(list(model.parameters())[:3], 1.0)
     except (PlanMismatchError, TrainerSetupError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ran"
@@ -224,10 +219,9 @@ def test_an_optimizer_built_before_apply_is_refused_by_name() -> None:
                               "parameters that are not the applied model's"), res
 
 
-def test_fp16_and_a_partial_clip_are_refused_by_name() -> None:
+def test_fp16_is_refused_by_name() -> None:
+    """The GradScaler checks each rank's shards for inf alone: ranks could disagree on
+    skipping a step."""
     for res in run_ranks(_refusal_worker, 2, "fp16", timeout_s=600):
         assert res.startswith("TrainerSetupError: HyperrecipeAccelerator: fp16 mixed precision "
                               "is not supported on an applied plan"), res
-    for res in run_ranks(_refusal_worker, 2, "subset", timeout_s=600):
-        assert res.startswith("TrainerSetupError: HyperrecipeAccelerator: clip_grad_norm_ got 3 "
-                              "of the applied model's 21 parameters"), res

@@ -171,10 +171,11 @@ def test_trainer_in_validate_mode_at_tp2_trains_like_one_process_and_resumes_at_
         tmp_path: Path) -> None:
     """Validate mode under the Trainer: DTensor parameters, the Trainer's own (fused) AdamW in
     one param group per mesh, the same losses and norms as one process (measured 4.8e-7 and
-    6e-6). It failed before the integration kept the Trainer from calling ``model.to(device)``:
-    ``Module._apply`` swaps DTensor parameters for new objects (``torch.utils.swap_tensors``)
-    and the hook that keeps each gradient's placement went with the old ones, so the
-    embedding's gradient arrived ``Replicate()`` and the norm refused it. ``evaluate()``
+    6e-6). It was refused while the Trainer's ``model.to(device)`` left the hook that keeps
+    each gradient's placement behind (``Module._apply`` swaps DTensor parameters' tensors with
+    ``torch.utils.swap_tensors``): the embedding's gradient arrived ``Replicate()`` and the
+    norm refused it. The integration no longer moves the model, and validate mode re-binds the
+    hooks after any move. ``evaluate()``
     gives one process's eval_loss; the checkpoint resumes in production mode at tp=1."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 7,
                     timeout_s=600)[0]
