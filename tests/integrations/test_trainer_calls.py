@@ -45,8 +45,16 @@ TABLE = {
     "`transformers.Trainer` under `torchrun`": "refused",
     "`HyperrecipeTrainer`: `max_grad_norm`, logged `grad_norm`": "made right",
     "`HyperrecipeTrainer`: `save_steps`, `resume_from_checkpoint`": "made right",
-    "`HyperrecipeTrainer` with a validate-mode installation": "refused",
+    "`HyperrecipeTrainer` with a validate-mode installation": "made right",
     "`HyperrecipeTrainer` at dp × tp": "made right",
+    "`accelerate.Accelerator().prepare(model)` under `torchrun`": "refused",
+    "`HyperrecipeAccelerator`: `clip_grad_norm_`, LR schedule, `save_state`/`load_state`":
+        "made right",
+    "`HyperrecipeAccelerator` at dp × tp": "made right",
+    "`HyperrecipeAccelerator` with an optimizer built before apply": "refused",
+    "TRL `SFTTrainer`'s fused LM head under `HyperrecipeSFTTrainer`": "made right",
+    "`HyperrecipeTrainerMixin` over a TRL trainer that patched the fused LM head, production "
+    "mode": "refused",
     "`accelerator.clip_grad_norm_(model.parameters(), max_norm)`": "made right",
     "Lightning `gradient_clip_val` under `ModelParallelStrategy`": "made right",
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
@@ -153,7 +161,7 @@ def test_accelerate_clip_grad_norm_on_the_applied_model_clips_like_one_process(
     _check_loop(run_ranks(_accelerate_worker, 2, mode, timeout_s=600), _reference(mode))
 
 
-_TRAINER_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning")
+_TRAINER_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning", "trl")
 
 
 def test_only_the_integrations_import_trainer_libraries() -> None:
@@ -185,6 +193,8 @@ def _example(name: str) -> str:
 @pytest.mark.slow  # starts fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("name", "library", "checkpoint"), [
     ("hf-trainer", "accelerate", "out-hf/checkpoint-8/hyperrecipe-dcp/.metadata"),
+    ("accelerate", "accelerate", "out-accelerate/step-8/hyperrecipe-dcp/.metadata"),
+    ("trl-sft", "trl", "out-sft/checkpoint-8/hyperrecipe-dcp/.metadata"),
     ("lightning", "lightning", "out-lightning/epoch=0-step=8.ckpt/.metadata")])
 def test_the_documented_trainer_examples_run_under_torchrun(
         name: str, library: str, checkpoint: str, tmp_path: Path) -> None:
