@@ -19,6 +19,7 @@ weights). :func:`check_torch_records` compares each storage with its record.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -26,7 +27,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import attrs
 import torch
 from torch import Tensor
 
@@ -60,18 +60,16 @@ def listing(head: str, problems: Sequence[str]) -> str:
     return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
 
 
-@attrs.frozen(kw_only=True)
-class SafetensorsEntry:
-    """One tensor of a safetensors header, checked."""
+SafetensorsEntry = tuple[torch.dtype, tuple[int, ...], int]
+"""One tensor of a checked safetensors header: dtype, shape, and the byte offset of its data
+in the file (a plain tuple: a header may hold hundreds of thousands)."""
 
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    """Byte offset in the file (the header's offset plus its ``data_offsets[0]``)."""
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
-    """The tensors of the safetensors file ``path``, each checked against the file.
+    """The tensors of the safetensors file ``path``, each checked against the file, in one
+    pass over the header.
 
     Raises:
         WeightLoadError: the file cannot be read, its header is too large or malformed, or an
@@ -94,54 +92,53 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(text.decode("utf-8"))
+        header = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WeightLoadError(f"{path}: its header is not JSON ({exc!s:.200})") from None
     if not isinstance(header, dict):
         raise WeightLoadError(f"{path}: its header is not a JSON object")
+    header.pop("__metadata__", None)
     base = 8 + length
     entries: dict[str, SafetensorsEntry] = {}
     spans: list[tuple[int, int, str]] = []
     problems: list[str] = []
+    prod = math.prod
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype_name, shape, (lo, hi) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not (isinstance(dtype_name, str) and isinstance(shape, list)
-                    and all(type(n) is int and n >= 0 for n in (*shape, lo, hi)) and lo <= hi):
+            numel = prod(shape)  # not an int when a dimension is not one
+            if (type(numel) is not int or type(lo) is not int or type(hi) is not int
+                    or not 0 <= lo <= hi or type(shape) is not list
+                    or (shape and min(shape) < 0)):
                 raise TypeError
         except (TypeError, KeyError, ValueError):
             problems.append(f"{name!r:.200}: not a tensor entry (dtype, shape and data_offsets "
                             f"of non-negative integers)")
             continue
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
+        itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
+        if itemsize is None:
             problems.append(f"{name!r:.200}: dtype {dtype_name!r:.20} is not one load_weights "
                             f"reads ({', '.join(DTYPES)})")
             continue
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
-        if nbytes != hi - lo:
-            problems.append(f"{name!r:.200}: {dtype_name} {shape} is {nbytes} bytes, its "
-                            f"data_offsets [{lo}, {hi}] span {hi - lo} (a relabelled dtype or "
-                            f"shape)")
-            spans.append((lo, hi, name))  # its span still tiles the file: no second complaint
-            continue
-        entries[name] = SafetensorsEntry(dtype=dtype, shape=tuple(shape), start=base + lo)
         spans.append((lo, hi, name))
+        if numel * itemsize != hi - lo:
+            problems.append(f"{name!r:.200}: {dtype_name} {shape} is {numel * itemsize} bytes, "
+                            f"its data_offsets [{lo}, {hi}] span {hi - lo} (a relabelled dtype "
+                            f"or shape)")
+            continue
+        entries[name] = (DTYPES[dtype_name], tuple(shape), base + lo)
     spans.sort()
     end = 0
     for lo, hi, name in spans:
-        if lo < end:
-            problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] overlap another "
-                            f"tensor's bytes (which end at {end})")
-        elif lo > end:
-            problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] leave {lo - end} bytes "
-                            f"before it that no tensor holds")
-        end = max(end, hi)
+        if lo != end:
+            if lo < end:
+                problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] overlap another "
+                                f"tensor's bytes (which end at {end})")
+            else:
+                problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] leave {lo - end} "
+                                f"bytes before it that no tensor holds")
+        if hi > end:
+            end = hi
     data = size - base
     if end > data:
         problems.append(f"the tensors' data_offsets end at {end}, the file holds {data} bytes "
@@ -167,21 +164,22 @@ class _SafetensorsFile:
         return list(self.entries)
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.entries[key].dtype
+        return self.entries[key][0]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][1]
 
     def get_slice(self, key: str) -> _MappedTensor:
-        entry = self.entries[key]
-        numel = 1
-        for n in entry.shape:
-            numel *= n
+        dtype, shape, start = self.entries[key]
+        numel = math.prod(shape)
         if numel == 0:
-            return _MappedTensor(torch.empty(entry.shape, dtype=entry.dtype))
+            return _MappedTensor(torch.empty(shape, dtype=dtype))
         if self._map is None:
             with open(self.path, "rb") as handle:
                 # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never the file.
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._map, dtype=entry.dtype, count=numel, offset=entry.start)
-        return _MappedTensor(flat.view(entry.shape))
+        flat = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start)
+        return _MappedTensor(flat.view(shape))
 
 
 class _MappedTensor:

@@ -183,10 +183,11 @@ class _Safetensors:
         shapes: dict[str, tuple[int, ...]] = {}
         for key, path in where.items():
             try:
-                shapes[key] = tuple(handles[path].get_slice(key).get_shape())
+                shapes[key] = handles[path].shape(key)
             except Exception as exc:  # noqa: BLE001 - a key the file does not hold
                 problems.append(f"{key!r} in {path.name}: listed in the index but not readable: {exc}")
-        files = {k: p.name for k, p in where.items()}
+        names = {p: p.name for p in set(where.values())}
+        files = {k: names[p] for k, p in where.items()}
         composites: Mapping[str, Composite] = {}
         if not problems and any(not any(k in shapes for k in (t.fqn, *t.aliases))
                                 for t in targets):
@@ -287,6 +288,9 @@ class _MappedFile:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.state[key].dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
 
     def get_slice(self, key: str) -> _MappedTensor:
         return _MappedTensor(self.state[key])
@@ -502,17 +506,15 @@ def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]]
 
 
 def _pattern_for(keys: Sequence[str]) -> str:
-    """A pattern that matches ``keys``: their longest common dotted prefix, else the first."""
+    """A pattern that matches ``keys``: their longest common dotted prefix, else the first.
+    (``commonprefix`` compares only the smallest and largest key: a header of 300,000 keys
+    is not split into 300,000 lists.)"""
     import re
 
-    parts = [k.split(".") for k in keys]
-    common: list[str] = []
-    for column in zip(*parts, strict=False):
-        if len(set(column)) != 1:
-            break
-        common.append(column[0])
-    if common and len(common) < min(len(p) for p in parts):
-        return "^" + re.escape(".".join(common) + ".")
+    common = os.path.commonprefix(list(keys))
+    dotted = common[:common.rfind(".") + 1]
+    if dotted and common not in keys:
+        return "^" + re.escape(dotted)
     return "^" + re.escape(keys[0]) + "$"
 
 
@@ -588,11 +590,21 @@ def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], 
     everything else is."""
     import re
 
-    patterns = [re.compile(p) for p in (*ignored_checkpoint_keys(model), *STALE_BUFFERS,
-                                        *extra)]
+    sources = (*ignored_checkpoint_keys(model), *STALE_BUFFERS, *extra)
+    patterns = [re.compile(p) for p in sources]
+
+    def each(key: str) -> bool:
+        return any(p.search(key) for p in patterns)
+
+    search: Callable[[str], object] = each
+    if not any(p.groups for p in patterns):  # no group a back-reference could renumber
+        try:  # one search per key (a header may hold 300,000 of them)
+            search = re.compile("|".join(f"(?:{p})" for p in sources) or "(?!)").search
+        except re.error:  # inline flags that are only allowed at the start
+            pass
     non_persistent = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                       for n in mod._non_persistent_buffers_set}
-    return lambda key: key in non_persistent or any(p.search(key) for p in patterns)
+    return lambda key: key in non_persistent or bool(search(key))
 
 
 def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: Any) -> None:
