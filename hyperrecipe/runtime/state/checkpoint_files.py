@@ -26,6 +26,7 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,11 +61,12 @@ def listing(head: str, problems: Sequence[str]) -> str:
     return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
 
 
-SafetensorsEntry = tuple[torch.dtype, tuple[int, ...], int]
-"""One tensor of a checked safetensors header: dtype, shape, and the byte offset of its data
-in the file (a plain tuple: a header may hold hundreds of thousands)."""
+SafetensorsEntry = tuple[torch.dtype, list[int], int]
+"""One tensor of a checked safetensors header: dtype, shape (as the header has it), and the
+byte offset of its data in the file (a plain tuple: a header may hold hundreds of
+thousands)."""
 
-_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+_KNOWN = {name: (dtype, dtype.itemsize) for name, dtype in DTYPES.items()}
 
 
 def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
@@ -115,18 +117,18 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
             problems.append(f"{name!r:.200}: not a tensor entry (dtype, shape and data_offsets "
                             f"of non-negative integers)")
             continue
-        itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
-        if itemsize is None:
+        known = _KNOWN.get(dtype_name) if type(dtype_name) is str else None
+        if known is None:
             problems.append(f"{name!r:.200}: dtype {dtype_name!r:.20} is not one load_weights "
                             f"reads ({', '.join(DTYPES)})")
             continue
         spans.append((lo, hi, name))
-        if numel * itemsize != hi - lo:
-            problems.append(f"{name!r:.200}: {dtype_name} {shape} is {numel * itemsize} bytes, "
+        if numel * known[1] != hi - lo:
+            problems.append(f"{name!r:.200}: {dtype_name} {shape} is {numel * known[1]} bytes, "
                             f"its data_offsets [{lo}, {hi}] span {hi - lo} (a relabelled dtype "
                             f"or shape)")
             continue
-        entries[name] = (DTYPES[dtype_name], tuple(shape), base + lo)
+        entries[name] = (known[0], shape, base + lo)
     spans.sort()
     end = 0
     for lo, hi, name in spans:
@@ -167,7 +169,7 @@ class _SafetensorsFile:
         return self.entries[key][0]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self.entries[key][1]
+        return tuple(self.entries[key][1])
 
     def get_slice(self, key: str) -> _MappedTensor:
         dtype, shape, start = self.entries[key]
@@ -217,8 +219,8 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
             no record; every such tensor named.
     """
     try:
-        reader = torch._C.PyTorchFileReader(str(path))
-        records = {reader.get_record_offset(n): (n, reader.get_record_size(n))  # type: ignore[attr-defined]
+        reader: Any = torch._C.PyTorchFileReader(str(path))  # get_record_offset is not typed
+        records = {reader.get_record_offset(n): (n, reader.get_record_size(n))
                    for n in reader.get_all_records() if n.startswith("data/")}
     except (RuntimeError, OSError) as exc:
         raise WeightLoadError(f"{path}: cannot read its zip records: {exc!s:.200}") from None

@@ -597,7 +597,7 @@ def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], 
         return any(p.search(key) for p in patterns)
 
     search: Callable[[str], object] = each
-    if not any(p.groups for p in patterns):  # no group a back-reference could renumber
+    if not any(re.search(r"\\[1-9]|\(\?P=", p) for p in sources):  # no back-reference to renumber
         try:  # one search per key (a header may hold 300,000 of them)
             search = re.compile("|".join(f"(?:{p})" for p in sources) or "(?!)").search
         except re.error:  # inline flags that are only allowed at the start
@@ -836,8 +836,8 @@ def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) 
                 if previously else "the tensors it wrote are unset again" if written
                 else "nothing was written")
         name = current.fqn if current is not None else "?"
-        raise WeightLoadError(f"reading {name!r} failed after its checks passed (the file changed or could not "
-                              f"be read while loading); {what}: {type(exc).__name__}: {exc}"
-                              ) from exc
+        msg = (f"reading {name!r} failed after its checks passed (the file changed or could "
+               f"not be read while loading); {what}: {type(exc).__name__}: {exc}")
+        raise WeightLoadError(msg) from exc
     for t in targets:
         unloaded.discard(t.fqn)
