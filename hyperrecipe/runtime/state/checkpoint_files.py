@@ -53,12 +53,14 @@ DTYPES: Mapping[str, torch.dtype] = {
 """The safetensors dtypes read, by their header names."""
 
 
-def listing(head: str, problems: Sequence[str]) -> str:
-    """``head`` with the first :data:`MAX_LISTED` problems one per line and the rest counted."""
+def listing(head: str, problems: Sequence[str], more: int = 0) -> str:
+    """``head`` with the first :data:`MAX_LISTED` problems one per line and the rest counted;
+    ``more`` problems were counted but not formatted (they come after ``problems``)."""
+    total = len(problems) + more
     shown = list(problems[:MAX_LISTED])
-    if len(problems) > MAX_LISTED:
-        shown.append(f"... and {len(problems) - MAX_LISTED} more")
-    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
+    if total > len(shown):
+        shown.append(f"... and {total - len(shown)} more")
+    return f"{head} ({total} problem{'s' * (total != 1)}):\n  " + "\n  ".join(shown)
 
 
 SafetensorsEntry = tuple[torch.dtype, list[int], int]

@@ -60,6 +60,7 @@ from hyperrecipe.integrations.transformers import (
 )
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
+    MAX_LISTED,
     check_torch_records,
     listing,
     open_safetensors,
@@ -387,10 +388,11 @@ def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
             raise
         except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
             raise WeightLoadError(f"{path}: cannot be read: {exc}") from None
-        for key in keys:
-            if key in out:
-                raise WeightLoadError(f"{key!r} is in both {out[key].name} and {path.name}")
-            out[key] = path
+        both = out.keys() & keys
+        if both:
+            key = min(both)
+            raise WeightLoadError(f"{key!r} is in both {out[key].name} and {path.name}")
+        out.update(dict.fromkeys(keys, path))
     return out
 
 
@@ -494,9 +496,11 @@ def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]]
                                 f"expects {list(t.shape)}")
     extra = sorted(set(shapes) - used)
     unexpected = [k for k in extra if not ignore(k)]
-    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected)
-    if problems:
-        message = _listing("the checkpoint does not fit the model", problems)
+    # Only the lines the listing shows are formatted (a header may hold 300,000 foreign keys).
+    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected[:MAX_LISTED])
+    if problems or unexpected:
+        message = _listing("the checkpoint does not fit the model", problems,
+                           more=len(unexpected) - len(unexpected[:MAX_LISTED]))
         if unexpected:
             message += ("\nIf the checkpoint holds tensors this model does not use, name them in "
                         "load_weights(..., ignore_unexpected=[...]) (regular expressions searched "

@@ -245,3 +245,17 @@ def test_a_fault_while_copying_marks_what_was_written_unset_not_a_silent_mixture
                 "them); load a checkpoint again before training: OSError") in res["error"]
         assert res["written_unset"] and res["rest_unchanged"]
         assert res["unset"] and res["unset"][0].startswith("2 tensors have no value yet")
+
+
+def test_a_tensor_in_two_files_of_a_folder_without_an_index_is_refused(hf_folder: Path,
+                                                                        tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    state = load_file(str(hf_folder / "model.safetensors"))
+    keys = sorted(state)
+    save_file({k: state[k] for k in keys[:10]}, str(folder / "a.safetensors"))
+    save_file({k: state[k] for k in keys[9:]}, str(folder / "b.safetensors"))
+    error = run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
+    assert error is not None and f"{keys[9]!r} is in both a.safetensors and b.safetensors" in error
