@@ -182,6 +182,10 @@ class _SafetensorsFile:
             with open(self.path, "rb") as handle:
                 # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never the file.
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        if start % dtype.itemsize:  # another writer's unaligned offsets: no typed view there
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=numel * dtype.itemsize,
+                                   offset=start)
+            return _MappedTensor(raw.clone().view(dtype).view(shape))
         flat = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start)
         return _MappedTensor(flat.view(shape))
 

@@ -258,3 +258,21 @@ def test_a_tensor_in_two_files_of_a_folder_without_an_index_is_refused(hf_folder
     save_file({k: state[k] for k in keys[9:]}, str(folder / "b.safetensors"))
     error = run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
     assert error is not None and f"{keys[9]!r} is in both a.safetensors and b.safetensors" in error
+
+
+def test_a_tensor_at_an_unaligned_offset_reads_its_values(tmp_path: Path) -> None:
+    """safetensors' own writer orders tensors so every offset is aligned; another writer may
+    put an F32 tensor after 3 bytes of U8."""
+    from hyperrecipe.runtime.state.checkpoint_files import open_safetensors
+
+    small = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    values = torch.arange(6, dtype=torch.float32).view(2, 3) / 7
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "b": {"dtype": "F32", "shape": [2, 3], "data_offsets": [3, 27]}}
+    text = json.dumps(header).encode()
+    path = tmp_path / "unaligned.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + small.numpy().tobytes()
+                     + values.numpy().tobytes())
+    handle = open_safetensors(path)
+    assert torch.equal(handle.get_slice("b")[(slice(0, 2), slice(1, 3))], values[:, 1:])
+    assert torch.equal(handle.get_slice("a")[(slice(0, 3),)], small)
