@@ -59,6 +59,12 @@ from hyperrecipe.integrations.transformers import (
     tied_weight_keys,
 )
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
+from hyperrecipe.runtime.state.checkpoint_files import (
+    MAX_LISTED,
+    check_torch_records,
+    listing,
+    open_safetensors,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
@@ -127,6 +133,8 @@ class _Safetensors:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.opened: dict[Path, Any] = {}
+        """Each file's handle, opened (and its header checked) once per load."""
         self.assembled = 0
         """How many model tensors the last plan assembles from several checkpoint tensors."""
         self.renamed = 0
@@ -134,10 +142,11 @@ class _Safetensors:
         (transformers' renamings, a base model's keys without ``base_model_prefix``)."""
 
     def open(self, path: Path) -> Any:
-        """A handle with ``keys()`` and ``get_slice(key)`` (``get_shape()``, ``[block]``)."""
-        from safetensors import safe_open
-
-        return safe_open(str(path), framework="pt")
+        """A handle with ``keys()``, ``dtype(key)`` and ``get_slice(key)`` (``get_shape()``,
+        ``[block]``), its header checked against the file (:mod:`.checkpoint_files`)."""
+        if path not in self.opened:
+            self.opened[path] = open_safetensors(path)
+        return self.opened[path]
 
     def files(self, folder: Path) -> list[Path]:
         """The weight files of a folder without an index, as ``from_pretrained`` picks them:
@@ -166,6 +175,8 @@ class _Safetensors:
         for path in sorted(set(where.values())):
             try:
                 handles[path] = self.open(path)
+            except WeightLoadError as exc:
+                problems.append(str(exc))
             except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
                 problems.append(f"{path}: cannot be read: {exc}")
         if problems:
@@ -173,10 +184,11 @@ class _Safetensors:
         shapes: dict[str, tuple[int, ...]] = {}
         for key, path in where.items():
             try:
-                shapes[key] = tuple(handles[path].get_slice(key).get_shape())
+                shapes[key] = handles[path].shape(key)
             except Exception as exc:  # noqa: BLE001 - a key the file does not hold
                 problems.append(f"{key!r} in {path.name}: listed in the index but not readable: {exc}")
-        files = {k: p.name for k, p in where.items()}
+        names = {p: p.name for p in set(where.values())}
+        files = {k: names[p] for k, p in where.items()}
         composites: Mapping[str, Composite] = {}
         if not problems and any(not any(k in shapes for k in (t.fqn, *t.aliases))
                                 for t in targets):
@@ -194,6 +206,8 @@ class _Safetensors:
         self.assembled = sum(c.kind != "leaf" for c in composites.values())
         self.renamed = sum(c.kind == "leaf" and c.key != k for k, c in composites.items())
         hints = {**_tied_hints(self.model, shapes), **_base_model_hints(self.model, composites)}
+        if not problems:
+            problems.extend(_kind_changes(targets, shapes, composites, where, handles))
         ignored = _check_fit(targets, shapes, files, ignore, problems, hints)
 
         def open_key(key: str) -> Callable[[tuple[slice, ...]], Tensor]:
@@ -207,6 +221,29 @@ class _Safetensors:
             return read_ranges(lambda block: composite.read(block, open_key), ranges)
 
         return _Reader(read=read, found=_found(targets, shapes), files=files, ignored=ignored)
+
+
+def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
+                  composites: Mapping[str, Composite], where: Mapping[str, Path],
+                  handles: Mapping[Path, Any]) -> list[str]:
+    """Checkpoint tensors that would be converted between floating point and integers (a
+    header relabelling F32 as I32 keeps every size and reads the bits as integers around
+    1e9). Floating dtypes convert among themselves, integers among themselves."""
+    problems: list[str] = []
+    for t in targets:
+        want = t.local.dtype.is_floating_point or t.local.dtype.is_complex
+        for name in (t.fqn, *t.aliases):
+            if name not in shapes:
+                continue
+            for key in (composites[name].keys() if name in composites else (name,)):
+                dtype = handles[where[key]].dtype(key)
+                if (dtype.is_floating_point or dtype.is_complex) != want:
+                    problems.append(
+                        f"{key!r} in {where[key].name}: stored as {dtype}, the model's "
+                        f"{t.fqn!r} is {t.local.dtype}; load_weights converts floating dtypes "
+                        f"among themselves and integer dtypes among themselves, never one into "
+                        f"the other (a header relabelled from F32 to I32 reads as integers)")
+    return problems
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
@@ -231,11 +268,14 @@ class _TorchPickle(_Safetensors):
         return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
 
     def open(self, path: Path) -> Any:
-        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
-                                                     for v in state.values()):
-            raise ValueError("not a state dict of tensors")
-        return _MappedFile(state)
+        if path not in self.opened:
+            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+            if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
+                                                         for v in state.values()):
+                raise ValueError("not a state dict of tensors")
+            check_torch_records(path, state)  # mmap reads a record cut short past its end
+            self.opened[path] = _MappedFile(state)
+        return self.opened[path]
 
 
 class _MappedFile:
@@ -246,6 +286,12 @@ class _MappedFile:
 
     def keys(self) -> list[str]:
         return list(self.state)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.state[key].dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
 
     def get_slice(self, key: str) -> _MappedTensor:
         return _MappedTensor(self.state[key])
@@ -338,12 +384,15 @@ def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
     for path in files:
         try:
             keys = list(fmt.open(path).keys())
+        except WeightLoadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any reader failure is "cannot be read"
             raise WeightLoadError(f"{path}: cannot be read: {exc}") from None
-        for key in keys:
-            if key in out:
-                raise WeightLoadError(f"{key!r} is in both {out[key].name} and {path.name}")
-            out[key] = path
+        both = out.keys() & keys
+        if both:
+            key = min(both)
+            raise WeightLoadError(f"{key!r} is in both {out[key].name} and {path.name}")
+        out.update(dict.fromkeys(keys, path))
     return out
 
 
@@ -447,9 +496,11 @@ def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]]
                                 f"expects {list(t.shape)}")
     extra = sorted(set(shapes) - used)
     unexpected = [k for k in extra if not ignore(k)]
-    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected)
-    if problems:
-        message = _listing("the checkpoint does not fit the model", problems)
+    # Only the lines the listing shows are formatted (a header may hold 300,000 foreign keys).
+    problems.extend(f"unexpected {key!r} in {files[key]}" for key in unexpected[:MAX_LISTED])
+    if problems or unexpected:
+        message = _listing("the checkpoint does not fit the model", problems,
+                           more=len(unexpected) - len(unexpected[:MAX_LISTED]))
         if unexpected:
             message += ("\nIf the checkpoint holds tensors this model does not use, name them in "
                         "load_weights(..., ignore_unexpected=[...]) (regular expressions searched "
@@ -459,17 +510,15 @@ def _check_fit(targets: Sequence[_Target], shapes: Mapping[str, tuple[int, ...]]
 
 
 def _pattern_for(keys: Sequence[str]) -> str:
-    """A pattern that matches ``keys``: their longest common dotted prefix, else the first."""
+    """A pattern that matches ``keys``: their longest common dotted prefix, else the first.
+    (``commonprefix`` compares only the smallest and largest key: a header of 300,000 keys
+    is not split into 300,000 lists.)"""
     import re
 
-    parts = [k.split(".") for k in keys]
-    common: list[str] = []
-    for column in zip(*parts, strict=False):
-        if len(set(column)) != 1:
-            break
-        common.append(column[0])
-    if common and len(common) < min(len(p) for p in parts):
-        return "^" + re.escape(".".join(common) + ".")
+    common = os.path.commonprefix(list(keys))
+    dotted = common[:common.rfind(".") + 1]
+    if dotted and common not in keys:
+        return "^" + re.escape(dotted)
     return "^" + re.escape(keys[0]) + "$"
 
 
@@ -503,16 +552,7 @@ def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> 
             for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
-MAX_LISTED = 50
-"""Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
-tensors made a 300,000-line error)."""
-
-
-def _listing(head: str, problems: Sequence[str]) -> str:
-    shown = list(problems[:MAX_LISTED])
-    if len(problems) > MAX_LISTED:
-        shown.append(f"... and {len(problems) - MAX_LISTED} more")
-    return f"{head} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n  " + "\n  ".join(shown)
+_listing = listing
 
 
 def _targets(live: LiveParams, model: nn.Module) -> list[_Target]:
@@ -554,11 +594,21 @@ def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], 
     everything else is."""
     import re
 
-    patterns = [re.compile(p) for p in (*ignored_checkpoint_keys(model), *STALE_BUFFERS,
-                                        *extra)]
+    sources = (*ignored_checkpoint_keys(model), *STALE_BUFFERS, *extra)
+    patterns = [re.compile(p) for p in sources]
+
+    def each(key: str) -> bool:
+        return any(p.search(key) for p in patterns)
+
+    search: Callable[[str], object] = each
+    if not any(re.search(r"\\[1-9]|\(\?P=", p) for p in sources):  # no back-reference to renumber
+        try:  # one search per key (a header may hold 300,000 of them)
+            search = re.compile("|".join(f"(?:{p})" for p in sources) or "(?!)").search
+        except re.error:  # inline flags that are only allowed at the start
+            pass
     non_persistent = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                       for n in mod._non_persistent_buffers_set}
-    return lambda key: key in non_persistent or any(p.search(key) for p in patterns)
+    return lambda key: key in non_persistent or bool(search(key))
 
 
 def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: Any) -> None:
@@ -756,27 +806,42 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
 
 
 def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:
-    """Copy every target in; on any failure put back what was written (previous values, or
-    NaN for never-loaded ones) and raise."""
+    """Copy every target in, each straight from its read (a view of the mapped file where the
+    rank's part is one block), with no copy of the model's previous values.
+
+    Everything that can be checked was checked before this runs (keys, shapes, dtype kinds,
+    each file's header against its bytes, the manifest, the ranks' agreement), so a failure
+    here is a fault while copying: a file changed or unreadable after its check. Putting the
+    previous values back would need a second copy of every tensor (what a reload on a full GPU
+    cannot hold), so the tensors written so far, and the one being written, are marked unset
+    instead (NaN, and :meth:`Installation.status` lists them): the model is never a silent
+    mixture of two checkpoints, and a load that fails its checks changes nothing."""
     from hyperrecipe.runtime.state.materialize import allocate_unloaded
 
-    written: list[tuple[_Target, Tensor | None]] = []
+    written: list[_Target] = []
+    current = targets[0] if targets else None
     try:
         with torch.no_grad():
             for t in targets:
+                current = t
                 value = reader.read(t, None)
-                backup = None if t.fqn in unloaded else t.local.detach().clone()
-                written.append((t, backup))
-                t.local.copy_(value.to(dtype=t.local.dtype, device=t.local.device))
+                written.append(t)
+                t.local.copy_(value)
+                del value
     except Exception as exc:
+        previously = [w.fqn for w in written if w.fqn not in unloaded]
         with torch.no_grad():
-            for t, backup in reversed(written):
-                if backup is None:
-                    t.local.copy_(allocate_unloaded(tuple(t.local.shape), t.local.dtype,
-                                                    t.local.device))
-                else:
-                    t.local.copy_(backup)
-        raise WeightLoadError(f"reading {t.fqn!r} failed after writing; rolled back: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            for w in written:
+                w.local.copy_(allocate_unloaded(tuple(w.local.shape), w.local.dtype,
+                                                w.local.device))
+                unloaded.add(w.fqn)
+        what = (f"{len(previously)} tensors that held weights before this load are now unset "
+                f"(status() lists them); load a checkpoint again before training"
+                if previously else "the tensors it wrote are unset again" if written
+                else "nothing was written")
+        name = current.fqn if current is not None else "?"
+        msg = (f"reading {name!r} failed after its checks passed (the file changed or could "
+               f"not be read while loading); {what}: {type(exc).__name__}: {exc}")
+        raise WeightLoadError(msg) from exc
     for t in targets:
         unloaded.discard(t.fqn)

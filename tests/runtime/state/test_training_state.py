@@ -125,7 +125,8 @@ def test_truncated_checkpoint_names_the_file_and_leaves_the_model_unset(
     victim.write_bytes(victim.read_bytes()[:-100])
     res = run_ranks(_bad_load_worker, 2, str(folder))[0]
     assert res["error"] is not None
-    assert f"{victim}: cannot be read" in res["error"]
+    assert f"{victim}: the header does not fit the file" in res["error"]
+    assert "(a truncated file)" in res["error"]
     assert res["still_unset"]
     assert ("weights safetensors", "failed") in res["rows"] or res["rows"][0][1] == "failed"
 
