@@ -50,34 +50,71 @@ def shard_ranges(placement: NamedPlacement, full_shape: Sequence[int], mesh: Dev
 
     A sharded dim splits into equal contiguous slices per mesh dim, in mesh order; a chunked
     shard splits each fused part in turn, so the rank holds several ranges of that dim. The
-    ranges are computed on index vectors with the very split :func:`local_shard` performs, so a
-    loader that reads only these ranges from a file gets exactly the shard ``local_shard`` makes.
+    ranges follow the very split :func:`local_shard` performs (``torch.split`` into the fused
+    parts, then ``torch.chunk`` of each), so a loader that reads only these ranges from a file
+    gets exactly the shard ``local_shard`` makes.
     """
+    splits = [(placement.get(name), _size(mesh, name), mesh.get_local_rank(name))
+              for name in mesh_dims]
+    return ranges_of(full_shape, splits)
+
+
+def ranges_of(full_shape: Sequence[int],
+              splits: Sequence[tuple[object, int, int]]) -> Ranges:
+    """:func:`shard_ranges` given, per mesh dim in order, (its placement, its size, this rank's
+    coordinate). Works on (start, stop) runs, never on index vectors: a loader asks this for
+    every parameter, and an index vector of a 150,000-row embedding cost milliseconds."""
     ndim = len(full_shape)
-    index = [torch.arange(n) for n in full_shape]
+    runs: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in full_shape]
     ways: dict[int, int] = {}
-    for name in mesh_dims:
-        q = placement.get(name)
+    for q, n, r in splits:
         if not isinstance(q, Shard):
             continue
         d = _norm(q.dim, ndim)
-        n = _size(mesh, name)
-        r = mesh.get_local_rank(name)
         before = ways.get(d, 1)
-        parts = _split_parts(index[d], q, 0, full_shape[d], before)
-        index[d] = torch.cat([torch.chunk(p, n)[r] for p in parts])
+        taken: list[tuple[int, int]] = []
+        start = 0
+        length = sum(b - a for a, b in runs[d])
+        sizes = [s // before for s in q.part_sizes(full_shape[d])]
+        if sum(sizes) != length:  # what torch.split says of these sizes
+            msg = (f"split_with_sizes expects split_sizes to sum exactly to {length} (input "
+                   f"tensor's size at dimension 0), but got split_sizes={sizes}")
+            raise RuntimeError(msg)
+        for size in sizes:
+            step = -(-size // n)  # torch.chunk: chunks of ceil(size / n), fewer when short
+            if size == 0:  # torch.chunk of an empty part gives n empty chunks
+                continue
+            if r * step >= size:
+                raise IndexError("list index out of range")  # torch.chunk(p, n)[r]
+            taken.extend(_slice_runs(runs[d], start + r * step, start + min(size, (r + 1) * step)))
+            start += size
+        runs[d] = _merged(taken)
         ways[d] = before * n
-    return tuple(_runs(ix.tolist()) for ix in index)
+    return tuple(tuple(rs) for rs in runs)
 
 
-def _runs(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
+def _slice_runs(runs: Sequence[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Positions ``[a, b)`` of the index vector that ``runs`` spell out, as runs."""
+    out, pos = [], 0
+    for lo, hi in runs:
+        n = hi - lo
+        s, e = max(a - pos, 0), min(b - pos, n)
+        if s < e:
+            out.append((lo + s, lo + e))
+        pos += n
+        if pos >= b:
+            break
+    return out
+
+
+def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in runs:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
         else:
-            runs.append((i, i + 1))
-    return tuple(runs)
+            out.append((lo, hi))
+    return out
 
 
 def read_ranges(read: Callable[[tuple[slice, ...]], Tensor], ranges: Ranges) -> Tensor:
