@@ -345,8 +345,8 @@ def _refuse_unsupported(accelerator: Accelerator) -> None:
             "compile after apply, on the model (docs/training.md)"),
         "fp16 mixed precision": (
             accelerator.mixed_precision == "fp16",
-            "the GradScaler checks each rank's shards for inf alone, so ranks can disagree on "
-            "skipping a step; use bf16"),
+            "not tested through accelerate here (torch's GradScaler itself agrees on skipped "
+            "steps across the mesh while the installation lives: docs/training.md); use bf16"),
         "dispatch_batches=True": (bool(accelerator.dispatch_batches),
                                   "rank 0 would slice each batch over every rank"),
     }

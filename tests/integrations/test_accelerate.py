@@ -220,8 +220,7 @@ def test_an_optimizer_built_before_apply_is_refused_by_name() -> None:
 
 
 def test_fp16_is_refused_by_name() -> None:
-    """The GradScaler checks each rank's shards for inf alone: ranks could disagree on
-    skipping a step."""
+    """Not tested through accelerate here; refused rather than run untested."""
     for res in run_ranks(_refusal_worker, 2, "fp16", timeout_s=600):
         assert res.startswith("TrainerSetupError: HyperrecipeAccelerator: fp16 mixed precision "
                               "is not supported on an applied plan"), res
