@@ -22,6 +22,7 @@ __all__ = [
     "DeadlinePassed",
     "HyperrecipeError",
     "ExplainError",
+    "ExportAbortedError",
     "ExportError",
     "ImpossibleTransition",
     "InterpreterLimit",
@@ -447,3 +448,10 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 class TrainerSetupError(HyperrecipeError, ValueError):
     """A trainer (the Hugging Face Trainer, Lightning) is set up in a way its integration cannot
     make right on an applied plan; the message names the setting and what to use instead."""
+
+
+class ExportAbortedError(ExportError):
+    """A rank failed or stopped in the middle of an export's gathers, so the ranks can no
+    longer agree: the rank that failed raises at once, the others within
+    ``collective_timeout_s``; nothing in the folder was replaced, and the process group is
+    out of step (restart every rank)."""

@@ -489,12 +489,14 @@ class Installation:
         The files replace an earlier export in ``folder`` whole or not at all: they are
         written under temporary names and renamed into place once every rank got through, an
         earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
-        file's size and sha256) is written last.
+        file's size and digest, xxh3_128 where ``xxhash`` is installed) is written last.
 
         Raises:
             PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
                 instead of hanging until the process group's watchdog.
             ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
+            ExportAbortedError: a rank failed or stopped mid-gather: that rank raises at once,
+                the others within ``collective_timeout_s`` (the folder is unchanged).
         """
         self._check_live()
         self._enter_collective("save_pretrained")
@@ -507,7 +509,8 @@ class Installation:
                      for name, buf in persistent_buffers(self.model))
         rank = dist.get_rank() if dist.is_initialized() else 0
         write_safetensors(folder, items, writer=rank == writer_rank,
-                          max_shard_bytes=max_shard_bytes, model=self.model)
+                          max_shard_bytes=max_shard_bytes, model=self.model,
+                          timeout_s=self.collective_timeout_s)
 
     collective_timeout_s: float = 60.0
     """How long a gathering call waits for every rank to enter it before refusing."""
