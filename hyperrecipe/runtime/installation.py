@@ -26,7 +26,7 @@ from hyperrecipe.runtime.state.checkpoint import (
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
-from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.state.export import ExportItem, write_safetensors, writer_gather
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import local_shard
@@ -501,8 +501,7 @@ class Installation:
         self._check_live()
         self._enter_collective("save_pretrained")
         items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
-                            gather=lambda p=p: self._live.full_of(  # type: ignore[misc]
-                                p, self._live.param(p)))
+                            gather=writer_gather(self._live, p, writer_rank))
                  for p in self._own()]
         items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
                                 gather=lambda buf=buf: buf)  # type: ignore[misc]

@@ -36,6 +36,9 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchError
 from hyperrecipe.integrations.transformers import size_to_bytes
+from hyperrecipe.plan import ParamPlan
+from hyperrecipe.runtime.comm.gather_into import gather_to_writer
+from hyperrecipe.runtime.state.checkpoint import LiveParams
 from hyperrecipe.runtime.state.file_digest import (
     FORMATS,
     Hasher,
@@ -44,7 +47,8 @@ from hyperrecipe.runtime.state.file_digest import (
     writing_digest,
 )
 
-__all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors"]
+__all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors",
+           "writer_gather"]
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -69,6 +73,28 @@ class ExportItem:
         for s in self.shape:
             n *= s
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def writer_gather(live: LiveParams, p: ParamPlan, writer: int) -> Callable[[], Tensor]:
+    """How an export gathers parameter ``p``: to ``writer`` alone, point to point, when it is
+    sharded over one mesh dim (:func:`~hyperrecipe.runtime.comm.gather_into.gather_to_writer`;
+    the others get an empty tensor, which they do not write), else the full tensor on every
+    rank (``full_of``). Every rank takes the same way: it depends on the plan only."""
+
+    def gather() -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        value = live.param(p)
+        if not (isinstance(value, DTensor) and value.device_mesh != live.mesh):
+            local = live.local(p)
+            if tuple(local.shape) != p.shape:
+                full = gather_to_writer(local, p.placement, p.shape, live.mesh,
+                                        live.plan.mesh_dims, writer)
+                if full is not None:
+                    return full
+        return live.full_of(p, value)
+
+    return gather
 
 
 def _files(items: Sequence[ExportItem], max_shard_bytes: int) -> list[list[ExportItem]]:

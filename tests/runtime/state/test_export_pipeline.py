@@ -126,17 +126,19 @@ def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str
         for p in model.parameters():
             p.mul_(2)  # other weights: they must not reach the folder
     if rank == failing:
-        real = inst._live.full_of
+        import hyperrecipe.runtime.state.export as export
+
+        real = export.gather_to_writer
         calls = 0
 
-        def full_of(p: Any, value: torch.Tensor) -> torch.Tensor:
+        def gather_to_writer(*args: Any) -> torch.Tensor | None:
             nonlocal calls
             calls += 1
             if calls == 3:
                 raise RuntimeError("injected fault in this rank's third gather")
-            return real(p, value)  # type: ignore[no-any-return]
+            return real(*args)
 
-        inst._live.full_of = full_of
+        export.gather_to_writer = gather_to_writer  # type: ignore[assignment]
     try:
         inst.save_pretrained(folder)
     except ExportError as exc:
