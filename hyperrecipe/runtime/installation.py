@@ -512,7 +512,9 @@ class Installation:
                           timeout_s=self.collective_timeout_s)
 
     collective_timeout_s: float = 60.0
-    """How long a gathering call waits for every rank to enter it before refusing."""
+    """How long a gathering call waits for every rank to enter it before refusing, and how long
+    ``save_pretrained`` waits for a peer in any one gather (or the final agreement) before
+    raising ``ExportAbortedError``."""
 
     def _enter_collective(self, what: str, why: str = "") -> None:
         """Every rank must call gathering methods; one that does not would leave the others

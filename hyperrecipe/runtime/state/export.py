@@ -1,10 +1,12 @@
 """``Installation.save_pretrained``: consolidated safetensors, one gathered tensor at a time.
 
-``from_pretrained`` wants whole tensors; an applied model holds shards. Every rank gathers each
-tensor in turn (a collective) and one rank writes it straight into its file. The safetensors
-header is written first: every name, dtype and shape is known from the plan before a byte is
-gathered, so each file is streamed and the extra memory at any moment is about one full
-tensor, never a file's worth or the model's. Files are split at ``max_shard_bytes`` with a
+``from_pretrained`` wants whole tensors; an applied model holds shards. Each tensor in turn is
+gathered to the one rank that writes (:func:`writer_gather`: its peers send their blocks to it
+alone) and streamed straight into its file, hashed as it goes; the next tensor's gather runs
+while the current one is written. The safetensors header is written first: every name, dtype
+and shape is known from the plan before a byte is gathered, so each file is streamed and the
+extra memory at any moment is about two full tensors on the writer, never a file's worth or
+the model's. Files are split at ``max_shard_bytes`` with a
 ``model.safetensors.index.json`` as transformers writes them; the model's ``config`` (and
 ``generation_config``) are saved beside them. Tied parameters are written once, under the
 name that owns them, as ``save_pretrained`` does.
