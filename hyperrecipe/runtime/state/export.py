@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
 import torch
@@ -40,7 +40,6 @@ from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchErro
 from hyperrecipe.integrations.transformers import size_to_bytes
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.gather_into import gather_to_writer
-from hyperrecipe.runtime.state.checkpoint import LiveParams
 from hyperrecipe.runtime.state.file_digest import (
     FORMATS,
     Hasher,
@@ -48,6 +47,9 @@ from hyperrecipe.runtime.state.file_digest import (
     new_hasher,
     writing_digest,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - checkpoint -> weights -> dcp_reader -> export
+    from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors",
            "writer_gather"]
