@@ -8,6 +8,9 @@ builds the same model unapplied (same seed), the reference. Each round, in alter
 ``transformers``
     ``reference.save_pretrained(folder)`` on rank 0 alone (safetensors, one file, no fsync:
     what a user of one process gets); rank 1 waits at a barrier.
+``transformers+fsync``
+    The same, then every file it wrote synced: the same bytes made durable, as the export makes
+    them before it renames them into place.
 ``hyperrecipe``
     ``Installation.save_pretrained(folder)`` on both ranks: every tensor gathered (the next one
     while rank 0 writes the current one), hashed (xxh3_128) as it streams, synced, renamed
@@ -15,7 +18,8 @@ builds the same model unapplied (same seed), the reference. Each round, in alter
 
 Before the rounds, the first export is checked against the reference tensor by tensor (equal
 bytes). Each folder is deleted after its round, so the page cache and the disk hold one export
-at a time. Medians over ``--rounds``; ``ratio`` is hyperrecipe / transformers (target <= 1.3).
+at a time. Medians over ``--rounds``; ``ratio`` is hyperrecipe / transformers (target <= 1.3),
+``ratio_to_fsynced`` hyperrecipe / transformers+fsync.
 
 Usage::
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -36,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-WAYS = ("transformers", "hyperrecipe")
+WAYS = ("transformers", "transformers+fsync", "hyperrecipe")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +87,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int,
 
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for r in range(rounds):
-        for way in WAYS[r % 2:] + WAYS[:r % 2]:
+        for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
             folder = Path(root) / f"{way}-{r}"
             dist.barrier()
             start = time.perf_counter()
@@ -90,6 +95,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int,
                 inst.save_pretrained(folder)
             elif reference is not None:
                 reference.save_pretrained(folder)
+                if way == "transformers+fsync":
+                    for file in folder.iterdir():
+                        with open(file, "rb") as handle:
+                            os.fsync(handle.fileno())
             elapsed = time.perf_counter() - start
             dist.barrier()
             if rank == 0:
@@ -120,13 +129,16 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     per_round = {"transformers": results[0]["times"]["transformers"],
+                 "transformers+fsync": results[0]["times"]["transformers+fsync"],
                  "hyperrecipe": [max(v) for v in zip(*(r["times"]["hyperrecipe"]
                                                         for r in results))]}
     med = {w: round(statistics.median(v), 3) for w, v in per_round.items()}
     summary = {"model_bytes": results[0]["model_bytes"],
                "transformers_save_pretrained_s": med["transformers"],
+               "transformers_save_pretrained_fsync_s": med["transformers+fsync"],
                "hyperrecipe_save_pretrained_s": med["hyperrecipe"],
-               "ratio": round(med["hyperrecipe"] / med["transformers"], 3)}
+               "ratio": round(med["hyperrecipe"] / med["transformers"], 3),
+               "ratio_to_fsynced": round(med["hyperrecipe"] / med["transformers+fsync"], 3)}
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps({"config": cfg, "rounds": per_round, **summary},
