@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int,
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     plan = compile_recipe(str(REPO / "recipes/llama.yaml"), build_model("hf:llama", cfg),
                           {"tp": world})
-    reference = None
+    reference: Any = None  # a transformers model: save_pretrained is not typed on nn.Module
     if rank == 0:
         torch.manual_seed(0)
         reference = build_model("hf:llama", cfg, device="cpu")
