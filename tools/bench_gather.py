@@ -99,9 +99,10 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
 
     fns = {"cat": by_cat, "in_place": in_place, "floor": floor, "to_writer": to_writer}
     for p, local in params:  # every way gives the same tensor (floor: the same bytes)
-        assert torch.equal(by_cat(p, local), in_place(p, local)), p.fqn
+        whole = in_place(p, local)  # a collective: every rank, before the comparisons
+        assert torch.equal(by_cat(p, local), whole), p.fqn
         written = to_writer(p, local)
-        assert written is not None and (rank != 0 or torch.equal(written, in_place(p, local)))
+        assert written is not None and (rank != 0 or torch.equal(written, whole)), p.fqn
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for r in range(rounds):
         for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
