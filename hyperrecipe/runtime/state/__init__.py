@@ -3,7 +3,8 @@
 Owns ``checkpoint`` (``LiveParams``, the view of the rank's shards every state path reads, and
 the DTensor state dicts DCP stores), ``weights`` (loading a checkpoint's slices as a chain of
 strategies), ``state_hooks`` (the model's and optimizer's state-dict hooks for torch's own DCP
-APIs), ``export`` (consolidated safetensors for ``from_pretrained``) and ``materialize``
+APIs), ``export`` (consolidated safetensors for ``from_pretrained``), ``file_digest`` (the
+export manifest's digest and shape) and ``materialize``
 (allocating the rank's shards after a meta apply). Key conversions of third-party checkpoint
 formats live in :mod:`hyperrecipe.integrations`. Nothing here installs a forward.
 """
