@@ -140,12 +140,18 @@ def gather_to_writer(local: Tensor, placement: NamedPlacement, full_shape: Seque
 
 
 def _send(flat: Tensor, dst: int) -> None:
+    """Every piece posted at once, then waited for: the pieces stream back to back (gloo
+    matches a pair's messages of one tag in the order they were posted)."""
     step = max(1, CHUNK_BYTES // max(flat.element_size(), 1))
-    for start in range(0, flat.numel(), step):
-        dist.send(flat[start:start + step], dst)
+    works = [dist.isend(flat[start:start + step], dst) for start in range(0, flat.numel(), step)]
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _recv(flat: Tensor, src: int) -> None:
     step = max(1, CHUNK_BYTES // max(flat.element_size(), 1))
-    for start in range(0, flat.numel(), step):
-        dist.recv(flat[start:start + step], src)
+    works = [dist.irecv(flat[start:start + step], src) for start in range(0, flat.numel(), step)]
+    for work in works:
+        if work is not None:
+            work.wait()
