@@ -23,6 +23,10 @@ where 8 MiB sends moved 800-1000 MiB/s; docs/benchmarks.md, "The export at the f
 
 from __future__ import annotations
 
+import collections
+import math
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,7 +41,7 @@ from hyperrecipe.runtime.comm.collectives import MeshDimGroup, gather_flat, grou
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CHUNK_BYTES", "gather_full_in_place", "gather_to_writer"]
+__all__ = ["CHUNK_BYTES", "gather_full_in_place", "gather_to_writer", "give_back"]
 
 CHUNK_BYTES = 8 << 20
 """The largest single send of :func:`gather_to_writer` (gloo is slowest on large messages)."""
@@ -114,7 +118,7 @@ def gather_to_writer(local: Tensor, placement: NamedPlacement, full_shape: Seque
     if writer not in ranks:
         return x.new_empty((0,))
     me = dist.get_rank()
-    full = x.new_empty(tuple(full_shape)) if me == writer else None
+    full = _take(x, tuple(full_shape)) if me == writer else None
     offset = 0
     local_offset = 0
     for size in q.part_sizes(full_shape[d]):
@@ -155,3 +159,38 @@ def _recv(flat: Tensor, src: int) -> None:
     for work in works:
         if work is not None:
             work.wait()
+
+
+# One spare full tensor's memory, handed back by the writer once written: freshly allocated
+# memory costs a page fault per 4 KiB on first touch, which halved the receive rate here, and a
+# model repeats its shapes layer after layer. At most one spare, so at most one tensor more.
+_spare_lock = threading.Lock()
+_spare: list[Tensor] = []
+_produced: collections.deque[weakref.ref[Tensor]] = collections.deque(maxlen=4)
+"""The last full tensors :func:`gather_to_writer` returned (compared by identity: ``==`` on
+tensors is elementwise)."""
+
+
+def _take(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    nbytes = math.prod(shape) * like.element_size()
+    with _spare_lock:
+        spare = _spare.pop() if _spare else None
+    if spare is not None and spare.numel() == nbytes and spare.device == like.device:
+        full = spare.view(like.dtype).view(shape)
+    else:
+        full = like.new_empty(shape)
+    with _spare_lock:
+        _produced.append(weakref.ref(full))
+    return full
+
+
+def give_back(full: Tensor) -> None:
+    """Let the next :func:`gather_to_writer` reuse ``full``'s memory: call it once nothing
+    reads ``full`` any more. Anything :func:`gather_to_writer` did not return is ignored (a
+    model's own buffer handed to an export, say), so it is always safe to call."""
+    with _spare_lock:
+        ours = [r for r in _produced if r() is full]
+        if not ours or not full.is_contiguous():
+            return
+        _produced.remove(ours[0])
+        _spare[:] = [full.view(-1).view(torch.uint8)]

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchError
 from hyperrecipe.integrations.transformers import size_to_bytes
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.comm.gather_into import gather_to_writer
+from hyperrecipe.runtime.comm.gather_into import gather_to_writer, give_back
 from hyperrecipe.runtime.state.file_digest import (
     FORMATS,
     Hasher,
@@ -198,6 +198,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                             unsynced = 0
                     except OSError as exc:
                         failure = f"writing {temp}: {exc}"
+                give_back(value)  # written (or not wanted): its memory serves the next gather
                 del value  # before the next wait: two tensors at most, never three
             manifest[name] = (size, hasher.hexdigest())
             if handle is not None:
