@@ -5,8 +5,8 @@ gathered to the one rank that writes (:func:`writer_gather`: its peers send thei
 alone) and streamed straight into its file, hashed as it goes; the next tensor's gather runs
 while the current one is written. The safetensors header is written first: every name, dtype
 and shape is known from the plan before a byte is gathered, so each file is streamed and the
-extra memory at any moment is about two full tensors on the writer, never a file's worth or
-the model's. Files are split at ``max_shard_bytes`` with a
+extra memory at any moment is about three full tensors on the writer (two in flight, one
+spare), never a file's worth or the model's. Files are split at ``max_shard_bytes`` with a
 ``model.safetensors.index.json`` as transformers writes them; the model's ``config`` (and
 ``generation_config``) are saved beside them. Tied parameters are written once, under the
 name that owns them, as ``save_pretrained`` does.
@@ -132,7 +132,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
 
     The gathers run on a thread of their own, one tensor ahead: while the writer writes and
     hashes tensor ``i``, tensor ``i + 1`` is being gathered, so at most two full tensors are
-    held at once. Each file is written under a temporary name in ``folder`` and synced; only
+    in flight (a written one's memory is handed back to receive a later one). Each file is written under a temporary name in ``folder`` and synced; only
     when every rank got through (the ranks agree after the last gather) are the files renamed
     into place (``os.replace``, atomic per file) and what an earlier export left under the
     names an export writes (``model.safetensors``, ``model-*-of-*.safetensors``, the index)
