@@ -22,6 +22,7 @@ __all__ = [
     "DeadlinePassed",
     "HyperrecipeError",
     "ExplainError",
+    "ExportAbortedError",
     "ExportError",
     "ImpossibleTransition",
     "InterpreterLimit",
@@ -463,3 +464,10 @@ class ShardedGradNormError(HyperrecipeError, RuntimeError):
     def __init__(self, message: str, *, foreign: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.foreign = foreign
+
+
+class ExportAbortedError(ExportError):
+    """A rank failed or stopped in the middle of an export's gathers, so the ranks can no
+    longer agree: the rank that failed raises at once, the others within
+    ``collective_timeout_s``; nothing in the folder was replaced, and the process group is
+    out of step (restart every rank)."""

@@ -14,6 +14,9 @@ Each round gathers every parameter's full tensor three ways, in rotated order:
 ``floor``
     One raw ``all_gather_into_tensor`` per shard into a preallocated flat buffer: the bytes moved,
     with nothing around them.
+``to_writer``
+    What an export does now: each sharded tensor sent to rank 0 alone, point to point in 8 MiB
+    pieces, received into its place (``gather_to_writer``); the other rank keeps nothing.
 
 A round's figure is the slower rank's; the summary gives medians (ms) and the ratios to the
 floor.
@@ -39,7 +42,7 @@ CONFIG: dict[str, Any] = {
     "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 16000,
     "max_position_embeddings": 128,
 }
-WAYS = ("cat", "in_place", "floor")
+WAYS = ("cat", "in_place", "floor", "to_writer")
 
 
 def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
@@ -52,6 +55,7 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
     from hyperrecipe.model_tree import build_model
     from hyperrecipe.placement import Shard
     from hyperrecipe.runtime.comm.collectives import execute, group_for
+    from hyperrecipe.runtime.comm.gather_into import gather_to_writer
     from hyperrecipe.runtime.comm.sharding import gather_full
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -88,12 +92,20 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
             return local.clone()
         return gather_full(local, p.placement, p.shape, mesh, dims)
 
-    fns = {"cat": by_cat, "in_place": in_place, "floor": floor}
+    def to_writer(p: Any, local: torch.Tensor) -> torch.Tensor | None:
+        if tuple(local.shape) == p.shape:
+            return local.clone()
+        return gather_to_writer(local, p.placement, p.shape, mesh, dims, 0)
+
+    fns = {"cat": by_cat, "in_place": in_place, "floor": floor, "to_writer": to_writer}
     for p, local in params:  # every way gives the same tensor (floor: the same bytes)
-        assert torch.equal(by_cat(p, local), in_place(p, local)), p.fqn
+        whole = in_place(p, local)  # a collective: every rank, before the comparisons
+        assert torch.equal(by_cat(p, local), whole), p.fqn
+        written = to_writer(p, local)
+        assert written is not None and (rank != 0 or torch.equal(written, whole)), p.fqn
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for r in range(rounds):
-        for way in WAYS[r % 3:] + WAYS[:r % 3]:
+        for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
             dist.barrier()
             t0 = time.perf_counter()
             for p, local in params:
@@ -113,7 +125,8 @@ def main() -> int:
     per_round = {w: [max(v) for v in zip(*(r[w] for r in results))] for w in WAYS}
     med = {w: round(statistics.median(v), 2) for w, v in per_round.items()}
     summary = {"median_ms": med, "cat_over_floor": round(med["cat"] / med["floor"], 3),
-               "in_place_over_floor": round(med["in_place"] / med["floor"], 3)}
+               "in_place_over_floor": round(med["in_place"] / med["floor"], 3),
+               "to_writer_over_floor": round(med["to_writer"] / med["floor"], 3)}
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps({"config": CONFIG, "rounds": per_round, **summary},

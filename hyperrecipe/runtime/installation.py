@@ -27,7 +27,7 @@ from hyperrecipe.runtime.state.checkpoint import (
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
-from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.state.export import ExportItem, write_safetensors, writer_gather
 from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.grads.scaler_guard import guard_grad_scaler
@@ -503,28 +503,32 @@ class Installation:
         The files replace an earlier export in ``folder`` whole or not at all: they are
         written under temporary names and renamed into place once every rank got through, an
         earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
-        file's size and sha256) is written last.
+        file's size and digest, xxh3_128 where ``xxhash`` is installed) is written last.
 
         Raises:
             PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
                 instead of hanging until the process group's watchdog.
             ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
+            ExportAbortedError: a rank failed or stopped mid-gather: that rank raises at once,
+                the others within ``collective_timeout_s`` (the folder is unchanged).
         """
         self._check_live()
         self._enter_collective("save_pretrained")
         items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
-                            gather=lambda p=p: self._live.full_of(  # type: ignore[misc]
-                                p, self._live.param(p)))
+                            gather=writer_gather(self._live, p, writer_rank))
                  for p in self._own()]
         items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
                                 gather=lambda buf=buf: buf)  # type: ignore[misc]
                      for name, buf in persistent_buffers(self.model))
         rank = dist.get_rank() if dist.is_initialized() else 0
         write_safetensors(folder, items, writer=rank == writer_rank,
-                          max_shard_bytes=max_shard_bytes, model=self.model)
+                          max_shard_bytes=max_shard_bytes, model=self.model,
+                          timeout_s=self.collective_timeout_s)
 
     collective_timeout_s: float = 60.0
-    """How long a gathering call waits for every rank to enter it before refusing."""
+    """How long a gathering call waits for every rank to enter it before refusing, and how long
+    ``save_pretrained`` waits for a peer in any one gather (or the final agreement) before
+    raising ``ExportAbortedError``."""
 
     def _enter_collective(self, what: str, why: str = "",
                           advice: str = "only one rank writes") -> None:

@@ -693,16 +693,15 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
     """Check a folder an export wrote against its manifest (``hyperrecipe.manifest.json``,
     written last by ``save_pretrained``): the export's files are exactly the ones it lists,
     each of its size, and the files of this rank's share (every ``world``-th, from ``rank``)
-    hash to its sha256, so the ranks together read every byte once. Nothing to do without a
-    manifest (a checkpoint from another tool).
+    hash to the digest it records (sha256 or xxh3_128, as it names), so the ranks together
+    read every byte once. Nothing to do without a manifest (a checkpoint from another tool).
 
     Raises:
         WeightLoadError: the manifest is malformed, a file is missing, extra (a later write by
             another tool, or an earlier export), of another size, or of other contents.
     """
-    import hashlib
-
-    from hyperrecipe.runtime.state.export import EXPORT_FILES, MANIFEST, MANIFEST_FORMAT
+    from hyperrecipe.runtime.state.export import EXPORT_FILES, MANIFEST
+    from hyperrecipe.runtime.state.file_digest import digest_file, parse_manifest
 
     folder = Path(source)
     path = folder / MANIFEST
@@ -710,11 +709,7 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
         return
     try:
         manifest = json.loads(read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8"))
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not all(
-                isinstance(n, str) and isinstance(e, dict) and isinstance(e.get("bytes"), int)
-                and isinstance(e.get("sha256"), str) for n, e in files.items()):
-            raise ValueError(f"not a {MANIFEST_FORMAT} manifest")
+        algorithm, files = parse_manifest(manifest)
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:
@@ -730,18 +725,14 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
             raise WeightLoadError(f"{path}: names {name!r:.200}, not a file of the folder")
         file = regular_file(folder / name, folder)
         size = os.stat(file).st_size
-        if size != entry["bytes"]:
-            raise WeightLoadError(f"{file}: {size} bytes, {MANIFEST} says {entry['bytes']}"
-                                  f"{again}")
+        if size != entry[0]:
+            raise WeightLoadError(f"{file}: {size} bytes, {MANIFEST} says {entry[0]}{again}")
         if i % world != rank:
             continue
-        digest = hashlib.sha256()
-        with open(file, "rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-        if digest.hexdigest() != entry["sha256"]:
-            raise WeightLoadError(f"{file}: its sha256 is not the one in {MANIFEST} (same size, "
-                                  f"other bytes: a relabelled header, overwritten data){again}")
+        if digest_file(file, algorithm) != entry[1]:
+            raise WeightLoadError(f"{file}: its {algorithm} is not the one in {MANIFEST} (same "
+                                  f"size, other bytes: a relabelled header, overwritten data)"
+                                  f"{again}")
 
 
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],

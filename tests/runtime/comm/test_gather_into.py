@@ -59,3 +59,38 @@ def test_two_mesh_dim_shards_take_the_general_path_and_still_gather_exactly() ->
         for text in TWO_DIMS:
             direct_equal, equal, _ = res[text]
             assert not direct_equal and equal, text
+
+
+def _to_writer(rank: int, world: int, writer: int) -> dict[str, Any]:
+    from hyperrecipe.runtime.comm import gather_into
+    from hyperrecipe.runtime.comm.gather_into import gather_to_writer
+
+    gather_into.CHUNK_BYTES = 40  # several pieces per block: the chunking is exercised too
+    full = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    if world == 2:
+        mesh, dims, cases = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), ("tp",), ONE_DIM
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dims, cases = ("dp", "tp"), ONE_DIM + TWO_DIMS
+    out: dict[str, Any] = {}
+    for text in cases:
+        p = parse_named_text(text)
+        local = local_shard(full, p, mesh, dims)
+        with count_collectives() as log:
+            got = gather_to_writer(local, p, SHAPE, mesh, dims, writer)
+        out[text] = (None if got is None else
+                     "full" if torch.equal(got, full) else list(got.shape), len(log))
+    return out
+
+
+def test_one_mesh_dim_shards_reach_the_writer_alone_bit_for_bit() -> None:
+    """The writer gets the full tensor; every other rank an empty one (it sent, or on a dp x tp
+    mesh, another replica had nothing to send); two-dim layouts are left to the general path
+    on every rank alike. No collective is counted: it is point to point."""
+    for world, writer in ((2, 1), (4, 0)):
+        results = run_ranks(_to_writer, world, writer, timeout_s=300)
+        for rank, res in enumerate(results):
+            for text in ONE_DIM:
+                assert res[text] == ("full" if rank == writer else [0], 0), (rank, text)
+            for text in TWO_DIMS if world == 4 else ():
+                assert res[text] == (None, 0), (rank, text)

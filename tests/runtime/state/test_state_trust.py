@@ -471,7 +471,7 @@ def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
     own = [e for e in errors if e.startswith(named)]
     assert own, errors
     expected = {"truncated": "bytes, hyperrecipe.manifest.json says",
-                "relabelled-dtype": "its sha256 is not the one in hyperrecipe.manifest.json",
+                "relabelled-dtype": "its xxh3_128 is not the one in hyperrecipe.manifest.json",
                 "stale-shard": "['model-00001-of-00002.safetensors'] are not in"}[how]
     assert expected in own[0]
     for e in errors:

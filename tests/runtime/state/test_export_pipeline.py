@@ -1,0 +1,219 @@
+"""The export's pipeline (issues 28 and 29): the next tensor is gathered while the writer writes
+the current one, never more than two in flight; the manifest's digest is named, and the first
+exports' sha256 manifests still verify; a rank that fails mid-export makes every rank raise
+within ``collective_timeout_s`` and leaves the previous export exactly as it was.
+
+Real gloo ranks, a real tiny Llama, real files; the fault is raised in a rank's own gather.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hyperrecipe import apply, compile_recipe
+from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.errors import ExportError, WeightLoadError
+from hyperrecipe.runtime.state.export import MANIFEST, ExportItem, write_safetensors
+from tests.support.runtime_harness import ROOT, llama, mesh_1d
+
+LLAMA = str(ROOT / "recipes/llama.yaml")
+
+
+def _applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
+    model = llama(device)
+    plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
+    return model, apply(model, plan, mesh_1d(world), mode="production")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def test_the_next_gather_starts_only_once_the_tensor_before_the_last_is_written(
+        tmp_path: Path) -> None:
+    """At most two full tensors in flight: when tensor k is gathered, tensors up to k - 2 are
+    in the file already (the writer may still be on k - 1)."""
+    folder = tmp_path / "export"
+    on_disk: list[int] = []
+
+    def gather(i: int) -> torch.Tensor:
+        temps = list(folder.glob(".model.safetensors.tmp-*"))
+        on_disk.append(temps[0].stat().st_size if temps else 0)
+        return torch.full((4096,), float(i))
+
+    items = [ExportItem(name=f"w{i}", dtype=torch.float32, shape=(4096,),
+                        gather=lambda i=i: gather(i))  # type: ignore[misc]
+             for i in range(8)]
+    write_safetensors(folder, items, writer=True, max_shard_bytes=1 << 40, model=nn.Module())
+    raw = (folder / "model.safetensors").read_bytes()
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    for k, size in enumerate(on_disk):
+        assert size >= (start + (k - 1) * 4096 * 4 if k >= 2 else 0), (k, on_disk)
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(folder / "model.safetensors"))
+    for i in range(8):
+        torch.testing.assert_close(loaded[f"w{i}"], torch.full((4096,), float(i)), atol=0, rtol=0)
+
+
+def test_the_manifest_names_its_digest_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    items = [ExportItem(name="w", dtype=torch.float32, shape=(8,),
+                        gather=lambda: torch.ones(8))]
+    write_safetensors(tmp_path / "a", items, writer=True, max_shard_bytes=1 << 40,
+                      model=nn.Module())
+    manifest = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert manifest["format"] == "hyperrecipe-export/2"
+    assert manifest["digest"] == "xxh3_128"
+    assert set(manifest["files"]["model.safetensors"]) == {"bytes", "xxh3_128"}
+    with pytest.raises(ValueError, match="digest 'md5' is not one of"):
+        write_safetensors(tmp_path / "b", items, writer=True, max_shard_bytes=1 << 40,
+                          model=nn.Module(), digest="md5")
+    assert not (tmp_path / "b").exists()
+
+
+def _export_worker(rank: int, world: int, folder: str) -> None:
+    model, inst = _applied(world)
+    inst.save_pretrained(folder)
+
+
+def _load_weights_worker(rank: int, world: int, source: str) -> str | None:
+    model, inst = _applied(world, "meta")
+    try:
+        inst.load_weights(source)
+    except WeightLoadError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_first_format_sha256_manifest_still_verifies_and_refuses(tmp_path: Path) -> None:
+    """A folder exported before the digest was named (``hyperrecipe-export/1``, sha256 per
+    file) loads, and a changed byte is still refused by name."""
+    folder = tmp_path / "export"
+    run_ranks(_export_worker, 2, str(folder))
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    old = {"format": "hyperrecipe-export/1",
+           "files": {name: {"bytes": entry["bytes"],
+                            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest()}
+                     for name, entry in files.items()}}
+    (folder / MANIFEST).write_text(json.dumps(old))
+    assert run_ranks(_load_weights_worker, 2, str(folder)) == [None, None]
+    data = folder / "model.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    error = run_ranks(_load_weights_worker, 1, str(folder))[0]
+    assert error is not None and error.startswith(
+        f"{data}: its sha256 is not the one in {MANIFEST} (same size, other bytes"), error
+
+
+def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str, str] | None:
+    """Export other weights over the folder's export with the third gather of rank ``failing``
+    raising. That rank then stays alive outside the collectives (as a rank handling its error
+    would), longer than ``collective_timeout_s``: its peers must not wait for the process
+    group's timeout."""
+    model, inst = _applied(world)
+    inst.collective_timeout_s = 2.0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)  # other weights: they must not reach the folder
+    if rank == failing:
+        import hyperrecipe.runtime.state.export as export
+
+        real = export.gather_to_writer
+        calls = 0
+
+        def gather_to_writer(*args: Any) -> torch.Tensor | None:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("injected fault in this rank's third gather")
+            return real(*args)
+
+        export.gather_to_writer = gather_to_writer  # type: ignore[assignment]
+    try:
+        inst.save_pretrained(folder)
+    except ExportError as exc:
+        outcome: tuple[str, str] | None = (type(exc).__name__, str(exc))
+    else:
+        outcome = None
+    if rank == failing:
+        time.sleep(8 * inst.collective_timeout_s)
+    return outcome
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["writer-fails", "peer-fails"])
+def test_a_rank_failing_mid_export_makes_every_rank_raise_within_the_collective_timeout(
+        failing: int, tmp_path: Path) -> None:
+    folder = tmp_path / "export"
+    run_ranks(_export_worker, 2, str(folder))
+    before = _snapshot(folder)
+    results = run_ranks(_fault_worker, 2, str(folder), failing, timeout_s=110)
+    for rank, outcome in enumerate(results):
+        assert outcome is not None, f"rank {rank} exported although rank {failing} failed"
+        kind, message = outcome
+        assert kind == "ExportAbortedError", outcome
+        assert message.startswith(f"save_pretrained into {folder} stopped, so nothing was "
+                                  f"replaced and the folder holds what it held before"), message
+        if rank == failing:
+            assert "failed: RuntimeError: injected fault in this rank's third gather" in message
+        else:
+            assert ("got no answer from the other ranks within 2 s (collective_timeout_s): a "
+                    "rank failed or stopped mid-export") in message, message
+        assert message.endswith("restart every rank"), message
+    assert _snapshot(folder) == before
+
+
+def _family_model(family: str, mode: str) -> nn.Module:
+    from hyperrecipe.model_tree import build_model
+
+    config = json.loads((ROOT / f"recipes/models/tiny-{family}.json").read_text())
+    if mode == "validate":  # CPU SDPA has no DTensor strategy
+        config["attn_implementation"] = "eager"
+    torch.manual_seed(0)
+    return build_model(f"hf:{family}", config, device="cpu")
+
+
+def _family_export_worker(rank: int, world: int, family: str, mode: str, folder: str) -> None:
+    model = _family_model(family, mode)
+    plan = compile_recipe(str(ROOT / f"recipes/{family}.yaml"), model, {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    inst.save_pretrained(folder, max_shard_bytes=200_000)
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+@pytest.mark.parametrize("family", ["phi3", "gpt2"])
+def test_fused_and_row_parallel_tensors_reach_the_writer_byte_for_byte(
+        family: str, mode: str, tmp_path: Path) -> None:
+    """Fused parts (phi3's ``qkv_proj`` and ``gate_up_proj``, gpt2's ``c_attn``), row-parallel
+    blocks (strided in the full tensor) and column-parallel ones travel point to point to the
+    writer; the files hold the unapplied model's tensors exactly, whichever mode's parameters
+    (plain shards or DTensors) they came from, and the manifest verifies."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "export"
+    run_ranks(_family_export_worker, 2, family, mode, str(folder))
+    expected = _family_model(family, mode).state_dict()
+    written: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("model-*.safetensors")):
+        written.update(load_file(str(file)))
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    assert written and set(written) <= set(expected)
+    for name, value in written.items():
+        assert torch.equal(value, expected[name]), name
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    for name, value in loaded.items():
+        if name in expected:
+            assert torch.equal(value, expected[name]), name
+    from hyperrecipe.runtime.state.weights import verify_manifest
+
+    verify_manifest(folder)  # raises on any mismatch
