@@ -78,8 +78,9 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
                            options=SuggestOptions(timeout_s=120, max_attempts=6))
     except (HyperrecipeError, Exception) as exc:  # noqa: BLE001 - a family's own failure
         why = " ".join(f"{type(exc).__name__}: {exc}".split())
-        outcome = ("not a causal LM" if "for this kind of AutoModel: AutoModelForCausalLM" in why
-                   else "refused")
+        not_causal = ("for this kind of AutoModel: AutoModelForCausalLM" in why
+                      or "has no causal-lm model" in why)
+        outcome = "not a causal LM" if not_causal else "refused"
         row.update(outcome=outcome, why=why[:300], seconds=time.perf_counter() - t0)
         return row
     groups = {r.group for r in s.rules}
