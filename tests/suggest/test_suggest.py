@@ -185,7 +185,7 @@ def test_the_tiny_config_shrinks_every_size_the_family_names_under_its_own_spell
     # GPT-style field names through the config's attribute_map; ids inside the tiny vocabulary
     assert tiny_config("codegen") == {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
                                       "n_positions": 128, "bos_token_id": 127,
-                                      "eos_token_id": 127}
+                                      "eos_token_id": 127, "rotary_dim": 4}
     # grouped-query attention stays grouped; multi-head stays multi-head
     assert tiny_config("mixtral")["num_key_value_heads"] == 2
     assert tiny_config("llama")["num_key_value_heads"] == 4
