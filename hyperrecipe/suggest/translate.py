@@ -234,12 +234,14 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
               [_entry_text(e) for _, e in plain], parent, plain[0][0])
     for fqn, entry in cols:
         if entry.style == "packed_colwise":
-            chunked = _placement(dim, "shard(0, chunks=2)")
+            parts = entry.chunks or 2
+            chunked = _placement(dim, f"shard(0, chunks={parts})")
             params: dict[str, Any] = {"weight": chunked}
             if b.modules[fqn].param("bias") is not None:
                 params["bias"] = chunked
             b.add(fqn, {"params": params},
-                  [_entry_text(entry) + " (two packed parts, each sharded: chunks=2)"],
+                  [_entry_text(entry) + f" ({parts} packed parts, each sharded: "
+                                        f"chunks={parts})"],
                   parent, fqn)
     for fqn, entry in rows:
         b.add(fqn, {"style": "rowwise"}, [_entry_text(entry)], parent, fqn)
@@ -439,7 +441,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 f"{entry.source} says {entry.style} for a parameter of {fqn}, which holds no "
                 f"column-wise and row-wise projections to shard it with; left replicated")))
     for fqn, entry in gather.items():
-        if not entry.source.endswith("._tp_plan"):  # the head class's own plan: the lm_head
+        if not entry.source.endswith("._tp_plan") and not entry.head:  # the head: below
             b.add(fqn, {"style": "colwise_gather_output"}, [_entry_text(entry)], fqn, fqn)
             b.claimed.add(fqn)
     if opts.dim in mesh:
