@@ -41,8 +41,14 @@ def _fold(fqn: str) -> str:
     return ".".join("*" if seg.isdigit() else seg for seg in fqn.split("."))
 
 
+def _called(model: nn.Module, method: str) -> object:
+    """``model.<method>()`` of a transformers model (``None`` for any other module)."""
+    fn = getattr(type(model), method, None)
+    return fn(model) if callable(fn) else None
+
+
 def _hidden_size(model: nn.Module) -> int | None:
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed = _called(model, "get_input_embeddings")
     if isinstance(embed, nn.Embedding):
         return int(embed.embedding_dim)
     return None
@@ -105,7 +111,7 @@ def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
         entries = _block_entries(fqn, block, hidden)
         if entries:
             out.extend(entries)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _called(model, "get_output_embeddings")
     if out and isinstance(head, nn.Linear):
         name = next((n for n, m in model.named_modules() if m is head), None)
         if name is not None:
