@@ -92,6 +92,14 @@ def _shrink_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _size_base(key: str) -> str | None:
+    """The size a per-layer list gives layer by layer: ``intermediate_size`` itself, or the size
+    its name extends (``num_attention_heads_per_layer``); ``None`` for a list of kinds."""
+    if key in TINY_SIZES:
+        return key
+    return max((size for size in TINY_SIZES if key.startswith(size + "_")), key=len, default=None)
+
+
 def _layer_keyed(value: Any, layers: int) -> bool:
     """A mapping from layer index (``"02"``) to that layer's overrides."""
     return (isinstance(value, dict) and bool(value)
@@ -107,7 +115,8 @@ def _pick_layers(defaults: Mapping[str, Any], layers: int,
     per layer (``layer_types``, ``mlp_layer_types``, ...), whether a list of layer indices
     (``mlp_only_layers``) names it, whether a layer-keyed mapping overrides it. The first layer
     of each kind is kept, in the real order, and the lists, indices and mappings are rewritten
-    for the kept layers; per-layer sizes (``intermediate_size`` as a list) shrink like sizes.
+    for the kept layers; per-layer sizes (``intermediate_size`` as a list,
+    ``num_attention_heads_per_layer``) shrink like the size they give per layer.
     """
     # layer indices: increasing ints below the depth (all of them, for moe_layers, is still
     # a list of indices, not one entry per layer)
@@ -120,7 +129,7 @@ def _pick_layers(defaults: Mapping[str, Any], layers: int,
     keyed = {k: v for k, v in defaults.items() if _layer_keyed(v, layers)}
 
     def kind(i: int) -> tuple[Any, ...]:
-        own = tuple(repr(v[i]) for k, v in sorted(per_layer.items()) if k not in TINY_SIZES)
+        own = tuple(repr(v[i]) for k, v in sorted(per_layer.items()) if _size_base(k) is None)
         named = tuple(i in v for _, v in sorted(indices.items()))
         overridden = tuple(any(int(key) == i for key in v) for _, v in sorted(keyed.items()))
         return own + named + overridden
@@ -137,7 +146,8 @@ def _pick_layers(defaults: Mapping[str, Any], layers: int,
     out: dict[str, Any] = {}
     for k, v in per_layer.items():
         picked = [v[i] for i in chosen]
-        out[k] = [TINY_SIZES[k] if _is_int(x) else x for x in picked] if k in TINY_SIZES else picked
+        base = _size_base(k)
+        out[k] = [TINY_SIZES[base] if _is_int(x) else x for x in picked] if base else picked
     for k, v in indices.items():
         out[k] = [pos for pos, i in enumerate(chosen) if i in set(v)]
     for k, v in keyed.items():

@@ -73,6 +73,13 @@ def test_the_tiny_stack_keeps_one_layer_of_each_kind_the_per_layer_fields_name()
     assert config["moe_layers"] == [0, 1]
 
 
+def test_a_per_layer_list_of_sizes_shrinks_like_the_size_it_gives_per_layer() -> None:
+    # Laguna's num_attention_heads_per_layer kept 48 heads per layer beside 4 heads of 16 in
+    # the tiny hidden size: the gate projection held 3 heads, not divisible by tp=2
+    config = tiny_config("laguna")
+    assert config["num_attention_heads_per_layer"] == [4] * config["num_hidden_layers"]
+
+
 def test_periodic_layer_kinds_get_period_two_so_both_kinds_are_in_the_tiny_stack() -> None:
     config = tiny_config("jamba")  # attention every 8th layer from 4, experts every 2nd from 1
     assert (config["attn_layer_period"], config["attn_layer_offset"]) == (2, 1)
