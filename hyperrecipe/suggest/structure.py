@@ -12,7 +12,8 @@ children are
   ``split``/``chunk``, is ``packed_colwise`` in ``k`` chunks; one it views per head, as BLOOM's
   ``query_key_value`` is, stays plain ``colwise``: every head keeps its q, k and v together;
   fused parts of unequal widths, as multi-query attention packs them, are left out);
-- the last projection *to* the hidden size: ``rowwise``;
+- the last projection *to* the hidden size, registered last and not called on the block's own
+  input (BERT's ``value`` is square too, but reads the input): ``rowwise``;
 
 and nothing else with parameters but 1-D ones (norms), plus the output embedding as the gathering
 head. A block that does not fit (a Linear of another shape, a nested block with weights of its
@@ -62,6 +63,25 @@ def _splits_its_output(block: nn.Module) -> bool:
     return bool(_SPLITS.search(source))
 
 
+def _reads_the_input(block: nn.Module, name: str) -> bool:
+    """Whether the block's ``forward`` calls ``self.<name>`` on its own first argument: such a
+    projection is one *from* the block's input (BERT's ``value``), not the one back out."""
+    try:
+        source = inspect.getsource(type(block).forward)
+        params = list(inspect.signature(type(block).forward).parameters)
+    except (OSError, TypeError, ValueError):
+        return False
+    if len(params) < 2:
+        return False
+    arg = re.escape(params[1])
+    call = re.search(rf"self\.{re.escape(name)}\(\s*{arg}\s*[,)]", source)
+    if call is None:
+        return False
+    # ``hidden_states = ...`` before the call: the name no longer holds the block's input
+    rebound = re.search(rf"^\s*{arg}\s*(,[^=]*)?=(?!=)", source, re.MULTILINE)
+    return rebound is None or call.start() < rebound.start()
+
+
 def _block_entries(fqn: str, block: nn.Module, hidden: int) -> list[PlanEntry] | None:
     linears = [(name, m) for name, m in block.named_children() if isinstance(m, nn.Linear)]
     if len(linears) < 2:
@@ -76,7 +96,8 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int) -> list[PlanEntry] |
         return None
     row = rows[-1]
     cols = linears[:row]
-    if not cols or row != len(linears) - 1 or any(m.in_features != hidden for _, m in cols):
+    if (not cols or row != len(linears) - 1 or any(m.in_features != hidden for _, m in cols)
+            or _reads_the_input(block, linears[row][0])):
         return None
     row_in = linears[row][1].in_features
     if len(cols) == 1 and cols[0][1].out_features % row_in:

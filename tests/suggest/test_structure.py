@@ -48,6 +48,9 @@ def test_blocks_that_do_not_fit_are_left_out() -> None:
     assert _styles("gpt2") == {}
     assert "transformer.h.*.attn.c_attn" not in _styles("gpt_bigcode")
     assert not any(".fc1" in p or ".fc2" in p for p in _styles("opt"))
+    # BERT's self-attention holds query, key and value, all square: value is called on the
+    # block's own input, so it is not the projection back out (its output dense is elsewhere)
+    assert not any(".attention.self." in p for p in _styles("bert"))
 
 
 def test_the_packed_parts_become_chunks_of_the_shard() -> None:
