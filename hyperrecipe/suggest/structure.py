@@ -84,8 +84,8 @@ def _reads_the_input(block: nn.Module, name: str) -> bool:
 
 def _block_entries(fqn: str, block: nn.Module, hidden: int) -> list[PlanEntry] | None:
     linears = [(name, m) for name, m in block.named_children() if isinstance(m, nn.Linear)]
-    if len(linears) < 2:
-        return None
+    if len(linears) < 2 or any(name.isdigit() for name, _ in linears):
+        return None  # a Sequential's numbered children read as layer indices in a pattern
     for name, child in block.named_children():
         if isinstance(child, nn.Linear):
             continue
