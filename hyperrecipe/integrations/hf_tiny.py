@@ -240,7 +240,8 @@ def tiny_config(model_type: str, fields: Mapping[str, Any] | None = None) -> dic
         # its checkpoints
         if _is_int(current) or (current is None and real in defaults and (
                 real in _ALWAYS or (moe and key in _EXPERT_COUNTS))):
-            out[real] = value
+            # never more experts per token than the family routes (one, for some)
+            out[real] = min(value, current) if key in _ALWAYS and _is_int(current) else value
     hidden, heads = name("hidden_size"), name("num_attention_heads")
     kv = name("num_key_value_heads")
     if _is_int(defaults.get(kv)):

@@ -52,6 +52,8 @@ def test_expert_counts_a_moe_family_leaves_to_its_checkpoints_are_set() -> None:
     assert (dots1["n_routed_experts"], dots1["n_shared_experts"],
             dots1["num_experts_per_tok"]) == (4, 1, 2)
     _one_step("dots1", dots1)
+    # never more experts per token than the family routes: ZAYA supports top-1 only
+    assert tiny_config("zaya")["num_experts_per_tok"] == 1
     # a dense family with an experts field left None stays dense (no experts per token field)
     assert "num_experts" not in tiny_config("gemma4_text")
 
