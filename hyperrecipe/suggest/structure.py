@@ -29,11 +29,10 @@ import re
 from torch import nn
 
 from hyperrecipe.integrations.hf_plans import PlanEntry
+from hyperrecipe.suggest.rules import STRUCTURE_SOURCE
 
 __all__ = ["STRUCTURE_SOURCE", "structural_entries"]
 
-STRUCTURE_SOURCE = "the model's structure"
-"""Where a structural entry says it came from (the rule's comment)."""
 
 _SPLITS = re.compile(r"\.(split|chunk|unbind)\(|torch\.(split|chunk)\(")
 

@@ -70,3 +70,17 @@ def test_a_family_without_a_plan_gets_a_verified_recipe_from_its_structure(famil
     assert "from the model's structure (it declares no parallel plan)" in s.text
     assert f"# {STRUCTURE_SOURCE}: " in s.text
     assert s.sharded_fraction["tp"] > 0.9
+
+
+def test_the_width_of_the_heads_goes_with_them_where_the_plan_is_read_off_the_structure() -> None:
+    # XGLM reshapes its attention output to self.embed_dim: each rank holds half the heads, so
+    # half the width; a plan family's attention keeps its global embed_dim (CodeGen cuts its
+    # fused projection into groups by it)
+    model = build_model("hf:xglm", tiny_config("xglm"))
+    t = translate(structural_entries(model), snapshot(model), TP2)
+    attn = next(dict(r.fields) for r in t.rules if r.match == "model.layers.*.self_attn"
+                and "boundary" in dict(r.fields))
+    assert attn["head_counts"] == {"num_heads": "tp", "embed_dim": "tp"}
+    codegen = build_model("hf:codegen", tiny_config("codegen"))
+    t = translate(read_plans(codegen), snapshot(codegen), TP2)
+    assert all("embed_dim" not in dict(r.fields).get("head_counts", {}) for r in t.rules)
