@@ -159,7 +159,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 _SUGGEST_DESCRIPTION = (
     "Propose a recipe for a transformers model from its own tensor-parallel plan "
-    "(base_model_tp_plan), with the regions, vocab-parallel embedding and gradient reductions "
+    "(base_model_tp_plan) or, where it declares none, from its structure (column-wise "
+    "projections from the hidden size and a row-wise one back, in each repeated block), with "
+    "the regions, vocab-parallel embedding and gradient reductions "
     "our format needs, and prove it: the recipe is checked in production and validate mode "
     "against one process on a tiny config of the same structure, and a rule that fails is "
     "narrowed (its modules left replicated) until both modes agree. Writes the recipe (-o, or "

@@ -57,6 +57,23 @@ def families_with_a_plan() -> list[str]:
     return out
 
 
+def causal_families_without_a_plan() -> list[str]:
+    """Every model type with a causal-LM class whose config class declares no tensor-parallel
+    plan: ``suggest`` reads their plan off the structure."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except Exception:  # noqa: BLE001 - a family whose optional dependency is missing
+            continue
+        if not getattr(cls, "base_model_tp_plan", None):
+            out.append(model_type)
+    return out
+
+
 def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, Any]:
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.errors import HyperrecipeError
@@ -78,8 +95,9 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
                            options=SuggestOptions(timeout_s=120, max_attempts=6))
     except (HyperrecipeError, Exception) as exc:  # noqa: BLE001 - a family's own failure
         why = " ".join(f"{type(exc).__name__}: {exc}".split())
-        outcome = ("not a causal LM" if "for this kind of AutoModel: AutoModelForCausalLM" in why
-                   else "refused")
+        not_causal = ("for this kind of AutoModel: AutoModelForCausalLM" in why
+                      or "has no causal-lm model" in why)
+        outcome = "not a causal LM" if not_causal else "refused"
         row.update(outcome=outcome, why=why[:300], seconds=time.perf_counter() - t0)
         return row
     groups = {r.group for r in s.rules}
@@ -143,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="MoE families at tp=2 only (default: tp=2,ep=2, four ranks)")
     p.add_argument("--out", default="/tmp/suggest-families", help="folder for the recipes")
     p.add_argument("--json", default="/tmp/suggest-families.json", help="results file")
+    p.add_argument("--without-plan", action="store_true",
+                   help="the causal-LM families whose config declares no tensor-parallel plan "
+                        "instead (the plan is read off the model's structure)")
     p.add_argument("--recheck-dir", metavar="DIR",
                    help="only re-check the recipes a previous run wrote under DIR")
     args = p.parse_args(argv)
@@ -151,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.recheck_dir:
         return recheck_dir(Path(args.recheck_dir), args.budget_s)
-    families = families_with_a_plan()
+    families = causal_families_without_a_plan() if args.without_plan else families_with_a_plan()
+    which = ("causal-LM families without a base_model_tp_plan" if args.without_plan
+             else "families with a base_model_tp_plan")
     if args.only:
         families = [f for f in families if f in set(args.only)]
     out_dir = Path(args.out)
@@ -171,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               indent=1), encoding="utf-8")
     counts = Counter(r["outcome"] for r in rows)
     ok = [r for r in rows if r["outcome"] in ("verified", "narrowed")]
-    print(f"\n{len(rows)} of {len(families)} families with a base_model_tp_plan reached in "
+    print(f"\n{len(rows)} of {len(families)} {which} reached in "
           f"{time.perf_counter() - start:.0f} s: verified {counts['verified']}, narrowed "
           f"{counts['narrowed']}, refused {counts['refused']}, not a causal LM "
           f"{counts['not a causal LM']}; of the {len(ok)} with a recipe: sequence parallel "

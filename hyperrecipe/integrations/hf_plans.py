@@ -28,12 +28,18 @@ class PlanEntry:
         style: transformers' style name (``colwise``, ``rowwise``, ``embedding_rowwise``, ...).
         plan: ``"tp"`` or ``"ep"``.
         source: where the entry is declared, for a comment (``LlamaConfig.base_model_tp_plan``).
+        chunks: for ``packed_colwise``, how many packed parts (``0``: transformers' two, gate
+            and up); a fused q/k/v read off the structure has three.
+        head: the entry is the model's output embedding (the head class's own plan says so by
+            where it is declared; an entry read off the structure says so here).
     """
 
     pattern: str
     style: str
     plan: str
     source: str
+    chunks: int = 0
+    head: bool = False
 
 
 def _as_plan(value: object) -> dict[str, str]:

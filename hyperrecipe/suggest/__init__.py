@@ -165,13 +165,14 @@ def _fractions(text: str, model: Any, mesh: Mapping[str, int]
 
 
 def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
-            check_config: Mapping[str, Any], lines: list[str]) -> list[str]:
+            check_config: Mapping[str, Any], lines: list[str],
+            source: str = "the model's own parallel plan") -> list[str]:
     import json
     import shlex
 
     given = f" --model-config {shlex.quote(model_config)}" if isinstance(model_config, str) else ""
     return [f"Suggested by `hyperrecipe suggest --model {model}{given} --mesh "
-            f"{_mesh_text(mesh)}` from the model's own parallel plan; the comment above each "
+            f"{_mesh_text(mesh)}` from {source}; the comment above each "
             f"rule says where it came from.",
             f"Checked on the config {json.dumps(dict(check_config), sort_keys=True)}",
             *lines]
@@ -207,6 +208,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     from hyperrecipe.integrations.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
     from hyperrecipe.suggest.render import render_recipe
+    from hyperrecipe.suggest.structure import structural_entries
     from hyperrecipe.suggest.translate import translate
     from hyperrecipe.suggest.verify import verify_rules
 
@@ -225,12 +227,17 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     small = build_model(model, check_config)
     _refuse_large(model, small, check_config)
     entries = read_plans(small)
+    source = "the model's own parallel plan"
     if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
-        msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
-               f"(transformers' base_model_tp_plan / _tp_plan); suggest translates such a plan "
-               f"and has no other source yet: write the recipe by hand (docs/guide.md)")
-        raise SuggestError(msg)
-    progress(f"read {len(entries)} plan entries from {type(small).__name__}")
+        entries = structural_entries(small) if dim in mesh else ()
+        source = "the model's structure (it declares no parallel plan)"
+        if not entries:
+            msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
+                   f"(transformers' base_model_tp_plan / _tp_plan), and its structure shows no "
+                   f"block of column-wise projections from the hidden size and a row-wise one "
+                   f"back to it: write the recipe by hand (docs/guide.md)")
+            raise SuggestError(msg)
+    progress(f"read {len(entries)} plan entries from {source} of {type(small).__name__}")
     translation = translate(entries, snapshot(small), mesh, opts.translate)
     progress(f"translated into {len(translation.rules)} rules "
              f"({len(translation.narrowed)} entries left replicated)")
@@ -267,7 +274,8 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                        attempts=attempts, check_config=check_config,
                        sharded_fraction=fractions, collectives=collectives, reason=reason,
                        seconds=time.perf_counter() - t0)
-    text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft)))
+    text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
+                                 source))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Correction", "Narrowed", "SuggestedRule"]
+__all__ = ["STRUCTURE_SOURCE", "Correction", "Narrowed", "SuggestedRule"]
 
 
 @attrs.frozen(kw_only=True)
@@ -48,3 +48,8 @@ class Correction:
 
     what: str
     detail: str
+
+
+STRUCTURE_SOURCE = "the model's structure"
+"""Where an entry read off the model's structure says it came from (the rule's comment;
+:mod:`hyperrecipe.suggest.structure`)."""

@@ -23,7 +23,7 @@ import attrs
 
 from hyperrecipe.integrations.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
-from hyperrecipe.suggest.rules import Correction, Narrowed, SuggestedRule
+from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
 __all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "fold", "translate"]
@@ -159,7 +159,7 @@ def is_region(rule: SuggestedRule) -> bool:
     return bool(rule.sources) and rule.sources[0].startswith("region: ")
 
 
-def _region_fields(m: ModuleInfo, dim: str) -> dict[str, Any]:
+def _region_fields(m: ModuleInfo, dim: str, *, widths: bool = False) -> dict[str, Any]:
     first = m.signature[0].name if m.signature and m.signature[0].kind != "var_keyword" else 0
     fields: dict[str, Any] = {"boundary": True, "in_src": {first: "replicate"}}
     if "Attention" in m.cls.rsplit(".", 1)[-1]:
@@ -170,6 +170,16 @@ def _region_fields(m: ModuleInfo, dim: str) -> dict[str, Any]:
     else:
         fields["out_src"] = {0: "replicate"}
     heads = {name: dim for name, _ in m.int_attrs if name in _HEAD_ATTRS}
+    ints = dict(m.int_attrs)
+    width, per_head = ints.get("embed_dim"), ints.get("head_dim")
+    count = next((ints[n] for n in ("num_heads", "num_attention_heads") if n in ints), None)
+    if widths and heads and width and per_head and count and width == count * per_head:
+        # the width of the heads it holds (XGLM reshapes its output to embed_dim): each rank
+        # holds its share of them, as it does of the heads. Only for a plan read off the
+        # structure: the families transformers' plans are written for read their widths from
+        # the local tensors, and one that reads embed_dim (CodeGen) cuts its fused projection
+        # into groups by the global width.
+        heads["embed_dim"] = dim
     if heads:
         fields["head_counts"] = heads
     return fields
@@ -217,7 +227,8 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
         holding[0].fqn if len(holding) == 1 else "{" + ",".join(m.fqn for m in holding) + "}")
     names = ", ".join(_leaf(f) for f, _ in cols)
     outs = ", ".join(_leaf(f) for f, _ in rows)
-    fields = _region_fields(region, dim)
+    fields = _region_fields(region, dim,
+                            widths=cols[0][1].source.startswith(STRUCTURE_SOURCE))
     sources = [f"region: {match} holds the column-wise {names} and the row-wise {outs} of "
                f"{cols[0][1].source}; replicated in and out, one all-reduce each way"]
     own = b.head_params.pop(parent, {})
@@ -234,12 +245,14 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
               [_entry_text(e) for _, e in plain], parent, plain[0][0])
     for fqn, entry in cols:
         if entry.style == "packed_colwise":
-            chunked = _placement(dim, "shard(0, chunks=2)")
+            parts = entry.chunks or 2
+            chunked = _placement(dim, f"shard(0, chunks={parts})")
             params: dict[str, Any] = {"weight": chunked}
             if b.modules[fqn].param("bias") is not None:
                 params["bias"] = chunked
             b.add(fqn, {"params": params},
-                  [_entry_text(entry) + " (two packed parts, each sharded: chunks=2)"],
+                  [_entry_text(entry) + f" ({parts} packed parts, each sharded: "
+                                        f"chunks={parts})"],
                   parent, fqn)
     for fqn, entry in rows:
         b.add(fqn, {"style": "rowwise"}, [_entry_text(entry)], parent, fqn)
@@ -439,7 +452,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 f"{entry.source} says {entry.style} for a parameter of {fqn}, which holds no "
                 f"column-wise and row-wise projections to shard it with; left replicated")))
     for fqn, entry in gather.items():
-        if not entry.source.endswith("._tp_plan"):  # the head class's own plan: the lm_head
+        if not entry.source.endswith("._tp_plan") and not entry.head:  # the head: below
             b.add(fqn, {"style": "colwise_gather_output"}, [_entry_text(entry)], fqn, fqn)
             b.claimed.add(fqn)
     if opts.dim in mesh:

@@ -90,7 +90,10 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
                                    f"({cmp.first.what}): {cmp.first.detail}")
         bad = cmp.diverged_gradients or cmp.diverged_params
         if bad:
-            last = bad[-1]  # errors flow backward: the last one in forward order is the source
+            # errors flow backward: the last one in forward order is the source; of those a
+            # suggested rule places (a final norm no rule touches is downstream of the cause)
+            placed = [d for d in bad if _owner(d.name, rules)[0] is not None]
+            last = (placed or bad)[-1]
             return last.name, (f"{mode.mode} mode: the gradient of {last.name} differs from one "
                                f"process (max abs {last.diff.max_abs})")
     return None

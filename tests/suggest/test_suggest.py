@@ -185,7 +185,7 @@ def test_the_tiny_config_shrinks_every_size_the_family_names_under_its_own_spell
     # GPT-style field names through the config's attribute_map; ids inside the tiny vocabulary
     assert tiny_config("codegen") == {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
                                       "n_positions": 128, "bos_token_id": 127,
-                                      "eos_token_id": 127}
+                                      "eos_token_id": 127, "rotary_dim": 4}
     # grouped-query attention stays grouped; multi-head stays multi-head
     assert tiny_config("mixtral")["num_key_value_heads"] == 2
     assert tiny_config("llama")["num_key_value_heads"] == 4
@@ -207,3 +207,28 @@ def test_suggest_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> N
     text = " ".join(capsys.readouterr().out.split())
     assert "Propose a recipe for a transformers model from its own tensor-parallel plan" in text
     assert "--no-sequence-parallel" in text and "--unverified" in text
+
+
+def test_a_divergent_gradient_is_blamed_on_the_last_one_a_suggested_rule_places() -> None:
+    # CTRL: production-mode gradients diverged from the embedding to the final norm; the last
+    # one in forward order (transformer.layernorm) is placed by no rule, so nothing was blamed
+    # and the family was refused. The source is the last one a rule places.
+    from types import SimpleNamespace
+
+    from hyperrecipe.check.compare import ModeComparison, NamedDiff, TensorDiff
+    from hyperrecipe.suggest.rules import SuggestedRule
+    from hyperrecipe.suggest.verify import _blame
+
+    def diff(name: str) -> NamedDiff:
+        return NamedDiff(name=name, rank=0, diff=TensorDiff(ok=False, max_abs=1e-3, max_rel=1e-3))
+
+    names = ["transformer.w.weight", "transformer.h.0.ffn.up.weight", "transformer.layernorm.weight"]
+    cmp = ModeComparison(mode="production", agree=False, first=None, events_compared=0,
+                         event_diffs=(), output=None, gradients=tuple(map(diff, names)),
+                         params_after=(), failure=None, failure_rank=None)
+    report = SimpleNamespace(modes=[SimpleNamespace(mode="production", error=None,
+                                                    comparison=cmp)])
+    rule = SuggestedRule(match="transformer.h.*.ffn", fields=(("boundary", True),),
+                         sources=("region",), group="transformer.h.*.ffn", deeper=False, order=0)
+    blamed = _blame(report, [rule])
+    assert blamed is not None and blamed[0] == "transformer.h.0.ffn.up.weight"

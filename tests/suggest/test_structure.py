@@ -1,0 +1,86 @@
+"""Plan entries read off the model's structure for families that declare no parallel plan
+(GPT-Neo, BLOOM, MPT, StableLM, ...): proposed in transformers' plan vocabulary, then translated
+and verified by check like a declared plan. Before this source, every such family was refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperrecipe.integrations.hf_plans import read_plans
+from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.model_tree import build_model, snapshot
+from hyperrecipe.suggest import SuggestOptions, suggest_recipe
+from hyperrecipe.suggest.structure import STRUCTURE_SOURCE, structural_entries
+from hyperrecipe.suggest.translate import translate
+
+TP2 = {"tp": 2}
+
+
+def _styles(model_type: str) -> dict[str, tuple[str, int]]:
+    model = build_model(f"hf:{model_type}", tiny_config(model_type))
+    assert read_plans(model) == ()  # the family declares no plan
+    return {e.pattern: (e.style, e.chunks) for e in structural_entries(model)}
+
+
+def test_projections_from_the_hidden_size_are_colwise_and_the_last_one_back_is_rowwise() -> None:
+    assert _styles("stablelm") == {
+        **{f"model.layers.*.self_attn.{p}_proj": ("colwise", 0) for p in "qkv"},
+        "model.layers.*.self_attn.o_proj": ("rowwise", 0),
+        "model.layers.*.mlp.gate_proj": ("colwise", 0),
+        "model.layers.*.mlp.up_proj": ("colwise", 0),
+        "model.layers.*.mlp.down_proj": ("rowwise", 0),
+        "lm_head": ("colwise_gather_output", 0)}
+
+
+def test_a_fused_projection_is_packed_only_where_the_forward_splits_it() -> None:
+    # MPT's Wqkv is chunked into q, k, v: three packed parts, each sharded
+    assert _styles("mpt")["transformer.blocks.*.attn.Wqkv"] == ("packed_colwise", 3)
+    # BLOOM's query_key_value is viewed per head (heads, 3, head_dim): plain column-wise keeps
+    # each head's q, k and v on one rank
+    assert _styles("bloom")["transformer.h.*.self_attention.query_key_value"] == ("colwise", 0)
+
+
+def test_blocks_that_do_not_fit_are_left_out() -> None:
+    # GPT-2's Conv1D is not an nn.Linear; GPT-BigCode's fused q/k/v packs one key/value head
+    # beside the queries (parts of unequal widths); OPT's fc1/fc2 sit in the decoder layer
+    # beside the attention (a nested block with weights)
+    assert _styles("gpt2") == {}
+    assert "transformer.h.*.attn.c_attn" not in _styles("gpt_bigcode")
+    assert not any(".fc1" in p or ".fc2" in p for p in _styles("opt"))
+    # BERT's self-attention holds query, key and value, all square: value is called on the
+    # block's own input, so it is not the projection back out (its output dense is elsewhere)
+    assert not any(".attention.self." in p for p in _styles("bert"))
+
+
+def test_the_packed_parts_become_chunks_of_the_shard() -> None:
+    model = build_model("hf:mpt", tiny_config("mpt"))
+    t = translate(structural_entries(model), snapshot(model), TP2)
+    rule = next(r for r in t.rules if r.match == "transformer.blocks.*.attn.Wqkv")
+    assert dict(rule.fields)["params"] == {"weight": {"tp": "shard(0, chunks=3)"}}
+    assert any(STRUCTURE_SOURCE in s for s in rule.sources)
+
+
+@pytest.mark.parametrize("family", ["stablelm", "persimmon"])
+def test_a_family_without_a_plan_gets_a_verified_recipe_from_its_structure(family: str) -> None:
+    s = suggest_recipe(f"hf:{family}", TP2, model_config=tiny_config(family),
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    assert s.narrowed == ()
+    assert "from the model's structure (it declares no parallel plan)" in s.text
+    assert f"# {STRUCTURE_SOURCE}: " in s.text
+    assert s.sharded_fraction["tp"] > 0.9
+
+
+def test_the_width_of_the_heads_goes_with_them_where_the_plan_is_read_off_the_structure() -> None:
+    # XGLM reshapes its attention output to self.embed_dim: each rank holds half the heads, so
+    # half the width; a plan family's attention keeps its global embed_dim (CodeGen cuts its
+    # fused projection into groups by it)
+    model = build_model("hf:xglm", tiny_config("xglm"))
+    t = translate(structural_entries(model), snapshot(model), TP2)
+    attn = next(dict(r.fields) for r in t.rules if r.match == "model.layers.*.self_attn"
+                and "boundary" in dict(r.fields))
+    assert attn["head_counts"] == {"num_heads": "tp", "embed_dim": "tp"}
+    codegen = build_model("hf:codegen", tiny_config("codegen"))
+    t = translate(read_plans(codegen), snapshot(codegen), TP2)
+    assert all("embed_dim" not in dict(r.fields).get("head_counts", {}) for r in t.rules)
