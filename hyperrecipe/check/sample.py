@@ -114,10 +114,21 @@ def _import_callable(spec: str, what: str) -> Callable[..., Any]:
 
 
 def _vocab_of(model: nn.Module, spec: str) -> int:
+    """The token-id range of the model's text input. A composite model (vision + text) keeps
+    the vocabulary on its text config and its first embedding may be a vision tower's position
+    table, so the text config and the model's own input embedding come before any embedding
+    found by walking the modules."""
     if spec.startswith("hf:"):
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if isinstance(vocab, int) and vocab > 0:
-            return vocab
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for source in (text, config):
+            vocab = getattr(source, "vocab_size", None)
+            if isinstance(vocab, int) and vocab > 0:
+                return vocab
+    inputs = getattr(model, "get_input_embeddings", None)
+    embedding = inputs() if callable(inputs) else None
+    if isinstance(embedding, nn.Embedding):
+        return int(embedding.num_embeddings)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             return int(module.num_embeddings)
