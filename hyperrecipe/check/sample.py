@@ -119,7 +119,7 @@ def _vocab_of(model: nn.Module, spec: str) -> int:
     table, so the text config and the model's own input embedding come before any embedding
     found by walking the modules."""
     if spec.startswith("hf:"):
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         for source in (text, config):
             vocab = getattr(source, "vocab_size", None)
