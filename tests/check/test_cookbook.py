@@ -78,7 +78,8 @@ NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
 
 
 NAIVE_BERT = "tests/recipes/cookbook/bert-naive-attention-residual.yaml"
-"""Checked by its own test below: production names a gradient reduced wrongly."""
+"""Checked by its own test below: production names a gradient reduced wrongly, validate mode
+the residual's use."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -142,7 +143,8 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
     """BLOOM's MLP adds ``residual`` after its row-wise reduction; declared replicated on a
     boundary holding the column-wise ``dense_h_to_4h``, production all-reduces its whole
     gradient (2x at tp=2) with a right forward. Validate mode used to agree; it now checks the
-    gradient DTensor computes against the reduction production gives it, and names the input."""
+    gradient DTensor computes for each use of the input against the reduction production gives
+    it, and names the input, the use and the recipe line that declared it."""
     report = run(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json", BOTH)
     prod, validate = report.modes
     assert not prod.agree and not validate.agree and report.exit_code == 1
@@ -151,11 +153,13 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
     failure = validate.comparison.failure if validate.comparison is not None else None
     assert failure is not None
     assert failure.error.startswith(
-        "PlanMismatchError: transformer.h.1.mlp: the gradient of input 'residual' comes back "
-        "whole (replicate on tp), but production mode all_reduces it over tp"), failure.error
-    assert failure.error.endswith(
-        "production would count its gradient 2 times: leave 'residual' out of the boundary's "
-        "in_src / in_dst")
+        "PlanMismatchError: transformer.h.1.mlp: input 'residual' is used by AddBackward0 whose "
+        "share of its gradient comes back whole (replicate on tp), but production mode "
+        "all_reduces the gradient of 'residual' over tp"), failure.error
+    assert re.search(r"production would count its share 2 times \('residual' is declared at "
+                     r"\S*tests/recipes/cookbook/bloom-declared-residual\.yaml:11:13\)",
+                     failure.error), failure.error
+    assert failure.error.endswith("or leave 'residual' out of the boundary's in_src / in_dst")
 
 
 def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> None:
@@ -173,18 +177,30 @@ def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> Non
         "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
-def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_in_production() -> None:
+def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_and_validate_says_so(
+        ) -> None:
     """BertAttention hands its input to ``output`` as the residual: a boundary there declares it
     replicated and production all-reduces a gradient whose residual part is already whole. The
-    forward agrees; check blames the gradient reduction. (Validate mode agrees on this recipe
-    today, which is why the cookbook tells the reader to read the production line.)"""
-    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json",
-                 ("production",))
-    (prod,) = report.modes
+    forward agrees; check blames the gradient reduction. Validate mode used to agree: DTensor
+    adds the residual's whole share to the projections' partial ones and the sum comes back
+    partial. It now looks at each use's share and names the residual's add and the recipe line."""
+    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json", BOTH)
+    prod, validate = report.modes
     assert prod.error is None and not prod.agree and report.exit_code == 1
     assert prod.comparison is not None and prod.comparison.forward_agrees
     assert len(prod.comparison.diverged_gradients) == 20
     assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+    assert not validate.agree
+    failure = validate.comparison.failure if validate.comparison is not None else None
+    assert failure is not None
+    assert re.match(
+        r"PlanMismatchError: bert\.encoder\.layer\.[01]\.attention: input 'hidden_states' is "
+        r"used by AddBackward0 whose share of its gradient comes back whole \(replicate on tp\), "
+        r"but production mode all_reduces the gradient of 'hidden_states' over tp", failure.error
+    ), failure.error
+    assert re.search(r"production would count its share 2 times \('hidden_states' is declared "
+                     r"at \S*tests/recipes/cookbook/bert-naive-attention-residual\.yaml:18:",
+                     failure.error), failure.error
 
 
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:

@@ -14,7 +14,9 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
   are redistributed to ``out_dst``; a declared replicated input whose gradient production
   reduces (Megatron's *f*) gets a gradient hook that raises
   :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor computes that gradient whole (a
-  residual that bypasses the sharded parameters) — unless the plan runs code on local tensors
+  residual that bypasses the sharded parameters), and each use of it in the boundary's compute
+  one that raises when that use's share comes back whole
+  (:mod:`~hyperrecipe.runtime.forward.input_grads`) — unless the plan runs code on local tensors
   inside boundaries, whose re-wrapping reduces a partial gradient early; the outermost boundary, and a boundary called from local code
   (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the caller. The
   compute runs under :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
@@ -31,6 +33,7 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
+from hyperrecipe.runtime.forward.input_grads import checking_input_uses, note_reduced_input
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,6 +230,7 @@ class ValidateRedistributor:
             if reduced and fresh and d.requires_grad and is_grad_enabled():
                 # only a tensor this boundary made: its gradient is this boundary's alone
                 d.register_hook(self._grad_check(boundary, name, reduced))
+                note_reduced_input(name, d, reduced)  # and each use of it (input_grads)
             return d
 
         return convert
@@ -314,6 +318,9 @@ class ValidateRedistributor:
         return convert
 
     def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward:
+        if self.check_input_grads:
+            sizes = tuple(self.mesh.size(i) for i in range(len(self.mesh_dims)))
+            compute = checking_input_uses(compute, boundary, sizes)
         return validate_compute(compute, boundary.fqn)
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
