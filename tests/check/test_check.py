@@ -269,6 +269,69 @@ def test_a_sequence_sharded_value_the_model_reshapes_is_named_with_where_to_gath
             ) in first.detail
 
 
+def test_validate_mode_refuses_a_sequence_shard_the_model_refolds_naming_where_to_gather(
+        ) -> None:
+    """The same recipe in validate mode: the value lm_head takes as sequence-sharded is a view
+    of the shard transformer.ln_f handed back, refolded by GPT2Model's ``view``; validate mode
+    used to compute the same wrong rows as production without an error. It now refuses it."""
+    report = check("tests/recipes/broken-gpt2-sp-gather-at-head.yaml", "hf:gpt2",
+                   model_config=str(ROOT / "recipes/models/tiny-gpt2.json"),
+                   modes=("validate",))
+    failure = mode(report, "validate").comparison.failure
+    assert report.exit_code == 1 and failure is not None and failure.phase == "forward"
+    assert failure.error.startswith(
+        "PlanMismatchError: lm_head: input 'input' (declared {tp: shard(1)}) arrived with local "
+        "shape [1, 8, 64], a view of the local shard that transformer.ln_f handed back as "
+        "output 0 (shape [2, 4, 64], dim 1 sharded over tp)"), failure.error
+    assert failure.error.endswith(
+        "Gather it before that code: `out_dst: {0: replicate}` on transformer.ln_f, and take it "
+        "replicated at lm_head"), failure.error
+
+
+QWEN3_OVER_LLAMA_SP = (
+    "recipe: qwen3-over-llama-sp\nversion: 1\nmesh: [tp]\nextends: llama-sp\nrules: []\n")
+"""Qwen3 over Llama's sequence-parallel recipe alone: qwen3.yaml's q_norm/k_norm rule
+(``reduce_grads: {weight: tp}``) is gone (docs/recipes.md, "Sequence and context parallel for
+another family")."""
+
+
+def test_validate_mode_names_a_per_head_norm_whose_gradient_production_leaves_partial(
+        tmp_path: Path) -> None:
+    """Production's q_norm/k_norm gradients stay partial (4 of 25 differ, the forward agrees);
+    DTensor reduced them and validate mode agreed. It now refuses the partial gradient of a
+    replicated parameter the plan does not reduce, naming the parameter and the field."""
+    recipe = tmp_path / "qwen3-over-llama-sp.yaml"
+    recipe.write_text(QWEN3_OVER_LLAMA_SP, encoding="utf-8")
+    report = check(str(recipe), "hf:qwen3",
+                   model_config=str(ROOT / "recipes/models/tiny-qwen3.json"))
+    prod, validate = mode(report, "production"), mode(report, "validate")
+    assert report.exit_code == 1 and not prod.agree and not validate.agree
+    assert prod.comparison.forward_agrees
+    assert {g.name.rpartition(".")[0].rpartition(".")[2]
+            for g in prod.comparison.diverged_gradients} == {"q_norm", "k_norm"}
+    failure = validate.comparison.failure
+    assert failure is not None and failure.phase == "backward"
+    assert re.match(
+        r"PlanMismatchError: model\.layers\.[01]\.self_attn\.[qk]_norm\.weight: its gradient "
+        r"comes back partial over tp .*, but the plan reduces no gradient of this replicated "
+        r"parameter there: production mode would leave each rank's partial gradient unreduced "
+        r"\(no rule claims it: the recipe's `unclaimed: replicate` places it, ", failure.error
+    ), failure.error
+    assert failure.error.endswith(
+        "Declare the reduction: `reduce_grads: {weight: tp}` on "
+        f"{failure.error.split(': ')[1].removesuffix('.weight')}'s rule (or `style: "
+        "sequence_parallel` for a norm on the sequence-sharded stream)"), failure.error
+
+
+def test_the_qwen3_sp_recipe_that_declares_the_reduction_agrees_in_validate_mode() -> None:
+    report = check("tests/recipes/qwen3-sp.yaml", "hf:qwen3",
+                   model_config=str(ROOT / "recipes/models/tiny-qwen3.json"),
+                   modes=("validate",))
+    validate = mode(report, "validate")
+    assert report.exit_code == 0 and validate.agree, validate.comparison.first
+    assert len(validate.comparison.gradients) == 25
+
+
 def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
     report = check("tests/recipes/broken-no-reduce-grads.yaml", ATTN_TOY,
                    model_config={"qk_norm": True}, modes=("production",))

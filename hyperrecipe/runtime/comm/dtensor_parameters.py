@@ -66,12 +66,60 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     placements = layout.torch_placements()
     dt = DTensor.from_local(local, mesh, placements, run_check=False)
     param = nn.Parameter(dt, requires_grad=requires_grad)
+    unreduced = _unreduced_dims(p, placements, mesh)
 
     def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
         # a replicated parameter used on sharded data gets a partial gradient: reduce it
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+            _refuse_partial_left_by_production(p, grad, unreduced)
             return grad.redistribute(grad.device_mesh, placements)
         return grad
 
     param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
     return param
+
+
+def _unreduced_dims(p: ParamPlan, placements: Any, mesh: DeviceMesh
+                    ) -> tuple[tuple[int, str], ...]:
+    """(index, name) of the mesh dims on which ``p`` is replicated and production does not
+    reduce its gradient (no ``grad_reduce`` op there): a partial gradient on one of them is
+    left partial by production."""
+    if p.tied_to is not None:
+        return ()  # the tied parameter's own plan carries the reductions
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    reduced = {op.mesh_dim for op in p.grad_reduce}
+    return tuple((i, name) for i, (name, q) in enumerate(zip(names, placements))
+                 if q.is_replicate() and name not in reduced and mesh.size(i) > 1)
+
+
+def _placed_by(p: ParamPlan) -> str:
+    last = p.provenance[-1] if p.provenance else None
+    if last is not None and last.rule_index < 0:
+        return (f" (no rule claims it: the recipe's `unclaimed: replicate` places it, "
+                f"{last.file}:{last.line})")
+    return placed_at(p)
+
+
+def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
+                                       unreduced: tuple[tuple[int, str], ...]) -> None:
+    """DTensor computed a partial gradient for replicated ``p`` on a mesh dim where the plan
+    has no gradient reduction: DTensor would reduce it here and agree with one process, while
+    production mode leaves each rank's partial gradient as it is (a per-head norm under another
+    family's recipe, a norm on the sequence-sharded stream not listed as
+    ``sequence_parallel``). Validate mode refuses it by name rather than agree.
+
+    Raises:
+        PlanMismatchError: naming the parameter, the mesh dim and the recipe fields that fix it.
+    """
+    partial = [name for i, name in unreduced if grad.placements[i].is_partial()]
+    if not partial:
+        return
+    dims = ", ".join(partial)
+    fields = ", ".join(f"{p.name}: {d}" for d in partial)
+    msg = (f"{p.fqn}: its gradient comes back partial over {dims} (the module computes on data "
+           f"sharded over {dims}: this rank's heads or tokens), but the plan reduces no "
+           f"gradient of this replicated parameter there: production mode would leave each "
+           f"rank's partial gradient unreduced{_placed_by(p)}. Declare the reduction: "
+           f"`reduce_grads: {{{fields}}}` on {p.module}'s rule (or `style: sequence_parallel` "
+           f"for a norm on the sequence-sharded stream)")
+    raise PlanMismatchError(msg)

@@ -11,15 +11,19 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
   redistributed to ``dst``; undeclared tensor arguments become replicated DTensors (DTensor
   refuses to mix them with plain tensors); outputs are checked against ``out_src`` and raise
   :class:`~hyperrecipe.errors.PlacementMismatchError` when DTensor propagated something else, then
-  are redistributed to ``out_dst``; a declared replicated input whose gradient production
-  reduces (Megatron's *f*) gets a gradient hook that raises
-  :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor computes that gradient whole (a
-  residual that bypasses the sharded parameters), and each use of it in the boundary's compute
-  one that raises when that use's share comes back whole
-  (:mod:`~hyperrecipe.runtime.forward.input_grads`) — unless the plan runs code on local tensors
-  inside boundaries, whose re-wrapping reduces a partial gradient early; the outermost boundary, and a boundary called from local code
-  (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the caller. The
-  compute runs under :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
+  are redistributed to ``out_dst``; the outermost boundary, and a boundary called from local
+  code (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the
+  caller. The compute runs under
+  :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
+
+  A declared replicated input whose gradient production reduces (Megatron's *f*) gets a
+  gradient hook that raises :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor
+  computes that gradient whole (a residual that bypasses the sharded parameters), and so does
+  each use of it in the boundary's compute whose share comes back whole
+  (:mod:`~hyperrecipe.runtime.forward.input_grads`), unless the plan runs code on local tensors
+  inside boundaries, whose re-wrapping reduces a partial gradient early. A sharded local tensor
+  handed back to the model's code is remembered, and one that the model's code refolded before
+  a boundary takes it as sharded is refused (:mod:`~hyperrecipe.runtime.forward.handed_back`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
+from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
 from hyperrecipe.runtime.forward.input_grads import checking_input_uses, note_reduced_input
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
@@ -211,6 +216,7 @@ class ValidateRedistributor:
                     raise PlanMismatchError(msg)
 
         reduced = self._reduced_input_grads(boundary, layout) if self.check_input_grads else ()
+        sharded_src = any(p.is_shard() for p in src)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -223,6 +229,9 @@ class ValidateRedistributor:
                                                  stage="input")
                 d, fresh = value, False
             else:
+                if sharded_src:
+                    refuse_refolded_shard(value, fqn=boundary.fqn, name=name,
+                                          declared=str(layout.src))
                 d, fresh = DTensor.from_local(value, mesh, src, run_check=False), True
             if not same:
                 check_even(d, name)
@@ -281,6 +290,8 @@ class ValidateRedistributor:
         DTensor, mesh = self._dtensor, self.mesh
         src, dst = self._torch(layout.src), self._torch(layout.dst)
         outermost = boundary.parent is None
+        sharded_dst, mesh_dims = any(p.is_shard() for p in dst), self.mesh_dims
+        key = str(layout.position) if layout.position is not None else layout.name
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -298,7 +309,10 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                return _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
+                local = _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
+                if sharded_dst:
+                    remember_handed_back(local, dst, mesh_dims, fqn=boundary.fqn, key=key)
+                return local
             return value
 
         return convert
