@@ -2,10 +2,9 @@
 against one process, in the modes the cookbook claims, with the verdict it claims.
 
 Tolerances are check's defaults for fp32 (atol 1e-5, rtol 1e-4). Each case is a tiny config
-(``tests/recipes/cookbook/models/`` or ``recipes/models/``) at ``tp=2``. The chunked Phi-3 recipe
-and the head-sharded T5 recipe are checked in production mode only (validate mode cannot split
-a chunked shard yet, nor divide a head count inside a local region, which the cookbook says); the two naive OLMo-2 recipes must agree in validate mode and diverge in
-production mode, which is the cookbook's point about them. Cases that repeat what other test
+(``tests/recipes/cookbook/models/`` or ``recipes/models/``) at ``tp=2``. The two naive OLMo-2
+recipes must agree in validate mode and diverge in production mode, which is the cookbook's
+point about them. Cases that repeat what other test
 files cover (the shipped Qwen3 recipe, the SDPA toy) are in the slow tier.
 """
 
@@ -57,11 +56,11 @@ CASES: list[Any] = [
      f"{MODELS}/tiny-vit.json", BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/t5.yaml", "hf:t5/seq2seq-lm", f"{MODELS}/tiny-t5.json",
                  BOTH, (True, True), marks=pytest.mark.slow),
-    # production only: in validate mode the decoder's second self-attention meets a plain
-    # position-bias tensor with a DTensor (aten.where), which check names with the fix: another
-    # local region (the first block's regions pass since local regions divide head counts)
+    # both modes: in validate mode the decoder's later self-attentions mask the head-sharded
+    # position bias with a causal mask they make as a plain [1, 1, q, kv] tensor (aten.where),
+    # which broadcasts over the heads and is taken as replicated
     pytest.param("tests/recipes/cookbook/t5-heads.yaml", "hf:t5/seq2seq-lm",
-                 f"{MODELS}/tiny-t5.json", ("production",), (True,), marks=pytest.mark.slow),
+                 f"{MODELS}/tiny-t5.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]

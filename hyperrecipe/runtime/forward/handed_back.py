@@ -27,7 +27,7 @@ from torch import Tensor
 
 from hyperrecipe.errors import PlanMismatchError
 
-__all__ = ["refuse_refolded_shard", "remember_handed_back"]
+__all__ = ["is_handed_back_shard", "refuse_refolded_shard", "remember_handed_back"]
 
 _LIMIT = 512
 
@@ -65,6 +65,23 @@ def remember_handed_back(local: Tensor, placements: Sequence[Any], mesh_dims: Se
                                                 shape=tuple(local.shape), sharded=sharded)
 
 
+def _entry_of(value: Tensor) -> _HandedBack | None:
+    if value.numel() == 0:
+        return None
+    entry = _HANDED_BACK.get(_storage(value))
+    if entry is None:
+        return None
+    origin = entry.ref()
+    if origin is None or _storage(origin) != _storage(value):
+        return None
+    return entry
+
+
+def is_handed_back_shard(value: Tensor) -> bool:
+    """Whether ``value`` is (a view of) a sharded local tensor a boundary handed back."""
+    return _entry_of(value) is not None
+
+
 def refuse_refolded_shard(value: Tensor, *, fqn: str, name: str, declared: str) -> None:
     """Raise when ``value``, which boundary ``fqn`` takes as input ``name`` declared
     ``declared`` (sharded), is a view of a shard handed back earlier whose leading dims up to
@@ -73,13 +90,8 @@ def refuse_refolded_shard(value: Tensor, *, fqn: str, name: str, declared: str) 
     Raises:
         PlanMismatchError: naming the boundary that handed the shard back and where to gather.
     """
-    if value.numel() == 0:
-        return
-    entry = _HANDED_BACK.get(_storage(value))
+    entry = _entry_of(value)
     if entry is None:
-        return
-    origin = entry.ref()
-    if origin is None or _storage(origin) != _storage(value):
         return
     shape = tuple(value.shape)
     for dim, mesh_dim in entry.sharded:

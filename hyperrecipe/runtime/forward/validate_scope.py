@@ -10,9 +10,13 @@ generative model: a KV cache starts empty and grows by concatenation. transforme
 :func:`validate_compute` runs the compute under a torch-function mode that drops legacy empty
 plain tensors from a concatenation that also has a DTensor — exactly what ``torch.cat`` does
 with them — so the cache holds DTensors from the first token on (their global meaning, heads
-sharded as the boundary computed them) and every later step concatenates DTensors. Any other
-plain tensor meeting a DTensor is still refused: treating it as replicated (DTensor's
-``implicit_replication``) would also accept a rank's local piece as a whole tensor, silently.
+sharded as the boundary computed them) and every later step concatenates DTensors. A plain
+tensor that broadcasts over every dim the DTensors beside it are sharded on (a causal mask
+``[1, 1, q, kv]`` beside a head-sharded position bias) is the same whole or local, and becomes a
+replicated DTensor when DTensor refuses the mix
+(:mod:`~hyperrecipe.runtime.forward.plain_tensors`). Any other plain tensor meeting a DTensor is
+still refused: treating it as replicated (DTensor's ``implicit_replication``) would also accept a
+rank's local piece as a whole tensor, silently.
 
 **Fused projections.** The same mode splits a chunk-sharded DTensor (``_StridedShard``: the
 output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, each part a
@@ -49,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
+from hyperrecipe.runtime.forward.plain_tensors import MIXED_TENSORS, replicate_broadcast_plain
 
 __all__ = ["caller_is_local", "running_local_code", "validate_compute"]
 
@@ -105,7 +110,15 @@ class _ValidateComputeMode(TorchFunctionMode):
                         args = (kept, *args[1:])
                     else:
                         kwargs["tensors"] = kept
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            if MIXED_TENSORS not in str(exc):
+                raise
+            converted = replicate_broadcast_plain(args, kwargs)
+            if converted is None:
+                raise
+        return func(*converted[0], **converted[1])
 
 
 def _data_dependent(exc: BaseException | None) -> bool:
