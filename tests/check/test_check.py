@@ -234,6 +234,25 @@ def test_undivided_head_count_is_named_at_the_attention_in_production_only() -> 
     assert mode(report, "validate").agree, "validate computes with global head counts"
 
 
+def test_an_undivided_head_count_in_a_local_region_is_named_in_validate_mode_too(
+        tmp_path: Path) -> None:
+    """A local region's code runs on this rank's shards in validate mode as well, so a head
+    count the plan leaves global there is wrong in both modes, and check names it in both."""
+    recipe = tmp_path / "broken-head-count-region.yaml"
+    recipe.write_text(
+        "recipe: broken-head-count-region\nversion: 1\nmesh: [tp]\n"
+        f"extends: {ROOT / 'tests/recipes/broken-head-count.yaml'}\n"
+        "rules:\n  - match: layers.*.attn\n    local_region: true\n", encoding="utf-8")
+    report = check(str(recipe), ATTN_TOY)
+    assert report.exit_code == 1
+    for m in report.modes:
+        assert not m.agree and m.suggestion is not None, m.mode
+        assert m.suggestion.cause == HEAD_COUNT_UNDIVIDED, (m.mode, m.suggestion)
+        assert m.suggestion.evidence.startswith(
+            "layers.0.attn.num_heads = 4 is an integer attribute named like a head count and "
+            "the plan does not divide it"), m.suggestion.evidence
+
+
 @pytest.mark.skipif(not (ROOT / "recipes/gpt2.yaml").exists(),
                     reason="the GPT-2 recipe (and the runtime's Conv1D support) is not here")
 def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:

@@ -20,7 +20,8 @@ Patterns, in the order they are tried at the first divergence:
   the full input (or one sharded on its output features received a sharded input), or a partial
   value reached a boundary that declares it whole while a row-wise weight inside the enclosing
   boundary has no boundary to reduce its output → :data:`COLWISE_ROWWISE_SWAPPED`.
-- **undivided head count** (production mode only; validate mode computes with global shapes):
+- **undivided head count** (production mode, and local regions in validate mode; elsewhere
+  validate mode computes with global shapes):
   a module in the blamed boundary has an integer attribute named like a head count
   (``num_heads``, ``n_head``, ``num_key_value_heads``, ``split_size``…) divisible by a mesh dim,
   the plan divides no such attribute, and a parameter there is sharded on that dim, seen either
