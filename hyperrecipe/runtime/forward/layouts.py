@@ -14,7 +14,9 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
   are redistributed to ``out_dst``; the outermost boundary, and a boundary called from local
   code (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the
   caller. The compute runs under
-  :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
+  :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`, and its backward names
+  the boundary when DTensor refuses an op there
+  (:mod:`~hyperrecipe.runtime.forward.backward_scope`).
 
   A declared replicated input whose gradient production reduces (Megatron's *f*) gets a
   gradient hook that raises :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor
@@ -37,6 +39,7 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
+from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
 from hyperrecipe.runtime.forward.input_grads import checking_input_uses, note_reduced_input
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
@@ -335,7 +338,7 @@ class ValidateRedistributor:
         if self.check_input_grads:
             sizes = tuple(self.mesh.size(i) for i in range(len(self.mesh_dims)))
             compute = checking_input_uses(compute, boundary, sizes)
-        return validate_compute(compute, boundary.fqn)
+        return validate_compute(naming_backward_ops(compute, boundary.fqn), boundary.fqn)
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
         """At the outermost boundary, and at one called from local code, undeclared DTensor

@@ -55,7 +55,7 @@ from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tenso
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
 from hyperrecipe.runtime.forward.plain_tensors import MIXED_TENSORS, replicate_broadcast_plain
 
-__all__ = ["caller_is_local", "running_local_code", "validate_compute"]
+__all__ = ["caller_is_local", "refuse_unsupported_op", "running_local_code", "validate_compute"]
 
 Forward = Callable[..., Any]
 
@@ -132,12 +132,13 @@ def _data_dependent(exc: BaseException | None) -> bool:
     return isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException))
 
 
-def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
+def refuse_unsupported_op(exc: RuntimeError, fqn: str, *, backward: bool = False) -> None:
     """DTensor's bare "does not have a sharding strategy" / "Sharding propagation failed"
     errors, raised again naming the boundary: an op DTensor cannot shard at all as
     :class:`~hyperrecipe.errors.ValidateUnsupportedError` with the way out, inputs its rule
     refuses as :class:`~hyperrecipe.errors.ValidateShardingError`; any other error is left
-    alone."""
+    alone. ``backward``: the op ran in the backward of the boundary's compute
+    (:mod:`~hyperrecipe.runtime.forward.backward_scope`)."""
     if isinstance(exc, HyperrecipeError):
         return  # a nested boundary's refusal already names its module
     text = str(exc)
@@ -146,10 +147,11 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
         return
     op = found.group(1)
     version = f"DTensor (torch {torch.__version__})"
+    here = "in the backward of this boundary's compute" if backward else "here"
     if found.re is _NO_STRATEGY or _data_dependent(exc.__cause__):
         why = ("has no sharding rule for it" if found.re is _NO_STRATEGY
                else "cannot shard it: its output's shape depends on the data")
-        msg = (f"{fqn}: validate mode cannot run {op} here: {version} {why}. To check this "
+        msg = (f"{fqn}: validate mode cannot run {op} {here}: {version} {why}. To check this "
                f"boundary in validate mode, run the code that calls it on local tensors: mark "
                f"the boundary `local_region: true` (its compute then sees this rank's shards, "
                f"with its head counts divided), or give the function that calls it a function "
@@ -158,7 +160,8 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
         raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
     cause = str(exc.__cause__ or "").strip().splitlines()
     detail = f": {cause[0]}" if cause else ""
-    msg = (f"{fqn}: {version} refused {op} on these inputs in validate mode{detail}. The "
+    stage = " (in backward)" if backward else ""
+    msg = (f"{fqn}: {version} refused {op}{stage} on these inputs in validate mode{detail}. The "
            f"module computed a shape that does not fit the DTensors it was given (a count or "
            f"size that should be divided, or was divided twice), or DTensor's rule for {op} "
            f"does not accept these placements")
@@ -184,7 +187,7 @@ def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
             finally:
                 _SCOPED.reset(scoped)
         except RuntimeError as exc:  # NotImplementedError is one
-            _refuse_unsupported_op(exc, fqn)
+            refuse_unsupported_op(exc, fqn)
             raise
         finally:
             _LOCAL_CODE.reset(local)
