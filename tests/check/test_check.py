@@ -618,17 +618,38 @@ def test_a_zero_initialised_bias_counted_tp_times_is_caught(
     assert drawn.startswith("14 parameters initialised to zero drawn from N(0, 0.1^2)")
 
 
-def test_a_router_buffer_meeting_a_dtensor_names_local_region(
+def test_a_router_buffer_beside_replicated_dtensor_scores_runs_in_validate_mode(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """DeepSeek-V3's router adds a plain buffer to DTensor scores in validate mode: the check
-    names the cause and the fix instead of DTensor's bare message."""
+    """DeepSeek-V3's router adds its plain buffer ``e_score_correction_bias`` ([experts]) to
+    replicated DTensor scores: validate mode used to refuse the mix (the recipe's router had to
+    be a local region); the buffer broadcasts over every sharded dim (there is none), so it is
+    taken as replicated and both modes agree with one process."""
     rc = main(["check", "tests/recipes/broken-deepseek-v3-router.yaml",
                "--model", "hf:deepseek_v3",
                "--model-config", "tests/recipes/models/tiny-deepseek_v3.json",
                "--mesh", "tp=2", "--mode", "validate", "--format", "json", "-q"])
     data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["agree"] is True, data["modes"]["validate"]
+
+
+def test_a_plain_tensor_that_could_be_a_ranks_piece_names_local_region(
+        in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/recipes/cookbook/t5-heads.yaml without its local regions: the first block's
+    attention looks its bucket ids (a plain [q, k] tensor the model makes) up in the
+    head-sharded ``relative_attention_bias``; validate mode does not take them as replicated
+    (they do not broadcast over the sharded dim), and check names the cause and the fix."""
+    text = (in_root / "tests/recipes/cookbook/t5-heads.yaml").read_text(encoding="utf-8")
+    start = text.index('  - match: "{encoder.block.0.layer.0.SelfAttention,decoder')
+    end = text.index("local_region: true\n", start) + len("local_region: true\n")
+    recipe = tmp_path / "t5-heads-no-regions.yaml"
+    recipe.write_text(text[:start] + text[end:], encoding="utf-8")
+    rc = main(["check", str(recipe), "--model", "hf:t5/seq2seq-lm", "--model-config",
+               "tests/recipes/cookbook/models/tiny-t5.json", "--mesh", "tp=2", "--mode",
+               "validate", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["agree"] is False
     val = data["modes"]["validate"]
-    assert val["first_divergent"]["fqn"] == "model.layers.1.mlp"
+    assert val["first_divergent"]["fqn"] == "encoder.block.0.layer.0.SelfAttention"
     assert val["suggestion"]["cause"] == PLAIN_TENSOR_MEETS_DTENSOR
-    assert val["suggestion"]["evidence"].startswith("model.layers.1.mlp.gate raised in forward")
+    assert val["suggestion"]["evidence"].startswith(
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias raised in forward")
