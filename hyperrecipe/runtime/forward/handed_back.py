@@ -3,7 +3,8 @@
 Between boundaries the model's code runs on local tensors in both modes: under sequence
 parallelism the residual stream leaves a block sharded on the sequence and the next block
 takes it as such. That code may also reshape the stream with sizes it computed for the whole
-tensor: ``GPT2Model`` views ``ln_f``'s output with ``(-1, seq, hidden)``. A local shard of
+tensor: ``GPT2Model`` views ``ln_f``'s output with ``(-1, seq, hidden)``, and a causal LM's
+``generate()`` keeps the last token's row (``hidden_states[:, -1:, :]``). A local shard of
 ``[batch, seq / tp, hidden]`` has the same number of elements as ``[batch / tp, seq, hidden]``,
 so the view succeeds, folds this rank's rows together, and a boundary that takes the result as
 sequence-sharded computes wrong rows in both modes, with no error anywhere (only ``check``, by
@@ -100,9 +101,10 @@ def refuse_refolded_shard(value: Tensor, *, fqn: str, name: str, declared: str) 
         msg = (f"{fqn}: input {name!r} (declared {declared}) arrived with local shape "
                f"{list(shape)}, a view of the local shard that {entry.fqn} handed back as output "
                f"{entry.key} (shape {list(entry.shape)}, dim {dim} sharded over {mesh_dim}): the "
-               f"model's code between them reshaped it with the whole tensor's sizes, which "
-               f"folds this rank's rows together (the same number of elements in another "
-               f"shape; production mode computes the same wrong rows without an error). "
+               f"model's code between them reshaped or sliced it as if it were whole (a view "
+               f"with the whole tensor's sizes folds this rank's rows together; a slice by "
+               f"whole-tensor positions, such as the last token, picks this rank's rows "
+               f"instead), and production mode computes the same wrong rows without an error. "
                f"Gather it before that code: `out_dst: {{{entry.key}: replicate}}` on "
                f"{entry.fqn}, and take it replicated at {fqn}")
         raise PlanMismatchError(msg)
