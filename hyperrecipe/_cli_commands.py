@@ -290,7 +290,9 @@ _SIMULATE_DESCRIPTION = (
     "A dry run at real scale on this machine: compile the recipe, build the model on the meta "
     "device, and apply the plan once per rank under torch's fake process group (no "
     "communication, no memory), then report what each rank holds (parameter, gradient and AdamW "
-    "optimizer bytes) and the collectives of one training step from the plan's manifest. Exit "
+    "optimizer bytes) and the collectives of one training step from the plan's manifest; with "
+    "--seq-len, also one traced step of that many tokens: activation bytes per token and every "
+    "collective with its bytes, inner wrappers' included. Exit "
     "0, or 2 on errors (the recipe, the model, or an apply that would fail on the cluster).")
 
 
@@ -306,6 +308,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                    help="the apply mode to simulate (default production)")
     s.add_argument("--ranks", type=_rank_list, metavar="R[,R...]",
                    help="simulate only these ranks (default every rank)")
+    s.add_argument("--seq-len", type=int, metavar="N",
+                   help="trace one training step of one N-token sequence: activation bytes per "
+                        "token and each collective's bytes")
     s.add_argument("--format", choices=("text", "json"), default="text",
                    help="a table (default) or a JSON object on stdout")
     _add_trust(s)
@@ -449,7 +454,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     model = build_model(args.model, args.model_config)
     plan = compile_recipe(args.recipe, model, args.mesh)
-    sim = simulate(model, plan, ranks=args.ranks, mode=args.mode)
+    sim = simulate(model, plan, ranks=args.ranks, mode=args.mode, seq_len=args.seq_len)
     if args.format == "json":
         print(json.dumps(sim.to_json(), indent=2))
     else:

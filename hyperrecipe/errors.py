@@ -447,3 +447,19 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 class TrainerSetupError(HyperrecipeError, ValueError):
     """A trainer (the Hugging Face Trainer, Lightning) is set up in a way its integration cannot
     make right on an applied plan; the message names the setting and what to use instead."""
+
+
+class ShardedGradNormError(HyperrecipeError, RuntimeError):
+    """torch's ``clip_grad_norm_`` / ``get_total_norm`` was handed gradients of an applied
+    model's shards together with tensors whose layout is unknown (another installation's, a
+    plain tensor, a parameter added after apply), so no norm of them is the one a single
+    process computes; the message names them and the call to use instead.
+
+    Args:
+        message: the whole message.
+        foreign: a description of each tensor that does not belong (at most a few).
+    """
+
+    def __init__(self, message: str, *, foreign: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.foreign = foreign

@@ -8,9 +8,16 @@ each rank's parameters, gradients and optimizer state off the applied model, and
 collectives of one training step off the plan's manifest. A 70B model at world size 8 takes
 seconds and no memory.
 
+Given a sequence length, it also runs one training step (forward with ``labels``, backward) of
+one sequence on the meta device (:func:`trace_step`): the boundaries' outputs give the
+activation bytes each rank holds per token as the plan lays them out (replicated, sequence
+sharded, vocab sharded), and every collective issued is measured with its buffer's size,
+inner wrappers' own (context parallel's K/V gathers) included, which the manifest does not
+list. The same trace runs on a real applied model, which is how the tests hold the dry run to
+a real gloo run.
+
 What lives here: the dry run and its report (table and JSON). What does not: the sharding itself
-(:mod:`hyperrecipe.runtime`), and any estimate of activations (they depend on the batch; not
-reported yet).
+(:mod:`hyperrecipe.runtime`).
 """
 
 from __future__ import annotations
@@ -25,16 +32,62 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperrecipe.errors import UsageError
 from hyperrecipe.plan import Plan
 
-__all__ = ["ADAMW_STATE_BYTES", "RankMemory", "Simulation", "StepCollective", "render_table",
-           "simulate"]
+__all__ = ["ADAMW_STATE_BYTES", "BoundaryActivation", "MeasuredCollective", "RankMemory",
+           "Simulation", "StepCollective", "StepTrace", "render_table", "simulate", "trace_step"]
 
 ADAMW_STATE_BYTES = 8
 """Optimizer bytes per trainable element: AdamW's two moments (``exp_avg``, ``exp_avg_sq``)
 kept in fp32, as mixed-precision training keeps them whatever the parameters' dtype."""
+
+
+@attrs.frozen(kw_only=True)
+class BoundaryActivation:
+    """What one boundary hands on in one step: the bytes of its outputs on this rank (after
+    their transitions: a sequence-sharded output holds this rank's tokens only), for one
+    sequence of the traced length."""
+
+    boundary: str
+    bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredCollective:
+    """The collectives of one kind, mesh dim and direction one traced step issued on a rank.
+
+    ``bytes`` sums, over those collectives, the largest buffer each one touches on this rank
+    (the full tensor of a gather or reduce-scatter; the tensor of an all-reduce).
+    ``in_manifest`` is how many of them the plan's manifest lists; the rest are an inner
+    wrapper's own (context parallel's K/V gathers)."""
+
+    kind: str
+    mesh_dim: str
+    direction: str
+    count: int
+    bytes: int
+    in_manifest: int
+
+
+@attrs.frozen(kw_only=True)
+class StepTrace:
+    """One training step of one sequence of ``seq_len`` tokens, as one rank ran it."""
+
+    seq_len: int
+    activations: tuple[BoundaryActivation, ...]
+    collectives: tuple[MeasuredCollective, ...]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Every boundary's outputs together (nested boundaries' outputs are other tensors)."""
+        return sum(a.bytes for a in self.activations)
+
+    @property
+    def activation_bytes_per_token(self) -> float:
+        return self.activation_bytes / self.seq_len
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +104,8 @@ class RankMemory:
     gradients: int
     optimizer: int
     buffers: int
+    step: StepTrace | None = None
+    """The traced step (``simulate(..., seq_len=N)``), else None."""
 
     @property
     def total(self) -> int:
@@ -85,15 +140,26 @@ class Simulation:
             "recipe": self.recipe, "mesh": dict(self.mesh), "mode": self.mode,
             "ranks": [{"rank": r.rank, "coords": dict(r.coords), "parameter_bytes": r.parameters,
                        "gradient_bytes": r.gradients, "optimizer_bytes": r.optimizer,
-                       "buffer_bytes": r.buffers, "total_bytes": r.total} for r in self.ranks],
+                       "buffer_bytes": r.buffers, "total_bytes": r.total,
+                       **_step_json(r.step)} for r in self.ranks],
             "collectives_per_step": [attrs.asdict(c) for c in self.collectives],
             "grad_bucket_bytes_per_step": self.grad_bucket_bytes,
             "seconds": round(self.seconds, 3),
         }
 
 
+def _step_json(step: StepTrace | None) -> dict[str, Any]:
+    if step is None:
+        return {}
+    return {"seq_len": step.seq_len,
+            "activation_bytes": step.activation_bytes,
+            "activation_bytes_per_token": step.activation_bytes_per_token,
+            "activations": [attrs.asdict(a) for a in step.activations],
+            "collectives_measured": [attrs.asdict(c) for c in step.collectives]}
+
+
 def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None,
-             mode: str = "production") -> Simulation:
+             mode: str = "production", seq_len: int | None = None) -> Simulation:
     """Apply ``plan`` to a copy of the meta-built ``model`` as each rank would, under a fake
     process group of the plan's world size, and report what each rank holds.
 
@@ -103,6 +169,9 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
         plan: the compiled plan (its mesh gives the world size and the mesh's shape).
         ranks: the ranks to simulate (default every rank of the mesh).
         mode: ``"production"`` (default) or ``"validate"``.
+        seq_len: also trace one training step of one sequence of this many tokens on each
+            rank (:func:`trace_step`): activation bytes per token and every collective with
+            its bytes. The model's forward must take ``input_ids`` and ``labels``.
 
     Returns:
         The :class:`Simulation`.
@@ -110,8 +179,10 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
     Raises:
         UsageError: a process group is already initialized in this process (the dry run needs
             the default group for the fake one), a parameter of ``model`` is not on the meta
-            device, or a rank is outside the mesh.
-        Anything ``apply`` raises for this plan and model.
+            device, a rank is outside the mesh, or ``seq_len`` is not positive or given with
+            ``mode="validate"``.
+        Anything ``apply`` (or, with ``seq_len``, the model's forward) raises for this plan
+        and model.
     """
     import torch.distributed as dist
 
@@ -132,8 +203,17 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
     if outside:
         msg = f"simulate(): rank(s) {outside} are outside the mesh of {world} ranks"
         raise UsageError(msg)
+    if seq_len is not None and seq_len <= 0:
+        msg = f"simulate(): seq_len must be a positive number of tokens, not {seq_len}"
+        raise UsageError(msg)
+    if seq_len is not None and mode != "production":
+        msg = (f"simulate(seq_len=...) traces production mode only, not {mode!r}: validate "
+               f"mode's DTensor ops do not run on a meta mesh; drop seq_len (or --seq-len) or "
+               f"the mode")
+        raise UsageError(msg)
     started = time.perf_counter()
-    rows = tuple(_simulate_rank(model, plan, shape, rank, world, mode) for rank in chosen)
+    rows = tuple(_simulate_rank(model, plan, shape, rank, world, mode, seq_len)
+                 for rank in chosen)
     return Simulation(recipe=plan.recipe, mesh=tuple(shape.items()), mode=mode, ranks=rows,
                       collectives=_step_collectives(plan),
                       grad_bucket_bytes=sum(b.numel * _itemsize(b.dtype) * len(b.ops)
@@ -142,7 +222,7 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
 
 
 def _simulate_rank(model: nn.Module, plan: Plan, shape: Mapping[str, int], rank: int,
-                   world: int, mode: str) -> RankMemory:
+                   world: int, mode: str, seq_len: int | None) -> RankMemory:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -161,12 +241,108 @@ def _simulate_rank(model: nn.Module, plan: Plan, shape: Mapping[str, int], rank:
                          gradients=sum(_bytes(p) for p in trainable),
                          optimizer=sum(_local(p).numel() for p in trainable) * ADAMW_STATE_BYTES,
                          buffers=sum(_bytes(b) for b in copied.buffers()))
+        if seq_len is not None:
+            row = attrs.evolve(row, step=trace_step(copied, plan, seq_len,
+                                                    torch.device("meta")))
         # process-wide installs (an attention hook of an inner wrapper) go with the copy, so
         # the next rank's apply finds the process as this one did
         installation.restore()
     finally:
         dist.destroy_process_group()
     return row
+
+
+def trace_step(model: nn.Module, plan: Plan, seq_len: int,
+               device: torch.device) -> StepTrace:
+    """Run one training step of one sequence of ``seq_len`` tokens (all token 0, labels equal
+    to the inputs) on the applied ``model`` and measure what the plan lays out: each
+    boundary's outputs and each collective issued, with its buffer's bytes.
+
+    On the meta device under the fake process group this is the dry run; on a real model (a
+    collective: every rank) it is what the dry run is compared with. Collectives are labelled
+    with the records of :func:`~hyperrecipe.runtime.comm.collectives.count_collectives` (kind,
+    mesh dim, direction) and sized by a dispatch mode that sees each ``c10d`` op; ops issued
+    outside that module (the expert-parallel dispatch kernel's ``all_to_all_single``) count
+    toward the op recorded before them. Plans whose shapes depend on values (token dispatch)
+    cannot be traced on the meta device.
+
+    Raises:
+        UsageError: the model's forward does not take ``input_ids`` and ``labels``, or returns
+            no ``loss``.
+    """
+    import inspect
+
+    from torch.utils._pytree import tree_leaves
+
+    from hyperrecipe.runtime.comm.collectives import count_collectives
+
+    accepted = inspect.signature(model.forward).parameters
+    if not {"input_ids", "labels"} <= set(accepted):
+        msg = (f"simulate(seq_len=...): {type(model).__name__}.forward takes no input_ids and "
+               f"labels; the step trace runs a causal LM's own loss")
+        raise UsageError(msg)
+    outputs: dict[str, int] = {}
+
+    def on_output(fqn: str) -> Any:
+        def hook(_module: nn.Module, _args: Any, out: Any) -> None:
+            size = sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            outputs[fqn] = outputs.get(fqn, 0) + size
+        return hook
+
+    handles = [model.get_submodule(b.fqn).register_forward_hook(on_output(b.fqn))
+               for b in plan.boundaries]
+    ids = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    try:
+        with count_collectives() as log, _CollectiveSizes(log.records) as sized:
+            loss = getattr(model(input_ids=ids, labels=ids), "loss", None)
+            if not isinstance(loss, torch.Tensor):
+                msg = (f"simulate(seq_len=...): {type(model).__name__} returned no loss for "
+                       f"labels=; the step trace runs the model's own loss")
+                raise UsageError(msg)
+            loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        for handle in handles:
+            handle.remove()
+    sizes = sized.sizes + [0] * (len(log.records) - len(sized.sizes))
+    manifest: Counter[tuple[str, str, str]] = Counter((e.op.kind, e.mesh_dim, e.direction) for e in plan.manifest
+                       if e.op.communicates)
+    counts: Counter[tuple[str, str, str]] = Counter()
+    total: Counter[tuple[str, str, str]] = Counter()
+    for record, size in zip(log.records, sizes, strict=False):
+        key = (record.kind, record.mesh_dim, record.direction)
+        counts[key] += 1
+        total[key] += size
+    measured = tuple(MeasuredCollective(kind=k, mesh_dim=d, direction=w, count=n,
+                                        bytes=total[(k, d, w)],
+                                        in_manifest=min(n, manifest[(k, d, w)]))
+                     for (k, d, w), n in sorted(counts.items()))
+    activations = tuple(BoundaryActivation(boundary=b.fqn, bytes=outputs.get(b.fqn, 0))
+                        for b in plan.boundaries)
+    return StepTrace(seq_len=seq_len, activations=activations, collectives=measured)
+
+
+class _CollectiveSizes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Sizes each ``c10d`` op once it went through (a backend's refused attempt, before its
+    fallback, is not counted) and files it under the last collective record: ``sizes[i]`` is
+    the largest buffer of the ops issued for ``records[i]``."""
+
+    def __init__(self, records: list[Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.records = records
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", "") == "c10d":
+            size = max((_bytes(t) for t in tree_leaves((args, kwargs or {}))
+                        if isinstance(t, torch.Tensor)), default=0)
+            at = max(len(self.records), 1) - 1
+            self.sizes.extend([0] * (at + 1 - len(self.sizes)))
+            self.sizes[at] = max(self.sizes[at], size)
+        return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,20 +378,27 @@ def _human(n: int) -> str:
 
 def render_table(sim: Simulation) -> str:
     """The report as text: a row per group of ranks holding the same bytes, then the
-    collectives of one step."""
+    collectives of one step (and, when a step was traced, what it measured)."""
     mesh = ",".join(f"{k}={v}" for k, v in sim.mesh)
+    traced = [r.step for r in sim.ranks if r.step is not None]
+    seq = f"; one step of {traced[0].seq_len} tokens traced" if traced else ""
     lines = [f"dry run of {sim.recipe} on {mesh} ({sim.mode}, fake process group, meta device; "
-             f"{len(sim.ranks)} rank(s) in {sim.seconds:.2f} s)", "",
+             f"{len(sim.ranks)} rank(s) in {sim.seconds:.2f} s{seq})", "",
              f"{'ranks':<16} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-             f"{'buffers':>12} {'total':>12}"]
-    groups: dict[tuple[int, int, int, int], list[int]] = {}
+             f"{'buffers':>12} {'total':>12}" + (f" {'act/token':>12}" if traced else "")]
+    groups: dict[tuple[int, int, int, int, float | None], list[int]] = {}
     for r in sim.ranks:
-        groups.setdefault((r.parameters, r.gradients, r.optimizer, r.buffers), []).append(r.rank)
-    for (p, g, o, b), members in groups.items():
+        per_token = r.step.activation_bytes_per_token if r.step is not None else None
+        groups.setdefault((r.parameters, r.gradients, r.optimizer, r.buffers, per_token),
+                          []).append(r.rank)
+    for (p, g, o, b, a), members in groups.items():
+        act = "" if a is None else f" {_human_float(a):>12}"
         lines.append(f"{_rank_span(members):<16} {_human(p):>12} {_human(g):>12} "
-                     f"{_human(o):>12} {_human(b):>12} {_human(p + g + o + b):>12}")
+                     f"{_human(o):>12} {_human(b):>12} {_human(p + g + o + b):>12}{act}")
+    activations = ("act/token: the boundaries' outputs per token of the sequence, as the plan "
+                   "lays them out" if traced else "activations not included (--seq-len)")
     lines += ["", f"optimizer: AdamW, {ADAMW_STATE_BYTES} bytes (two fp32 moments) per trainable "
-                  "element; activations not included", "",
+                  f"element; {activations}", "",
               "collectives per step (from the plan's manifest, every rank):"]
     if not sim.collectives:
         lines.append("  none")
@@ -223,7 +406,20 @@ def render_table(sim: Simulation) -> str:
         lines.append(f"  {c.count:>5} x {c.kind} over {c.mesh_dim} ({c.direction})")
     if sim.grad_bucket_bytes:
         lines.append(f"  gradient buckets reduce {_human(sim.grad_bucket_bytes)} per step")
+    first = next((r for r in sim.ranks if r.step is not None), None)
+    if first is not None and first.step is not None:
+        lines += ["", f"collectives of the traced step on rank {first.rank} (bytes: the largest "
+                      f"buffer of each, summed):"]
+        for m in first.step.collectives:
+            inner = m.count - m.in_manifest
+            extra = f"; {inner} from an inner wrapper, not in the manifest" if inner else ""
+            lines.append(f"  {m.count:>5} x {m.kind} over {m.mesh_dim} ({m.direction}): "
+                         f"{_human(m.bytes)}{extra}")
     return "\n".join(lines) + "\n"
+
+
+def _human_float(n: float) -> str:
+    return _human(int(n)) if n == int(n) else f"{n:.1f} B" if n < 1024 else _human(round(n))
 
 
 def _rank_span(ranks: list[int]) -> str:

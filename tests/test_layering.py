@@ -121,7 +121,7 @@ def _package_exceptions() -> list[type[BaseException]]:
             module = __import__(info.name, fromlist=["_"])
         except ModuleNotFoundError as exc:  # a trainer integration without its extra
             if info.name.startswith("hyperrecipe.integrations.") and exc.name in (
-                    "accelerate", "lightning"):
+                    "accelerate", "lightning", "trl"):
                 continue
             raise
         for _, obj in inspect.getmembers(module, inspect.isclass):

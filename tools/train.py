@@ -296,8 +296,8 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             # micro-batch means is the global batch's mean, as one process computes it.
             (loss / args.grad_accum).backward()
             loss_sum += loss.detach().float()
-        # Not torch.nn.utils.clip_grad_norm_(model.parameters(), ...): in production mode that
-        # sees only this rank's shards, and every rank would clip by another coefficient.
+        # The installation's own call: it knows every shard's layout (torch's clip_grad_norm_
+        # gets the same norm only through hyperrecipe's guard, runtime/grads/torch_clip_guard).
         norm = (inst.clip_grad_norm_(args.max_grad_norm) if args.max_grad_norm > 0
                 else inst.grad_norm())
         opt.step()

@@ -32,21 +32,32 @@ from torch import nn
 from transformers import Trainer
 
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.trainer_mesh import DataParallel, data_parallel_of
+from hyperrecipe.integrations.trainer_mesh import (
+    DataParallel,
+    data_parallel_of,
+    gather_over_data_dim,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["DCP_FOLDER", "HyperrecipeTrainer"]
+__all__ = ["DCP_FOLDER", "HyperrecipeTrainer", "HyperrecipeTrainerMixin"]
 
 DCP_FOLDER = "hyperrecipe-dcp"
 """The folder inside each ``checkpoint-N`` holding model and optimizer state for DCP."""
 
 _SCHEDULER = "scheduler.pt"
 
+if TYPE_CHECKING:  # pragma: no cover
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-class HyperrecipeTrainer(Trainer):
-    """``transformers.Trainer`` for a model with an applied plan (call on every rank).
+
+class HyperrecipeTrainerMixin(_TrainerBase):
+    """The seams of :class:`HyperrecipeTrainer`, for any subclass of ``transformers.Trainer``
+    (TRL's trainers): put it first, ``class MyTrainer(HyperrecipeTrainerMixin, SFTTrainer)``,
+    and construct with ``installation=`` as :class:`HyperrecipeTrainer`.
 
     Args:
         installation: what ``hyperrecipe.apply`` returned for ``model``.
@@ -55,8 +66,9 @@ class HyperrecipeTrainer(Trainer):
     Raises:
         TrainerSetupError: ``model`` is not the installation's model; the mesh has several
             data dims or does not span the world; a setting that cannot be right on shards
-            (validate mode, DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
-            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer).
+            (DeepSpeed, FSDP through accelerate, ``nn.DataParallel`` over several GPUs in one
+            process, ``save_safetensors=False``, ``torch.compile`` through the Trainer), or the
+            model is on another device than the Trainer's (move it before ``apply``).
 
     Example::
 
@@ -74,23 +86,35 @@ class HyperrecipeTrainer(Trainer):
                    f"(got {type(model).__name__}, applied to "
                    f"{type(installation.model).__name__}); wrappers go on after the Trainer")
             raise TrainerSetupError(msg)
-        if installation.mode.parameters_are_dtensors:
-            msg = ("HyperrecipeTrainer: the installation is in validate mode; train through the "
-                   "Trainer in production mode (validate mode is for checking layouts: "
-                   "`hyperrecipe check` or a few steps of your own loop). Measured: under the "
-                   "Trainer, validate mode's embedding gradient arrives replicated where the plan "
-                   "shards it, and the norm refuses it")
-            raise TrainerSetupError(msg)
         self.installation = installation
         self.data_parallel: DataParallel = data_parallel_of(installation,
                                                             trainer="HyperrecipeTrainer")
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
+        _refuse_unhandled_fused_head(self)
         # The Trainer's own seam for a model that owns placement and gradient reduction:
         # accelerate then prepares autocast only, and wraps nothing (transformers'
         # `_prepare_for_training`).
         self.is_distributed_loading_by_transformers = True
         self._dp_wrapped: nn.Module | None = None
+
+    # -- where the model lives ------------------------------------------------------------
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The model stays where ``apply`` put it. The Trainer's ``model.to(args.device)``
+        runs before it hears that the model owns its placement; in validate mode ``to``
+        replaces every DTensor parameter's tensor (``torch.utils.swap_tensors``, which
+        ``Module._apply`` uses for tensor subclasses), which is what left the embedding's
+        gradient ``Replicate()`` under the Trainer before the runtime re-bound gradient hooks
+        after moves. A model on another device is refused: move it before ``apply``."""
+        wrong = sorted({str(p.device) for p in model.parameters()
+                        if p.device.type != torch.device(device).type})
+        if wrong:
+            msg = (f"HyperrecipeTrainer: the model's parameters are on {wrong}, the Trainer's "
+                   f"device is {device}; move the model to {device} before "
+                   "hyperrecipe.apply (the Trainer does not move an applied model: apply placed "
+                   "its shards, and the plan's process groups, on their devices)")
+            raise TrainerSetupError(msg)
 
     # -- data parallel over the data dim only ----------------------------------------------
 
@@ -158,11 +182,7 @@ class HyperrecipeTrainer(Trainer):
             msg = ("HyperrecipeTrainer: eval_use_gather_object=True is not supported on an "
                    "applied plan; gather tensors")
             raise TrainerSetupError(msg)
-        gathered = _gather_tensors(data, self.data_parallel.group)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:  # drop the padding samples
-            return _truncate(gathered, state.remainder)
-        return gathered
+        return gather_over_data_dim(data, self.data_parallel, self.accelerator.gradient_state)
 
     # -- clipping and the logged norm ------------------------------------------------------
 
@@ -234,27 +254,9 @@ class HyperrecipeTrainer(Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
-def _gather_tensors(data: Any, group: Any) -> Any:
-    if isinstance(data, (list, tuple)):
-        return type(data)(_gather_tensors(d, group) for d in data)
-    if isinstance(data, dict):
-        return {k: _gather_tensors(v, group) for k, v in data.items()}
-    if group is None or not isinstance(data, torch.Tensor):
-        return data
-    import torch.distributed as dist
-
-    value = data.contiguous() if data.dim() else data.reshape(1)
-    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, value, group=group)
-    return torch.cat(parts)
-
-
-def _truncate(data: Any, count: int) -> Any:
-    if isinstance(data, (list, tuple)):
-        return type(data)(_truncate(d, count) for d in data)
-    if isinstance(data, dict):
-        return {k: _truncate(v, count) for k, v in data.items()}
-    return data[:count] if isinstance(data, torch.Tensor) and data.dim() else data
+class HyperrecipeTrainer(HyperrecipeTrainerMixin, Trainer):
+    """``transformers.Trainer`` for a model with an applied plan (call on every rank); see
+    :class:`HyperrecipeTrainerMixin` for the arguments and what is refused."""
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -262,6 +264,26 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "optimizer", optimizer)
     assert isinstance(inner, torch.optim.Optimizer)
     return inner
+
+
+def _refuse_unhandled_fused_head(trainer: Any) -> None:
+    """TRL's trainers patch the model with a fused LM head that multiplies by the output
+    weight outside the plan's ``lm_head`` boundary: on production shards, this rank's vocab
+    slice only. ``hyperrecipe.integrations.trl`` hands it the full weight (SFT); any other
+    trainer that patched it is refused."""
+    patched = trainer.model.__dict__.get("forward")
+    code = getattr(patched, "__code__", None)
+    if code is None or "add_fused_lm_head" not in code.co_qualname:
+        return
+    if getattr(trainer, "handles_fused_lm_head", False):
+        return
+    if trainer.installation.mode.parameters_are_dtensors:
+        return  # TRL gathers a DTensor weight itself
+    msg = (f"HyperrecipeTrainer: {type(trainer).__name__} patched the model with TRL's fused LM "
+           "head, which multiplies by the output weight outside the plan's lm_head boundary: "
+           "on production shards it scores this rank's vocab slice only. Use "
+           "hyperrecipe.integrations.trl.HyperrecipeSFTTrainer (SFT), or validate mode")
+    raise TrainerSetupError(msg)
 
 
 def _refuse_unsupported(trainer: Any) -> None:

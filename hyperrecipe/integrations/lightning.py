@@ -5,11 +5,13 @@ rest itself; over production shards (plain tensors that differ per rank) two of 
 wrong or refused:
 
 - ``gradient_clip_val`` (norm) reaches ``Precision.clip_grad_by_norm``, which calls
-  ``torch.nn.utils.clip_grad_norm_`` on each rank's shards: each rank clips by its own norm,
-  losses drift, nothing warns. Here the strategy's precision plugin clips by norm with
-  :meth:`Installation.clip_grad_norm_` (the full norm, as one process), however it is reached
-  (``gradient_clip_val``, a ``configure_gradient_clipping`` that calls ``self.clip_gradients``,
-  manual optimization); clipping by value is elementwise and left to Lightning.
+  ``torch.nn.utils.clip_grad_norm_`` on each rank's shards: alone that is each rank's own
+  norm (hyperrecipe's guard, :mod:`hyperrecipe.runtime.grads.torch_clip_guard`, now hands it
+  the full norm while the installation lives). Here the strategy's precision plugin clips by
+  norm with :meth:`Installation.clip_grad_norm_` (the full norm, as one process), however it is
+  reached (``gradient_clip_val``, a ``configure_gradient_clipping`` that calls
+  ``self.clip_gradients``, manual optimization); clipping by value is elementwise and left to
+  Lightning.
 - ``Trainer.fit(ckpt_path=...)`` refuses a checkpoint unless the model holds DTensor
   parameters ("Could not find a distributed model in the provided checkpoint state"). Saving
   already works (``get_model_state_dict`` of an applied model hands out DTensors with the

@@ -19,8 +19,10 @@ vocab-sharded logits refuse: docs/training.md#torchtitan).
 What torchtitan's parallelize step also does and this one does not (each refused loudly, never
 skipped): replicated data parallel (HSDP), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
-torchtitan's Trainer clips with torch's norm, which on plain shards is each rank's own: a
-finite ``training.max_norm`` is refused; clip with the installation's ``clip_grad_norm_``.
+torchtitan's Trainer clips with ``dist_utils.clip_grad_norm_``, which takes its norm from
+torch's ``get_total_norm``: while the installation lives that gives the full norm on every rank
+(:mod:`hyperrecipe.runtime.grads.torch_clip_guard`), so ``training.max_norm`` clips as one
+process clips.
 torchtitan is imported only when one of these functions runs; nothing of hyperrecipe imports
 this module. ``restore()`` puts the forwards and parameters back but leaves the modules' own
 initializer tables (:func:`_initialize_through_the_plan`) in place.
@@ -28,7 +30,6 @@ initializer tables (:func:`_initialize_through_the_plan`) in place.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -113,16 +114,6 @@ def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_hea
 
 def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
                         compile_config: Any) -> None:
-    max_norm = float(getattr(training, "max_norm", float("inf")))
-    if math.isfinite(max_norm):
-        msg = (f"torchtitan's Trainer clips with torch's norm (dist_utils.clip_grad_norm_), "
-               f"which on hyperrecipe's production shards is each rank's own norm: each rank "
-               f"would clip by another coefficient, silently. Declared: training.max_norm="
-               f"{max_norm}; required: training.max_norm=inf (the Trainer's call then only "
-               f"measures), and clip with hyperrecipe.integrations.torchtitan.installation_of("
-               f"model).clip_grad_norm_(max_norm) after backward "
-               f"(docs/training.md#gradient-clipping-and-norms).")
-        raise PlanMismatchError(msg)
     asked = []
     for name in ("dp_replicate", "cp", "pp", "ep"):
         size = int(getattr(parallel_dims, name, 1))
@@ -164,8 +155,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
         parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` and
             ``dp_shard`` may exceed 1.
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
-            what this step does not do. ``training.max_norm`` must be ``inf``: torchtitan's
-            Trainer clips with torch's norm, which is wrong on these shards.
+            what this step does not do (``training.max_norm`` clips right: see the module).
         ac_config: torchtitan's activation checkpointing policy, applied after the plan.
         recipe: a recipe file or shipped recipe name for torchtitan's module names; by default
             :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or, with
@@ -179,8 +169,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     Raises:
         PlanMismatchError: the job asks for replicated data, context or pipeline parallel,
             sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
-            (see the module docstring), or clipping through torchtitan's Trainer (a finite
-            ``training.max_norm``).
+            (see the module docstring).
         RecipeError: the recipe does not fit the model or the tp size.
     """
     _refuse_unsupported(parallel_dims, training, parallelism, compile_config)

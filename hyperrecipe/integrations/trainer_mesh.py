@@ -7,12 +7,17 @@ parameter, no boundary layout, no transition, no expert or vocab split) hold the
 ranks that differ on any other dim must see the same batch and must never average gradients.
 This module reads that from the plan, so both trainer integrations agree on it.
 
+Metrics gathered for a dataset (the Trainer's ``evaluate``, accelerate's ``gather_for_metrics``)
+are gathered over the data dim only here too: the model-parallel ranks hold copies of a batch.
+
 What does not live here: wrapping (each integration wraps through its trainer's seam).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 import attrs
 
@@ -22,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["DataParallel", "data_parallel_of", "model_parallel_dims"]
+__all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims"]
 
 
 def model_parallel_dims(plan: Plan) -> tuple[str, ...]:
@@ -91,3 +96,37 @@ def data_parallel_of(inst: Installation, *, trainer: str) -> DataParallel:
         dim=dim, size=size, rank=inst.mesh.get_local_rank(dim) if dim is not None else 0,
         model_parallel=world // size,
         group=inst.mesh.get_group(dim) if dim is not None else None)
+
+
+def gather_over_data_dim(data: Any, dp: DataParallel, gradient_state: Any) -> Any:
+    """``accelerate``'s ``gather_for_metrics`` over the ranks that see different batches:
+    tensors in (nested) lists, tuples and dicts concatenated over the data dim, and at the end
+    of a loader whose last batch was padded (accelerate's ``gradient_state.remainder``), the
+    padding samples dropped."""
+    gathered = _gather_tensors(data, dp.group)
+    if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
+        return _truncate(gathered, gradient_state.remainder)
+    return gathered
+
+
+def _gather_tensors(data: Any, group: Any) -> Any:
+    if isinstance(data, (list, tuple)):
+        return type(data)(_gather_tensors(d, group) for d in data)
+    if isinstance(data, dict):
+        return {k: _gather_tensors(v, group) for k, v in data.items()}
+    if group is None or not isinstance(data, torch.Tensor):
+        return data
+    import torch.distributed as dist
+
+    value = data.contiguous() if data.dim() else data.reshape(1)
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, value, group=group)
+    return torch.cat(parts)
+
+
+def _truncate(data: Any, count: int) -> Any:
+    if isinstance(data, (list, tuple)):
+        return type(data)(_truncate(d, count) for d in data)
+    if isinstance(data, dict):
+        return {k: _truncate(v, count) for k, v in data.items()}
+    return data[:count] if isinstance(data, torch.Tensor) and data.dim() else data

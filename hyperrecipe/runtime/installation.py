@@ -22,12 +22,16 @@ from hyperrecipe.runtime.features.inner import WrapperChoice
 from hyperrecipe.runtime.state.checkpoint import (
     LiveParams,
     differing_ties,
+    every_rank_entered,
     load_training_state,
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
+from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
+from hyperrecipe.runtime.grads.scaler_guard import guard_grad_scaler
+from hyperrecipe.runtime.grads.torch_clip_guard import guard_torch_clipping
 from hyperrecipe.runtime.mode import Mode, as_mode
 from hyperrecipe.runtime.comm.sharding import local_shard
 from hyperrecipe.runtime.state.state_hooks import (
@@ -66,19 +70,14 @@ class StatusRow:
 
 
 def _barrier_group() -> Any:
-    """A gloo group for monitored barriers (gloo is the only backend that has them): the
-    world group when it is gloo, otherwise a new one, made while every rank is in apply.
-
-    None under torch's fake process group (a dry run, :mod:`hyperrecipe.simulate`): its peers
-    are imagined, so there is nobody to wait for, and gloo cannot be built on its store."""
+    """The group whose ranks must all enter a collective state call (the world group), or
+    None when there is nobody to wait for: one process, or torch's fake process group (a dry
+    run, :mod:`hyperrecipe.simulate`), whose peers are imagined."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    backend = dist.get_backend()
-    if backend == "fake":
+    if dist.get_backend() == "fake":
         return None
-    if backend == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
+    return dist.group.WORLD
 
 
 class Installation:
@@ -125,7 +124,8 @@ class Installation:
         (production: state dicts of local shards as DTensors; both: the optimizer's hooks,
         fused parameters' state replicated for DCP; validate: a step of torch's multi-tensor
         kernels over mixed DTensor / plain parameters refused by name; both:
-        ``model.load_state_dict``'s checks and the DDP guard). ``restore()`` removes them.
+        ``model.load_state_dict``'s checks, the DDP guard and, for a plan that shards, torch's
+        ``clip_grad_norm_`` routed to :meth:`grad_norm`). ``restore()`` removes them.
         Constructing an :class:`Installation` itself changes nothing."""
         inst = cls(model=model, plan=plan, mode=mode, rewritten=rewritten, mesh=mesh,
                    wrapper_choices=wrapper_choices, unloaded=unloaded)
@@ -135,7 +135,12 @@ class Installation:
                        *install_optimizer_hooks(inst._live, inst._bucketed,
                                                 inst._enter_collective),
                        *inst.mode.install_optimizer_checks(inst._live),
-                       install_ddp_guard(model, plan, mesh)]
+                       *inst.mode.keep_hooks_through_moves(model),
+                       install_ddp_guard(model, plan, mesh),
+                       keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
+        if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
+            inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))
+            inst._hooks.append(guard_grad_scaler(inst._live))  # and GradScaler's inf check
         return inst
 
     def _mark_loaded(self, fqns: set[str]) -> None:
@@ -234,9 +239,10 @@ class Installation:
         data-parallel wrapper holds it): each rank sums ``|g|^p`` of its pieces, the sums are
         all-reduced over the mesh dims that split them (max for ``inf``), and a replicated
         parameter counts once. Parameters without a gradient are skipped, tied ones counted
-        once. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is *not* this in
-        production mode: it sees only this rank's shards (docs/training.md, "Gradient
-        clipping and norms").
+        once. torch's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees
+        only this rank's shards in production mode; while this installation lives it is handed
+        this norm instead (``runtime/grads/torch_clip_guard.py``; docs/training.md, "torch's
+        own clip_grad_norm_ on shards").
 
         Args:
             norm_type: ``p`` of the p-norm (positive), or ``float("inf")`` / ``-inf``.
@@ -378,8 +384,14 @@ class Installation:
             state = inst.state_dict(opt)
             dcp.load(state, checkpoint_id="ckpt/100")
             inst.load_state_dict(state, opt)
+
+        Raises:
+            PlanMismatchError: another rank did not call it within ``collective_timeout_s``
+                (a lone ``dcp.save(inst.state_dict())`` would wait in DCP's collectives for
+                the process group's timeout instead).
         """
         self._check_live()
+        self._enter_collective("state_dict", _DCP_WHY, "each rank saves its own shards")
         own = {p.fqn: self._live.stored(p) for p in self._own()}
         model: dict[str, Any] = {p.fqn: own[p.tied_to or p.fqn] for p in self.plan.params}
         for name, buf in persistent_buffers(self.model):
@@ -396,9 +408,11 @@ class Installation:
 
         Raises:
             PlanMismatchError: a parameter is missing or has another global shape; an
-                optimizer was given but the state has none, or other parameter groups.
+                optimizer was given but the state has none, or other parameter groups;
+                another rank did not call it within ``collective_timeout_s``.
         """
         self._check_live()
+        self._enter_collective("load_state_dict", _DCP_WHY, "each rank keeps its own shards")
         load_training_state(self._live, state, optimizer, self._unloaded)
 
     def load_checkpoint(self, folder: str | os.PathLike[str],
@@ -512,25 +526,24 @@ class Installation:
     collective_timeout_s: float = 60.0
     """How long a gathering call waits for every rank to enter it before refusing."""
 
-    def _enter_collective(self, what: str, why: str = "") -> None:
+    def _enter_collective(self, what: str, why: str = "",
+                          advice: str = "only one rank writes") -> None:
         """Every rank must call gathering methods; one that does not would leave the others
-        waiting in the gather until the watchdog (minutes, then an opaque error). A monitored
-        barrier first fails within ``collective_timeout_s`` and names the missing ranks."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        import datetime
-
+        waiting in the gather (or in DCP's exchanges) until the watchdog (minutes, then an
+        opaque error). Every rank that called fails within ``collective_timeout_s`` instead,
+        naming the missing ranks (:func:`every_rank_entered`)."""
         if self._barrier_group is None:
             return
-        try:
-            dist.monitored_barrier(group=self._barrier_group, wait_all_ranks=True,
-                                   timeout=datetime.timedelta(seconds=self.collective_timeout_s))
-        except RuntimeError as exc:
-            label = what if "." in what else f"Installation.{what}"
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        label = what if "." in what else f"Installation.{what}"
+        why_not = every_rank_entered(_get_default_store(), label, dist.get_rank(),
+                                     dist.get_world_size(), self.collective_timeout_s)
+        if why_not is not None:
             msg = (f"{label}() is a collective{why}: every rank must call it (rank "
-                   f"{dist.get_rank()} waited {self.collective_timeout_s:.0f} s: {exc}). Call it "
-                   f"on every rank; only one rank writes")
-            raise PlanMismatchError(msg) from None
+                   f"{dist.get_rank()} waited {self.collective_timeout_s:g} s: {why_not}). Call "
+                   f"it on every rank; {advice}")
+            raise PlanMismatchError(msg)
 
     def restore(self) -> None:
         """Put the original forwards back and full parameters in place of the shards
@@ -547,6 +560,10 @@ class Installation:
     def _check_live(self) -> None:
         if self._rewritten.restored:
             raise PlanMismatchError("this installation was restored; its shards are gone")
+
+
+_DCP_WHY = (" (so are dcp.save and dcp.load of what it returns, which would otherwise wait "
+            "for the process group's timeout)")
 
 
 def _staged(state: Any) -> Any:

@@ -10,6 +10,8 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
   or a DTensor with the plan's ``dtensor`` placement (validate).
 - ``install_grad_reductions`` / ``hook_reduced_gradients``: the plan's gradient buckets run as
   hooks on the shards (production); DTensor's own backward reduces them (validate).
+- ``keep_hooks_through_moves``: validate mode puts back, before a forward, the gradient hooks
+  that a module move (``model.to(...)``, which swaps DTensor parameters' tensors) took away.
 - ``install_optimizer_checks``: validate mode refuses torch's multi-tensor kernels over its
   mixed DTensor / plain parameters at ``optimizer.step()``.
 - ``prepare``: validate mode registers DTensor rules for the ops torch ships without one (CPU
@@ -106,6 +108,11 @@ class Mode:
         """Hooks that refuse an optimizer step this mode cannot run right."""
         raise NotImplementedError
 
+    def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hooks that keep the parameters' own hooks in place when the trainer moves the
+        model after apply (``model.to(device)``)."""
+        raise NotImplementedError
+
     def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
         """The head counts to set on modules for the length of the installation."""
         raise NotImplementedError
@@ -175,6 +182,9 @@ class _Production(Mode):
 
     def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
         return []
+
+    def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
+        return []  # a move assigns plain parameters' .data: the object and its hooks stay
 
     def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
         return plan.head_counts
@@ -248,6 +258,11 @@ class _Validate(Mode):
         from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
 
         return list(install_mixed_kernel_check(live))
+
+    def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
+        from hyperrecipe.runtime.comm.dtensor_parameters import rearm_after_moves
+
+        return [rearm_after_moves(model)]
 
     def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
         # DTensor computes with global shapes, so the attributes stay global, except in modules

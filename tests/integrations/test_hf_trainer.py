@@ -57,9 +57,9 @@ def _eval_data(n: int) -> list[dict[str, torch.Tensor]]:
 
 def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             resume: str | None, accumulate: int = 1, evaluate: int = 0,
-            eval_batch: int = 3) -> dict[str, Any]:
+            eval_batch: int = 3, mode: str = "production") -> dict[str, Any]:
     """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2);
-    ``evaluate``: the size of an eval set evaluated after training."""
+    ``evaluate``: the size of an eval set evaluated after training; ``mode``: apply's."""
     from transformers import Trainer
 
     from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
 
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             plan = compile_recipe(DP_TP, llama("meta"), {"dp": 2, "tp": 2})
-        inst = apply(model, plan, mesh)
+        inst = apply(model, plan, mesh, mode=mode)  # type: ignore[arg-type]
         trainer = HyperrecipeTrainer(model=model, installation=inst, args=args, **sets)
     trainer.train(resume_from_checkpoint=resume)
     return {"logged": _logged(trainer),
@@ -137,16 +137,17 @@ def _refusal_worker(rank: int, world: int, out: str, how: str) -> str:
 
     model = llama()
     plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
-    inst = apply(model, plan, mesh_1d(world),
-                 mode="validate" if how == "validate" else "production")
+    inst = apply(model, plan, mesh_1d(world))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
                              report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
     try:
         if how == "stock":
             Trainer(model=model, args=args, train_dataset=_data(4)).train()
         else:
-            HyperrecipeTrainer(model=llama() if how == "other" else model, installation=inst,
-                               args=args)
+            trainer = HyperrecipeTrainer(model=llama() if how == "other" else model,
+                                         installation=inst, args=args)
+            if how == "move":
+                trainer._move_model_to_device(model, torch.device("meta"))
     except (PlanMismatchError, TrainerSetupError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ran"
@@ -166,7 +167,35 @@ def test_the_integration_refuses_a_model_other_than_the_applied_one(tmp_path: Pa
                               "the installation was applied to")
 
 
-def test_the_integration_refuses_validate_mode(tmp_path: Path) -> None:
-    for res in run_ranks(_refusal_worker, 2, str(tmp_path), "validate", timeout_s=600):
-        assert res.startswith("TrainerSetupError: HyperrecipeTrainer: the installation is in "
-                              "validate mode; train through the Trainer in production mode")
+def test_trainer_in_validate_mode_at_tp2_trains_like_one_process_and_resumes_at_tp1(
+        tmp_path: Path) -> None:
+    """Validate mode under the Trainer: DTensor parameters, the Trainer's own (fused) AdamW in
+    one param group per mesh, the same losses and norms as one process (measured 4.8e-7 and
+    6e-6). It was refused while the Trainer's ``model.to(device)`` left the hook that keeps
+    each gradient's placement behind (``Module._apply`` swaps DTensor parameters' tensors with
+    ``torch.utils.swap_tensors``): the embedding's gradient arrived ``Replicate()`` and the
+    norm refused it. The integration no longer moves the model, and validate mode re-binds the
+    hooks after any move. ``evaluate()``
+    gives one process's eval_loss; the checkpoint resumes in production mode at tp=1."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 7,
+                    timeout_s=600)[0]
+    out = tmp_path / "validate"
+    for ranks in run_ranks(_worker, 2, str(out), "tp", 2, 10, None, 1, 7, 3, "validate",
+                           timeout_s=600):
+        _assert_same_run(ranks["logged"], ref["logged"])
+        assert ranks["eval_loss"] == pytest.approx(ref["eval_loss"], abs=LOSS_ATOL)
+    resumed = run_ranks(_worker, 1, str(out), "tp", 2, 10, str(out / "checkpoint-3"),
+                        timeout_s=600)[0]
+    _assert_same_run([r for r in resumed["logged"] if r[0] > 3], ref["logged"][3:])
+
+
+def test_the_integration_refuses_to_move_an_applied_model_to_another_device(
+        tmp_path: Path) -> None:
+    """Every move the Trainer makes (at construction, after ``model_init``, before a full
+    fp16/bf16 eval) goes through ``_move_model_to_device``: an applied model stays where apply
+    put it, and a move to another device type (here ``meta``, the one a CPU machine has) is
+    refused before any parameter is replaced."""
+    for res in run_ranks(_refusal_worker, 2, str(tmp_path), "move", timeout_s=600):
+        assert res.startswith("TrainerSetupError: HyperrecipeTrainer: the model's parameters "
+                              "are on ['cpu'], the Trainer's device is meta; move the model to "
+                              "meta before hyperrecipe.apply")

@@ -79,11 +79,20 @@ def one_process(steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def hyperrecipe_run(rank: int, world: int, steps: int) -> dict[str, Any]:
-    """The plan as torchtitan's parallelize step; losses and the first step's full grads."""
+def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation"
+                    ) -> dict[str, Any]:
+    """The plan as torchtitan's parallelize step; losses and the first step's full grads.
+    ``clip``: ``installation`` (``inst.clip_grad_norm_``) or ``torchtitan`` (its Trainer's
+    ``dist_utils.clip_grad_norm_``, torch's norm underneath)."""
     from hyperrecipe.integrations.torchtitan import installation_of, parallelize_llama
 
-    model = parallelize_llama(materialized(), parallel_dims=parallel_dims(world))
+    training = None
+    if clip == "torchtitan":
+        from torchtitan.config import TrainingConfig
+
+        training = TrainingConfig()  # its default max_norm, 1.0
+    model = parallelize_llama(materialized(), parallel_dims=parallel_dims(world),
+                              training=training)
     inst = installation_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = batch()
@@ -93,7 +102,12 @@ def hyperrecipe_run(rank: int, world: int, steps: int) -> dict[str, Any]:
         loss.backward()
         if step == 0:
             grads = inst.full_grads()
-        inst.clip_grad_norm_(MAX_NORM)
+        if clip == "torchtitan":
+            from torchtitan.distributed import utils as dist_utils
+
+            dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM)
+        else:
+            inst.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -9,6 +9,7 @@ plain shards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -19,9 +20,10 @@ from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.hooks import RemovableHandle
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["dtensor_parameter", "placed_at"]
+__all__ = ["dtensor_parameter", "placed_at", "rearm_after_moves"]
 
 
 def placed_at(p: ParamPlan) -> str:
@@ -68,15 +70,32 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     param = nn.Parameter(dt, requires_grad=requires_grad)
     unreduced = _unreduced_dims(p, placements, mesh)
 
+    def refuse(grad: Any) -> None:
+        _refuse_partial_left_by_production(p, grad, unreduced)
+
+    _keep_placement(param, placements, refuse if unreduced else None)
+    return param
+
+
+def _keep_placement(param: nn.Parameter, placements: Any,
+                    refuse: Callable[[Any], None] | None = None) -> None:
+    """Hook ``param`` so its gradient leaves backward with the parameter's placement, and mark
+    it hooked (the mark lives in the parameter's ``__dict__``, which a swap takes along with the
+    hook: see :func:`rearm_after_moves`). ``refuse`` sees a gradient whose placement differs
+    first (:func:`_refuse_partial_left_by_production`)."""
+    from torch.distributed.tensor import DTensor
+
     def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
-        # a replicated parameter used on sharded data gets a partial gradient: reduce it
+        # a replicated parameter used on sharded data gets a partial gradient: reduce it; an
+        # embedding row-sharded over the vocabulary gets a replicated one: keep its rows
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
-            _refuse_partial_left_by_production(p, grad, unreduced)
+            if refuse is not None:
+                refuse(grad)
             return grad.redistribute(grad.device_mesh, placements)
         return grad
 
     param.register_hook(keep_placement)  # type: ignore[no-untyped-call]
-    return param
+    setattr(param, _KEEPS_PLACEMENT, True)
 
 
 def _unreduced_dims(p: ParamPlan, placements: Any, mesh: DeviceMesh
@@ -123,3 +142,40 @@ def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
            f"`reduce_grads: {{{fields}}}` on {p.module}'s rule (or `style: sequence_parallel` "
            f"for a norm on the sequence-sharded stream)")
     raise PlanMismatchError(msg)
+_KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
+
+
+def rearm_after_moves(model: nn.Module) -> RemovableHandle:
+    """A forward pre-hook on ``model`` that puts back the placement hooks a module move took.
+
+    ``model.to(device)``, ``model.float()`` and every other ``Module._apply`` replace a DTensor
+    parameter's tensor through ``torch.utils.swap_tensors``: the Python object (and so the
+    optimizer's reference) stays, but the autograd hooks of the old tensor and its ``__dict__``
+    go. Every trainer moves its model (the Hugging Face Trainer calls ``model.to(args.device)``);
+    without the hook a vocab-sharded embedding's gradient came back replicated (the whole table
+    on every rank) and a replicated parameter's partial. The check per forward is one dict
+    lookup per DTensor parameter, in validate mode only; a parameter swapped in by the user
+    (``module.weight = nn.Parameter(...)``) is not the plan's and is not touched.
+    """
+    hooked = [p for p in model.parameters() if getattr(p, _KEEPS_PLACEMENT, False)]
+
+    def rearm(module: nn.Module, args: Any) -> None:
+        for p in hooked:
+            if _KEEPS_PLACEMENT not in p.__dict__:
+                _rearm(p)
+
+    return model.register_forward_pre_hook(rearm)
+
+
+def _rearm(param: nn.Parameter) -> None:
+    """Bind ``param``'s hooks to the tensor a swap gave it. torch keeps a tensor's Python
+    hooks in a dict on the Python object (which the swap leaves in place) and binds that dict to
+    the tensor underneath when it is assigned; the swap left the binding on the old tensor.
+    Assigning the dict again re-binds every hook on it, the user's too. A torch without that
+    dict gets the placement hook afresh."""
+    hooks = getattr(param, "_backward_hooks", None)
+    if hooks:
+        param._backward_hooks = hooks
+        setattr(param, _KEEPS_PLACEMENT, True)
+    else:
+        _keep_placement(param, tuple(param.placements))  # type: ignore[attr-defined]

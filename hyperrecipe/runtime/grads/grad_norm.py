@@ -5,7 +5,8 @@ production mode those are plain local shards: every rank computes the norm of it
 (replicated parameters, such as norms, counted on every rank), so the ranks clip by different
 coefficients and replicated weights drift apart without an error. In validate mode the
 parameters are DTensors, except replicated ones outside every boundary, which are plain; torch's
-call then refuses to mix the two.
+call then refuses to mix the two. (``torch_clip_guard`` hands torch's call this module's norm
+while an installation lives.)
 
 Here the norm is computed from what the plan records: for each parameter, the mesh dims its
 placement shards it over (``ParamPlan.placement``, never re-derived from the live tensor), plus
@@ -23,7 +24,7 @@ buckets were lost to ``fully_shard`` (refused, as ``optimizer.step()`` refuses).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,11 +76,12 @@ def _wrapper_dims(live: LiveParams, p: ParamPlan, param: Any) -> tuple[str, ...]
     return tuple(n for n, q in zip(wnames, param.placements, strict=True) if q.is_shard())
 
 
-def _local_grads(live: LiveParams) -> list[tuple[tuple[str, ...], Tensor | None]]:
+def _local_grads(live: LiveParams, only: Collection[int] | None = None
+                 ) -> list[tuple[tuple[str, ...], Tensor | None]]:
     """For each of the plan's own parameters (a tied one once): the mesh dims its gradient is
-    split over and this rank's piece of it (``None`` without a gradient). The dims come from
-    the plan and the parameter, never from whether a gradient exists, so every rank issues the
-    same collectives."""
+    split over and this rank's piece of it (``None`` without a gradient, or with one whose id
+    is not in ``only``). The dims come from the plan and the parameter, never from which
+    gradients exist or are asked for, so every rank issues the same collectives."""
     from torch.distributed.tensor import DTensor
 
     mesh_dims = tuple(live.plan.mesh_dims)
@@ -91,7 +93,7 @@ def _local_grads(live: LiveParams) -> list[tuple[tuple[str, ...], Tensor | None]
             wrapped = set(dims) | set(_wrapper_dims(live, p, param))
             dims = tuple(d for d in mesh_dims if d in wrapped)
         grad = param.grad
-        if grad is None:
+        if grad is None or (only is not None and id(grad) not in only):
             out.append((dims, None))
             continue
         if isinstance(grad, DTensor):
@@ -133,16 +135,21 @@ def _order(norm_type: float) -> float:
     return p
 
 
-def total_grad_norm(live: LiveParams, norm_type: float = 2.0,
-                    foreach: bool | None = None) -> Tensor:
+def total_grad_norm(live: LiveParams, norm_type: float = 2.0, foreach: bool | None = None,
+                    only: Collection[int] | None = None) -> Tensor:
     """The norm of the full gradients, ``torch.nn.utils.get_total_norm``'s, on every rank (a
     collective: one all-reduce of a few numbers per mesh dim that splits a gradient).
+
+    ``only``: the ids of the gradient objects to count (a subset of the model's, as torch's
+    ``clip_grad_norm_`` over some parameters is given; every rank must pass the same subset);
+    parameters outside the plan are then not looked at.
 
     Returns a float32 scalar on the gradients' device (``0.`` when no parameter has one).
     """
     p = _order(norm_type)
-    _check_all_planned(live)
-    return _norm_of(live, _local_grads(live), p, foreach)
+    if only is None:
+        _check_all_planned(live)
+    return _norm_of(live, _local_grads(live, only), p, foreach)
 
 
 def _norm_of(live: LiveParams, pieces: list[tuple[tuple[str, ...], Tensor | None]], p: float,

@@ -114,7 +114,7 @@ def install_mixed_kernel_check(live: LiveParams) -> list[Any]:
     """Register the validate-mode step pre-hook (see the module docstring); returns its handle
     (``.remove()`` it). It looks at every step, not once per optimizer: a param group's
     ``foreach`` can be changed between steps, and validate mode is not about speed."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from hyperrecipe.runtime.state.scoped_hooks import model_scoped_step_pre_hook
 
     def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not _is_torch_optimizer(optimizer):
@@ -125,4 +125,4 @@ def install_mixed_kernel_check(live: LiveParams) -> list[Any]:
             if error is not None:
                 raise error
 
-    return [register_optimizer_step_pre_hook(on_step)]
+    return [model_scoped_step_pre_hook(live.model, on_step)]

@@ -18,6 +18,9 @@ the plan's placements plus the wrapper's split, strided where both split one ten
 dp × tp checkpoint is stored piece by piece and reshards like any other.
 
 Everything that gathers is a collective; the functions that may gather say so.
+:func:`every_rank_entered` is how a collective state path learns, within a bound, that a rank
+called it alone (``if rank == 0: dcp.save(inst.state_dict())``) instead of waiting in the
+gather or in DCP's own exchanges for the process group's timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "every_rank_entered",
     "LiveParams",
     "differing_ties",
     "dtensor_placements",
@@ -579,3 +583,49 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
             if lr is not None:
                 g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+
+
+class _Entered:
+    """How many collective state calls this process got through (the same on every rank
+    while the ranks call them in the same order, which they must for the gathers anyway)."""
+
+    calls = 0
+
+
+def every_rank_entered(store: Any, label: str, rank: int, world: int,
+                       timeout_s: float) -> str | None:
+    """Wait up to ``timeout_s`` for every rank to enter this collective call; None when all
+    did and all entered ``label``, otherwise why not (the missing ranks, or what others called).
+
+    Through the process group's store, not a collective: a monitored barrier bounds the wait
+    only on rank 0 (other ranks wait for rank 0 with the process group's timeout), and a timed
+    out collective leaves the group unusable. The store is polled (``check``): a timed-out
+    blocking ``wait`` would leave a reply pending on the store's socket. A rank that gives up
+    removes its own entry and does not count the call, so a later call finds no stale arrival;
+    after a call every rank got through, the last rank to leave removes its keys.
+    """
+    import time
+
+    key = f"hyperrecipe/collective/{_Entered.calls + 1}"
+    mine = f"{key}/{rank}"
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.set(mine, label)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            store.delete_key(mine)
+            return f"rank(s) {missing} did not enter it within {timeout_s:g} s"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    called = {r: bytes(store.get(k)).decode() for r, k in enumerate(keys)}
+    _Entered.calls += 1
+    if store.add(f"{key}/left", 1) == world:  # every rank has read every entry
+        for k in (*keys, f"{key}/left"):
+            store.delete_key(k)
+    others = {r: c for r, c in called.items() if c != label}
+    if others:
+        listed = ", ".join(f"rank {r} {c}()" for r, c in sorted(others.items()))
+        return f"other ranks entered another collective at this point: {listed}"
+    return None

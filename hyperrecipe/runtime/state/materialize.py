@@ -11,11 +11,18 @@ for :meth:`~hyperrecipe.runtime.installation.Installation.load_weights` (checkpo
 only general recipe for that is the model's own initializer, so a transformers model's
 ``_init_weights`` is run on each parameter-free module that owns one, and a buffer that is still
 unset afterwards is refused by name, with what to do instead.
+
+``model.to_empty(device=...)`` after apply (torchtitan's Trainer's order, ``tools/train.py``
+before it loads) replaces every buffer with uninitialised memory, and nothing reloads a
+non-persistent one, so :func:`keep_non_persistent_buffers` gives each module that owns one an
+``_apply`` that writes the values back after torch's own (a device move or dtype cast writes
+what the conversion would have produced; ``to_empty`` gets its values back).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import types
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from hyperrecipe.rewriter import Rewrite
 
-__all__ = ["allocate_unloaded", "is_meta", "materialize_buffers", "mesh_device"]
+__all__ = ["BufferKeeper", "allocate_unloaded", "is_meta", "keep_non_persistent_buffers",
+           "materialize_buffers", "mesh_device"]
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -98,6 +106,64 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
                    f"meta)")
             raise PlanMismatchError(msg)
     return pending
+
+
+_VALUES = "_hr_non_persistent_values"
+
+
+def _apply_keeping_buffers(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` that keeps this module's non-persistent buffers' values.
+
+    Bound to the module with ``types.MethodType`` (not a closure over it), so a
+    ``copy.deepcopy`` of the model rebinds it to the copy with the copy's values."""
+    values: dict[str, Tensor] = vars(self).get(_VALUES, {})
+    for name in values:
+        buf = self._buffers.get(name)
+        if buf is not None and not is_meta(buf) and not _unset(buf):
+            values[name] = buf.detach().to("cpu", copy=True)  # what the user has now
+    out: nn.Module = type(self)._apply(self, fn, recurse)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for name, value in values.items():
+            buf = self._buffers.get(name)
+            if buf is not None and not is_meta(buf):
+                buf.copy_(value)
+    return out
+
+
+class BufferKeeper:
+    """What :func:`keep_non_persistent_buffers` installed; ``remove()`` (``restore()``)
+    takes it off again."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._modules = modules
+
+    def remove(self) -> None:
+        for module in self._modules:
+            bound = vars(module).get("_apply")
+            if isinstance(bound, types.MethodType) and bound.__func__ is _apply_keeping_buffers:
+                del vars(module)["_apply"]
+            vars(module).pop(_VALUES, None)
+        self._modules = []
+
+
+def keep_non_persistent_buffers(model: nn.Module) -> BufferKeeper:
+    """Give every module owning a non-persistent buffer with a value an ``_apply`` that
+    writes the values back after ``to_empty`` (which no checkpoint load would repair).
+
+    The values are kept on the CPU (rotary ``inv_freq``: ``head_dim / 2`` floats). A dry run's
+    meta buffers have no value and are left alone."""
+    kept: list[nn.Module] = []
+    for module in model.modules():
+        values = {name: buf.detach().to("cpu", copy=True)
+                  for name, buf in module._buffers.items()
+                  if name in module._non_persistent_buffers_set and buf is not None
+                  and not is_meta(buf)}
+        if not values or "_apply" in vars(module):
+            continue
+        object.__setattr__(module, _VALUES, values)
+        object.__setattr__(module, "_apply", types.MethodType(_apply_keeping_buffers, module))
+        kept.append(module)
+    return BufferKeeper(kept)
 
 
 def _join(prefix: str, name: str) -> str:

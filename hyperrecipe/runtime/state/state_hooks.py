@@ -219,7 +219,8 @@ def install_optimizer_hooks(live: LiveParams,
     (production), and its fused parameters' state replicated (both modes; see the module).
 
     Optimizers are created after apply, so they are found where they first act: a global
-    step pre-hook (one set lookup per step) registers, once per optimizer that holds one of
+    step pre-hook (one set lookup per step; it lives as long as the model,
+    :mod:`~hyperrecipe.runtime.state.scoped_hooks`) registers, once per optimizer that holds one of
     the plan's parameters, a state-dict post-hook (moments and other parameter-shaped state as
     DTensors with the parameter's placements) and a load pre-hook (back to this rank's shard).
     ``get_state_dict``/``set_state_dict`` step an optimizer that has no state yet before
@@ -303,7 +304,7 @@ def install_optimizer_hooks(live: LiveParams,
             handles.append(optimizer.register_state_dict_post_hook(to_dtensors))
             handles.append(optimizer.register_load_state_dict_pre_hook(from_dtensors))
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from hyperrecipe.runtime.state.scoped_hooks import model_scoped_step_pre_hook
 
-    handles.append(register_optimizer_step_pre_hook(on_step))
+    handles.append(model_scoped_step_pre_hook(live.model, on_step))
     return handles

@@ -101,12 +101,12 @@ def test_grad_norm_and_clipping_equal_one_process_on_every_rank(
                         timeout_s=300)
     _check(results, ref)
     if mode == "production":
-        # what torch.nn.utils.clip_grad_norm_(model.parameters()) would have used: each
-        # rank's own shards, another number on every rank, none of them the model's norm (to
-        # ten times the tolerance the norms above meet; measured: 0.02% to 30% off)
-        local = [float(r["torch_local"]) for r in results]
-        assert local[0] != pytest.approx(local[1], rel=1e-4)
-        assert all(n != pytest.approx(float(ref["norm"]), rel=1e-4) for n in local)
+        # torch's own get_total_norm over model.parameters()' gradients: routed to the full
+        # norm while the installation lives (torch_clip_guard); torch alone returned each
+        # rank's own shards' norm, 0.02% to 30% off
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["torch_local"], ref["norm"], **NORM_TOL,
+                                       msg=lambda m, r=rank: f"rank {r} torch's norm: {m}")
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
@@ -172,8 +172,10 @@ def _fsdp_worker(rank: int, world: int, norm_type: float) -> dict[str, Any]:
     half = ids.shape[0] // 2
     _loss(model, ids[dp * half:(dp + 1) * half]).backward()
     inf = inst.grad_norm(math.inf)
+    # torch's own norm over FSDP's DTensor pieces: handed the full norm (torch_clip_guard)
+    torch_norm = torch.nn.utils.get_total_norm([q.grad for q in model.parameters()])
     norm = inst.clip_grad_norm_(MAX_NORM, norm_type=norm_type)
-    return {"inf": inf, "norm": norm, "grads": inst.full_grads()}
+    return {"inf": inf, "norm": norm, "torch_norm": torch_norm, "grads": inst.full_grads()}
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
@@ -192,6 +194,7 @@ def test_grad_norm_under_fully_shard_on_dp_equals_one_process() -> None:
     ref = grads_of(model)
     for rank, res in enumerate(run_ranks(_fsdp_worker, 4, 2.0, timeout_s=300)):
         torch.testing.assert_close(res["norm"], norm, **NORM_TOL)
+        torch.testing.assert_close(res["torch_norm"], norm, **NORM_TOL)
         torch.testing.assert_close(res["inf"], inf, **NORM_TOL)
         for name, g in ref.items():
             assert_close(res["grads"][name], g, f"rank {rank} clipped grad {name}")

@@ -1,0 +1,150 @@
+"""TRL's ``SFTTrainer`` over an applied plan (``hyperrecipe.integrations.trl``), on real gloo
+ranks: tiny Llama (``recipes/llama.yaml``), a word-level tokenizer over its 128 ids built here
+(no download), a pre-tokenised ``datasets.Dataset``, five AdamW steps with
+``max_grad_norm=0.5`` (every step clips: the full norms are 3.8-5.0), against the stock
+``SFTTrainer`` on the whole model in one process with the same seed and data.
+
+Losses agree to atol 1e-5 and the logged ``grad_norm`` to rtol 1e-5 (measured 1e-6 at tp=2 in
+both modes, 7e-6 relative at dp=2 x tp=2); a
+checkpoint written at step 3 at tp=2 resumes at tp=1 with the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="pip install '.[hf,trainers]'")
+
+from hyperrecipe import apply, compile_recipe  # noqa: E402
+from hyperrecipe.check.launcher import run_ranks  # noqa: E402
+from hyperrecipe.errors import TrainerSetupError  # noqa: E402
+from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
+
+LLAMA = str(ROOT / "recipes/llama.yaml")
+DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+ATOL = 1e-5
+RTOL = 1e-5  # norms: at dp=2 x tp=2 measured 2.1e-5 apart at 2.97 (7e-6 relative)
+MAX_GRAD_NORM = 0.5
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TINY_LLAMA["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
+                                   unk_token="t2")
+
+
+def _data(n: int) -> Any:
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, TINY_LLAMA["vocab_size"], (n, 8), generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def _worker(rank: int, world: int, out: str, how: str, mode: str,
+            resume: str | None, batch: int = 2) -> list[tuple[int, float, float]] | str:
+    """``how``: ``one`` (stock SFTTrainer, whole model), ``sft`` (HyperrecipeSFTTrainer at
+    tp=world), ``dp-tp`` (HyperrecipeSFTTrainer at 2 x 2), ``mixin``
+    (``class _(HyperrecipeTrainerMixin, SFTTrainer)``)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainerMixin
+    from hyperrecipe.integrations.trl import HyperrecipeSFTTrainer
+
+    class MixedSFT(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignore[misc]
+        pass
+
+    model = llama()
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=5,
+                     learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
+                     save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                     bf16=False)
+    sets = {"train_dataset": _data(20), "processing_class": _tokenizer()}
+    if how == "one":
+        trainer = SFTTrainer(model=model, args=args, **sets)
+    else:
+        if how == "dp-tp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            plan = compile_recipe(DP_TP, llama("meta"), {"dp": 2, "tp": 2})
+        else:
+            mesh = mesh_1d(world)
+            plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
+        inst = apply(model, plan, mesh, mode=mode)  # type: ignore[arg-type]
+        cls = MixedSFT if how == "mixin" else HyperrecipeSFTTrainer
+        try:
+            trainer = cls(model=model, installation=inst, args=args, **sets)
+        except TrainerSetupError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    trainer.train(resume_from_checkpoint=resume)
+    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
+              if "loss" in h]
+    if resume is None and how in ("one", "sft"):  # eval_loss as the step-0 entry
+        logged.insert(0, (0, trainer.evaluate(_data(7))["eval_loss"], 0.0))
+    return logged
+
+
+def _assert_same_run(actual: Any, expected: Any) -> None:
+    assert isinstance(actual, list), actual
+    assert [s for s, _, _ in actual] == [s for s, _, _ in expected]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(actual, expected, strict=True):
+        assert loss == pytest.approx(ref_loss, abs=ATOL), f"loss at step {step}"
+        assert norm == pytest.approx(ref_norm, rel=RTOL, abs=ATOL), f"grad_norm at step {step}"
+
+
+def test_sft_at_tp2_in_production_matches_one_process_and_resumes_at_tp1(
+        tmp_path: Path) -> None:
+    """SFTTrainer's fused LM head multiplies by the output weight itself; on production shards
+    it got this rank's vocab slice (measured: step 1's loss 4.147 where one process has 4.841,
+    nothing warned). HyperrecipeSFTTrainer hands it the gathered weight: one process's losses
+    and norms, and ``evaluate()`` on 7 samples one process's eval_loss (logged as step 0); its
+    checkpoint resumes at tp=1."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", "production", None,
+                    timeout_s=600)[0]
+    assert isinstance(ref, list) and all(n > 2 * MAX_GRAD_NORM for _, _, n in ref[1:])
+    out = tmp_path / "tp2"
+    for ranks in run_ranks(_worker, 2, str(out), "sft", "production", None, timeout_s=600):
+        _assert_same_run(ranks, ref)
+    resumed = run_ranks(_worker, 1, str(out), "sft", "production", str(out / "checkpoint-3"),
+                        timeout_s=600)[0]
+    assert isinstance(resumed, list), resumed
+    _assert_same_run([r for r in resumed if r[0] > 3], ref[4:])
+
+
+def test_sft_at_tp2_in_validate_mode_matches_one_process(tmp_path: Path) -> None:
+    """Validate mode's output weight is a DTensor, which TRL's fused head gathers itself."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", "production", None,
+                    timeout_s=600)[0]
+    for ranks in run_ranks(_worker, 2, str(tmp_path / "v"), "sft", "validate", None,
+                           timeout_s=600):
+        _assert_same_run(ranks, ref)
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_sft_at_dp2_tp2_matches_one_process(tmp_path: Path) -> None:
+    """Each dp rank gets half of one process's batch of 4 and DDP averages over dp only; TRL
+    scales the loss by the world over ``get_tp_size()``, the ranks that share a batch."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", "production", None, 4,
+                    timeout_s=600)[0]
+    for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", "production", None, 2,
+                           timeout_s=900):
+        _assert_same_run(ranks, ref[1:])  # ref[0]: one process's eval_loss
+
+
+def test_the_bare_mixin_over_sfttrainer_in_production_is_refused_by_name(
+        tmp_path: Path) -> None:
+    for res in run_ranks(_worker, 2, str(tmp_path), "mixin", "production", None,
+                         timeout_s=600):
+        assert isinstance(res, str) and res.startswith(
+            "TrainerSetupError: HyperrecipeTrainer: MixedSFT patched the model with TRL's fused "
+            "LM head"), res
