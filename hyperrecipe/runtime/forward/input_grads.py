@@ -30,13 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 from torch import Tensor
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import BoundaryPlan, Transition
 from hyperrecipe.runtime.forward.marshal import map_tensors
 
-__all__ = ["ReducedInput", "checking_input_uses", "note_reduced_input"]
+__all__ = ["ReducedInput", "checking_input_uses", "note_reduced_input", "reduce_grad_here"]
 
 Forward = Callable[..., Any]
 
@@ -161,3 +162,31 @@ def checking_input_uses(compute: Forward, boundary: BoundaryPlan,
         return out
 
     return run
+
+
+class _ReduceGradHere(torch.autograd.Function):
+    """Identity forward; backward redistributes the gradient to the input's placements."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, placements: Any) -> Any:
+        ctx.placements = placements
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        placements = getattr(grad, "placements", None)
+        if placements is not None and tuple(placements) != tuple(ctx.placements):
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad, None
+
+
+def reduce_grad_here(value: Any, placements: Any) -> Any:
+    """``value`` (a DTensor a nested boundary takes as it is, replicated where production
+    reduces its gradient: Megatron's *f*) whose gradient is reduced to ``placements`` when it
+    leaves the boundary, as production reduces it there. DTensor alone would keep the gradient
+    partial and reduce it later, at whatever needs it whole: a replicated parameter of the
+    enclosing boundary that computes on it (a norm before a nested attention) would then get a
+    partial gradient that production never gives it, and the check of partial parameter
+    gradients (:mod:`~hyperrecipe.runtime.comm.dtensor_parameters`) would blame the recipe. The
+    values are the same either way: only where the sum happens moves."""
+    return _ReduceGradHere.apply(value, tuple(placements))  # type: ignore[no-untyped-call]

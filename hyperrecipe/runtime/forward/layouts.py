@@ -41,7 +41,11 @@ from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
 from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
-from hyperrecipe.runtime.forward.input_grads import checking_input_uses, note_reduced_input
+from hyperrecipe.runtime.forward.input_grads import (
+    checking_input_uses,
+    note_reduced_input,
+    reduce_grad_here,
+)
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -218,7 +222,8 @@ class ValidateRedistributor:
                            f"production mode refuses it too (its shards are equal)")
                     raise PlanMismatchError(msg)
 
-        reduced = self._reduced_input_grads(boundary, layout) if self.check_input_grads else ()
+        reduced_here = self._reduced_input_grads(boundary, layout)
+        reduced = reduced_here if self.check_input_grads else ()
         sharded_src = any(p.is_shard() for p in src)
 
         def convert(value: Any, name: str) -> Any:
@@ -231,6 +236,8 @@ class ValidateRedistributor:
                     raise PlacementMismatchError(boundary.fqn, name, str(layout.src), actual,
                                                  stage="input")
                 d, fresh = value, False
+                if same and reduced_here and d.requires_grad and is_grad_enabled():
+                    d = reduce_grad_here(d, src)
             else:
                 if sharded_src:
                     refuse_refolded_shard(value, fqn=boundary.fqn, name=name,
