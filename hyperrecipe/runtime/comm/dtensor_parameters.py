@@ -71,7 +71,8 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     unreduced = _unreduced_dims(p, placements, mesh)
 
     def refuse(grad: Any) -> None:
-        _refuse_partial_left_by_production(p, grad, unreduced)
+        if grad.device_mesh == mesh:  # not a mesh another wrapper (FSDP) put it on
+            _refuse_partial_left_by_production(p, grad, unreduced)
 
     _keep_placement(param, placements, refuse if unreduced else None)
     return param
