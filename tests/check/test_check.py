@@ -234,6 +234,25 @@ def test_undivided_head_count_is_named_at_the_attention_in_production_only() -> 
     assert mode(report, "validate").agree, "validate computes with global head counts"
 
 
+def test_an_undivided_head_count_in_a_local_region_is_named_in_validate_mode_too(
+        tmp_path: Path) -> None:
+    """A local region's code runs on this rank's shards in validate mode as well, so a head
+    count the plan leaves global there is wrong in both modes, and check names it in both."""
+    recipe = tmp_path / "broken-head-count-region.yaml"
+    recipe.write_text(
+        "recipe: broken-head-count-region\nversion: 1\nmesh: [tp]\n"
+        f"extends: {ROOT / 'tests/recipes/broken-head-count.yaml'}\n"
+        "rules:\n  - match: layers.*.attn\n    local_region: true\n", encoding="utf-8")
+    report = check(str(recipe), ATTN_TOY)
+    assert report.exit_code == 1
+    for m in report.modes:
+        assert not m.agree and m.suggestion is not None, m.mode
+        assert m.suggestion.cause == HEAD_COUNT_UNDIVIDED, (m.mode, m.suggestion)
+        assert m.suggestion.evidence.startswith(
+            "layers.0.attn.num_heads = 4 is an integer attribute named like a head count and "
+            "the plan does not divide it"), m.suggestion.evidence
+
+
 @pytest.mark.skipif(not (ROOT / "recipes/gpt2.yaml").exists(),
                     reason="the GPT-2 recipe (and the runtime's Conv1D support) is not here")
 def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:
@@ -267,6 +286,69 @@ def test_a_sequence_sharded_value_the_model_reshapes_is_named_with_where_to_gath
             "the model's code reshaped a value that was still sharded with the whole tensor's "
             "shape; gather it before that code (`out_dst: {0: replicate}` on transformer.ln_f)"
             ) in first.detail
+
+
+def test_validate_mode_refuses_a_sequence_shard_the_model_refolds_naming_where_to_gather(
+        ) -> None:
+    """The same recipe in validate mode: the value lm_head takes as sequence-sharded is a view
+    of the shard transformer.ln_f handed back, refolded by GPT2Model's ``view``; validate mode
+    used to compute the same wrong rows as production without an error. It now refuses it."""
+    report = check("tests/recipes/broken-gpt2-sp-gather-at-head.yaml", "hf:gpt2",
+                   model_config=str(ROOT / "recipes/models/tiny-gpt2.json"),
+                   modes=("validate",))
+    failure = mode(report, "validate").comparison.failure
+    assert report.exit_code == 1 and failure is not None and failure.phase == "forward"
+    assert failure.error.startswith(
+        "PlanMismatchError: lm_head: input 'input' (declared {tp: shard(1)}) arrived with local "
+        "shape [1, 8, 64], a view of the local shard that transformer.ln_f handed back as "
+        "output 0 (shape [2, 4, 64], dim 1 sharded over tp)"), failure.error
+    assert failure.error.endswith(
+        "Gather it before that code: `out_dst: {0: replicate}` on transformer.ln_f, and take it "
+        "replicated at lm_head"), failure.error
+
+
+QWEN3_OVER_LLAMA_SP = (
+    "recipe: qwen3-over-llama-sp\nversion: 1\nmesh: [tp]\nextends: llama-sp\nrules: []\n")
+"""Qwen3 over Llama's sequence-parallel recipe alone: qwen3.yaml's q_norm/k_norm rule
+(``reduce_grads: {weight: tp}``) is gone (docs/recipes.md, "Sequence and context parallel for
+another family")."""
+
+
+def test_validate_mode_names_a_per_head_norm_whose_gradient_production_leaves_partial(
+        tmp_path: Path) -> None:
+    """Production's q_norm/k_norm gradients stay partial (4 of 25 differ, the forward agrees);
+    DTensor reduced them and validate mode agreed. It now refuses the partial gradient of a
+    replicated parameter the plan does not reduce, naming the parameter and the field."""
+    recipe = tmp_path / "qwen3-over-llama-sp.yaml"
+    recipe.write_text(QWEN3_OVER_LLAMA_SP, encoding="utf-8")
+    report = check(str(recipe), "hf:qwen3",
+                   model_config=str(ROOT / "recipes/models/tiny-qwen3.json"))
+    prod, validate = mode(report, "production"), mode(report, "validate")
+    assert report.exit_code == 1 and not prod.agree and not validate.agree
+    assert prod.comparison.forward_agrees
+    assert {g.name.rpartition(".")[0].rpartition(".")[2]
+            for g in prod.comparison.diverged_gradients} == {"q_norm", "k_norm"}
+    failure = validate.comparison.failure
+    assert failure is not None and failure.phase == "backward"
+    assert re.match(
+        r"PlanMismatchError: model\.layers\.[01]\.self_attn\.[qk]_norm\.weight: its gradient "
+        r"comes back partial over tp .*, but the plan reduces no gradient of this replicated "
+        r"parameter there: production mode would leave each rank's partial gradient unreduced "
+        r"\(no rule claims it: the recipe's `unclaimed: replicate` places it, ", failure.error
+    ), failure.error
+    assert failure.error.endswith(
+        "Declare the reduction: `reduce_grads: {weight: tp}` on "
+        f"{failure.error.split(': ')[1].removesuffix('.weight')}'s rule (or `style: "
+        "sequence_parallel` for a norm on the sequence-sharded stream)"), failure.error
+
+
+def test_the_qwen3_sp_recipe_that_declares_the_reduction_agrees_in_validate_mode() -> None:
+    report = check("tests/recipes/qwen3-sp.yaml", "hf:qwen3",
+                   model_config=str(ROOT / "recipes/models/tiny-qwen3.json"),
+                   modes=("validate",))
+    validate = mode(report, "validate")
+    assert report.exit_code == 0 and validate.agree, validate.comparison.first
+    assert len(validate.comparison.gradients) == 25
 
 
 def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
@@ -536,17 +618,38 @@ def test_a_zero_initialised_bias_counted_tp_times_is_caught(
     assert drawn.startswith("14 parameters initialised to zero drawn from N(0, 0.1^2)")
 
 
-def test_a_router_buffer_meeting_a_dtensor_names_local_region(
+def test_a_router_buffer_beside_replicated_dtensor_scores_runs_in_validate_mode(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """DeepSeek-V3's router adds a plain buffer to DTensor scores in validate mode: the check
-    names the cause and the fix instead of DTensor's bare message."""
+    """DeepSeek-V3's router adds its plain buffer ``e_score_correction_bias`` ([experts]) to
+    replicated DTensor scores: validate mode used to refuse the mix (the recipe's router had to
+    be a local region); the buffer broadcasts over every sharded dim (there is none), so it is
+    taken as replicated and both modes agree with one process."""
     rc = main(["check", "tests/recipes/broken-deepseek-v3-router.yaml",
                "--model", "hf:deepseek_v3",
                "--model-config", "tests/recipes/models/tiny-deepseek_v3.json",
                "--mesh", "tp=2", "--mode", "validate", "--format", "json", "-q"])
     data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["agree"] is True, data["modes"]["validate"]
+
+
+def test_a_plain_tensor_that_could_be_a_ranks_piece_names_local_region(
+        in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/recipes/cookbook/t5-heads.yaml without its local regions: the first block's
+    attention looks its bucket ids (a plain [q, k] tensor the model makes) up in the
+    head-sharded ``relative_attention_bias``; validate mode does not take them as replicated
+    (they do not broadcast over the sharded dim), and check names the cause and the fix."""
+    text = (in_root / "tests/recipes/cookbook/t5-heads.yaml").read_text(encoding="utf-8")
+    start = text.index('  - match: "{encoder.block.0.layer.0.SelfAttention,decoder')
+    end = text.index("local_region: true\n", start) + len("local_region: true\n")
+    recipe = tmp_path / "t5-heads-no-regions.yaml"
+    recipe.write_text(text[:start] + text[end:], encoding="utf-8")
+    rc = main(["check", str(recipe), "--model", "hf:t5/seq2seq-lm", "--model-config",
+               "tests/recipes/cookbook/models/tiny-t5.json", "--mesh", "tp=2", "--mode",
+               "validate", "--format", "json", "-q"])
+    data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["agree"] is False
     val = data["modes"]["validate"]
-    assert val["first_divergent"]["fqn"] == "model.layers.1.mlp"
+    assert val["first_divergent"]["fqn"] == "encoder.block.0.layer.0.SelfAttention"
     assert val["suggestion"]["cause"] == PLAIN_TENSOR_MEETS_DTENSOR
-    assert val["suggestion"]["evidence"].startswith("model.layers.1.mlp.gate raised in forward")
+    assert val["suggestion"]["evidence"].startswith(
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias raised in forward")

@@ -49,3 +49,55 @@ def test_a_mode_that_cannot_run_keeps_the_other_modes_verdict() -> None:
     assert data["modes"]["validate"]["agree"] is False
     assert NO_STRATEGY in data["modes"]["validate"]["error"]
     assert data["modes"]["validate"]["first_divergent"] is None
+
+
+BERT_RELU6_RECIPE = """recipe: bert-relu6
+version: 1
+mesh: [tp]
+rules:
+  - match: bert.embeddings.word_embeddings
+    style: vocab_parallel
+  - match: bert.encoder.layer.*.attention.self
+    boundary: true
+    in_src: {hidden_states: replicate}
+    out_names: [attn_output, attn_weights]
+    out_src: {attn_output: {tp: shard(-1)}, attn_weights: {tp: shard(1)}}
+  - match: bert.encoder.layer.*.attention.self.{query,key,value}
+    style: colwise
+    boundary: false
+  - match: bert.encoder.layer.*.attention.output.dense
+    style: rowwise
+  - match: bert.encoder.layer.*.intermediate
+    boundary: true
+    in_src: {hidden_states: replicate}
+    out_src: {0: {tp: shard(-1)}}
+  - match: bert.encoder.layer.*.intermediate.dense
+    style: colwise
+    boundary: false
+  - match: bert.encoder.layer.*.output.dense
+    style: rowwise
+"""
+"""tests/recipes/cookbook/bert.yaml with the MLP's boundary on ``intermediate``, so that its
+activation runs inside it on the column-wise DTensor output."""
+
+
+def test_an_op_without_a_dtensor_rule_only_in_backward_is_named_with_its_boundary(
+        tmp_path: Path) -> None:
+    """BERT with ``hidden_act: relu6``: ``F.hardtanh`` runs forward on a sharded DTensor, and
+    ``aten.hardtanh_backward`` has no DTensor rule (torch 2.13). DTensor's bare error used to
+    come out of ``loss.backward()``; the rank now raises hyperrecipe's, naming the boundary whose
+    backward ran it. Production mode agrees with one process."""
+    recipe = tmp_path / "bert-relu6.yaml"
+    recipe.write_text(BERT_RELU6_RECIPE, encoding="utf-8")
+    config = {**json.loads((ROOT / "tests/recipes/cookbook/models/tiny-bert.json").read_text()),
+              "hidden_act": "relu6"}
+    report = run_check(CheckOptions(recipe=str(recipe), model="hf:bert/sequence-classification",
+                                    model_config=config, mesh={"tp": 2}))
+    production, validate = report.modes
+    assert production.agree and production.error is None
+    assert production.comparison is not None and len(production.comparison.gradients) == 41
+    assert validate.error is not None and report.exit_code == 2
+    assert ("ValidateUnsupportedError: bert.encoder.layer.1.intermediate: validate mode cannot "
+            "run aten.hardtanh_backward.default in the backward of this boundary's compute: "
+            "DTensor (torch ") in validate.error, validate.error
+    assert "sharding strategy" not in validate.error

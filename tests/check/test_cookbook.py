@@ -2,10 +2,9 @@
 against one process, in the modes the cookbook claims, with the verdict it claims.
 
 Tolerances are check's defaults for fp32 (atol 1e-5, rtol 1e-4). Each case is a tiny config
-(``tests/recipes/cookbook/models/`` or ``recipes/models/``) at ``tp=2``. The chunked Phi-3 recipe
-and the head-sharded T5 recipe are checked in production mode only (validate mode cannot split
-a chunked shard yet, nor divide a head count inside a local region, which the cookbook says); the two naive OLMo-2 recipes must agree in validate mode and diverge in
-production mode, which is the cookbook's point about them. Cases that repeat what other test
+(``tests/recipes/cookbook/models/`` or ``recipes/models/``) at ``tp=2``. The two naive OLMo-2
+recipes must agree in validate mode and diverge in production mode, which is the cookbook's
+point about them. Cases that repeat what other test
 files cover (the shipped Qwen3 recipe, the SDPA toy) are in the slow tier.
 """
 
@@ -57,11 +56,11 @@ CASES: list[Any] = [
      f"{MODELS}/tiny-vit.json", BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/t5.yaml", "hf:t5/seq2seq-lm", f"{MODELS}/tiny-t5.json",
                  BOTH, (True, True), marks=pytest.mark.slow),
-    # production only: in validate mode the decoder's second self-attention meets a plain
-    # position-bias tensor with a DTensor (aten.where), which check names with the fix: another
-    # local region (the first block's regions pass since local regions divide head counts)
+    # both modes: in validate mode the decoder's later self-attentions mask the head-sharded
+    # position bias with a causal mask they make as a plain [1, 1, q, kv] tensor (aten.where),
+    # which broadcasts over the heads and is taken as replicated
     pytest.param("tests/recipes/cookbook/t5-heads.yaml", "hf:t5/seq2seq-lm",
-                 f"{MODELS}/tiny-t5.json", ("production",), (True,), marks=pytest.mark.slow),
+                 f"{MODELS}/tiny-t5.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]
@@ -78,7 +77,8 @@ NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
 
 
 NAIVE_BERT = "tests/recipes/cookbook/bert-naive-attention-residual.yaml"
-"""Checked by its own test below: production names a gradient reduced wrongly."""
+"""Checked by its own test below: production names a gradient reduced wrongly, validate mode
+the residual's use."""
 
 
 def _recipe_of(case: Any) -> str:
@@ -98,6 +98,8 @@ def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
         agree: tuple[bool, ...]) -> None:
     report = run(recipe, model, config, modes)
     assert [m.mode for m in report.modes] == list(modes)
+    # both modes run the model's own default attention (transformers' sdpa on the CPU)
+    assert not any("attn_implementation" in note for note in report.notes), report.notes
     for m, expected in zip(report.modes, agree):
         assert m.error is None, (m.mode, m.error)
         assert m.agree == expected, (m.mode, m.comparison and m.comparison.first)
@@ -105,23 +107,6 @@ def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
             assert m.comparison is not None and not m.comparison.diverged_gradients
             assert len(m.comparison.gradients) > 10
     assert report.exit_code == (0 if all(agree) else 1)
-
-
-@pytest.mark.parametrize(("recipe", "model"), [
-    ("bert", "hf:bert/sequence-classification"),
-    ("vit", "hf:vit/image-classification"),
-    pytest.param("t5", "hf:t5/seq2seq-lm", marks=pytest.mark.slow),
-])
-def test_model_class_recipes_agree_in_production_on_the_models_default_attention(
-        recipe: str, model: str) -> None:
-    """Run with both modes, check picks eager attention for every run (validate mode has no CPU
-    SDPA sharding rule yet); production alone keeps transformers' default, which users run."""
-    report = run(f"tests/recipes/cookbook/{recipe}.yaml", model, f"{MODELS}/tiny-{recipe}.json",
-                 ("production",))
-    assert not any("attn_implementation" in note for note in report.notes), report.notes
-    (prod,) = report.modes
-    assert prod.error is None and prod.agree, prod.comparison and prod.comparison.first
-    assert prod.comparison is not None and len(prod.comparison.gradients) >= 40
 
 
 def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
@@ -142,7 +127,8 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
     """BLOOM's MLP adds ``residual`` after its row-wise reduction; declared replicated on a
     boundary holding the column-wise ``dense_h_to_4h``, production all-reduces its whole
     gradient (2x at tp=2) with a right forward. Validate mode used to agree; it now checks the
-    gradient DTensor computes against the reduction production gives it, and names the input."""
+    gradient DTensor computes for each use of the input against the reduction production gives
+    it, and names the input, the use and the recipe line that declared it."""
     report = run(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json", BOTH)
     prod, validate = report.modes
     assert not prod.agree and not validate.agree and report.exit_code == 1
@@ -151,11 +137,13 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
     failure = validate.comparison.failure if validate.comparison is not None else None
     assert failure is not None
     assert failure.error.startswith(
-        "PlanMismatchError: transformer.h.1.mlp: the gradient of input 'residual' comes back "
-        "whole (replicate on tp), but production mode all_reduces it over tp"), failure.error
-    assert failure.error.endswith(
-        "production would count its gradient 2 times: leave 'residual' out of the boundary's "
-        "in_src / in_dst")
+        "PlanMismatchError: transformer.h.1.mlp: input 'residual' is used by AddBackward0 whose "
+        "share of its gradient comes back whole (replicate on tp), but production mode "
+        "all_reduces the gradient of 'residual' over tp"), failure.error
+    assert re.search(r"production would count its share 2 times \('residual' is declared at "
+                     r"\S*tests/recipes/cookbook/bloom-declared-residual\.yaml:11:13\)",
+                     failure.error), failure.error
+    assert failure.error.endswith("or leave 'residual' out of the boundary's in_src / in_dst")
 
 
 def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> None:
@@ -173,18 +161,32 @@ def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> Non
         "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
-def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_in_production() -> None:
+def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_and_validate_says_so(
+        ) -> None:
     """BertAttention hands its input to ``output`` as the residual: a boundary there declares it
     replicated and production all-reduces a gradient whose residual part is already whole. The
-    forward agrees; check blames the gradient reduction. (Validate mode agrees on this recipe
-    today, which is why the cookbook tells the reader to read the production line.)"""
-    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json",
-                 ("production",))
-    (prod,) = report.modes
+    forward agrees; check blames the gradient reduction. Validate mode used to agree: DTensor
+    adds the residual's whole share to the projections' partial ones and the sum comes back
+    partial. It now looks at each use's share and names the residual's add and the recipe line."""
+    report = run(NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json", BOTH)
+    prod, validate = report.modes
     assert prod.error is None and not prod.agree and report.exit_code == 1
     assert prod.comparison is not None and prod.comparison.forward_agrees
     assert len(prod.comparison.diverged_gradients) == 20
     assert prod.suggestion is not None and prod.suggestion.cause == GRADIENT_REDUCTION_WRONG
+    assert not validate.agree
+    failure = validate.comparison.failure if validate.comparison is not None else None
+    assert failure is not None
+    assert re.match(
+        r"PlanMismatchError: bert\.encoder\.layer\.[01]\.attention: input 'hidden_states' is "
+        r"used by AddBackward0 whose share of its gradient comes back whole \(replicate on tp\), "
+        r"but production mode all_reduces the gradient of 'hidden_states' over tp", failure.error
+    ), failure.error
+    line = next(i for i, text in enumerate((ROOT / NAIVE_BERT).read_text().splitlines(), 1)
+                if "in_src: {hidden_states: replicate}" in text)
+    assert re.search(r"production would count its share 2 times \('hidden_states' is declared "
+                     rf"at \S*tests/recipes/cookbook/bert-naive-attention-residual\.yaml:{line}:",
+                     failure.error), failure.error
 
 
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:

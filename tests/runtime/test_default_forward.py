@@ -95,9 +95,11 @@ def test_sequence_sharded_recipes_run_the_default_forward(family: str, recipe: s
     ("production", "CollectiveShapeError: local_slice[tp](scatter_dim=1) (forward): scatter_dim=1 "
                    "of a tensor of shape (2, 1, 64) has size 1, which does not divide evenly "
                    "into 2 shards"),
-    ("validate", "PlanMismatchError: model.layers.0: input 'hidden_states' of shape (2, 1, 64) "
-                 "is redistributed to {tp: shard(1)}, but dim 1 (size 1) does not divide evenly "
-                 "into tp=2 shards; production mode refuses it too (its shards are equal)"),
+    # validate mode refuses the prefill already: generate() keeps the last token's row of the
+    # sequence shard model.norm handed back, each rank's own last token
+    ("validate", "PlanMismatchError: lm_head: input 'input' (declared {tp: shard(1)}) arrived "
+                 "with local shape [2, 1, 64], a view of the local shard that model.norm handed "
+                 "back as output 0"),
 ])
 def test_sequence_parallel_decoding_is_refused_by_name_in_both_modes(mode: str,
                                                                     message: str) -> None:

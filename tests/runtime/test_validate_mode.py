@@ -214,6 +214,56 @@ def test_new_empty_of_head_sharded_keys_keeps_their_placement_in_a_validate_comp
         torch.testing.assert_close(res["rot_grad"], rot.grad, atol=1e-6, rtol=1e-6)
 
 
+def _bias_and_masks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(2, 4, 3, 3, generator=g)  # [batch, heads, q, kv], T5's position bias
+    causal = torch.ones(3, 3, dtype=torch.bool).tril().view(1, 1, 3, 3)
+    per_head = torch.randn(1, 4, 3, 3, generator=g) > 0
+    return bias, causal, per_head
+
+
+def _masked_bias(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
+
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    bias_full, causal, per_head = _bias_and_masks()
+    bias = DTensor.from_local(bias_full.chunk(world, 1)[rank].clone(), mesh,
+                              (Shard(1),)).requires_grad_()
+    # transformers' SDPA path for T5: a causal mask made on the spot, [1, 1, q, kv]
+    out = validate_compute(lambda: torch.where(causal, bias, -1e4), "attn")()
+    out.pow(2).sum().backward()
+    assert isinstance(bias.grad, DTensor)
+    # a plain tensor with the heads dim: a rank's piece or the whole? still refused
+    local_heads = per_head.chunk(world, 1)[rank]
+    try:
+        validate_compute(lambda: torch.where(local_heads, bias, -1e4), "attn")()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"placements": str(out.placements), "out": out.full_tensor().detach(),
+            "grad": bias.grad.full_tensor(), "refused": refused}
+
+
+def test_a_plain_mask_that_broadcasts_over_the_sharded_heads_is_taken_as_replicated() -> None:
+    """T5's decoder self-attention under transformers' SDPA: ``torch.where(causal_mask,
+    position_bias, min)`` with a plain ``[1, 1, q, kv]`` mask beside a head-sharded DTensor bias.
+    DTensor refuses the mix; the mask broadcasts over the heads, so validate mode takes it as
+    replicated: placement kept, values and gradient equal one process's exactly. A plain mask
+    that has the heads dim (which could be one rank's piece) is still refused."""
+    bias, causal, _ = _bias_and_masks()
+    bias.requires_grad_()
+    expected = torch.where(causal, bias, -1e4)
+    expected.pow(2).sum().backward()
+    for res in run_ranks(_masked_bias, 2, timeout_s=120):
+        assert res["placements"] == "(Shard(dim=1),)"
+        torch.testing.assert_close(res["out"], expected.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(res["grad"], bias.grad, atol=0, rtol=0)
+        assert "got mixed torch.Tensor and DTensor" in res["refused"]
+
+
 EP_LLAMA4 = """recipe: llama4-ep
 version: 1
 mesh: [ep]

@@ -20,7 +20,8 @@ Patterns, in the order they are tried at the first divergence:
   the full input (or one sharded on its output features received a sharded input), or a partial
   value reached a boundary that declares it whole while a row-wise weight inside the enclosing
   boundary has no boundary to reduce its output → :data:`COLWISE_ROWWISE_SWAPPED`.
-- **undivided head count** (production mode only; validate mode computes with global shapes):
+- **undivided head count** (production mode, and local regions in validate mode; elsewhere
+  validate mode computes with global shapes):
   a module in the blamed boundary has an integer attribute named like a head count
   (``num_heads``, ``n_head``, ``num_key_value_heads``, ``split_size``…) divisible by a mesh dim,
   the plan divides no such attribute, and a parameter there is sharded on that dim, seen either
@@ -35,7 +36,8 @@ Patterns, in the order they are tried at the first divergence:
   share → :data:`HEADS_NOT_WHOLE`. Resolve refuses the splits it can see (a head size in the
   model tree); this names the ones it cannot (a head size the tree does not show).
 - **a plain tensor meets a DTensor** (validate mode): a forward raised DTensor's "got mixed
-  torch.Tensor and DTensor" (a buffer of the module's own added to its DTensor values) →
+  torch.Tensor and DTensor" (a tensor of the module's own that does not broadcast over the
+  sharded dims, such as T5's bucket ids into a head-sharded ``relative_attention_bias``) →
   :data:`PLAIN_TENSOR_MEETS_DTENSOR`.
 - **forward right, gradients wrong** → :data:`GRADIENT_REDUCTION_MISSING` when the ranks'
   gradients of a parameter sum to the reference (named), otherwise
@@ -163,8 +165,10 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
         where = failure.module or first.fqn
         return Suggestion(cause=PLAIN_TENSOR_MEETS_DTENSOR, evidence=(
             f"{where} raised in forward ({failure.error}); a local region computes on local "
-            f"tensors in both modes (a router whose buffer, such as DeepSeek-V3's "
-            f"e_score_correction_bias, is added to its DTensor scores)"))
+            f"tensors in both modes (validate mode takes a plain tensor as replicated only "
+            f"where it broadcasts over every sharded dim, such as a causal mask beside "
+            f"head-sharded scores; ids the model computes for a head-sharded embedding, or a "
+            f"tensor with a sharded dim's size, could be one rank's piece)"))
     if failure.phase == "forward" and _SHAPE_ERROR.search(failure.error):
         heads = undivided_heads(first.fqn, ctx)
         if heads is not None:

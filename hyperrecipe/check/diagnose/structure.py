@@ -17,6 +17,7 @@ from hyperrecipe.check.diagnose.causes import (
 from hyperrecipe.check.record import Failure
 from hyperrecipe.placement import Shard
 from hyperrecipe.resolve.head_counts import HEAD_SIZE_ATTRS
+from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
 from hyperrecipe.runtime.mode import as_mode
 
 __all__ = ["heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
@@ -55,11 +56,15 @@ def _forward_uses(cls_path: str) -> set[str] | None:
 def undivided_heads(fqn: str, ctx: DiagnosisContext) -> str | None:
     """Evidence that a head-count attribute in ``fqn`` was left global while its module's
     parameters are sharded: named like a head count, divisible by a mesh dim, not divided by the
-    plan, and used by the module's forward (when its source can be read)."""
-    if as_mode(ctx.mode).parameters_are_dtensors:
-        return None  # head counts are divided only where modules compute on local shards
+    plan, and used by the module's forward (when its source can be read). In validate mode only
+    modules whose code runs on local tensors (a local region) count."""
+    # head counts matter only where modules compute on local shards: everywhere in production
+    # mode, in validate mode only in local regions (DTensor computes with global shapes)
+    local_only = as_mode(ctx.mode).parameters_are_dtensors
     divided = {(h.module, h.attr) for h in ctx.plan.head_counts}
     for m in ctx.tree.subtree(fqn):
+        if local_only and not runs_on_local_tensors(m.fqn, ctx.plan.boundaries):
+            continue
         uses = _forward_uses(m.cls)
         for dim, n in ctx.sizes.items():
             if n < 2:

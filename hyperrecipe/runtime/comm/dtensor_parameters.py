@@ -9,6 +9,7 @@ plain shards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -67,21 +68,30 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     placements = layout.torch_placements()
     dt = DTensor.from_local(local, mesh, placements, run_check=False)
     param = nn.Parameter(dt, requires_grad=requires_grad)
+    unreduced = _unreduced_dims(p, placements, mesh)
 
-    _keep_placement(param, placements)
+    def refuse(grad: Any) -> None:
+        if grad.device_mesh == mesh:  # not a mesh another wrapper (FSDP) put it on
+            _refuse_partial_left_by_production(p, grad, unreduced)
+
+    _keep_placement(param, placements, refuse if unreduced else None)
     return param
 
 
-def _keep_placement(param: nn.Parameter, placements: Any) -> None:
+def _keep_placement(param: nn.Parameter, placements: Any,
+                    refuse: Callable[[Any], None] | None = None) -> None:
     """Hook ``param`` so its gradient leaves backward with the parameter's placement, and mark
     it hooked (the mark lives in the parameter's ``__dict__``, which a swap takes along with the
-    hook: see :func:`rearm_after_moves`)."""
+    hook: see :func:`rearm_after_moves`). ``refuse`` sees a gradient whose placement differs
+    first (:func:`_refuse_partial_left_by_production`)."""
     from torch.distributed.tensor import DTensor
 
     def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
         # a replicated parameter used on sharded data gets a partial gradient: reduce it; an
         # embedding row-sharded over the vocabulary gets a replicated one: keep its rows
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+            if refuse is not None:
+                refuse(grad)
             return grad.redistribute(grad.device_mesh, placements)
         return grad
 
@@ -89,6 +99,50 @@ def _keep_placement(param: nn.Parameter, placements: Any) -> None:
     setattr(param, _KEEPS_PLACEMENT, True)
 
 
+def _unreduced_dims(p: ParamPlan, placements: Any, mesh: DeviceMesh
+                    ) -> tuple[tuple[int, str], ...]:
+    """(index, name) of the mesh dims on which ``p`` is replicated and production does not
+    reduce its gradient (no ``grad_reduce`` op there): a partial gradient on one of them is
+    left partial by production."""
+    if p.tied_to is not None:
+        return ()  # the tied parameter's own plan carries the reductions
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    reduced = {op.mesh_dim for op in p.grad_reduce}
+    return tuple((i, name) for i, (name, q) in enumerate(zip(names, placements))
+                 if q.is_replicate() and name not in reduced and mesh.size(i) > 1)
+
+
+def _placed_by(p: ParamPlan) -> str:
+    last = p.provenance[-1] if p.provenance else None
+    if last is not None and last.rule_index < 0:
+        return (f" (no rule claims it: the recipe's `unclaimed: replicate` places it, "
+                f"{last.file}:{last.line})")
+    return placed_at(p)
+
+
+def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
+                                       unreduced: tuple[tuple[int, str], ...]) -> None:
+    """DTensor computed a partial gradient for replicated ``p`` on a mesh dim where the plan
+    has no gradient reduction: DTensor would reduce it here and agree with one process, while
+    production mode leaves each rank's partial gradient as it is (a per-head norm under another
+    family's recipe, a norm on the sequence-sharded stream not listed as
+    ``sequence_parallel``). Validate mode refuses it by name rather than agree.
+
+    Raises:
+        PlanMismatchError: naming the parameter, the mesh dim and the recipe fields that fix it.
+    """
+    partial = [name for i, name in unreduced if grad.placements[i].is_partial()]
+    if not partial:
+        return
+    dims = ", ".join(partial)
+    fields = ", ".join(f"{p.name}: {d}" for d in partial)
+    msg = (f"{p.fqn}: its gradient comes back partial over {dims} (the module computes on data "
+           f"sharded over {dims}: this rank's heads or tokens), but the plan reduces no "
+           f"gradient of this replicated parameter there: production mode would leave each "
+           f"rank's partial gradient unreduced{_placed_by(p)}. Declare the reduction: "
+           f"`reduce_grads: {{{fields}}}` on {p.module}'s rule (or `style: sequence_parallel` "
+           f"for a norm on the sequence-sharded stream)")
+    raise PlanMismatchError(msg)
 _KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
 
 

@@ -11,13 +11,21 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
   redistributed to ``dst``; undeclared tensor arguments become replicated DTensors (DTensor
   refuses to mix them with plain tensors); outputs are checked against ``out_src`` and raise
   :class:`~hyperrecipe.errors.PlacementMismatchError` when DTensor propagated something else, then
-  are redistributed to ``out_dst``; a declared replicated input whose gradient production
-  reduces (Megatron's *f*) gets a gradient hook that raises
-  :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor computes that gradient whole (a
-  residual that bypasses the sharded parameters) — unless the plan runs code on local tensors
-  inside boundaries, whose re-wrapping reduces a partial gradient early; the outermost boundary, and a boundary called from local code
-  (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the caller. The
-  compute runs under :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`.
+  are redistributed to ``out_dst``; the outermost boundary, and a boundary called from local
+  code (:mod:`~hyperrecipe.runtime.forward.validate_scope`), hands local tensors back to the
+  caller. The compute runs under
+  :func:`~hyperrecipe.runtime.forward.validate_scope.validate_compute`, and its backward names
+  the boundary when DTensor refuses an op there
+  (:mod:`~hyperrecipe.runtime.forward.backward_scope`).
+
+  A declared replicated input whose gradient production reduces (Megatron's *f*) gets a
+  gradient hook that raises :class:`~hyperrecipe.errors.PlanMismatchError` when DTensor
+  computes that gradient whole (a residual that bypasses the sharded parameters), and so does
+  each use of it in the boundary's compute whose share comes back whole
+  (:mod:`~hyperrecipe.runtime.forward.input_grads`), unless the plan runs code on local tensors
+  inside boundaries, whose re-wrapping reduces a partial gradient early. A sharded local tensor
+  handed back to the model's code is remembered, and one that the model's code refolded before
+  a boundary takes it as sharded is refused (:mod:`~hyperrecipe.runtime.forward.handed_back`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
+from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
+from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
+from hyperrecipe.runtime.forward.input_grads import (
+    checking_input_uses,
+    note_reduced_input,
+    reduce_grad_here,
+)
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -207,7 +222,9 @@ class ValidateRedistributor:
                            f"production mode refuses it too (its shards are equal)")
                     raise PlanMismatchError(msg)
 
-        reduced = self._reduced_input_grads(boundary, layout) if self.check_input_grads else ()
+        reduced_here = self._reduced_input_grads(boundary, layout)
+        reduced = reduced_here if self.check_input_grads else ()
+        sharded_src = any(p.is_shard() for p in src)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -219,7 +236,12 @@ class ValidateRedistributor:
                     raise PlacementMismatchError(boundary.fqn, name, str(layout.src), actual,
                                                  stage="input")
                 d, fresh = value, False
+                if same and reduced_here and d.requires_grad and is_grad_enabled():
+                    d = reduce_grad_here(d, src)
             else:
+                if sharded_src:
+                    refuse_refolded_shard(value, fqn=boundary.fqn, name=name,
+                                          declared=str(layout.src))
                 d, fresh = DTensor.from_local(value, mesh, src, run_check=False), True
             if not same:
                 check_even(d, name)
@@ -227,6 +249,7 @@ class ValidateRedistributor:
             if reduced and fresh and d.requires_grad and is_grad_enabled():
                 # only a tensor this boundary made: its gradient is this boundary's alone
                 d.register_hook(self._grad_check(boundary, name, reduced))
+                note_reduced_input(name, d, reduced)  # and each use of it (input_grads)
             return d
 
         return convert
@@ -277,6 +300,8 @@ class ValidateRedistributor:
         DTensor, mesh = self._dtensor, self.mesh
         src, dst = self._torch(layout.src), self._torch(layout.dst)
         outermost = boundary.parent is None
+        sharded_dst, mesh_dims = any(p.is_shard() for p in dst), self.mesh_dims
+        key = str(layout.position) if layout.position is not None else layout.name
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -294,7 +319,10 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                return _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
+                local = _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
+                if sharded_dst:
+                    remember_handed_back(local, dst, mesh_dims, fqn=boundary.fqn, key=key)
+                return local
             return value
 
         return convert
@@ -314,7 +342,10 @@ class ValidateRedistributor:
         return convert
 
     def wrap_compute(self, boundary: BoundaryPlan, compute: Forward) -> Forward:
-        return validate_compute(compute, boundary.fqn)
+        if self.check_input_grads:
+            sizes = tuple(self.mesh.size(i) for i in range(len(self.mesh_dims)))
+            compute = checking_input_uses(compute, boundary, sizes)
+        return validate_compute(naming_backward_ops(compute, boundary.fqn), boundary.fqn)
 
     def finish_outputs(self, boundary: BoundaryPlan) -> Converter | None:
         """At the outermost boundary, and at one called from local code, undeclared DTensor

@@ -10,9 +10,13 @@ generative model: a KV cache starts empty and grows by concatenation. transforme
 :func:`validate_compute` runs the compute under a torch-function mode that drops legacy empty
 plain tensors from a concatenation that also has a DTensor — exactly what ``torch.cat`` does
 with them — so the cache holds DTensors from the first token on (their global meaning, heads
-sharded as the boundary computed them) and every later step concatenates DTensors. Any other
-plain tensor meeting a DTensor is still refused: treating it as replicated (DTensor's
-``implicit_replication``) would also accept a rank's local piece as a whole tensor, silently.
+sharded as the boundary computed them) and every later step concatenates DTensors. A plain
+tensor that broadcasts over every dim the DTensors beside it are sharded on (a causal mask
+``[1, 1, q, kv]`` beside a head-sharded position bias) is the same whole or local, and becomes a
+replicated DTensor when DTensor refuses the mix
+(:mod:`~hyperrecipe.runtime.forward.plain_tensors`). Any other plain tensor meeting a DTensor is
+still refused: treating it as replicated (DTensor's ``implicit_replication``) would also accept a
+rank's local piece as a whole tensor, silently.
 
 **Fused projections.** The same mode splits a chunk-sharded DTensor (``_StridedShard``: the
 output of a fused q/k/v or gate/up projection) on its chunk boundaries locally, each part a
@@ -49,8 +53,9 @@ from torch.overrides import TorchFunctionMode
 from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
+from hyperrecipe.runtime.forward.plain_tensors import MIXED_TENSORS, replicate_broadcast_plain
 
-__all__ = ["caller_is_local", "running_local_code", "validate_compute"]
+__all__ = ["caller_is_local", "refuse_unsupported_op", "running_local_code", "validate_compute"]
 
 Forward = Callable[..., Any]
 
@@ -105,7 +110,15 @@ class _ValidateComputeMode(TorchFunctionMode):
                         args = (kept, *args[1:])
                     else:
                         kwargs["tensors"] = kept
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            if MIXED_TENSORS not in str(exc):
+                raise
+            converted = replicate_broadcast_plain(args, kwargs)
+            if converted is None:
+                raise
+        return func(*converted[0], **converted[1])
 
 
 def _data_dependent(exc: BaseException | None) -> bool:
@@ -119,12 +132,13 @@ def _data_dependent(exc: BaseException | None) -> bool:
     return isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException))
 
 
-def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
+def refuse_unsupported_op(exc: RuntimeError, fqn: str, *, backward: bool = False) -> None:
     """DTensor's bare "does not have a sharding strategy" / "Sharding propagation failed"
     errors, raised again naming the boundary: an op DTensor cannot shard at all as
     :class:`~hyperrecipe.errors.ValidateUnsupportedError` with the way out, inputs its rule
     refuses as :class:`~hyperrecipe.errors.ValidateShardingError`; any other error is left
-    alone."""
+    alone. ``backward``: the op ran in the backward of the boundary's compute
+    (:mod:`~hyperrecipe.runtime.forward.backward_scope`)."""
     if isinstance(exc, HyperrecipeError):
         return  # a nested boundary's refusal already names its module
     text = str(exc)
@@ -133,10 +147,11 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
         return
     op = found.group(1)
     version = f"DTensor (torch {torch.__version__})"
+    here = "in the backward of this boundary's compute" if backward else "here"
     if found.re is _NO_STRATEGY or _data_dependent(exc.__cause__):
         why = ("has no sharding rule for it" if found.re is _NO_STRATEGY
                else "cannot shard it: its output's shape depends on the data")
-        msg = (f"{fqn}: validate mode cannot run {op} here: {version} {why}. To check this "
+        msg = (f"{fqn}: validate mode cannot run {op} {here}: {version} {why}. To check this "
                f"boundary in validate mode, run the code that calls it on local tensors: mark "
                f"the boundary `local_region: true` (its compute then sees this rank's shards, "
                f"with its head counts divided), or give the function that calls it a function "
@@ -145,7 +160,8 @@ def _refuse_unsupported_op(exc: RuntimeError, fqn: str) -> None:
         raise ValidateUnsupportedError(msg, fqn=fqn, op=op) from exc
     cause = str(exc.__cause__ or "").strip().splitlines()
     detail = f": {cause[0]}" if cause else ""
-    msg = (f"{fqn}: {version} refused {op} on these inputs in validate mode{detail}. The "
+    stage = " (in backward)" if backward else ""
+    msg = (f"{fqn}: {version} refused {op}{stage} on these inputs in validate mode{detail}. The "
            f"module computed a shape that does not fit the DTensors it was given (a count or "
            f"size that should be divided, or was divided twice), or DTensor's rule for {op} "
            f"does not accept these placements")
@@ -171,7 +187,7 @@ def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
             finally:
                 _SCOPED.reset(scoped)
         except RuntimeError as exc:  # NotImplementedError is one
-            _refuse_unsupported_op(exc, fqn)
+            refuse_unsupported_op(exc, fqn)
             raise
         finally:
             _LOCAL_CODE.reset(local)

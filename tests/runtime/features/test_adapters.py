@@ -415,15 +415,17 @@ def test_toy_helpers_mixing_plain_buffers_run_in_validate_mode_with_adapters() -
     ref_grads = grads_of(reference)
     res = run_ranks(_toy_worker, 2)
     for r in res:
-        assert r["bare"]["error"].startswith("RuntimeError: aten.add.Tensor got mixed "
-                                             "torch.Tensor and DTensor")
-        for mode in ("validate", "production"):
+        # without the adapters validate mode runs too: the plain buffer broadcasts over the
+        # sharded dim and is taken as replicated (hyperrecipe/runtime/forward/plain_tensors.py)
+        for mode in ("bare", "validate", "production"):
             got = r[mode]
             assert "error" not in got, got.get("error")
             assert_close(got["logits"], ref_logits, f"{mode} logits")
             assert set(got["grads"]) == set(ref_grads)
             for name, g in ref_grads.items():
                 assert_close(got["grads"][name], g, f"{mode} grad {name}")
+            if mode == "bare":
+                continue
             assert got["rows"] == [
                 ("tests.support.adapter_models:PositionalMLP.add_positions", "adapter wrap", "installed"),
                 ("tests.support.adapter_models:PositionalMLP.rescale", "adapter marshal", "installed")]
@@ -458,13 +460,14 @@ def test_llama_rotary_embedding_runs_sequence_parallel_in_validate_mode_with_mar
     ref_logits = llama_step(reference, llama_batch())
     ref_grads = grads_of(reference)
     for r in run_ranks(_rotary_worker, 2, timeout_s=300):
-        assert r["bare"]["error"].startswith("RuntimeError: aten.mul.Tensor got mixed "
-                                             "torch.Tensor and DTensor")
-        for mode in ("validate", "production"):
+        # without the adapter validate mode runs too: inv_freq broadcasts over the sequence the
+        # positions are sharded on and is taken as replicated (forward/plain_tensors.py)
+        for mode in ("bare", "validate", "production"):
             got = r[mode]
             assert "error" not in got, got.get("error")
             assert_close(got["logits"], ref_logits, f"{mode} logits")
             for name, g in ref_grads.items():
                 assert_close(got["grads"][name], g, f"{mode} grad {name}")
-            assert got["rows"] == [(ROTARY, "adapter marshal", "installed")]
+            if mode != "bare":
+                assert got["rows"] == [(ROTARY, "adapter marshal", "installed")]
         assert r["class_restored"]

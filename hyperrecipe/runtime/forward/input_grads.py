@@ -1,0 +1,192 @@
+"""Validate mode's check of a declared replicated input's gradient, use by use.
+
+Production mode reduces the gradient of a replicated input that a boundary hands to parameters
+sharded on a mesh dim (Megatron's *f*: all-reduce, or reduce-scatter): it assumes that every
+rank holds a partial sum. That holds for each use of the input that reaches the sharded
+parameters, and not for a use that bypasses them: a residual added after the row-wise
+reduction holds the whole gradient on every rank, and production counts it once per rank.
+
+Checking the input's accumulated gradient finds only the case where every use bypasses them
+(BLOOM's MLP with its ``residual`` declared). Where one input feeds both (BERT's
+``BertAttention`` hands ``hidden_states`` to query/key/value and, as the residual, to
+``output``), DTensor adds the whole part to the partial parts correctly and the sum comes back
+partial: validate mode agreed while production diverged. So the check is made on each use:
+after the boundary's compute, the autograd graph it built is walked from its outputs back to
+the inputs this boundary made (nodes older than those inputs are never visited, so the walk is
+the boundary's own graph), and each node that consumes such an input gets a hook that looks at
+the gradient it hands back to it. One that comes back whole (``Replicate``) on a mesh dim where
+production reduces raises :class:`~hyperrecipe.errors.PlanMismatchError` naming the boundary,
+the input, the op of that use, and the recipe line that declared the boundary.
+
+Inputs are noted by the boundary's input converter (:func:`note_reduced_input`) and taken by
+its compute (:func:`checking_input_uses`) in the same call; a nested boundary's compute takes
+its own, since the outer compute took the outer's before running.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.plan import BoundaryPlan, Transition
+from hyperrecipe.runtime.forward.marshal import map_tensors
+
+__all__ = ["ReducedInput", "checking_input_uses", "note_reduced_input", "reduce_grad_here"]
+
+Forward = Callable[..., Any]
+
+
+@attrs.frozen(kw_only=True)
+class ReducedInput:
+    """A declared input this boundary made, whose gradient production reduces on ``reduced``
+    (mesh-dim index, transition) pairs."""
+
+    name: str
+    node: Any  # the autograd node that made it (from_local or redistribute)
+    reduced: tuple[tuple[int, Transition], ...]
+
+
+_PENDING: contextvars.ContextVar[list[ReducedInput] | None] = contextvars.ContextVar(
+    "hyperrecipe_reduced_inputs", default=None)
+
+
+def note_reduced_input(name: str, value: Tensor,
+                       reduced: tuple[tuple[int, Transition], ...]) -> None:
+    """Remember ``value`` (a DTensor the input converter just made) for the compute that
+    runs next in this call."""
+    node = value.grad_fn
+    if node is None:
+        return
+    pending = _PENDING.get()
+    if pending is None:
+        pending = []
+        _PENDING.set(pending)
+    pending.append(ReducedInput(name=name, node=node, reduced=reduced))
+
+
+def _declared_at(boundary: BoundaryPlan, name: str) -> str:
+    """Where the recipe declared input ``name`` of ``boundary`` (the rule that set its
+    ``in_src`` / ``in_dst`` last), else where it made the boundary."""
+    marks = (f"in_src[{name}]", f"in_dst[{name}]")
+    found = [p for p in boundary.provenance
+             if any(m in p.reason for m in marks) and "overridden" not in p.reason]
+    found = found or [p for p in boundary.provenance if "boundary" in p.reason]
+    if not found:
+        return ""
+    p = found[-1]
+    return f" ({name!r} is declared at {p.file}:{p.line}:{p.column})"
+
+
+def _consumers(outputs: Any, inputs: list[ReducedInput]
+               ) -> list[tuple[Any, int, ReducedInput]]:
+    """``(node, edge index, input)`` for each edge of the graph built since the inputs were
+    made that leads straight to one of them."""
+    by_node = {id(i.node): i for i in inputs}
+    oldest = min(i.node._sequence_nr() for i in inputs)
+    roots: list[Any] = []
+
+    def collect(t: Tensor) -> Tensor:
+        if t.grad_fn is not None:
+            roots.append(t.grad_fn)
+        return t
+
+    map_tensors(outputs, collect)
+    seen: set[int] = set()
+    found: list[tuple[Any, int, ReducedInput]] = []
+    stack = [n for n in roots if id(n) not in by_node]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for index, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            hit = by_node.get(id(nxt))
+            if hit is not None:
+                found.append((node, index, hit))
+            elif id(nxt) not in seen and nxt._sequence_nr() > oldest:
+                stack.append(nxt)
+    return found
+
+
+def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, index: int,
+               noted: ReducedInput) -> Callable[[Any, Any], None]:
+    def check(grad_inputs: Any, grad_outputs: Any) -> None:
+        grad = grad_inputs[index] if index < len(grad_inputs) else None
+        placements = getattr(grad, "placements", None)
+        if placements is None:
+            return
+        for i, t in noted.reduced:
+            if placements[i].is_replicate():
+                name, n = noted.name, mesh_sizes[i]
+                msg = (f"{boundary.fqn}: input {name!r} is used by {node.name()} whose share of "
+                       f"its gradient comes back whole (replicate on {t.mesh_dim}), but "
+                       f"production mode {t.backward.kind}s the gradient of {name!r} over "
+                       f"{t.mesh_dim}, assuming every use reaches parameters sharded on "
+                       f"{t.mesh_dim} (Megatron's f). This use bypasses them (a residual added "
+                       f"after the reduction), so production would count its share {n} times"
+                       f"{_declared_at(boundary, name)}. Put the boundary on the submodule(s) that "
+                       f"alone consume {name!r} through the sharded parameters (the attention's "
+                       f"projections, not the block that also adds the residual), or leave "
+                       f"{name!r} out of the boundary's in_src / in_dst")
+                raise PlanMismatchError(msg)
+
+    return check
+
+
+def checking_input_uses(compute: Forward, boundary: BoundaryPlan,
+                        mesh_sizes: tuple[int, ...]) -> Forward:
+    """``compute`` that, when the input converter noted inputs in this call, hooks each of
+    their uses in the graph it built (see the module docstring)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        noted = _PENDING.get()
+        if not noted:
+            return compute(*args, **kwargs)
+        inputs = list(noted)
+        noted.clear()
+        token = _PENDING.set(None)  # a nested boundary notes and takes its own
+        try:
+            out = compute(*args, **kwargs)
+        finally:
+            _PENDING.reset(token)
+        for node, index, hit in _consumers(out, inputs):
+            node.register_hook(_use_check(boundary, mesh_sizes, node, index, hit))
+        return out
+
+    return run
+
+
+class _ReduceGradHere(torch.autograd.Function):
+    """Identity forward; backward redistributes the gradient to the input's placements."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, placements: Any) -> Any:
+        ctx.placements = placements
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        placements = getattr(grad, "placements", None)
+        if placements is not None and tuple(placements) != tuple(ctx.placements):
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad, None
+
+
+def reduce_grad_here(value: Any, placements: Any) -> Any:
+    """``value`` (a DTensor a nested boundary takes as it is, replicated where production
+    reduces its gradient: Megatron's *f*) whose gradient is reduced to ``placements`` when it
+    leaves the boundary, as production reduces it there. DTensor alone would keep the gradient
+    partial and reduce it later, at whatever needs it whole: a replicated parameter of the
+    enclosing boundary that computes on it (a norm before a nested attention) would then get a
+    partial gradient that production never gives it, and the check of partial parameter
+    gradients (:mod:`~hyperrecipe.runtime.comm.dtensor_parameters`) would blame the recipe. The
+    values are the same either way: only where the sum happens moves."""
+    return _ReduceGradHere.apply(value, tuple(placements))  # type: ignore[no-untyped-call]

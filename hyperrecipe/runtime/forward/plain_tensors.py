@@ -1,0 +1,84 @@
+"""Plain tensors the model makes inside a validate-mode boundary, where they meet DTensors.
+
+DTensor refuses an op that mixes a DTensor with a plain tensor, and validate mode does not treat
+every plain tensor as replicated (DTensor's ``implicit_replication``): a plain tensor could be a
+rank's local piece, and taking it for the whole tensor would be silently wrong. One kind is safe
+all the same: a plain tensor that **broadcasts over every dim the DTensors are sharded on** (size
+1 there, or no such dim). Whatever it is, each rank applies the same values to each of its
+rows along those dims, so it is the same tensor whole or local. That is what real models build
+in their attention: transformers' SDPA path for T5 masks its per-head position bias with a
+causal mask it makes then and there (``torch.where(causal_mask, position_bias, min)``, the mask
+``[1, 1, q, kv]``, the bias sharded by head), and an additive mask ``[batch, 1, q, kv]`` is
+built the same way.
+
+:func:`replicate_broadcast_plain` converts such plain tensors into replicated DTensors after
+DTensor refused the mix (the op is then run again); it declines (returns ``None``) when any plain
+tensor has a sharded dim's size, or is a view of a local shard validate mode handed back to the
+model's code (:mod:`~hyperrecipe.runtime.forward.handed_back`), and DTensor's refusal stands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from hyperrecipe.runtime.forward.handed_back import is_handed_back_shard
+
+__all__ = ["MIXED_TENSORS", "replicate_broadcast_plain"]
+
+MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
+"""The text of DTensor's refusal of a plain tensor beside a DTensor."""
+
+
+def _operands(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors an op was given: its arguments, and those in a list or tuple argument."""
+    out: list[Any] = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(t for t in v if isinstance(t, Tensor))
+    return out
+
+
+def _broadcasts_over_shards(plain: Tensor, dtensors: list[Any]) -> bool:
+    for d in dtensors:
+        for p in d.placements:
+            if not p.is_shard():
+                continue
+            index = p.dim % d.ndim + plain.ndim - d.ndim  # broadcasting aligns the last dims
+            if 0 <= index < plain.ndim and plain.shape[index] != 1:
+                return False
+    return True
+
+
+def replicate_broadcast_plain(args: Any, kwargs: dict[str, Any]
+                              ) -> tuple[Any, dict[str, Any]] | None:
+    """``(args, kwargs)`` with each plain tensor that broadcasts over every sharded dim of the
+    DTensors beside it as a replicated DTensor; ``None`` when there is nothing to convert or a
+    plain tensor does not qualify (see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    operands = _operands(args, kwargs)
+    dtensors = [t for t in operands if isinstance(t, DTensor)]
+    plain = [t for t in operands if not isinstance(t, DTensor)]
+    if not dtensors or not plain:
+        return None
+    mesh = dtensors[0].device_mesh
+    if any(d.device_mesh != mesh for d in dtensors):
+        return None
+    for t in plain:
+        if is_handed_back_shard(t) or not _broadcasts_over_shards(t, dtensors):
+            return None
+    replicated = tuple(Replicate() for _ in range(mesh.ndim))
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, Tensor) and not isinstance(v, DTensor):
+            return DTensor.from_local(v, mesh, replicated, run_check=False)
+        if isinstance(v, (list, tuple)) and any(isinstance(t, Tensor) for t in v):
+            items = [convert(t) for t in v]
+            return items if isinstance(v, list) else tuple(items)
+        return v
+
+    return tuple(convert(v) for v in args), {k: convert(v) for k, v in kwargs.items()}
