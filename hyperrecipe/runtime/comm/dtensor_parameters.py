@@ -143,6 +143,8 @@ def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
            f"`reduce_grads: {{{fields}}}` on {p.module}'s rule (or `style: sequence_parallel` "
            f"for a norm on the sequence-sharded stream)")
     raise PlanMismatchError(msg)
+
+
 _KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
 
 
