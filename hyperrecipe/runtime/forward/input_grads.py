@@ -118,6 +118,11 @@ def _consumers(outputs: Any, inputs: list[ReducedInput]
 
 def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, index: int,
                noted: ReducedInput) -> Callable[[Any, Any], None]:
+    # the node's name, not the node: a hook that refers to the node it is registered on is a
+    # cycle through C++ that Python's collector cannot see, which kept every graph's nodes (and
+    # through their AccumulateGrad, the parameters) alive after the model was dropped
+    user = node.name()
+
     def check(grad_inputs: Any, grad_outputs: Any) -> None:
         grad = grad_inputs[index] if index < len(grad_inputs) else None
         placements = getattr(grad, "placements", None)
@@ -126,7 +131,7 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
         for i, t in noted.reduced:
             if placements[i].is_replicate():
                 name, n = noted.name, mesh_sizes[i]
-                msg = (f"{boundary.fqn}: input {name!r} is used by {node.name()} whose share of "
+                msg = (f"{boundary.fqn}: input {name!r} is used by {user} whose share of "
                        f"its gradient comes back whole (replicate on {t.mesh_dim}), but "
                        f"production mode {t.backward.kind}s the gradient of {name!r} over "
                        f"{t.mesh_dim}, assuming every use reaches parameters sharded on "
