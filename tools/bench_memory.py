@@ -33,11 +33,24 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "recipes/llama.yaml")
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
+def llama_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The Llama config of ``--hidden``, ``--layers`` and ``--vocab`` (bench_reload uses it)."""
     return {"hidden_size": args.hidden, "intermediate_size": args.hidden * 4,
             "num_hidden_layers": args.layers, "num_attention_heads": max(args.hidden // 64, 2),
             "num_key_value_heads": max(args.hidden // 64, 2), "vocab_size": args.vocab,
             "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+def write_checkpoint(cfg: dict[str, Any], folder: str) -> int:
+    """Save a seeded Llama of ``cfg`` into ``folder`` (``save_pretrained``, 200 MB files);
+    returns its parameter bytes."""
+    from hyperrecipe.model_tree import build_model
+
+    torch.manual_seed(0)
+    model = build_model("hf:llama", cfg, device="cpu")
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size="200MB")
+    return full
 
 
 def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -> dict[str, int]:
@@ -108,15 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hyperrecipe.check.launcher import run_ranks
-    from hyperrecipe.model_tree import build_model
 
-    cfg = _config(args)
+    cfg = llama_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        model = build_model("hf:llama", cfg, device="cpu")
-        full = sum(p.numel() * p.element_size() for p in model.parameters())
-        model.save_pretrained(tmp, max_shard_size="200MB")
-        del model
+        full = write_checkpoint(cfg, tmp)
         results: dict[str, Any] = {"full_bytes": full, "world": args.world, "config": cfg}
         for how in ("meta", "materialized", "parallelize_module"):
             ranks = run_ranks(_worker, args.world, how, cfg, tmp, timeout_s=1800)

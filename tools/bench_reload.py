@@ -32,18 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bench_memory import llama_config, write_checkpoint  # tools/ is sys.path[0]
 from peak_rss import PeakRss, rss_anon  # tools/peak_rss.py: tools/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-
-
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return {"hidden_size": args.hidden, "intermediate_size": args.hidden * 4,
-            "num_hidden_layers": args.layers, "num_attention_heads": max(args.hidden // 64, 2),
-            "num_key_value_heads": max(args.hidden // 64, 2), "vocab_size": args.vocab,
-            "max_position_embeddings": 128, "tie_word_embeddings": False}
 
 
 def _timed(fn: Any) -> tuple[float, int]:
@@ -202,15 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hyperrecipe.check.launcher import run_ranks
-    from hyperrecipe.model_tree import build_model
 
-    cfg = _config(args)
+    cfg = llama_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        model = build_model("hf:llama", cfg, device="cpu")
-        full = sum(p.numel() * p.element_size() for p in model.parameters())
-        model.save_pretrained(tmp, max_shard_size="200MB")
-        del model
+        full = write_checkpoint(cfg, tmp)
         if args.header_entries:
             figures = _header_figures(args, cfg, tmp)
             print(json.dumps(figures, indent=1) if args.json else

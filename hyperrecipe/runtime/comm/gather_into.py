@@ -47,12 +47,13 @@ CHUNK_BYTES = 8 << 20
 """The largest single send of :func:`gather_to_writer` (gloo is slowest on large messages)."""
 
 
-def gather_full_in_place(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],
-                         mesh: DeviceMesh, mesh_dims: Sequence[str]) -> Tensor | None:
-    """The full tensor from every rank's ``local`` shard, gathered into one preallocated
-    tensor (a collective: call on all ranks), or ``None`` when the placement is not sharded
-    over exactly one mesh dim (then every rank returns ``None`` alike, before any traffic).
-    """
+def _even_shard_over_one_dim(local: Tensor, placement: NamedPlacement,
+                             full_shape: Sequence[int], mesh: DeviceMesh,
+                             mesh_dims: Sequence[str]
+                             ) -> tuple[str, Shard, int, MeshDimGroup, Tensor] | None:
+    """(mesh dim, its shard, the tensor dim it splits, that mesh dim's group, ``local``
+    detached) when ``local`` is an even shard over exactly one mesh dim, else ``None``: the
+    same answer on every rank, before any traffic (the general path then says why)."""
     sharded = [(name, q) for name in mesh_dims
                if isinstance(q := placement.get(name), Shard)]
     if len(sharded) != 1:
@@ -62,11 +63,24 @@ def gather_full_in_place(local: Tensor, placement: NamedPlacement, full_shape: S
     ndim = len(full_shape)
     d = q.dim + ndim if q.dim < 0 else q.dim
     g = group_for(mesh, name)
-    op = CollectiveOp(kind="all_gather", mesh_dim=name, gather_dim=d)
     x = local.detach()
     expected = tuple(full_shape[:d]) + (full_shape[d] // g.size,) + tuple(full_shape[d + 1:])
     if tuple(x.shape) != expected or full_shape[d] % g.size:
-        return None  # not an even shard (the same on every rank): the general path says why
+        return None
+    return name, q, d, g, x
+
+
+def gather_full_in_place(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],
+                         mesh: DeviceMesh, mesh_dims: Sequence[str]) -> Tensor | None:
+    """The full tensor from every rank's ``local`` shard, gathered into one preallocated
+    tensor (a collective: call on all ranks), or ``None`` when the placement is not sharded
+    over exactly one mesh dim (then every rank returns ``None`` alike, before any traffic).
+    """
+    found = _even_shard_over_one_dim(local, placement, full_shape, mesh, mesh_dims)
+    if found is None:
+        return None
+    name, q, d, g, x = found
+    op = CollectiveOp(kind="all_gather", mesh_dim=name, gather_dim=d)
     full = x.new_empty(tuple(full_shape))
     offset = 0  # where the part starts in the full tensor
     local_offset = 0
@@ -101,19 +115,10 @@ def gather_to_writer(local: Tensor, placement: NamedPlacement, full_shape: Seque
     order for every tensor; ranks of other groups (another data-parallel replica) return at
     once. A point-to-point exchange, so not counted as a collective of a step.
     """
-    sharded = [(name, q) for name in mesh_dims
-               if isinstance(q := placement.get(name), Shard)]
-    if len(sharded) != 1:
+    found = _even_shard_over_one_dim(local, placement, full_shape, mesh, mesh_dims)
+    if found is None:
         return None
-    name, q = sharded[0]
-    assert isinstance(q, Shard)
-    ndim = len(full_shape)
-    d = q.dim + ndim if q.dim < 0 else q.dim
-    g = group_for(mesh, name)
-    x = local.detach()
-    expected = tuple(full_shape[:d]) + (full_shape[d] // g.size,) + tuple(full_shape[d + 1:])
-    if tuple(x.shape) != expected or full_shape[d] % g.size:
-        return None
+    name, q, d, g, x = found
     ranks = dist.get_process_group_ranks(g.group)
     if writer not in ranks:
         return x.new_empty((0,))
