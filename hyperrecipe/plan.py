@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.preconf.json import make_converter
 
 from hyperrecipe._files import read_regular_file
@@ -139,12 +140,19 @@ class ArgLayout:
 
     ``position`` is the positional index when known (inputs: the forward's parameter order;
     outputs: the index in a tuple output), ``None`` for keyword-only arguments.
+
+    ``grad`` is the gradient layout the recipe declared (``in_grad`` / ``out_grad``), on the
+    mesh dims where the value is replicated on the side the gradient arrives at (an input's
+    ``dst``, an output's ``dst``); ``None`` when it declared none and the resolver's default
+    holds. Left out of the JSON when ``None``, so plans of recipes without the field are the
+    bytes they were.
     """
 
     name: str
     position: int | None
     src: NamedPlacement
     dst: NamedPlacement
+    grad: NamedPlacement | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -545,6 +553,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(NamedPlacement, _from_text(parse_named_text))
     conv.register_unstructure_hook(Placement, str)
     conv.register_structure_hook(Placement, _from_text(parse_placement))
+    conv.register_unstructure_hook(ArgLayout, make_dict_unstructure_fn(
+        ArgLayout, conv, grad=override(omit_if_default=True)))
     return conv
 
 

@@ -54,6 +54,8 @@ KIND_SYNTAX: dict[str, str] = {
     "bool": "`true` or `false`",
     "layout": "mapping: argument / output name, or position `0`, `1`, … → "
               "[named placement](#placements)",
+    "grad_layout": "mapping: argument / output name, or position → `replicate`, or a mapping "
+                   "of mesh dim → `partial` or `replicate`",
     "names": "list of identifiers, no repeats",
     "head_counts": "mapping: integer attribute of the module → mesh dim name",
     "reduce_grads": "mapping: direct parameter name → mesh dim name",

@@ -44,6 +44,12 @@ def _kind(kind: str) -> dict[str, Any]:
         "bool": {"type": "boolean"},
         "layout": {"type": "object", "propertyNames": {"pattern": r"^([A-Za-z_]\w*|\d+)$"},
                    "additionalProperties": named},
+        "grad_layout": {"type": "object", "propertyNames": {"pattern": r"^([A-Za-z_]\w*|\d+)$"},
+                        "additionalProperties": {"oneOf": [
+                            {"const": "replicate"},
+                            {"type": "object", "propertyNames": {"pattern": _IDENT},
+                             "additionalProperties": {"enum": ["replicate", "partial",
+                                                               "partial(sum)"]}}]}},
         "names": {"type": "array", "items": {"type": "string", "pattern": _IDENT},
                   "uniqueItems": True},
         "head_counts": {"type": "object",

@@ -76,6 +76,8 @@ class RuleFields:
     local_region: bool | None = None
     no_grad: tuple[str, ...] | None = None
     loss_parallel: bool | None = None
+    in_grad: Layout | None = None
+    out_grad: Layout | None = None
 
     def set_fields(self) -> tuple[str, ...]:
         return tuple(f for f in RULE_FIELD_NAMES if getattr(self, f) is not None)
@@ -100,7 +102,7 @@ class RuleFields:
 RULE_FIELD_NAMES: tuple[str, ...] = tuple(a.name for a in attrs.fields(RuleFields))
 MAPPING_FIELDS = frozenset({"params", "in_src", "in_dst", "out_src", "out_dst", "head_counts",
                             "reduce_grads",
-                            "inner_out_src"})
+                            "inner_out_src", "in_grad", "out_grad"})
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,7 @@ import attrs
 from hyperrecipe.errors import RecipeError, did_you_mean
 from hyperrecipe.placement import (
     NamedPlacement,
+    Partial,
     PlacementSyntaxError,
     Shard,
     parse_named_placement,
@@ -95,6 +96,23 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
               doc="How the forward produces each output, by name (see `out_names`) or position."),
     FieldSpec(name="out_dst", kind="layout",
               doc="How the caller gets each output; defaults to `out_src`."),
+    FieldSpec(name="in_grad", kind="grad_layout",
+              doc="How each declared input's gradient comes back from the forward, on the mesh "
+                  "dims where the input is replicated inside (`in_dst`): `partial` (the forward "
+                  "spreads it over sharded compute; backward all-reduces it, or reduce-scatters "
+                  "it onto a sharded `in_src`: Megatron's *f*) or `replicate` (whole on every "
+                  "rank: backward does nothing, or slices it onto a sharded `in_src`), e.g. "
+                  "`{hidden_states: replicate}` for a block that computes replicated under "
+                  "sequence parallelism. Default: partial where the boundary's own region holds "
+                  "parameters sharded on that dim, whole elsewhere. Validate mode checks it "
+                  "against the gradient DTensor computes."),
+    FieldSpec(name="out_grad", kind="grad_layout",
+              doc="How each declared output's gradient comes back from the caller, on the mesh "
+                  "dims where the output leaves replicated (`out_dst`): `partial` (the caller "
+                  "feeds it to sharded compute that is no boundary, e.g. a Mamba mixer's "
+                  "`x_proj` output read by the per-channel selective scan: backward all-reduces "
+                  "it, Megatron's *f* on an output) or `replicate` (whole: the default). "
+                  "Validate mode checks it against the gradient DTensor computes."),
     FieldSpec(name="out_names", kind="names",
               doc="Names for the positions of a tuple output, e.g. `[attn_output, attn_weights]`."),
     FieldSpec(name="defer_bias", kind="bool",
@@ -385,6 +403,21 @@ def _layout(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> Layo
     return tuple(out)
 
 
+def _grad_layout(ctx: _Ctx, value: Any, path: PathKey, mesh: tuple[str, ...]) -> Layout:
+    """A layout of gradients: on each mesh dim whole (``replicate``) or ``partial`` (sum); a
+    shard says where a value lies, and a sharded value's gradient is sharded as it is."""
+    out = _layout(ctx, value, path, mesh)
+    for raw_key, (_, placed) in zip(value, out):
+        for dim, q in placed.dims:
+            if not isinstance(q, Partial) or q.reduce != "sum":
+                raise ctx.fail(
+                    f"a gradient layout is replicate (whole) or partial on each mesh dim, found "
+                    f"{q} on {dim}", (*path, raw_key, dim),
+                    hint="a sharded value's gradient is sharded the same way without a "
+                         "declaration; write {DIM: partial} or replicate")
+    return out
+
+
 def _bool(ctx: _Ctx, value: Any, path: PathKey) -> bool:
     return bool(ctx.want(value, bool, path, "true or false"))
 
@@ -498,6 +531,7 @@ _FIELD_PARSERS: dict[str, Callable[[_Ctx, Any, PathKey, tuple[str, ...]], Any]] 
     "param_placements": _params,
     "bool": lambda ctx, raw, path, mesh: _bool(ctx, raw, path),
     "layout": _layout,
+    "grad_layout": _grad_layout,
     "names": _names,
     "head_counts": _head_counts,
     "reduce_grads": _reduce_grads,
@@ -614,7 +648,7 @@ def validate_rules(doc: Document, content: FileContent, styles: Mapping[str, Sty
 
 
 _BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "out_names", "defer_bias",
-                  "no_grad", "loss_parallel")
+                  "no_grad", "loss_parallel", "in_grad", "out_grad")
 
 
 def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, *,
@@ -631,7 +665,8 @@ def _drop_layouts_if_not_boundary(ctx: _Ctx, path: PathKey, fields: RuleFields, 
 
 def _mesh_dims_of(fields: RuleFields) -> set[str]:
     dims: set[str] = set()
-    for name in ("params", "in_src", "in_dst", "out_src", "out_dst", "inner_out_src"):
+    for name in ("params", "in_src", "in_dst", "out_src", "out_dst", "inner_out_src", "in_grad",
+                 "out_grad"):
         value = getattr(fields, name)
         for _, p in value or ():
             dims.update(p.mesh_dims)

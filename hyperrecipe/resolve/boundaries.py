@@ -20,14 +20,14 @@ from hyperrecipe.plan import ArgLayout, BoundaryPlan, Provenance
 from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, provenance, provenance_of, span_of
 from hyperrecipe.resolve.kernels import expert_parallel, vocab_parallel
-from hyperrecipe.resolve.layouts import declared_layouts
+from hyperrecipe.resolve.layouts import DeclaredLayouts, declared_layouts
 from hyperrecipe.resolve.transitions import lower_boundary
 from hyperrecipe.resolve.wrappers import check_wrappers, declared_inner_out
 
 __all__ = ["BoundaryTree", "BuiltBoundaries", "build_boundaries", "find_boundaries"]
 
 _BOUNDARY_ONLY = ("in_src", "in_dst", "out_src", "out_dst", "defer_bias", "out_names",
-                  "local_region", "no_grad", "loss_parallel")
+                  "local_region", "no_grad", "loss_parallel", "in_grad", "out_grad")
 
 
 @attrs.frozen(kw_only=True)
@@ -152,6 +152,7 @@ def _build_one(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
     sharded_params, sharded_inputs = _sharded_dims(inp, claims, members,
                                                    [a.dst for a in inputs])
     no_grad = _no_grad(inp, claims, fqn, inputs)
+    _check_declared_grads(layouts, no_grad)
     transitions = lower_boundary(inp, layouts, sharded_params, no_grad)
     deferred = _defer_bias(claims, module, outputs)
     local_region = claims.get(fqn, "local_region")
@@ -182,6 +183,17 @@ def _build_one(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
         no_grad=no_grad, vocab_parallel=vocab_parallel(inp, claims, module),
         expert_parallel=experts, transitions=transitions, provenance=tuple(provenances))
     return plan, sharded_inputs
+
+
+def _check_declared_grads(layouts: DeclaredLayouts, no_grad: Sequence[str]) -> None:
+    """An ``in_grad`` of a ``no_grad`` input says two contrary things."""
+    for a in layouts.inputs:
+        if a.grad is not None and a.name in no_grad:
+            span, path, index = layouts.span("input", a.name, prefer="grad")
+            raise RecipeError(
+                f"in_grad declares how the gradient of input {a.name!r} of {layouts.fqn!r} comes "
+                f"back, but no_grad says it carries none", span=span, path=path,
+                rule_index=index, hint=f"drop {a.name!r} from one of in_grad and no_grad")
 
 
 def _defer_bias(claims: ClaimTable, module: ModuleInfo,

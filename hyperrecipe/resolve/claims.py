@@ -140,7 +140,7 @@ class _Matcher:
                         raise no_param(rule, module, key, field="reduce_grads")
                     self._claim(rule, module, name, key, value)
                     continue
-                if name in ("in_src", "in_dst"):
+                if name in ("in_src", "in_dst", "in_grad"):
                     key = _input_key(rule, module, name, key)
                 self._claim(rule, module, name, key, value)
 

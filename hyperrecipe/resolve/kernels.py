@@ -237,7 +237,11 @@ def _per_expert(module: ModuleInfo) -> list[ParamInfo]:
     """The module's per-expert tensors: its 3-D weights ``[E, ., .]`` and every other tensor of
     two or more dims whose dim 0 is ``E`` (GPT-OSS's ``gate_up_proj_bias [E, 2I]`` and
     ``down_proj_bias [E, H]``). The kernel indexes them all with local expert ids, so they are
-    sharded together or not at all."""
+    sharded together or not at all. torch's convolutions hold 3-D weights of another meaning
+    (``[out_channels, in_channels / groups, kernel]``: a Mamba mixer's depthwise ``conv1d``),
+    and are not experts."""
+    if module.cls.startswith("torch.nn.modules.conv."):
+        return []
     weights = [p for p in module.params if len(p.shape) == 3]
     if not weights:
         return []

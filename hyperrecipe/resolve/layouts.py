@@ -42,7 +42,8 @@ class DeclaredLayouts:
         """Where the layout of one input (``stage="input"``) or output was written: the rule
         field (``in_dst`` before ``in_src`` by default), at the key when the rule wrote it."""
         prefix = "in" if stage == "input" else "out"
-        order = (f"{prefix}_{prefer}", f"{prefix}_{'src' if prefer == 'dst' else 'dst'}")
+        order = ((f"{prefix}_grad",) if prefer == "grad" else
+                 (f"{prefix}_{prefer}", f"{prefix}_{'src' if prefer == 'dst' else 'dst'}"))
         found = self.claims.get((stage, name), ())
         for field in order:
             for c in found:
@@ -84,9 +85,57 @@ def declared_layouts(inp: ResolveInput, claims: ClaimTable, fqn: str) -> Declare
                                 if name in positional else None, src=src, dst=dst))
     outputs = _outputs(inp, claims, found, fqn, "out_src", "out_dst", out_names)
     inner_out = _outputs(inp, claims, found, fqn, "inner_out_src", None, out_names)
+    inputs = _with_grads(inp, claims, found, fqn, "input", inputs, out_names)
+    outputs = _with_grads(inp, claims, found, fqn, "output", outputs, out_names)
     return DeclaredLayouts(fqn=fqn, out_names=out_names, inputs=tuple(inputs),
                            outputs=tuple(outputs), inner_out=tuple(inner_out),
                            claims={k: tuple(v) for k, v in found.items()})
+
+
+def _with_grads(inp: ResolveInput, claims: ClaimTable, found: dict[LayoutSlot, list[Claim]],
+                fqn: str, stage: str, args: list[ArgLayout], out_names: tuple[str, ...]
+                ) -> list[ArgLayout]:
+    """``args`` with the gradient layouts ``in_grad`` / ``out_grad`` declares for them.
+
+    Raises:
+        RecipeError: a gradient declared for a slot with no declared layout, or on a mesh dim
+            where the value is sharded on the side its gradient arrives at.
+    """
+    field = "in_grad" if stage == "input" else "out_grad"
+    table = claims.layout(fqn, field)
+    if not table:
+        return args
+    by_name = {a.name: i for i, a in enumerate(args)}
+    out = list(args)
+    for key, claim in table.items():
+        name = key if stage == "input" else output_name(
+            _output_position(fqn, field, key, claim, out_names), out_names)
+        rule = claim.rule
+        span = rule.span(field, key, key=True) if field in rule.explicit else rule.span("match")
+        if name not in by_name:
+            declared = list(by_name)
+            raise RecipeError(
+                f"{field} names {stage} {name!r} of {fqn!r}, which has no declared layout"
+                f"{did_you_mean(str(name), declared)}", span=span,
+                path=f"{rule.json_path}.{field}.{key}", rule_index=rule.index,
+                hint=f"declared {stage}s: {', '.join(declared) or 'none'}; declare its layout "
+                     f"({'in_src' if stage == 'input' else 'out_src'}) as well")
+        i = by_name[name]
+        grad = _placed(inp, claim, fqn, field, key)
+        for dim, _ in grad.dims:
+            placed = out[i].dst.get(dim)
+            if isinstance(placed, Shard):
+                side = "in_dst" if stage == "input" else "out_dst"
+                raise RecipeError(
+                    f"{field}[{key}] of {fqn!r} declares the gradient on {dim}, where the "
+                    f"{stage} is {placed} ({side}): a sharded value's gradient is sharded the "
+                    f"same way, with nothing to declare", span=span,
+                    path=f"{rule.json_path}.{field}.{key}", rule_index=rule.index,
+                    hint=f"declare the gradient only on mesh dims where {name!r} is "
+                         f"replicated ({side})")
+        found.setdefault((stage, str(name)), []).append(claim)
+        out[i] = attrs.evolve(out[i], grad=grad)
+    return out
 
 
 def _placed(inp: ResolveInput, claim: Claim | None, fqn: str, field: str,

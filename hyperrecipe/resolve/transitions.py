@@ -3,6 +3,11 @@
 Per input and output, per mesh dim: the forward collective (:func:`lower_transition`) and the
 backward one its gradient needs. A replicated input consumed by parameters sharded on the same
 dim gets a partial gradient (Megatron's *f*); a ``no_grad`` input has no backward collective.
+A declared gradient layout (``in_grad`` / ``out_grad``, recorded as ``ArgLayout.grad``) replaces
+that default on the mesh dims where the value is replicated: a partial one is reduced (an
+all-reduce, or a reduce-scatter onto a sharded ``src``), a whole one is not (identity, or a local
+slice): the gradient of a sequence gather into a block that computes replicated, and Megatron's
+*f* on an output whose caller feeds it to sharded compute (a Mamba mixer's ``x_proj``).
 On a mesh dim of size 1 nothing communicates; a step that does nothing either way is left out.
 """
 
@@ -12,7 +17,7 @@ from collections.abc import Sequence
 
 from hyperrecipe.collective import IDENTITY
 from hyperrecipe.errors import ImpossibleTransition, RecipeError
-from hyperrecipe.placement import Partial, Placement, Replicate
+from hyperrecipe.placement import NamedPlacement, Partial, Placement, Replicate, Shard
 from hyperrecipe.plan import ArgLayout, Stage, Transition
 from hyperrecipe.resolve.context import ResolveInput
 from hyperrecipe.resolve.layouts import DeclaredLayouts
@@ -41,15 +46,19 @@ def lower_boundary(inp: ResolveInput, layouts: DeclaredLayouts, sharded: set[str
                 if not inp.has(dim):
                     continue
                 t = _lower(inp, layouts, stage, arg.name, dim, arg.src.get(dim),
-                           arg.dst.get(dim), sharded,
+                           arg.dst.get(dim), sharded, arg.grad,
                            no_grad=stage == "input" and arg.name in no_grad)
                 if t is not None:
                     out.append(t)
     return tuple(out)
 
 
+def _grad_text(p: Placement) -> str:
+    return "partial (a sum over ranks)" if isinstance(p, Partial) else "whole on every rank"
+
+
 def _lower(inp: ResolveInput, layouts: DeclaredLayouts, stage: Stage, name: str, dim: str,
-           s: Placement, d: Placement, sharded: set[str], *,
+           s: Placement, d: Placement, sharded: set[str], grad: NamedPlacement | None, *,
            no_grad: bool = False) -> Transition | None:
     fqn = layouts.fqn
     try:
@@ -67,20 +76,30 @@ def _lower(inp: ResolveInput, layouts: DeclaredLayouts, stage: Stage, name: str,
             if rule else None,
             path=f"{rule.json_path}.{field}" if rule else "$", rule_index=rule.index if rule
             else None) from None
+    declared = grad.get(dim) if grad is not None else None
     if no_grad:
         reason = f"{s} -> {d}, no gradient (no_grad): no backward collective"
         bwd = IDENTITY
     elif stage == "input":
         inner_grad = canonical_grad(d)
         reason = "input"
-        if isinstance(d, Replicate) and dim in sharded and inp.size(dim) > 1:
+        if declared is not None and not isinstance(d, Shard):
+            inner_grad = declared
+            reason = (f"declared in_grad: the gradient comes back {_grad_text(declared)} "
+                      f"inside")
+        elif isinstance(d, Replicate) and dim in sharded and inp.size(dim) > 1:
             inner_grad = Partial()
             reason = (f"replicated input consumed by parameters sharded on {dim}: its "
                       f"gradient is partial and is all-reduced (Megatron's f)")
         bwd = lower_transition(inner_grad, canonical_grad(s), dim)
     else:
         reason = "output"
-        bwd = lower_transition(canonical_grad(d), canonical_grad(s), dim)
+        outer_grad = canonical_grad(d)
+        if declared is not None and not isinstance(d, Shard):
+            outer_grad = declared
+            reason = (f"declared out_grad: the caller's gradient comes back "
+                      f"{_grad_text(declared)}")
+        bwd = lower_transition(outer_grad, canonical_grad(s), dim)
     if inp.size(dim) == 1:
         fwd, bwd = (IDENTITY if fwd.communicates else fwd), (IDENTITY if bwd.communicates
                                                               else bwd)

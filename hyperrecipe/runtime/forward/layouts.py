@@ -40,6 +40,7 @@ from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
 from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
 from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
+from hyperrecipe.runtime.forward.grad_layouts import arriving_grad_check
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
 from hyperrecipe.runtime.forward.input_grads import (
     checking_input_uses,
@@ -225,6 +226,10 @@ class ValidateRedistributor:
         reduced_here = self._reduced_input_grads(boundary, layout)
         reduced = reduced_here if self.check_input_grads else ()
         sharded_src = any(p.is_shard() for p in src)
+        # the gradient DTensor computes for it against the plan's backward (grad_layouts);
+        # declared partial arriving whole is input_grads' check, use by use
+        arriving = arriving_grad_check(boundary, layout, "input", self.mesh_dims,
+                                       self._sizes(), check_whole=False)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -250,6 +255,8 @@ class ValidateRedistributor:
                 # only a tensor this boundary made: its gradient is this boundary's alone
                 d.register_hook(self._grad_check(boundary, name, reduced))
                 note_reduced_input(name, d, reduced)  # and each use of it (input_grads)
+            if arriving is not None and fresh and d.requires_grad and is_grad_enabled():
+                d.register_hook(arriving)
             return d
 
         return convert
@@ -302,6 +309,12 @@ class ValidateRedistributor:
         outermost = boundary.parent is None
         sharded_dst, mesh_dims = any(p.is_shard() for p in dst), self.mesh_dims
         key = str(layout.position) if layout.position is not None else layout.name
+        # a declared partial gradient: what the caller's local code hands back is partial,
+        # and DTensor reduces it here, where production does (Megatron's f on an output)
+        grad_dst = self._grad_placements(layout)
+        reduce_here = grad_dst != dst
+        arriving = arriving_grad_check(boundary, layout, "output", mesh_dims, self._sizes(),
+                                       check_whole=self.check_input_grads)
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -319,13 +332,34 @@ class ValidateRedistributor:
             if bias is not None:
                 value = value + bias
             if outermost or caller_is_local():
-                local = _handed_back(value.to_local(grad_placements=_normalized(dst, value.ndim)))
+                local = _handed_back(value.to_local(
+                    grad_placements=_normalized(grad_dst, value.ndim)))
                 if sharded_dst:
                     remember_handed_back(local, dst, mesh_dims, fqn=boundary.fqn, key=key)
                 return local
+            if value.requires_grad and is_grad_enabled():
+                if reduce_here:
+                    value = reduce_grad_here(value, dst)
+                if arriving is not None:
+                    value.register_hook(arriving)
             return value
 
         return convert
+
+    def _sizes(self) -> tuple[int, ...]:
+        return tuple(self.mesh.size(i) for i in range(len(self.mesh_dims)))
+
+    def _grad_placements(self, layout: ArgLayout) -> tuple[Any, ...]:
+        """The torch placements of the gradient the caller hands back to an output: its
+        ``dst``, partial where ``out_grad`` declares it partial."""
+        from torch.distributed.tensor import Partial as TPartial
+
+        dst = self._torch(layout.dst)
+        grad = layout.grad
+        if grad is None:
+            return dst
+        return tuple(TPartial() if isinstance(grad.get(d), Partial) and p.is_replicate() else p
+                     for d, p in zip(self.mesh_dims, dst))
 
     def undeclared_converter(self, boundary: BoundaryPlan) -> Converter | None:
         DTensor, mesh, rep = self._dtensor, self.mesh, self._replicated

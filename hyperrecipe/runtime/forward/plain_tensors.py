@@ -11,6 +11,12 @@ causal mask it makes then and there (``torch.where(causal_mask, position_bias, m
 ``[1, 1, q, kv]``, the bias sharded by head), and an additive mask ``[batch, 1, q, kv]`` is
 built the same way.
 
+A plain tensor of zeros that requires no gradient is safe too: a state a model starts from
+(``torch.zeros(batch, intermediate_size, state)``, made from a DTensor's global shape, in the
+recurrence of transformers' torch Mamba scan). Every shard of it is zeros, so it is the same
+tensor whole, as any rank's piece, or replicated; a rank's local piece of another shape meets
+the DTensors' global shapes and fails loudly, as before.
+
 :func:`replicate_broadcast_plain` converts such plain tensors into replicated DTensors after
 DTensor refused the mix (the op is then run again); it declines (returns ``None``) when any plain
 tensor has a sharded dim's size, or is a view of a local shard validate mode handed back to the
@@ -53,6 +59,11 @@ def _broadcasts_over_shards(plain: Tensor, dtensors: list[Any]) -> bool:
     return True
 
 
+def _fresh_zeros(t: Tensor) -> bool:
+    """A tensor of zeros that carries no gradient (a recurrence's initial state)."""
+    return not t.requires_grad and t.numel() > 0 and not bool(t.any())
+
+
 def replicate_broadcast_plain(args: Any, kwargs: dict[str, Any]
                               ) -> tuple[Any, dict[str, Any]] | None:
     """``(args, kwargs)`` with each plain tensor that broadcasts over every sharded dim of the
@@ -69,7 +80,8 @@ def replicate_broadcast_plain(args: Any, kwargs: dict[str, Any]
     if any(d.device_mesh != mesh for d in dtensors):
         return None
     for t in plain:
-        if is_handed_back_shard(t) or not _broadcasts_over_shards(t, dtensors):
+        if is_handed_back_shard(t) or not (_broadcasts_over_shards(t, dtensors)
+                                           or _fresh_zeros(t)):
             return None
     replicated = tuple(Replicate() for _ in range(mesh.ndim))
 
