@@ -68,7 +68,8 @@ def _layout(b: BoundaryPlan) -> str:
     def one(prefix: str, items: Iterable[ArgLayout]) -> str:
         parts = []
         for a in items:
-            parts.append(f"{a.name} {a.src}" if a.src == a.dst else f"{a.name} {a.src} -> {a.dst}")
+            text = f"{a.name} {a.src}" if a.src == a.dst else f"{a.name} {a.src} -> {a.dst}"
+            parts.append(text if a.grad is None else f"{text} (grad {a.grad})")
         return f"{prefix} " + ", ".join(parts) if parts else ""
 
     text = "; ".join(t for t in (one("in", b.inputs), one("out", b.outputs)) if t)

@@ -15,7 +15,8 @@ from tests.support.recipe_text import locate, write_both
 from tests.support.toy_models import Toy
 
 STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
-RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, out_names, "
+RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, in_grad, "
+             "out_grad, out_names, "
              "defer_bias, head_counts, reduce_grads, inner_wrapper, inner_out_src, local_region, no_grad, "
              "loss_parallel, note")
 
@@ -58,6 +59,22 @@ LOAD_CASES = [
     ("unknown-wrapper", base({"match": "embed", "inner_wrapper": "ulyses"}), "ulyses", '"ulyses"',
      "unknown inner wrapper 'ulyses'; did you mean 'ulysses'? @ $.rules[0].inner_wrapper; expected "
      "one of cp_allgather_kv, ulysses or `pkg.mod:callable`"),
+    ("grad-layout-shard", base({"match": "layers.*.mlp", "boundary": True,
+                                "in_src": {"x": "replicate"}, "in_grad": {"x": {"tp": "shard(1)"}}}),
+     "shard(1)", '"shard(1)"',
+     "a gradient layout is replicate (whole) or partial on each mesh dim, found shard(1) on tp "
+     "@ $.rules[0].in_grad.x.tp; a sharded value's gradient is sharded the same way without a "
+     "declaration; write {DIM: partial} or replicate"),
+    ("grad-layout-avg", base({"match": "layers.*.mlp", "boundary": True,
+                              "out_src": {"0": "replicate"},
+                              "out_grad": {"0": {"tp": "partial(avg)"}}}),
+     "partial(avg)", '"partial(avg)"',
+     "a gradient layout is replicate (whole) or partial on each mesh dim, found partial(avg) on tp "
+     "@ $.rules[0].out_grad.0.tp; a sharded value's gradient is sharded the same way without a "
+     "declaration; write {DIM: partial} or replicate"),
+    ("grad-on-non-boundary", base({"match": "embed", "style": "colwise", "boundary": False,
+                                   "out_grad": {"0": {"tp": "partial"}}}), "out_grad", "out_grad",
+     "out_grad has no effect with boundary: false @ $.rules[0].out_grad"),
 ]
 
 
@@ -186,6 +203,27 @@ RESOLVE_CASES = [
      "embed: a vocab-parallel embedding shards the vocab dim (0) on one mesh dim; found "
      "{tp: shard(1)} @ $.rules[0].params.weight; shard the table's dim 0 over one mesh dim (as "
      "`style: vocab_parallel` does), or replicate it"),
+    ("in-grad-undeclared", base({"match": "layers.*.mlp", "boundary": True,
+                                 "in_src": {"x": "replicate"},
+                                 "out_src": {"0": "replicate"},
+                                 "out_grad": {"1": "replicate"}}),
+     {"tp": 2}, "out_grad", "out_grad",
+     "out_grad names output 'output1' of 'layers.0.mlp', which has no declared layout; did you "
+     "mean 'output'? @ $.rules[0].out_grad.1; declared outputs: output; declare its layout (out_src) as well"),
+    ("in-grad-on-shard", base({"match": "layers.*.mlp", "boundary": True,
+                               "in_src": {"x": {"tp": "shard(1)"}},
+                               "in_grad": {"x": {"tp": "partial"}}}),
+     {"tp": 2}, "x: {tp: partial}", 'x = { tp = "partial"',
+     "in_grad[x] of 'layers.0.mlp' declares the gradient on tp, where the input is shard(1) "
+     "(in_dst): a sharded value's gradient is sharded the same way, with nothing to declare "
+     "@ $.rules[0].in_grad.x; declare the gradient only on mesh dims where 'x' is replicated "
+     "(in_dst)"),
+    ("in-grad-and-no-grad", base({"match": "layers.*.mlp", "boundary": True,
+                                  "in_src": {"0": "replicate"}, "no_grad": ["x"],
+                                  "in_grad": {"x": "replicate"}}),
+     {"tp": 2}, "x: replicate", 'x = "replicate"',
+     "in_grad declares how the gradient of input 'x' of 'layers.0.mlp' comes back, but no_grad "
+     "says it carries none @ $.rules[0].in_grad.x; drop 'x' from one of in_grad and no_grad"),
     ("unclaimed-error", {**base({"match": "layers.*.mlp.up", "style": "colwise"}), "unclaimed": "error"},
      {"tp": 2}, "error", '"error"',
      "10 parameter(s) claimed by no rule: embed.weight, layers.0.norm.weight, layers.0.norm.bias, "
