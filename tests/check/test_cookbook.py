@@ -61,6 +61,10 @@ CASES: list[Any] = [
     # which broadcasts over the heads and is taken as replicated
     pytest.param("tests/recipes/cookbook/t5-heads.yaml", "hf:t5/seq2seq-lm",
                  f"{MODELS}/tiny-t5.json", BOTH, (True, True), marks=pytest.mark.slow),
+    # a hybrid: the Mamba mixer tensor parallel over its channels, x_proj's whole output with a
+    # partial gradient (out_grad), the model's own cache and torch scan (docs/cookbook.md)
+    ("tests/recipes/cookbook/jamba-mamba.yaml", "hf:jamba", f"{MODELS}/tiny-jamba.json",
+     BOTH, (True, True)),
     pytest.param("tests/recipes/sdpa-toy-tp.yaml", "tests.support.sdpa_models:make_sdpa_transformer",
                  None, BOTH, (True, True), marks=pytest.mark.slow),
 ]

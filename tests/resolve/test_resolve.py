@@ -47,6 +47,36 @@ def test_llama_recipe_compiles_to_its_golden_plan(in_root: Path, tiny_llama_tree
     check_golden("llama-tp2.json", plan)
 
 
+def test_declared_gradient_layouts_compile_to_their_golden_plan(in_root: Path,
+                                                               tiny_llama_tree: object) -> None:
+    """``in_grad`` is recorded on the input's layout (``grad``), changes the gather's backward
+    to a slice, and round-trips; plans without it carry no ``grad`` key at all."""
+    plan = compile_recipe("tests/recipes/llama-sp-replicated-mlp.yaml", tiny_llama_tree,  # type: ignore[arg-type]
+                          {"tp": 2})
+    check_golden("llama-sp-replicated-mlp-tp2.json", plan)
+    assert Plan.from_json(plan.to_json()) == plan
+    (x,) = plan.boundary("model.layers.1.mlp").inputs
+    assert x.grad is not None and x.grad.is_replicate
+    assert '"grad"' not in (GOLDEN / "llama-tp2.json").read_text()
+
+
+def test_out_grad_partial_all_reduces_a_replicated_output_in_backward(tmp_path: Path) -> None:
+    r = tmp_path / "r.yaml"
+    r.write_text("recipe: r\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.mlp.down\n"
+                 "    style: rowwise\n    out_grad: {0: {tp: partial}}\n")
+    plan = compile_recipe(r, toy(), {"tp": 2})
+    [t] = plan.boundary("layers.0.mlp.down").transitions
+    assert (t.stage, t.forward, t.backward) == (
+        "output", CollectiveOp(kind="all_reduce", mesh_dim="tp"),
+        CollectiveOp(kind="all_reduce", mesh_dim="tp"))
+    assert t.reason.startswith("declared out_grad")
+    backward = [e for e in plan.manifest if e.boundary == "layers.0.mlp.down"
+                and e.direction == "backward"]
+    assert [e.op.kind for e in backward] == ["all_reduce"]
+    # on a mesh dim of size 1 nothing communicates either way
+    assert compile_recipe(r, toy(), {"tp": 1}).boundary("layers.0.mlp.down").transitions == ()
+
+
 def test_yaml_and_toml_spellings_give_the_same_decisions(in_root: Path) -> None:
     a = compile_recipe("tests/recipes/toy.yaml", toy(), {"tp": 2})
     b = compile_recipe("tests/recipes/toy.toml", toy(), {"tp": 2})
