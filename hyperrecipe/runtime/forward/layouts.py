@@ -23,7 +23,11 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
   computes that gradient whole (a residual that bypasses the sharded parameters), and so does
   each use of it in the boundary's compute whose share comes back whole
   (:mod:`~hyperrecipe.runtime.forward.input_grads`), unless the plan runs code on local tensors
-  inside boundaries, whose re-wrapping reduces a partial gradient early. A sharded local tensor
+  inside boundaries, whose re-wrapping reduces a partial gradient early. Every declared input
+  and output replicated on the side its gradient arrives at is checked against the plan's
+  backward collective (``in_grad`` / ``out_grad`` or the resolver's default), and a declared
+  partial output gradient is reduced where production reduces it
+  (:mod:`~hyperrecipe.runtime.forward.grad_layouts`). A sharded local tensor
   handed back to the model's code is remembered, and one that the model's code refolded before
   a boundary takes it as sharded is refused (:mod:`~hyperrecipe.runtime.forward.handed_back`).
 """
