@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError, RewriteError, UsageError
 from hyperrecipe.model_tree import snapshot
+from hyperrecipe.placement import Shard
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
 from hyperrecipe.refs import trusting
 from hyperrecipe.rewriter import Rewrite, installed_forward_owner
@@ -301,7 +302,15 @@ class _Applier:
     def install_boundaries(self, tx: Rewrite) -> None:
         local_code = (any(a.mode == "marshal" for a in self.plan.adapters)
                       or any(b.local_region or b.inner_wrapper for b in self.plan.boundaries))
-        redist = self.mode.redistributor(self.mesh, self.mesh_dims, local_code=local_code)
+        sharded: dict[str, set[str]] = {}
+        for p in self.plan.params:
+            if p.boundary is not None:
+                sharded.setdefault(p.boundary, set()).update(
+                    d for d, q in p.placement.dims if isinstance(q, Shard)
+                    and self.plan.mesh_shape.get(d, 1) > 1)
+        redist = self.mode.redistributor(
+            self.mesh, self.mesh_dims, local_code=local_code,
+            sharded_regions={k: frozenset(v) for k, v in sharded.items()})
         for b in sorted(self.plan.boundaries, key=lambda b: -b.depth):
             module = self.modules[b.fqn]
             compute, bias = self._compute(b, module, tx)

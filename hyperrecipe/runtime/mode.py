@@ -35,7 +35,7 @@ This module is the only code that knows which mode runs: the rest of the runtime
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from hyperrecipe.errors import ModeError
@@ -63,10 +63,13 @@ class Mode:
     parameters_are_dtensors: ClassVar[bool]
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
-                      local_code: bool = False) -> Redistributor:
+                      local_code: bool = False,
+                      sharded_regions: Mapping[str, frozenset[str]] | None = None
+                      ) -> Redistributor:
         """The converter factory every boundary of one ``apply`` is built with. ``local_code``:
         the plan runs code on local tensors inside boundaries (marshal adapters, local regions,
-        inner wrappers)."""
+        inner wrappers). ``sharded_regions``: per boundary, the mesh dims on which its own
+        region holds sharded parameters (validate mode's gradient-layout check)."""
         raise NotImplementedError
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
@@ -151,7 +154,9 @@ class _Production(Mode):
     parameters_are_dtensors: ClassVar[bool] = False
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
-                      local_code: bool = False) -> Redistributor:
+                      local_code: bool = False,
+                      sharded_regions: Mapping[str, frozenset[str]] | None = None
+                      ) -> Redistributor:
         from hyperrecipe.runtime.forward.layouts import ProductionRedistributor
 
         return ProductionRedistributor(mesh)
@@ -218,10 +223,13 @@ class _Validate(Mode):
     parameters_are_dtensors: ClassVar[bool] = True
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
-                      local_code: bool = False) -> Redistributor:
+                      local_code: bool = False,
+                      sharded_regions: Mapping[str, frozenset[str]] | None = None
+                      ) -> Redistributor:
         from hyperrecipe.runtime.forward.layouts import ValidateRedistributor
 
-        return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code)
+        return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code,
+                                     sharded_regions=sharded_regions)
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:

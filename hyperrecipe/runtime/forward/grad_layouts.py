@@ -8,10 +8,14 @@ boundary's own region holds parameters sharded on that dim, whole elsewhere. DTe
 here each gradient DTensor computes at such a slot is compared with the plan's assumption, so
 that validate mode cannot agree where production would be wrong.
 
-- A gradient that arrives ``Partial`` on a mesh dim where the plan takes it whole is always an
-  error: production would hand each rank's partial sum on as if it were the gradient (a Mamba
-  mixer's ``x_proj`` output read by the per-channel selective scan, without
-  ``out_grad: {0: {tp: partial}}``).
+- A gradient that arrives ``Partial`` on a mesh dim where the plan takes it whole is an error
+  where the recipe declared it whole, and where the boundary's own region holds parameters
+  sharded on that dim: their gradients (and a sharded input's) cannot be summed later, so
+  production would be wrong (a Mamba mixer's ``x_proj`` output read by the per-channel
+  selective scan, without ``out_grad: {0: {tp: partial}}``). Into a region of replicated
+  parameters a partial gradient may stay partial, as DTensor keeps it, and be reduced further
+  back (a router in a local region, whose weight has ``reduce_grads`` and whose input's
+  gradient the enclosing boundary reduces): the checks of those reductions stand.
 - A declared partial gradient that arrives whole is an error too (production would count it
   once per rank), unless the plan runs local code inside boundaries (marshal adapters, local
   regions, inner wrappers), whose re-wrapping can reduce a partial gradient early; for inputs
@@ -63,8 +67,12 @@ def _declared(layout: ArgLayout, stage: Stage, dim: str) -> str:
 
 def arriving_grad_check(boundary: BoundaryPlan, layout: ArgLayout, stage: Stage,
                         mesh_dims: Sequence[str], sizes: Sequence[int], *,
-                        check_whole: bool) -> Callable[[Any], None] | None:
+                        check_whole: bool, sharded: frozenset[str] = frozenset()
+                        ) -> Callable[[Any], None] | None:
     """A gradient hook for the slot's DTensor, or ``None`` when there is nothing to check.
+
+    Args:
+        sharded: the mesh dims on which the boundary's own region holds sharded parameters.
 
     Raises (from the hook):
         PlanMismatchError: the gradient arrives partial where production takes it whole, or
@@ -85,7 +93,7 @@ def arriving_grad_check(boundary: BoundaryPlan, layout: ArgLayout, stage: Stage,
         for i in dims:
             dim, t = mesh_dims[i], reduced.get(i)
             actual = placements[i]
-            if actual.is_partial() and t is None:
+            if actual.is_partial() and t is None and (layout.grad is not None or dim in sharded):
                 op = next((s.backward.kind for s in boundary.transitions if s.stage == stage
                            and s.name == layout.name and s.mesh_dim == dim), "identity")
                 msg = (f"{boundary.fqn}: the gradient of {stage} {layout.name!r} arrives "

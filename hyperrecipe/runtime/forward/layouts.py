@@ -34,7 +34,7 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor, is_grad_enabled
@@ -195,8 +195,10 @@ class ValidateRedistributor:
     """DTensor end to end; declared output placements are checked against propagated ones."""
 
     def __init__(self, mesh: DeviceMesh, mesh_dims: Sequence[str], *,
-                 check_input_grads: bool = True) -> None:
+                 check_input_grads: bool = True,
+                 sharded_regions: Mapping[str, frozenset[str]] | None = None) -> None:
         self.mesh = mesh
+        self.sharded_regions = dict(sharded_regions or {})
         self.mesh_dims = tuple(mesh_dims)
         # Off when the plan runs code on local tensors inside boundaries (marshal adapters, local
         # regions, inner wrappers): re-wrapping their outputs reduces a partial gradient early,
@@ -233,7 +235,9 @@ class ValidateRedistributor:
         # the gradient DTensor computes for it against the plan's backward (grad_layouts);
         # declared partial arriving whole is input_grads' check, use by use
         arriving = arriving_grad_check(boundary, layout, "input", self.mesh_dims,
-                                       self._sizes(), check_whole=False)
+                                       self._sizes(), check_whole=False,
+                                       sharded=self.sharded_regions.get(boundary.fqn,
+                                                                        frozenset()))
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
@@ -318,7 +322,9 @@ class ValidateRedistributor:
         grad_dst = self._grad_placements(layout)
         reduce_here = grad_dst != dst
         arriving = arriving_grad_check(boundary, layout, "output", mesh_dims, self._sizes(),
-                                       check_whole=self.check_input_grads)
+                                       check_whole=self.check_input_grads,
+                                       sharded=self.sharded_regions.get(boundary.fqn,
+                                                                        frozenset()))
 
         def convert(value: Any, name: str) -> Any:
             if not isinstance(value, Tensor):
