@@ -203,3 +203,28 @@ def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None
     assert checked <= named, checked - named
     for name in named:
         assert (ROOT / name).is_file(), name
+
+
+def test_jamba_without_out_grad_diverges_in_production_and_validate_names_x_proj(
+        tmp_path: Path) -> None:
+    """The Mamba mixer's x_proj without ``out_grad``: the rowwise default (backward identity)
+    leaves dt/B/C's partial gradient unreduced; production's forward agrees and its gradients
+    do not, and validate mode refuses instead of agreeing (DTensor alone reduces it)."""
+    text = (ROOT / "tests/recipes/cookbook/jamba-mamba.yaml").read_text(encoding="utf-8")
+    line = "    out_grad: {0: {tp: partial}}\n"
+    assert line in text
+    recipe = tmp_path / "jamba-no-out-grad.yaml"
+    recipe.write_text(text.replace(line, ""), encoding="utf-8")
+    report = run(str(recipe), "hf:jamba", f"{MODELS}/tiny-jamba.json", BOTH)
+    prod, validate = report.modes
+    assert not prod.agree and prod.comparison is not None and prod.comparison.forward_agrees
+    assert "model.layers.0.mamba.x_proj.weight" in {
+        d.name for d in prod.comparison.diverged_gradients}
+    failure = validate.comparison.failure if validate.comparison is not None else None
+    assert failure is not None
+    assert failure.error == (
+        "PlanMismatchError: model.layers.0.mamba.x_proj: the gradient of output 'output' "
+        "arrives partial on tp (each rank holds a share of a sum), but the plan takes it whole "
+        "(the resolver's default: no in_grad / out_grad declared): production mode runs "
+        "identity there and would hand each rank's share on as the gradient. Declare "
+        "out_grad: {0: {tp: partial}} so that production reduces it (Megatron's f)")
