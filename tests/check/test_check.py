@@ -558,7 +558,9 @@ def test_wrong_gradients_that_no_sum_explains_do_not_claim_a_missing_reduction(
     assert found.evidence.endswith("no rank's gradients sum to the reference. Validate mode "
                                    "checks each declared replicated input's gradient against "
                                    "the reduction production gives it, and names an input whose "
-                                   "gradient is already whole")
+                                   "gradient is already whole, or an input or output whose "
+                                   "gradient arrives partial where the plan takes it whole "
+                                   "(declare it with in_grad / out_grad: a Mamba mixer's x_proj)")
 
 
 def test_parameters_without_a_gradient_on_a_rank_are_named_as_unused(toy_plan: Any) -> None:

@@ -74,5 +74,7 @@ def gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tra
         return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
     evidence += ("; no rank's gradients sum to the reference. Validate mode checks each declared "
                  "replicated input's gradient against the reduction production gives it, and "
-                 "names an input whose gradient is already whole")
+                 "names an input whose gradient is already whole, or an input or output whose "
+                 "gradient arrives partial where the plan takes it whole (declare it with "
+                 "in_grad / out_grad: a Mamba mixer's x_proj)")
     return Suggestion(cause=GRADIENT_REDUCTION_WRONG, evidence=evidence)
