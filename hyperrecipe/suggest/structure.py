@@ -4,7 +4,7 @@ GPT-Neo, BLOOM, MPT, StableLM and the other families transformers ships without 
 ``base_model_tp_plan`` still have the shape tensor parallelism is built on: inside each repeated
 block (attention, MLP) column-wise projections from the hidden size and one row-wise projection
 back to it. This module proposes, in transformers' plan vocabulary so that the translation and the
-check treat them like a declared plan, for every module under a list of layers whose ``nn.Linear``
+check treat them like a declared plan, for every module under a list of layers whose projection
 children are
 
 - projections *from* the hidden size, registered first: ``colwise`` (a fused one, whose output
@@ -16,7 +16,14 @@ children are
   input (BERT's ``value`` is square too, but reads the input): ``rowwise``;
 
 and nothing else with parameters but 1-D ones (norms), plus the output embedding as the gathering
-head. A block that does not fit (a Linear of another shape, a nested block with weights of its
+head. A projection is an ``nn.Linear``, or a leaf module whose class stores its weight ``[in, out]``
+(transformers' ``Conv1D`` in GPT-2, GPT-SW3 and OpenAI-GPT), told by what its forward does with
+an empty input on a non-square instance, never by its name: its entries say ``transposed`` (the
+column-wise weight dim is 1, the row-wise one 0), name the integer attributes holding its global
+output width (``nf``) and, for a packed one, the block's attributes its forward splits the
+output by (GPT-2's ``split_size``), which each rank then holds its share of.
+
+A block that does not fit (a projection of another shape, a nested block with weights of its
 own) is left out; whatever is proposed goes through ``check`` like a declared plan, and a rule it
 rejects is narrowed, never written unverified.
 """
