@@ -427,7 +427,13 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
     gather: dict[str, PlanEntry] = {}
     planned: dict[str, PlanEntry] = {}
     local: dict[str, PlanEntry] = {}
+    # transformers applies the expert-parallel plan *instead of* the tensor-parallel one, so a
+    # family's ep plan repeats the tp entries of its dense projections (Gemma 4's mlp): those
+    # are placed by the tp entry, not given up as an expert style with no translation
+    tp_entries = {(e.pattern, e.style) for e in entries if e.plan == "tp"}
     for entry in entries:
+        if entry.plan == "ep" and (entry.pattern, entry.style) in tp_entries:
+            continue
         if entry.plan == "ep":
             _expert_entry(b, entry, mesh)
             continue

@@ -85,6 +85,20 @@ def test_experts_are_sharded_whole_over_ep_from_the_expert_parallel_plan(tmp_pat
     assert report.agree
 
 
+def test_the_tensor_parallel_entries_an_expert_parallel_plan_repeats_are_not_given_up() -> None:
+    # transformers applies the ep plan instead of the tp plan, so Gemma 4's repeats the dense
+    # mlp's colwise/rowwise entries; they were reported as expert styles with no translation
+    model = build_model("hf:gemma4_text", tiny_config("gemma4_text"))
+    entries = read_plans(model)
+    assert ("model.layers.*.mlp.down_proj", "rowwise") in {
+        (e.pattern, e.style) for e in entries if e.plan == "ep"}
+    t = translate(entries, snapshot(model), {"tp": 2, "ep": 2})
+    assert [n.what for n in t.narrowed if "expert-parallel plan" in n.why] == []
+    fields = {r.match: dict(r.fields) for r in t.rules}
+    assert fields["model.layers.*.mlp.{gate_proj,up_proj}"]["style"] == "colwise"
+    assert fields["model.layers.*.mlp.down_proj"]["style"] == "rowwise"
+
+
 def test_an_untranslatable_style_is_narrowed_with_its_reason(tmp_path: Path) -> None:
     # MiniCPM3's multi-head latent attention: transformers' `mla_kv_a_proj` style has no
     # translation, and its plan names a q_proj this (q_lora_rank) config does not build
