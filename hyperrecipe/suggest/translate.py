@@ -389,19 +389,22 @@ def _expert_entry(b: _Builder, entry: PlanEntry, mesh: Mapping[str, int]) -> Non
         return
     for fqn in found:
         m = b.modules[fqn]
-        args = {a.name for a in m.signature}
+        # the kernel calls forward(hidden states, expert ids, routing weights) positionally:
+        # Mixtral's (hidden_states, top_k_index, top_k_weights), GPT-OSS's (hidden_states,
+        # router_indices, routing_weights)
+        args = m.positional_args
         three_d = [p for p in m.params if len(p.shape) == 3]
         experts = three_d[0].shape[0] if three_d else 0
-        if not {"hidden_states", "top_k_weights"} <= args or not experts:
+        if len(args) < 3 or not experts:
             b.narrowed.append(Narrowed(what=fqn, why=(
                 f"{entry.source} says ep_dispatch_experts, but {fqn} is not a fused experts "
-                f"module called as experts(hidden_states, top_k_index, top_k_weights) with "
+                f"module called as experts(hidden states, expert ids, routing weights) with "
                 f"3-D per-expert parameters; left replicated")))
             continue
         params = {p.name: {EP_DIM: "shard(0)"} for p in m.params
                   if p.shape and p.shape[0] == experts}
         b.add(fqn, {"boundary": True, "local_region": True,
-                    "in_src": {"hidden_states": "replicate", "top_k_weights": "replicate"},
+                    "in_src": {args[0]: "replicate", args[2]: "replicate"},
                     "out_src": {0: {EP_DIM: "partial"}}, "out_dst": {0: "replicate"},
                     "params": params},
               [_entry_text(entry) + f" ({experts} experts, each whole on one rank of "

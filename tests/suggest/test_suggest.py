@@ -85,6 +85,19 @@ def test_experts_are_sharded_whole_over_ep_from_the_expert_parallel_plan(tmp_pat
     assert report.agree
 
 
+def test_experts_called_with_their_own_argument_names_are_sharded_over_ep() -> None:
+    # GPT-OSS's experts take (hidden_states, router_indices, routing_weights), biases [E, ...]
+    # beside the 3-D weights; they were left replicated for not naming top_k_weights
+    s = suggest_recipe("hf:gpt_oss", {"ep": 2}, model_config=tiny_config("gpt_oss"),
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    (rule,) = (dict(r.fields) for r in s.rules if r.match == "model.layers.*.mlp.experts")
+    assert rule["in_src"] == {"hidden_states": "replicate", "routing_weights": "replicate"}
+    assert rule["params"] == {p: {"ep": "shard(0)"} for p in (
+        "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    assert s.sharded_fraction["ep"] > 0.5
+
+
 def test_the_tensor_parallel_entries_an_expert_parallel_plan_repeats_are_not_given_up() -> None:
     # transformers applies the ep plan instead of the tp plan, so Gemma 4's repeats the dense
     # mlp's colwise/rowwise entries; they were reported as expert styles with no translation
