@@ -49,7 +49,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],
                       "identical findings: True"),
     "bench_gather.py": (["--rounds", "1"], '"in_place_over_floor"'),
-    "suggest_families.py": (["--only", "llama", "--no-ep"], "| llama | tp=2 | verified |"),
+    "suggest_families.py": (["--only", "llama", "--no-ep", "--family-timeout-s", "500"],
+                            "| llama | tp=2 | verified |"),
     "bench_export_integrity.py": (["--gib", "0.05", "--repeat", "1"], '"export_over_fsync"'),
     "bench_export.py": (["--hidden", "128", "--layers", "1", "--vocab", "1000", "--rounds", "1"],
                         '"ratio"'),
@@ -120,3 +121,19 @@ def test_worst_case_refuses_a_case_name_it_does_not_have(tmp_path: Path) -> None
     proc = run_tool("bench_worst_case.py", ["--repeats", "1", "--only", "laughs"], tmp_path)
     assert proc.returncode == 2
     assert "--only: no case named ['laughs']; the cases are ['billion-laughs'" in proc.stderr
+
+
+@pytest.mark.slow  # starts fresh interpreters
+def test_suggest_families_runs_only_moe_families_and_records_one_past_its_timeout(
+        tmp_path: Path) -> None:
+    # llama has no expert-parallel plan: --moe-only leaves it out; mixtral cannot build, compile
+    # and check four ranks in 10 ms: recorded as timed out, its worker killed with its ranks
+    results = tmp_path / "rows.json"
+    proc = run_tool("suggest_families.py",
+                    ["--only", "llama", "mixtral", "--moe-only", "--family-timeout-s", "0.01",
+                     "--out", str(tmp_path / "out"), "--json", str(results)], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "| mixtral | tp=2,ep=2 | timed out |" in proc.stdout, proc.stdout[-3000:]
+    assert "| llama |" not in proc.stdout
+    rows = json.loads(results.read_text())["rows"]
+    assert [(r["family"], r["outcome"]) for r in rows] == [("mixtral", "timed out")]

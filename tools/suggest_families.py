@@ -18,10 +18,18 @@ Every verified or narrowed recipe is written under ``--out`` and checked again f
 ``--budget-s`` reports what it reached) and a Markdown summary is printed for
 docs/benchmarks.md.
 
+MoE families (those whose config class carries a ``base_model_ep_plan``, the plan ``suggest``
+shards experts from) run at ``tp=2,ep=2``, four ranks each, unless ``--no-ep``; ``--moe-only``
+runs just them. ``--family-timeout-s`` runs the families one at a time in a worker process of
+its own session, under an address-space limit (``--memory-gb``, inherited by the check's
+ranks): a family that runs past the timeout is recorded as ``timed out`` and the worker is
+killed with all its ranks, and a new one takes the next family.
+
 Usage::
 
     python tools/suggest_families.py [--only llama qwen2] [--budget-s 1800] [--recheck]
                                      [--no-ep] [--out /tmp/suggest-families] [--json results.json]
+    python tools/suggest_families.py --moe-only --family-timeout-s 240 [--memory-gb 6]
     python tools/suggest_families.py --recheck-dir /tmp/suggest-families [--budget-s 600]
 """
 
@@ -30,6 +38,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import selectors
+import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -57,6 +69,14 @@ def families_with_a_plan() -> list[str]:
     return out
 
 
+def is_moe(model_type: str) -> bool:
+    """Whether the family's config class carries an expert-parallel plan: what ``suggest``
+    shards experts over ``ep`` from (without one it proposes nothing on ``ep``)."""
+    from transformers import CONFIG_MAPPING
+
+    return bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+
+
 def causal_families_without_a_plan() -> list[str]:
     """Every model type with a causal-LM class whose config class declares no tensor-parallel
     plan: ``suggest`` reads their plan off the structure."""
@@ -82,11 +102,9 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
     from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
     from hyperrecipe.suggest.translate import LOSS_GROUP
 
-    from transformers import CONFIG_MAPPING
-
     t0 = time.perf_counter()
     row: dict[str, Any] = {"family": model_type}
-    moe = bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+    moe = is_moe(model_type)
     mesh = {"tp": 2, "ep": 2} if moe and ep else {"tp": 2}
     row["mesh"] = ",".join(f"{k}={v}" for k, v in mesh.items())
     try:
@@ -125,6 +143,100 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
                                         timeout_s=120))
         row["recheck"] = report.agree
     return row
+
+
+_READY, _ROW = "@@ready", "@@row "
+"""Markers of the worker's protocol lines on its stdout (anything else it prints is passed on)."""
+
+
+def serve_families() -> int:
+    """The worker (``--worker``): one JSON request per stdin line, one ``@@row`` line each."""
+    import torch
+
+    from hyperrecipe.suggest import suggest_recipe  # noqa: F401 - imported before READY
+
+    torch.set_num_threads(1)
+    print(_READY, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        row = _one(req["family"], Path(req["out"]), req["recheck"], req["ep"])
+        print(_ROW + json.dumps(row), flush=True)
+    return 0
+
+
+class FamilyWorker:
+    """A worker process in a session of its own (so its check ranks die with it), under an
+    address-space limit; restarted after a family runs past its timeout."""
+
+    def __init__(self, memory_gb: float) -> None:
+        self.memory_bytes = int(memory_gb * 2**30)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.buffer = b""
+
+    def _limit(self) -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
+
+    def _line(self, prefix: str, deadline: float) -> str | None:
+        """The next stdout line starting with ``prefix`` before ``deadline``; ``None`` on
+        timeout or exit. Other lines go to stderr."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self.buffer:
+                    raw, self.buffer = self.buffer.split(b"\n", 1)
+                    text = raw.decode("utf-8", "replace")
+                    if text.startswith(prefix):
+                        return text[len(prefix):]
+                    print(text, file=sys.stderr, flush=True)
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(timeout=left):
+                    return None
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return None
+                self.buffer += chunk
+
+    def start(self) -> None:
+        self.buffer = b""
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            preexec_fn=self._limit)
+        if self._line(_READY, time.monotonic() + 600) is None:
+            self.stop()
+            raise RuntimeError("the family worker did not start within 600 s")
+
+    def ensure(self) -> None:
+        """A live worker, started (imports done) if there is none: its start-up is not
+        counted against a family's timeout."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+
+    def run(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """The family's row, or ``None`` when it ran past ``timeout_s`` or the worker died
+        (the worker is then killed with its ranks)."""
+        self.ensure()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        row = self._line(_ROW, time.monotonic() + timeout_s)
+        if row is None:
+            self.stop()
+            return None
+        result: dict[str, Any] = json.loads(row)
+        return result
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
 
 
 def recheck_dir(folder: Path, budget_s: float) -> int:
@@ -166,7 +278,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "instead (the plan is read off the model's structure)")
     p.add_argument("--recheck-dir", metavar="DIR",
                    help="only re-check the recipes a previous run wrote under DIR")
+    p.add_argument("--moe-only", action="store_true",
+                   help="only the families with an expert-parallel plan (tp=2,ep=2 unless --no-ep)")
+    p.add_argument("--family-timeout-s", type=float, default=None,
+                   help="run each family in a worker process and give up on it after this many "
+                        "seconds (recorded as 'timed out')")
+    p.add_argument("--memory-gb", type=float, default=6.0,
+                   help="address-space limit of the worker and of each of its ranks "
+                        "(with --family-timeout-s)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return serve_families()
     import torch
 
     torch.set_num_threads(1)
@@ -175,16 +298,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     families = causal_families_without_a_plan() if args.without_plan else families_with_a_plan()
     which = ("causal-LM families without a base_model_tp_plan" if args.without_plan
              else "families with a base_model_tp_plan")
+    if args.moe_only:
+        families = [f for f in families if is_moe(f)]
+        which += " and a base_model_ep_plan"
     if args.only:
         families = [f for f in families if f in set(args.only)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
     start = time.perf_counter()
+    worker = FamilyWorker(args.memory_gb) if args.family_timeout_s is not None else None
+    try:
+        rows = _run_all(families, args, out_dir, worker, start)
+    finally:
+        if worker is not None:
+            worker.stop()
+    _print_summary(rows, families, which, args.recheck, start)
+    return 0
+
+
+def _run_all(families: list[str], args: argparse.Namespace, out_dir: Path,
+             worker: FamilyWorker | None, start: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for i, family in enumerate(families):
         if time.perf_counter() - start > args.budget_s:
             break
-        row = _one(family, out_dir, args.recheck, not args.no_ep)
+        if worker is None:
+            row = _one(family, out_dir, args.recheck, not args.no_ep)
+        else:
+            print(f"[{i + 1}/{len(families)} {time.perf_counter() - start:7.1f} s] {family}: "
+                  f"started", flush=True)
+            worker.ensure()
+            t0 = time.perf_counter()
+            request = {"family": family, "out": str(out_dir), "recheck": args.recheck,
+                       "ep": not args.no_ep}
+            got = worker.run(request, args.family_timeout_s)
+            row = got if got is not None else {
+                "family": family, "outcome": "timed out", "seconds": time.perf_counter() - t0,
+                "mesh": "tp=2,ep=2" if is_moe(family) and not args.no_ep else "tp=2",
+                "why": f"no result within {args.family_timeout_s:g} s (or the worker died): "
+                       f"the worker and its ranks were killed"}
         rows.append(row)
         print(f"[{i + 1}/{len(families)} {time.perf_counter() - start:7.1f} s] {family}: "
               f"{row['outcome']} ({row['seconds']:.1f} s)"
@@ -192,17 +344,22 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f" -- {row['why']}" if row.get("why") else ""), flush=True)
         Path(args.json).write_text(json.dumps({"families": len(families), "rows": rows},
                                               indent=1), encoding="utf-8")
+    return rows
+
+
+def _print_summary(rows: list[dict[str, Any]], families: list[str], which: str, recheck: bool,
+                   start: float) -> None:
     counts = Counter(r["outcome"] for r in rows)
     ok = [r for r in rows if r["outcome"] in ("verified", "narrowed")]
     print(f"\n{len(rows)} of {len(families)} {which} reached in "
           f"{time.perf_counter() - start:.0f} s: verified {counts['verified']}, narrowed "
-          f"{counts['narrowed']}, refused {counts['refused']}, not a causal LM "
-          f"{counts['not a causal LM']}; of the {len(ok)} with a recipe: sequence parallel "
+          f"{counts['narrowed']}, refused {counts['refused']}, timed out "
+          f"{counts['timed out']}, not a causal LM {counts['not a causal LM']}; of the {len(ok)} with a recipe: sequence parallel "
           f"{sum(r['sequence_parallel'] for r in ok)}, loss on vocab shards "
           f"{sum(r['loss_parallel'] for r in ok)}, experts over ep "
           f"{sum(r['experts'] for r in ok)}"
           + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
-             if args.recheck else ""))
+             if recheck else ""))
     print("\n| family | mesh | outcome | checks | SP | loss | tp bytes | ep bytes | s | "
           "given up / why |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -214,7 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{yes[r.get('loss_parallel')]} | {r.get('sharded', 0.0):.0%} | "
               f"{r.get('sharded_ep', 0.0):.0%} | {r['seconds']:.0f} | "
               f"{detail[:140].replace('|', '/')} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,15 @@ class PlanEntry:
             and up); a fused q/k/v read off the structure has three.
         head: the entry is the model's output embedding (the head class's own plan says so by
             where it is declared; an entry read off the structure says so here).
+        transposed: the projection stores its weight ``[in, out]`` (transformers' ``Conv1D``),
+            the transpose of ``nn.Linear``'s: column-wise shards weight dim 1, row-wise dim 0.
+            Only an entry read off the structure sets it (transformers' plans name no such
+            module).
+        sizes: integer attributes of the projection that hold its global output width (the
+            forward shapes its output with them, as ``Conv1D`` does with ``nf``): each rank
+            holds its share.
+        split_sizes: integer attributes of the enclosing block that its forward splits this
+            (packed) projection's output by (GPT-2's ``split_size``): each rank holds its share.
     """
 
     pattern: str
@@ -40,6 +49,9 @@ class PlanEntry:
     source: str
     chunks: int = 0
     head: bool = False
+    transposed: bool = False
+    sizes: tuple[str, ...] = ()
+    split_sizes: tuple[str, ...] = ()
 
 
 def _as_plan(value: object) -> dict[str, str]:

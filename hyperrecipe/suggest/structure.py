@@ -4,7 +4,7 @@ GPT-Neo, BLOOM, MPT, StableLM and the other families transformers ships without 
 ``base_model_tp_plan`` still have the shape tensor parallelism is built on: inside each repeated
 block (attention, MLP) column-wise projections from the hidden size and one row-wise projection
 back to it. This module proposes, in transformers' plan vocabulary so that the translation and the
-check treat them like a declared plan, for every module under a list of layers whose ``nn.Linear``
+check treat them like a declared plan, for every module under a list of layers whose projection
 children are
 
 - projections *from* the hidden size, registered first: ``colwise`` (a fused one, whose output
@@ -16,7 +16,14 @@ children are
   input (BERT's ``value`` is square too, but reads the input): ``rowwise``;
 
 and nothing else with parameters but 1-D ones (norms), plus the output embedding as the gathering
-head. A block that does not fit (a Linear of another shape, a nested block with weights of its
+head. A projection is an ``nn.Linear``, or a leaf module whose class stores its weight ``[in, out]``
+(transformers' ``Conv1D`` in GPT-2, GPT-SW3 and OpenAI-GPT), told by what its forward does with
+an empty input on a non-square instance, never by its name: its entries say ``transposed`` (the
+column-wise weight dim is 1, the row-wise one 0), name the integer attributes holding its global
+output width (``nf``) and, for a packed one, the block's attributes its forward splits the
+output by (GPT-2's ``split_size``), which each rank then holds its share of.
+
+A block that does not fit (a projection of another shape, a nested block with weights of its
 own) is left out; whatever is proposed goes through ``check`` like a declared plan, and a rule it
 rejects is narrowed, never written unverified.
 """
@@ -26,6 +33,8 @@ from __future__ import annotations
 import inspect
 import re
 
+import attrs
+import torch
 from torch import nn
 
 from hyperrecipe.integrations.hf_plans import PlanEntry
@@ -35,6 +44,7 @@ __all__ = ["STRUCTURE_SOURCE", "structural_entries"]
 
 
 _SPLITS = re.compile(r"\.(split|chunk|unbind)\(|torch\.(split|chunk)\(")
+_SPLIT_BY = re.compile(r"\.split\(\s*self\.(\w+)|torch\.split\([^,()]+,\s*self\.(\w+)")
 
 
 def _fold(fqn: str) -> str:
@@ -81,37 +91,129 @@ def _reads_the_input(block: nn.Module, name: str) -> bool:
     return rebound is None or call.start() < rebound.start()
 
 
-def _block_entries(fqn: str, block: nn.Module, hidden: int) -> list[PlanEntry] | None:
-    linears = [(name, m) for name, m in block.named_children() if isinstance(m, nn.Linear)]
-    if len(linears) < 2 or any(name.isdigit() for name, _ in linears):
+@attrs.frozen(kw_only=True)
+class _Projection:
+    """A linear projection child: ``nn.Linear``, or a leaf module whose weight is stored
+    ``[in, out]`` (transformers' ``Conv1D``, told by what its forward does, not by name)."""
+
+    name: str
+    module: nn.Module
+    in_features: int
+    out_features: int
+    transposed: bool
+
+
+def _leaf_weight(module: nn.Module) -> torch.Tensor | None:
+    """The 2-D ``weight`` of a leaf module whose only other parameter is a 1-D ``bias``."""
+    if any(True for _ in module.children()):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if (weight is None or weight.dim() != 2 or set(params) - {"weight", "bias"}
+            or (bias is not None and tuple(bias.shape) != (weight.shape[1],))):
+        return None
+    return weight
+
+
+def _stores_in_out(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether ``module`` maps ``[..., weight.shape[0]]`` to ``[..., weight.shape[1]]``: its
+    weight is ``[in, out]``. Probed with an empty input on the weight's device (meta for a model
+    built on meta); a square weight cannot tell, so its class is judged by a non-square one."""
+    rows, cols = weight.shape
+    try:
+        with torch.no_grad():
+            out = module(torch.empty(2, rows, device=weight.device, dtype=weight.dtype))
+    except Exception:  # noqa: BLE001 - any forward that refuses the probe is not a projection
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, cols)
+
+
+def transposed_classes(model: nn.Module) -> frozenset[type[nn.Module]]:
+    """Classes of leaf modules that store their weight ``[in, out]`` and compute ``x @ W (+ b)``,
+    judged on a non-square instance of each (GPT-2's ``c_attn`` tells for its square ``c_proj``)."""
+    judged: dict[type[nn.Module], bool] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls in judged or isinstance(module, nn.Linear):
+            continue
+        weight = _leaf_weight(module)
+        if weight is not None and weight.shape[0] != weight.shape[1]:
+            judged[cls] = _stores_in_out(module, weight)
+    return frozenset(c for c, yes in judged.items() if yes)
+
+
+def _projections(block: nn.Module, transposed: frozenset[type[nn.Module]]) -> list[_Projection]:
+    out: list[_Projection] = []
+    for name, m in block.named_children():
+        if isinstance(m, nn.Linear):
+            out.append(_Projection(name=name, module=m, in_features=m.in_features,
+                                   out_features=m.out_features, transposed=False))
+        elif type(m) in transposed:
+            weight = _leaf_weight(m)
+            if weight is not None:
+                out.append(_Projection(name=name, module=m, in_features=int(weight.shape[0]),
+                                       out_features=int(weight.shape[1]), transposed=True))
+    return out
+
+
+def _output_sizes(p: _Projection) -> tuple[str, ...]:
+    """Integer attributes of a transposed projection equal to its output width (``nf``): its
+    forward shapes the output with them."""
+    if not p.transposed:
+        return ()
+    return tuple(sorted(k for k, v in vars(p.module).items()
+                        if not k.startswith("_") and type(v) is int and v == p.out_features))
+
+
+def _split_sizes(block: nn.Module, part: int) -> tuple[str, ...]:
+    """Integer attributes of ``block`` its forward splits a fused output by (``.split(self.X``),
+    holding one part's global width."""
+    try:
+        source = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return ()
+    names = {n for found in _SPLIT_BY.findall(source) for n in found if n}
+    return tuple(sorted(n for n in names
+                        if type(getattr(block, n, None)) is int and getattr(block, n) == part))
+
+
+def _block_entries(fqn: str, block: nn.Module, hidden: int,
+                   transposed: frozenset[type[nn.Module]]) -> list[PlanEntry] | None:
+    linears = _projections(block, transposed)
+    if len(linears) < 2 or any(p.name.isdigit() for p in linears):
         return None  # a Sequential's numbered children read as layer indices in a pattern
+    names = {p.name for p in linears}
     for name, child in block.named_children():
-        if isinstance(child, nn.Linear):
+        if name in names:
             continue
         if any(p.dim() > 1 for p in child.parameters()):
             return None  # a nested block with weights of its own: not one region
-    rows = [i for i, (_, m) in enumerate(linears) if m.out_features == hidden]
+    rows = [i for i, p in enumerate(linears) if p.out_features == hidden]
     if not rows:
         return None
     row = rows[-1]
     cols = linears[:row]
-    if (not cols or row != len(linears) - 1 or any(m.in_features != hidden for _, m in cols)
-            or _reads_the_input(block, linears[row][0])):
+    if (not cols or row != len(linears) - 1 or any(p.in_features != hidden for p in cols)
+            or _reads_the_input(block, linears[row].name)):
         return None
-    row_in = linears[row][1].in_features
-    if len(cols) == 1 and cols[0][1].out_features % row_in:
+    row_in = linears[row].in_features
+    if len(cols) == 1 and cols[0].out_features % row_in:
         return None  # fused parts of unequal widths (one key/value head beside the queries)
     cls = type(block).__name__
     src = f"{STRUCTURE_SOURCE}: {cls} at {_fold(fqn)}"
     out: list[PlanEntry] = []
-    for name, m in cols:
-        chunks = m.out_features // row_in if m.out_features % row_in == 0 else 1
+    for p in cols:
+        chunks = p.out_features // row_in if p.out_features % row_in == 0 else 1
         style = ("packed_colwise" if len(cols) == 1 and chunks > 1 and _splits_its_output(block)
                  else "colwise")
-        out.append(PlanEntry(pattern=f"{_fold(fqn)}.{name}", style=style, plan="tp",
-                             source=src, chunks=chunks if style == "packed_colwise" else 0))
-    name, _ = linears[row]
-    out.append(PlanEntry(pattern=f"{_fold(fqn)}.{name}", style="rowwise", plan="tp", source=src))
+        packed = style == "packed_colwise"
+        out.append(PlanEntry(pattern=f"{_fold(fqn)}.{p.name}", style=style, plan="tp",
+                             source=src, chunks=chunks if packed else 0,
+                             transposed=p.transposed, sizes=_output_sizes(p),
+                             split_sizes=_split_sizes(block, row_in) if packed else ()))
+    last = linears[row]
+    out.append(PlanEntry(pattern=f"{_fold(fqn)}.{last.name}", style="rowwise", plan="tp",
+                         source=src, transposed=last.transposed))
     return out
 
 
@@ -121,6 +223,7 @@ def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
     hidden = _hidden_size(model)
     if hidden is None:
         return ()
+    transposed = transposed_classes(model)
     out: list[PlanEntry] = []
     seen: set[str] = set()
     for fqn, block in model.named_modules():
@@ -128,7 +231,7 @@ def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
         if "*" not in folded or folded in seen:
             continue
         seen.add(folded)
-        entries = _block_entries(fqn, block, hidden)
+        entries = _block_entries(fqn, block, hidden, transposed)
         if entries:
             out.extend(entries)
     head = _called(model, "get_output_embeddings")

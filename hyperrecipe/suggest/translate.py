@@ -49,6 +49,10 @@ _UNTRANSLATED = {
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
                "n_heads", "n_kv_heads")
 """Integer attributes of an attention module that count heads: each rank has its share."""
+_STRUCTURE_HEAD_ATTRS = (*_HEAD_ATTRS, "n_head")
+"""The same for a region read off the structure, which also takes OpenAI-GPT's ``n_head`` (its
+``split_heads`` views the local width as ``n_head`` heads). Not for plan families: a field is
+added there only with a family that needs it, since some read counts as global sizes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -144,10 +148,12 @@ class _Builder:
         rx = _pattern_regex(pattern)
         return [f for f in self.modules if rx.fullmatch(f)]
 
-    def is_linear(self, fqn: str) -> bool:
+    def is_linear(self, fqn: str, *, transposed: bool = False) -> bool:
+        """An ``nn.Linear`` with a 2-D weight, or (``transposed``) a projection the structure
+        found storing its 2-D weight ``[in, out]``."""
         m = self.modules[fqn]
         w = m.param("weight")
-        return m.is_a(_LINEAR) and w is not None and len(w.shape) == 2
+        return (transposed or m.is_a(_LINEAR)) and w is not None and len(w.shape) == 2
 
 
 def _entry_text(e: PlanEntry) -> str:
@@ -169,7 +175,8 @@ def _region_fields(m: ModuleInfo, dim: str, *, widths: bool = False) -> dict[str
                              "attn_weights": _placement(dim, "shard(1)")}
     else:
         fields["out_src"] = {0: "replicate"}
-    heads = {name: dim for name, _ in m.int_attrs if name in _HEAD_ATTRS}
+    names = _STRUCTURE_HEAD_ATTRS if widths else _HEAD_ATTRS
+    heads = {name: dim for name, _ in m.int_attrs if name in names}
     ints = dict(m.int_attrs)
     width, per_head = ints.get("embed_dim"), ints.get("head_dim")
     count = next((ints[n] for n in ("num_heads", "num_attention_heads") if n in ints), None)
@@ -229,6 +236,9 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     outs = ", ".join(_leaf(f) for f, _ in rows)
     fields = _region_fields(region, dim,
                             widths=cols[0][1].source.startswith(STRUCTURE_SOURCE))
+    split = {s: dim for _, e in cols for s in e.split_sizes if region.int_attr(s) is not None}
+    if split:  # the forward splits a packed output by a global width: each rank has its share
+        fields["head_counts"] = {**fields.get("head_counts", {}), **split}
     sources = [f"region: {match} holds the column-wise {names} and the row-wise {outs} of "
                f"{cols[0][1].source}; replicated in and out, one all-reduce each way"]
     own = b.head_params.pop(parent, {})
@@ -238,7 +248,7 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
         sources += [_entry_text(e) + " (a parameter per head: sharded with the heads)"
                     for e in own.values()]
     b.add(match, fields, sources, parent, parent)
-    plain = [(f, e) for f, e in cols if e.style != "packed_colwise"]
+    plain = [(f, e) for f, e in cols if e.style != "packed_colwise" and not e.transposed]
     if plain:
         b.add(_alternatives(parent, [f for f, _ in plain]),
               {"style": "colwise", "boundary": False},
@@ -246,18 +256,41 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     for fqn, entry in cols:
         if entry.style == "packed_colwise":
             parts = entry.chunks or 2
-            chunked = _placement(dim, f"shard(0, chunks={parts})")
-            params: dict[str, Any] = {"weight": chunked}
-            if b.modules[fqn].param("bias") is not None:
-                params["bias"] = chunked
-            b.add(fqn, {"params": params},
+            b.add(fqn, _column_fields(b, fqn, entry, parts),
                   [_entry_text(entry) + f" ({parts} packed parts, each sharded: "
                                         f"chunks={parts})"],
                   parent, fqn)
+        elif entry.transposed:
+            b.add(fqn, _column_fields(b, fqn, entry, 0),
+                  [_entry_text(entry) + _TRANSPOSED], parent, fqn)
     for fqn, entry in rows:
-        b.add(fqn, {"style": "rowwise"}, [_entry_text(entry)], parent, fqn)
+        row: dict[str, Any] = {"style": "rowwise"}
+        if entry.transposed:  # the style speaks of nn.Linear's [out, in]: the input dim is 0
+            b.add(fqn, {**row, "params": {"weight": _placement(dim, "shard(0)")}},
+                  [_entry_text(entry) + _TRANSPOSED], parent, fqn)
+        else:
+            b.add(fqn, row, [_entry_text(entry)], parent, fqn)
     b.claimed.update(f for f, _ in cols)
     b.claimed.update(f for f, _ in rows)
+
+
+_TRANSPOSED = " (weight stored [in, out]: its output dim is 1)"
+
+
+def _column_fields(b: _Builder, fqn: str, entry: PlanEntry, parts: int) -> dict[str, Any]:
+    """The parameters of a column-wise projection without the ``colwise`` style: packed in
+    ``parts`` chunks, or stored ``[in, out]`` (then the weight's output dim is 1 and the
+    integer attributes holding its output width are divided too)."""
+    dim = b.options.dim
+    chunks = f", chunks={parts}" if parts else ""
+    out_dim = 1 if entry.transposed else 0
+    params: dict[str, Any] = {"weight": _placement(dim, f"shard({out_dim}{chunks})")}
+    if b.modules[fqn].param("bias") is not None:
+        params["bias"] = _placement(dim, f"shard(0{chunks})")
+    fields: dict[str, Any] = {"params": params}
+    if entry.sizes:
+        fields["head_counts"] = {s: dim for s in entry.sizes}
+    return fields
 
 
 def _reached(b: _Builder, regions: Sequence[str], planned: Mapping[str, PlanEntry]) -> None:
@@ -356,19 +389,22 @@ def _expert_entry(b: _Builder, entry: PlanEntry, mesh: Mapping[str, int]) -> Non
         return
     for fqn in found:
         m = b.modules[fqn]
-        args = {a.name for a in m.signature}
+        # the kernel calls forward(hidden states, expert ids, routing weights) positionally:
+        # Mixtral's (hidden_states, top_k_index, top_k_weights), GPT-OSS's (hidden_states,
+        # router_indices, routing_weights)
+        args = m.positional_args
         three_d = [p for p in m.params if len(p.shape) == 3]
         experts = three_d[0].shape[0] if three_d else 0
-        if not {"hidden_states", "top_k_weights"} <= args or not experts:
+        if len(args) < 3 or not experts:
             b.narrowed.append(Narrowed(what=fqn, why=(
                 f"{entry.source} says ep_dispatch_experts, but {fqn} is not a fused experts "
-                f"module called as experts(hidden_states, top_k_index, top_k_weights) with "
+                f"module called as experts(hidden states, expert ids, routing weights) with "
                 f"3-D per-expert parameters; left replicated")))
             continue
         params = {p.name: {EP_DIM: "shard(0)"} for p in m.params
                   if p.shape and p.shape[0] == experts}
         b.add(fqn, {"boundary": True, "local_region": True,
-                    "in_src": {"hidden_states": "replicate", "top_k_weights": "replicate"},
+                    "in_src": {args[0]: "replicate", args[2]: "replicate"},
                     "out_src": {0: {EP_DIM: "partial"}}, "out_dst": {0: "replicate"},
                     "params": params},
               [_entry_text(entry) + f" ({experts} experts, each whole on one rank of "
@@ -394,7 +430,13 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
     gather: dict[str, PlanEntry] = {}
     planned: dict[str, PlanEntry] = {}
     local: dict[str, PlanEntry] = {}
+    # transformers applies the expert-parallel plan *instead of* the tensor-parallel one, so a
+    # family's ep plan repeats the tp entries of its dense projections (Gemma 4's mlp): those
+    # are placed by the tp entry, not given up as an expert style with no translation
+    tp_entries = {(e.pattern, e.style) for e in entries if e.plan == "tp"}
     for entry in entries:
+        if entry.plan == "ep" and (entry.pattern, entry.style) in tp_entries:
+            continue
         if entry.plan == "ep":
             _expert_entry(b, entry, mesh)
             continue
@@ -415,7 +457,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
             continue
         for fqn in found:
             style = entry.style
-            if style in _LINEAR_STYLES and not b.is_linear(fqn):
+            if style in _LINEAR_STYLES and not b.is_linear(fqn, transposed=entry.transposed):
                 b.narrowed.append(Narrowed(what=fqn, why=(
                     f"{entry.source} says {style}, but {fqn} is a "
                     f"{b.modules[fqn].cls.rsplit('.', 1)[-1]}, not an nn.Linear with a 2-D "
