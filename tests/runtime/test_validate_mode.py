@@ -264,6 +264,49 @@ def test_a_plain_mask_that_broadcasts_over_the_sharded_heads_is_taken_as_replica
         assert "got mixed torch.Tensor and DTensor" in res["refused"]
 
 
+def _mla_qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # multi-head latent attention's shapes: query/key heads wider than value heads, so CPU
+    # SDPA takes its math kernel, which builds the causal mask inside the op
+    return (torch.randn(2, 4, 5, 12, generator=g), torch.randn(2, 4, 5, 12, generator=g),
+            torch.randn(2, 4, 5, 8, generator=g))
+
+
+def _causal_sdpa(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hyperrecipe.runtime.forward.validate_scope import validate_compute
+
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    q, k, v = (DTensor.from_local(t.chunk(world, 1)[rank].clone(), mesh,
+                                  (Shard(1),)).requires_grad_() for t in _mla_qkv())
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = validate_compute(lambda: sdpa(q, k, v, is_causal=True, scale=0.3), "attn")()
+    out.pow(2).sum().backward()
+    grads = [t.grad.full_tensor() for t in (q, k, v) if isinstance(t.grad, DTensor)]
+    return {"placements": str(out.placements), "out": out.full_tensor().detach(), "grads": grads}
+
+
+def test_causal_sdpa_on_the_math_kernel_runs_on_head_sharded_dtensors_like_one_process() -> None:
+    """DeepSeek-V3's attention under transformers' defaults (``sdpa``, ``is_causal=True``, no
+    mask) on CPU: query/key heads of 12 beside values of 8 send SDPA to its math kernel, whose
+    own causal mask is a plain tensor, and DTensor refused the mix (``aten.add.Tensor got mixed
+    torch.Tensor and DTensor``; `suggest` then left DeepSeek's whole attention replicated).
+    Validate mode passes the same mask explicitly as a replicated DTensor: heads stay sharded,
+    the output and the three input gradients equal one process's (atol 1e-6, rtol 1e-5: the
+    softmax is computed in another order)."""
+    q, k, v = (t.requires_grad_() for t in _mla_qkv())
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    expected.pow(2).sum().backward()
+    for res in run_ranks(_causal_sdpa, 2, timeout_s=120):
+        assert res["placements"] == "(Shard(dim=1),)"
+        torch.testing.assert_close(res["out"], expected.detach(), atol=1e-6, rtol=1e-5)
+        assert len(res["grads"]) == 3
+        for got, want in zip(res["grads"], (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 EP_LLAMA4 = """recipe: llama4-ep
 version: 1
 mesh: [ep]

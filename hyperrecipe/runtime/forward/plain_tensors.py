@@ -21,17 +21,25 @@ the DTensors' global shapes and fails loudly, as before.
 DTensor refused the mix (the op is then run again); it declines (returns ``None``) when any plain
 tensor has a sharded dim's size, or is a view of a local shard validate mode handed back to the
 model's code (:mod:`~hyperrecipe.runtime.forward.handed_back`), and DTensor's refusal stands.
+
+**The causal mask torch makes itself.** ``scaled_dot_product_attention(..., is_causal=True)``
+on CPU falls back to its math kernel when the fused one does not fit (multi-head latent
+attention: query and key heads of 192, values of 128), and that kernel builds the causal mask
+as a plain tensor inside the op, where no model code can reach it. :func:`explicit_causal_mask`
+gives the op the same mask instead, ``ones(q, kv).tril()`` (torch's documented meaning of
+``is_causal``: aligned to the top left), as a replicated DTensor of the global sizes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hyperrecipe.runtime.forward.handed_back import is_handed_back_shard
 
-__all__ = ["MIXED_TENSORS", "replicate_broadcast_plain"]
+__all__ = ["MIXED_TENSORS", "explicit_causal_mask", "replicate_broadcast_plain"]
 
 MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
 """The text of DTensor's refusal of a plain tensor beside a DTensor."""
@@ -94,3 +102,32 @@ def replicate_broadcast_plain(args: Any, kwargs: dict[str, Any]
         return v
 
     return tuple(convert(v) for v in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def explicit_causal_mask(func: Any, args: Any, kwargs: dict[str, Any]
+                         ) -> tuple[Any, dict[str, Any]] | None:
+    """``(args, kwargs)`` of a DTensor ``scaled_dot_product_attention`` call with
+    ``is_causal=True`` and no mask, rewritten to pass the causal mask explicitly as a replicated
+    DTensor; ``None`` for any other call (see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if func is not torch.nn.functional.scaled_dot_product_attention or len(args) > len(_SDPA_ARGS):
+        return None
+    named = dict(zip(_SDPA_ARGS, args))
+    if set(named) & set(kwargs):
+        return None
+    named.update(kwargs)
+    query, key = named.get("query"), named.get("key")
+    if (not named.get("is_causal") or named.get("attn_mask") is not None
+            or not isinstance(query, DTensor) or not isinstance(key, DTensor)):
+        return None
+    mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                      device=query.to_local().device).tril()
+    mesh = query.device_mesh
+    named["attn_mask"] = DTensor.from_local(mask, mesh, tuple(Replicate() for _ in range(mesh.ndim)),
+                                            run_check=False)
+    named["is_causal"] = False
+    return (), named

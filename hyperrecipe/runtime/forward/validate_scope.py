@@ -53,7 +53,11 @@ from torch.overrides import TorchFunctionMode
 from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
 from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
-from hyperrecipe.runtime.forward.plain_tensors import MIXED_TENSORS, replicate_broadcast_plain
+from hyperrecipe.runtime.forward.plain_tensors import (
+    MIXED_TENSORS,
+    explicit_causal_mask,
+    replicate_broadcast_plain,
+)
 
 __all__ = ["caller_is_local", "refuse_unsupported_op", "running_local_code", "validate_compute"]
 
@@ -115,7 +119,8 @@ class _ValidateComputeMode(TorchFunctionMode):
         except RuntimeError as exc:
             if MIXED_TENSORS not in str(exc):
                 raise
-            converted = replicate_broadcast_plain(args, kwargs)
+            converted = (replicate_broadcast_plain(args, kwargs)
+                         or explicit_causal_mask(func, args, kwargs))
             if converted is None:
                 raise
         return func(*converted[0], **converted[1])
