@@ -33,7 +33,10 @@ Strategies:
   weights_only=True)``), then read like safetensors, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
-  state dict at the top level (keys ``<fqn>``), on any mesh.
+  state dict at the top level (keys ``<fqn>``), on any mesh. After every check, one
+  ``dcp.load`` reads straight into the shards (DTensors over the shards' own storage), so a
+  load holds no second copy of the rank's shards; only a tied parameter stored under several
+  names is read into buffers first, to compare its names before anything is written.
 """
 
 from __future__ import annotations
@@ -455,33 +458,65 @@ class _DCP:
         ignored = _check_fit(targets, shapes, files, ignore, problems,
                              _tied_hints(self.live.model, shapes))
         found = _found(targets, shapes)
-        # Read everything this rank needs in one dcp.load, into fresh buffers: a failure
-        # leaves the model untouched. Every name a tied parameter is stored under is read,
-        # so that names holding different values are found (see _refuse_differing_ties).
-        buffers: dict[str, Tensor] = {}
-        request: dict[str, Tensor] = {}
-        gathered: list[tuple[_Target, str]] = []  # layouts DTensor cannot store: whole, sliced
+        live = self.live
+
+        def request_for(t: _Target, name: str, into: Tensor) -> tuple[Tensor, bool]:
+            """The state-dict entry that loads ``name`` into ``into`` (``t``'s shard or a
+            buffer like it), and whether DCP writes ``into`` itself (``False``: the layout is
+            one DTensor cannot store, read whole and sliced after)."""
+            if t.plan is None:
+                return into, True
+            stored = live.as_dtensor(t.plan, into)
+            local = stored._local_tensor  # type: ignore[attr-defined]
+            return stored, local.data_ptr() == into.data_ptr()
+
+        # A tied parameter stored under several names is read first, each name into its own
+        # buffer, so that names holding different values are refused before anything is
+        # written (see _refuse_differing_ties); nothing else is read before the checks pass.
+        tied: dict[str, Tensor] = {}
+        first: dict[str, Tensor] = {}
+        later: list[tuple[_Target, str, Tensor]] = []  # layouts read whole, sliced after
         for t in targets:
+            if len(found[t.fqn]) < 2:
+                continue
             for name in found[t.fqn]:
-                key = prefix + name
-                if t.plan is None:
-                    buffers[name] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
-                                                               device=t.local.device)
-                    continue
-                buffers[name] = torch.empty_like(t.local)
-                request[key] = self.live.as_dtensor(t.plan, buffers[name])
-                local = request[key]._local_tensor  # type: ignore[attr-defined]
-                if local.data_ptr() != buffers[name].data_ptr():
-                    gathered.append((t, name))
-        trusted_dcp_load(request, source)  # into fresh buffers: the model is untouched
-        for t, name in gathered:
+                tied[name] = (torch.empty(t.shape, dtype=t.local.dtype, device=t.local.device)
+                              if t.plan is None else torch.empty_like(t.local))
+                first[prefix + name], direct = request_for(t, name, tied[name])
+                if not direct:
+                    later.append((t, name, first[prefix + name]))
+        if first:
+            trusted_dcp_load(first, source)
+        for t, name, whole in later:
             assert t.plan is not None
-            buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
+            tied[name] = live.shard_of(t.plan, whole)
+        del first, later
 
         def read(target: _Target, key: str | None = None) -> Tensor:
-            return buffers[key or found[target.fqn][0]]
+            return tied[key or found[target.fqn][0]]
 
-        return _Reader(read=read, found=found, files=files, ignored=ignored)
+        def write() -> None:
+            """One ``dcp.load`` straight into the shards (no second copy of the rank's
+            shards); the tied names' values, already read and compared, are copied in."""
+            request: dict[str, Tensor] = {}
+            sliced: list[tuple[_Target, Tensor]] = []
+            for t in targets:
+                name = found[t.fqn][0]
+                if name in tied:
+                    continue
+                request[prefix + name], direct = request_for(t, name, t.local)
+                if not direct:
+                    sliced.append((t, request[prefix + name]))
+            if request:
+                trusted_dcp_load(request, source)
+            for t, whole in sliced:
+                assert t.plan is not None
+                t.local.copy_(live.shard_of(t.plan, whole))
+            for t in targets:
+                if found[t.fqn][0] in tied:
+                    t.local.copy_(tied[found[t.fqn][0]])
+
+        return _Reader(read=read, found=found, files=files, ignored=ignored, write=write)
 
 
 # -- the chain -----------------------------------------------------------------------------
