@@ -6,8 +6,8 @@ the ``safetensors`` library (whose refusals of a bad dtype or shape do not name 
 and every entry must be a known dtype whose ``dtype x shape`` bytes equal its
 ``data_offsets`` span, the spans must tile the data section exactly (no overlap, no gap, none
 past the end of the file: a truncated file is refused here), and the header is bounded
-(:data:`MAX_HEADER_BYTES`) and parsed in one pass, so that 300,000 entries cost a fraction of
-a second and a refusal lists a few names and a count. The tensors are then read by positional
+(:data:`MAX_HEADER_BYTES`, and :data:`MAX_HEADER_ENTRIES` tensors counted before parsing) and
+parsed in one pass, so that a refusal is fast and lists a few names and a count. The tensors are then read by positional
 reads (``os.preadv``) of the descriptor the header was checked through, straight into the
 model's shard where the bytes can land as they are, else through one bounded staging buffer;
 never through a memory mapping, where a file shortened after its check (another process, a
@@ -36,11 +36,20 @@ from torch import Tensor
 
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["MAX_HEADER_BYTES", "SafetensorsEntry", "check_torch_records", "listing",
+__all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "SafetensorsEntry", "Staging",
+           "check_torch_records", "listing",
            "open_safetensors", "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header read (the ``safetensors`` library's own bound)."""
+
+MAX_HEADER_ENTRIES = 100_000
+"""The most tensors one safetensors file may list, counted before its header is parsed (a
+header of 300,000 entries cost 1.6 s in ``json.loads`` alone before it was refused). Real
+checkpoints list far fewer per file: hub exports are sharded at a few GB, so a file of
+Llama 3.1 405B or DeepSeek-V3 lists hundreds to about 1,500 tensors; even a whole
+DeepSeek-V3 (about 91,000 tensors with its FP8 scales, the largest count of a published
+model we know) would fit in one file."""
 
 MAX_LISTED = 50
 """Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
@@ -109,6 +118,12 @@ def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
             text = handle.read(length)
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    listed = text.count(b'"data_offsets"')  # an upper bound on its entries, before parsing
+    if listed > MAX_HEADER_ENTRIES:
+        raise WeightLoadError(
+            f"{path}: its header lists {listed} tensors; load_weights reads at most "
+            f"{MAX_HEADER_ENTRIES} per file (real checkpoints list at most a few thousand per "
+            f"file); re-save it in several files (save_pretrained(max_shard_size=...))")
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
