@@ -10,12 +10,16 @@ The floor beside them is ``safe_open(...).get_slice`` of the rank's rows of ever
 copied into a preallocated tensor (issue 29's anchor for a first load). Medians of
 ``--runs`` runs, one launch.
 
+With ``--dcp`` the loads read a DCP folder of the same weights (``save_checkpoint`` at the
+same tp) instead of the safetensors files (the floor stays safetensors' ``get_slice``).
+
 With ``--header-entries N`` (issue 28: a header of 300,000 entries took 24 s), the same
 checkpoint's ``model.safetensors`` gets N more (empty) entries: the CPU seconds of
 ``json.loads`` of its header alone, of the whole header check, and of one rank's refused
 ``load_weights`` (medians).
 
     python tools/bench_reload.py --hidden 1024 --layers 4 --vocab 32000 --world 2 --runs 3
+    python tools/bench_reload.py --hidden 1024 --layers 4 --vocab 32000 --world 2 --runs 3 --dcp
     python tools/bench_reload.py --hidden 64 --layers 1 --vocab 128 --runs 3 --header-entries 300000
 """
 
@@ -79,7 +83,7 @@ def _floor(reads: list[tuple[Path, str, slice, Tensor]]) -> None:
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
-            runs: int) -> dict[str, Any]:
+            runs: int, dcp: str | None = None) -> dict[str, Any]:
     import gc
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -90,6 +94,15 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     plan = hyperrecipe.compile_recipe(LLAMA, build_model("hf:llama", cfg, device="meta"),
                                       {"tp": world})
+    floor_folder = folder
+    if dcp is not None:  # the same weights as a DCP folder (save_checkpoint at this tp)
+        model = build_model("hf:llama", cfg, device="meta")
+        inst = hyperrecipe.apply(model, plan, mesh, mode="production")
+        inst.load_weights(folder)
+        inst.save_checkpoint(dcp)
+        folder = dcp
+        del model, inst
+        gc.collect()
     first: list[float] = []
     again: list[float] = []
     floor: list[float] = []
@@ -110,7 +123,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
         again.append(seconds)
         again_peak.append(peak)
         torch.distributed.barrier()
-        reads = _floor_reads(folder, rank, world)
+        reads = _floor_reads(floor_folder, rank, world)
         floor.append(_timed(lambda: _floor(reads))[0])
         del model, inst, reads
         gc.collect()
@@ -196,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--header-entries", type=int, default=0)
+    parser.add_argument("--dcp", action="store_true",
+                        help="load a DCP folder (save_checkpoint of the same weights)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -213,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{figures['header_check_cpu_s']:.3f}, a refused load_weights "
                   f"{figures['refused_load_cpu_s']:.3f}")
             return 0
-        ranks = run_ranks(_worker, args.world, cfg, tmp, args.runs, timeout_s=1800)
+        dcp = str(Path(tmp) / "dcp") if args.dcp else None
+        ranks = run_ranks(_worker, args.world, cfg, tmp, args.runs, dcp, timeout_s=1800)
     worst = max(ranks, key=lambda r: r["reload_over_first"])
     results: dict[str, Any] = {"full_bytes": full, "world": args.world, "runs": args.runs,
                                "config": cfg, "ranks": ranks,
