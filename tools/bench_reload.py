@@ -10,6 +10,9 @@ The floor beside them is ``safe_open(...).get_slice`` of the rank's rows of ever
 copied into a preallocated tensor (issue 29's anchor for a first load). Medians of
 ``--runs`` runs, one launch.
 
+With ``--manifest``, an export by ``save_pretrained`` is loaded with its manifest (each rank
+hashes its share of the files first) and, alternated, the same files without it.
+
 With ``--dcp`` the loads read a DCP folder of the same weights (``save_checkpoint`` at the
 same tp) instead of the safetensors files (the floor stays safetensors' ``get_slice``).
 
@@ -20,6 +23,7 @@ checkpoint's ``model.safetensors`` gets N more (empty) entries: the CPU seconds 
 
     python tools/bench_reload.py --hidden 1024 --layers 4 --vocab 32000 --world 2 --runs 3
     python tools/bench_reload.py --hidden 1024 --layers 4 --vocab 32000 --world 2 --runs 3 --dcp
+    python tools/bench_reload.py --hidden 1024 --layers 4 --vocab 32000 --world 2 --runs 5 --manifest
     python tools/bench_reload.py --hidden 64 --layers 1 --vocab 128 --runs 3 --header-entries 300000
 """
 
@@ -134,6 +138,44 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
                                                                         strict=True))}
 
 
+def _manifest_worker(rank: int, world: int, cfg: dict[str, Any], folder: str, runs: int,
+                     export: str) -> dict[str, float]:
+    """``load_weights`` of one export by ``save_pretrained`` with its manifest (each rank
+    hashes its share of the files before loading) and of the same files without it,
+    alternated: the load side of the export's integrity."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hyperrecipe
+    from hyperrecipe.model_tree import build_model
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = hyperrecipe.compile_recipe(LLAMA, build_model("hf:llama", cfg, device="meta"),
+                                      {"tp": world})
+    model = build_model("hf:llama", cfg, device="meta")
+    inst = hyperrecipe.apply(model, plan, mesh, mode="production")
+    inst.load_weights(folder)
+    inst.save_pretrained(export)
+    bare = export + "-bare"
+    if rank == 0:  # the same files, hard-linked, without the manifest
+        os.mkdir(bare)
+        for f in Path(export).iterdir():
+            if f.name != "hyperrecipe.manifest.json":
+                os.link(f, Path(bare) / f.name)
+    torch.distributed.barrier()
+    verified: list[float] = []
+    plain: list[float] = []
+    for _ in range(runs):
+        for source, out in ((export, verified), (bare, plain)):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            inst.load_weights(source)
+            out.append(time.perf_counter() - start)
+    return {"verified_s": statistics.median(verified), "plain_s": statistics.median(plain),
+            "ratio": statistics.median(v / p for v, p in zip(verified, plain, strict=True))}
+
+
 def _add_entries(folder: Path, entries: int) -> Path:
     """``folder``'s single ``model.safetensors`` with ``entries`` more empty tensors."""
     import struct
@@ -209,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--header-entries", type=int, default=0)
+    parser.add_argument("--manifest", action="store_true",
+                        help="load an export with its manifest against the same files without")
     parser.add_argument("--dcp", action="store_true",
                         help="load a DCP folder (save_checkpoint of the same weights)")
     parser.add_argument("--json", action="store_true")
@@ -227,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{figures['json_loads_cpu_s']:.3f}, the whole header check "
                   f"{figures['header_check_cpu_s']:.3f}, a refused load_weights "
                   f"{figures['refused_load_cpu_s']:.3f}")
+            return 0
+        if args.manifest:
+            ranks = run_ranks(_manifest_worker, args.world, cfg, tmp, args.runs,
+                              str(Path(tmp) / "export"), timeout_s=1800)
+            for rank, r in enumerate(ranks):
+                print(f"rank {rank}: load with the manifest verified {r['verified_s']:.3f} s, "
+                      f"without {r['plain_s']:.3f} s, ratio {r['ratio']:.2f} (medians of "
+                      f"{args.runs}, alternated)")
             return 0
         dcp = str(Path(tmp) / "dcp") if args.dcp else None
         ranks = run_ranks(_worker, args.world, cfg, tmp, args.runs, dcp, timeout_s=1800)

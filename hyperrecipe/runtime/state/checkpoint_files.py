@@ -37,8 +37,8 @@ from torch import Tensor
 from hyperrecipe.errors import WeightLoadError
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "SafetensorsEntry", "Staging",
-           "check_torch_records", "listing",
-           "open_safetensors", "read_safetensors_header"]
+           "TorchFile", "check_torch_records", "listing", "open_safetensors",
+           "open_torch_file", "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header read (the ``safetensors`` library's own bound)."""
@@ -441,10 +441,11 @@ def open_safetensors(path: Path, staging: Staging | None = None) -> _Safetensors
     return _SafetensorsFile(path, entries, fd, staging)
 
 
-def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
+def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> dict[str, int]:
     """Refuse a memory-mapped ``torch.load`` result whose storages do not lie in their zip
     records: each storage's bytes must start where a ``data/<key>`` record starts and fit in
-    it.
+    it. Returns the byte offset in the file of each contiguous tensor's data (which lies
+    inside its storage), for positional reads.
 
     Raises:
         WeightLoadError: a storage is longer than its record (a record cut short) or lies at
@@ -462,7 +463,7 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
         if storage.nbytes():
             storages.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1].append(key)
     if not storages:
-        return
+        return {}
     if not records:
         raise WeightLoadError(f"{path}: holds tensors but no data records")
     base = min(storages) - min(records)  # the mapping's address of the file's first byte
@@ -478,3 +479,79 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
     if problems:
         raise WeightLoadError(listing(f"{path}: the tensors do not fit the file's records",
                                       problems))
+    offsets: dict[str, int] = {}
+    for key, tensor in state.items():
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        if storage.nbytes() and tensor.is_contiguous() and \
+                start + tensor.numel() * tensor.element_size() <= storage.nbytes():
+            offsets[key] = storage.data_ptr() - base + start
+    return offsets
+
+
+class TorchFile(_SafetensorsFile):
+    """A checked ``pytorch_model.bin``: names, dtypes and shapes from torch's memory-mapped
+    load (whose pages are never touched), the bytes of each contiguous tensor by positional
+    reads at the offset of its zip record (:func:`check_torch_records`), so a file shortened
+    while loading is a located error here too; a non-contiguous tensor (rare: a view saved
+    as such) is read from the mapping."""
+
+    def __init__(self, path: Path, state: Mapping[str, Tensor], offsets: Mapping[str, int],
+                 fd: int, staging: Staging | None = None) -> None:
+        entries = {k: (t.dtype, list(t.shape), offsets[k]) for k, t in state.items()
+                   if k in offsets}
+        super().__init__(path, entries, fd, staging)
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.state[key].dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
+
+    def get_slice(self, key: str) -> Any:
+        return super().get_slice(key) if key in self.entries else _Mapped(self.state[key])
+
+    def read_into(self, key: str, block: Sequence[slice], out: Tensor) -> None:
+        if key in self.entries:
+            super().read_into(key, block, out)
+        else:
+            out.copy_(self.state[key][tuple(block)])
+
+
+class _Mapped:
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
+        return self.tensor[block]
+
+
+def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
+    """``path`` (a ``pytorch_model.bin``) loaded as data (``weights_only``), its storages
+    checked against their records, ready for positional reads.
+
+    Raises:
+        WeightLoadError: as :func:`check_torch_records`; not a state dict of tensors.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        state = torch.load(f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}")
+                           else str(path), map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
+                                                     for v in state.values()):
+            raise WeightLoadError(f"{path}: cannot be read: not a state dict of tensors")
+        offsets = check_torch_records(path, state)
+    except BaseException:
+        os.close(fd)
+        raise
+    return TorchFile(path, state, offsets, fd, staging)

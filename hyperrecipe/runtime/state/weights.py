@@ -29,8 +29,9 @@ Strategies:
   (per-expert MoE tensors into the fused ``experts.gate_up_proj``, renamed modules) are read
   the way ``from_pretrained`` would place them, still by slices (``hf_conversion.py``).
 - ``torch``: ``pytorch_model.bin`` (sharded with ``pytorch_model.bin.index.json`` or not), or a
-  ``.bin``/``.pt`` file of a state dict: memory-mapped (``torch.load(mmap=True,
-  weights_only=True)``), then read like safetensors, conversions included.
+  ``.bin``/``.pt`` file of a state dict: parsed as data (``torch.load(mmap=True,
+  weights_only=True)``, no tensor page touched), then read like safetensors by positional
+  reads at each tensor's zip record, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
   state dict at the top level (keys ``<fqn>``), on any mesh. After every check, one
@@ -66,9 +67,9 @@ from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
     Staging,
-    check_torch_records,
     listing,
     open_safetensors,
+    open_torch_file,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -281,8 +282,9 @@ def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
 class _TorchPickle(_Safetensors):
     """``pytorch_model.bin`` checkpoints (what ``save_pretrained`` wrote before safetensors, and
     many hub repositories still hold), sharded with ``pytorch_model.bin.index.json`` or not.
-    ``torch.load(mmap=True, weights_only=True)`` maps the file instead of reading it, so a
-    rank's slices read only the pages they cover, and no pickled code runs."""
+    ``torch.load(mmap=True, weights_only=True)`` reads the pickle as data (no pickled code
+    runs) and maps the file without touching its tensors' pages; the rank's slices are then
+    read by positional reads at each tensor's record (:class:`.checkpoint_files.TorchFile`)."""
 
     name = "torch"
     suffixes = (".bin", ".pt", ".pth")
@@ -296,43 +298,8 @@ class _TorchPickle(_Safetensors):
 
     def open(self, path: Path) -> Any:
         if path not in self.opened:
-            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-            if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
-                                                         for v in state.values()):
-                raise ValueError("not a state dict of tensors")
-            check_torch_records(path, state)  # mmap reads a record cut short past its end
-            self.opened[path] = _MappedFile(state)
+            self.opened[path] = open_torch_file(path, self.staging)
         return self.opened[path]
-
-
-class _MappedFile:
-    """A memory-mapped ``torch.load`` result with safetensors' ``safe_open`` interface."""
-
-    def __init__(self, state: Mapping[str, Tensor]) -> None:
-        self.state = state
-
-    def keys(self) -> list[str]:
-        return list(self.state)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.state[key].dtype
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.state[key].shape)
-
-    def get_slice(self, key: str) -> _MappedTensor:
-        return _MappedTensor(self.state[key])
-
-
-class _MappedTensor:
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
-        return self.tensor[block]
 
 
 MAX_INDEX_BYTES = 64 << 20

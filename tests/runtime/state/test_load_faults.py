@@ -39,16 +39,22 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _shorten_after_checks(folder: str, after: int) -> list[str]:
-    """Make the next ``load_weights`` truncate ``folder``'s ``model.safetensors`` to its
-    header and 16 bytes of data once ``after`` tensors were read: between the checks (the
-    plan) and the remaining reads, as another process would. Returns the FQNs read, in
-    order (the last one is the tensor the short read hit)."""
+    """Make the next ``load_weights`` truncate ``folder``'s weight file once ``after``
+    tensors were read (``model.safetensors`` to its header and 16 bytes of data, a
+    ``pytorch_model.bin`` to its first quarter): between the checks (the plan) and the
+    remaining reads, as another process would. Returns the FQNs read, in order (the last
+    one is the tensor the short read hit)."""
     from hyperrecipe.runtime.state import weights
 
-    plan = weights._Safetensors.plan
+    plan = weights._Safetensors.plan  # the torch strategy inherits it
     reads: list[str] = []
     path = Path(folder) / "model.safetensors"
-    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    if path.exists():
+        (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+        keep = 8 + length + 16
+    else:
+        path = Path(folder) / "pytorch_model.bin"
+        keep = path.stat().st_size // 4
 
     def shortening_plan(self: Any, *args: Any) -> Any:
         reader = plan(self, *args)
@@ -56,7 +62,7 @@ def _shorten_after_checks(folder: str, after: int) -> list[str]:
         def count(fqn: str) -> None:
             reads.append(fqn)
             if len(reads) == after + 1:
-                os.truncate(path, 8 + length + 16)
+                os.truncate(path, keep)
 
         def read(target: Any, key: str | None = None) -> torch.Tensor:
             count(target.fqn)
@@ -116,6 +122,25 @@ def test_a_file_shortened_after_its_checks_is_a_located_error_not_a_sigbus(
     assert res["changed"] and set(res["changed"]) <= {f"{k}" for k in written}, res["changed"]
     assert res["changed_are_nan"]
     assert res["unset"] and res["unset"][0].startswith(f"{len(written)} tensors have no value")
+
+
+def test_a_pytorch_model_bin_shortened_after_its_checks_is_a_located_error_not_a_sigbus(
+        hf_folder: Path, tmp_path: Path) -> None:
+    """main mapped it through torch.load(mmap=True): the rank died with SIGBUS."""
+    from tests.support.runtime_harness import llama
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    torch.save(llama().state_dict(), folder / "pytorch_model.bin")
+    res = run_ranks(_shortened_worker, 1, [str(folder)], 0)[0]
+    error = res["error"]
+    assert error is not None, "a shortened file loaded"
+    hit = res["reads"][-1]
+    path = folder / "pytorch_model.bin"
+    assert f"reading {hit!r} failed after its checks passed" in error, error
+    assert f"{path}: reading " in error, error
+    assert f"but the file ends at byte {os.path.getsize(path)}" in error, error
+    assert res["changed_are_nan"] and set(res["changed"]) <= set(res["reads"])
 
 
 def test_one_rank_faulting_mid_copy_makes_every_rank_raise_with_what_it_wrote_unset(
