@@ -63,6 +63,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                          "--json"], '"meta_over_ideal"'),
     "bench_reload.py": (["--hidden", "128", "--layers", "1", "--vocab", "1024", "--world", "2",
                          "--runs", "1", "--json"], '"reload_over_first"'),
+    "bench_reads.py": (["--hidden", "128", "--layers", "1", "--vocab", "1024", "--world", "2",
+                        "--rounds", "1", "--json"], '"preadv"'),
     "bench_torchtitan.py": (["--json", "-", "--dim", "64", "--layers", "1", "--heads", "4",
                              "--kv-heads", "2", "--vocab", "256", "--seq", "16", "--batch", "1",
                              "--warmup", "1", "--steps", "1", "--rounds", "1"],

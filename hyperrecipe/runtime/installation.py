@@ -359,7 +359,7 @@ class Installation:
         try:
             self._agree_on_source(source, "load_weights")
             attempts = load_weights(self._live, self.model, source, self._unloaded,
-                                    tuple(ignore_unexpected))
+                                    tuple(ignore_unexpected), self._agree_on_outcome)
         except WeightLoadError as exc:
             self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
                                        detail=str(exc))]
@@ -459,6 +459,15 @@ class Installation:
         self._check_live()
         rank = dist.get_rank() if dist.is_initialized() else 0
         committed_dcp_save(self.state_dict(optimizer), folder, rank)
+
+    def _agree_on_outcome(self, error: str | None) -> dict[int, str]:
+        """Every rank's outcome of a step of ``load_weights`` (bounded by
+        ``collective_timeout_s``): a rank whose copy failed while the others finished must
+        not leave them training on a model it does not hold."""
+        from hyperrecipe.runtime.preflight.agreement import agree_on_failure
+
+        return agree_on_failure(error, "the agreement in load_weights",
+                                self.collective_timeout_s)
 
     def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
         """Every rank compares a digest of what it is about to read (``source_digest``) in

@@ -32,7 +32,8 @@ from hyperrecipe.plan import Plan
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agree_on_digest", "agreement_timeout", "vote"]
+__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agree_on_digest", "agree_on_failure",
+           "agreement_timeout", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
@@ -73,8 +74,10 @@ def _digest_words(plan: Plan, mesh: DeviceMesh) -> list[int]:
     return [int(hexdigest[i:i + 15], 16) for i in range(0, 15 * _WORDS, 15)]
 
 
-def _all_gather_rows(row: list[int], what: str) -> list[list[int]]:
-    """Every rank's ``row`` (same length everywhere), waiting at most :func:`agreement_timeout`.
+def _all_gather_rows(row: list[int], what: str,
+                     timeout_s: float | None = None) -> list[list[int]]:
+    """Every rank's ``row`` (same length everywhere), waiting at most ``timeout_s`` (default
+    :func:`agreement_timeout`).
 
     Raises:
         PlanMismatchError: a rank did not arrive in time.
@@ -84,7 +87,7 @@ def _all_gather_rows(row: list[int], what: str) -> list[list[int]]:
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
-    timeout = agreement_timeout()
+    timeout = agreement_timeout() if timeout_s is None else timeout_s
     work = gather(everyone, mine, async_op=True)
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))
@@ -163,6 +166,34 @@ def agree_on_digest(digest: str | None, what: str) -> tuple[list[int], list[int]
     failed = [r for r, other in enumerate(rows) if other[-1] != _OK]
     differ = [r for r, other in enumerate(rows) if other[-1] == _OK and other[:-1] != row[:-1]]
     return failed, differ
+
+
+_TEXT_WORDS = 40  # 7 bytes a word: the first 280 bytes of each rank's error
+
+
+def agree_on_failure(error: str | None, what: str,
+                     timeout_s: float | None = None) -> dict[int, str]:
+    """Every rank's outcome of one step, in one bounded exchange: ``{rank: the start of its
+    error}`` for each rank that failed (``error`` is this rank's, ``None`` when it
+    succeeded), the same table on every rank, so that every rank can name the failing rank
+    and what it said.
+
+    Raises:
+        PlanMismatchError: a rank did not arrive within ``timeout_s`` (default
+            :func:`agreement_timeout`).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {} if error is None else {0: error}
+    raw = (error or "").encode("utf-8", "replace")[:7 * _TEXT_WORDS]
+    words = [int.from_bytes(raw[i:i + 7], "little") for i in range(0, 7 * _TEXT_WORDS, 7)]
+    row = [_OK if error is None else _FAILED, len(raw), *words]
+    rows = _all_gather_rows(row, what, timeout_s)
+    out: dict[int, str] = {}
+    for r, (flag, length, *text) in enumerate(rows):
+        if flag != _OK:
+            data = b"".join(w.to_bytes(7, "little") for w in text)[:length]
+            out[r] = data.decode("utf-8", "replace")
+    return out
 
 
 def vote(ok: bool) -> list[int]:

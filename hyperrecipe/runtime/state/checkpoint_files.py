@@ -6,9 +6,12 @@ the ``safetensors`` library (whose refusals of a bad dtype or shape do not name 
 and every entry must be a known dtype whose ``dtype x shape`` bytes equal its
 ``data_offsets`` span, the spans must tile the data section exactly (no overlap, no gap, none
 past the end of the file: a truncated file is refused here), and the header is bounded
-(:data:`MAX_HEADER_BYTES`) and parsed in one pass, so that 300,000 entries cost a fraction of
-a second and a refusal lists a few names and a count. The tensors are then views of the
-memory-mapped file: reading a rank's slice copies it once, straight into the model.
+(:data:`MAX_HEADER_BYTES`, and :data:`MAX_HEADER_ENTRIES` tensors counted before parsing) and
+parsed in one pass, so that a refusal is fast and lists a few names and a count. The tensors are then read by positional
+reads (``os.preadv``) of the descriptor the header was checked through, straight into the
+model's shard where the bytes can land as they are, else through one bounded staging buffer;
+never through a memory mapping, where a file shortened after its check (another process, a
+network filesystem) kills the process with SIGBUS instead of raising.
 
 A ``pytorch_model.bin`` is memory-mapped by ``torch.load(mmap=True, weights_only=True)``, which
 takes each storage's size from the pickle and never compares it with the zip record holding
@@ -20,10 +23,10 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,11 +36,20 @@ from torch import Tensor
 
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["MAX_HEADER_BYTES", "SafetensorsEntry", "check_torch_records", "listing",
-           "open_safetensors", "read_safetensors_header"]
+__all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "SafetensorsEntry", "Staging",
+           "TorchFile", "check_torch_records", "listing", "open_safetensors",
+           "open_torch_file", "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header read (the ``safetensors`` library's own bound)."""
+
+MAX_HEADER_ENTRIES = 100_000
+"""The most tensors one safetensors file may list, counted before its header is parsed (a
+header of 300,000 entries cost 1.6 s in ``json.loads`` alone before it was refused). Real
+checkpoints list far fewer per file: hub exports are sharded at a few GB, so a file of
+Llama 3.1 405B or DeepSeek-V3 lists hundreds to about 1,500 tensors; even a whole
+DeepSeek-V3 (about 91,000 tensors with its FP8 scales, the largest count of a published
+model we know) would fit in one file."""
 
 MAX_LISTED = 50
 """Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
@@ -82,7 +94,18 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
             named, with the file, in a bounded listing.
     """
     try:
-        with open(path, "rb") as handle:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        return _read_header(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
+    try:
+        with os.fdopen(os.dup(fd), "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             head = handle.read(8)
             if len(head) < 8:
@@ -95,6 +118,12 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
             text = handle.read(length)
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    listed = text.count(b'"data_offsets"')  # an upper bound on its entries, before parsing
+    if listed > MAX_HEADER_ENTRIES:
+        raise WeightLoadError(
+            f"{path}: its header lists {listed} tensors; load_weights reads at most "
+            f"{MAX_HEADER_ENTRIES} per file (real checkpoints list at most a few thousand per "
+            f"file); re-save it in several files (save_pretrained(max_shard_size=...))")
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -154,15 +183,70 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
     return entries
 
 
-class _SafetensorsFile:
-    """A checked safetensors file, memory-mapped, with ``safe_open``'s ``keys()`` and
-    ``get_slice(key)``; slices are views of the mapping (no copy until written into the
-    model)."""
+STAGING_BYTES = 8 << 20
+"""The largest staging buffer of a read whose bytes cannot land in place (a slice across an
+inner dim, a dtype conversion, a destination on an accelerator): such a read streams through
+it in pieces, so its extra memory is bounded whatever the tensor's size."""
 
-    def __init__(self, path: Path, entries: Mapping[str, SafetensorsEntry]) -> None:
+
+_SKIP_READ_BYTES = 64 << 10
+"""Between two runs of a column shard, up to this many bytes are read into a scratch buffer
+within one ``preadv`` of many rows; more are skipped by a read call per run (measured here: a
+call costs ~3.5 us, reading a byte ~0.3 ns)."""
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+class Staging:
+    """One reusable staging buffer of at most :data:`STAGING_BYTES`, shared by the files of
+    one load (a folder of a hundred files still holds one buffer)."""
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def take(self, nbytes: int) -> Tensor:
+        """A uint8 tensor of ``nbytes`` (at most :data:`STAGING_BYTES`), reused between calls."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(min(max(nbytes, 1 << 16), STAGING_BYTES),
+                                       dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+
+def _writable_bytes(out: Tensor) -> memoryview | None:
+    """``out``'s memory as a writable byte view when bytes read from a file can land there
+    as they are: a contiguous CPU tensor (``None`` otherwise)."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
+        return None
+    return _bytes_of(out.detach().view(-1).view(torch.uint8))
+
+
+def _bytes_of(flat: Tensor) -> memoryview:
+    """A writable byte view of a contiguous 1-D CPU uint8 tensor's memory."""
+    array: Any = flat.numpy()  # numpy's stubs do not declare the buffer protocol
+    return memoryview(array).cast("B")
+
+
+class _SafetensorsFile:
+    """A checked safetensors file read by positional reads (``os.preadv``) of the descriptor
+    its header was checked through, with ``safe_open``'s ``keys()`` and ``get_slice(key)``.
+
+    No mapping: a file shortened after its check (another process, a network filesystem)
+    would make a memory-mapped read kill the process with SIGBUS; here it is a short read,
+    raised as a :class:`WeightLoadError` naming the file, the tensor and the byte offset.
+    :meth:`read_into` puts a block's bytes straight into the destination when they are
+    contiguous in the file and the destination is a contiguous CPU tensor of the file's dtype
+    (a row shard, a replicated tensor); otherwise they stream through a bounded
+    :class:`Staging` buffer and are copied (and converted) into place piece by piece."""
+
+    def __init__(self, path: Path, entries: Mapping[str, SafetensorsEntry], fd: int,
+                 staging: Staging | None = None) -> None:
         self.path = path
         self.entries = entries
-        self._map: mmap.mmap | None = None
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # also at interpreter exit
+        self.staging = staging or Staging()
+
+    def close(self) -> None:
+        self._closer()
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -173,52 +257,195 @@ class _SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.entries[key][1])
 
-    def get_slice(self, key: str) -> _MappedTensor:
+    def get_slice(self, key: str) -> _SliceReader:
+        return _SliceReader(self, key)
+
+    def read_into(self, key: str, block: Sequence[slice], out: Tensor) -> None:
+        """Fill ``out`` (shaped like ``block`` of ``key``; any dtype, device or strides) with
+        that block of the stored tensor.
+
+        Raises:
+            WeightLoadError: the file ends before the block's bytes (shortened after its
+                check) or cannot be read: names the file, the tensor and the byte offset.
+        """
         dtype, shape, start = self.entries[key]
-        numel = math.prod(shape)
-        if numel == 0:
-            return _MappedTensor(torch.empty(shape, dtype=dtype))
-        if self._map is None:
-            with open(self.path, "rb") as handle:
-                # ACCESS_COPY: a private mapping, writable for torch.frombuffer, never the file.
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        if start % dtype.itemsize:  # another writer's unaligned offsets: no typed view there
-            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=numel * dtype.itemsize,
-                                   offset=start)
-            return _MappedTensor(raw.clone().view(dtype).view(shape))
-        flat = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start)
-        return _MappedTensor(flat.view(shape))
+        bounds = [(sl.start or 0, n if sl.stop is None else sl.stop)
+                  for sl, n in zip(block, shape, strict=True)]
+        if out.numel():
+            self._fill(key, out, dtype, list(shape), bounds, start)
+
+    def _fill(self, key: str, out: Tensor, dtype: torch.dtype, shape: list[int],
+              bounds: list[tuple[int, int]], offset: int) -> None:
+        if not shape:  # a 0-d tensor
+            out.copy_(self._staged(key, offset, dtype.itemsize).view(dtype).view(()))
+            return
+        row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one index of dim 0
+        a, b = bounds[0]
+        inner_whole = all(lo == 0 and hi == n for (lo, hi), n in zip(bounds[1:], shape[1:]))
+        if inner_whole and out.dtype == dtype:
+            target = _writable_bytes(out)
+            if target is not None:  # the block is one run of the file: read it in place
+                self._pread(key, target, offset + a * row)
+                return
+        if len(shape) > 1 and out.dtype == dtype and out.device.type == "cpu" and self._read_runs(
+                key, out, shape, bounds, offset, row):
+            return
+        if row > STAGING_BYTES and len(shape) > 1:  # one index does not fit: go a dim deeper
+            for i in range(a, b):
+                self._fill(key, out[i - a], dtype, shape[1:], bounds[1:], offset + i * row)
+            return
+        step = max(1, STAGING_BYTES // max(row, 1))
+        inner = tuple(slice(lo, hi) for lo, hi in bounds[1:])
+        for lo in range(a, b, step):
+            hi = min(b, lo + step)
+            rows = self._staged(key, offset + lo * row, (hi - lo) * row)
+            piece = rows.view(dtype).view(hi - lo, *shape[1:])
+            out[lo - a:hi - a].copy_(piece if inner_whole else piece[(slice(None), *inner)])
+
+    def _read_runs(self, key: str, out: Tensor, shape: list[int],
+                   bounds: list[tuple[int, int]], offset: int, row: int) -> bool:
+        """Read a block whose inner dims make one run of bytes per index of dim 0 (a column
+        shard) straight into the rows of ``out``: one ``preadv`` per up to 512 rows, the
+        bytes between runs landing in a small scratch buffer, or one read per run when the
+        bytes skipped exceed :data:`_SKIP_READ_BYTES`. ``False`` when ``out`` cannot take the
+        bytes as they are (nothing read)."""
+        if not all(lo == 0 and hi == n for (lo, hi), n in zip(bounds[2:], shape[2:])):
+            return False
+        lo1, hi1 = bounds[1]
+        tail = math.prod(shape[2:]) * out.dtype.itemsize
+        run, start, skip = (hi1 - lo1) * tail, lo1 * tail, row - (hi1 - lo1) * tail
+        a, b = bounds[0]
+        whole = _writable_bytes(out)
+        if whole is not None:
+            rows = [whole[(i - a) * run:(i - a + 1) * run] for i in range(a, b)]
+        else:
+            views = [_writable_bytes(out[i - a]) for i in range(a, b)]
+            if any(v is None for v in views):
+                return False
+            rows = [v for v in views if v is not None]
+        if skip > _SKIP_READ_BYTES:
+            for i, target in enumerate(rows):
+                self._pread(key, target, offset + (a + i) * row + start)
+            return True
+        scratch = _bytes_of(self.staging.take(skip)) if skip else None
+        per = _IOV_MAX // 2
+        for first in range(0, len(rows), per):
+            chunk = rows[first:first + per]
+            iov: list[memoryview] = []
+            for target in chunk:
+                iov.append(target)
+                if scratch is not None:
+                    iov.append(scratch)
+            if scratch is not None:
+                iov.pop()  # nothing to skip after the last run
+            self._preadv_all(key, iov, offset + (a + first) * row + start)
+        return True
+
+    def _preadv_all(self, key: str, iov: list[memoryview], offset: int) -> None:
+        """``preadv`` of ``iov`` from ``offset``, completed by plain reads after a short one."""
+        total = sum(len(v) for v in iov)
+        try:
+            done = _preadv(self._fd, iov, offset) if self._closer.alive else 0
+        except OSError as exc:
+            msg = (f"{self.path}: reading {key!r} at byte {offset} failed: "
+                   f"{exc.strerror or exc}")
+            raise WeightLoadError(msg) from None
+        if done == total:
+            return
+        at = offset
+        for target in iov:  # a short read: finish (or locate the end) one buffer at a time
+            if done >= len(target):
+                done -= len(target)
+            else:
+                self._pread(key, target[done:], at + done)
+                done = 0
+            at += len(target)
+
+    def _staged(self, key: str, offset: int, nbytes: int) -> Tensor:
+        buffer = self.staging.take(nbytes)
+        self._pread(key, _bytes_of(buffer), offset)
+        return buffer
+
+    def _pread(self, key: str, target: memoryview, offset: int) -> None:
+        """Fill ``target`` from byte ``offset`` of the file, or raise naming where it ended."""
+        if not self._closer.alive:
+            raise WeightLoadError(f"{self.path}: reading {key!r}: the file was closed")
+        done, total = 0, len(target)
+        try:
+            while done < total:
+                n = _preadv(self._fd, [target[done:]], offset + done)
+                if n <= 0:
+                    size = os.fstat(self._fd).st_size
+                    msg = (f"{self.path}: reading {key!r}: {total} bytes from byte {offset}, "
+                           f"but the file ends at byte {size} (read {done}); it was shortened "
+                           f"after its header was checked (another process or a network "
+                           f"filesystem changed it while loading)")
+                    raise WeightLoadError(msg)
+                done += n
+        except OSError as exc:
+            msg = (f"{self.path}: reading {key!r} at byte {offset + done} failed: "
+                   f"{exc.strerror or exc}")
+            raise WeightLoadError(msg) from None
 
 
-class _MappedTensor:
-    """A tensor with a safetensors slice's ``get_shape()`` and ``[block]``."""
+def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, buffers, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - hosts without preadv
+    return os.readv(fd, buffers)  # pragma: no cover
 
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
+
+class _SliceReader:
+    """A safetensors slice's ``get_shape()`` and ``[block]`` (a new tensor of the file's
+    dtype, read by :meth:`_SafetensorsFile.read_into`)."""
+
+    def __init__(self, file: _SafetensorsFile, key: str) -> None:
+        self.file = file
+        self.key = key
 
     def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
+        return list(self.file.entries[self.key][1])
 
     def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
-        return self.tensor[block]
+        dtype, shape, _ = self.file.entries[self.key]
+        block = (*block, *(slice(None),) * (len(shape) - len(block)))
+        sizes = [len(range(*sl.indices(n))) for sl, n in zip(block, shape, strict=True)]
+        if any(sl.step not in (None, 1) for sl in block):
+            raise ValueError(f"{self.key!r}: only contiguous slices are read, not {block}")
+        out = torch.empty(sizes, dtype=dtype)
+        self.file.read_into(self.key, tuple(slice(*sl.indices(n)[:2]) for sl, n
+                                            in zip(block, shape, strict=True)), out)
+        return out
 
 
-def open_safetensors(path: Path) -> _SafetensorsFile:
-    """``path`` checked (:func:`read_safetensors_header`) and ready to be read by slices.
+def open_safetensors(path: Path, staging: Staging | None = None) -> _SafetensorsFile:
+    """``path`` checked (:func:`read_safetensors_header`) and ready to be read by slices,
+    through the descriptor its header was read from (a file replaced after the check is not
+    read in its place). ``staging`` is shared by the files of one load.
 
     Raises:
         WeightLoadError: as :func:`read_safetensors_header`; on a big-endian host (the format
-            is little-endian and the views are not byte-swapped).
+            is little-endian and the bytes are not byte-swapped).
     """
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         raise WeightLoadError(f"{path}: safetensors is little-endian; this host is not")
-    return _SafetensorsFile(path, read_safetensors_header(path))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        entries = _read_header(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _SafetensorsFile(path, entries, fd, staging)
 
 
-def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
+def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> dict[str, int]:
     """Refuse a memory-mapped ``torch.load`` result whose storages do not lie in their zip
     records: each storage's bytes must start where a ``data/<key>`` record starts and fit in
-    it.
+    it. Returns the byte offset in the file of each contiguous tensor's data (which lies
+    inside its storage), for positional reads.
 
     Raises:
         WeightLoadError: a storage is longer than its record (a record cut short) or lies at
@@ -236,7 +463,7 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
         if storage.nbytes():
             storages.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1].append(key)
     if not storages:
-        return
+        return {}
     if not records:
         raise WeightLoadError(f"{path}: holds tensors but no data records")
     base = min(storages) - min(records)  # the mapping's address of the file's first byte
@@ -252,3 +479,79 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> None:
     if problems:
         raise WeightLoadError(listing(f"{path}: the tensors do not fit the file's records",
                                       problems))
+    offsets: dict[str, int] = {}
+    for key, tensor in state.items():
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        if storage.nbytes() and tensor.is_contiguous() and \
+                start + tensor.numel() * tensor.element_size() <= storage.nbytes():
+            offsets[key] = storage.data_ptr() - base + start
+    return offsets
+
+
+class TorchFile(_SafetensorsFile):
+    """A checked ``pytorch_model.bin``: names, dtypes and shapes from torch's memory-mapped
+    load (whose pages are never touched), the bytes of each contiguous tensor by positional
+    reads at the offset of its zip record (:func:`check_torch_records`), so a file shortened
+    while loading is a located error here too; a non-contiguous tensor (rare: a view saved
+    as such) is read from the mapping."""
+
+    def __init__(self, path: Path, state: Mapping[str, Tensor], offsets: Mapping[str, int],
+                 fd: int, staging: Staging | None = None) -> None:
+        entries = {k: (t.dtype, list(t.shape), offsets[k]) for k, t in state.items()
+                   if k in offsets}
+        super().__init__(path, entries, fd, staging)
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.state[key].dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
+
+    def get_slice(self, key: str) -> Any:
+        return super().get_slice(key) if key in self.entries else _Mapped(self.state[key])
+
+    def read_into(self, key: str, block: Sequence[slice], out: Tensor) -> None:
+        if key in self.entries:
+            super().read_into(key, block, out)
+        else:
+            out.copy_(self.state[key][tuple(block)])
+
+
+class _Mapped:
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
+        return self.tensor[block]
+
+
+def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
+    """``path`` (a ``pytorch_model.bin``) loaded as data (``weights_only``), its storages
+    checked against their records, ready for positional reads.
+
+    Raises:
+        WeightLoadError: as :func:`check_torch_records`; not a state dict of tensors.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        state = torch.load(f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}")
+                           else str(path), map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
+                                                     for v in state.values()):
+            raise WeightLoadError(f"{path}: cannot be read: not a state dict of tensors")
+        offsets = check_torch_records(path, state)
+    except BaseException:
+        os.close(fd)
+        raise
+    return TorchFile(path, state, offsets, fd, staging)

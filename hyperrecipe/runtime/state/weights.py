@@ -23,16 +23,21 @@ Strategies:
   ``model.safetensors``, an indexed ``model.safetensors.index.json``, or else any
   ``*.safetensors``; as in ``from_pretrained``, an index or ``model.safetensors`` wins over
   other files).
-  Reads ``safe_open(...).get_slice`` of the rank's ranges only (chunked shards read one range
-  per fused part), converting dtypes. Checkpoint keys that transformers converts at load time
+  Reads the rank's ranges only (chunked shards read one range per fused part) by positional
+  reads straight into the shards (:mod:`.checkpoint_files`; no memory mapping, so a file
+  shortened while loading is a located error, not SIGBUS), converting dtypes. Checkpoint keys that transformers converts at load time
   (per-expert MoE tensors into the fused ``experts.gate_up_proj``, renamed modules) are read
   the way ``from_pretrained`` would place them, still by slices (``hf_conversion.py``).
 - ``torch``: ``pytorch_model.bin`` (sharded with ``pytorch_model.bin.index.json`` or not), or a
-  ``.bin``/``.pt`` file of a state dict: memory-mapped (``torch.load(mmap=True,
-  weights_only=True)``), then read like safetensors, conversions included.
+  ``.bin``/``.pt`` file of a state dict: parsed as data (``torch.load(mmap=True,
+  weights_only=True)``, no tensor page touched), then read like safetensors by positional
+  reads at each tensor's zip record, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
   ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
-  state dict at the top level (keys ``<fqn>``), on any mesh.
+  state dict at the top level (keys ``<fqn>``), on any mesh. After every check, one
+  ``dcp.load`` reads straight into the shards (DTensors over the shards' own storage), so a
+  load holds no second copy of the rank's shards; only a tied parameter stored under several
+  names is read into buffers first, to compare its names before anything is written.
 """
 
 from __future__ import annotations
@@ -61,9 +66,10 @@ from hyperrecipe.integrations.transformers import (
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
-    check_torch_records,
+    Staging,
     listing,
     open_safetensors,
+    open_torch_file,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,6 +116,14 @@ class _Reader:
     found: Mapping[str, tuple[str, ...]]
     files: Mapping[str, str]
     ignored: tuple[str, ...] = ()
+    write: Callable[[], None] | None = None
+    """Writes every target in one call (a DCP load straight into the shards); ``read`` then
+    serves only the tied names' check."""
+    fill: Callable[[_Target, Tensor], bool] | None = None
+    """``fill(target, out)`` writes the target's part of the checkpoint straight into ``out``
+    (positional reads into the shard's memory, no tensor in between) and returns ``True``,
+    or returns ``False`` having written nothing when it cannot (the writer then copies
+    ``read``'s tensor)."""
 
 
 class _Strategy(Protocol):
@@ -135,6 +149,8 @@ class _Safetensors:
         self.model = model
         self.opened: dict[Path, Any] = {}
         """Each file's handle, opened (and its header checked) once per load."""
+        self.staging = Staging()
+        """One bounded staging buffer for every file of the load."""
         self.assembled = 0
         """How many model tensors the last plan assembles from several checkpoint tensors."""
         self.renamed = 0
@@ -145,7 +161,7 @@ class _Safetensors:
         """A handle with ``keys()``, ``dtype(key)`` and ``get_slice(key)`` (``get_shape()``,
         ``[block]``), its header checked against the file (:mod:`.checkpoint_files`)."""
         if path not in self.opened:
-            self.opened[path] = open_safetensors(path)
+            self.opened[path] = open_safetensors(path, self.staging)
         return self.opened[path]
 
     def files(self, folder: Path) -> list[Path]:
@@ -220,7 +236,19 @@ class _Safetensors:
             ranges = target.ranges or tuple(((0, n),) for n in target.shape)
             return read_ranges(lambda block: composite.read(block, open_key), ranges)
 
-        return _Reader(read=read, found=_found(targets, shapes), files=files, ignored=ignored)
+        def fill(target: _Target, out: Tensor) -> bool:
+            key = _key_for(target, shapes)
+            composite = composites.get(key) or Composite.leaf(key, shapes[key])
+            read_into = getattr(handles[where[composite.key]], "read_into", None) \
+                if composite.kind == "leaf" else None
+            if read_into is None:  # assembled from several tensors, or a mapped .bin
+                return False
+            ranges = target.ranges or tuple(((0, n),) for n in target.shape)
+            fill_ranges(out, ranges, lambda block, dest: read_into(composite.key, block, dest))
+            return True
+
+        return _Reader(read=read, found=_found(targets, shapes), files=files, ignored=ignored,
+                       fill=fill)
 
 
 def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
@@ -254,8 +282,9 @@ def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
 class _TorchPickle(_Safetensors):
     """``pytorch_model.bin`` checkpoints (what ``save_pretrained`` wrote before safetensors, and
     many hub repositories still hold), sharded with ``pytorch_model.bin.index.json`` or not.
-    ``torch.load(mmap=True, weights_only=True)`` maps the file instead of reading it, so a
-    rank's slices read only the pages they cover, and no pickled code runs."""
+    ``torch.load(mmap=True, weights_only=True)`` reads the pickle as data (no pickled code
+    runs) and maps the file without touching its tensors' pages; the rank's slices are then
+    read by positional reads at each tensor's record (:class:`.checkpoint_files.TorchFile`)."""
 
     name = "torch"
     suffixes = (".bin", ".pt", ".pth")
@@ -269,43 +298,8 @@ class _TorchPickle(_Safetensors):
 
     def open(self, path: Path) -> Any:
         if path not in self.opened:
-            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-            if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
-                                                         for v in state.values()):
-                raise ValueError("not a state dict of tensors")
-            check_torch_records(path, state)  # mmap reads a record cut short past its end
-            self.opened[path] = _MappedFile(state)
+            self.opened[path] = open_torch_file(path, self.staging)
         return self.opened[path]
-
-
-class _MappedFile:
-    """A memory-mapped ``torch.load`` result with safetensors' ``safe_open`` interface."""
-
-    def __init__(self, state: Mapping[str, Tensor]) -> None:
-        self.state = state
-
-    def keys(self) -> list[str]:
-        return list(self.state)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.state[key].dtype
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.state[key].shape)
-
-    def get_slice(self, key: str) -> _MappedTensor:
-        return _MappedTensor(self.state[key])
-
-
-class _MappedTensor:
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, block: tuple[slice, ...]) -> Tensor:
-        return self.tensor[block]
 
 
 MAX_INDEX_BYTES = 64 << 20
@@ -431,33 +425,65 @@ class _DCP:
         ignored = _check_fit(targets, shapes, files, ignore, problems,
                              _tied_hints(self.live.model, shapes))
         found = _found(targets, shapes)
-        # Read everything this rank needs in one dcp.load, into fresh buffers: a failure
-        # leaves the model untouched. Every name a tied parameter is stored under is read,
-        # so that names holding different values are found (see _refuse_differing_ties).
-        buffers: dict[str, Tensor] = {}
-        request: dict[str, Tensor] = {}
-        gathered: list[tuple[_Target, str]] = []  # layouts DTensor cannot store: whole, sliced
+        live = self.live
+
+        def request_for(t: _Target, name: str, into: Tensor) -> tuple[Tensor, bool]:
+            """The state-dict entry that loads ``name`` into ``into`` (``t``'s shard or a
+            buffer like it), and whether DCP writes ``into`` itself (``False``: the layout is
+            one DTensor cannot store, read whole and sliced after)."""
+            if t.plan is None:
+                return into, True
+            stored = live.as_dtensor(t.plan, into)
+            local = stored._local_tensor  # type: ignore[attr-defined]
+            return stored, local.data_ptr() == into.data_ptr()
+
+        # A tied parameter stored under several names is read first, each name into its own
+        # buffer, so that names holding different values are refused before anything is
+        # written (see _refuse_differing_ties); nothing else is read before the checks pass.
+        tied: dict[str, Tensor] = {}
+        first: dict[str, Tensor] = {}
+        later: list[tuple[_Target, str, Tensor]] = []  # layouts read whole, sliced after
         for t in targets:
+            if len(found[t.fqn]) < 2:
+                continue
             for name in found[t.fqn]:
-                key = prefix + name
-                if t.plan is None:
-                    buffers[name] = request[key] = torch.empty(t.shape, dtype=t.local.dtype,
-                                                               device=t.local.device)
-                    continue
-                buffers[name] = torch.empty_like(t.local)
-                request[key] = self.live.as_dtensor(t.plan, buffers[name])
-                local = request[key]._local_tensor  # type: ignore[attr-defined]
-                if local.data_ptr() != buffers[name].data_ptr():
-                    gathered.append((t, name))
-        trusted_dcp_load(request, source)  # into fresh buffers: the model is untouched
-        for t, name in gathered:
+                tied[name] = (torch.empty(t.shape, dtype=t.local.dtype, device=t.local.device)
+                              if t.plan is None else torch.empty_like(t.local))
+                first[prefix + name], direct = request_for(t, name, tied[name])
+                if not direct:
+                    later.append((t, name, first[prefix + name]))
+        if first:
+            trusted_dcp_load(first, source)
+        for t, name, whole in later:
             assert t.plan is not None
-            buffers[name] = self.live.shard_of(t.plan, request[prefix + name])
+            tied[name] = live.shard_of(t.plan, whole)
+        del first, later
 
         def read(target: _Target, key: str | None = None) -> Tensor:
-            return buffers[key or found[target.fqn][0]]
+            return tied[key or found[target.fqn][0]]
 
-        return _Reader(read=read, found=found, files=files, ignored=ignored)
+        def write() -> None:
+            """One ``dcp.load`` straight into the shards (no second copy of the rank's
+            shards); the tied names' values, already read and compared, are copied in."""
+            request: dict[str, Tensor] = {}
+            sliced: list[tuple[_Target, Tensor]] = []
+            for t in targets:
+                name = found[t.fqn][0]
+                if name in tied:
+                    continue
+                request[prefix + name], direct = request_for(t, name, t.local)
+                if not direct:
+                    sliced.append((t, request[prefix + name]))
+            if request:
+                trusted_dcp_load(request, source)
+            for t, whole in sliced:
+                assert t.plan is not None
+                t.local.copy_(live.shard_of(t.plan, whole))
+            for t in targets:
+                if found[t.fqn][0] in tied:
+                    t.local.copy_(tied[found[t.fqn][0]])
+
+        return _Reader(read=read, found=found, files=files, ignored=ignored, write=write)
 
 
 # -- the chain -----------------------------------------------------------------------------
@@ -468,6 +494,27 @@ def _key_for(target: _Target, available: Mapping[str, Any]) -> str:
         if key in available:
             return key
     raise KeyError(target.fqn)
+
+
+def fill_ranges(out: Tensor, ranges: Ranges,
+                fill_block: Callable[[tuple[slice, ...], Tensor], None]) -> None:
+    """Fill ``out`` (a shard made of ``ranges`` of the full tensor, see
+    :func:`~hyperrecipe.runtime.comm.sharding.shard_ranges`) block by block:
+    ``fill_block(slices, view)`` writes the full tensor's ``slices`` into ``view``, the part
+    of ``out`` they land in (the counterpart of ``read_ranges``, without the concatenation)."""
+    _fill_block(out, ranges, (), 0, fill_block)
+
+
+def _fill_block(out: Tensor, ranges: Ranges, prefix: tuple[slice, ...], dim: int,
+                fill_block: Callable[[tuple[slice, ...], Tensor], None]) -> None:
+    if dim == len(ranges):
+        fill_block(prefix, out)
+        return
+    at = 0
+    for a, b in ranges[dim]:
+        _fill_block(out.narrow(dim, at, b - a), ranges, prefix + (slice(a, b),), dim + 1,
+                    fill_block)
+        at += b - a
 
 
 def _found(targets: Sequence[_Target], shapes: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
@@ -735,11 +782,24 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
                                   f"{again}")
 
 
+Agree = Callable[[str | None], Mapping[int, str]]
+"""``agree(error)``: every rank's outcome of a step in one bounded exchange (``error`` is this
+rank's, ``None`` when it succeeded): ``{rank: its error}`` for each rank that failed, the same
+on every rank. Raises (any exception) when a rank did not arrive in time."""
+
+
+def _alone(error: str | None) -> Mapping[int, str]:
+    return {} if error is None else {0: error}
+
+
 def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
-                 unloaded: set[str], ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
+                 unloaded: set[str], ignore_unexpected: Sequence[str] = (),
+                 agree: Agree = _alone) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
     what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land;
     checkpoint keys matching a pattern of ``ignore_unexpected`` (``re.search``) are skipped.
+    ``agree`` is called on every rank once the load is planned (before any write) and once
+    after the copy, so that every rank loads or every rank raises (see :func:`_write_all`).
 
     Raises:
         WeightLoadError: no strategy could read the source, or the one that could found the
@@ -761,9 +821,14 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
                                         state="ineligible", detail=why))
             continue
         try:
-            reader = strategy.plan(path, targets, ignore)
+            try:
+                reader = strategy.plan(path, targets, ignore)
+            except WeightLoadError as exc:
+                _agree_or_raise(agree, str(exc))
+                raise
+            _agree_or_raise(agree, None)
             _refuse_differing_ties(targets, reader, live.mesh)
-            _write_all(targets, reader, unloaded)
+            _write_all(targets, reader, unloaded, agree)
         except WeightLoadError as exc:
             # The first strategy that can read the source is the format it declares; trying
             # the next would read other files of the folder (a stale export, a .metadata
@@ -796,9 +861,27 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     raise WeightLoadError(f"no loading strategy can read {path}: {reasons}")
 
 
-def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) -> None:
-    """Copy every target in, each straight from its read (a view of the mapped file where the
-    rank's part is one block), with no copy of the model's previous values.
+def _agree_or_raise(agree: Agree, error: str | None) -> None:
+    """The ranks' agreement that every rank planned its load (before any rank writes): a rank
+    that could not raises its own error; the others raise naming it, having written nothing."""
+    try:
+        failed = agree(error)
+    except Exception as exc:  # noqa: BLE001 - a peer that never arrived: nothing was written
+        if error is not None:
+            return
+        raise WeightLoadError(f"the agreement before writing failed: {exc}; nothing was "
+                              f"written") from None
+    others = {r: e for r, e in failed.items() if error is None}
+    if others:
+        first = min(others)
+        raise WeightLoadError(f"rank(s) {sorted(others)} cannot load the checkpoint (rank "
+                              f"{first}: {others[first]}...); no rank wrote anything")
+
+
+def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str],
+               agree: Agree = _alone) -> None:
+    """Copy every target in, each read straight into its shard where the reader can
+    (``fill``), with no copy of the model's previous values.
 
     Everything that can be checked was checked before this runs (keys, shapes, dtype kinds,
     each file's header against its bytes, the manifest, the ranks' agreement), so a failure
@@ -806,33 +889,67 @@ def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str]) 
     previous values back would need a second copy of every tensor (what a reload on a full GPU
     cannot hold), so the tensors written so far, and the one being written, are marked unset
     instead (NaN, and :meth:`Installation.status` lists them): the model is never a silent
-    mixture of two checkpoints, and a load that fails its checks changes nothing."""
-    from hyperrecipe.runtime.state.materialize import allocate_unloaded
+    mixture of two checkpoints, and a load that fails its checks changes nothing.
 
+    After the copy the ranks agree (``agree``, bounded): when any rank failed (or did not
+    arrive), every rank marks what it wrote unset and raises naming the failing rank and its
+    error, so no rank trains on while another raised."""
     written: list[_Target] = []
     current = targets[0] if targets else None
+    error: Exception | None = None
     try:
         with torch.no_grad():
-            for t in targets:
+            if reader.write is not None:  # the strategy writes every target in one call
+                written, current = list(targets), None
+                reader.write()
+            for t in targets if reader.write is None else ():
                 current = t
+                if reader.fill is not None:
+                    written.append(t)  # a fill that fails may have written part of it
+                    if reader.fill(t, t.local):
+                        continue
+                    written.pop()
                 value = reader.read(t, None)
                 written.append(t)
                 t.local.copy_(value)
                 del value
-    except Exception as exc:
-        previously = [w.fqn for w in written if w.fqn not in unloaded]
-        with torch.no_grad():
-            for w in written:
-                w.local.copy_(allocate_unloaded(tuple(w.local.shape), w.local.dtype,
-                                                w.local.device))
-                unloaded.add(w.fqn)
-        what = (f"{len(previously)} tensors that held weights before this load are now unset "
-                f"(status() lists them); load a checkpoint again before training"
-                if previously else "the tensors it wrote are unset again" if written
-                else "nothing was written")
-        name = current.fqn if current is not None else "?"
-        msg = (f"reading {name!r} failed after its checks passed (the file changed or could "
-               f"not be read while loading); {what}: {type(exc).__name__}: {exc}")
-        raise WeightLoadError(msg) from exc
-    for t in targets:
-        unloaded.discard(t.fqn)
+    except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
+        error = exc
+    name = current.fqn if current is not None else "the checkpoint"
+    head = (f"reading {name!r} failed after its checks passed (the file changed or could not "
+            f"be read while loading)")
+    text = None if error is None else f"{head}: {type(error).__name__}: {error}"
+    try:
+        failed = dict(agree(text))
+    except Exception as exc:  # noqa: BLE001 - a rank that never arrived failed too
+        failed = {-1: f"the agreement after the copy failed: {exc}"}
+    if error is None and not failed:
+        for t in targets:
+            unloaded.discard(t.fqn)
+        return
+    what = _unset(written, unloaded)
+    if error is not None:
+        tail = f"\n(the ranks that failed: {sorted(failed)})" if len(failed) > 1 else ""
+        raise WeightLoadError(f"{head}; {what}: {type(error).__name__}: {error}"
+                              f"{tail}") from error
+    ranks = sorted(r for r in failed if r >= 0)
+    first = failed[ranks[0]] if ranks else failed[-1]
+    who = f"rank(s) {ranks}" if ranks else "a rank"
+    raise WeightLoadError(f"{who} failed while loading, after every check passed ({first}...); "
+                          f"so that no rank trains on while another failed, {what}")
+
+
+def _unset(written: Sequence[_Target], unloaded: set[str]) -> str:
+    """Mark ``written`` unset (NaN, listed by ``status()``); what to tell the user."""
+    from hyperrecipe.runtime.state.materialize import allocate_unloaded
+
+    previously = [w.fqn for w in written if w.fqn not in unloaded]
+    with torch.no_grad():
+        for w in written:
+            w.local.copy_(allocate_unloaded(tuple(w.local.shape), w.local.dtype,
+                                            w.local.device))
+            unloaded.add(w.fqn)
+    return (f"{len(previously)} tensors that held weights before this load are now unset "
+            f"(status() lists them); load a checkpoint again before training"
+            if previously else f"the {len(written)} tensors this rank wrote are unset again"
+            if written else "nothing was written")
