@@ -32,8 +32,7 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _overrides(mode: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    extra = {"attn_implementation": "eager"} if mode == "validate" else {}
-    return {**extra, **(base or {})}
+    return dict(base or {})  # both modes run the model's default attention (sdpa)
 
 
 def _reference(family: str, mode: str, norm_type: float,
