@@ -534,7 +534,7 @@ def _ddp_worker(rank: int, world: int, folder: str, dp_tp: bool) -> dict[str, An
     if dp_tp:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = llama("meta")
-        plan = compile_recipe(str(ROOT / "tests/recipes/llama-dp-tp.yaml"), model,
+        plan = compile_recipe(str(ROOT / "recipes/llama-dp.yaml"), model,
                               {"dp": 2, "tp": 2})
         inst = apply(model, plan, mesh)
         group = mesh["dp"].get_group()
