@@ -72,6 +72,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_resolve.py": (["--repeats", "1", "--layers", "1"], "| 1 |"),
     "bench_runtime.py": (["--rounds", "1", "--steps", "1", "--warmup", "1",
                           "--skip-loss-memory"], "sp_production / sp_torchtitan"),
+    "bench_validate_hooks.py": (["--rounds", "1", "--steps", "1", "--warmup", "1", "--json"],
+                                '"watch_cost_ms"'),
     "bench_worst_case.py": (["--repeats", "1", "--only", "20000-rules", "plan 100000-deep JSON"],
                             "| 20000-rules |"),
     "editor_diagnostics.py": (["--server", "node_modules/.bin/yaml-language-server",

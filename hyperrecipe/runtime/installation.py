@@ -136,6 +136,7 @@ class Installation:
                                                 inst._enter_collective),
                        *inst.mode.install_optimizer_checks(inst._live),
                        *inst.mode.keep_hooks_through_moves(model),
+                       *inst.mode.watch_outside_boundaries(model, plan, mesh),
                        install_ddp_guard(model, plan, mesh),
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards

@@ -12,6 +12,9 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
   hooks on the shards (production); DTensor's own backward reduces them (validate).
 - ``keep_hooks_through_moves``: validate mode puts back, before a forward, the gradient hooks
   that a module move (``model.to(...)``, which swaps DTensor parameters' tensors) took away.
+- ``watch_outside_boundaries``: validate mode refuses a replicated parameter outside every
+  boundary that computes on a shard a boundary handed back, unless the plan reduces its
+  gradient (then it reduces it as production does).
 - ``install_optimizer_checks``: validate mode refuses torch's multi-tensor kernels over its
   mixed DTensor / plain parameters at ``optimizer.step()``.
 - ``prepare``: validate mode registers DTensor rules for the ops torch ships without one (CPU
@@ -111,6 +114,12 @@ class Mode:
         """Hooks that refuse an optimizer step this mode cannot run right."""
         raise NotImplementedError
 
+    def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
+                                 mesh: DeviceMesh) -> list[RemovableHandle]:
+        """Hooks on the replicated parameters no boundary encloses (validate: their gradients
+        checked against the data they compute on)."""
+        raise NotImplementedError
+
     def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
         """Hooks that keep the parameters' own hooks in place when the trainer moves the
         model after apply (``model.to(device)``)."""
@@ -187,6 +196,10 @@ class _Production(Mode):
 
     def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
         return []
+
+    def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
+                                 mesh: DeviceMesh) -> list[RemovableHandle]:
+        return []  # no per-call checks on the hot path
 
     def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
         return []  # a move assigns plain parameters' .data: the object and its hooks stay
@@ -266,6 +279,13 @@ class _Validate(Mode):
         from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
 
         return list(install_mixed_kernel_check(live))
+
+    def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
+                                 mesh: DeviceMesh) -> list[RemovableHandle]:
+        # the data flow the plan does not hold, read off the autograd graph
+        from hyperrecipe.runtime.forward.outside_params import watch_params_outside_boundaries
+
+        return watch_params_outside_boundaries(model, plan, mesh)
 
     def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
         from hyperrecipe.runtime.comm.dtensor_parameters import rearm_after_moves

@@ -626,12 +626,13 @@ def test_a_router_buffer_beside_replicated_dtensor_scores_runs_in_validate_mode(
     replicated DTensor scores: validate mode used to refuse the mix (the recipe's router had to
     be a local region); the buffer broadcasts over every sharded dim (there is none), so it is
     taken as replicated and both modes agree with one process."""
-    rc = main(["check", "tests/recipes/broken-deepseek-v3-router.yaml",
+    rc = main(["check", "tests/recipes/deepseek-v3-plain-router.yaml",
                "--model", "hf:deepseek_v3",
                "--model-config", "tests/recipes/models/tiny-deepseek_v3.json",
-               "--mesh", "tp=2", "--mode", "validate", "--format", "json", "-q"])
+               "--mesh", "tp=2", "--format", "json", "-q"])
     data = json.loads(capsys.readouterr().out)
-    assert rc == 0 and data["agree"] is True, data["modes"]["validate"]
+    assert rc == 0 and data["agree"] is True, data["modes"]
+    assert set(data["modes"]) == {"production", "validate"}
 
 
 def test_a_plain_tensor_that_could_be_a_ranks_piece_names_local_region(

@@ -43,6 +43,9 @@ CASES: list[Any] = [
                  f"{MODELS}/tiny-phi3.json", BOTH, (True, True), marks=pytest.mark.slow),
     pytest.param("tests/recipes/cookbook/qwen2_moe.yaml", "hf:qwen2_moe",
                  f"{MODELS}/tiny-qwen2_moe.json", BOTH, (True, True), marks=pytest.mark.slow),
+    # validate mode clamps the by-parts fused output part by part (DBRX's clip_qkv)
+    ("tests/recipes/cookbook/dbrx-chunked-qkv.yaml", "hf:dbrx", f"{MODELS}/tiny-dbrx.json",
+     BOTH, (True, True)),
     ("tests/recipes/cookbook/deepseek_v3.yaml", "hf:deepseek_v3",
      "tests/recipes/models/tiny-deepseek_v3.json", BOTH, (True, True)),
     pytest.param("tests/recipes/cookbook/bloom.yaml", "hf:bloom", f"{MODELS}/tiny-bloom.json",

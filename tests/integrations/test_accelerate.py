@@ -26,7 +26,7 @@ from hyperrecipe.errors import PlanMismatchError, TrainerSetupError  # noqa: E40
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 ATOL = 1e-5
 RTOL = 1e-5  # norms up to 5.5: measured 1.8e-5 apart at step 5 (3.3e-6 relative)
 MAX_GRAD_NORM = 0.5

@@ -25,7 +25,7 @@ from hyperrecipe.errors import PlanMismatchError, TrainerSetupError  # noqa: E40
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 LOSS_ATOL = 1e-5
 MAX_GRAD_NORM = 0.5
 

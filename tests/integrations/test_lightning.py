@@ -28,7 +28,7 @@ from hyperrecipe.errors import TrainerSetupError  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 LOSS_ATOL = 1e-5
 
 

@@ -25,7 +25,7 @@ from hyperrecipe.errors import TrainerSetupError  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 ATOL = 1e-5
 RTOL = 1e-5  # norms: at dp=2 x tp=2 measured 2.1e-5 apart at 2.97 (7e-6 relative)
 MAX_GRAD_NORM = 0.5

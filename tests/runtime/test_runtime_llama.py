@@ -19,6 +19,7 @@ from tests.support.runtime_harness import ROOT, assert_close, llama_worker, refe
 CASES = [
     ("llama", "production", 2, {}),
     ("llama", "validate", 2, {}),
+    # eager on purpose: its attention weights leave the boundary sharded by head (sdpa returns none)
     ("llama", "validate", 2, {"attn_implementation": "eager"}),
     ("llama", "production", 2, {"tie_word_embeddings": True}),
     ("llama", "validate", 2, {"tie_word_embeddings": True}),

@@ -40,6 +40,8 @@ def gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tra
             f"{'them' if many else 'it'}, and computed what {'they' if many else 'it'} should "
             f"have with other parameters (another head's)"))
     partial: list[str] = []
+    outside: list[tuple[str, str]] = []
+    plans = {p.fqn: p for p in ctx.plan.params}
     for g in bad:
         ref = reference.grads.get(g.name)
         if ref is None:
@@ -48,10 +50,21 @@ def gradient_evidence(cmp: ModeComparison, reference: Trace, ranks: Sequence[Tra
         found = sums_to_reference(values, ref, ctx, atol, rtol)
         if found is not None:
             partial.append(f"{g.name} (over {found[0]})")
+            p = plans.get(g.name)
+            if p is not None and p.boundary is None:
+                outside.append((p.module, found[0]))
     if partial:
         shown = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
         evidence += (f"; the ranks' gradients of {shown} sum to the reference: each rank holds a "
                      f"partial gradient that is never all-reduced")
+        if outside:
+            (module, dim), more = outside[0], len(outside) - 1
+            evidence += (f"; {module}{f' (and {more} more)' if more else ''} lies outside every "
+                         f"boundary and computes on values sharded over {dim} (a boundary handed "
+                         f"them back sharded), with a replicated parameter no rule reduces: "
+                         f"`style: sequence_parallel` on its rule for a norm on the "
+                         f"sequence-sharded stream, or `reduce_grads` (validate mode refuses it "
+                         f"by name)")
         return Suggestion(cause=GRADIENT_REDUCTION_MISSING, evidence=evidence)
     scaled: list[str] = []
     for g in bad:

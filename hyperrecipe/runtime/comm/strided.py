@@ -27,7 +27,10 @@ parameter is this rank's plain local shard, marked with its parts (:func:`mark_p
 bias) a ``Shard(0)`` DTensor of the part's global shape, each output part ``Shard(-1)``. The
 fused output is their concatenation as DTensor computes it (gathered: exact, whatever the model
 does with it), and slicing it at a part's bounds returns that part as computed, sharded by head.
-Once the fused output is changed in place, slicing it is DTensor's again (exact). The parts are
+An elementwise op with numbers between the projection and its split (DBRX's ``clip_qkv``
+clamp) is applied part by part (:func:`elementwise_by_parts`), so the split after it still
+returns the parts. Once the fused output is changed in place, slicing it is DTensor's again
+(exact). The parts are
 not views of the fused output: a part changed in place leaves the fused output as it was, so a
 model that changes ``q`` in place and then reads the fused ``qkv`` whole would read the old
 values there (no model here does; they slice ``qkv`` once and drop it).
@@ -41,7 +44,8 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["SPLITS", "FusedParts", "linear_by_parts", "mark_parts", "split_strided"]
+__all__ = ["SPLITS", "FusedParts", "elementwise_by_parts", "linear_by_parts", "mark_parts",
+           "split_strided"]
 
 NOT_HANDLED: Any = NotImplemented
 _PARTS_ATTR = "_hyperrecipe_fused_parts"
@@ -288,3 +292,37 @@ def _strided_any(t: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+_ELEMENTWISE = frozenset({
+    "clamp", "clip", "clamp_min", "clamp_max", "tanh", "sigmoid", "neg", "abs", "exp",
+    "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__",
+    "__sub__"})
+"""Elementwise ops whose other arguments are numbers: applied to a by-parts linear's output
+(DBRX's ``qkv.clamp(min=-clip_qkv, max=clip_qkv)`` between ``Wqkv`` and its split), they are
+applied to each part, so the split after them still returns the parts sharded by head."""
+
+
+def elementwise_by_parts(func: Callable[..., Any], args: Sequence[Any],
+                         kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` part by part when ``args[0]`` is a by-parts linear's output
+    (unchanged since) and ``func`` is an elementwise op of :data:`_ELEMENTWISE` whose other
+    arguments are no tensors; the result is marked with its parts in turn. ``NotImplemented``
+    otherwise (DTensor computes it on the gathered output: exact, but a split after it is
+    replicated and the boundary's placement check refuses what production computes)."""
+    name = getattr(func, "__name__", "")
+    if name not in _ELEMENTWISE or not args or not isinstance(args[0], torch.Tensor):
+        return NOT_HANDLED
+    if func is not getattr(torch, name, None) and func is not getattr(torch.Tensor, name, None):
+        return NOT_HANDLED
+    marked = getattr(args[0], _OUTPUT_PARTS_ATTR, None)
+    if marked is None or marked[3] != args[0]._version:
+        return NOT_HANDLED
+    rest = (*args[1:], *kwargs.values())
+    if any(isinstance(a, torch.Tensor) for a in rest):
+        return NOT_HANDLED
+    dim, bounds, parts = marked[0], marked[1], marked[2]
+    outs = [func(p, *args[1:], **kwargs) for p in parts]
+    fused = torch.cat(outs, dim=dim)
+    setattr(fused, _OUTPUT_PARTS_ATTR, (dim, bounds, tuple(outs), fused._version))
+    return fused

@@ -46,6 +46,7 @@ from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unc
 from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
 from hyperrecipe.runtime.forward.grad_layouts import arriving_grad_check
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
+from hyperrecipe.runtime.forward.outside_params import mark_handed_back
 from hyperrecipe.runtime.forward.input_grads import (
     checking_input_uses,
     note_reduced_input,
@@ -344,6 +345,7 @@ class ValidateRedistributor:
             if outermost or caller_is_local():
                 local = _handed_back(value.to_local(
                     grad_placements=_normalized(grad_dst, value.ndim)))
+                mark_handed_back(local, dst, mesh_dims, fqn=boundary.fqn, key=key)
                 if sharded_dst:
                     remember_handed_back(local, dst, mesh_dims, fqn=boundary.fqn, key=key)
                 return local
@@ -402,7 +404,10 @@ class ValidateRedistributor:
                     actual = describe_placements(value.placements, self.mesh_dims, value.ndim)
                     raise PlacementMismatchError(boundary.fqn, name, "replicate (undeclared "
                                                  "outputs leave replicated)", actual)
-                return _handed_back(value.to_local())
+                local = _handed_back(value.to_local())
+                mark_handed_back(local, value.placements, self.mesh_dims, fqn=boundary.fqn,
+                                 key=name)
+                return local
             return value
 
         return convert

@@ -52,7 +52,12 @@ from torch.overrides import TorchFunctionMode
 
 from hyperrecipe.errors import HyperrecipeError, ValidateShardingError, ValidateUnsupportedError
 from hyperrecipe.runtime.comm.dtensor_rules import NEW_TENSOR_METHODS, new_tensor_placed
-from hyperrecipe.runtime.comm.strided import SPLITS, linear_by_parts, split_strided
+from hyperrecipe.runtime.comm.strided import (
+    SPLITS,
+    elementwise_by_parts,
+    linear_by_parts,
+    split_strided,
+)
 from hyperrecipe.runtime.forward.plain_tensors import (
     MIXED_TENSORS,
     explicit_causal_mask,
@@ -97,6 +102,10 @@ class _ValidateComputeMode(TorchFunctionMode):
                 return placed
         elif func is torch.nn.functional.linear and len(args) >= 2:
             out = linear_by_parts(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        elif args and isinstance(args[0], torch.Tensor):
+            out = elementwise_by_parts(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         tensors = args[0] if args else kwargs.get("tensors")

@@ -437,16 +437,15 @@ def _rotary_worker(rank: int, world: int) -> dict[str, Any]:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     original = vars(LlamaRotaryEmbedding)["forward"]
-    plan = compile_recipe(ROTARY_RECIPE, llama("meta", **EAGER), {"tp": world})
-    out: dict[str, Any] = {"bare": _apply_and_step(llama(**EAGER), attrs.evolve(plan, adapters=()), "validate",
+    plan = compile_recipe(ROTARY_RECIPE, llama("meta"), {"tp": world})
+    out: dict[str, Any] = {"bare": _apply_and_step(llama(), attrs.evolve(plan, adapters=()), "validate",
                                    _llama_step)}
     for mode in ("validate", "production"):
-        out[mode] = _apply_and_step(llama(**EAGER), plan, mode, _llama_step)
+        out[mode] = _apply_and_step(llama(), plan, mode, _llama_step)
     out["class_restored"] = vars(LlamaRotaryEmbedding)["forward"] is original
     return out
 
 
-EAGER = {"attn_implementation": "eager"}
 
 
 def _llama_step(model: torch.nn.Module) -> torch.Tensor:
@@ -456,7 +455,7 @@ def _llama_step(model: torch.nn.Module) -> torch.Tensor:
 def test_llama_rotary_embedding_runs_sequence_parallel_in_validate_mode_with_marshal() -> None:
     """The rotary module multiplies DTensor position_ids by its plain inv_freq buffer; marshal
     runs it on each rank's positions and wraps cos/sin {tp: shard(1)}, like x."""
-    reference = llama(**EAGER)
+    reference = llama()
     ref_logits = llama_step(reference, llama_batch())
     ref_grads = grads_of(reference)
     for r in run_ranks(_rotary_worker, 2, timeout_s=300):

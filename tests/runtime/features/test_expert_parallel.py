@@ -37,7 +37,6 @@ RECIPE = str(ROOT / "recipes/mixtral-ep.yaml")
 SHARDED_TOKENS = str(ROOT / "tests/recipes/mixtral-ep-sharded-tokens.yaml")
 DISPATCH = str(ROOT / "tests/recipes/mixtral-ep-dispatch.yaml")
 SCALED_TOL = 1e-5
-EAGER = {"attn_implementation": "eager"}
 EXPERTS = "model.layers.{}.mlp.experts"
 
 
@@ -115,14 +114,14 @@ CASES: list[tuple[str, str, dict[str, Any], bool]] = [
     (RECIPE, "production", {}, False),  # grouped_mm experts (transformers' default)
     (RECIPE, "production", {"experts_implementation": "eager"}, False),
     (RECIPE, "production", {"experts_implementation": "batched_mm"}, True),
-    (RECIPE, "validate", EAGER, True),  # grouped_mm, on local tensors inside the region
-    (RECIPE, "validate", {**EAGER, "experts_implementation": "eager"}, False),
+    (RECIPE, "validate", {}, True),  # grouped_mm, on local tensors inside the region
+    (RECIPE, "validate", {"experts_implementation": "eager"}, False),
     (SHARDED_TOKENS, "production", {}, False),
-    (SHARDED_TOKENS, "validate", EAGER, False),
+    (SHARDED_TOKENS, "validate", {}, False),
     (DISPATCH, "production", {}, False),
     (DISPATCH, "production", {"experts_implementation": "eager"}, False),
     (DISPATCH, "production", {"experts_implementation": "batched_mm"}, False),
-    (DISPATCH, "validate", EAGER, False),
+    (DISPATCH, "validate", {}, False),
 ]
 
 
@@ -465,8 +464,8 @@ def _gpt_oss(device: str = "cpu", **overrides: Any) -> torch.nn.Module:
 def gpt_oss_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     from hyperrecipe import apply
 
-    model = _gpt_oss(**EAGER)
-    plan = compile_recipe(GPT_OSS, _gpt_oss("meta", **EAGER), {"ep": world})
+    model = _gpt_oss()
+    plan = compile_recipe(GPT_OSS, _gpt_oss("meta"), {"ep": world})
     inst = apply(model, plan, _ep_mesh(world), mode=mode)  # type: ignore[arg-type]
     logits = step(model)
     return {"logits": logits, "grads": inst.full_grads()}
@@ -475,7 +474,7 @@ def gpt_oss_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_gpt_oss_experts_with_biases_match_one_process_at_ep2(mode: str) -> None:
     """Per-expert biases sharded with their experts: logits and every gradient as one process."""
-    model = _gpt_oss(**EAGER)
+    model = _gpt_oss()
     logits = step(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for r in run_ranks(gpt_oss_worker, 2, mode, timeout_s=300):

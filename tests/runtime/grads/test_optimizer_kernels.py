@@ -32,7 +32,6 @@ STEPS = 3
 LOSS_ATOL = 1e-5
 WEIGHT_TOL = {"atol": 1e-3, "rtol": 0.0}
 MEAN_ATOL = 1e-6
-EAGER = {"attn_implementation": "eager"}  # validate mode on CPU: no DTensor SDPA there
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -67,7 +66,7 @@ def _adamw(model: nn.Module, kernel: dict[str, bool]) -> torch.optim.Optimizer:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict[str, Any]:
-    model = llama(**EAGER)
+    model = llama()
     losses = _train(model, _adamw(model, {"foreach": False}))
     return {"losses": losses, "weights": {n: p.detach().clone()
                                           for n, p in model.named_parameters()}}
@@ -75,8 +74,8 @@ def one_process() -> dict[str, Any]:
 
 def _worker(rank: int, world: int, recipe: str, mode: str,
             kernel: dict[str, bool]) -> dict[str, Any]:
-    model = llama(**EAGER)
-    plan = compile_recipe(recipe, llama("meta", **EAGER), {"tp": world})
+    model = llama()
+    plan = compile_recipe(recipe, llama("meta"), {"tp": world})
     inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
     opt = _adamw(model, kernel)
     before = inst.full_state_dict()

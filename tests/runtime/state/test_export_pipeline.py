@@ -176,8 +176,6 @@ def _family_model(family: str, mode: str) -> nn.Module:
     from hyperrecipe.model_tree import build_model
 
     config = json.loads((ROOT / f"recipes/models/tiny-{family}.json").read_text())
-    if mode == "validate":  # CPU SDPA has no DTensor strategy
-        config["attn_implementation"] = "eager"
     torch.manual_seed(0)
     return build_model(f"hf:{family}", config, device="cpu")
 

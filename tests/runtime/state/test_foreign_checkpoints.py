@@ -31,11 +31,10 @@ RECIPES = {"llama": ROOT / "recipes/llama.yaml", "gpt2": ROOT / "recipes/gpt2.ya
 
 
 def _model(family: str, device: str, mode: str, **overrides: Any) -> nn.Module:
-    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
-    if family == "llama":
-        return llama(device, **eager, **overrides)
+    if family == "llama":  # the model's own defaults (sdpa) in both modes
+        return llama(device, **overrides)
     torch.manual_seed(0)
-    return build_model("hf:gpt2", {**TINY_GPT2, **eager, **overrides}, device=device)
+    return build_model("hf:gpt2", {**TINY_GPT2, **overrides}, device=device)
 
 
 def _applied(family: str, world: int, mode: str, **overrides: Any) -> tuple[nn.Module, Any]:
@@ -156,14 +155,13 @@ def test_gpt2_checkpoint_in_the_hubs_key_style_loads_like_from_pretrained(
     transformers 5 no longer has; before, it was refused as unexpected while
     ``from_pretrained`` loads the checkpoint)."""
     folder = _gpt2_hub_style(tmp_path / "gpt2")
-    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
     res = run_ranks(_load_worker, 2, "gpt2", mode, str(folder), {})[0]
     assert res["error"] is None, res["error"]
     state, note = res["rows"]["weights safetensors"]
     assert state == "loaded"
     assert "read from keys of other names" in note
     assert "4 checkpoint tensors not used (h.0.attn.bias, h.0.attn.masked_bias" in note
-    _assert_equals_from_pretrained(res["full"], folder, **eager)
+    _assert_equals_from_pretrained(res["full"], folder)
 
 
 def test_a_base_model_checkpoint_loads_into_the_causal_lm_or_names_the_missing_head(
@@ -354,8 +352,7 @@ def test_pytorch_model_bin_checkpoints_load_like_from_pretrained(
     assert res["error"] is None, res["error"]
     assert res["rows"]["weights torch"][0] == "loaded"
     assert res["rows"]["weights safetensors"][0] == "ineligible"
-    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
-    _assert_equals_from_pretrained(res["full"], folder, **eager)
+    _assert_equals_from_pretrained(res["full"], folder)
 
 
 def test_a_folder_with_model_safetensors_ignores_other_tools_files(tmp_path: Path) -> None:
@@ -517,8 +514,7 @@ def test_the_models_own_save_pretrained_gathers_the_shards_while_applied(
     res = run_ranks(_model_save_worker, 2, mode, str(tmp_path / "in"), str(out), "plain")
     assert all(r["error"] is None and r["restored"] for r in res), res[0]["error"]
     assert (out / "model.safetensors.index.json").is_file()
-    eager = {"attn_implementation": "eager"} if mode == "validate" else {}
-    _assert_equals_from_pretrained(res[0]["full"], out, **eager)
+    _assert_equals_from_pretrained(res[0]["full"], out)
     refused = run_ranks(_model_save_worker, 2, mode, str(tmp_path / "in"), str(tmp_path / "x"),
                         "state_dict")[0]
     assert refused["error"] is not None and refused["error"].startswith(
@@ -538,7 +534,7 @@ def _ddp_worker(rank: int, world: int, folder: str, dp_tp: bool) -> dict[str, An
     if dp_tp:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = llama("meta")
-        plan = compile_recipe(str(ROOT / "tests/recipes/llama-dp-tp.yaml"), model,
+        plan = compile_recipe(str(ROOT / "recipes/llama-dp.yaml"), model,
                               {"dp": 2, "tp": 2})
         inst = apply(model, plan, mesh)
         group = mesh["dp"].get_group()

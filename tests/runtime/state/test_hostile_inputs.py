@@ -609,6 +609,7 @@ def test_a_config_for_another_family_is_refused_not_built_at_default_size() -> N
 
 
 @pytest.mark.parametrize(("family", "config"), [
+    # a config of runtime options only (no sizes): eager here is the option, not a workaround
     ("llama", {"attn_implementation": "eager"}), ("gpt2", "tiny-llama"),
     ("llama", {"model_type": "llama", "num_hidden_layers": 1, "rope_theta": 1e4}),
     ("phi3", "tiny-phi3"),  # head_dim, which Phi3Config does not list, beside its sizes

@@ -30,8 +30,6 @@ FAMILIES = ("gpt2", "phi3")
 
 def _model(family: str, mode: str = "production") -> nn.Module:
     config = json.loads((ROOT / f"recipes/models/tiny-{family}.json").read_text())
-    if mode == "validate":  # CPU SDPA has no DTensor strategy
-        config["attn_implementation"] = "eager"
     torch.manual_seed(0)
     return build_model(f"hf:{family}", config, device="cpu")
 

@@ -382,7 +382,7 @@ def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Pat
 
 # -- FSDP2 over dp after apply on tp --------------------------------------------------------
 
-DP_TP = str(ROOT / "tests/recipes/llama-dp-tp.yaml")
+DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 
 
 def _fsdp_applied(folder: str | None) -> tuple[nn.Module, Any, Any, int]:
