@@ -10,9 +10,9 @@ This module reads that from the plan, so both trainer integrations agree on it.
 Metrics gathered for a dataset (the Trainer's ``evaluate``, accelerate's ``gather_for_metrics``)
 are gathered over the data dim only here too: the model-parallel ranks hold copies of a batch.
 
-Where training ends, the ranks leave together (:func:`leave_together`): a rank that returned
-while a peer was still writing its rank-0 files and tore its process group down under it was
-seen to abort at interpreter exit (``terminate called without an active exception``).
+Where training ends, the ranks leave together and each group's last collective is a barrier
+(:func:`leave_together`): without it a rank was seen to abort at interpreter exit in torch's
+teardown (``terminate called without an active exception``; the function says why).
 
 What does not live here: wrapping (each integration wraps through its trainer's seam).
 """
@@ -138,17 +138,21 @@ def _truncate(data: Any, count: int) -> Any:
 
 
 def leave_together(inst: Installation, what: str) -> None:
-    """Return once every rank reached the end of ``what`` (the end of ``train()``), waiting at
-    most ``inst.collective_timeout_s``; a rank that does not arrive is warned about, not
-    raised on: this rank's training is done.
+    """Return once every rank reached the end of ``what`` (the end of ``train()``) and every
+    process group of the installation's mesh ran a barrier; a rank that does not arrive
+    within ``inst.collective_timeout_s`` is warned about, not raised on (this rank's training
+    is done), and then no barrier runs.
 
-    Why: without it, a rank returns from training while rank 0 still writes the files only it
-    writes (the Trainer's state, the export's renames), and a script that ends there tears
-    its process group down under a peer that still holds its connections; that was seen to
-    abort a rank at interpreter exit, in torch's C++ teardown (``terminate called without an
-    active exception``, 2 of 16 runs of the documented Trainer example, 0 of 12 with a
-    barrier). The meeting goes through the process group's store, not a collective, so it
-    leaves no collective in flight and a missing rank costs a bounded wait.
+    Why (torch's, found with a core dump): a group that outlives ``destroy_process_group`` (a
+    ``DeviceMesh``, an installation or a trainer still refers to it) keeps its gloo worker
+    threads into interpreter teardown. A worker drops its last reference to a finished
+    collective (``ProcessGroupGloo::runLoop`` destroying ``AsyncAllreduceWork``) a moment
+    after the caller's ``wait()`` returned; when the work's tensors belong to Python objects
+    the caller already dropped, that drop takes the GIL, and once the interpreter is
+    finalizing CPython ends such a thread with ``pthread_exit``, whose forced unwind through a
+    C++ destructor is ``std::terminate``: "terminate called without an active exception".
+    A barrier as each group's last collective leaves a tensor-free work behind. The meeting
+    first goes through the store, so a missing rank costs a bounded wait and never a hang.
     """
     import warnings
 
@@ -165,3 +169,9 @@ def leave_together(inst: Installation, what: str) -> None:
     if why_not is not None:
         warnings.warn(f"{what}: the ranks did not leave together ({why_not}); a rank that "
                       "failed says why", RuntimeWarning, stacklevel=2)
+        return
+    dist.barrier()
+    mesh = inst.mesh
+    for dim in range(mesh.ndim):
+        if 1 < mesh.size(dim) < dist.get_world_size():
+            dist.barrier(group=mesh.get_group(dim))
