@@ -43,6 +43,7 @@ from hyperrecipe.integrations.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
+    leave_together,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -284,6 +285,15 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
             yield inst.model, (_inner(held[0]) if held else None)
         finally:
             self._models, self._optimizers = models, optimizers
+
+    def end_training(self) -> None:
+        """accelerate's ``end_training`` (trackers, then the process group torn down), once
+        every rank got here: rank 0 may still be writing files only it writes, and a group
+        torn down under a peer was seen to abort a rank at interpreter exit
+        (:func:`~hyperrecipe.integrations.trainer_mesh.leave_together`)."""
+        if self.installation is not None:
+            leave_together(self.installation, f"{_NAME}.end_training")
+        super().end_training()
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:

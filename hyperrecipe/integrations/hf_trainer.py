@@ -36,6 +36,7 @@ from hyperrecipe.integrations.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
+    leave_together,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,6 +98,15 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         # `_prepare_for_training`).
         self.is_distributed_loading_by_transformers = True
         self._dp_wrapped: nn.Module | None = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; then every rank waits for the others to finish it (rank 0
+        writes the last checkpoint's own files alone), so a script that ends here tears the
+        process group down on every rank together (:func:`~hyperrecipe.integrations.
+        trainer_mesh.leave_together`)."""
+        result = super().train(*args, **kwargs)
+        leave_together(self.installation, f"{type(self).__name__}.train")
+        return result
 
     # -- where the model lives ------------------------------------------------------------
 
@@ -282,7 +292,8 @@ def _refuse_unhandled_fused_head(trainer: Any) -> None:
     msg = (f"HyperrecipeTrainer: {type(trainer).__name__} patched the model with TRL's fused LM "
            "head, which multiplies by the output weight outside the plan's lm_head boundary: "
            "on production shards it scores this rank's vocab slice only. Use "
-           "hyperrecipe.integrations.trl.HyperrecipeSFTTrainer (SFT), or validate mode")
+           "hyperrecipe.integrations.trl.HyperrecipeSFTTrainer (SFT) or HyperrecipeDPOTrainer "
+           "(DPO), or validate mode")
     raise TrainerSetupError(msg)
 
 

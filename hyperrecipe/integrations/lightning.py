@@ -130,6 +130,15 @@ class HyperrecipeStrategy(ModelParallelStrategy):
         self.installation = inst
         return inst
 
+    def teardown(self) -> None:
+        """Lightning's teardown, once every rank got here (rank 0 may still be writing files
+        only it writes; :func:`~hyperrecipe.integrations.trainer_mesh.leave_together`)."""
+        if self.installation is not None:
+            from hyperrecipe.integrations.trainer_mesh import leave_together
+
+            leave_together(self.installation, "HyperrecipeStrategy.teardown")
+        super().teardown()
+
     def setup(self, trainer: pl.Trainer) -> None:
         if self.installation is None:
             msg = ("HyperrecipeStrategy: no plan was applied; call "

@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` over a model with an applied plan.
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` over a model with an applied plan.
 
 TRL's trainers subclass ``transformers.Trainer``, so :class:`HyperrecipeTrainerMixin` puts the
 Trainer's seams right for them (DDP over the data dim only, batches, clipping, checkpoints). One
@@ -11,6 +11,11 @@ TRL gathers a DTensor weight itself (``full_tensor()``), which is why validate m
 :class:`HyperrecipeSFTTrainer` hands TRL's head, for the duration of ``compute_loss``, the full
 weight as DTensor gathers it from the shards: forward an all-gather, backward this rank's slice
 of the gradient (every model-parallel rank computes the same loss).
+:class:`HyperrecipeDPOTrainer` does the same for ``DPOTrainer``, whose policy and (with
+``precompute_ref_log_probs``) reference log-probabilities go through that head in
+``compute_loss`` and ``compute_ref_log_probs``. A separate ``ref_model`` must be a plain model
+(whole on every rank, frozen): an applied one's head would read its own vocab slice, and it is
+refused by name.
 
 What does not live here: the Trainer's seams (:mod:`~hyperrecipe.integrations.hf_trainer`).
 """
@@ -22,6 +27,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
+from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.sft_trainer import SFTTrainer
 
 from hyperrecipe.errors import TrainerSetupError
@@ -31,7 +37,7 @@ from hyperrecipe.placement import parse_dtensor
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["HyperrecipeSFTTrainer", "full_output_embeddings"]
+__all__ = ["HyperrecipeDPOTrainer", "HyperrecipeSFTTrainer", "full_output_embeddings"]
 
 
 class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignore[misc,unused-ignore]
@@ -54,6 +60,56 @@ class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignor
             return super().compute_loss(  # type: ignore[no-untyped-call]
                 model, inputs, return_outputs, num_items_in_batch)
 
+
+class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignore[misc,unused-ignore]
+    """``trl.DPOTrainer`` for a model with an applied plan (call on every rank); arguments as
+    ``DPOTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
+
+    The reference model is ``ref_model=`` given as a plain model (the whole frozen model on
+    every rank), or none with ``precompute_ref_log_probs=True`` (the applied policy scores
+    the reference log-probabilities once, before training).
+
+    Raises:
+        TrainerSetupError: ``ref_model`` is a model with an applied plan (its fused head
+            would score its own vocab slice in production mode).
+
+    Example::
+
+        inst = hyperrecipe.apply(model, plan, mesh)
+        trainer = HyperrecipeDPOTrainer(model=model, ref_model=frozen_copy, installation=inst,
+                                        args=DPOConfig(...), train_dataset=pairs,
+                                        processing_class=tokenizer)
+        trainer.train()
+    """
+
+    handles_fused_lm_head = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        ref = kwargs.get("ref_model")
+        if isinstance(ref, nn.Module) and _applied(ref):
+            msg = (f"HyperrecipeDPOTrainer: ref_model ({type(ref).__name__}) has an applied "
+                   "plan; TRL's fused LM head would multiply by its output weight outside the "
+                   "plan's lm_head boundary, this rank's vocab slice in production mode. Pass "
+                   "the reference as a plain model (whole and frozen on every rank), or no "
+                   "ref_model with precompute_ref_log_probs=True")
+            raise TrainerSetupError(msg)
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        with full_output_embeddings(self.installation):
+            return super().compute_loss(  # type: ignore[no-untyped-call]
+                model, inputs, return_outputs, num_items_in_batch)
+
+    def compute_ref_log_probs(self, model: nn.Module, inputs: Any) -> Any:
+        with full_output_embeddings(self.installation):
+            return super().compute_ref_log_probs(model, inputs)  # type: ignore[no-untyped-call]
+
+
+def _applied(model: nn.Module) -> bool:
+    """Whether a plan was applied to ``model`` (its boundaries carry the rewriter's
+    companion attribute)."""
+    return any("_hyperrecipe_boundary" in vars(m) for m in model.modules())
 
 class _FullHead:
     """What TRL's fused head reads of ``get_output_embeddings()``: ``weight`` and ``bias``."""

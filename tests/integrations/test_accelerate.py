@@ -4,8 +4,9 @@ AdamW steps under ``accelerator.accumulate`` with ``accelerator.clip_grad_norm_(
 parameters(), 0.5)`` (every step clips: the full norms are 2.1-4.0) and a linear LR schedule,
 against the stock ``Accelerator`` on the whole model in one process with the same seed and data.
 
-Losses agree to atol 1e-5, the returned norms to rtol 1e-5 (measured: 4.8e-7 and 3.3e-6). ``save_state`` after step 3 at tp=2 and
-``load_state`` at tp=1 continue with the uninterrupted run's losses for steps 4 and 5, and
+Losses agree to atol 1e-5, the returned norms to rtol 1e-5 (measured: 4.8e-7 and 3.3e-6).
+``save_state`` after step 3 at tp=2 and ``load_state`` at tp=1 (and, slow, saved at dp=2 x tp=2
+and loaded at tp=2) continue with the uninterrupted run's losses for steps 4 and 5, and
 ``save_model`` writes weights ``from_pretrained`` loads.
 """
 
@@ -181,6 +182,22 @@ def test_accelerate_at_dp2_tp2_wraps_ddp_over_dp_only_like_one_process(tmp_path:
                            timeout_s=900):
         _assert_same_run(ranks, ref)
 
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_accelerate_save_state_at_dp2_tp2_resumes_at_tp2(tmp_path: Path) -> None:
+    """``save_state`` after step 3 of a dp=2 x tp=2 run (DDP over dp, two accumulation
+    steps), ``load_state`` on 2 ranks at tp=2 (one data rank taking both halves of each batch):
+    steps 4 and 5 give the uninterrupted one-process run's losses and norms."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 2, False, 0, None,
+                    timeout_s=600)[0]
+    ckpt = tmp_path / "dp-tp"
+    for ranks in run_ranks(_worker, 4, str(ckpt), "dp-tp", 2, 2, False, 3, None,
+                           timeout_s=900):
+        _assert_same_run(ranks, ref)
+    assert (ckpt / "hyperrecipe-dcp/.metadata").is_file()
+    for ranks in run_ranks(_worker, 2, "", "tp", 4, 2, False, 3, str(ckpt), timeout_s=600):
+        _assert_same_run(ranks, ref[3:])  # steps 4 and 5, then the eval
 
 def _refusal_worker(rank: int, world: int, how: str) -> str:
     from accelerate import Accelerator

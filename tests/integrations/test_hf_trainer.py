@@ -199,3 +199,39 @@ def test_the_integration_refuses_to_move_an_applied_model_to_another_device(
         assert res.startswith("TrainerSetupError: HyperrecipeTrainer: the model's parameters "
                               "are on ['cpu'], the Trainer's device is meta; move the model to "
                               "meta before hyperrecipe.apply")
+
+
+def _leave_together_worker(rank: int, world: int, out: str) -> bool:
+    """Rank 0 writes a file of its own at the very end of training (as the Trainer writes its
+    state alone), a moment after the others finished; every rank checks the file once
+    ``train()`` returned."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
+
+    marker = Path(out) / "rank0-done"
+
+    class Rank0WritesLast(TrainerCallback):  # type: ignore[misc]
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if rank == 0:
+                time.sleep(2.0)  # rank 0 still busy after the others' last step
+                marker.write_text("done")
+
+    model = llama()
+    inst = apply(model, compile_recipe(LLAMA, llama("meta"), {"tp": world}), mesh_1d(world))
+    args = _args(out, 2, 1, 2)
+    args.max_steps, args.save_strategy = 2, "no"
+    trainer = HyperrecipeTrainer(model=model, installation=inst, args=args,
+                                 train_dataset=_data(8), callbacks=[Rank0WritesLast()])
+    trainer.train()
+    return marker.is_file()
+
+
+def test_every_rank_leaves_train_together(tmp_path: Path) -> None:
+    """A script that ends after ``trainer.train()`` tears the process group down on every rank
+    together: a rank that left while rank 0 still wrote was seen to abort at interpreter exit
+    (``terminate called without an active exception``, docs/training.md). Before, rank 1
+    returned while rank 0 was still in its ``on_train_end``."""
+    assert run_ranks(_leave_together_worker, 2, str(tmp_path), timeout_s=600) == [True, True]

@@ -53,6 +53,8 @@ TABLE = {
     "`HyperrecipeAccelerator` at dp × tp": "made right",
     "`HyperrecipeAccelerator` with an optimizer built before apply": "refused",
     "TRL `SFTTrainer`'s fused LM head under `HyperrecipeSFTTrainer`": "made right",
+    "TRL `DPOTrainer`'s fused LM head under `HyperrecipeDPOTrainer`": "made right",
+    "`HyperrecipeDPOTrainer` with a `ref_model` that has a plan applied": "refused",
     "`HyperrecipeTrainerMixin` over a TRL trainer that patched the fused LM head, production "
     "mode": "refused",
     "`accelerator.clip_grad_norm_(model.parameters(), max_norm)`": "made right",

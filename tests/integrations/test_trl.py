@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` over an applied plan (``hyperrecipe.integrations.trl``), on real gloo
+"""TRL's ``SFTTrainer`` (and, at the end of the file, ``DPOTrainer``) over an applied plan (``hyperrecipe.integrations.trl``), on real gloo
 ranks: tiny Llama (``recipes/llama.yaml``), a word-level tokenizer over its 128 ids built here
 (no download), a pre-tokenised ``datasets.Dataset``, five AdamW steps with
 ``max_grad_norm=0.5`` (every step clips: the full norms are 3.8-5.0), against the stock
@@ -148,3 +148,94 @@ def test_the_bare_mixin_over_sfttrainer_in_production_is_refused_by_name(
         assert isinstance(res, str) and res.startswith(
             "TrainerSetupError: HyperrecipeTrainer: MixedSFT patched the model with TRL's fused "
             "LM head"), res
+
+
+# -- DPO ------------------------------------------------------------------------------------
+# DPOTrainer scores the policy and the reference through TRL's fused head as SFT does. One
+# process: the stock DPOTrainer with a plain copy of the initial model as ref_model; tp=2: the
+# same ref_model whole on each rank. Three steps, max_grad_norm 0.5, against one process:
+# losses to atol 1e-5, logged grad_norm to rtol 1e-5, and DPO's own reward metrics to 1e-5.
+
+
+def _pairs(n: int) -> Any:
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+
+    def text(k: int) -> list[str]:
+        ids = torch.randint(3, TINY_LLAMA["vocab_size"], (n, k), generator=g)
+        return [" ".join(f"t{i}" for i in row) for row in ids.tolist()]
+
+    return Dataset.from_dict({"prompt": text(5), "chosen": text(4), "rejected": text(3)})
+
+
+def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str) -> Any:
+    """``how``: ``one`` (stock DPOTrainer), ``dpo`` (HyperrecipeDPOTrainer at tp=world),
+    ``mixin`` (``class _(HyperrecipeTrainerMixin, DPOTrainer)``), ``applied-ref`` (a
+    ref_model with a plan of its own)."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainerMixin
+    from hyperrecipe.integrations.trl import HyperrecipeDPOTrainer
+
+    class MixedDPO(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignore[misc]
+        pass
+
+    model, ref = llama(), llama()
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3,
+                     learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
+                     save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                     bf16=False)
+    sets = {"ref_model": ref, "train_dataset": _pairs(12), "processing_class": _tokenizer()}
+    if how == "one":
+        trainer = DPOTrainer(model=model, args=args, **sets)
+    else:
+        plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
+        inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        if how == "applied-ref":
+            apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        cls = MixedDPO if how == "mixin" else HyperrecipeDPOTrainer
+        try:
+            trainer = cls(model=model, installation=inst, args=args, **sets)
+        except TrainerSetupError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    trainer.train()
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
+    return [(h["step"], *(float(h[k]) for k in keys)) for h in trainer.state.log_history
+            if "loss" in h]
+
+
+def _assert_same_dpo_run(actual: Any, expected: Any) -> None:
+    assert isinstance(actual, list), actual
+    assert [r[0] for r in actual] == [r[0] for r in expected] and len(actual) == 3
+    for got, ref in zip(actual, expected, strict=True):
+        step, loss, norm, *metrics = got
+        assert loss == pytest.approx(ref[1], abs=ATOL), f"loss at step {step}"
+        assert norm == pytest.approx(ref[2], rel=RTOL, abs=ATOL), f"grad_norm at step {step}"
+        assert metrics == pytest.approx(list(ref[3:]), rel=RTOL, abs=ATOL), f"step {step}"
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_dpo_at_tp2_matches_one_process(mode: str, tmp_path: Path) -> None:
+    """Production: the bare mixin is refused (TRL's head got this rank's vocab slice);
+    HyperrecipeDPOTrainer hands it the gathered weight. Validate: TRL gathers the DTensor
+    weight itself. Both give one process's losses, norms and reward metrics."""
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production",
+                    timeout_s=600)[0]
+    assert all(r[2] > MAX_GRAD_NORM for r in ref), ref  # every step clips
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", mode, timeout_s=600):
+        _assert_same_dpo_run(ranks, ref)
+
+
+def test_dpo_refusals_name_the_route(tmp_path: Path) -> None:
+    """The bare mixin over DPOTrainer in production, and a ref_model with a plan applied."""
+    for res in run_ranks(_dpo_worker, 2, str(tmp_path), "mixin", "production", timeout_s=600):
+        assert isinstance(res, str) and res.startswith(
+            "TrainerSetupError: HyperrecipeTrainer: MixedDPO patched the model with TRL's fused "
+            "LM head"), res
+        assert "HyperrecipeDPOTrainer" in res
+    for res in run_ranks(_dpo_worker, 2, str(tmp_path), "applied-ref", "production",
+                         timeout_s=600):
+        assert isinstance(res, str) and res.startswith(
+            "TrainerSetupError: HyperrecipeDPOTrainer: ref_model (LlamaForCausalLM) has an "
+            "applied plan"), res

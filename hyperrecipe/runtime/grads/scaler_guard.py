@@ -20,6 +20,13 @@ mesh dim per step, only with a scaler). Optimizers over other parameters are unt
 without ``_unscale_grads_`` is not covered (the docs say so); a subclass that overrides it
 (torch's ``ShardedGradScaler``) agrees through its own ``process_group``.
 
+Another library may patch the same method over ours (wrapping it, as ours wraps torch's). Each
+installation of ours is a closure over the function it wrapped, so the chain stays callable
+however it is stacked; when the last installation goes, torch's method is put back only if ours
+is still the one on the class. Otherwise ours stays in the chain below the other patch and
+serves as a pass-through (no installation left: the function it wrapped answers), and the next
+apply finds it there (through ``__wrapped__``) instead of wrapping again.
+
 Validate mode's gradients are DTensors inside boundaries and plain outside, and torch's inf
 check (one multi-tensor kernel per device and dtype) refuses that mix with DTensor's bare
 error; it is refused here by name instead, before anything is unscaled: validate mode checks
@@ -28,6 +35,7 @@ placements in fp32 or bf16, which need no scaler.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -44,7 +52,8 @@ __all__ = ["ScalerGuardHandle", "guard_grad_scaler"]
 
 _OWNERS: dict[int, weakref.ref[LiveParams]] = {}
 _KEYS = itertools.count()
-_ORIGINAL: list[Any] = []  # torch's GradScaler._unscale_grads_ while it is wrapped
+_METHOD = "_unscale_grads_"
+_MARK = "_hyperrecipe_scaler_guard"
 
 
 class ScalerGuardHandle:
@@ -64,18 +73,58 @@ def guard_grad_scaler(live: LiveParams) -> ScalerGuardHandle:
     _OWNERS[key] = weakref.ref(live)
     weakref.finalize(live, _forget, key)
     scaler = torch.amp.GradScaler
-    if not _ORIGINAL and hasattr(scaler, "_unscale_grads_"):
-        _ORIGINAL.append(scaler._unscale_grads_)
-        scaler._unscale_grads_ = _agreeing_unscale_grads_  # type: ignore[method-assign]
+    current = getattr(scaler, _METHOD, None)
+    if current is not None and not _ours_in_chain(current):
+        setattr(scaler, _METHOD, _agreeing(current))
     return ScalerGuardHandle(key)
 
 
 def _forget(key: int) -> None:
     _OWNERS.pop(key, None)
-    if not _OWNERS and _ORIGINAL:
-        original = _ORIGINAL.pop()
-        if torch.amp.GradScaler.__dict__.get("_unscale_grads_") is _agreeing_unscale_grads_:
-            torch.amp.GradScaler._unscale_grads_ = original  # type: ignore[method-assign]
+    if _OWNERS:
+        return
+    top = torch.amp.GradScaler.__dict__.get(_METHOD)
+    if getattr(top, _MARK, False):  # ours is on top: put back what it wrapped
+        setattr(torch.amp.GradScaler, _METHOD, top.__wrapped__)  # type: ignore[union-attr]
+    # else another patch wraps ours: the chain stays whole, ours passes through
+
+
+def _ours_in_chain(fn: Any) -> bool:
+    """Whether ``fn`` is ours or wraps ours through ``__wrapped__`` (which ``functools.wraps``
+    sets). A patch over ours that does not say what it wraps hides ours, and ours goes on top
+    of it: the flags are then all-reduced twice, with the same result (``MAX`` of flags that
+    already agree)."""
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen:
+        if getattr(fn, _MARK, False):
+            return True
+        seen.add(id(fn))
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _agreeing(inner: Any) -> Any:
+    """``inner`` (torch's ``_unscale_grads_``, or the patch that was on the class) with the
+    found-inf flags agreed over the mesh of the installation the optimizer belongs to."""
+
+    @functools.wraps(inner)
+    def _agreeing_unscale_grads_(self: Any, optimizer: torch.optim.Optimizer, *args: Any,
+                                 **kwargs: Any) -> dict[torch.device, torch.Tensor]:
+        live = _owner_of(optimizer)
+        if live is not None and live.mode.parameters_are_dtensors:
+            raise _refusal(live, optimizer)
+        found: dict[torch.device, torch.Tensor] = inner(self, optimizer, *args, **kwargs)
+        if live is None or not dist.is_initialized():
+            return found
+        mesh = live.mesh
+        for flag in found.values():
+            for dim in range(mesh.ndim):
+                if mesh.size(dim) > 1:
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        return found
+
+    setattr(_agreeing_unscale_grads_, _MARK, True)
+    return _agreeing_unscale_grads_
 
 
 def _owner_of(optimizer: torch.optim.Optimizer) -> LiveParams | None:
@@ -107,18 +156,3 @@ def _refusal(live: LiveParams, optimizer: torch.optim.Optimizer) -> MixedParamet
            f"together (docs/training.md)")
     return MixedParametersError(msg, dtensors=dtensors, plain=plain)
 
-
-def _agreeing_unscale_grads_(self: Any, optimizer: torch.optim.Optimizer, *args: Any,
-                             **kwargs: Any) -> dict[torch.device, torch.Tensor]:
-    live = _owner_of(optimizer)
-    if live is not None and live.mode.parameters_are_dtensors:
-        raise _refusal(live, optimizer)
-    found: dict[torch.device, torch.Tensor] = _ORIGINAL[0](self, optimizer, *args, **kwargs)
-    if live is None or not dist.is_initialized():
-        return found
-    mesh = live.mesh
-    for flag in found.values():
-        for dim in range(mesh.ndim):
-            if mesh.size(dim) > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    return found

@@ -296,7 +296,10 @@ class _Gathers:
 
     A collective cannot be interrupted, so a bounded wait needs it off the waiting thread. A
     daemon thread (not an executor's, which Python joins at exit) is left blocked when a peer
-    never arrives; the process group's own timeout or the peer's exit ends it later.
+    never arrives; the process group's own timeout or the peer's exit ends it later. When
+    every wait was answered, :meth:`close` joins the thread: no thread of the export outlives
+    ``save_pretrained``, so none is still leaving (or inside a torch call) while the
+    interpreter shuts down right after a last export.
     """
 
     def __init__(self, items: Sequence[ExportItem], folder: Path,
@@ -309,6 +312,7 @@ class _Gathers:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
+        self._stuck = False  # a wait timed out: the thread may be blocked in a collective
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -336,6 +340,7 @@ class _Gathers:
         try:
             return future.result(timeout=self._timeout)
         except FutureTimeout:
+            self._stuck = True
             why = (f"{what} got no answer from the other ranks within {self._timeout:g} s "
                    f"(collective_timeout_s): a rank failed or stopped mid-export (its own "
                    f"error says why)")
@@ -368,11 +373,15 @@ class _Gathers:
         return result
 
     def close(self) -> None:
-        """Let the thread end after its current job (the queue's end marker)."""
-        if self._pending is not None:
-            self._pending.cancel()
+        """Let the thread end after its current job (the queue's end marker), and wait for it
+        unless a wait timed out (then it may be blocked in a collective for good)."""
+        busy = self._stuck
+        if self._pending is not None and not self._pending.cancel():
+            busy = busy or not self._pending.done()  # a gather running: peers may be gone
         if self._thread is not None:
             self._jobs.put(None)
+            if not busy:  # idle: it reads the end marker and returns at once
+                self._thread.join()
 
 
 def _rank() -> int:

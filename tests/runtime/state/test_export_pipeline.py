@@ -115,6 +115,23 @@ def test_a_first_format_sha256_manifest_still_verifies_and_refuses(tmp_path: Pat
         f"{data}: its sha256 is not the one in {MANIFEST} (same size, other bytes"), error
 
 
+
+def _threads_after_export_worker(rank: int, world: int, folder: str) -> list[str]:
+    import threading
+
+    model, inst = _applied(world)
+    inst.save_pretrained(folder)
+    return [t.name for t in threading.enumerate() if t.is_alive()]
+
+
+def test_no_export_thread_outlives_a_finished_save_pretrained(tmp_path: Path) -> None:
+    """A script may end right after its last export: a thread of ours still leaving (or in a
+    torch call) while the interpreter shuts down is C++ teardown racing it. The gather thread
+    is joined before ``save_pretrained`` returns (on every rank; it used to be left to end on
+    its own after the queue's end marker)."""
+    for rank, names in enumerate(run_ranks(_threads_after_export_worker, 2, str(tmp_path / "e"))):
+        assert not [n for n in names if n.startswith("export-")], f"rank {rank}: {names}"
+
 def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str, str] | None:
     """Export other weights over the folder's export with the third gather of rank ``failing``
     raising. That rank then stays alive outside the collectives (as a rank handling its error
