@@ -11,6 +11,10 @@ spare), never a file's worth or the model's. Files are split at ``max_shard_byte
 ``generation_config``) are saved beside them. Tied parameters are written once, under the
 name that owns them, as ``save_pretrained`` does.
 
+Ranks on the writer's host write their own blocks of each sharded tensor straight into the
+writer's file instead of sending them (:mod:`~hyperrecipe.runtime.state.direct_write`); the
+writer then hashes those tensors from the file, so the manifest is the same either way.
+
 An export replaces the previous one in the folder whole or not at all: files are written
 under temporary names and renamed into place once every rank got through, and an earlier
 export's files that this one does not write are removed (see :func:`write_safetensors`).
@@ -241,7 +245,8 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 except OSError as exc:
                     failure = f"writing {temp}: {exc}"
                     break
-        gathers.plan_jobs(_jobs(groups, headers, fds, temps, on_host, writer))
+        state = _DirectState(failure=failure)  # once set, no rank writes blocks any more
+        gathers.plan_jobs(_jobs(groups, headers, fds, temps, on_host, writer, state))
         for k, (name, group, header) in enumerate(zip(names, groups, headers, strict=True)):
             hasher = new_hasher(algorithm)  # hashed as the bytes stream: no second pass
             hasher.update(header)
@@ -250,31 +255,25 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
             for item in group:
                 value = gathers.next()  # every rank; the next item's gather starts now
                 start, at = at, at + item.nbytes
-                if isinstance(value, _Direct):
-                    if value.failure is not None:  # a peer's own write failed: reported below
-                        failure = failure or value.failure
+                if isinstance(value, _Direct):  # in the file already: the writer hashes it
+                    failure = failure or value.failure
                     if writer and failure is None and not value.failed_peers:
                         try:
-                            assert value.blocks is not None
-                            write_runs(fds[k], start, value.blocks)
                             if k not in mappings:
                                 mappings[k] = mmap.mmap(fds[k], 0, access=mmap.ACCESS_READ)
                             hashes.append(hashing.submit(hash_range, hasher, mappings[k],
                                                          start, at))
                         except OSError as exc:
                             failure = f"writing {temps[k]}: {exc}"
-                    del value
-                    if writer and failure is None and at - synced >= SYNC_BYTES:
-                        start_writeback(fds[k], synced, at - synced)
-                        synced = at
-                    continue
-                if writer and failure is None:
-                    try:
-                        _write(fds[k], start, hasher, hashing, value, item.dtype)
-                    except OSError as exc:
-                        failure = f"writing {temps[k]}: {exc}"
-                give_back(value)  # written (or not wanted): its memory serves the next gather
+                else:
+                    if writer and failure is None:
+                        try:
+                            _write(fds[k], start, hasher, hashing, value, item.dtype)
+                        except OSError as exc:
+                            failure = f"writing {temps[k]}: {exc}"
+                    give_back(value)  # written (or not wanted): its memory serves the next
                 del value  # before the next wait: two tensors at most, never three
+                state.failure = state.failure or failure
                 if writer and failure is None and at - synced >= SYNC_BYTES:
                     start_writeback(fds[k], synced, at - synced)
                     synced = at
@@ -354,11 +353,11 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> int:
 
 
 def _jobs(groups: Sequence[Sequence[ExportItem]], headers: Sequence[bytes], fds: Sequence[int],
-          temps: Sequence[Path], on_host: bool, writer: bool) -> list[Callable[[], Any]]:
+          temps: Sequence[Path], on_host: bool, writer: bool,
+          state: _DirectState) -> list[Callable[[], Any]]:
     """Each item's work on the export's thread, in order: its gather, or where the ranks
     write their own blocks, the writer's wait for its peers' blocks (then it writes its own)
     or a peer's write of its blocks followed by its report to the writer."""
-    state = _DirectState()
     jobs: list[Callable[[], Any]] = []
     for k, (group, header) in enumerate(zip(groups, headers, strict=True)):
         at = len(header)
@@ -374,21 +373,24 @@ def _jobs(groups: Sequence[Sequence[ExportItem]], headers: Sequence[bytes], fds:
 
 def _direct_job(item: ExportItem, fd: int, temp: Path | None, at: int, writer: bool,
                 state: _DirectState) -> Any:
+    """Write this rank's blocks of ``item`` into the file at their places; then the writer
+    waits for its peers' reports, and a peer reports to the writer."""
     assert item.blocks is not None
     blocks = item.blocks()
     if blocks is None:  # the same on every rank: this one is gathered after all
         return item.gather()
-    if writer:
-        return _Direct(blocks=blocks, failed_peers=tuple(wait_written(blocks)))
     if not blocks.length:  # not in the writer's group: nothing to write
-        return _Direct(blocks=None)
+        return _Direct()
     if state.failure is None:
         try:
             write_runs(fd, at, blocks)
         except OSError as exc:
-            state.failure = f"writing its blocks of {item.name!r} into {temp}: {exc}"
+            state.failure = (f"writing {temp}: {exc}" if writer else
+                             f"writing its blocks of {item.name!r} into {temp}: {exc}")
+    if writer:
+        return _Direct(failed_peers=tuple(wait_written(blocks)), failure=state.failure)
     report_written(blocks, failed=state.failure is not None)
-    return _Direct(blocks=None, failure=state.failure)
+    return _Direct(failure=state.failure)
 
 
 @attrs.define
@@ -400,10 +402,9 @@ class _DirectState:
 
 @attrs.frozen(kw_only=True)
 class _Direct:
-    """An item whose blocks the ranks wrote themselves: on the writer its own blocks (still
-    to write) and the peers that could not write theirs; on a peer its failure, if any."""
+    """An item whose blocks the ranks wrote themselves: this rank's failure to write, if any,
+    and on the writer the peers that could not write theirs."""
 
-    blocks: OwnBlocks | None
     failed_peers: tuple[int, ...] = ()
     failure: str | None = None
 
