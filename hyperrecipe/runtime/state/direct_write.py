@@ -37,8 +37,8 @@ import torch.distributed as dist
 from hyperrecipe.runtime.comm.gather_into import OwnBlocks
 from hyperrecipe.runtime.state.file_digest import Hasher
 
-__all__ = ["Offer", "accept", "hash_range", "host_identity", "offer", "report_written",
-           "wait_written", "write_runs"]
+__all__ = ["Offer", "accept", "hash_range", "host_identity", "map_for_hashing", "offer",
+           "report_written", "wait_written", "write_runs"]
 
 NONCE_BYTES = 16
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; advisory
@@ -143,9 +143,34 @@ def wait_written(blocks: OwnBlocks) -> list[int]:
     return failed
 
 
-def hash_range(hasher: Hasher, mapping: mmap.mmap, start: int, end: int) -> None:
+def map_for_hashing(fd: int) -> mmap.mmap | None:
+    """A read-only mapping of the whole file for :func:`hash_range`, or ``None`` where the file
+    system cannot map it (then the bytes are read instead)."""
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+
+
+def hash_range(hasher: Hasher, fd: int, mapping: mmap.mmap | None, start: int,
+               end: int) -> None:
     """Feed ``hasher`` the file's bytes ``[start, end)`` straight from its pages (a shared
-    read-only mapping of the file, mapped ahead in 64 MiB steps)."""
+    read-only mapping of the file, mapped ahead in 64 MiB steps), or read in 8 MiB pieces
+    where there is no mapping.
+
+    Raises:
+        OSError: the file is shorter than ``end`` (it cannot be: the writer sized it first).
+    """
+    if mapping is None:
+        buffer = bytearray(8 << 20)
+        at = start
+        while at < end:
+            n = os.preadv(fd, [memoryview(buffer)[:min(len(buffer), end - at)]], at)
+            if n <= 0:
+                raise OSError(f"the file ends at {at}, before {end}")
+            hasher.update(memoryview(buffer)[:n])
+            at += n
+        return
     page = mmap.PAGESIZE
     at = start
     while at < end:

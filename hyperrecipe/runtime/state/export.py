@@ -55,6 +55,7 @@ from hyperrecipe.runtime.state.direct_write import (
     NONCE_BYTES,
     accept,
     hash_range,
+    map_for_hashing,
     offer,
     report_written,
     wait_written,
@@ -211,7 +212,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     headers = [_header(group) for group in groups]
     temps: list[Path] = []
     fds: list[int] = []  # the writer's temporary files, or a direct peer's handles to them
-    mappings: dict[int, mmap.mmap] = {}
+    mappings: dict[int, mmap.mmap | None] = {}
     failure: str | None = None
     algorithm = digest or writing_digest()
     new_hasher(algorithm)  # an unknown one is refused before any traffic
@@ -258,13 +259,10 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 if isinstance(value, _Direct):  # in the file already: the writer hashes it
                     failure = failure or value.failure
                     if writer and failure is None and not value.failed_peers:
-                        try:
-                            if k not in mappings:
-                                mappings[k] = mmap.mmap(fds[k], 0, access=mmap.ACCESS_READ)
-                            hashes.append(hashing.submit(hash_range, hasher, mappings[k],
-                                                         start, at))
-                        except OSError as exc:
-                            failure = f"writing {temps[k]}: {exc}"
+                        if k not in mappings:
+                            mappings[k] = map_for_hashing(fds[k])
+                        hashes.append(hashing.submit(hash_range, hasher, fds[k], mappings[k],
+                                                     start, at))
                 else:
                     if writer and failure is None:
                         try:
@@ -281,8 +279,8 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 try:
                     for hashed in hashes:  # every hash of the file is done
                         hashed.result()
-                    if k in mappings:
-                        mappings.pop(k).close()
+                    if (mapping := mappings.pop(k, None)) is not None:
+                        mapping.close()
                     os.fsync(fds[k])
                 except OSError as exc:
                     failure = f"writing {temps[k]}: {exc}"
@@ -320,9 +318,10 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     finally:
         gathers.close()
         hashing.shutdown()
-        for mapping in mappings.values():
+        for left in mappings.values():
             try:
-                mapping.close()
+                if left is not None:
+                    left.close()
             except BufferError:  # a hash still reading it (an abort): unmapped when collected
                 pass
         for fd in fds:

@@ -115,3 +115,30 @@ def test_a_peer_that_cannot_write_its_blocks_makes_every_rank_raise(world: int,
         assert "rank 0:" not in res["error"], res["error"]
     assert _snapshot(folder) == before
     assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
+
+
+def test_hashing_a_range_from_the_pages_or_by_reading_gives_the_bytes_digest(
+        tmp_path: Path) -> None:
+    """The writer hashes its peers' tensors from the file: through a mapping, or by reading
+    where the file system cannot map; both equal the digest of the bytes themselves."""
+    import os
+
+    from hyperrecipe.runtime.state.direct_write import hash_range, map_for_hashing
+    from hyperrecipe.runtime.state.file_digest import new_hasher
+
+    data = os.urandom((9 << 20) + 4097)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    expected = new_hasher("xxh3_128")
+    expected.update(data[5:-3])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = map_for_hashing(fd)
+        assert mapping is not None
+        for source in (mapping, None):
+            hasher = new_hasher("xxh3_128")
+            hash_range(hasher, fd, source, 5, len(data) - 3)
+            assert hasher.hexdigest() == expected.hexdigest()
+        mapping.close()
+    finally:
+        os.close(fd)
