@@ -226,7 +226,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 for name, header in zip(names, headers, strict=True):
                     temp = out / f".{name}.tmp-{os.getpid()}"
                     fds.append(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC
-                                       | getattr(os, "O_CLOEXEC", 0), 0o644))
+                                       | getattr(os, "O_CLOEXEC", 0), 0o666))
                     temps.append(temp)
                     _pwrite_all(fds[-1], memoryview(header), 0)
             except OSError as exc:
