@@ -21,10 +21,15 @@ bytes). Each folder is deleted after its round, so the page cache and the disk h
 at a time. Medians over ``--rounds``; ``ratio`` is hyperrecipe / transformers (target <= 1.3),
 ``ratio_to_fsynced`` hyperrecipe / transformers+fsync.
 
+``--baseline REV`` measures a git revision's ``hyperrecipe`` in the same run of the tool:
+``git archive REV hyperrecipe`` is unpacked into a temporary folder and the ranks are launched
+``--launches`` times per tree, alternating baseline and working tree (each launch a fresh
+``python`` with that tree first on ``PYTHONPATH``), so both see the same machine load.
+
 Usage::
 
     python tools/bench_export.py [--hidden 2048] [--layers 3] [--vocab 32000] [--rounds 3]
-                                 [--json OUT]
+                                 [--baseline REV] [--launches 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -109,17 +116,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int,
     return {"times": times, "model_bytes": model_bytes}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=None,
-                        help="default: 11/4 of hidden (5632 at 2048)")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
+    """One launch of the ranks with whatever ``hyperrecipe`` this interpreter imports."""
     from hyperrecipe.check.launcher import run_ranks
 
     cfg = _config(args)
@@ -133,16 +131,77 @@ def main() -> int:
                  "hyperrecipe": [max(v) for v in zip(*(r["times"]["hyperrecipe"]
                                                         for r in results))]}
     med = {w: round(statistics.median(v), 3) for w, v in per_round.items()}
-    summary = {"model_bytes": results[0]["model_bytes"],
-               "transformers_save_pretrained_s": med["transformers"],
-               "transformers_save_pretrained_fsync_s": med["transformers+fsync"],
-               "hyperrecipe_save_pretrained_s": med["hyperrecipe"],
-               "ratio": round(med["hyperrecipe"] / med["transformers"], 3),
-               "ratio_to_fsynced": round(med["hyperrecipe"] / med["transformers+fsync"], 3)}
-    print(json.dumps(summary))
+    return {"model_bytes": results[0]["model_bytes"],
+            "transformers_save_pretrained_s": med["transformers"],
+            "transformers_save_pretrained_fsync_s": med["transformers+fsync"],
+            "hyperrecipe_save_pretrained_s": med["hyperrecipe"],
+            "ratio": round(med["hyperrecipe"] / med["transformers"], 3),
+            "ratio_to_fsynced": round(med["hyperrecipe"] / med["transformers+fsync"], 3),
+            "rounds": per_round, "config": cfg}
+
+
+def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """One launch in a fresh interpreter with ``tree``'s hyperrecipe first (``None``: this
+    checkout's)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--one-launch", "--json", out.name,
+               "--hidden", str(args.hidden), "--layers", str(args.layers),
+               "--vocab", str(args.vocab), "--rounds", str(args.rounds)]
+        cmd += ["--intermediate", str(args.intermediate)] if args.intermediate else []
+        cmd += ["--dir", args.dir] if args.dir else []
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([*([str(tree)] if tree else []), str(REPO)])
+        subprocess.run(cmd, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        result: dict[str, Any] = json.loads(Path(out.name).read_text())
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="default: 11/4 of hidden (5632 at 2048)")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    parser.add_argument("--baseline", metavar="REV", help="also measure this git revision")
+    parser.add_argument("--launches", type=int, default=1, help="launches per tree")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    keys = ("model_bytes", "transformers_save_pretrained_s",
+            "transformers_save_pretrained_fsync_s", "hyperrecipe_save_pretrained_s", "ratio",
+            "ratio_to_fsynced")
+    if args.one_launch or (not args.baseline and args.launches == 1):
+        result = _launch_here(args)
+        if not args.one_launch:
+            print(json.dumps({k: result[k] for k in keys}))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return 0
+    runs: dict[str, list[dict[str, Any]]] = {"current": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        base: Path | None = None
+        if args.baseline:
+            runs["baseline"] = []
+            base = Path(tmp)
+            archive = subprocess.run(["git", "archive", args.baseline, "hyperrecipe"], cwd=REPO,
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for i in range(args.launches):
+            order = ["baseline", "current"] if i % 2 == 0 else ["current", "baseline"]
+            for which in order:
+                if which in runs:
+                    result = _launch_tree(base if which == "baseline" else None, args)
+                    runs[which].append(result)
+                    print(f"{which}: {json.dumps({k: result[k] for k in keys})}", flush=True)
+    summary = {which: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys[1:]}
+               for which, rs in runs.items()}
+    print(json.dumps({"baseline": args.baseline, "median_over_launches": summary}))
     if args.json:
-        args.json.write_text(json.dumps({"config": cfg, "rounds": per_round, **summary},
-                                        indent=2))
+        args.json.write_text(json.dumps({"baseline": args.baseline, "runs": runs,
+                                         "summary": summary}, indent=2))
     return 0
 
 

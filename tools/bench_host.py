@@ -22,12 +22,15 @@ the larger rank's; the summary gives medians and ``production / handwritten``.
 ``--launches`` times per tree, alternating baseline and working tree (each launch in its own
 ``python`` with that tree first on ``PYTHONPATH``), so both see the same machine load.
 ``--profile`` counts, with ``cProfile`` on rank 0, the calls into ``hyperrecipe`` code in one
-production step and their own time.
+production step and their own time. ``--compile`` wraps both models the same way, after apply
+and after the hand-written hooks, in ``torch.compile(model)`` (default backend: inductor), so
+the warm-up steps compile them (the first losses still must agree) and the timed steps run the
+compiled code; the summary then records ``"compile": true``.
 
 Usage::
 
     python tools/bench_host.py [--baseline REV] [--launches 2] [--rounds 30] [--steps 10]
-                               [--warmup 3] [--profile] [--json OUT]
+                               [--warmup 3] [--profile] [--compile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ IMPLS = ("production", "handwritten")
 
 
 def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
-            profile: bool) -> dict[str, Any]:
+            profile: bool, compiled: bool = False) -> dict[str, Any]:
     import gc
 
     import torch
@@ -90,6 +93,8 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
             keep.append(apply(model, plan, mesh))
         else:
             keep.extend(br.megatron_parallelize(model, rank, world))
+        if compiled:
+            model = torch.compile(model)
         for i in range(warmup):
             loss = float(br.step_loss(model, ids))
             if i == 0:
@@ -143,8 +148,9 @@ def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
     from hyperrecipe.check.launcher import run_ranks
 
     results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.warmup, args.profile,
-                        timeout_s=1800)
-    summary: dict[str, Any] = {"hyperrecipe": str(Path(hyperrecipe.__file__).parent)}
+                        args.compile, timeout_s=1800)
+    summary: dict[str, Any] = {"hyperrecipe": str(Path(hyperrecipe.__file__).parent),
+                               "compile": bool(args.compile)}
     for metric in ("cpu", "wall"):
         per_step = {n: [max(vals) for vals in zip(*(r[metric][n] for r in results))]
                     for n in IMPLS}
@@ -165,7 +171,8 @@ def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, __file__, "--one-launch", "--json", out.name,
                "--rounds", str(args.rounds), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+               "--warmup", str(args.warmup)] + (["--profile"] if args.profile else []) + (
+                   ["--compile"] if args.compile else [])
         env = dict(os.environ)
         paths = [str(tree)] if tree is not None else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)])
@@ -182,6 +189,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile both models (the same way) before the warm-up")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -212,6 +221,7 @@ def main() -> int:
           f"{json.dumps(summary)}")
     if args.json:
         args.json.write_text(json.dumps({"config": CONFIG, "batch": [BATCH, SEQ],
+                                         "compile": bool(args.compile),
                                          "baseline": args.baseline, "runs": runs,
                                          "summary": summary}, indent=2))
     return 0

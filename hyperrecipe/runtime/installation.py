@@ -27,7 +27,12 @@ from hyperrecipe.runtime.state.checkpoint import (
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
-from hyperrecipe.runtime.state.export import ExportItem, write_safetensors, writer_gather
+from hyperrecipe.runtime.state.export import (
+    ExportItem,
+    write_safetensors,
+    writer_blocks,
+    writer_gather,
+)
 from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
 from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
 from hyperrecipe.runtime.grads.scaler_guard import guard_grad_scaler
@@ -525,7 +530,8 @@ class Installation:
         self._check_live()
         self._enter_collective("save_pretrained")
         items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
-                            gather=writer_gather(self._live, p, writer_rank))
+                            gather=writer_gather(self._live, p, writer_rank),
+                            blocks=writer_blocks(self._live, p, writer_rank))
                  for p in self._own()]
         items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
                                 gather=lambda buf=buf: buf)  # type: ignore[misc]

@@ -404,7 +404,22 @@ def _bind_op(op: CollectiveOp, group: ProcessGroup, group_size: int, group_rank:
             return out.div_(group_size) if avg else out
 
         return all_reduce
-    if kind in ("local_slice", "all_gather", "reduce_scatter", "all_to_all"):
+    if kind == "all_gather":  # the lm_head's gathered logits: once per step each way
+        def all_gather(x: Tensor) -> Tensor:
+            dim = _dim(x, op, "gather_dim", direction)
+            if _logs:
+                _record(op, direction)
+            return _all_gather(x, dim, group, group_size)
+
+        return all_gather
+    if kind == "local_slice":
+        def local_slice(x: Tensor) -> Tensor:
+            dim = _sharded_dim(x, op, "scatter_dim", group_size, direction)
+            part = _chunk(x, dim, group_rank, group_size)
+            return part.clone(memory_format=torch.contiguous_format)
+
+        return local_slice
+    if kind in ("reduce_scatter", "all_to_all"):
         def other(x: Tensor) -> Tensor:
             return _execute(x, op, group, group_size, group_rank, direction)
 

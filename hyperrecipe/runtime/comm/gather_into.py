@@ -19,17 +19,23 @@ rank's blocks to that rank alone, point to point in chunks of :data:`CHUNK_BYTES
 received straight into its place: half the traffic of an all-gather at tp=2, and on gloo
 several times its speed (a 64 MiB all-gather moved 80-160 MiB/s on the loaded 2-core machine
 where 8 MiB sends moved 800-1000 MiB/s; docs/benchmarks.md, "The export at the floor").
+
+When the ranks can write the writer's file themselves (one host), no block needs to travel:
+:func:`own_blocks` says where each run of this rank's shard lies in the full tensor, so a rank
+writes its block straight to its place in the file (``state/direct_write.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Iterator
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -41,7 +47,8 @@ from hyperrecipe.runtime.comm.collectives import MeshDimGroup, gather_flat, grou
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CHUNK_BYTES", "gather_full_in_place", "gather_to_writer", "give_back"]
+__all__ = ["CHUNK_BYTES", "OwnBlocks", "gather_full_in_place", "gather_to_writer", "give_back",
+           "own_blocks"]
 
 CHUNK_BYTES = 8 << 20
 """The largest single send of :func:`gather_to_writer` (gloo is slowest on large messages)."""
@@ -146,6 +153,70 @@ def gather_to_writer(local: Tensor, placement: NamedPlacement, full_shape: Seque
         offset += size
         local_offset += size // g.size
     return full if full is not None else x.new_empty((0,))
+
+
+@attrs.frozen(kw_only=True)
+class OwnBlocks:
+    """This rank's blocks of one full tensor, as runs of elements laid out row-major: run
+    ``(o, p)`` is ``length[p]`` elements from ``data[o * local_stride + local_start[p]]`` to the
+    full tensor's flat element ``o * full_stride + full_start[p]`` (``o`` over ``outer``: one
+    run per part for a dim-0 shard, one per row and part for a row-parallel block).
+
+    ``peers`` (on the writer) are the ranks that write their own blocks; ``writer`` is where the
+    others report that theirs are written. A rank outside the writer's group has no runs."""
+
+    data: Tensor
+    """This rank's shard, contiguous (a view of the parameter when it already is)."""
+    outer: int
+    full_stride: int
+    local_stride: int
+    full_start: tuple[int, ...]
+    local_start: tuple[int, ...]
+    length: tuple[int, ...]
+    writer: int
+    peers: tuple[int, ...]
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """``(full element offset, local element offset, elements)`` in the full tensor's order."""
+        parts = list(zip(self.full_start, self.local_start, self.length, strict=True))
+        for o in range(self.outer):
+            for full, local, n in parts:
+                yield o * self.full_stride + full, o * self.local_stride + local, n
+
+
+def own_blocks(local: Tensor, placement: NamedPlacement, full_shape: Sequence[int],
+               mesh: DeviceMesh, mesh_dims: Sequence[str], writer: int) -> OwnBlocks | None:
+    """Where this rank's shard lies in the full tensor (no traffic), or ``None`` on every rank
+    alike when the layout is not one :func:`gather_to_writer` handles. The runs of the ranks of
+    the writer's group tile the full tensor exactly; ranks of other groups (another
+    data-parallel replica) get none, and the writer's ``peers`` are the group's other ranks."""
+    found = _even_shard_over_one_dim(local, placement, full_shape, mesh, mesh_dims)
+    if found is None:
+        return None
+    _, q, d, g, x = found
+    ranks = dist.get_process_group_ranks(g.group)
+    me = dist.get_rank()
+    inner = math.prod(full_shape[d + 1:])
+    outer = math.prod(full_shape[:d])
+    local_d = x.shape[d]
+    full_start: list[int] = []
+    local_start: list[int] = []
+    length: list[int] = []
+    if writer in ranks:
+        j = ranks.index(me)
+        offset = local_offset = 0
+        for size in q.part_sizes(full_shape[d]):
+            lp = size // g.size
+            full_start.append((offset + j * lp) * inner)
+            local_start.append(local_offset * inner)
+            length.append(lp * inner)
+            offset += size
+            local_offset += lp
+    peers = tuple(r for r in ranks if r != writer) if me == writer else ()
+    return OwnBlocks(data=x.contiguous(), outer=outer if length else 0,
+                     full_stride=full_shape[d] * inner, local_stride=local_d * inner,
+                     full_start=tuple(full_start), local_start=tuple(local_start),
+                     length=tuple(length), writer=writer, peers=peers)
 
 
 def _send(flat: Tensor, dst: int) -> None:

@@ -5,7 +5,8 @@ the DTensor state dicts DCP stores), ``weights`` (loading a checkpoint's slices 
 strategies), ``checkpoint_files`` (each weight file checked against its own structure: a
 safetensors header against the file's bytes, a ``pytorch_model.bin``'s storages against their
 zip records), ``state_hooks`` (the model's and optimizer's state-dict hooks for torch's own DCP
-APIs), ``export`` (consolidated safetensors for ``from_pretrained``), ``file_digest`` (the
+APIs), ``export`` (consolidated safetensors for ``from_pretrained``), ``direct_write`` (ranks on the
+writer's host writing their own blocks into its file), ``file_digest`` (the
 export manifest's digest and shape) and ``materialize``
 (allocating the rank's shards after a meta apply, and keeping non-persistent
 buffers' values through a later ``to_empty``). Key conversions of third-party checkpoint

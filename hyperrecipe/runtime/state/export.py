@@ -11,6 +11,10 @@ spare), never a file's worth or the model's. Files are split at ``max_shard_byte
 ``generation_config``) are saved beside them. Tied parameters are written once, under the
 name that owns them, as ``save_pretrained`` does.
 
+Ranks on the writer's host write their own blocks of each sharded tensor straight into the
+writer's file instead of sending them (:mod:`~hyperrecipe.runtime.state.direct_write`); the
+writer then hashes those tensors from the file, so the manifest is the same either way.
+
 An export replaces the previous one in the folder whole or not at all: files are written
 under temporary names and renamed into place once every rank got through, and an earlier
 export's files that this one does not write are removed (see :func:`write_safetensors`).
@@ -19,7 +23,9 @@ export's files that this one does not write are removed (see :func:`write_safete
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import mmap
 import os
 import queue
 import re
@@ -39,7 +45,22 @@ from torch import Tensor, nn
 from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchError
 from hyperrecipe.integrations.transformers import size_to_bytes
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.comm.gather_into import gather_to_writer, give_back
+from hyperrecipe.runtime.comm.gather_into import (
+    OwnBlocks,
+    gather_to_writer,
+    give_back,
+    own_blocks,
+)
+from hyperrecipe.runtime.state.direct_write import (
+    NONCE_BYTES,
+    accept,
+    hash_range,
+    map_for_hashing,
+    offer,
+    report_written,
+    wait_written,
+    write_runs,
+)
 from hyperrecipe.runtime.state.file_digest import (
     FORMATS,
     Hasher,
@@ -52,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover - checkpoint -> weights -> dcp_reader -> e
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors",
-           "writer_gather"]
+           "writer_blocks", "writer_gather"]
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -70,6 +91,10 @@ class ExportItem:
     dtype: torch.dtype
     shape: tuple[int, ...]
     gather: Callable[[], Tensor]
+    blocks: Callable[[], OwnBlocks | None] | None = None
+    """Where this rank's blocks lie in the full tensor (:func:`writer_blocks`), for ranks that
+    can write them into the writer's file themselves; ``None`` (or a call that answers
+    ``None`` on every rank alike): the writer gets the full tensor from ``gather``."""
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +126,24 @@ def writer_gather(live: LiveParams, p: ParamPlan, writer: int) -> Callable[[], T
     return gather
 
 
+def writer_blocks(live: LiveParams, p: ParamPlan, writer: int) -> Callable[[], OwnBlocks | None]:
+    """Where this rank's blocks of parameter ``p`` lie in the full tensor, for the layouts
+    :func:`writer_gather` sends point to point; ``None`` (on every rank alike) otherwise."""
+
+    def blocks() -> OwnBlocks | None:
+        from torch.distributed.tensor import DTensor
+
+        value = live.param(p)
+        if isinstance(value, DTensor) and value.device_mesh != live.mesh:
+            return None
+        local = live.local(p)
+        if tuple(local.shape) == p.shape:
+            return None
+        return own_blocks(local, p.placement, p.shape, live.mesh, live.plan.mesh_dims, writer)
+
+    return blocks
+
+
 def _files(items: Sequence[ExportItem], max_shard_bytes: int) -> list[list[ExportItem]]:
     files: list[list[ExportItem]] = [[]]
     size = 0
@@ -127,12 +170,14 @@ SYNC_BYTES = 64 << 20
 
 def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem], *,
                       writer: bool, max_shard_bytes: int, model: nn.Module,
-                      timeout_s: float | None = None, digest: str | None = None) -> list[Path]:
+                      timeout_s: float | None = None, digest: str | None = None,
+                      direct: bool = True) -> list[Path]:
     """Gather every item (all ranks, in order) and, where ``writer``, stream it to disk.
 
     The gathers run on a thread of their own, one tensor ahead: while the writer writes and
     hashes tensor ``i``, tensor ``i + 1`` is being gathered, so at most two full tensors are
-    in flight (a written one's memory is handed back to receive a later one). Each file is written under a temporary name in ``folder`` and synced; only
+    in flight (a written one's memory is handed back to receive a later one). Each file is
+    written under a temporary name in ``folder`` and synced; only
     when every rank got through (the ranks agree after the last gather) are the files renamed
     into place (``os.replace``, atomic per file) and what an earlier export left under the
     names an export writes (``model.safetensors``, ``model-*-of-*.safetensors``, the index)
@@ -143,6 +188,12 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     rank raises at once and the others once a gather or the agreement has waited
     ``timeout_s`` (``None``: the process group's own timeout). ``digest`` is the manifest's
     algorithm (default :func:`~hyperrecipe.runtime.state.file_digest.writing_digest`).
+
+    With ``direct`` (the default), ranks that run on the writer's kernel and see its
+    temporary files write their own blocks of each item that has ``blocks`` straight into them
+    (:mod:`~hyperrecipe.runtime.state.direct_write`); the writer hashes those tensors from the
+    file once every rank reported its blocks written. The ranks agree on this before any
+    tensor is written; otherwise every block is gathered to the writer.
 
     Returns the files written (empty on other ranks).
 
@@ -158,7 +209,10 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     groups = _files(items, max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    headers = [_header(group) for group in groups]
     temps: list[Path] = []
+    fds: list[int] = []  # the writer's temporary files, or a direct peer's handles to them
+    mappings: dict[int, mmap.mmap | None] = {}
     failure: str | None = None
     algorithm = digest or writing_digest()
     new_hasher(algorithm)  # an unknown one is refused before any traffic
@@ -169,46 +223,68 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
         if writer:
             try:
                 out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                failure = f"cannot create {out}: {exc}"
-        for name, group in zip(names, groups, strict=True):
-            temp = out / f".{name}.tmp-{os.getpid()}"
-            handle = None
-            hasher = new_hasher(algorithm)  # hashed as the bytes stream: no second pass
-            size = unsynced = 0
-            if writer and failure is None:
-                try:
-                    handle = open(temp, "wb")  # noqa: SIM115 - closed below
+                for name, header in zip(names, headers, strict=True):
+                    temp = out / f".{name}.tmp-{os.getpid()}"
+                    fds.append(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC
+                                       | getattr(os, "O_CLOEXEC", 0), 0o666))
                     temps.append(temp)
-                    header = _header(group)
-                    handle.write(header)
-                    hasher.update(header)
-                    size += len(header)
+                    _pwrite_all(fds[-1], memoryview(header), 0)
+            except OSError as exc:
+                failure = f"writing {temps[-1] if temps else out}: {exc}"
+        on_host = False
+        if direct and _distributed():  # the same on every rank: all negotiate, or none
+            first = sum(i.nbytes for i in groups[0])
+            peer_fds = gathers.negotiate(writer, failure is None and first >= NONCE_BYTES,
+                                         fds, temps, len(headers[0]))
+            on_host = peer_fds is not None
+            if on_host and not writer:
+                fds = peer_fds or []
+        if on_host and writer and failure is None:
+            for temp, fd, header, group in zip(temps, fds, headers, groups, strict=True):
+                try:
+                    os.ftruncate(fd, len(header) + sum(i.nbytes for i in group))
                 except OSError as exc:
                     failure = f"writing {temp}: {exc}"
+                    break
+        state = _DirectState(failure=failure)  # once set, no rank writes blocks any more
+        gathers.plan_jobs(_jobs(groups, headers, fds, temps, on_host, writer, state))
+        for k, (name, group, header) in enumerate(zip(names, groups, headers, strict=True)):
+            hasher = new_hasher(algorithm)  # hashed as the bytes stream: no second pass
+            hasher.update(header)
+            at = synced = len(header)
+            hashes: list[Future[None]] = []
             for item in group:
                 value = gathers.next()  # every rank; the next item's gather starts now
-                if handle is not None and failure is None:
-                    try:
-                        written = _write(handle, hasher, hashing, value, item.dtype)
-                        size += written
-                        unsynced += written
-                        if unsynced >= SYNC_BYTES:
-                            start_writeback(handle.fileno(), size - unsynced, unsynced)
-                            unsynced = 0
-                    except OSError as exc:
-                        failure = f"writing {temp}: {exc}"
-                give_back(value)  # written (or not wanted): its memory serves the next gather
+                start, at = at, at + item.nbytes
+                if isinstance(value, _Direct):  # in the file already: the writer hashes it
+                    failure = failure or value.failure
+                    if writer and failure is None and not value.failed_peers:
+                        if k not in mappings:
+                            mappings[k] = map_for_hashing(fds[k])
+                        hashes.append(hashing.submit(hash_range, hasher, fds[k], mappings[k],
+                                                     start, at))
+                else:
+                    if writer and failure is None:
+                        try:
+                            _write(fds[k], start, hasher, hashing, value, item.dtype)
+                        except OSError as exc:
+                            failure = f"writing {temps[k]}: {exc}"
+                    give_back(value)  # written (or not wanted): its memory serves the next
                 del value  # before the next wait: two tensors at most, never three
-            manifest[name] = (size, hasher.hexdigest())
-            if handle is not None:
+                state.failure = state.failure or failure
+                if writer and failure is None and at - synced >= SYNC_BYTES:
+                    start_writeback(fds[k], synced, at - synced)
+                    synced = at
+            if writer and failure is None:
                 try:
-                    if failure is None:
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    handle.close()
+                    for hashed in hashes:  # every hash of the file is done
+                        hashed.result()
+                    if (mapping := mappings.pop(k, None)) is not None:
+                        mapping.close()
+                    os.fsync(fds[k])
                 except OSError as exc:
-                    failure = failure or f"writing {temp}: {exc}"
+                    failure = f"writing {temps[k]}: {exc}"
+            manifest[name] = (at, hasher.hexdigest())
         failures = gathers.agree(failure)
         if failures:
             raise ExportError(f"save_pretrained into {out} failed, so nothing was replaced and "
@@ -216,6 +292,9 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                                   f"rank {r}: {f}" for r, f in failures))
         if not writer:
             return []
+        for fd in fds:
+            os.close(fd)
+        fds = []
         for temp, name in zip(temps, names, strict=True):
             os.replace(temp, out / name)
         temps = []
@@ -239,6 +318,14 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     finally:
         gathers.close()
         hashing.shutdown()
+        for left in mappings.values():
+            try:
+                if left is not None:
+                    left.close()
+            except BufferError:  # a hash still reading it (an abort): unmapped when collected
+                pass
+        for fd in fds:
+            os.close(fd)
         for temp in temps:
             temp.unlink(missing_ok=True)
     for attr in ("config", "generation_config"):
@@ -248,17 +335,90 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     return [out / name for name in names]
 
 
-def _write(handle: BinaryIO, hasher: Hasher, hashing: ThreadPoolExecutor, value: Tensor,
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _pwrite_all(fd: int, view: memoryview, at: int) -> int:
+    start = 0
+    while start < len(view):
+        done = os.pwrite(fd, view[start:], at + start)
+        if done <= 0:
+            raise OSError(f"pwrite wrote {done} bytes")
+        start += done
+    return start
+
+
+def _jobs(groups: Sequence[Sequence[ExportItem]], headers: Sequence[bytes], fds: Sequence[int],
+          temps: Sequence[Path], on_host: bool, writer: bool,
+          state: _DirectState) -> list[Callable[[], Any]]:
+    """Each item's work on the export's thread, in order: its gather, or where the ranks
+    write their own blocks, the writer's wait for its peers' blocks (then it writes its own)
+    or a peer's write of its blocks followed by its report to the writer."""
+    jobs: list[Callable[[], Any]] = []
+    for k, (group, header) in enumerate(zip(groups, headers, strict=True)):
+        at = len(header)
+        for item in group:
+            if on_host and item.blocks is not None:
+                jobs.append(functools.partial(_direct_job, item, fds[k] if fds else -1,
+                                              temps[k] if temps else None, at, writer, state))
+            else:
+                jobs.append(item.gather)
+            at += item.nbytes
+    return jobs
+
+
+def _direct_job(item: ExportItem, fd: int, temp: Path | None, at: int, writer: bool,
+                state: _DirectState) -> Any:
+    """Write this rank's blocks of ``item`` into the file at their places; then the writer
+    waits for its peers' reports, and a peer reports to the writer."""
+    assert item.blocks is not None
+    blocks = item.blocks()
+    if blocks is None:  # the same on every rank: this one is gathered after all
+        return item.gather()
+    if not blocks.length:  # not in the writer's group: nothing to write
+        return _Direct()
+    if state.failure is None:
+        try:
+            write_runs(fd, at, blocks)
+        except OSError as exc:
+            state.failure = (f"writing {temp}: {exc}" if writer else
+                             f"writing its blocks of {item.name!r} into {temp}: {exc}")
+    if writer:
+        return _Direct(failed_peers=tuple(wait_written(blocks)), failure=state.failure)
+    report_written(blocks, failed=state.failure is not None)
+    return _Direct(failure=state.failure)
+
+
+@attrs.define
+class _DirectState:
+    """A direct peer's first failure to write: it writes nothing more, and says so."""
+
+    failure: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _Direct:
+    """An item whose blocks the ranks wrote themselves: this rank's failure to write, if any,
+    and on the writer the peers that could not write theirs."""
+
+    failed_peers: tuple[int, ...] = ()
+    failure: str | None = None
+
+
+def _write(fd: int, at: int, hasher: Hasher, hashing: ThreadPoolExecutor, value: Tensor,
            dtype: torch.dtype) -> int:
-    """Write ``value``'s bytes as ``dtype`` and hash them beside the write (both release the
-    GIL); return how many. Its views of the tensor end with the call."""
+    """Write ``value``'s bytes as ``dtype`` at ``at`` and hash them beside the write (both
+    release the GIL); return how many. Its views of the tensor end with the call."""
     data = value.detach().to("cpu", dtype).contiguous()
     if not data.numel():
         return 0
     view = data.reshape(-1).view(torch.uint8).numpy().data
     hashed = hashing.submit(hasher.update, view)
     try:
-        handle.write(view)
+        _pwrite_all(fd, view, at)
     finally:
         hashed.result()
     return view.nbytes
@@ -305,6 +465,7 @@ class _Gathers:
     def __init__(self, items: Sequence[ExportItem], folder: Path,
                  timeout_s: float | None) -> None:
         self._items = list(items)
+        self._jobs_of: list[Callable[[], Any]] = [item.gather for item in self._items]
         self._folder = folder
         self._timeout = timeout_s
         self._done = 0
@@ -355,16 +516,32 @@ class _Gathers:
                f"collectives are out of step now: restart every rank")
         raise ExportAbortedError(msg) from exc
 
-    def next(self) -> Tensor:
-        """The next item's full tensor; the one after it starts gathering before this returns."""
+    def plan_jobs(self, jobs: Sequence[Callable[[], Any]]) -> None:
+        """Each item's work (its gather unless said otherwise): before the first :meth:`next`."""
+        assert self._done == 0 and self._pending is None and len(jobs) == len(self._items)
+        self._jobs_of = list(jobs)
+
+    def next(self) -> Any:
+        """The next item's full tensor (or what its job returns); the one after it starts
+        before this returns."""
         if self._pending is None:
-            self._pending = self._submit(self._items[self._done].gather)
+            self._pending = self._submit(self._jobs_of[self._done])
         item = self._items[self._done]
-        value: Tensor = self._wait(self._pending, f"gathering {item.name!r}")
+        value = self._wait(self._pending, f"gathering {item.name!r}")
         self._done += 1
-        self._pending = (self._submit(self._items[self._done].gather)
+        self._pending = (self._submit(self._jobs_of[self._done])
                          if self._done < len(self._items) else None)
         return value
+
+    def negotiate(self, writer: bool, candidate: bool, fds: Sequence[int],
+                  temps: Sequence[Path], nonce_at: int) -> list[int] | None:
+        """Whether every rank writes its own blocks into the writer's temporary files (see
+        :mod:`~hyperrecipe.runtime.state.direct_write`): a peer's handles to them, ``[]`` on
+        the writer, or ``None`` on every rank when any rank cannot. A collective."""
+        result: list[int] | None = self._wait(
+            self._submit(lambda: _negotiate(writer, candidate, fds, temps, nonce_at)),
+            "agreeing whether the ranks write their own blocks")
+        return result
 
     def agree(self, failure: str | None) -> list[tuple[int, str]]:
         """Every rank's failure, the same list on every rank (see :func:`_agree`)."""
@@ -382,6 +559,25 @@ class _Gathers:
             self._jobs.put(None)
             if not busy:  # idle: it reads the end marker and returns at once
                 self._thread.join()
+
+
+def _negotiate(writer: bool, candidate: bool, fds: Sequence[int], temps: Sequence[Path],
+               nonce_at: int) -> list[int] | None:
+    import torch.distributed as dist
+
+    offered = offer(fds, temps, nonce_at) if writer and candidate else None
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (writer, offered))
+    offers = [o for w, o in everyone if w]
+    mine = ([] if offered is not None else None) if writer else (
+        accept(offers[0]) if len(offers) == 1 else None)
+    agreed: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(agreed, mine is not None)
+    if all(agreed):
+        return mine
+    for fd in mine or []:
+        os.close(fd)
+    return None
 
 
 def _rank() -> int:

@@ -146,16 +146,25 @@ def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str
         import hyperrecipe.runtime.state.export as export
 
         real = export.gather_to_writer
+        real_blocks = export.own_blocks  # ranks on one host write their own blocks instead
         calls = 0
 
-        def gather_to_writer(*args: Any) -> torch.Tensor | None:
+        def count() -> None:
             nonlocal calls
             calls += 1
             if calls == 3:
                 raise RuntimeError("injected fault in this rank's third gather")
+
+        def gather_to_writer(*args: Any) -> torch.Tensor | None:
+            count()
             return real(*args)
 
+        def own_blocks(*args: Any) -> Any:
+            count()
+            return real_blocks(*args)
+
         export.gather_to_writer = gather_to_writer  # type: ignore[assignment]
+        export.own_blocks = own_blocks
     try:
         inst.save_pretrained(folder)
     except ExportError as exc:
