@@ -102,8 +102,14 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
         return row
     groups = {r.group for r in s.rules}
     row.update(sequence_parallel=SEQUENCE_GROUP in groups, loss_parallel=LOSS_GROUP in groups,
-               experts=any(dict(r.fields).get("local_region") for r in s.rules),
+               experts=any(dict(r.fields).get("local_region") and r.group != SEQUENCE_GROUP
+                           for r in s.rules),
                sharded_ep=s.sharded_fraction.get("ep", 0.0))
+    if not row["sequence_parallel"]:  # not proposed (why), or given up by check (what failed)
+        row["sequence_parallel_why"] = next(
+            (" ".join(n.why.split())[:300] for n in s.narrowed
+             if n.what.startswith(SEQUENCE_GROUP)),
+            next((n.why for n in s.narrowed if "every addition beyond" in n.why), ""))
     # an entry for a module this config does not build, and the expert-parallel plan on a
     # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing
     plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
@@ -203,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{sum(r['experts'] for r in ok)}"
           + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
              if args.recheck else ""))
+    no_sp = [r for r in ok if not r["sequence_parallel"]]
+    if no_sp:
+        print(f"\nwhy sequence parallelism is not in {len(no_sp)} recipes:")
+        for r in no_sp:
+            print(f"- {r['family']}: {r.get('sequence_parallel_why', '')}")
     print("\n| family | mesh | outcome | checks | SP | loss | tp bytes | ep bytes | s | "
           "given up / why |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -124,6 +124,7 @@ class _Builder:
                 self.modules[key] = m
                 self.order[key] = i
         self.fqns = {m.fqn for m in tree.modules}
+        self.tree = tree
         #: folded region -> the concrete modules that are the region (all, or a kind of layer)
         self.region_instances: dict[str, list[str]] = {}
         self.rules: list[SuggestedRule] = []
@@ -465,7 +466,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 f"{entry.source} asks to all-reduce the gradient of {fqn}, but no column-wise "
                 f"projection shards what it sees here: left replicated without a reduction")))
     if opts.sequence_parallel and opts.dim in mesh:
-        extra, why_not = sequence_parallel_rules(b.rules, b.modules, opts.dim)
+        extra, why_not = sequence_parallel_rules(b.rules, b.tree.modules, opts.dim)
         b.rules += extra
         if why_not:
             b.narrowed.append(Narrowed(what=SEQUENCE_GROUP, why=f"not proposed: {why_not}"))

@@ -26,6 +26,7 @@ from hyperrecipe.errors import RecipeError
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
 
@@ -208,6 +209,16 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                     return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
                                     attempts=tuple(attempts), reason=(
                                         "check diverged and no suggested rule could be blamed"))
+                if any(r.group == SEQUENCE_GROUP for r in current):
+                    # the addition that changes every block's layout goes first, alone: the
+                    # others (the loss on vocab shards, reductions) are kept where it was it
+                    current, what = _give_up(current, next(
+                        r for r in current if r.group == SEQUENCE_GROUP), exact=False)
+                    narrowed.append(Narrowed(what=what, why=(
+                        "check diverged with no module to blame; sequence parallelism given up "
+                        "first")))
+                    progress(f"check {attempt}: diverged; giving up {what}")
+                    continue
                 current = [r for r in current if not r.deeper]
                 narrowed += [Narrowed(what=r.match, why="check diverged with no module to blame; "
                                       "every addition beyond the source plan given up")

@@ -1,0 +1,100 @@
+"""Sequence parallelism in `hyperrecipe suggest` beyond the Llama shape: MoE blocks whose
+parameters stay replicated run on this rank's tokens (their gradients all-reduced over tp),
+layers of two kinds under one list (dense first layers beside MoE ones) are taken layer by
+layer, and a block that cannot take part is named with why.
+
+The translation tests build the model on the meta device only; the end-to-end ones run the real
+check (two gloo ranks, production and validate mode, compared with one process, the model's
+defaults) and check the written file again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hyperrecipe.check.run import CheckOptions, run_check
+from hyperrecipe.integrations.hf_plans import read_plans
+from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.model_tree import build_model, snapshot
+from hyperrecipe.suggest import SuggestOptions, Suggestion, suggest_recipe
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+from hyperrecipe.suggest.translate import Translation, translate
+from tests.support.runtime_harness import ROOT
+
+TP2 = {"tp": 2}
+SEQ = {"tp": "shard(1)"}
+TOKENS = {"tp": "shard(-2)"}
+
+
+def _translate(family: str, config: str | dict[str, Any]) -> Translation:
+    model = build_model(f"hf:{family}", config)
+    return translate(read_plans(model), snapshot(model), TP2)
+
+
+def _sequence_rules(t: Translation) -> dict[str, dict[str, Any]]:
+    return {r.match: dict(r.fields) for r in t.rules if r.group == SEQUENCE_GROUP}
+
+
+def _suggest_and_recheck(family: str, config: str | dict[str, Any], tmp_path: Path) -> Suggestion:
+    s = suggest_recipe(f"hf:{family}", TP2, model_config=config,
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    assert SEQUENCE_GROUP in {r.group for r in s.rules}, s.summary()
+    path = tmp_path / f"{family}.yaml"
+    path.write_text(s.text)
+    report = run_check(CheckOptions(recipe=str(path), model=f"hf:{family}",
+                                    model_config=s.check_config, mesh=TP2, timeout_s=120))
+    assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
+                          for m in report.modes]
+    return s
+
+
+def test_a_moe_block_with_replicated_experts_runs_on_this_ranks_tokens() -> None:
+    # Mixtral's block (router and experts, both whole on every rank without an ep dim) held
+    # parameters outside every region: no sequence parallelism was proposed
+    t = _translate("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.*.mlp"] == {
+        "boundary": True, "local_region": True, "in_src": {"hidden_states": SEQ},
+        "in_dst": {"hidden_states": SEQ}, "out_src": {0: SEQ}}
+    assert rules["model.layers.*.self_attn"]["in_dst"] == {"hidden_states": "replicate"}
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+
+
+def test_mixtral_with_its_experts_on_this_ranks_tokens_passes_check(tmp_path: Path) -> None:
+    s = _suggest_and_recheck("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"),
+                             tmp_path)
+    assert "    local_region: true\n    in_src: {hidden_states: {tp: shard(1)}}" in s.text
+    assert s.narrowed == () or all("so the experts stay whole" in n.why for n in s.narrowed)
+
+
+def test_dense_first_layers_beside_moe_layers_are_taken_layer_by_layer() -> None:
+    # GLM-4-MoE: layer 0's MLP is a dense region, layer 1's a MoE block whose shared experts are
+    # a region of their own: "the regions are not all under one list of decoder layers"
+    t = _translate("glm4_moe", tiny_config("glm4_moe"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.0.mlp"] == {"in_src": {"x": SEQ}, "in_dst": {"x": "replicate"},
+                                           "out_src": {0: SEQ}}
+    assert rules["model.layers.1.mlp"]["local_region"] is True
+    # the shared experts gather the MoE block's tokens ([tokens, hidden] or [batch, seq, hidden])
+    shared = rules["model.layers.*.mlp.shared_experts"]
+    assert shared["in_src"] == {"x": TOKENS} and shared["out_src"] == {0: TOKENS}
+    assert rules["model.layers.*.mlp.shared_experts.down_proj"] == {"out_dst": {0: TOKENS}}
+    assert rules["model.layers.*.mlp.down_proj"] == {"out_dst": {0: SEQ}}
+
+
+def test_glm4_moe_with_dense_and_moe_layers_passes_check_with_sequence_parallelism(
+        tmp_path: Path) -> None:
+    _suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
+
+
+def test_a_block_computed_replicated_around_a_gathered_projection_is_named() -> None:
+    # GLM: transformers' plan gathers the fused gate_up_proj's output and splits down_proj's
+    # input, so the MLP computes replicated between two collectives; it is no region
+    t = _translate("glm", tiny_config("glm"))
+    why = {n.what: n.why for n in t.narrowed}[SEQUENCE_GROUP]
+    assert ("model.layers.0.mlp computes replicated around model.layers.0.mlp.gate_up_proj, "
+            "which a rule places (colwise_gather_output) outside a region") in why
+    assert "a sequence gather whose backward is a slice" in why
+    assert not _sequence_rules(t)
