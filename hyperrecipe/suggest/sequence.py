@@ -22,7 +22,8 @@ kinds under one name) is one of
   read off the structure: ``check`` against one process decides, and a failure gives up
   sequence parallelism as a whole;
 
-with a final norm beside the layer list and a gathering head. A block computed replicated with
+with at most one final norm beside the layer list and a gathering head (norms without
+parameters, OLMo's, need no rule). A block computed replicated with
 tensor-parallel projections outside a region (a projection whose output the plan gathers) is
 not: on this rank's tokens its collectives would mix the ranks' different tokens, and gathered
 around it the input's gradient comes back whole on every rank, which a reduce-scatter would
@@ -184,8 +185,8 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     base = layers.rsplit(".", 1)[0] if "." in layers else ""
     finals = [f for f, m in tree.by_fqn.items() if m.params and _is_norm(m)
               and (f.rsplit(".", 1)[0] if "." in f else "") == base and f != layers]
-    if not norms or len(finals) != 1:
-        return [], "no norms between the blocks, or no single final norm"
+    if len(finals) > 1:  # norms without parameters (OLMo's) need no rule
+        return [], f"more than one final norm beside {layers}: {', '.join(finals)}"
     arg = _first_arg(layer_instances[0])
     src = "deeper than the plan: sequence parallelism"
     seq = {dim: "shard(1)"}
@@ -194,10 +195,12 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
                               "in_dst": {arg: seq}, "out_src": {0: seq}},
               f"{src}: the residual stream is sliced on the sequence where it enters layer 0 "
               f"(no communication)", 0),
-        _rule("{" + ",".join([*_folded(norms, tree), *finals]) + "}",
-              {"style": "sequence_parallel"},
-              f"{src}: the norms run on this rank's tokens; their gradients are all-reduced", 1),
     ]
+    if norms or finals:
+        out.append(_rule(_alternatives([*_folded(norms, tree), *finals]),
+                         {"style": "sequence_parallel"},
+                         f"{src}: the norms run on this rank's tokens; their gradients are "
+                         f"all-reduced", 1))
     for block in _token_local_groups(kinds, tree):
         first = tree.by_fqn[block[0]]
         block_arg = _first_arg(first)
@@ -238,6 +241,10 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     out.append(_rule(heads[0].match, {"in_src": {0: seq}, "in_dst": {0: "replicate"}},
                      f"{src}: the head all-gathers the sequence before the logits", len(out)))
     return out, ""
+
+
+def _alternatives(patterns: Sequence[str]) -> str:
+    return patterns[0] if len(patterns) == 1 else "{" + ",".join(patterns) + "}"
 
 
 def _folded(fqns: Sequence[str], tree: _Tree) -> list[str]:

@@ -63,6 +63,9 @@ class TranslateOptions:
         loss_parallel: keep the logits sharded on the vocab for the model's own loss.
         sequence_parallel: shard the residual stream on the sequence between regions
             (:mod:`hyperrecipe.suggest.sequence`).
+        structure: where the plan names no projection of a block (a plan that shards only the
+            embedding and the head), read the block's projection pair off the model's structure
+            (:func:`hyperrecipe.suggest.structure.blocks_the_plan_leaves_out`).
     """
 
     dim: str = "tp"
@@ -70,6 +73,7 @@ class TranslateOptions:
     reduce_reached: bool = True
     loss_parallel: bool = True
     sequence_parallel: bool = True
+    structure: bool = True
 
 
 @attrs.frozen(kw_only=True)

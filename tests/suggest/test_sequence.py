@@ -98,3 +98,41 @@ def test_a_block_computed_replicated_around_a_gathered_projection_is_named() -> 
             "which a rule places (colwise_gather_output) outside a region") in why
     assert "a sequence gather whose backward is a slice" in why
     assert not _sequence_rules(t)
+
+
+def test_blocks_a_plan_leaves_out_are_read_off_the_structure() -> None:
+    # HunYuan's plan shards only the embedding and the head: no region, so no sequence
+    # parallelism and no tensor parallelism in its attention and MLP
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    model = build_model("hf:hunyuan_v1_dense", tiny_config("hunyuan_v1_dense"))
+    plan = read_plans(model)
+    extra = blocks_the_plan_leaves_out(plan, structural_entries(model))
+    assert {(e.pattern, e.style) for e in extra} >= {
+        ("model.layers.*.self_attn.q_proj", "colwise"), ("model.layers.*.self_attn.o_proj", "rowwise"),
+        ("model.layers.*.mlp.gate_proj", "colwise"), ("model.layers.*.mlp.down_proj", "rowwise")}
+    assert not any(e.head for e in extra)  # the plan has its own head
+    t = translate((*plan, *extra), snapshot(model), TP2)
+    assert "model.layers.*.self_attn" in {r.match for r in t.rules if r.sources[0].startswith(
+        "region: ")}
+    assert _sequence_rules(t)["model.layers.*.mlp"]["in_dst"] == {"x": "replicate"}
+
+
+def test_a_block_the_plan_names_is_left_as_the_plan_says() -> None:
+    # Qwen2-MoE's plan names nothing of the shared expert, which is nested in the MoE block and
+    # called on flattened tokens: it is not read off the structure; Llama's plan names every block
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    for family, config in (("qwen2_moe", tiny_config("qwen2_moe")),
+                           ("llama", str(ROOT / "recipes/models/tiny-llama.json"))):
+        model = build_model(f"hf:{family}", config)
+        assert blocks_the_plan_leaves_out(read_plans(model), structural_entries(model)) == ()
+
+
+def test_norms_without_parameters_need_no_rule() -> None:
+    # OLMo's LayerNorms hold no parameters: "no norms between the blocks" refused it
+    t = _translate("olmo", tiny_config("olmo"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.0"]["in_dst"] == {"hidden_states": SEQ}
+    assert not any(f.get("style") == "sequence_parallel" for f in rules.values())
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
