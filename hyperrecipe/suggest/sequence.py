@@ -43,7 +43,7 @@ from hyperrecipe.model_tree import ModuleInfo
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.rules import SuggestedRule
 
-__all__ = ["SEQUENCE_GROUP", "sequence_parallel_rules"]
+__all__ = ["SEQUENCE_GROUP", "nested_group", "nested_region", "sequence_parallel_rules"]
 
 SEQUENCE_GROUP = "sequence parallelism"
 _LAST = 10**9
@@ -68,9 +68,25 @@ def _under(fqn: str, root: str) -> bool:
     return fqn == root or fqn.startswith(root + ".")
 
 
-def _rule(match: str, fields: Mapping[str, object], source: str, i: int) -> SuggestedRule:
+def _rule(match: str, fields: Mapping[str, object], source: str, i: int,
+          group: str = SEQUENCE_GROUP) -> SuggestedRule:
     return SuggestedRule(match=match, fields=tuple(fields.items()), sources=(source,),
-                         group=SEQUENCE_GROUP, deeper=True, order=_LAST + i)
+                         group=group, deeper=True, order=_LAST + i)
+
+
+_NESTED = f"{SEQUENCE_GROUP} inside a token-local block: "
+
+
+def nested_group(region_group: str) -> str:
+    """The group of the layouts that let a region nested in a token-local block gather the
+    block's tokens: given up with sequence parallelism, or with the region alone (then the
+    whole block runs on this rank's tokens, the region's projections replicated)."""
+    return _NESTED + region_group
+
+
+def nested_region(group: str) -> str | None:
+    """The region group a :func:`nested_group` is for, or ``None``."""
+    return group.removeprefix(_NESTED) if group.startswith(_NESTED) else None
 
 
 def _is_region(rule: SuggestedRule) -> bool:
@@ -217,6 +233,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
         if placed.setdefault(region.match, where) != where:
             return [], (f"the region {region.match} is a block of a layer in some layers and "
                         f"nested in a token-local block in others")
+    groups = {r.match: r.group for r in region_rules}
     for region in region_rules:
         tokens = {dim: placed[region.match]}
         fields = dict(region.fields)
@@ -227,17 +244,21 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
                                         "in_dst": {in_arg: "replicate"},
                                         "out_src": {first_out: tokens}},
                          f"{src}: {region.match} all-gathers {how} on entry and "
-                         f"reduce-scatters on exit", len(out)))
+                         f"reduce-scatters on exit", len(out),
+                         SEQUENCE_GROUP if tokens == seq else nested_group(region.group)))
     for row in rules:  # one refinement per row-wise rule, written into that rule
         if dict(row.fields).get("style") != "rowwise":
             continue
-        owners = {placed[regions[r].match] for f in tree.matched(row) for r in regions
+        owners = {regions[r].match for f in tree.matched(row) for r in regions
                   if f.startswith(r + ".")}
-        if len(owners) > 1:
+        if len({placed[o] for o in owners}) > 1:
             return [], f"{row.match} is under regions of both kinds"
         if owners:
-            out.append(_rule(row.match, {"out_dst": {0: {dim: owners.pop()}}},
-                             f"{src}: reduce-scatter instead of all-reduce", len(out)))
+            owner = owners.pop()
+            out.append(_rule(row.match, {"out_dst": {0: {dim: placed[owner]}}},
+                             f"{src}: reduce-scatter instead of all-reduce", len(out),
+                             SEQUENCE_GROUP if placed[owner] == "shard(1)"
+                             else nested_group(groups[owner])))
     out.append(_rule(heads[0].match, {"in_src": {0: seq}, "in_dst": {0: "replicate"}},
                      f"{src}: the head all-gathers the sequence before the logits", len(out)))
     return out, ""

@@ -26,7 +26,7 @@ from hyperrecipe.errors import RecipeError
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
-from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, nested_region
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
 
@@ -114,14 +114,36 @@ def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
                         sources=(*rule.sources, "(around a head left replicated)"))
 
 
-def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
-             ) -> tuple[list[SuggestedRule], str]:
-    """Drop the culprit's group; a gradient reduction beyond the plan goes alone, and only
-    when it is the failing module's own rule. Refinements of what was dropped follow it."""
+def _groups(rules: Sequence[SuggestedRule], culprit: SuggestedRule, why: str) -> set[str]:
+    """The groups given up for ``culprit``. A region nested in a token-local block goes with the
+    layouts that let it gather the block's tokens, and those with it: when they fail (a block
+    that flattens its tokens before calling it, where no layout says which rank holds which
+    token), or when the block fails naming it, the region is left replicated and the block runs
+    on this rank's tokens whole. Sequence parallelism takes every such layout with it."""
+    region = nested_region(culprit.group)
+    if region is not None:
+        return {culprit.group, region}
+    nested = {r.group for r in rules if nested_region(r.group) is not None}
+    if culprit.group != SEQUENCE_GROUP:
+        return {culprit.group}
+    if dict(culprit.fields).get("local_region"):
+        named = {r.group for r in rules if r.group in nested
+                 and any(compile_pattern(r.match).fullmatch(t) for t in _FQN.findall(why))}
+        if named:
+            return named | {nested_region(g) or g for g in named}
+    return {culprit.group} | nested
+
+
+def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool,
+             why: str = "") -> tuple[list[SuggestedRule], str]:
+    """Drop the culprit's group (:func:`_groups`); a gradient reduction beyond the plan goes
+    alone, and only when it is the failing module's own rule. Refinements of what was dropped
+    follow it."""
     if culprit.deeper and "reduce_grads" in dict(culprit.fields) and exact:
         return [r for r in rules if r is not culprit], culprit.match
-    dropped = {r.match for r in rules if r.group == culprit.group}
-    kept = [r for r in rules if r.group != culprit.group]
+    groups = _groups(rules, culprit, why)
+    dropped = {r.match for r in rules if r.group in groups}
+    kept = [r for r in rules if r.group not in groups]
     bases = {r.match for r in kept if not r.deeper}
     orphans = [r for r in kept if r.deeper and r.match in dropped and r.match not in bases]
     lost = {r.group for r in orphans if "out_src" in dict(r.fields)}  # a region's layouts
@@ -135,7 +157,12 @@ def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
                 out.append(replaced)
             continue
         out.append(rule)
-    return out, culprit.group + "".join(f" (and {g}, which depends on it)" for g in sorted(lost))
+    named = sorted(g for g in groups if nested_region(g) is None) or [culprit.group]
+    if SEQUENCE_GROUP not in groups and len(groups) > len(named):
+        named = [f"{g} (so that the token-local block around it runs on this rank's tokens)"
+                 for g in named]
+    return out, " and ".join(named) + "".join(f" (and {g}, which depends on it)"
+                                              for g in sorted(lost - groups))
 
 
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
@@ -225,7 +252,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                              for r in deeper]
                 progress(f"check {attempt}: diverged; giving up the additions beyond the plan")
                 continue
-            current, what = _give_up(current, culprit, exact)
+            current, what = _give_up(current, culprit, exact, blamed[1])
             narrowed.append(Narrowed(what=what, why=blamed[1]))
             attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
                                     seconds=seconds))

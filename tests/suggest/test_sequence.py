@@ -136,3 +136,30 @@ def test_norms_without_parameters_need_no_rule() -> None:
     assert rules["model.layers.0"]["in_dst"] == {"hidden_states": SEQ}
     assert not any(f.get("style") == "sequence_parallel" for f in rules.values())
     assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+
+
+def test_a_nested_region_the_block_cannot_gather_for_is_given_up_and_the_block_kept() -> None:
+    # ERNIE-4.5-MoE calls its shared experts on flattened [tokens, hidden]: with a batch of two,
+    # no layout says which rank holds which token, and check names the input it passed them.
+    # The shared experts are left replicated; the MoE block still runs on this rank's tokens.
+    from hyperrecipe.suggest.sequence import nested_group
+    from hyperrecipe.suggest.verify import _give_up, _owner
+
+    t = _translate("ernie4_5_moe", tiny_config("ernie4_5_moe"))
+    shared = "model.layers.*.mlp.shared_experts"
+    assert {r.group for r in t.rules if r.match.startswith(shared) and r.deeper} == {
+        nested_group(shared)}
+    why = ("production mode diverged at model.layers.1.mlp (output): entered with agreeing "
+           "inputs, but the input x it passed to model.layers.1.mlp.shared_experts differs")
+    culprit, exact = _owner("model.layers.1.mlp", t.rules)
+    assert culprit is not None and culprit.group == SEQUENCE_GROUP
+    kept, what = _give_up(t.rules, culprit, exact, why)
+    assert what == (f"{shared} (so that the token-local block around it runs on this rank's "
+                    f"tokens)")
+    assert not any(r.match.startswith(shared) for r in kept)
+    assert dict(next(r for r in kept if r.match == "model.layers.1.mlp").fields)["local_region"]
+    # failing anywhere else, sequence parallelism goes as a whole, nested layouts included
+    kept, what = _give_up(t.rules, culprit, exact, "validate mode diverged at lm_head")
+    assert what == SEQUENCE_GROUP
+    assert not any(r.group.startswith(SEQUENCE_GROUP) for r in kept)
+    assert any(r.match == shared for r in kept)  # the region itself stays, replicated in and out
