@@ -114,6 +114,11 @@ def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
                         sources=(*rule.sources, "(around a head left replicated)"))
 
 
+FOR_THE_BLOCK = " (so that the token-local block around it runs on this rank's tokens)"
+"""How a region given up for sequence parallelism's sake is named; it comes back when sequence
+parallelism is given up after all."""
+
+
 def _groups(rules: Sequence[SuggestedRule], culprit: SuggestedRule, why: str) -> set[str]:
     """The groups given up for ``culprit``. A region nested in a token-local block goes with the
     layouts that let it gather the block's tokens, and those with it: when they fail (a block
@@ -159,8 +164,7 @@ def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
         out.append(rule)
     named = sorted(g for g in groups if nested_region(g) is None) or [culprit.group]
     if SEQUENCE_GROUP not in groups and len(groups) > len(named):
-        named = [f"{g} (so that the token-local block around it runs on this rank's tokens)"
-                 for g in named]
+        named = [g + FOR_THE_BLOCK for g in named]
     return out, " and ".join(named) + "".join(f" (and {g}, which depends on it)"
                                               for g in sorted(lost - groups))
 
@@ -186,6 +190,23 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
     current = list(rules)
     narrowed: list[Narrowed] = []
     attempts: list[Attempt] = []
+    held: list[tuple[list[SuggestedRule], Narrowed]] = []  # given up for sequence parallelism
+
+    def narrow(culprit: SuggestedRule, exact: bool, why: str, blame: str = "") -> str:
+        nonlocal current
+        before = current
+        current, what = _give_up(current, culprit, exact, blame)
+        record = Narrowed(what=what, why=why)
+        narrowed.append(record)
+        if what.endswith(FOR_THE_BLOCK):
+            held.append(([r for r in before if r not in current
+                          and nested_region(r.group) is None], record))
+        elif what.startswith(SEQUENCE_GROUP):
+            for back, note in held:  # what sequence parallelism needed given up comes back
+                current = sorted([*current, *back], key=lambda r: r.order)
+                narrowed.remove(note)
+            held.clear()
+        return what
     with tempfile.TemporaryDirectory(prefix="hyperrecipe-suggest-") as tmp:
         path = os.path.join(tmp, "suggested.yaml")
         for attempt in range(1, max_attempts + 1):
@@ -211,9 +232,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                     reason=f"the suggestion does not compile: {exc.problem}")
                 parts = merge_rules(current)[exc.rule_index][1]  # the rule as written
                 failing = next((r for r in parts if r.deeper), parts[0])
-                current, what = _give_up(current, failing, exact=True)
-                why = f"does not compile: {exc.problem}"
-                narrowed.append(Narrowed(what=what, why=why))
+                what = narrow(failing, True, f"does not compile: {exc.problem}")
                 attempts.append(Attempt(rules=len(current), verdict=f"compile error at {what}",
                                         seconds=seconds))
                 progress(f"check {attempt}: compile error in rule {exc.rule_index} "
@@ -239,11 +258,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                 if any(r.group == SEQUENCE_GROUP for r in current):
                     # the addition that changes every block's layout goes first, alone: the
                     # others (the loss on vocab shards, reductions) are kept where it was it
-                    current, what = _give_up(current, next(
-                        r for r in current if r.group == SEQUENCE_GROUP), exact=False)
-                    narrowed.append(Narrowed(what=what, why=(
-                        "check diverged with no module to blame; sequence parallelism given up "
-                        "first")))
+                    what = narrow(next(r for r in current if r.group == SEQUENCE_GROUP), False,
+                                  "check diverged with no module to blame; sequence "
+                                  "parallelism given up first")
                     progress(f"check {attempt}: diverged; giving up {what}")
                     continue
                 current = [r for r in current if not r.deeper]
@@ -252,8 +269,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                              for r in deeper]
                 progress(f"check {attempt}: diverged; giving up the additions beyond the plan")
                 continue
-            current, what = _give_up(current, culprit, exact, blamed[1])
-            narrowed.append(Narrowed(what=what, why=blamed[1]))
+            what = narrow(culprit, exact, blamed[1], blamed[1])
             attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
                                     seconds=seconds))
             progress(f"check {attempt}: diverged at {blamed[0]} ({seconds:.1f} s); "

@@ -163,3 +163,15 @@ def test_a_nested_region_the_block_cannot_gather_for_is_given_up_and_the_block_k
     assert what == SEQUENCE_GROUP
     assert not any(r.group.startswith(SEQUENCE_GROUP) for r in kept)
     assert any(r.match == shared for r in kept)  # the region itself stays, replicated in and out
+
+
+def test_ernie_moe_keeps_its_shared_experts_sharded_when_its_block_is_not_token_local(
+        tmp_path: Path) -> None:
+    # ERNIE-4.5-MoE's block fails on this rank's tokens even with its shared experts replicated:
+    # sequence parallelism is given up, and the shared experts given up for its sake come back
+    s = suggest_recipe("hf:ernie4_5_moe", TP2, model_config=tiny_config("ernie4_5_moe"),
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    assert SEQUENCE_GROUP not in {r.group for r in s.rules}
+    assert "model.layers.*.mlp.shared_experts" in {r.match for r in s.rules}
+    assert not [n for n in s.narrowed if n.what.startswith("model.layers.*.mlp.shared_experts")]
