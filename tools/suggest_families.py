@@ -111,10 +111,13 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
              if n.what.startswith(SEQUENCE_GROUP)),
             next((n.why for n in s.narrowed if "every addition beyond" in n.why), ""))
     # an entry for a module this config does not build, and the expert-parallel plan on a
-    # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing
+    # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing; nor
+    # is a block the plan leaves out, read off the structure and then given up
+    beyond = _blocks_read_off_the_structure(model_type, s.check_config)
     plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
                     and "so the experts stay whole" not in n.why
-                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP)]
+                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP) and n.what not in beyond]
+    row["structure_blocks"] = sorted(beyond)
     row.update(
         attempts=len(s.attempts), sharded=s.sharded_fraction.get("tp", 0.0),
         narrowed=[f"{n.what}: {' '.join(n.why.split())[:200]}" for n in plan_gave_up],
@@ -131,6 +134,18 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
                                         timeout_s=120))
         row["recheck"] = report.agree
     return row
+
+
+def _blocks_read_off_the_structure(model_type: str, config: dict[str, Any]) -> set[str]:
+    """The blocks ``suggest`` read off the structure because the plan names nothing of them
+    (:func:`hyperrecipe.suggest.structure.blocks_the_plan_leaves_out`): beyond the plan."""
+    from hyperrecipe.integrations.hf_plans import read_plans
+    from hyperrecipe.model_tree import build_model
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    model = build_model(f"hf:{model_type}", config)
+    extra = blocks_the_plan_leaves_out(read_plans(model), structural_entries(model))
+    return {e.pattern.rsplit(".", 1)[0] for e in extra if not e.head}
 
 
 def recheck_dir(folder: Path, budget_s: float) -> int:
