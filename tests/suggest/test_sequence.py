@@ -33,7 +33,8 @@ def _translate(family: str, config: str | dict[str, Any]) -> Translation:
 
 
 def _sequence_rules(t: Translation) -> dict[str, dict[str, Any]]:
-    return {r.match: dict(r.fields) for r in t.rules if r.group == SEQUENCE_GROUP}
+    """Sequence parallelism's rules, the layouts of regions nested in token-local blocks too."""
+    return {r.match: dict(r.fields) for r in t.rules if r.group.startswith(SEQUENCE_GROUP)}
 
 
 def _suggest_and_recheck(family: str, config: str | dict[str, Any], tmp_path: Path) -> Suggestion:
