@@ -193,6 +193,9 @@ def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         "leaves out")
     s.add_argument("--no-sequence-parallel", action="store_true",
                    help="do not shard the residual stream on the sequence between blocks")
+    s.add_argument("--no-structure", action="store_true",
+                   help="do not read a projection pair off the model's structure for blocks "
+                        "the plan names nothing of")
     s.add_argument("--no-loss-parallel", action="store_true",
                    help="do not keep the logits sharded on the vocab for the model's own loss")
     s.add_argument("--max-attempts", type=_positive, default=6, metavar="N",
@@ -474,7 +477,8 @@ def _suggest(args: argparse.Namespace, started: float) -> int:
         translate=TranslateOptions(embedding=not args.no_embedding,
                                    reduce_reached=not args.no_reduce_reached,
                                    loss_parallel=not args.no_loss_parallel,
-                                   sequence_parallel=not args.no_sequence_parallel),
+                                   sequence_parallel=not args.no_sequence_parallel,
+                                   structure=not args.no_structure),
         verify=not args.unverified, max_attempts=args.max_attempts, timeout_s=args.timeout,
         check_config=args.check_config)
     result = suggest_recipe(args.model, args.mesh, model_config=args.model_config,

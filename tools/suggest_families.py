@@ -120,13 +120,22 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
         return row
     groups = {r.group for r in s.rules}
     row.update(sequence_parallel=SEQUENCE_GROUP in groups, loss_parallel=LOSS_GROUP in groups,
-               experts=any(dict(r.fields).get("local_region") for r in s.rules),
+               experts=any(dict(r.fields).get("local_region") and r.group != SEQUENCE_GROUP
+                           for r in s.rules),
                sharded_ep=s.sharded_fraction.get("ep", 0.0))
+    if not row["sequence_parallel"]:  # not proposed (why), or given up by check (what failed)
+        row["sequence_parallel_why"] = next(
+            (" ".join(n.why.split())[:300] for n in s.narrowed
+             if n.what.startswith(SEQUENCE_GROUP)),
+            next((n.why for n in s.narrowed if "every addition beyond" in n.why), ""))
     # an entry for a module this config does not build, and the expert-parallel plan on a
-    # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing
+    # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing; nor
+    # is a block the plan leaves out, read off the structure and then given up
+    beyond = _blocks_read_off_the_structure(model_type, s.check_config)
     plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
                     and "so the experts stay whole" not in n.why
-                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP)]
+                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP) and n.what not in beyond]
+    row["structure_blocks"] = sorted(beyond)
     row.update(
         attempts=len(s.attempts), sharded=s.sharded_fraction.get("tp", 0.0),
         narrowed=[f"{n.what}: {' '.join(n.why.split())[:200]}" for n in plan_gave_up],
@@ -237,6 +246,18 @@ class FamilyWorker:
             pass
         self.proc.wait()
         self.proc = None
+
+
+def _blocks_read_off_the_structure(model_type: str, config: dict[str, Any]) -> set[str]:
+    """The blocks ``suggest`` read off the structure because the plan names nothing of them
+    (:func:`hyperrecipe.suggest.structure.blocks_the_plan_leaves_out`): beyond the plan."""
+    from hyperrecipe.integrations.hf_plans import read_plans
+    from hyperrecipe.model_tree import build_model
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    model = build_model(f"hf:{model_type}", config)
+    extra = blocks_the_plan_leaves_out(read_plans(model), structural_entries(model))
+    return {e.pattern.rsplit(".", 1)[0] for e in extra if not e.head}
 
 
 def recheck_dir(folder: Path, budget_s: float) -> int:
@@ -360,6 +381,11 @@ def _print_summary(rows: list[dict[str, Any]], families: list[str], which: str, 
           f"{sum(r['experts'] for r in ok)}"
           + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
              if recheck else ""))
+    no_sp = [r for r in ok if not r["sequence_parallel"]]
+    if no_sp:
+        print(f"\nwhy sequence parallelism is not in {len(no_sp)} recipes:")
+        for r in no_sp:
+            print(f"- {r['family']}: {r.get('sequence_parallel_why', '')}")
     print("\n| family | mesh | outcome | checks | SP | loss | tp bytes | ep bytes | s | "
           "given up / why |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -208,7 +208,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     from hyperrecipe.integrations.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
     from hyperrecipe.suggest.render import render_recipe
-    from hyperrecipe.suggest.structure import structural_entries
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
     from hyperrecipe.suggest.translate import translate
     from hyperrecipe.suggest.verify import verify_rules
 
@@ -228,6 +228,11 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     _refuse_large(model, small, check_config)
     entries = read_plans(small)
     source = "the model's own parallel plan"
+    if opts.translate.structure and dim in mesh and any(e.plan == "tp" for e in entries):
+        extra = blocks_the_plan_leaves_out(entries, structural_entries(small))
+        if extra:
+            entries = (*entries, *extra)
+            source += " and, for the blocks it leaves out, the model's structure"
     if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
         entries = structural_entries(small) if dim in mesh else ()
         source = "the model's structure (it declares no parallel plan)"

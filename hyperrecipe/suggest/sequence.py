@@ -3,27 +3,53 @@ hand (Megatron-LM's sequence parallel): between blocks the residual stream is sh
 sequence dim, the norms run on 1/tp of the tokens, each region all-gathers the sequence on entry
 and its row-wise projections reduce-scatter on exit, and the head all-gathers before the logits.
 
-transformers' plans never declare it. It is proposed only where the model's shape is the one it
-is known for: every region under one list of decoder layers, the layers holding nothing with
-parameters outside the regions but norms (1-D parameters only), a final norm beside the layer
-list and a gathering head. The rules refine the translated ones (mappings key by key) and form
-one group, so a check that fails on any of them gives up
+transformers' plans never declare it. It is proposed where every block of every decoder layer
+(the layers' children, concrete: a dense MLP in the first layers and a MoE block after are two
+kinds under one name) is one of
+
+- a **norm** (1-D parameters only): it runs on this rank's tokens (``sequence_parallel``);
+- a **region** (the translation's column-wise/row-wise pair): it gathers the sequence on entry
+  and reduce-scatters on exit;
+- a **token-local block**: every parameter in it replicated, except those of regions nested in
+  it (a MoE block's shared experts). It runs on this rank's tokens as a local region (MoE token
+  dispatch is data-dependent); its replicated parameters then see only those tokens, so their
+  gradients are all-reduced over tp, exactly as a norm's are (the resolver reduces every
+  replicated parameter of a boundary whose input is sharded on a mesh dim). A nested region
+  gathers the tokens of the block (the sequence dim is ``-2`` of both ``[batch, seq, hidden]``
+  and the flattened ``[tokens, hidden]`` a MoE block hands its experts) and reduce-scatters
+  them back. Whether the block really computes token by token (a router with capacity limits
+  or a loss over all tokens does not; neither does a convolution over the sequence) is not
+  read off the structure: ``check`` against one process decides, and a failure gives up
+  sequence parallelism as a whole;
+
+with at most one final norm beside the layer list and a gathering head (norms without
+parameters, OLMo's, need no rule). A block computed replicated with
+tensor-parallel projections outside a region (a projection whose output the plan gathers) is
+not: on this rank's tokens its collectives would mix the ranks' different tokens, and gathered
+around it the input's gradient comes back whole on every rank, which a reduce-scatter would
+count tp times (it needs a gather whose backward is a slice). The rules refine the translated
+ones (mappings key by key) and form one group, so a check that fails on any of them gives up
 sequence parallelism as a whole. A refinement of a rule with the same ``match`` is written into
-that rule (:func:`hyperrecipe.suggest.render.merge_rules`). Pure: reads the folded module map
-of the translation.
+that rule (:func:`hyperrecipe.suggest.render.merge_rules`). Pure: reads the module tree and the
+translated rules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hyperrecipe.model_tree import ModuleInfo
+from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.rules import SuggestedRule
 
-__all__ = ["SEQUENCE_GROUP", "sequence_parallel_rules"]
+__all__ = ["SEQUENCE_GROUP", "nested_group", "nested_region", "sequence_parallel_rules"]
 
 SEQUENCE_GROUP = "sequence parallelism"
 _LAST = 10**9
+_NESTED_SEQ = "shard(-2)"
+"""The token dim of an activation inside a token-local block: ``[batch, seq, hidden]`` and the
+flattened ``[tokens, hidden]`` alike."""
 
 
 def _is_norm(m: ModuleInfo) -> bool:
@@ -34,49 +60,150 @@ def _first_arg(m: ModuleInfo) -> str | int:
     return m.signature[0].name if m.signature and m.signature[0].kind != "var_keyword" else 0
 
 
-def _rule(match: str, fields: Mapping[str, object], source: str, i: int) -> SuggestedRule:
+def _fold(fqn: str) -> str:
+    return ".".join("*" if seg.isdigit() else seg for seg in fqn.split("."))
+
+
+def _under(fqn: str, root: str) -> bool:
+    return fqn == root or fqn.startswith(root + ".")
+
+
+def _rule(match: str, fields: Mapping[str, object], source: str, i: int,
+          group: str = SEQUENCE_GROUP) -> SuggestedRule:
     return SuggestedRule(match=match, fields=tuple(fields.items()), sources=(source,),
-                         group=SEQUENCE_GROUP, deeper=True, order=_LAST + i)
+                         group=group, deeper=True, order=_LAST + i)
 
 
-def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Mapping[str, ModuleInfo],
+_NESTED = f"{SEQUENCE_GROUP} inside a token-local block: "
+
+
+def nested_group(region_group: str) -> str:
+    """The group of the layouts that let a region nested in a token-local block gather the
+    block's tokens: given up with sequence parallelism, or with the region alone (then the
+    whole block runs on this rank's tokens, the region's projections replicated)."""
+    return _NESTED + region_group
+
+
+def nested_region(group: str) -> str | None:
+    """The region group a :func:`nested_group` is for, or ``None``."""
+    return group.removeprefix(_NESTED) if group.startswith(_NESTED) else None
+
+
+def _is_region(rule: SuggestedRule) -> bool:
+    return bool(rule.sources) and rule.sources[0].startswith("region: ")
+
+
+def _only_reduces(rule: SuggestedRule) -> bool:
+    """A rule that places nothing: it only all-reduces replicated parameters' gradients."""
+    return {k for k, _ in rule.fields} <= {"reduce_grads"}
+
+
+def _pattern(fqns: Sequence[str], instances: Mapping[str, Sequence[ModuleInfo]]) -> str:
+    """``a.*.b`` when ``fqns`` are all instances of their folded name, else the list."""
+    folded = {_fold(f) for f in fqns}
+    if len(folded) == 1:
+        key = folded.pop()
+        if {m.fqn for m in instances.get(key, ())} == set(fqns):
+            return key
+    return fqns[0] if len(fqns) == 1 else "{" + ",".join(fqns) + "}"
+
+
+class _Tree:
+    """The concrete modules, and which rules match each."""
+
+    def __init__(self, modules: Sequence[ModuleInfo], rules: Sequence[SuggestedRule]) -> None:
+        self.by_fqn = {m.fqn: m for m in modules}
+        self.order = [m.fqn for m in modules]
+        self.instances: dict[str, list[ModuleInfo]] = {}
+        for m in modules:
+            self.instances.setdefault(_fold(m.fqn), []).append(m)
+        self.rules = rules
+
+    def matched(self, rule: SuggestedRule) -> list[str]:
+        rx = compile_pattern(rule.match)
+        return [f for f in self.order if rx.fullmatch(f)]
+
+    def subtree(self, root: str) -> list[ModuleInfo]:
+        return [self.by_fqn[f] for f in self.order if _under(f, root)]
+
+    def placing(self, fqn: str) -> SuggestedRule | None:
+        """A rule that places ``fqn`` (a style, parameters, a boundary), if any."""
+        return next((r for r in self.rules if not _only_reduces(r)
+                     and compile_pattern(r.match).fullmatch(fqn)), None)
+
+
+def _classify(tree: _Tree, child: ModuleInfo, regions: Mapping[str, SuggestedRule],
+              nested: dict[str, str]) -> str:
+    """``"region"``, ``"norm"``, ``"token-local"``, ``""`` (nothing to place), or why the
+    child fits none. Regions nested in a token-local child are added to ``nested``."""
+    if child.fqn in regions:
+        return "region"
+    inside = tree.subtree(child.fqn)
+    if not any(m.params for m in inside):
+        return ""
+    if _is_norm(child) and len(inside) == 1:
+        return "norm"
+    held = [r for r in regions if _under(r, child.fqn)]
+    for m in inside:
+        if any(_under(m.fqn, r) for r in held):
+            continue
+        rule = tree.placing(m.fqn)
+        if rule is not None:
+            style = dict(rule.fields).get("style", "a boundary")
+            return (f"{child.fqn} computes replicated around {m.fqn}, which a rule places "
+                    f"({style}) outside a region: on this rank's tokens its collectives would "
+                    f"mix the ranks' tokens, and gathered around it the input's gradient would "
+                    f"need a sequence gather whose backward is a slice")
+    nested.update({r: child.fqn for r in held})
+    return "token-local"
+
+
+def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[ModuleInfo],
                             dim: str) -> tuple[list[SuggestedRule], str]:
     """The rules that add sequence parallelism to ``rules``, or ``([], why not)``.
 
     Args:
         rules: the translated rules (regions, projections, head).
-        modules: folded FQN -> module (layer indices as ``*``).
+        modules: every module of the model, concrete FQNs, parents first.
         dim: the tensor-parallel mesh dim.
     """
-    regions = [r for r in rules if r.sources and r.sources[0].startswith("region: ")]
+    tree = _Tree(modules, rules)
+    region_rules = [r for r in rules if _is_region(r)]
     heads = [r for r in rules if dict(r.fields).get("style") == "colwise_gather_output"
              and "*" not in r.match]
-    if not regions or len(heads) != 1:
-        return [], "no region, or no gathering head, to build it around"
-    layer_lists = {r.match.split(".*.", 1)[0] for r in regions}
-    if len(layer_lists) != 1 or any(".*." not in r.match for r in regions):
+    if not region_rules:
+        return [], "no region to build it around"
+    if len(heads) != 1:
+        return [], "no gathering head to build it around"
+    regions = {f: r for r in region_rules for f in tree.matched(r)}
+    layer_lists = {_fold(f).split(".*.", 1)[0] for f in regions if ".*." in _fold(f)}
+    if len(layer_lists) != 1 or any(".*." not in _fold(f) for f in regions):
         return [], "the regions are not all under one list of decoder layers"
     layers = layer_lists.pop()
-    layer = f"{layers}.*"
-    region_fqns = {r.match for r in regions}
-    norms: list[str] = []
-    for fqn, m in modules.items():
-        if not fqn.startswith(layer + ".") or any(fqn == r or fqn.startswith(r + ".")
-                                                  for r in region_fqns):
-            continue
-        if m.params and _is_norm(m) and fqn.count(".") == layer.count(".") + 1:
-            norms.append(fqn)
-        elif m.params:
-            return [], f"{fqn} holds parameters outside the regions"
-    base = layers.rsplit(".", 1)[0] if "." in layers else ""
-    finals = [f for f, m in modules.items() if "*" not in f and m.params and _is_norm(m)
-              and f.rsplit(".", 1)[0] == base and f != layers]
-    if not norms or len(finals) != 1:
-        return [], "no norms between the blocks, or no single final norm"
-    first = modules.get(f"{layers}.*")
-    if first is None:
+    layer_instances = tree.instances.get(f"{layers}.*", [])
+    if not layer_instances:
         return [], "the decoder layers are not found"
-    arg = _first_arg(first)
+    kinds: dict[str, str] = {}
+    nested: dict[str, str] = {}
+    for layer in layer_instances:
+        if layer.params:
+            return [], f"{layer.fqn} holds parameters of its own, outside its blocks"
+        for name in layer.children:
+            kind = _classify(tree, tree.by_fqn[name], regions, nested)
+            if kind not in ("", "region", "norm", "token-local"):
+                return [], kind
+            if kind:
+                kinds[name] = kind
+    stray = [f for f in regions if kinds.get(f) != "region" and f not in nested]
+    if stray:
+        return [], f"the region {stray[0]} is not a block of a decoder layer"
+    norms = [f for f, k in kinds.items() if k == "norm"]
+    base = layers.rsplit(".", 1)[0] if "." in layers else ""
+    finals = [f for f, m in tree.by_fqn.items() if m.params and _is_norm(m)
+              and (f.rsplit(".", 1)[0] if "." in f else "") == base and f != layers]
+    if len(finals) > 1:  # norms without parameters (OLMo's) need no rule
+        return [], f"more than one final norm beside {layers}: {', '.join(finals)}"
+    arg = _first_arg(layer_instances[0])
     src = "deeper than the plan: sequence parallelism"
     seq = {dim: "shard(1)"}
     out: list[SuggestedRule] = [
@@ -84,22 +211,80 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Mapping[str
                               "in_dst": {arg: seq}, "out_src": {0: seq}},
               f"{src}: the residual stream is sliced on the sequence where it enters layer 0 "
               f"(no communication)", 0),
-        _rule("{" + ",".join([*norms, *finals]) + "}", {"style": "sequence_parallel"},
-              f"{src}: the norms run on this rank's tokens; their gradients are all-reduced", 1),
     ]
-    for i, region in enumerate(regions, start=2):
+    if norms or finals:
+        out.append(_rule(_alternatives([*_folded(norms, tree), *finals]),
+                         {"style": "sequence_parallel"},
+                         f"{src}: the norms run on this rank's tokens; their gradients are "
+                         f"all-reduced", 1))
+    for block in _token_local_groups(kinds, tree):
+        first = tree.by_fqn[block[0]]
+        block_arg = _first_arg(first)
+        match = _pattern(block, tree.instances)
+        out.append(_rule(match, {"boundary": True, "local_region": True,
+                                 "in_src": {block_arg: seq}, "in_dst": {block_arg: seq},
+                                 "out_src": {0: seq}},
+                         f"{src}: {match} computes token by token with replicated parameters: "
+                         f"it runs on this rank's tokens and its parameters' gradients are "
+                         f"all-reduced", len(out)))
+    placed: dict[str, str] = {}  # region rule match -> the sequence dim of its tokens
+    for f, region in regions.items():
+        where = "shard(1)" if f not in nested else _NESTED_SEQ
+        if placed.setdefault(region.match, where) != where:
+            return [], (f"the region {region.match} is a block of a layer in some layers and "
+                        f"nested in a token-local block in others")
+    groups = {r.match: r.group for r in region_rules}
+    for region in region_rules:
+        tokens = {dim: placed[region.match]}
         fields = dict(region.fields)
         in_arg = next(iter(fields["in_src"]))
         first_out = "attn_output" if "out_names" in fields else 0
-        out.append(_rule(region.match, {"in_src": {in_arg: seq}, "in_dst": {in_arg: "replicate"},
-                                        "out_src": {first_out: seq}},
-                         f"{src}: {region.match} all-gathers the sequence on entry and "
-                         f"reduce-scatters on exit", i))
+        how = "the sequence" if tokens == seq else "the block's tokens"
+        out.append(_rule(region.match, {"in_src": {in_arg: tokens},
+                                        "in_dst": {in_arg: "replicate"},
+                                        "out_src": {first_out: tokens}},
+                         f"{src}: {region.match} all-gathers {how} on entry and "
+                         f"reduce-scatters on exit", len(out),
+                         SEQUENCE_GROUP if tokens == seq else nested_group(region.group)))
     for row in rules:  # one refinement per row-wise rule, written into that rule
-        if dict(row.fields).get("style") == "rowwise" and any(
-                row.match.startswith(g + ".") for g in region_fqns):
-            out.append(_rule(row.match, {"out_dst": {0: seq}},
-                             f"{src}: reduce-scatter instead of all-reduce", len(out)))
+        if dict(row.fields).get("style") != "rowwise":
+            continue
+        owners = {regions[r].match for f in tree.matched(row) for r in regions
+                  if f.startswith(r + ".")}
+        if len({placed[o] for o in owners}) > 1:
+            return [], f"{row.match} is under regions of both kinds"
+        if owners:
+            owner = owners.pop()
+            out.append(_rule(row.match, {"out_dst": {0: {dim: placed[owner]}}},
+                             f"{src}: reduce-scatter instead of all-reduce", len(out),
+                             SEQUENCE_GROUP if placed[owner] == "shard(1)"
+                             else nested_group(groups[owner])))
     out.append(_rule(heads[0].match, {"in_src": {0: seq}, "in_dst": {0: "replicate"}},
                      f"{src}: the head all-gathers the sequence before the logits", len(out)))
     return out, ""
+
+
+def _alternatives(patterns: Sequence[str]) -> str:
+    return patterns[0] if len(patterns) == 1 else "{" + ",".join(patterns) + "}"
+
+
+def _folded(fqns: Sequence[str], tree: _Tree) -> list[str]:
+    """Concrete FQNs as few patterns: a folded name where every instance is in ``fqns``."""
+    out: list[str] = []
+    chosen = set(fqns)
+    for f in fqns:
+        key = _fold(f)
+        whole = {m.fqn for m in tree.instances.get(key, ())} <= chosen
+        name = key if whole else f
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _token_local_groups(kinds: Mapping[str, str], tree: _Tree) -> list[list[str]]:
+    """Token-local blocks grouped by folded name and forward argument (one rule each)."""
+    groups: dict[tuple[str, Any], list[str]] = {}
+    for f, k in kinds.items():
+        if k == "token-local":
+            groups.setdefault((_fold(f), _first_arg(tree.by_fqn[f])), []).append(f)
+    return list(groups.values())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 from hyperrecipe.integrations.hf_plans import PlanEntry
 from hyperrecipe.suggest.rules import STRUCTURE_SOURCE
 
-__all__ = ["STRUCTURE_SOURCE", "structural_entries"]
+__all__ = ["STRUCTURE_SOURCE", "blocks_the_plan_leaves_out", "structural_entries"]
 
 
 _SPLITS = re.compile(r"\.(split|chunk|unbind)\(|torch\.(split|chunk)\(")
@@ -241,4 +242,39 @@ def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
             out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",
                                  source=f"{STRUCTURE_SOURCE}: the output embedding",
                                  head=True))
+    return tuple(out)
+
+
+def blocks_the_plan_leaves_out(plan: Sequence[PlanEntry], structural: Sequence[PlanEntry]
+                               ) -> tuple[PlanEntry, ...]:
+    """The entries of ``structural`` for blocks of the decoder layers that no tensor-parallel
+    entry of ``plan`` names (neither the block nor anything in it), and its head where the plan
+    has none.
+
+    Some plans shard only the embedding and the head (DiffLlama, HunYuan, LFM2) or only the
+    experts (GPT-OSS): their attention and MLP blocks are a projection pair all the same. A
+    block the plan does name is left as the plan says (it may gather on purpose: a norm over
+    every head, a fused projection). Only blocks that are children of a layer of the list the
+    plan's own entries are under (or of the one list there is, where the plan names none) are
+    taken: a block nested in another (a MoE block's shared experts, called on flattened tokens)
+    or in another list of layers (a vision tower's) is left as the plan leaves it.
+    """
+    planned = [e.pattern for e in plan if e.plan == "tp"]
+    has_head = any(e.head or ("*" not in e.pattern and e.style == "colwise_gather_output")
+                   for e in plan if e.plan == "tp")
+    lists = {p.split(".*.", 1)[0] for p in planned if ".*." in p}
+    blocks: list[tuple[str, PlanEntry]] = []
+    for e in structural:
+        block = e.pattern.rsplit(".", 1)[0]
+        parts = block.split(".*.")
+        if e.head or len(parts) != 2 or "." in parts[1] or any(
+                p == block or p.startswith(block + ".") or block.startswith(p + ".")
+                for p in planned):
+            continue
+        blocks.append((parts[0], e))
+    found = {layer_list for layer_list, _ in blocks}
+    keep = lists if lists else (found if len(found) == 1 else set())
+    out = [e for layer_list, e in blocks if layer_list in keep]
+    if out and not has_head:
+        out += [e for e in structural if e.head]
     return tuple(out)

@@ -67,6 +67,9 @@ class TranslateOptions:
         loss_parallel: keep the logits sharded on the vocab for the model's own loss.
         sequence_parallel: shard the residual stream on the sequence between regions
             (:mod:`hyperrecipe.suggest.sequence`).
+        structure: where the plan names no projection of a block (a plan that shards only the
+            embedding and the head), read the block's projection pair off the model's structure
+            (:func:`hyperrecipe.suggest.structure.blocks_the_plan_leaves_out`).
     """
 
     dim: str = "tp"
@@ -74,6 +77,7 @@ class TranslateOptions:
     reduce_reached: bool = True
     loss_parallel: bool = True
     sequence_parallel: bool = True
+    structure: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -128,6 +132,7 @@ class _Builder:
                 self.modules[key] = m
                 self.order[key] = i
         self.fqns = {m.fqn for m in tree.modules}
+        self.tree = tree
         #: folded region -> the concrete modules that are the region (all, or a kind of layer)
         self.region_instances: dict[str, list[str]] = {}
         self.rules: list[SuggestedRule] = []
@@ -507,7 +512,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 f"{entry.source} asks to all-reduce the gradient of {fqn}, but no column-wise "
                 f"projection shards what it sees here: left replicated without a reduction")))
     if opts.sequence_parallel and opts.dim in mesh:
-        extra, why_not = sequence_parallel_rules(b.rules, b.modules, opts.dim)
+        extra, why_not = sequence_parallel_rules(b.rules, b.tree.modules, opts.dim)
         b.rules += extra
         if why_not:
             b.narrowed.append(Narrowed(what=SEQUENCE_GROUP, why=f"not proposed: {why_not}"))

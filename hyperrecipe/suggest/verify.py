@@ -26,6 +26,7 @@ from hyperrecipe.errors import RecipeError
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, nested_region
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
 
@@ -113,14 +114,41 @@ def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
                         sources=(*rule.sources, "(around a head left replicated)"))
 
 
-def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
-             ) -> tuple[list[SuggestedRule], str]:
-    """Drop the culprit's group; a gradient reduction beyond the plan goes alone, and only
-    when it is the failing module's own rule. Refinements of what was dropped follow it."""
+FOR_THE_BLOCK = " (so that the token-local block around it runs on this rank's tokens)"
+"""How a region given up for sequence parallelism's sake is named; it comes back when sequence
+parallelism is given up after all."""
+
+
+def _groups(rules: Sequence[SuggestedRule], culprit: SuggestedRule, why: str) -> set[str]:
+    """The groups given up for ``culprit``. A region nested in a token-local block goes with the
+    layouts that let it gather the block's tokens, and those with it: when they fail (a block
+    that flattens its tokens before calling it, where no layout says which rank holds which
+    token), or when the block fails naming it, the region is left replicated and the block runs
+    on this rank's tokens whole. Sequence parallelism takes every such layout with it."""
+    region = nested_region(culprit.group)
+    if region is not None:
+        return {culprit.group, region}
+    nested = {r.group for r in rules if nested_region(r.group) is not None}
+    if culprit.group != SEQUENCE_GROUP:
+        return {culprit.group}
+    if dict(culprit.fields).get("local_region"):
+        named = {r.group for r in rules if r.group in nested
+                 and any(compile_pattern(r.match).fullmatch(t) for t in _FQN.findall(why))}
+        if named:
+            return named | {nested_region(g) or g for g in named}
+    return {culprit.group} | nested
+
+
+def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool,
+             why: str = "") -> tuple[list[SuggestedRule], str]:
+    """Drop the culprit's group (:func:`_groups`); a gradient reduction beyond the plan goes
+    alone, and only when it is the failing module's own rule. Refinements of what was dropped
+    follow it."""
     if culprit.deeper and "reduce_grads" in dict(culprit.fields) and exact:
         return [r for r in rules if r is not culprit], culprit.match
-    dropped = {r.match for r in rules if r.group == culprit.group}
-    kept = [r for r in rules if r.group != culprit.group]
+    groups = _groups(rules, culprit, why)
+    dropped = {r.match for r in rules if r.group in groups}
+    kept = [r for r in rules if r.group not in groups]
     bases = {r.match for r in kept if not r.deeper}
     orphans = [r for r in kept if r.deeper and r.match in dropped and r.match not in bases]
     lost = {r.group for r in orphans if "out_src" in dict(r.fields)}  # a region's layouts
@@ -134,7 +162,11 @@ def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
                 out.append(replaced)
             continue
         out.append(rule)
-    return out, culprit.group + "".join(f" (and {g}, which depends on it)" for g in sorted(lost))
+    named = sorted(g for g in groups if nested_region(g) is None) or [culprit.group]
+    if SEQUENCE_GROUP not in groups and len(groups) > len(named):
+        named = [g + FOR_THE_BLOCK for g in named]
+    return out, " and ".join(named) + "".join(f" (and {g}, which depends on it)"
+                                              for g in sorted(lost - groups))
 
 
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
@@ -158,6 +190,23 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
     current = list(rules)
     narrowed: list[Narrowed] = []
     attempts: list[Attempt] = []
+    held: list[tuple[list[SuggestedRule], Narrowed]] = []  # given up for sequence parallelism
+
+    def narrow(culprit: SuggestedRule, exact: bool, why: str, blame: str = "") -> str:
+        nonlocal current
+        before = current
+        current, what = _give_up(current, culprit, exact, blame)
+        record = Narrowed(what=what, why=why)
+        narrowed.append(record)
+        if what.endswith(FOR_THE_BLOCK):
+            held.append(([r for r in before if r not in current
+                          and nested_region(r.group) is None], record))
+        elif what.startswith(SEQUENCE_GROUP):
+            for back, note in held:  # what sequence parallelism needed given up comes back
+                current = sorted([*current, *back], key=lambda r: r.order)
+                narrowed.remove(note)
+            held.clear()
+        return what
     with tempfile.TemporaryDirectory(prefix="hyperrecipe-suggest-") as tmp:
         path = os.path.join(tmp, "suggested.yaml")
         for attempt in range(1, max_attempts + 1):
@@ -183,9 +232,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                     reason=f"the suggestion does not compile: {exc.problem}")
                 parts = merge_rules(current)[exc.rule_index][1]  # the rule as written
                 failing = next((r for r in parts if r.deeper), parts[0])
-                current, what = _give_up(current, failing, exact=True)
-                why = f"does not compile: {exc.problem}"
-                narrowed.append(Narrowed(what=what, why=why))
+                what = narrow(failing, True, f"does not compile: {exc.problem}")
                 attempts.append(Attempt(rules=len(current), verdict=f"compile error at {what}",
                                         seconds=seconds))
                 progress(f"check {attempt}: compile error in rule {exc.rule_index} "
@@ -208,14 +255,21 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                     return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
                                     attempts=tuple(attempts), reason=(
                                         "check diverged and no suggested rule could be blamed"))
+                if any(r.group == SEQUENCE_GROUP for r in current):
+                    # the addition that changes every block's layout goes first, alone: the
+                    # others (the loss on vocab shards, reductions) are kept where it was it
+                    what = narrow(next(r for r in current if r.group == SEQUENCE_GROUP), False,
+                                  "check diverged with no module to blame; sequence "
+                                  "parallelism given up first")
+                    progress(f"check {attempt}: diverged; giving up {what}")
+                    continue
                 current = [r for r in current if not r.deeper]
                 narrowed += [Narrowed(what=r.match, why="check diverged with no module to blame; "
                                       "every addition beyond the source plan given up")
                              for r in deeper]
                 progress(f"check {attempt}: diverged; giving up the additions beyond the plan")
                 continue
-            current, what = _give_up(current, culprit, exact)
-            narrowed.append(Narrowed(what=what, why=blamed[1]))
+            what = narrow(culprit, exact, blamed[1], blamed[1])
             attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
                                     seconds=seconds))
             progress(f"check {attempt}: diverged at {blamed[0]} ({seconds:.1f} s); "

@@ -1,0 +1,178 @@
+"""Sequence parallelism in `hyperrecipe suggest` beyond the Llama shape: MoE blocks whose
+parameters stay replicated run on this rank's tokens (their gradients all-reduced over tp),
+layers of two kinds under one list (dense first layers beside MoE ones) are taken layer by
+layer, and a block that cannot take part is named with why.
+
+The translation tests build the model on the meta device only; the end-to-end ones run the real
+check (two gloo ranks, production and validate mode, compared with one process, the model's
+defaults) and check the written file again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hyperrecipe.check.run import CheckOptions, run_check
+from hyperrecipe.integrations.hf_plans import read_plans
+from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.model_tree import build_model, snapshot
+from hyperrecipe.suggest import SuggestOptions, Suggestion, suggest_recipe
+from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+from hyperrecipe.suggest.translate import Translation, translate
+from tests.support.runtime_harness import ROOT
+
+TP2 = {"tp": 2}
+SEQ = {"tp": "shard(1)"}
+TOKENS = {"tp": "shard(-2)"}
+
+
+def _translate(family: str, config: str | dict[str, Any]) -> Translation:
+    model = build_model(f"hf:{family}", config)
+    return translate(read_plans(model), snapshot(model), TP2)
+
+
+def _sequence_rules(t: Translation) -> dict[str, dict[str, Any]]:
+    """Sequence parallelism's rules, the layouts of regions nested in token-local blocks too."""
+    return {r.match: dict(r.fields) for r in t.rules if r.group.startswith(SEQUENCE_GROUP)}
+
+
+def _suggest_and_recheck(family: str, config: str | dict[str, Any], tmp_path: Path) -> Suggestion:
+    s = suggest_recipe(f"hf:{family}", TP2, model_config=config,
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    assert SEQUENCE_GROUP in {r.group for r in s.rules}, s.summary()
+    path = tmp_path / f"{family}.yaml"
+    path.write_text(s.text)
+    report = run_check(CheckOptions(recipe=str(path), model=f"hf:{family}",
+                                    model_config=s.check_config, mesh=TP2, timeout_s=120))
+    assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
+                          for m in report.modes]
+    return s
+
+
+def test_a_moe_block_with_replicated_experts_runs_on_this_ranks_tokens() -> None:
+    # Mixtral's block (router and experts, both whole on every rank without an ep dim) held
+    # parameters outside every region: no sequence parallelism was proposed
+    t = _translate("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.*.mlp"] == {
+        "boundary": True, "local_region": True, "in_src": {"hidden_states": SEQ},
+        "in_dst": {"hidden_states": SEQ}, "out_src": {0: SEQ}}
+    assert rules["model.layers.*.self_attn"]["in_dst"] == {"hidden_states": "replicate"}
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+
+
+def test_mixtral_with_its_experts_on_this_ranks_tokens_passes_check(tmp_path: Path) -> None:
+    s = _suggest_and_recheck("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"),
+                             tmp_path)
+    assert "    local_region: true\n    in_src: {hidden_states: {tp: shard(1)}}" in s.text
+    assert s.narrowed == () or all("so the experts stay whole" in n.why for n in s.narrowed)
+
+
+def test_dense_first_layers_beside_moe_layers_are_taken_layer_by_layer() -> None:
+    # GLM-4-MoE: layer 0's MLP is a dense region, layer 1's a MoE block whose shared experts are
+    # a region of their own: "the regions are not all under one list of decoder layers"
+    t = _translate("glm4_moe", tiny_config("glm4_moe"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.0.mlp"] == {"in_src": {"x": SEQ}, "in_dst": {"x": "replicate"},
+                                           "out_src": {0: SEQ}}
+    assert rules["model.layers.1.mlp"]["local_region"] is True
+    # the shared experts gather the MoE block's tokens ([tokens, hidden] or [batch, seq, hidden])
+    shared = rules["model.layers.*.mlp.shared_experts"]
+    assert shared["in_src"] == {"x": TOKENS} and shared["out_src"] == {0: TOKENS}
+    assert rules["model.layers.*.mlp.shared_experts.down_proj"] == {"out_dst": {0: TOKENS}}
+    assert rules["model.layers.*.mlp.down_proj"] == {"out_dst": {0: SEQ}}
+
+
+def test_glm4_moe_with_dense_and_moe_layers_passes_check_with_sequence_parallelism(
+        tmp_path: Path) -> None:
+    _suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
+
+
+def test_a_block_computed_replicated_around_a_gathered_projection_is_named() -> None:
+    # GLM: transformers' plan gathers the fused gate_up_proj's output and splits down_proj's
+    # input, so the MLP computes replicated between two collectives; it is no region
+    t = _translate("glm", tiny_config("glm"))
+    why = {n.what: n.why for n in t.narrowed}[SEQUENCE_GROUP]
+    assert ("model.layers.0.mlp computes replicated around model.layers.0.mlp.gate_up_proj, "
+            "which a rule places (colwise_gather_output) outside a region") in why
+    assert "a sequence gather whose backward is a slice" in why
+    assert not _sequence_rules(t)
+
+
+def test_blocks_a_plan_leaves_out_are_read_off_the_structure() -> None:
+    # HunYuan's plan shards only the embedding and the head: no region, so no sequence
+    # parallelism and no tensor parallelism in its attention and MLP
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    model = build_model("hf:hunyuan_v1_dense", tiny_config("hunyuan_v1_dense"))
+    plan = read_plans(model)
+    extra = blocks_the_plan_leaves_out(plan, structural_entries(model))
+    assert {(e.pattern, e.style) for e in extra} >= {
+        ("model.layers.*.self_attn.q_proj", "colwise"), ("model.layers.*.self_attn.o_proj", "rowwise"),
+        ("model.layers.*.mlp.gate_proj", "colwise"), ("model.layers.*.mlp.down_proj", "rowwise")}
+    assert not any(e.head for e in extra)  # the plan has its own head
+    t = translate((*plan, *extra), snapshot(model), TP2)
+    assert "model.layers.*.self_attn" in {r.match for r in t.rules if r.sources[0].startswith(
+        "region: ")}
+    assert _sequence_rules(t)["model.layers.*.mlp"]["in_dst"] == {"x": "replicate"}
+
+
+def test_a_block_the_plan_names_is_left_as_the_plan_says() -> None:
+    # Qwen2-MoE's plan names nothing of the shared expert, which is nested in the MoE block and
+    # called on flattened tokens: it is not read off the structure; Llama's plan names every block
+    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+
+    for family, config in (("qwen2_moe", tiny_config("qwen2_moe")),
+                           ("llama", str(ROOT / "recipes/models/tiny-llama.json"))):
+        model = build_model(f"hf:{family}", config)
+        assert blocks_the_plan_leaves_out(read_plans(model), structural_entries(model)) == ()
+
+
+def test_norms_without_parameters_need_no_rule() -> None:
+    # OLMo's LayerNorms hold no parameters: "no norms between the blocks" refused it
+    t = _translate("olmo", tiny_config("olmo"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.0"]["in_dst"] == {"hidden_states": SEQ}
+    assert not any(f.get("style") == "sequence_parallel" for f in rules.values())
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+
+
+def test_a_nested_region_the_block_cannot_gather_for_is_given_up_and_the_block_kept() -> None:
+    # ERNIE-4.5-MoE calls its shared experts on flattened [tokens, hidden]: with a batch of two,
+    # no layout says which rank holds which token, and check names the input it passed them.
+    # The shared experts are left replicated; the MoE block still runs on this rank's tokens.
+    from hyperrecipe.suggest.sequence import nested_group
+    from hyperrecipe.suggest.verify import _give_up, _owner
+
+    t = _translate("ernie4_5_moe", tiny_config("ernie4_5_moe"))
+    shared = "model.layers.*.mlp.shared_experts"
+    assert {r.group for r in t.rules if r.match.startswith(shared) and r.deeper} == {
+        nested_group(shared)}
+    why = ("production mode diverged at model.layers.1.mlp (output): entered with agreeing "
+           "inputs, but the input x it passed to model.layers.1.mlp.shared_experts differs")
+    culprit, exact = _owner("model.layers.1.mlp", t.rules)
+    assert culprit is not None and culprit.group == SEQUENCE_GROUP
+    kept, what = _give_up(t.rules, culprit, exact, why)
+    assert what == (f"{shared} (so that the token-local block around it runs on this rank's "
+                    f"tokens)")
+    assert not any(r.match.startswith(shared) for r in kept)
+    assert dict(next(r for r in kept if r.match == "model.layers.1.mlp").fields)["local_region"]
+    # failing anywhere else, sequence parallelism goes as a whole, nested layouts included
+    kept, what = _give_up(t.rules, culprit, exact, "validate mode diverged at lm_head")
+    assert what == SEQUENCE_GROUP
+    assert not any(r.group.startswith(SEQUENCE_GROUP) for r in kept)
+    assert any(r.match == shared for r in kept)  # the region itself stays, replicated in and out
+
+
+def test_ernie_moe_keeps_its_shared_experts_sharded_when_its_block_is_not_token_local(
+        tmp_path: Path) -> None:
+    # ERNIE-4.5-MoE's block fails on this rank's tokens even with its shared experts replicated:
+    # sequence parallelism is given up, and the shared experts given up for its sake come back
+    s = suggest_recipe("hf:ernie4_5_moe", TP2, model_config=tiny_config("ernie4_5_moe"),
+                       options=SuggestOptions(timeout_s=120))
+    assert s.verified, s.summary()
+    assert SEQUENCE_GROUP not in {r.group for r in s.rules}
+    assert "model.layers.*.mlp.shared_experts" in {r.match for r in s.rules}
+    assert not [n for n in s.narrowed if n.what.startswith("model.layers.*.mlp.shared_experts")]
