@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
+from hyperrecipe.integrations.trainer_mesh import leave_together
 
 TP_RECIPE = "llama"
 DP_TP_RECIPE = "llama-dp"
@@ -321,6 +322,9 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     # 7. Export for from_pretrained (every rank gathers, rank 0 writes).
     if stop == args.steps:
         inst.save_pretrained(out / "final")
+    # 8. Every rank leaves together (through the store, bounded), so no rank's gloo workers are
+    # still dropping a finished collective when its interpreter shuts down (docs/training.md).
+    leave_together(inst, "tools/train.py")
     return records
 
 
@@ -335,12 +339,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        records = train(args, device)
-        if owned:
-            # rank 0 is still renaming the export's files when the others return: they leave
-            # together, so no rank tears its connections down under a peer that still has them
-            dist.barrier()
-        return records
+        return train(args, device)
     finally:
         if owned:
             dist.destroy_process_group()
