@@ -12,9 +12,16 @@ rotates each round), into fresh folders on the same file system:
 - ``export``: :func:`hyperrecipe.runtime.state.export.write_safetensors` as it is now
   (temporary name, the digest hashed beside the write, early writeback, fsync,
   ``os.replace``, the manifest) with its default digest (xxh3_128);
-- ``export-sha256``: the same with the sha256 digest of the first manifests.
+- ``export-sha256``: the same with the sha256 digest of the first manifests;
+- ``dcp``: torch's ``dcp.save`` of the same tensors (one process: no process group), its own
+  fsync of each file included (``FileSystemWriter(sync_files=True)``, torch's default);
+- ``dcp+commit``: the same through
+  :func:`hyperrecipe.runtime.state.dcp_reader.committed_dcp_save` (what ``save_checkpoint``
+  runs): a ``writing`` record before, the ``committed`` record with ``.metadata``'s sha256 and
+  every file's size after.
 
-Figures are medians over ``--repeat`` rounds; ratios are to ``plain+fsync``. Run::
+Figures are medians over ``--repeat`` rounds; ratios are to ``plain+fsync``, and ``dcp+commit``
+to ``dcp``. Run::
 
     python tools/bench_export_integrity.py --gib 1 --repeat 5 [--json OUT]
 """
@@ -38,9 +45,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.distributed.checkpoint import save as dcp_save
+
+from hyperrecipe.runtime.state.dcp_reader import committed_dcp_save
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
 
-KINDS = ("plain", "plain+fsync", "export", "export-sha256")
+KINDS = ("plain", "plain+fsync", "export", "export-sha256", "dcp", "dcp+commit")
 
 
 def _items(gib: float) -> list[ExportItem]:
@@ -106,6 +116,7 @@ def main() -> None:
     speeds = hash_speeds()
     print("digest MiB/s (one core): " + ", ".join(f"{k} {v}" for k, v in speeds.items()))
     items = _items(args.gib)
+    state = {i.name: i.gather() for i in items}
     size = sum(i.nbytes for i in items) / (1 << 30)
     root = Path(tempfile.mkdtemp(prefix="bench-export-", dir=args.dir))
     times: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -116,6 +127,10 @@ def main() -> None:
                 start = time.perf_counter()
                 if kind.startswith("plain"):
                     _plain(folder, items, sync=kind == "plain+fsync")
+                elif kind == "dcp":
+                    dcp_save(state, checkpoint_id=str(folder))
+                elif kind == "dcp+commit":
+                    committed_dcp_save(state, folder, rank=0)
                 else:
                     write_safetensors(folder, items, writer=True, max_shard_bytes=1 << 40,
                                       model=nn.Module(),
@@ -129,11 +144,13 @@ def main() -> None:
     ratios = {k: round(v / floor, 3) for k, v in med.items()}
     print(f"{size:.2f} GiB, median of {args.repeat}: " + ", ".join(
         f"{k} {med[k]:.2f} s" for k in KINDS) + f"; export / plain+fsync "
-        f"{ratios['export']:.2f}x, export-sha256 / plain+fsync {ratios['export-sha256']:.2f}x")
+        f"{ratios['export']:.2f}x, export-sha256 / plain+fsync {ratios['export-sha256']:.2f}x, "
+        f"dcp+commit / dcp {med['dcp+commit'] / med['dcp']:.2f}x")
     summary: dict[str, Any] = {"gib": size, "hash_mib_per_s": speeds,
                                "median_s": {k: round(v, 3) for k, v in med.items()},
                                "export_over_fsync": ratios["export"],
                                "export_sha256_over_fsync": ratios["export-sha256"],
+                               "dcp_commit_over_dcp": round(med["dcp+commit"] / med["dcp"], 3),
                                "times": times}
     print(json.dumps(summary))
     if args.json:
