@@ -22,12 +22,24 @@ kinds under one name) is one of
   read off the structure: ``check`` against one process decides, and a failure gives up
   sequence parallelism as a whole;
 
+- a **gathered replicated block**: a block that mixes tokens (it holds a convolution, whose
+  weight has three or more dims: a Mamba mixer, a short convolution, linear attention's), or one
+  computed replicated around a projection the plan places outside a region (GLM's fused
+  ``gate_up_proj`` whose output is gathered, OLMo-2's q/k/v under a norm over all heads). On
+  this rank's tokens the first would be wrong and the second's collectives would mix the ranks'
+  tokens, so it all-gathers the sequence on entry and slices it on exit, and every rank computes
+  the same thing on the whole sequence: its replicated parameters' gradients are whole, not
+  reduced, and the gather's backward is a slice, not a reduce-scatter (a reduce-scatter would
+  count the whole gradient tp times). The resolver picks the slice where the block holds no
+  sharded parameter; where it holds projections the plan places, the input's gradient is
+  declared whole (``in_grad``) when they are all column-wise (their input gradient is
+  all-reduced at their own boundary), and validate mode checks the declaration. Regions nested
+  in it keep their translated layouts (replicated in and out). Its rules form a group of their
+  own, given up with sequence parallelism as a whole (without them the block would run on this
+  rank's tokens);
+
 with at most one final norm beside the layer list and a gathering head (norms without
-parameters, OLMo's, need no rule). A block computed replicated with
-tensor-parallel projections outside a region (a projection whose output the plan gathers) is
-not: on this rank's tokens its collectives would mix the ranks' different tokens, and gathered
-around it the input's gradient comes back whole on every rank, which a reduce-scatter would
-count tp times (it needs a gather whose backward is a slice). The rules refine the translated
+parameters, OLMo's, need no rule). The rules refine the translated
 ones (mappings key by key) and form one group, so a check that fails on any of them gives up
 sequence parallelism as a whole. A refinement of a rule with the same ``match`` is written into
 that rule (:func:`hyperrecipe.suggest.render.merge_rules`). Pure: reads the module tree and the
@@ -43,9 +55,11 @@ from hyperrecipe.model_tree import ModuleInfo
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.rules import SuggestedRule
 
-__all__ = ["SEQUENCE_GROUP", "nested_group", "nested_region", "sequence_parallel_rules"]
+__all__ = ["GATHERED_GROUP", "SEQUENCE_GROUP", "nested_group", "nested_region", "sequence_parallel_rules"]
 
 SEQUENCE_GROUP = "sequence parallelism"
+GATHERED_GROUP = f"{SEQUENCE_GROUP}: blocks computed replicated on the whole sequence"
+"""The gathered replicated blocks' boundaries: given up with sequence parallelism as a whole."""
 _LAST = 10**9
 _NESTED_SEQ = "shard(-2)"
 """The token dim of an activation inside a token-local block: ``[batch, seq, hidden]`` and the
@@ -54,6 +68,13 @@ flattened ``[tokens, hidden]`` alike."""
 
 def _is_norm(m: ModuleInfo) -> bool:
     return bool(m.params) and all(len(p.shape) == 1 for p in m.params)
+
+
+def _is_conv(m: ModuleInfo) -> bool:
+    """A ``torch.nn`` convolution (Mamba's ``conv1d``, LFM2's short convolution) with
+    parameters. A MoE block's fused expert tensors are 3-D too, so the shape cannot tell."""
+    return bool(m.params) and any(c.startswith("torch.nn.modules.conv.")
+                                  for c in (m.cls, *m.torch_bases))
 
 
 def _first_arg(m: ModuleInfo) -> str | int:
@@ -134,8 +155,9 @@ class _Tree:
 
 def _classify(tree: _Tree, child: ModuleInfo, regions: Mapping[str, SuggestedRule],
               nested: dict[str, str]) -> str:
-    """``"region"``, ``"norm"``, ``"token-local"``, ``""`` (nothing to place), or why the
-    child fits none. Regions nested in a token-local child are added to ``nested``."""
+    """``"region"``, ``"norm"``, ``"token-local"``, ``"gathered"`` (``"gathered, whole"``: its
+    input gradient is declared whole), or ``""`` (nothing to place). Regions nested in a
+    token-local child are added to ``nested``."""
     if child.fqn in regions:
         return "region"
     inside = tree.subtree(child.fqn)
@@ -144,16 +166,18 @@ def _classify(tree: _Tree, child: ModuleInfo, regions: Mapping[str, SuggestedRul
     if _is_norm(child) and len(inside) == 1:
         return "norm"
     held = [r for r in regions if _under(r, child.fqn)]
+    styles = []
     for m in inside:
         if any(_under(m.fqn, r) for r in held):
             continue
         rule = tree.placing(m.fqn)
         if rule is not None:
-            style = dict(rule.fields).get("style", "a boundary")
-            return (f"{child.fqn} computes replicated around {m.fqn}, which a rule places "
-                    f"({style}) outside a region: on this rank's tokens its collectives would "
-                    f"mix the ranks' tokens, and gathered around it the input's gradient would "
-                    f"need a sequence gather whose backward is a slice")
+            styles.append(str(dict(rule.fields).get("style", "a boundary")))
+    if styles:  # replicated around a placed projection; whole where each hands back whole
+        whole = all(s.startswith(("colwise", "rowwise")) for s in styles)
+        return "gathered, whole" if whole else "gathered"
+    if any(_is_conv(m) for m in inside if not any(_under(m.fqn, r) for r in held)):
+        return "gathered"  # a convolution over the sequence mixes tokens: not token-local
     nested.update({r: child.fqn for r in held})
     return "token-local"
 
@@ -190,11 +214,12 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
             return [], f"{layer.fqn} holds parameters of its own, outside its blocks"
         for name in layer.children:
             kind = _classify(tree, tree.by_fqn[name], regions, nested)
-            if kind not in ("", "region", "norm", "token-local"):
-                return [], kind
             if kind:
                 kinds[name] = kind
-    stray = [f for f in regions if kinds.get(f) != "region" and f not in nested]
+    gathered = [f for f, k in kinds.items() if k.startswith("gathered")]
+    inner = {f for f in regions if any(_under(f, g) for g in gathered)}
+    stray = [f for f in regions if kinds.get(f) != "region" and f not in nested
+             and f not in inner]
     if stray:
         return [], f"the region {stray[0]} is not a block of a decoder layer"
     norms = [f for f, k in kinds.items() if k == "norm"]
@@ -227,14 +252,36 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
                          f"{src}: {match} computes token by token with replicated parameters: "
                          f"it runs on this rank's tokens and its parameters' gradients are "
                          f"all-reduced", len(out)))
-    placed: dict[str, str] = {}  # region rule match -> the sequence dim of its tokens
+    for block in _grouped(kinds, tree, "gathered"):
+        first = tree.by_fqn[block[0]]
+        block_arg = _first_arg(first)
+        match = _pattern(block, tree.instances)
+        block_fields: dict[str, object] = {"boundary": True, "in_src": {block_arg: seq},
+                                           "in_dst": {block_arg: "replicate"},
+                                           "out_src": {0: "replicate"}, "out_dst": {0: seq}}
+        why = "mixes tokens (a convolution)"
+        if kinds[block[0]] != "gathered" or any(
+                tree.placing(m.fqn) for m in tree.subtree(first.fqn) if m.fqn != first.fqn):
+            why = "computes replicated around projections the plan places"
+        if kinds[block[0]] == "gathered, whole":
+            block_fields["in_grad"] = {block_arg: "replicate"}
+            why += (" (column-wise ones all-reduce their input's gradient, row-wise ones "
+                    "all-gather it: the block's arrives whole)")
+        out.append(_rule(match, block_fields,
+                         f"{src}: {match} {why}: it all-gathers the sequence on entry and "
+                         f"slices on exit, computed whole on every rank (its gradients whole, "
+                         f"not reduced; the gather's backward a slice)", len(out),
+                         GATHERED_GROUP))
+    placed: dict[str, str] = {}  # region rule match -> the sequence dim of its tokens ("": none)
     for f, region in regions.items():
-        where = "shard(1)" if f not in nested else _NESTED_SEQ
+        where = "" if f in inner else "shard(1)" if f not in nested else _NESTED_SEQ
         if placed.setdefault(region.match, where) != where:
             return [], (f"the region {region.match} is a block of a layer in some layers and "
-                        f"nested in a token-local block in others")
+                        f"nested in a token-local or gathered block in others")
     groups = {r.match: r.group for r in region_rules}
     for region in region_rules:
+        if placed[region.match] == "":
+            continue  # inside a gathered block: replicated in and out, as translated
         tokens = {dim: placed[region.match]}
         fields = dict(region.fields)
         in_arg = next(iter(fields["in_src"]))
@@ -253,7 +300,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
                   if f.startswith(r + ".")}
         if len({placed[o] for o in owners}) > 1:
             return [], f"{row.match} is under regions of both kinds"
-        if owners:
+        if owners and placed[next(iter(owners))] != "":
             owner = owners.pop()
             out.append(_rule(row.match, {"out_dst": {0: {dim: placed[owner]}}},
                              f"{src}: reduce-scatter instead of all-reduce", len(out),
@@ -283,8 +330,14 @@ def _folded(fqns: Sequence[str], tree: _Tree) -> list[str]:
 
 def _token_local_groups(kinds: Mapping[str, str], tree: _Tree) -> list[list[str]]:
     """Token-local blocks grouped by folded name and forward argument (one rule each)."""
-    groups: dict[tuple[str, Any], list[str]] = {}
+    return _grouped(kinds, tree, "token-local")
+
+
+def _grouped(kinds: Mapping[str, str], tree: _Tree, kind: str) -> list[list[str]]:
+    """Blocks of ``kind`` (a prefix) grouped by folded name, kind and forward argument."""
+    groups: dict[tuple[str, str, Any], list[str]] = {}
     for f, k in kinds.items():
-        if k == "token-local":
-            groups.setdefault((_fold(f), _first_arg(tree.by_fqn[f])), []).append(f)
+        if k.startswith(kind):
+            groups.setdefault((_fold(f), k, _first_arg(tree.by_fqn[f])), []).append(f)
     return list(groups.values())
+

@@ -26,7 +26,7 @@ from hyperrecipe.errors import RecipeError
 from hyperrecipe.recipe.patterns import compile_pattern
 from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
-from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, nested_region
+from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP, nested_region
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
 
@@ -129,6 +129,8 @@ def _groups(rules: Sequence[SuggestedRule], culprit: SuggestedRule, why: str) ->
     if region is not None:
         return {culprit.group, region}
     nested = {r.group for r in rules if nested_region(r.group) is not None}
+    if culprit.group == GATHERED_GROUP:  # without it the block would run on this rank's tokens
+        return {GATHERED_GROUP, SEQUENCE_GROUP} | nested
     if culprit.group != SEQUENCE_GROUP:
         return {culprit.group}
     if dict(culprit.fields).get("local_region"):
@@ -136,7 +138,7 @@ def _groups(rules: Sequence[SuggestedRule], culprit: SuggestedRule, why: str) ->
                  and any(compile_pattern(r.match).fullmatch(t) for t in _FQN.findall(why))}
         if named:
             return named | {nested_region(g) or g for g in named}
-    return {culprit.group} | nested
+    return {culprit.group, GATHERED_GROUP} | nested
 
 
 def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool,
@@ -162,7 +164,9 @@ def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
                 out.append(replaced)
             continue
         out.append(rule)
-    named = sorted(g for g in groups if nested_region(g) is None) or [culprit.group]
+    present = {r.group for r in rules}
+    named = sorted(g for g in groups if nested_region(g) is None and g in present) or [
+        culprit.group]
     if SEQUENCE_GROUP not in groups and len(groups) > len(named):
         named = [g + FOR_THE_BLOCK for g in named]
     return out, " and ".join(named) + "".join(f" (and {g}, which depends on it)"

@@ -18,7 +18,7 @@ from hyperrecipe.integrations.hf_plans import read_plans
 from hyperrecipe.integrations.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.suggest import SuggestOptions, Suggestion, suggest_recipe
-from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
+from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP
 from hyperrecipe.suggest.translate import Translation, translate
 from tests.support.runtime_harness import ROOT
 
@@ -90,15 +90,68 @@ def test_glm4_moe_with_dense_and_moe_layers_passes_check_with_sequence_paralleli
     _suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
 
 
-def test_a_block_computed_replicated_around_a_gathered_projection_is_named() -> None:
+def test_a_block_computed_replicated_around_a_gathered_projection_is_gathered_whole() -> None:
     # GLM: transformers' plan gathers the fused gate_up_proj's output and splits down_proj's
-    # input, so the MLP computes replicated between two collectives; it is no region
+    # input, so the MLP computes replicated between two collectives; it is no region. It was
+    # refused ("needs a sequence gather whose backward is a slice"); now it gathers the
+    # sequence, computes whole on every rank and slices on exit, its input gradient declared
+    # whole (gate_up_proj all-reduces it, down_proj all-gathers it)
     t = _translate("glm", tiny_config("glm"))
-    why = {n.what: n.why for n in t.narrowed}[SEQUENCE_GROUP]
-    assert ("model.layers.0.mlp computes replicated around model.layers.0.mlp.gate_up_proj, "
-            "which a rule places (colwise_gather_output) outside a region") in why
-    assert "a sequence gather whose backward is a slice" in why
-    assert not _sequence_rules(t)
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+    gathered = {r.match: dict(r.fields) for r in t.rules if r.group == GATHERED_GROUP}
+    assert gathered == {"model.layers.*.mlp": {
+        "boundary": True, "in_src": {"hidden_states": SEQ},
+        "in_dst": {"hidden_states": "replicate"}, "out_src": {0: "replicate"},
+        "out_dst": {0: SEQ}, "in_grad": {"hidden_states": "replicate"}}}
+    source = next(r.sources[0] for r in t.rules if r.group == GATHERED_GROUP)
+    assert "computes replicated around projections the plan places" in source
+    # the projections keep the plan's own placement; the attention region gathers the sequence
+    rules = _sequence_rules(t)
+    assert "model.layers.*.mlp.down_proj" not in rules
+    assert rules["model.layers.*.self_attn"]["in_src"] == {"hidden_states": SEQ}
+
+
+def test_a_mamba_mixer_mixes_tokens_so_it_is_gathered_not_token_local() -> None:
+    # Bamba's Mamba mixer (a causal convolution and a scan over the sequence) has every
+    # parameter replicated: it was proposed token-local, which check rejected. Its parameters
+    # see the whole sequence on every rank, so nothing is declared: no gradient reduction
+    t = _translate("bamba", tiny_config("bamba"))
+    rules = _sequence_rules(t)
+    assert rules["model.layers.*.mamba"] == {
+        "boundary": True, "in_src": {"hidden_states": SEQ},
+        "in_dst": {"hidden_states": "replicate"}, "out_src": {0: "replicate"},
+        "out_dst": {0: SEQ}}
+    assert next(r.group for r in t.rules if r.match == "model.layers.*.mamba"
+                and r.deeper) == GATHERED_GROUP
+    assert not any(f.get("local_region") for f in rules.values())
+
+
+def test_giving_up_a_gathered_block_gives_up_sequence_parallelism_as_a_whole() -> None:
+    # without its gather the block would run on this rank's tokens: the fallback is the
+    # recipe without sequence parallelism, the plan's own rules kept
+    from hyperrecipe.suggest.verify import _give_up
+
+    t = _translate("glm", tiny_config("glm"))
+    culprit = next(r for r in t.rules if r.group == GATHERED_GROUP)
+    kept, what = _give_up(t.rules, culprit, True, "validate mode diverged at model.layers.0.mlp")
+    assert what == f"{SEQUENCE_GROUP} and {GATHERED_GROUP}"
+    assert not any(r.group.startswith(SEQUENCE_GROUP) for r in kept)
+    assert {r.match for r in kept if not r.deeper} == {r.match for r in t.rules if not r.deeper}
+
+
+def test_glm_with_its_mlp_gathered_passes_check_with_sequence_parallelism(
+        tmp_path: Path) -> None:
+    s = _suggest_and_recheck("glm", tiny_config("glm"), tmp_path)
+    assert GATHERED_GROUP in {r.group for r in s.rules}
+    assert "in_grad: {hidden_states: replicate}" in s.text
+    assert s.narrowed == ()
+
+
+def test_bamba_with_its_mamba_mixers_gathered_passes_check_with_sequence_parallelism(
+        tmp_path: Path) -> None:
+    s = _suggest_and_recheck("bamba", tiny_config("bamba"), tmp_path)
+    assert GATHERED_GROUP in {r.group for r in s.rules}
+    assert s.narrowed == ()
 
 
 def test_blocks_a_plan_leaves_out_are_read_off_the_structure() -> None:
