@@ -125,7 +125,9 @@ def _scope_worker(rank: int, world: int) -> dict[str, object]:
 
     first, second = validate_compute(grow)()
     try:
-        validate_compute(lambda: torch.cat([torch.zeros(2, 6), keys]))()
+        # not zeros: a plain tensor of zeros that needs no gradient is taken as replicated
+        # (runtime/forward/plain_tensors.py); any other plain tensor could be a rank's piece
+        validate_compute(lambda: torch.cat([torch.ones(2, 6), keys]))()
         mixed = "accepted"
     except RuntimeError as exc:
         mixed = str(exc)
