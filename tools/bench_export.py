@@ -47,6 +47,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from bench_host import alternate_launches  # tools/ is sys.path[0]
+
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("transformers", "transformers+fsync", "hyperrecipe")
 
@@ -180,22 +182,9 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {"current": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        base: Path | None = None
-        if args.baseline:
-            runs["baseline"] = []
-            base = Path(tmp)
-            archive = subprocess.run(["git", "archive", args.baseline, "hyperrecipe"], cwd=REPO,
-                                     check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        for i in range(args.launches):
-            order = ["baseline", "current"] if i % 2 == 0 else ["current", "baseline"]
-            for which in order:
-                if which in runs:
-                    result = _launch_tree(base if which == "baseline" else None, args)
-                    runs[which].append(result)
-                    print(f"{which}: {json.dumps({k: result[k] for k in keys})}", flush=True)
+    runs = alternate_launches(args.baseline, args.launches,
+                              lambda tree: _launch_tree(tree, args),
+                              lambda result: {k: result[k] for k in keys})
     summary = {which: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys[1:]}
                for which, rs in runs.items()}
     print(json.dumps({"baseline": args.baseline, "median_over_launches": summary}))

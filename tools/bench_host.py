@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,33 @@ def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def alternate_launches(baseline: str | None, launches: int,
+                       launch: Callable[[Path | None], dict[str, Any]],
+                       shown: Callable[[dict[str, Any]], Any]) -> dict[str, list[dict[str, Any]]]:
+    """``launches`` launches of the working tree's ``hyperrecipe`` and, with ``baseline``, as
+    many of that git revision's (unpacked with ``git archive``), alternating which goes first,
+    so both trees see the same load on a shared machine. ``launch(tree)`` runs one (``None``:
+    the working tree); ``shown(result)`` is what each prints. Results per tree: ``current``
+    and ``baseline``. Shared with ``tools/bench_export.py``."""
+    runs: dict[str, list[dict[str, Any]]] = {"current": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        base: Path | None = None
+        if baseline:
+            runs["baseline"] = []
+            base = Path(tmp)
+            archive = subprocess.run(["git", "archive", baseline, "hyperrecipe"], cwd=REPO,
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for i in range(launches):
+            order = ["baseline", "current"] if i % 2 == 0 else ["current", "baseline"]
+            for which in order:
+                if which in runs:
+                    result = launch(base if which == "baseline" else None)
+                    runs[which].append(result)
+                    print(f"{which}: {json.dumps(shown(result))}", flush=True)
+    return runs
+
+
 def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     """One launch in a fresh interpreter with ``tree``'s hyperrecipe first (``None``: this
     checkout's)."""
@@ -199,22 +227,8 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result))
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {"current": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        base: Path | None = None
-        if args.baseline:
-            runs["baseline"] = []
-            base = Path(tmp)
-            archive = subprocess.run(["git", "archive", args.baseline, "hyperrecipe"], cwd=REPO,
-                                     check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        for i in range(args.launches):
-            order = ["baseline", "current"] if i % 2 == 0 else ["current", "baseline"]
-            for which in order:
-                if which in runs:
-                    result = _launch_tree(base if which == "baseline" else None, args)
-                    runs[which].append(result)
-                    print(f"{which}: {json.dumps(result)}", flush=True)
+    runs = alternate_launches(args.baseline, args.launches,
+                              lambda tree: _launch_tree(tree, args), lambda result: result)
     summary = {which: {m: round(statistics.median(r[m]["ratio"] for r in rs), 4)
                        for m in ("cpu", "wall")} for which, rs in runs.items()}
     print(f"production / handwritten (median over launches; target <= {TARGET}): "
