@@ -343,7 +343,8 @@ class RankFailedError(HyperrecipeError, RuntimeError):
     Args:
         message: the full message (built by the launcher).
         rank: the rank that failed first, or ``None`` when the launch timed out.
-        rank_traceback: the failing rank's formatted traceback (``""`` when it had none).
+        rank_traceback: the failing rank's formatted traceback (``""`` when it had none); for a
+            rank that died without reporting, what faulthandler wrote as it died.
         unfinished: the ranks that had not finished when the launch was stopped.
     """
 

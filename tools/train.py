@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
-from hyperrecipe.integrations.trainer_mesh import leave_together
 
 TP_RECIPE = "llama"
 DP_TP_RECIPE = "llama-dp"
@@ -324,7 +323,7 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         inst.save_pretrained(out / "final")
     # 8. Every rank leaves together (through the store, bounded), so no rank's gloo workers are
     # still dropping a finished collective when its interpreter shuts down (docs/training.md).
-    leave_together(inst, "tools/train.py")
+    inst.leave_together("tools/train.py")
     return records
 
 

@@ -7,7 +7,11 @@ them through a :class:`torch.distributed.FileStore` in a fresh temporary directo
 chosen, so two launches can never race for one), runs ``fn(rank, world_size, *args)`` in each and
 returns the results in rank order. A rank that raises, dies or does not finish in time takes the
 whole launch down: every other rank is terminated (then killed), every process is reaped, and the
-parent raises :class:`RankFailedError` with the failing rank and its traceback.
+parent raises :class:`RankFailedError` with the failing rank and its traceback. A rank killed by a
+fault (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) has no traceback to send, so every rank enables
+:mod:`faulthandler` into a file of its own and the error carries what it wrote as it died: the
+Python stack of each of its threads. On a timeout the ranks still running are asked for the same
+(a signal faulthandler answers), so the error says where each was stuck.
 
 Fork caveats, which :func:`run_ranks` handles where it can:
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -39,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -58,6 +64,17 @@ _KILL_GRACE_S = 1.0
 
 _EXIT_GRACE_S = 30.0
 """How long a rank that reported its result gets to tear its process group down and exit."""
+
+_FAULT_DUMP_CHARS = 64_000
+"""The most of a dead rank's faulthandler file put in the error (its threads' stacks)."""
+
+_STACKS_SIGNAL = int(signal.SIGRTMIN) + 3 if hasattr(signal, "SIGRTMIN") else None
+"""Sent to the ranks still running when a launch times out: each writes its threads' Python
+stacks to its faulthandler file. A real-time signal, which no library here handles (SIGUSR1
+is Lightning's on SLURM)."""
+
+_STACKS_WAIT_S = 1.0
+"""How long a timed-out launch waits for the stuck ranks' stacks before stopping them."""
 
 
 def default_backend(world_size: int) -> str:
@@ -133,12 +150,15 @@ def run_ranks(
     procs: list[BaseProcess] = []
     conns: dict[int, Connection] = {}
     parent = os.getpid()
+    fault_paths = [os.path.join(store_dir, f"rank-{rank}.fault") for rank in range(world_size)]
+    beside = _threads_beside_fork() if start_method == "fork" else ""
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, args, chosen, store_path, timeout_s, writer, parent),
+                args=(fn, rank, world_size, args, chosen, store_path, timeout_s, writer, parent,
+                      fault_paths[rank]),
                 name=f"hyperrecipe-rank-{rank}",
             )
             try:
@@ -154,7 +174,7 @@ def run_ranks(
             procs.append(proc)
             conns[rank] = reader
         progress(f"started {world_size} rank(s) ({start_method}, {chosen})")
-        return _collect(procs, conns, deadline, timeout_s, progress)
+        return _collect(procs, conns, deadline, timeout_s, progress, fault_paths, beside)
     finally:
         _stop(procs)
         for conn in conns.values():
@@ -206,11 +226,14 @@ def _collect(
     deadline: float,
     timeout_s: float,
     progress: Callable[[str], None],
+    fault_paths: Sequence[str],
+    beside: str,
 ) -> list[Any]:
     """Read every rank's messages until all have reported, one failed, or the deadline passed."""
     world_size = len(procs)
     results: dict[int, Any] = {}
     failures: list[tuple[float, int, str, str]] = []  # (when, rank, summary, traceback)
+    died: set[int] = set()  # ranks that ended without a report: their "traceback" is a dump
     open_conns = dict(conns)
 
     def read(rank: int) -> None:
@@ -255,7 +278,8 @@ def _collect(
             elif rank not in results and not any(f[1] == rank for f in failures):
                 procs[rank].join(_KILL_GRACE_S)
                 summary = f"{_describe_exit(procs[rank].exitcode)} without reporting a result"
-                failures.append((time.monotonic(), rank, summary, ""))
+                died.add(rank)
+                failures.append((time.monotonic(), rank, summary, _fault_dump(fault_paths[rank])))
 
     if failures:
         # Ranks that failed at about the same time (a peer noticing the first failure): read what
@@ -268,8 +292,13 @@ def _collect(
         unfinished = tuple(r for r in range(world_size) if r not in results)
         others = [f"rank {r}: {s}" for _, r, s, _ in failures[1:]]
         also = f"\nalso failed: {'; '.join(others)}" if others else ""
-        body = f"\n--- traceback of rank {rank} ---\n{rank_tb.rstrip()}" if rank_tb else ""
-        msg = f"rank {rank} of {world_size} failed: {summary}{also}{body}"
+        what = f"what faulthandler wrote as rank {rank} died" if rank in died else (
+            f"traceback of rank {rank}")
+        body = f"\n--- {what} ---\n{rank_tb.rstrip()}" if rank_tb else ""
+        code = procs[rank].exitcode
+        # a signal (not an exit code of its own choosing) is where the fork's leftovers matter
+        note = f"\n{beside}" if rank in died and beside and code is not None and code < 0 else ""
+        msg = f"rank {rank} of {world_size} failed: {summary}{also}{body}{note}"
         raise RankFailedError(msg, rank=rank, rank_traceback=rank_tb, unfinished=unfinished)
 
     if len(results) < world_size:
@@ -279,11 +308,82 @@ def _collect(
             f"timed out after {timeout_s:g} s: rank(s) {list(unfinished)} of {world_size} had "
             f"not finished (finished: {done})"
         )
+        for rank, stacks in _stacks_of(procs, unfinished, fault_paths).items():
+            msg += f"\n--- where rank {rank} was (faulthandler) ---\n{stacks}"
         raise RankFailedError(msg, rank=None, unfinished=unfinished)
 
     for proc in procs:
         proc.join(max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
     return [results[r] for r in range(world_size)]
+
+
+def _threads_beside_fork() -> str:
+    """The launching process's other threads as the ranks are forked, said for a rank that
+    dies without reporting (``""`` when there are none): a fork copies none of them, so what
+    one of them was in the middle of (a lock it held, a pool's bookkeeping) is left half-done
+    in every rank."""
+    try:
+        native = len(os.listdir("/proc/self/task")) - 1
+    except OSError:  # not Linux: the Python threads only
+        native = 0
+    named = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    count = max(native, len(named))
+    if count == 0:
+        return ""
+    rest = count - len(named)
+    parts = [*named, f"{rest} native (OpenMP, BLAS or another library's pool)"] if rest else named
+    return (f"the launching process had {count} other thread(s) when it forked the ranks: "
+            f"{', '.join(parts)}")
+
+
+def _stacks_of(procs: Sequence[BaseProcess], ranks: Sequence[int],
+               fault_paths: Sequence[str]) -> dict[int, str]:
+    """The Python stacks of the live ``ranks``, asked for with :data:`_STACKS_SIGNAL` and read
+    from their faulthandler files once each has stopped growing (at most
+    :data:`_STACKS_WAIT_S`); ranks that wrote nothing are left out."""
+    if _STACKS_SIGNAL is None:
+        return {}
+    asked = []
+    for rank in ranks:
+        pid = procs[rank].pid
+        if pid is not None and procs[rank].is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(pid, _STACKS_SIGNAL)
+                asked.append(rank)
+    sizes: dict[int, int] = {}
+    give_up = time.monotonic() + _STACKS_WAIT_S
+    while asked and time.monotonic() < give_up:
+        time.sleep(0.05)
+        now = {}
+        for rank in asked:
+            with contextlib.suppress(OSError):
+                now[rank] = os.path.getsize(fault_paths[rank])
+        if all(now.get(r, 0) > 0 and now[r] == sizes.get(r) for r in asked):
+            break
+        sizes = now
+    dumps = {rank: _fault_dump(fault_paths[rank]) for rank in asked}
+    return {rank: text for rank, text in dumps.items() if text}
+
+
+def _fault_dump(path: str) -> str:
+    """What faulthandler wrote in a rank that died (``""``: nothing, e.g. SIGKILL or ``_exit``).
+
+    A forked rank's main thread still has the parent's frames below :func:`_rank_main` (the
+    launch, the caller's own stack): they say nothing about the rank and are left out.
+    """
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(_FAULT_DUMP_CHARS)
+    except OSError:
+        return ""
+    kept: list[str] = []
+    below_rank_main = False
+    for line in text.splitlines():
+        if below_rank_main and line.startswith("  File "):
+            continue
+        below_rank_main = line.startswith("  File ") and line.endswith(f" in {_rank_main.__name__}")
+        kept.append(line)
+    return "\n".join(kept).strip()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -349,8 +449,20 @@ def _rank_main(
     timeout_s: float,
     conn: Connection,
     parent: int,
+    fault_path: str,
 ) -> None:
     _die_with_parent(parent)
+    # A fault in native code (a segmentation fault in a library, an abort in C++ teardown) kills
+    # the rank before it can report; the parent puts this file's stacks in its error. The file
+    # stays open for the process's life (faulthandler writes to its descriptor from the signal
+    # handler). It replaces whatever the parent had enabled (pytest writes to its stderr, where
+    # ranks' dumps interleave and no error names them).
+    # On a timeout the parent sends _STACKS_SIGNAL, and the same file gets where it was stuck.
+    with contextlib.suppress(OSError):
+        fault_file = open(fault_path, "w", encoding="utf-8")  # open for the process's life
+        faulthandler.enable(file=fault_file, all_threads=True)
+        if _STACKS_SIGNAL is not None:
+            faulthandler.register(_STACKS_SIGNAL, file=fault_file, all_threads=True)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

@@ -43,7 +43,6 @@ from hyperrecipe.integrations.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
-    leave_together,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -290,9 +289,9 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         """accelerate's ``end_training`` (trackers, then the process group torn down), once
         every rank got here: rank 0 may still be writing files only it writes, and a group
         torn down under a peer was seen to abort a rank at interpreter exit
-        (:func:`~hyperrecipe.integrations.trainer_mesh.leave_together`)."""
+        (``Installation.leave_together``)."""
         if self.installation is not None:
-            leave_together(self.installation, f"{_NAME}.end_training")
+            self.installation.leave_together(f"{_NAME}.end_training")
         super().end_training()
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],

@@ -36,7 +36,6 @@ from hyperrecipe.integrations.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
-    leave_together,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,10 +101,9 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; then every rank waits for the others to finish it (rank 0
         writes the last checkpoint's own files alone), so a script that ends here tears the
-        process group down on every rank together (:func:`~hyperrecipe.integrations.
-        trainer_mesh.leave_together`)."""
+        process group down on every rank together (``Installation.leave_together``)."""
         result = super().train(*args, **kwargs)
-        leave_together(self.installation, f"{type(self).__name__}.train")
+        self.installation.leave_together(f"{type(self).__name__}.train")
         return result
 
     # -- where the model lives ------------------------------------------------------------

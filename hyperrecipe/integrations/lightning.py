@@ -132,11 +132,9 @@ class HyperrecipeStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         """Lightning's teardown, once every rank got here (rank 0 may still be writing files
-        only it writes; :func:`~hyperrecipe.integrations.trainer_mesh.leave_together`)."""
+        only it writes; ``Installation.leave_together``)."""
         if self.installation is not None:
-            from hyperrecipe.integrations.trainer_mesh import leave_together
-
-            leave_together(self.installation, "HyperrecipeStrategy.teardown")
+            self.installation.leave_together("HyperrecipeStrategy.teardown")
         super().teardown()
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -10,9 +10,9 @@ This module reads that from the plan, so both trainer integrations agree on it.
 Metrics gathered for a dataset (the Trainer's ``evaluate``, accelerate's ``gather_for_metrics``)
 are gathered over the data dim only here too: the model-parallel ranks hold copies of a batch.
 
-Where training ends, the ranks leave together (:func:`leave_together`): without it a rank was
-seen to abort at interpreter exit in torch's teardown (``terminate called without an active
-exception``; the function says why).
+Where training ends, the ranks leave together (``Installation.leave_together``): without it a
+rank was seen to abort at interpreter exit in torch's teardown (``terminate called without an
+active exception``; the method says why).
 
 What does not live here: wrapping (each integration wraps through its trainer's seam).
 """
@@ -31,8 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "leave_together",
-           "model_parallel_dims"]
+__all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims"]
 
 
 def model_parallel_dims(plan: Plan) -> tuple[str, ...]:
@@ -135,39 +134,3 @@ def _truncate(data: Any, count: int) -> Any:
     if isinstance(data, dict):
         return {k: _truncate(v, count) for k, v in data.items()}
     return data[:count] if isinstance(data, torch.Tensor) and data.dim() else data
-
-
-def leave_together(inst: Installation, what: str) -> None:
-    """Return once every rank reached the end of ``what`` (the end of ``train()``), waiting at
-    most ``inst.collective_timeout_s``; a rank that does not arrive is warned about, not
-    raised on (this rank's training is done).
-
-    Why (torch's, found with a core dump): a group that outlives ``destroy_process_group`` (a
-    ``DeviceMesh``, an installation or a trainer still refers to it) keeps its gloo worker
-    threads into interpreter teardown. A worker drops its last reference to a finished
-    collective (``ProcessGroupGloo::runLoop`` destroying ``AsyncAllreduceWork``) a moment
-    after the caller's ``wait()`` returned; when the work's tensors belong to Python objects
-    the caller already dropped, that drop takes the GIL, and once the interpreter is
-    finalizing CPython ends such a thread with ``pthread_exit``, whose forced unwind through a
-    C++ destructor is ``std::terminate``: "terminate called without an active exception".
-    The early rank, which leaves right after its last collective, is the one that aborts.
-    Waiting here, through the store with the GIL released, gives the workers the moment they
-    need. Not a barrier: with a ``dist.barrier()`` before ``destroy_process_group`` the early
-    rank still aborted in 2 of 22 runs of the repro (not traced), with this meeting in none
-    of 20.
-    """
-    import warnings
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    from hyperrecipe.runtime.state.checkpoint import every_rank_entered
-
-    why_not = every_rank_entered(_get_default_store(), what, dist.get_rank(),
-                                 dist.get_world_size(), inst.collective_timeout_s)
-    if why_not is not None:
-        warnings.warn(f"{what}: the ranks did not leave together ({why_not}); a rank that "
-                      "failed says why", RuntimeWarning, stacklevel=2)

@@ -7,9 +7,11 @@ and that the launch returned within a few seconds.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -136,9 +138,15 @@ def test_timeout_names_the_ranks_that_had_not_finished(tmp_path: Path) -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(rank_fn, 3, timeout_s=1.5)
     assert time.monotonic() - start < 1.5 + FAST_S
-    assert str(info.value) == (
-        "timed out after 1.5 s: rank(s) [1, 2] of 3 had not finished (finished: [0])"
-    )
+    message = str(info.value)
+    assert message.startswith(
+        "timed out after 1.5 s: rank(s) [1, 2] of 3 had not finished (finished: [0])\n"
+    ), message
+    # where each stuck rank was: its faulthandler stack, asked for before it was stopped
+    for rank in (1, 2):
+        where = message.split(f"--- where rank {rank} was (faulthandler) ---\n")[1]
+        assert "in rank_fn" in where.split("--- where rank")[0], message
+    assert "where rank 0 was" not in message
     assert info.value.rank is None
     assert info.value.unfinished == (1, 2)
     _assert_ranks_gone(tmp_path, 3)
@@ -151,6 +159,8 @@ def test_rank_that_exits_without_a_result_is_reported() -> None:
         time.sleep(60)
         return rank
 
+    a = torch.randn(512, 512)
+    torch.mm(a, a)  # the parent's OpenMP pool is there (as after earlier tests): not named
     with pytest.raises(RankFailedError) as info:
         run_ranks(rank_fn, 2, timeout_s=30.0)
     assert str(info.value) == "rank 0 of 2 failed: exited with code 3 without reporting a result"
@@ -164,6 +174,37 @@ def test_rank_killed_by_a_signal_is_reported_with_the_signal_name() -> None:
 
     with pytest.raises(RankFailedError, match=r"^rank \d of 2 failed: was killed by SIGKILL "):
         run_ranks(rank_fn, 2, timeout_s=30.0)
+
+
+def _segfault_in_a_named_frame() -> None:
+    ctypes.string_at(0)  # a real segmentation fault, as a native library's bug gives
+
+
+def test_rank_killed_by_a_fault_reports_the_python_stack_it_died_in() -> None:
+    def rank_fn(rank: int, world_size: int) -> int:
+        if rank == 1:
+            _segfault_in_a_named_frame()
+        time.sleep(60)
+        return rank
+
+    stop = threading.Event()
+    beside = threading.Thread(target=stop.wait, name="left-by-an-earlier-test", daemon=True)
+    beside.start()
+    try:
+        with pytest.raises(RankFailedError) as info:
+            run_ranks(rank_fn, 2, timeout_s=30.0)
+    finally:
+        stop.set()
+        beside.join()
+    message = str(info.value)
+    assert "other thread(s) when it forked the ranks: left-by-an-earlier-test" in message
+    assert message.startswith(
+        "rank 1 of 2 failed: was killed by SIGSEGV without reporting a result\n"
+        "--- what faulthandler wrote as rank 1 died ---\nFatal Python error: Segmentation fault"
+    ), message
+    assert "_segfault_in_a_named_frame" in info.value.rank_traceback
+    assert "in rank_fn" in info.value.rank_traceback
+    assert "pytest" not in info.value.rank_traceback, "the frames a forked rank inherited stay out"
 
 
 def test_unpicklable_result_is_a_rank_failure() -> None:
