@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe.errors import PlanMismatchError, RewriteError, UsageError
+from hyperrecipe.errors import HyperrecipeError, PlanMismatchError, RewriteError, UsageError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Shard
 from hyperrecipe.plan import BoundaryPlan, LossParallel, ParamPlan, Plan
@@ -162,6 +162,8 @@ class _Applier:
                     new = self._make_param(p, module)
                     self.new_params[p.fqn] = new
                 except Exception as exc:  # noqa: BLE001 - raised after the loop
+                    if not isinstance(exc, HyperrecipeError):  # ours name the parameter already
+                        exc.add_note(f"(while placing the parameter {p.fqn})")
                     failure = exc
             if new is None:
                 tx.replace_parameter(module, p.name, original, fqn=p.module,

@@ -50,7 +50,9 @@ measured capabilities.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -352,15 +354,61 @@ def bind_transition(
     """
     if forward.kind == "identity" and backward.kind == "identity":
         return unchanged_tensor
-    pair = _BoundPair(_bind_op(forward, group, group_size, group_rank, "forward"),
-                      _bind_op(backward, group, group_size, group_rank, "backward"))
+    key = (forward, backward, group, group_size, group_rank)
+    index = _PAIR_INDEX.get(key)
+    if index is None:
+        index = _PAIR_INDEX[key] = next(_NEXT_INDEX)
+        _PAIRS[index] = _BoundPair(_bind_op(forward, group, group_size, group_rank, "forward"),
+                                   _bind_op(backward, group, group_size, group_rank, "backward"))
+    _PAIR_USERS[index] = _PAIR_USERS.get(index, 0) + 1
+    pair = _PAIRS[index]
     apply = _BoundTransition.apply
 
     def run(x: Tensor) -> Tensor:
-        out: Tensor = apply(x, pair)  # type: ignore[no-untyped-call]
+        out: Tensor
+        if _is_compiling():
+            out = _compiled_transition(x, index)
+        elif _DIRECT is None or _DIRECT.transforms_active():
+            out = apply(x, pair)  # type: ignore[no-untyped-call]
+        else:
+            out = _DIRECT.apply(_DIRECT.unwrap_if_dead(x), pair)
         return out
 
+    weakref.finalize(run, _release_pair, key, index)
     return run
+
+
+# Every pair :func:`bind_transition` bound, once per (ops, group): boundaries with the same
+# transition share one. Under ``torch.compile`` a transition reads its pair from here by index,
+# so dynamo guards one int per call site and each shared pair's closures once per graph (guards
+# on globals are deduplicated), instead of the whole closure chain under every boundary: that
+# chain was most of the compiled step's guard evaluation (docs/benchmarks.md). The table holds
+# each bound pair (and so its group) for as long as a transition bound to it lives: once the
+# last one is gone (an installation restored or dropped) the entry goes, so the table never
+# keeps a process group alive past its installations (a group that outlives
+# ``destroy_process_group`` keeps gloo's workers into interpreter teardown: training.md).
+_PairKey = tuple[CollectiveOp, CollectiveOp, "ProcessGroup", int, int]
+_PAIRS: dict[int, _BoundPair] = {}
+_PAIR_INDEX: dict[_PairKey, int] = {}
+_PAIR_USERS: dict[int, int] = {}
+_NEXT_INDEX = itertools.count()
+
+
+def _release_pair(key: _PairKey, index: int) -> None:
+    """One transition bound to ``index`` is gone (``weakref.finalize``); the last one takes
+    the entry with it."""
+    users = _PAIR_USERS.get(index, 0) - 1
+    if users > 0:
+        _PAIR_USERS[index] = users
+        return
+    _PAIR_USERS.pop(index, None)
+    _PAIRS.pop(index, None)
+    _PAIR_INDEX.pop(key, None)
+
+
+def _compiled_transition(x: Tensor, index: int) -> Tensor:
+    out: Tensor = _BoundTransition.apply(x, _PAIRS[index])  # type: ignore[no-untyped-call]
+    return out
 
 
 def unchanged_tensor(x: Tensor) -> Tensor:
@@ -372,6 +420,14 @@ class _BoundPair(NamedTuple):
     backward: OpFn
 
 
+def _backward_once(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    return ctx.backward_fn(grad), None
+
+
+# A double backward through a collective is refused, as ``once_differentiable`` refuses it.
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward_once)
+
+
 class _BoundTransition(torch.autograd.Function):
     """:class:`_Transition` with its ops bound (:func:`bind_transition`)."""
 
@@ -381,9 +437,41 @@ class _BoundTransition(torch.autograd.Function):
         return pair.forward(x)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        # Autograd runs a backward with grad mode on only under ``create_graph=True``; then
+        # ``once_differentiable``'s guard. Otherwise its ``no_grad`` would change nothing, and
+        # it costs more than an all-reduce's own Python on a step this small (bench_host).
+        if _is_grad_enabled():
+            return _backward_once_differentiable(ctx, grad)
         return ctx.backward_fn(grad), None
+
+
+# ``Function.apply`` without its Python layer: the C++ ``apply`` it ends in, after the one step
+# of that layer a plain call needs (``unwrap_dead_wrappers``, a tensor escaped from a finished
+# functorch transform). Under a functorch transform or ``torch.compile`` ``run`` goes through
+# ``Function.apply``, which they recognise. Per transition, twice a block, this is a tenth of
+# hyperrecipe's host overhead per step (bench_host).
+class _DirectApply(NamedTuple):
+    apply: Callable[..., Tensor]
+    transforms_active: Callable[[], bool]
+    unwrap_if_dead: Callable[[Tensor], Tensor]
+
+
+def _direct_apply() -> _DirectApply | None:
+    """The three torch internals the shortcut needs, or None where this torch lacks one (a
+    newer torch may move them): then every call goes through ``Function.apply``, as before."""
+    functorch = getattr(torch._C, "_functorch", None)
+    try:
+        return _DirectApply(super(torch.autograd.Function, _BoundTransition).apply,
+                            torch._C._are_functorch_transforms_active,
+                            functorch.unwrap_if_dead)  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+
+
+_DIRECT = _direct_apply()
+_is_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 def _bind_op(op: CollectiveOp, group: ProcessGroup, group_size: int, group_rank: int,

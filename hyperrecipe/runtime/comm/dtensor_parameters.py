@@ -86,6 +86,9 @@ def _keep_placement(param: nn.Parameter, placements: Any,
     first (:func:`_refuse_partial_left_by_production`)."""
     from torch.distributed.tensor import DTensor
 
+    if not param.requires_grad:  # a buffer-like parameter (a MoE router's bias): no gradient
+        return
+
     def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
         # a replicated parameter used on sharded data gets a partial gradient: reduce it; an
         # embedding row-sharded over the vocabulary gets a replicated one: keep its rows

@@ -25,10 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hyperrecipe.runtime.forward.marshal import map_tensors
+from hyperrecipe.runtime.forward.marshal import grad_roots
 from hyperrecipe.runtime.forward.validate_scope import refuse_unsupported_op
 
 __all__ = ["naming_backward_ops"]
@@ -62,14 +61,7 @@ def _current_sequence_nr() -> int:
 
 
 def _nodes_since(outputs: Any, start: int) -> list[Any]:
-    roots: list[Any] = []
-
-    def collect(t: Tensor) -> Tensor:
-        if t.grad_fn is not None:
-            roots.append(t.grad_fn)
-        return t
-
-    map_tensors(outputs, collect)
+    roots = grad_roots(outputs)
     seen: set[int] = set()
     found: list[Any] = []
     stack = [n for n in roots if n._sequence_nr() > start]

@@ -68,6 +68,23 @@ def _convert_input(value: Any, name: str, convert: Converter) -> Any:
     return convert(value, name)
 
 
+def _convert_declared(inputs: Sequence[InputSlot], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> list[Any]:
+    """The call's positional arguments with each declared input converted (``kwargs`` in
+    place): ``map_declared`` for the hot path, a tensor converted without the walk."""
+    args_l = list(args)
+    for position, name, convert in inputs:
+        if position is not None and position < len(args_l):
+            v = args_l[position]
+            args_l[position] = (convert(v, name) if isinstance(v, Tensor)
+                                else _convert_input(v, name, convert))
+        elif name in kwargs:
+            v = kwargs[name]
+            kwargs[name] = (convert(v, name) if isinstance(v, Tensor)
+                            else _convert_input(v, name, convert))
+    return args_l
+
+
 def make_boundary_forward(
     boundary: BoundaryPlan,
     compute: Forward,
@@ -109,20 +126,33 @@ def make_boundary_forward(
     first_name = outputs[0][1] if outputs else ""
     first_convert = outputs[0][2] if outputs else unchanged
 
+    # Two shapes most boundaries have (a block takes its input, a row-parallel linear hands its
+    # output back), as bodies that read nothing else: under torch.compile dynamo guards every
+    # closure cell a body reads, on every call (docs/benchmarks.md, the compiled gap).
+    if undeclared is None and finish is None:
+        if first_only and not inputs:
+            def output_only(*args: Any, **kwargs: Any) -> Any:
+                out = compute(*args, **kwargs)
+                if isinstance(out, Tensor):
+                    return first_convert(out, first_name)
+                if type(out) is tuple and out and out[0] is not None:
+                    return (first_convert(out[0], first_name), *out[1:])
+                value = get_output(out, 0, first_name)
+                if value is not None:
+                    out = set_output(out, 0, first_name, first_convert(value, first_name))
+                return out
+
+            return output_only
+        if inputs and not outputs:
+            def inputs_only(*args: Any, **kwargs: Any) -> Any:
+                return compute(*_convert_declared(inputs, args, kwargs), **kwargs)
+
+            return inputs_only
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         call: Sequence[Any] = args
         if inputs:
-            call = args_l = list(args)
-            # map_declared, inlined: this is the hot path
-            for position, name, convert in inputs:
-                if position is not None and position < len(args_l):
-                    v = args_l[position]
-                    args_l[position] = (convert(v, name) if isinstance(v, Tensor)
-                                        else _convert_input(v, name, convert))
-                elif name in kwargs:
-                    v = kwargs[name]
-                    kwargs[name] = (convert(v, name) if isinstance(v, Tensor)
-                                    else _convert_input(v, name, convert))
+            call = _convert_declared(inputs, args, kwargs)
         if undeclared is not None:
             call = args_l = list(call)
             for i, v in enumerate(args_l):
@@ -132,8 +162,12 @@ def make_boundary_forward(
                 if k not in declared_names:
                     kwargs[k] = undeclared(v, k)
         out = compute(*call, **kwargs)
-        if first_only and isinstance(out, Tensor):
-            return first_convert(out, first_name)
+        if first_only:
+            if isinstance(out, Tensor):
+                return first_convert(out, first_name)
+            # get_output / set_output on a tuple, inlined: (attn_output, attn_weights)
+            if type(out) is tuple and out and out[0] is not None:
+                return (first_convert(out[0], first_name), *out[1:])
         for position, name, convert in outputs:
             value = get_output(out, position, name)
             if value is not None:

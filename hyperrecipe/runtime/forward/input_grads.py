@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import BoundaryPlan, Transition
-from hyperrecipe.runtime.forward.marshal import map_tensors
+from hyperrecipe.runtime.forward.marshal import grad_roots
 
 __all__ = ["ReducedInput", "checking_input_uses", "note_reduced_input", "reduce_grad_here"]
 
@@ -89,14 +89,7 @@ def _consumers(outputs: Any, inputs: list[ReducedInput]
     made that leads straight to one of them."""
     by_node = {id(i.node): i for i in inputs}
     oldest = min(i.node._sequence_nr() for i in inputs)
-    roots: list[Any] = []
-
-    def collect(t: Tensor) -> Tensor:
-        if t.grad_fn is not None:
-            roots.append(t.grad_fn)
-        return t
-
-    map_tensors(outputs, collect)
+    roots = grad_roots(outputs)
     seen: set[int] = set()
     found: list[tuple[Any, int, ReducedInput]] = []
     stack = [n for n in roots if id(n) not in by_node]

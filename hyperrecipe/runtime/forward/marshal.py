@@ -22,7 +22,7 @@ from hyperrecipe.errors import PlanMismatchError
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["map_tensors", "to_local_tree", "wrap_local_tree"]
+__all__ = ["grad_roots", "map_tensors", "to_local_tree", "wrap_local_tree"]
 
 
 def map_tensors(value: Any, fn: Callable[[Tensor], Any]) -> Any:
@@ -40,6 +40,21 @@ def map_tensors(value: Any, fn: Callable[[Tensor], Any]) -> Any:
             out[k] = map_tensors(v, fn)
         return out
     return value
+
+
+def grad_roots(value: Any) -> list[Any]:
+    """The autograd nodes that made the tensors in ``value`` (walked as :func:`map_tensors`
+    walks it, in that order; a tensor without a ``grad_fn`` adds none): where a walk of the
+    graph a call built starts."""
+    roots: list[Any] = []
+
+    def collect(t: Tensor) -> Tensor:
+        if t.grad_fn is not None:
+            roots.append(t.grad_fn)
+        return t
+
+    map_tensors(value, collect)
+    return roots
 
 
 def to_local_tree(value: Any, meshes: list[DeviceMesh] | None = None) -> Any:

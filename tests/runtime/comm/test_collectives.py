@@ -193,6 +193,40 @@ def _rank_checks(rank: int, ws: int) -> dict[str, Any]:
             runs.append((y.detach(), x.grad, list(log.records)))
         bound_runs.append(runs)
     out["bound"] = bound_runs
+    # the same through Function.apply, as on a torch without the internals the shortcut needs
+    import hyperrecipe.runtime.comm.collectives as collectives_module
+
+    direct, collectives_module._DIRECT = collectives_module._DIRECT, None
+    try:
+        fallback = []
+        for x0, fwd, bwd in pairs:
+            x = x0.clone().requires_grad_(True)
+            with count_collectives() as log:
+                y = bind_transition(fwd, bwd, world, group_size=ws, group_rank=rank)(x)
+                (_randn(tuple(y.shape), 5 + rank) * y).sum().backward()
+            assert x.grad is not None
+            fallback.append((y.detach(), x.grad, list(log.records)))
+    finally:
+        collectives_module._DIRECT = direct
+    out["bound_fallback"] = fallback
+    # under create_graph=True: the same first-order gradient, and a second backward refused
+    twice = []
+    for x0, fwd, bwd in pairs[:-1]:
+        runs = []
+        for fn in (lambda t, f=fwd, b=bwd: pair(t, f, b),
+                   bind_transition(fwd, bwd, world, group_size=ws, group_rank=rank)):
+            x = x0.clone().requires_grad_(True)
+            y = fn(x)
+            (grad,) = torch.autograd.grad((_randn(tuple(y.shape), 5 + rank) * y * y).sum(), x,
+                                          create_graph=True)
+            try:
+                grad.sum().backward()
+                refused = ""
+            except RuntimeError as exc:
+                refused = str(exc)
+            runs.append((grad.detach(), refused))
+        twice.append(runs)
+    out["bound_twice"] = twice
 
     # -- errors -------------------------------------------------------------------------------
     out["errors"] = _errors(rank, ws)
@@ -534,10 +568,23 @@ def test_a_bound_transition_gives_what_transition_gives_value_gradient_and_count
 ) -> None:
     _, results = ranks
     for res in results:
-        for unbound, bound in res["bound"]:
+        for (unbound, bound), fallback in zip(res["bound"], res["bound_fallback"], strict=True):
+            for got in (bound, fallback):
+                _exact(got[0], unbound[0])
+                _exact(got[1], unbound[1])
+                assert got[2] == unbound[2]
+
+
+def test_a_bound_transition_refuses_a_second_backward_as_transition_does(
+    ranks: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = ranks
+    for res in results:
+        for unbound, bound in res["bound_twice"]:
             _exact(bound[0], unbound[0])
-            _exact(bound[1], unbound[1])
-            assert bound[2] == unbound[2]
+            assert "differentiate twice a function that was marked with @once_differentiable" \
+                in unbound[1]
+            assert bound[1] == unbound[1]
 
 
 def test_binding_an_unknown_collective_kind_fails_at_install_not_per_call() -> None:
