@@ -99,6 +99,7 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
     from hyperrecipe.errors import HyperrecipeError
     from hyperrecipe.integrations.hf_tiny import tiny_config
     from hyperrecipe.suggest import SuggestOptions, suggest_recipe
+    from hyperrecipe.suggest.gathered import GATHERED_INSTEAD
     from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
     from hyperrecipe.suggest.translate import LOSS_GROUP
 
@@ -130,11 +131,13 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
             next((n.why for n in s.narrowed if "every addition beyond" in n.why), ""))
     # an entry for a module this config does not build, and the expert-parallel plan on a
     # mesh with no ep dim, give nothing up: they are reported, not counted as narrowing; nor
-    # is a block the plan leaves out, read off the structure and then given up
+    # is a block the plan leaves out, read off the structure and then given up (or computed
+    # whole on the gathered sequence)
     beyond = _blocks_read_off_the_structure(model_type, s.check_config)
     plan_gave_up = [n for n in s.narrowed if "matches no module" not in n.why
                     and "so the experts stay whole" not in n.why
-                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP) and n.what not in beyond]
+                    and n.what not in (SEQUENCE_GROUP, LOSS_GROUP)
+                    and n.what.removesuffix(GATHERED_INSTEAD) not in beyond]
     row["structure_blocks"] = sorted(beyond)
     row.update(
         attempts=len(s.attempts), sharded=s.sharded_fraction.get("tp", 0.0),

@@ -258,7 +258,8 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     if opts.verify:
         outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
                                mesh=mesh, max_attempts=opts.max_attempts,
-                               timeout_s=opts.timeout_s, progress=progress)
+                               timeout_s=opts.timeout_s, progress=progress,
+                               modules=snapshot(small).modules)
         rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
                                           outcome.reason)
         narrowed += outcome.narrowed

@@ -11,7 +11,7 @@ kinds under one name) is one of
 - a **region** (the translation's column-wise/row-wise pair): it gathers the sequence on entry
   and reduce-scatters on exit;
 - a **token-local block**: every parameter in it replicated, except those of regions nested in
-  it (a MoE block's shared experts). It runs on this rank's tokens as a local region (MoE token
+  it (a MoE block's shared experts), and its forward given the hidden states alone. It runs on this rank's tokens as a local region (MoE token
   dispatch is data-dependent); its replicated parameters then see only those tokens, so their
   gradients are all-reduced over tp, exactly as a norm's are (the resolver reduces every
   replicated parameter of a boundary whose input is sharded on a mesh dim). A nested region
@@ -23,7 +23,9 @@ kinds under one name) is one of
   sequence parallelism as a whole;
 
 - a **gathered replicated block**: a block that mixes tokens (it holds a convolution, whose
-  weight has three or more dims: a Mamba mixer, a short convolution, linear attention's), or one
+  weight has three or more dims: a Mamba mixer, a short convolution, linear attention's), one
+  given inputs beside the hidden states (an attention left replicated: its mask and rotary
+  tensors are the whole sequence's, :func:`_other_inputs`), or one
   computed replicated around a projection the plan places outside a region (GLM's fused
   ``gate_up_proj`` whose output is gathered, OLMo-2's q/k/v under a norm over all heads). On
   this rank's tokens the first would be wrong and the second's collectives would mix the ranks'
@@ -44,6 +46,11 @@ ones (mappings key by key) and form one group, so a check that fails on any of t
 sequence parallelism as a whole. A refinement of a rule with the same ``match`` is written into
 that rule (:func:`hyperrecipe.suggest.render.merge_rules`). Pure: reads the module tree and the
 translated rules.
+
+A plan with no region at all (it gathers every column-wise output and splits every row-wise
+input locally: Phi-3's fused projections, OLMoE's q/k/v under a norm over all heads) still gets
+sequence parallelism: the layer list is read off the projections it places, and each block
+holding them is a gathered replicated block.
 """
 
 from __future__ import annotations
@@ -75,6 +82,39 @@ def _is_conv(m: ModuleInfo) -> bool:
     parameters. A MoE block's fused expert tensors are 3-D too, so the shape cannot tell."""
     return bool(m.params) and any(c.startswith("torch.nn.modules.conv.")
                                   for c in (m.cls, *m.torch_bases))
+
+
+def _other_inputs(m: ModuleInfo) -> list[str]:
+    """The inputs of ``m``'s forward beside its first (the hidden states), by name.
+
+    A block the layer hands more than the hidden states (an attention's mask and rotary
+    ``cos``/``sin``, a router's token ids, a position index) receives them for the whole
+    sequence: no layout says which of their rows go with this rank's tokens, and the block may
+    mix tokens through them (attention does). Run on this rank's tokens it would compare a
+    ``seq/tp`` tensor it builds with a ``seq`` one it was given (``size of tensor a (4) must
+    match ... b (8)``), or silently pair the wrong rows. So only a block whose forward takes
+    the hidden states alone is token-local; a block with other inputs is gathered: computed on
+    the whole sequence, where every input it is given is right as it is. ``**kwargs`` does not
+    count (transformers passes the same keywords to every block)."""
+    return [a.name for a in m.signature[1:] if a.kind not in ("var_keyword", "var_positional")]
+
+
+_CONTAINERS = ("torch.nn.modules.container.ModuleList", "torch.nn.modules.container.ModuleDict")
+
+
+def _blocks(tree: _Tree, layer: ModuleInfo) -> list[str]:
+    """The blocks a decoder layer calls: its children, with a ``ModuleList`` or ``ModuleDict``
+    child (LongCat-Flash's two attentions per layer, ``self_attn[0]`` and ``self_attn[1]``)
+    replaced by what it holds. A container has no forward of its own: a boundary on it would
+    name ``nn.Module``'s placeholder argument ``input``, and the layer never calls it."""
+    out: list[str] = []
+    for name in layer.children:
+        child = tree.by_fqn[name]
+        if any(child.is_a(c) for c in _CONTAINERS):
+            out.extend(_blocks(tree, child))
+        else:
+            out.append(name)
+    return out
 
 
 def _first_arg(m: ModuleInfo) -> str | int:
@@ -178,6 +218,8 @@ def _classify(tree: _Tree, child: ModuleInfo, regions: Mapping[str, SuggestedRul
         return "gathered, whole" if whole else "gathered"
     if any(_is_conv(m) for m in inside if not any(_under(m.fqn, r) for r in held)):
         return "gathered"  # a convolution over the sequence mixes tokens: not token-local
+    if _other_inputs(child):
+        return "gathered"  # its other inputs (a mask, positions) span the whole sequence
     nested.update({r: child.fqn for r in held})
     return "token-local"
 
@@ -195,15 +237,12 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     region_rules = [r for r in rules if _is_region(r)]
     heads = [r for r in rules if dict(r.fields).get("style") == "colwise_gather_output"
              and "*" not in r.match]
-    if not region_rules:
-        return [], "no region to build it around"
     if len(heads) != 1:
         return [], "no gathering head to build it around"
     regions = {f: r for r in region_rules for f in tree.matched(r)}
-    layer_lists = {_fold(f).split(".*.", 1)[0] for f in regions if ".*." in _fold(f)}
-    if len(layer_lists) != 1 or any(".*." not in _fold(f) for f in regions):
-        return [], "the regions are not all under one list of decoder layers"
-    layers = layer_lists.pop()
+    layers, why_not = _layer_list(tree, regions, [r for r in rules if r is not heads[0]])
+    if why_not:
+        return [], why_not
     layer_instances = tree.instances.get(f"{layers}.*", [])
     if not layer_instances:
         return [], "the decoder layers are not found"
@@ -212,11 +251,13 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     for layer in layer_instances:
         if layer.params:
             return [], f"{layer.fqn} holds parameters of its own, outside its blocks"
-        for name in layer.children:
+        for name in _blocks(tree, layer):
             kind = _classify(tree, tree.by_fqn[name], regions, nested)
             if kind:
                 kinds[name] = kind
     gathered = [f for f, k in kinds.items() if k.startswith("gathered")]
+    if not regions and not any(kinds[f] != "gathered" or _places(tree, f) for f in gathered):
+        return [], "no region to build it around, nor a block around projections the plan places"
     inner = {f for f in regions if any(_under(f, g) for g in gathered)}
     stray = [f for f in regions if kinds.get(f) != "region" and f not in nested
              and f not in inner]
@@ -259,7 +300,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
         block_fields: dict[str, object] = {"boundary": True, "in_src": {block_arg: seq},
                                            "in_dst": {block_arg: "replicate"},
                                            "out_src": {0: "replicate"}, "out_dst": {0: seq}}
-        why = "mixes tokens (a convolution)"
+        why = _gathered_why(block, tree)
         if kinds[block[0]] != "gathered" or any(
                 tree.placing(m.fqn) for m in tree.subtree(first.fqn) if m.fqn != first.fqn):
             why = "computes replicated around projections the plan places"
@@ -309,6 +350,48 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     out.append(_rule(heads[0].match, {"in_src": {0: seq}, "in_dst": {0: "replicate"}},
                      f"{src}: the head all-gathers the sequence before the logits", len(out)))
     return out, ""
+
+
+def _gathered_why(blocks: Sequence[str], tree: _Tree) -> str:
+    """Why blocks without placed projections are gathered: a convolution, or inputs beside
+    the hidden states (:func:`_other_inputs`); blocks of both kinds under one name say both."""
+    whys: list[str] = []
+    for f in blocks:
+        if any(_is_conv(m) for m in tree.subtree(f)):
+            why = "mixes tokens (a convolution)"
+        else:
+            why = (f"takes {', '.join(_other_inputs(tree.by_fqn[f]))} beside the hidden "
+                   f"states, made for the whole sequence (a mask or positions: on this rank's "
+                   f"tokens their sizes would not match)")
+        if why not in whys:
+            whys.append(why)
+    return " or ".join(whys)
+
+
+def _layer_list(tree: _Tree, regions: Mapping[str, SuggestedRule],
+                rules: Sequence[SuggestedRule]) -> tuple[str, str]:
+    """The list of decoder layers (``model.layers``) the blocks are read from, or ``("", why
+    not)``. From the regions; where the plan makes none (it gathers every projection's output
+    and splits every row-wise input locally: Phi-3's fused ``qkv_proj``, OLMoE's q/k/v under a
+    norm over all heads), from the projections it places inside the layers: each block holding
+    them is then a gathered replicated block."""
+    if regions:
+        lists = {_fold(f).split(".*.", 1)[0] for f in regions if ".*." in _fold(f)}
+        if len(lists) != 1 or any(".*." not in _fold(f) for f in regions):
+            return "", "the regions are not all under one list of decoder layers"
+        return lists.pop(), ""
+    placed = [_fold(f) for r in rules if not _only_reduces(r) for f in tree.matched(r)]
+    lists = {f.split(".*.", 1)[0] for f in placed if ".*." in f}
+    if not lists:
+        return "", "no region to build it around, nor a projection the plan places in a layer"
+    if len(lists) > 1:
+        return "", "the projections the plan places are not all under one list of decoder layers"
+    return lists.pop(), ""
+
+
+def _places(tree: _Tree, block: str) -> bool:
+    """Whether a rule places a module strictly inside ``block``."""
+    return any(tree.placing(m.fqn) for m in tree.subtree(block) if m.fqn != block)
 
 
 def _alternatives(patterns: Sequence[str]) -> str:

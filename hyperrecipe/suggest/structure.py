@@ -215,7 +215,27 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
     last = linears[row]
     out.append(PlanEntry(pattern=f"{_fold(fqn)}.{last.name}", style="rowwise", plan="tp",
                          source=src, transposed=last.transposed))
+    out += [PlanEntry(pattern=f"{_fold(fqn)}.{name}", style="colwise", plan="tp",
+                      source=f"{src} (a parameter per head)")
+            for name in _per_head_params(block, row_in)]
     return out
+
+
+_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+
+
+def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
+    """Direct 1-D parameters of ``block`` with one value per head (GPT-OSS's attention sinks):
+    their length is the block's head count, or the row-wise projection's input width over the
+    block's ``head_dim``. With the heads sharded, each rank holds its heads' values, as
+    transformers' plans say for the families that name them (``sinks: colwise``); left whole,
+    the forward broadcasts all of them against this rank's heads and fails."""
+    counts = {v for k in _COUNTS if type(v := getattr(block, k, None)) is int and v > 1}
+    head_dim = getattr(block, "head_dim", None)
+    if type(head_dim) is int and 1 < head_dim < row_in and row_in % head_dim == 0:
+        counts.add(row_in // head_dim)
+    return [name for name, p in block.named_parameters(recurse=False)
+            if p.dim() == 1 and p.shape[0] in counts and p.shape[0] != row_in]
 
 
 def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:

@@ -161,6 +161,11 @@ class _Builder:
         return (transposed or m.is_a(_LINEAR)) and w is not None and len(w.shape) == 2
 
 
+def _holders(b: _Builder, folded: str, name: str) -> list[str]:
+    """The instances of ``folded`` that hold a direct parameter ``name``."""
+    return [m.fqn for m in b.instances.get(folded, ()) if m.param(name) is not None]
+
+
 def _entry_text(e: PlanEntry) -> str:
     return f"{e.source}: {e.pattern}: {e.style}"
 
@@ -247,12 +252,25 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     sources = [f"region: {match} holds the column-wise {names} and the row-wise {outs} of "
                f"{cols[0][1].source}; replicated in and out, one all-reduce each way"]
     own = b.head_params.pop(parent, {})
+    region_fqns = b.region_instances[parent]
+    some = {p: e for p, e in own.items()
+            if set(_holders(b, parent, p)) >= set(region_fqns)}
     if own:
         b.sharded_heads.add(parent)
-        fields["params"] = {p: _placement(dim, "shard(0)") for p in own}
+    if some:
+        fields["params"] = {p: _placement(dim, "shard(0)") for p in some}
         sources += [_entry_text(e) + " (a parameter per head: sharded with the heads)"
-                    for e in own.values()]
+                    for e in some.values()]
     b.add(match, fields, sources, parent, parent)
+    for p, e in own.items():
+        if p not in some:  # held by some layers only (MiMo's sinks, in its sliding layers)
+            held = [f for f in _holders(b, parent, p) if f in region_fqns]
+            if not held:
+                continue
+            b.add(held[0] if len(held) == 1 else "{" + ",".join(held) + "}",
+                  {"params": {p: _placement(dim, "shard(0)")}},
+                  [_entry_text(e) + " (a parameter per head in the layers that hold it: "
+                                    "sharded with the heads)"], parent, parent)
     plain = [(f, e) for f, e in cols if e.style != "packed_colwise" and not e.transposed]
     if plain:
         b.add(_alternatives(parent, [f for f, _ in plain]),
@@ -450,7 +468,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
         found = b.matches(entry.pattern)
         owner = b.matches(_parent(entry.pattern)) if not found else []
         if not found and entry.style == "colwise" and owner and all(
-                b.modules[o].param(_leaf(entry.pattern)) is not None for o in owner):
+                _holders(b, o, _leaf(entry.pattern)) for o in owner):
             for o in owner:  # a per-head parameter of its own (attention sinks): by head
                 b.head_params.setdefault(o, {})[_leaf(entry.pattern)] = entry
             continue

@@ -23,10 +23,13 @@ from typing import Any
 import attrs
 
 from hyperrecipe.errors import RecipeError
+from hyperrecipe.model_tree import ModuleInfo
 from hyperrecipe.recipe.patterns import compile_pattern
+from hyperrecipe.suggest.gathered import gather_instead
 from hyperrecipe.suggest.render import merge_rules
 from hyperrecipe.suggest.rules import Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP, nested_region
+from hyperrecipe.suggest.unplaced import token_local_unplaced
 
 __all__ = ["Attempt", "Verified", "verify_rules"]
 
@@ -165,18 +168,26 @@ def _give_up(rules: Sequence[SuggestedRule], culprit: SuggestedRule, exact: bool
             continue
         out.append(rule)
     present = {r.group for r in rules}
-    named = sorted(g for g in groups if nested_region(g) is None and g in present) or [
-        culprit.group]
+    named = _outermost(sorted(g for g in groups if nested_region(g) is None and g in present)
+                       or [culprit.group])
     if SEQUENCE_GROUP not in groups and len(groups) > len(named):
         named = [g + FOR_THE_BLOCK for g in named]
     return out, " and ".join(named) + "".join(f" (and {g}, which depends on it)"
                                               for g in sorted(lost - groups))
 
 
+def _outermost(groups: Sequence[str]) -> list[str]:
+    """``groups`` without those that name a part of another (``sequence parallelism: blocks
+    computed replicated ...`` beside ``sequence parallelism``), so that the text says each
+    thing given up once."""
+    return [g for g in groups if not any(g.startswith(h + ":") for h in groups if h != g)]
+
+
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
                  *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
                  max_attempts: int, timeout_s: float,
-                 progress: Callable[[str], None]) -> Verified:
+                 progress: Callable[[str], None],
+                 modules: Sequence[ModuleInfo] = ()) -> Verified:
     """Check ``rules`` and narrow them until ``check`` agrees, at most ``max_attempts`` times.
 
     Args:
@@ -188,6 +199,8 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
         max_attempts: checks at most.
         timeout_s: per check step (``hyperrecipe check --timeout``).
         progress: one line per step.
+        modules: the checked model's modules (parents first): a module no rule places that
+            the check names is then taken into sequence parallelism (:mod:`.unplaced`).
     """
     from hyperrecipe.check.run import CheckOptions, run_check
 
@@ -251,6 +264,16 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                 attempts=tuple(attempts))
             blamed = _blame(report, current)
             culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
+            added = (token_local_unplaced(blamed[0], current, modules)
+                     if blamed is not None and culprit is None else None)
+            if blamed is not None and added is not None and added.match not in {
+                    r.match for r in current}:
+                current = [*current, added]  # see unplaced: taken into sequence parallelism
+                attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
+                                        seconds=seconds))
+                progress(f"check {attempt}: diverged at {blamed[0]}, which no rule places "
+                         f"({seconds:.1f} s); running {added.match} on this rank's tokens")
+                continue
             if blamed is None or culprit is None:
                 deeper = [r for r in current if r.deeper]
                 verdict = "diverged, no module to blame"
@@ -272,6 +295,17 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                       "every addition beyond the source plan given up")
                              for r in deeper]
                 progress(f"check {attempt}: diverged; giving up the additions beyond the plan")
+                continue
+            instead = gather_instead(current, culprit) if culprit.group == SEQUENCE_GROUP else None
+            if instead is not None:  # the region's sharding, not the sequence's: see gathered
+                current, own, what = instead
+                record = Narrowed(what=what, why=blamed[1])
+                narrowed.append(record)
+                held.append((own, record))
+                attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",
+                                        seconds=seconds))
+                progress(f"check {attempt}: diverged at {blamed[0]} ({seconds:.1f} s); "
+                         f"computing {what}")
                 continue
             what = narrow(culprit, exact, blamed[1], blamed[1])
             attempts.append(Attempt(rules=len(current), verdict=f"diverged at {blamed[0]}",

@@ -13,16 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyperrecipe.check.run import CheckOptions, run_check
+import pytest
+
 from hyperrecipe.integrations.hf_plans import read_plans
 from hyperrecipe.integrations.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
-from hyperrecipe.suggest import SuggestOptions, Suggestion, suggest_recipe
 from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP
 from hyperrecipe.suggest.translate import Translation, translate
 from tests.support.runtime_harness import ROOT
+from tests.support.suggest_harness import TP2, suggest_and_recheck
 
-TP2 = {"tp": 2}
 SEQ = {"tp": "shard(1)"}
 TOKENS = {"tp": "shard(-2)"}
 
@@ -37,18 +37,6 @@ def _sequence_rules(t: Translation) -> dict[str, dict[str, Any]]:
     return {r.match: dict(r.fields) for r in t.rules if r.group.startswith(SEQUENCE_GROUP)}
 
 
-def _suggest_and_recheck(family: str, config: str | dict[str, Any], tmp_path: Path) -> Suggestion:
-    s = suggest_recipe(f"hf:{family}", TP2, model_config=config,
-                       options=SuggestOptions(timeout_s=120))
-    assert s.verified, s.summary()
-    assert SEQUENCE_GROUP in {r.group for r in s.rules}, s.summary()
-    path = tmp_path / f"{family}.yaml"
-    path.write_text(s.text)
-    report = run_check(CheckOptions(recipe=str(path), model=f"hf:{family}",
-                                    model_config=s.check_config, mesh=TP2, timeout_s=120))
-    assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
-                          for m in report.modes]
-    return s
 
 
 def test_a_moe_block_with_replicated_experts_runs_on_this_ranks_tokens() -> None:
@@ -64,7 +52,7 @@ def test_a_moe_block_with_replicated_experts_runs_on_this_ranks_tokens() -> None
 
 
 def test_mixtral_with_its_experts_on_this_ranks_tokens_passes_check(tmp_path: Path) -> None:
-    s = _suggest_and_recheck("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"),
+    s = suggest_and_recheck("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"),
                              tmp_path)
     assert "    local_region: true\n    in_src: {hidden_states: {tp: shard(1)}}" in s.text
     assert s.narrowed == () or all("so the experts stay whole" in n.why for n in s.narrowed)
@@ -87,7 +75,7 @@ def test_dense_first_layers_beside_moe_layers_are_taken_layer_by_layer() -> None
 
 def test_glm4_moe_with_dense_and_moe_layers_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
-    _suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
+    suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
 
 
 def test_a_block_computed_replicated_around_a_gathered_projection_is_gathered_whole() -> None:
@@ -134,22 +122,26 @@ def test_giving_up_a_gathered_block_gives_up_sequence_parallelism_as_a_whole() -
     t = _translate("glm", tiny_config("glm"))
     culprit = next(r for r in t.rules if r.group == GATHERED_GROUP)
     kept, what = _give_up(t.rules, culprit, True, "validate mode diverged at model.layers.0.mlp")
-    assert what == f"{SEQUENCE_GROUP} and {GATHERED_GROUP}"
+    # said once: the gathered blocks are a part of sequence parallelism ("sequence parallelism
+    # and sequence parallelism: blocks computed replicated ..." before)
+    assert what == SEQUENCE_GROUP
     assert not any(r.group.startswith(SEQUENCE_GROUP) for r in kept)
     assert {r.match for r in kept if not r.deeper} == {r.match for r in t.rules if not r.deeper}
 
 
 def test_glm_with_its_mlp_gathered_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
-    s = _suggest_and_recheck("glm", tiny_config("glm"), tmp_path)
+    s = suggest_and_recheck("glm", tiny_config("glm"), tmp_path)
     assert GATHERED_GROUP in {r.group for r in s.rules}
     assert "in_grad: {hidden_states: replicate}" in s.text
     assert s.narrowed == ()
 
 
-def test_bamba_with_its_mamba_mixers_gathered_passes_check_with_sequence_parallelism(
-        tmp_path: Path) -> None:
-    s = _suggest_and_recheck("bamba", tiny_config("bamba"), tmp_path)
+@pytest.mark.parametrize("family", ["bamba", "phi3"])
+def test_gathered_blocks_pass_check_with_sequence_parallelism(family: str,
+                                                               tmp_path: Path) -> None:
+    # bamba: its Mamba mixers mix tokens; phi3: its plan gathers every projection
+    s = suggest_and_recheck(family, tiny_config(family), tmp_path)
     assert GATHERED_GROUP in {r.group for r in s.rules}
     assert s.narrowed == ()
 
@@ -219,13 +211,63 @@ def test_a_nested_region_the_block_cannot_gather_for_is_given_up_and_the_block_k
     assert any(r.match == shared for r in kept)  # the region itself stays, replicated in and out
 
 
-def test_ernie_moe_keeps_its_shared_experts_sharded_when_its_block_is_not_token_local(
+def test_ernie_moe_runs_its_block_on_this_ranks_tokens_with_its_shared_experts_replicated(
         tmp_path: Path) -> None:
-    # ERNIE-4.5-MoE's block fails on this rank's tokens even with its shared experts replicated:
-    # sequence parallelism is given up, and the shared experts given up for its sake come back
-    s = suggest_recipe("hf:ernie4_5_moe", TP2, model_config=tiny_config("ernie4_5_moe"),
-                       options=SuggestOptions(timeout_s=120))
-    assert s.verified, s.summary()
-    assert SEQUENCE_GROUP not in {r.group for r in s.rules}
-    assert "model.layers.*.mlp.shared_experts" in {r.match for r in s.rules}
-    assert not [n for n in s.narrowed if n.what.startswith("model.layers.*.mlp.shared_experts")]
+    # ERNIE-4.5-MoE's router bias needs no gradient: validate mode hooked it for its placement
+    # and failed ("cannot register a hook on a tensor that doesn't require gradient"), naming
+    # no module, and sequence parallelism was given up. Its shared experts, called on the
+    # flattened tokens, are still left replicated (see the test above).
+    s = suggest_and_recheck("ernie4_5_moe", tiny_config("ernie4_5_moe"), tmp_path)
+    assert [n.what for n in s.narrowed if "so the experts stay whole" not in n.why] == [
+        "model.layers.*.mlp.shared_experts (so that the token-local block around it runs on "
+        "this rank's tokens)"]
+
+
+def test_a_plan_that_gathers_every_projection_gets_sequence_parallelism_on_gathered_blocks(
+        ) -> None:
+    # Phi-3's plan gathers its fused qkv_proj's and gate_up_proj's outputs and splits o_proj's
+    # and down_proj's inputs locally, OLMoE's its q/k/v (under a norm over all heads): no
+    # region at all, so "no region to build it around". Each block holding the plan's
+    # projections now gathers the sequence, computes whole and slices on exit; OLMoE's MoE
+    # block (experts replicated at tp alone) runs on this rank's tokens
+    gathered_block = {"boundary": True, "in_src": {"hidden_states": SEQ},
+                      "in_dst": {"hidden_states": "replicate"}, "out_src": {0: "replicate"},
+                      "out_dst": {0: SEQ}, "in_grad": {"hidden_states": "replicate"}}
+    for family, blocks in (("phi3", {"model.layers.*.self_attn", "model.layers.*.mlp"}),
+                           ("olmoe", {"model.layers.*.self_attn"})):
+        t = _translate(family, tiny_config(family))
+        assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}, family
+        gathered = {r.match: dict(r.fields) for r in t.rules if r.group == GATHERED_GROUP}
+        assert gathered == dict.fromkeys(blocks, gathered_block), family
+        rules = _sequence_rules(t)
+        assert rules["model.layers.0"]["in_dst"] == {"hidden_states": SEQ}
+        assert rules["lm_head"]["in_src"] == {0: SEQ}
+    assert _sequence_rules(_translate("olmoe", tiny_config("olmoe")))["model.layers.*.mlp"][
+        "local_region"] is True
+
+
+def test_a_model_with_no_projection_in_its_layers_is_still_refused_sequence_parallelism() -> None:
+    # the fallback reads the layer list off the plan's projections; a plan placing none there
+    # (HunYuan's shards only the embedding and the head; the blocks it leaves out are read off
+    # the structure by suggest, not by the translation) is told why, not given gathered blocks
+    # of nothing
+    t = _translate("hunyuan_v1_dense", tiny_config("hunyuan_v1_dense"))
+    why = next(n.why for n in t.narrowed if n.what == SEQUENCE_GROUP)
+    assert why == ("not proposed: no region to build it around, nor a projection the plan "
+                   "places in a layer")
+
+
+def test_blocks_held_in_a_module_list_are_the_layer_s_blocks() -> None:
+    # LongCat-Flash's layer holds two attentions, two MLPs and their norms in ModuleLists
+    # (self_attn[0], self_attn[1]); a boundary on the list itself named nn.Module's placeholder
+    # argument `input` and did not compile, so sequence parallelism was given up. The blocks
+    # are what the lists hold
+    t = _translate("longcat_flash", tiny_config("longcat_flash"))
+    assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
+    rules = _sequence_rules(t)
+    assert rules["model.layers.*.self_attn.*"]["in_src"] == {"hidden_states": SEQ}
+    assert rules["model.layers.*.mlps.*"]["in_src"] == {"x": SEQ}
+    assert rules["model.layers.*.self_attn.*.o_proj"]["out_dst"] == {0: SEQ}
+    assert rules["{model.layers.*.input_layernorm.*,model.layers.*.post_attention_layernorm.*,"
+                 "model.norm}"] == {"style": "sequence_parallel"}
+    assert not any(m.endswith((".self_attn", ".mlps")) for m in rules)
