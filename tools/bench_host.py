@@ -21,16 +21,26 @@ the larger rank's; the summary gives medians and ``production / handwritten``.
 ``git archive REV hyperrecipe`` is unpacked into a temporary folder and the ranks are launched
 ``--launches`` times per tree, alternating baseline and working tree (each launch in its own
 ``python`` with that tree first on ``PYTHONPATH``), so both see the same machine load.
+Each launch also times one Megatron ``f`` and ``g`` pair alone, on a ``[2, 16, 64]`` tensor
+(the block boundary's all-reduces: hyperrecipe's ``bind_transition`` against the hand-written
+autograd Functions), chained ``--transition-chain`` pairs deep, forward and backward, in CPU time
+per transition, the minimum over ``--transition-repeats`` repeats, on one gloo rank (a group of
+one: gloo's own work without a peer to wait for): the host cost per call without the step's
+compute or the peer, which a loaded machine disturbs far less than the step's median.
 ``--profile`` counts, with ``cProfile`` on rank 0, the calls into ``hyperrecipe`` code in one
 production step and their own time. ``--compile`` wraps both models the same way, after apply
 and after the hand-written hooks, in ``torch.compile(model)`` (default backend: inductor), so
 the warm-up steps compile them (the first losses still must agree) and the timed steps run the
-compiled code; the summary then records ``"compile": true``.
+compiled code; the summary then records ``"compile": true``. ``--tensor-guards-only`` (with
+``--compile``) keeps only dynamo's ``TENSOR_MATCH`` guards of both compiled models (torch's
+``guard_filter_fn`` option; unsafe outside a benchmark: a changed Python object would not
+recompile), which isolates what guard evaluation costs each model per step.
 
 Usage::
 
     python tools/bench_host.py [--baseline REV] [--launches 2] [--rounds 30] [--steps 10]
-                               [--warmup 3] [--profile] [--compile] [--json OUT]
+                               [--warmup 3] [--profile] [--compile [--tensor-guards-only]]
+                               [--json OUT] [--transition-repeats 20] [--transition-chain 50]
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG: dict[str, Any] = {
@@ -65,8 +75,13 @@ TARGET = 1.02
 IMPLS = ("production", "handwritten")
 
 
+def _tensor_guards_only(entries: list[Any]) -> list[bool]:
+    return [e.guard_type == "TENSOR_MATCH" for e in entries]
+
+
 def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
-            profile: bool, compiled: bool = False) -> dict[str, Any]:
+            profile: bool, compiled: bool = False,
+            tensor_guards_only: bool = False) -> dict[str, Any]:
     import gc
 
     import torch
@@ -95,7 +110,9 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
         else:
             keep.extend(br.megatron_parallelize(model, rank, world))
         if compiled:
-            model = torch.compile(model)
+            options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+                {"guard_filter_fn": _tensor_guards_only} if tensor_guards_only else None)
+            model = cast(Any, torch.compile(model, options=options))
         for i in range(warmup):
             loss = float(br.step_loss(model, ids))
             if i == 0:
@@ -119,6 +136,44 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
     if profile:
         out["profile"] = _profile_calls(models["production"], ids, br.step_loss)
     return out
+
+
+def _transition_cost(rank: int, world: int, repeats: int, chain: int) -> dict[str, float]:
+    """CPU microseconds per transition of a chain of Megatron ``f``/``g`` pairs, forward and
+    backward: hyperrecipe's bound transitions against the hand-written Functions (a rank
+    worker; run on a world of one)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_runtime as br
+
+    from hyperrecipe.collective import IDENTITY, CollectiveOp
+    from hyperrecipe.runtime.comm.collectives import bind_transition, group_for
+
+    tp = group_for(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), "tp")
+    reduce = CollectiveOp(kind="all_reduce", mesh_dim="tp")
+    ours = (bind_transition(IDENTITY, reduce, tp.group, group_size=tp.size, group_rank=tp.rank),
+            bind_transition(reduce, IDENTITY, tp.group, group_size=tp.size, group_rank=tp.rank))
+    pairs = {"production": ours, "handwritten": (br.copy_to_parallel, br.reduce_from_parallel)}
+    x = torch.randn(BATCH, SEQ, CONFIG["hidden_size"], requires_grad=True)
+    best = {name: float("inf") for name in pairs}
+    for r in range(repeats):
+        for name in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+            f, g = pairs[name]
+            gc.collect()
+            dist.barrier()
+            c0 = time.thread_time()
+            y = x
+            for _ in range(chain):
+                y = g(f(y))
+            y.sum().backward()
+            best[name] = min(best[name], (time.thread_time() - c0) / (2 * chain) * 1e6)
+            x.grad = None
+    return best
 
 
 def _profile_calls(model: Any, ids: Any, step: Any) -> dict[str, Any]:
@@ -149,15 +204,21 @@ def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
     from hyperrecipe.check.launcher import run_ranks
 
     results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.warmup, args.profile,
-                        args.compile, timeout_s=1800)
+                        args.compile, args.tensor_guards_only, timeout_s=1800)
+    (alone,) = run_ranks(_transition_cost, 1, args.transition_repeats, args.transition_chain,
+                         timeout_s=600)
     summary: dict[str, Any] = {"hyperrecipe": str(Path(hyperrecipe.__file__).parent),
-                               "compile": bool(args.compile)}
+                               "compile": bool(args.compile),
+                               "tensor_guards_only": bool(args.tensor_guards_only)}
     for metric in ("cpu", "wall"):
         per_step = {n: [max(vals) for vals in zip(*(r[metric][n] for r in results))]
                     for n in IMPLS}
         med = {n: statistics.median(v) for n, v in per_step.items()}
         summary[metric] = {**{n: round(m, 4) for n, m in med.items()},
                            "ratio": round(med["production"] / med["handwritten"], 4)}
+    per_transition = {n: round(alone[n], 3) for n in IMPLS}
+    summary["transition_us"] = {**per_transition, "ratio": round(
+        per_transition["production"] / per_transition["handwritten"], 4)}
     losses = [r["losses"] for r in results]
     summary["losses_agree"] = all(
         abs(l["production"] - l["handwritten"]) <= 1e-4 * abs(l["handwritten"]) for l in losses)
@@ -199,8 +260,11 @@ def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, __file__, "--one-launch", "--json", out.name,
                "--rounds", str(args.rounds), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--profile"] if args.profile else []) + (
-                   ["--compile"] if args.compile else [])
+               "--warmup", str(args.warmup),
+               "--transition-repeats", str(args.transition_repeats),
+               "--transition-chain", str(args.transition_chain)] + (["--profile"] if args.profile else []) + (
+                   ["--compile"] if args.compile else []) + (
+                   ["--tensor-guards-only"] if args.tensor_guards_only else [])
         env = dict(os.environ)
         paths = [str(tree)] if tree is not None else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)])
@@ -219,9 +283,18 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile both models (the same way) before the warm-up")
+    parser.add_argument("--transition-repeats", type=int, default=20,
+                        help="repeats of the f/g chain timed alone (its minimum is reported)")
+    parser.add_argument("--transition-chain", type=int, default=50,
+                        help="f/g pairs in that chain")
+    parser.add_argument("--tensor-guards-only", action="store_true",
+                        help="with --compile: keep only dynamo's tensor guards (diagnosis: "
+                             "what guard evaluation costs each model)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tensor_guards_only and not args.compile:
+        parser.error("--tensor-guards-only needs --compile")
     if args.one_launch:
         result = _launch_here(args)
         if args.json:
@@ -230,12 +303,17 @@ def main() -> int:
     runs = alternate_launches(args.baseline, args.launches,
                               lambda tree: _launch_tree(tree, args), lambda result: result)
     summary = {which: {m: round(statistics.median(r[m]["ratio"] for r in rs), 4)
-                       for m in ("cpu", "wall")} for which, rs in runs.items()}
+                       for m in ("cpu", "wall", "transition_us")} for which, rs in runs.items()}
+    if "baseline" in runs:  # the same f/g chain, this tree's against the baseline's
+        summary["transition_us_current_over_baseline"] = round(
+            statistics.median(r["transition_us"]["production"] for r in runs["current"])
+            / statistics.median(r["transition_us"]["production"] for r in runs["baseline"]), 4)
     print(f"production / handwritten (median over launches; target <= {TARGET}): "
           f"{json.dumps(summary)}")
     if args.json:
         args.json.write_text(json.dumps({"config": CONFIG, "batch": [BATCH, SEQ],
                                          "compile": bool(args.compile),
+                                         "tensor_guards_only": bool(args.tensor_guards_only),
                                          "baseline": args.baseline, "runs": runs,
                                          "summary": summary}, indent=2))
     return 0

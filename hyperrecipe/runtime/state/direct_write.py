@@ -5,8 +5,8 @@ side, and the writer then copies the bytes once more into its file; issue 29 mea
 the export waiting on that. When every rank sees the writer's temporary files as the same
 files of the same kernel, each rank instead writes its block of every sharded tensor to its
 place in the file (``os.pwrite`` per run: one per part of a dim-0 block, one per row of a
-row-parallel block) and tells the writer it did (a 4-byte message); no tensor byte crosses a
-socket.
+row-parallel block) and tells the writer it did (a 4-byte message, sent without waiting for the
+writer to take it: :class:`Reports`); no tensor byte crosses a socket.
 
 Same kernel, same file, checked three ways before any tensor is written (:func:`offer`,
 :func:`accept`): the ranks' ``/proc/sys/kernel/random/boot_id`` are equal (one running kernel,
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from hyperrecipe.runtime.comm.gather_into import OwnBlocks
 from hyperrecipe.runtime.state.file_digest import Hasher
 
-__all__ = ["Offer", "accept", "hash_range", "host_identity", "map_for_hashing", "offer",
-           "report_written", "wait_written", "write_runs"]
+__all__ = ["Offer", "Reports", "accept", "hash_range", "host_identity", "map_for_hashing", "offer",
+           "wait_written", "write_runs"]
 
 NONCE_BYTES = 16
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; advisory
@@ -126,10 +126,31 @@ def write_runs(fd: int, data_offset: int, blocks: OwnBlocks) -> int:
     return total
 
 
-def report_written(blocks: OwnBlocks, failed: bool) -> None:
-    """Tell the writer this rank's blocks of the tensor are in the file (or could not be)."""
-    if blocks.length:
-        dist.send(torch.tensor([int(failed)], dtype=torch.int32), blocks.writer)
+class Reports:
+    """A peer's reports to the writer, sent without waiting for the writer to take them.
+
+    A blocking ``send`` on gloo returns only once the writer posted the matching receive,
+    which it does after writing its own blocks of the same tensor: the peer then idled
+    through every one of the writer's writes (issue 29 measured 1.8-2.3 s of a 4-6 s export
+    on a loaded machine), in lockstep. Sent this way the peer writes its next blocks at once;
+    :meth:`finish` waits for every report before the ranks' final agreement.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
+
+    def send(self, blocks: OwnBlocks, failed: bool) -> None:
+        """Tell the writer this rank's blocks of the tensor are in the file (or could not be)."""
+        if blocks.length:
+            flag = torch.tensor([int(failed)], dtype=torch.int32)
+            self._pending.append((dist.isend(flag, blocks.writer), flag))
+
+    def finish(self) -> None:
+        """Wait until the writer took every report sent so far."""
+        pending, self._pending = self._pending, []
+        for work, _flag in pending:
+            if work is not None:
+                work.wait()
 
 
 def wait_written(blocks: OwnBlocks) -> list[int]:

@@ -53,11 +53,11 @@ from hyperrecipe.runtime.comm.gather_into import (
 )
 from hyperrecipe.runtime.state.direct_write import (
     NONCE_BYTES,
+    Reports,
     accept,
     hash_range,
     map_for_hashing,
     offer,
-    report_written,
     wait_written,
     write_runs,
 )
@@ -176,7 +176,9 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
 
     The gathers run on a thread of their own, one tensor ahead: while the writer writes and
     hashes tensor ``i``, tensor ``i + 1`` is being gathered, so at most two full tensors are
-    in flight (a written one's memory is handed back to receive a later one). Each file is
+    in flight (a written one's memory is handed back to receive a later one); a tensor of at
+    most :data:`SMALL_BYTES` is copied and left to the hashing thread to hash and write, so
+    the writer never waits behind the hashes queued before it. Each file is
     written under a temporary name in ``folder`` and synced; only
     when every rank got through (the ranks agree after the last gather) are the files renamed
     into place (``os.replace``, atomic per file) and what an earlier export left under the
@@ -264,7 +266,10 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                         hashes.append(hashing.submit(hash_range, hasher, fds[k], mappings[k],
                                                      start, at))
                 else:
-                    if writer and failure is None:
+                    if writer and failure is None and item.nbytes <= SMALL_BYTES:
+                        hashes.append(hashing.submit(_hash_and_write, fds[k], start, hasher,
+                                                     _bytes_of(value, item.dtype)))
+                    elif writer and failure is None:
                         try:
                             _write(fds[k], start, hasher, hashing, value, item.dtype)
                         except OSError as exc:
@@ -273,11 +278,11 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 del value  # before the next wait: two tensors at most, never three
                 state.failure = state.failure or failure
                 if writer and failure is None and at - synced >= SYNC_BYTES:
-                    start_writeback(fds[k], synced, at - synced)
+                    hashes.append(hashing.submit(start_writeback, fds[k], synced, at - synced))
                     synced = at
             if writer and failure is None:
                 try:
-                    for hashed in hashes:  # every hash of the file is done
+                    for hashed in hashes:  # every hash (and small write) of the file is done
                         hashed.result()
                     if (mapping := mappings.pop(k, None)) is not None:
                         mapping.close()
@@ -285,7 +290,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 except OSError as exc:
                     failure = f"writing {temps[k]}: {exc}"
             manifest[name] = (at, hasher.hexdigest())
-        failures = gathers.agree(failure)
+        failures = gathers.agree(failure, state.reports.finish)
         if failures:
             raise ExportError(f"save_pretrained into {out} failed, so nothing was replaced and "
                               f"the folder holds what it held before:\n  " + "\n  ".join(
@@ -388,15 +393,17 @@ def _direct_job(item: ExportItem, fd: int, temp: Path | None, at: int, writer: b
                              f"writing its blocks of {item.name!r} into {temp}: {exc}")
     if writer:
         return _Direct(failed_peers=tuple(wait_written(blocks)), failure=state.failure)
-    report_written(blocks, failed=state.failure is not None)
+    state.reports.send(blocks, failed=state.failure is not None)
     return _Direct(failure=state.failure)
 
 
 @attrs.define
 class _DirectState:
-    """A direct peer's first failure to write: it writes nothing more, and says so."""
+    """A direct peer's first failure to write (it writes nothing more, and says so), and its
+    reports to the writer still in flight."""
 
     failure: str | None = None
+    reports: Reports = attrs.field(factory=Reports)
 
 
 @attrs.frozen(kw_only=True)
@@ -422,6 +429,25 @@ def _write(fd: int, at: int, hasher: Hasher, hashing: ThreadPoolExecutor, value:
     finally:
         hashed.result()
     return view.nbytes
+
+
+SMALL_BYTES = 1 << 20
+"""A gathered tensor at most this size (a norm's weight, a bias) is copied, then hashed and
+written on the hashing thread while the writer goes on: waiting for the hashes queued before
+it (every tensor of the layer above) stalled the writer once per layer."""
+
+
+def _bytes_of(value: Tensor, dtype: torch.dtype) -> bytes:
+    """A copy of ``value``'s bytes as ``dtype`` (for :data:`SMALL_BYTES` tensors)."""
+    data = value.detach().to("cpu", dtype).contiguous()
+    return data.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _hash_and_write(fd: int, at: int, hasher: Hasher, data: bytes) -> None:
+    """Hash ``data`` (after every hash queued before it) and write it at ``at``."""
+    hasher.update(data)
+    if data:
+        _pwrite_all(fd, memoryview(data), at)
 
 
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -543,9 +569,17 @@ class _Gathers:
             "agreeing whether the ranks write their own blocks")
         return result
 
-    def agree(self, failure: str | None) -> list[tuple[int, str]]:
-        """Every rank's failure, the same list on every rank (see :func:`_agree`)."""
-        result: list[tuple[int, str]] = self._wait(self._submit(lambda: _agree(failure)),
+    def agree(self, failure: str | None,
+              first: Callable[[], None] | None = None) -> list[tuple[int, str]]:
+        """Every rank's failure, the same list on every rank (see :func:`_agree`), after
+        ``first`` (on the export's thread, within the same bounded wait)."""
+
+        def agree() -> list[tuple[int, str]]:
+            if first is not None:
+                first()
+            return _agree(failure)
+
+        result: list[tuple[int, str]] = self._wait(self._submit(agree),
                                                    "agreeing that every rank got through")
         return result
 

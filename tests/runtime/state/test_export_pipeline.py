@@ -22,7 +22,12 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import ExportError, WeightLoadError
-from hyperrecipe.runtime.state.export import MANIFEST, ExportItem, write_safetensors
+from hyperrecipe.runtime.state.export import (
+    MANIFEST,
+    SMALL_BYTES,
+    ExportItem,
+    write_safetensors,
+)
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
@@ -41,28 +46,93 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 def test_the_next_gather_starts_only_once_the_tensor_before_the_last_is_written(
         tmp_path: Path) -> None:
     """At most two full tensors in flight: when tensor k is gathered, tensors up to k - 2 are
-    in the file already (the writer may still be on k - 1)."""
+    in the file already (the writer may still be on k - 1). Tensors above ``SMALL_BYTES``: a
+    smaller one is copied and written on the hashing thread, which bounds nothing by count."""
     folder = tmp_path / "export"
     on_disk: list[int] = []
+    numel = SMALL_BYTES // 4 + 1024
 
     def gather(i: int) -> torch.Tensor:
         temps = list(folder.glob(".model.safetensors.tmp-*"))
         on_disk.append(temps[0].stat().st_size if temps else 0)
-        return torch.full((4096,), float(i))
+        return torch.full((numel,), float(i))
 
-    items = [ExportItem(name=f"w{i}", dtype=torch.float32, shape=(4096,),
+    items = [ExportItem(name=f"w{i}", dtype=torch.float32, shape=(numel,),
                         gather=lambda i=i: gather(i))  # type: ignore[misc]
              for i in range(8)]
     write_safetensors(folder, items, writer=True, max_shard_bytes=1 << 40, model=nn.Module())
     raw = (folder / "model.safetensors").read_bytes()
     start = 8 + struct.unpack("<Q", raw[:8])[0]
     for k, size in enumerate(on_disk):
-        assert size >= (start + (k - 1) * 4096 * 4 if k >= 2 else 0), (k, on_disk)
+        assert size >= (start + (k - 1) * numel * 4 if k >= 2 else 0), (k, on_disk)
     from safetensors.torch import load_file
 
     loaded = load_file(str(folder / "model.safetensors"))
     for i in range(8):
-        torch.testing.assert_close(loaded[f"w{i}"], torch.full((4096,), float(i)), atol=0, rtol=0)
+        torch.testing.assert_close(loaded[f"w{i}"], torch.full((numel,), float(i)), atol=0,
+                                   rtol=0)
+
+
+def _small_items() -> list[ExportItem]:
+    """Large and small tensors in turn (the small ones go through the hashing thread)."""
+    sizes = [SMALL_BYTES // 4 + 8, 1000, 3, SMALL_BYTES // 4 + 8, 7, 1000]
+    return [ExportItem(name=f"w{i}", dtype=torch.float32, shape=(n,),
+                       gather=lambda i=i, n=n: torch.arange(n, dtype=torch.float32) + i)
+            for i, n in enumerate(sizes)]  # type: ignore[misc]
+
+
+def _small_write_worker(rank: int, world: int, folder: str, limit: int | None) -> str | None:
+    """One export of :func:`_small_items` under a file size limit (``ulimit -f``) of ``limit``
+    bytes: the first write past it fails (EFBIG; Python ignores SIGXFSZ)."""
+    import resource
+
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        write_safetensors(folder, _small_items(), writer=True, max_shard_bytes=1 << 40,
+                          model=nn.Module())
+    except ExportError as exc:
+        return str(exc)
+    return None
+
+
+def test_small_tensors_written_beside_the_writer_land_in_order_and_verify(
+        tmp_path: Path) -> None:
+    """Small tensors are hashed and written on the hashing thread while large ones are written
+    on the writer's: every byte lands in its place and the manifest's digest is the file's."""
+    from safetensors.torch import load_file
+
+    from hyperrecipe.runtime.state.file_digest import digest_file, parse_manifest
+
+    folder = tmp_path / "export"
+    assert write_safetensors(folder, _small_items(), writer=True, max_shard_bytes=1 << 40,
+                             model=nn.Module())
+    loaded = load_file(str(folder / "model.safetensors"))
+    for item in _small_items():
+        torch.testing.assert_close(loaded[item.name], item.gather(), atol=0, rtol=0)
+    algorithm, files = parse_manifest(json.loads((folder / MANIFEST).read_text()))
+    size, digest = files["model.safetensors"]
+    assert size == (folder / "model.safetensors").stat().st_size
+    assert digest == digest_file(folder / "model.safetensors", algorithm)
+
+
+def test_a_small_tensor_that_cannot_be_written_fails_the_export_and_keeps_the_old_one(
+        tmp_path: Path) -> None:
+    """A write on the hashing thread that fails (a file size limit just past the first large
+    tensor) fails the export like any other write: ``ExportError``, nothing replaced."""
+    folder = tmp_path / "export"
+    assert run_ranks(_small_write_worker, 1, str(folder), None)[0] is None
+    before = _snapshot(folder)
+    header = 8 + struct.unpack("<Q", (folder / "model.safetensors").read_bytes()[:8])[0]
+    limit = header + (SMALL_BYTES + 32) + 100  # inside w1, the first small tensor
+    message = run_ranks(_small_write_worker, 1, str(folder), limit)[0]
+    assert message is not None, "an export past the file size limit succeeded"
+    assert message.startswith(f"save_pretrained into {folder} failed, so nothing was replaced "
+                              f"and the folder holds what it held before:\n  rank 0: writing "
+                              f"{folder}/.model.safetensors.tmp-"), message
+    assert "File too large" in message, message
+    assert _snapshot(folder) == before
+    assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
 
 
 def test_the_manifest_names_its_digest_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
