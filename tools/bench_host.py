@@ -34,7 +34,10 @@ the warm-up steps compile them (the first losses still must agree) and the timed
 compiled code; the summary then records ``"compile": true``. ``--tensor-guards-only`` (with
 ``--compile``) keeps only dynamo's ``TENSOR_MATCH`` guards of both compiled models (torch's
 ``guard_filter_fn`` option; unsafe outside a benchmark: a changed Python object would not
-recompile), which isolates what guard evaluation costs each model per step.
+recompile), which isolates what guard evaluation costs each model per step. With
+``--compile`` each launch also reports, per model, rank 0's guard counts (``guards``: the
+guard tree's lines, its leaf guards, and how many of those are ``LAMBDA_GUARD`` s, evaluated
+in Python): figures the machine's load does not move.
 
 Usage::
 
@@ -79,6 +82,26 @@ def _tensor_guards_only(entries: list[Any]) -> list[bool]:
     return [e.guard_type == "TENSOR_MATCH" for e in entries]
 
 
+def _guard_counts(model: Any) -> dict[str, int] | None:
+    """What dynamo re-checks before each call of a compiled model, read off the guard tree of
+    its first compiled frame (the model's own ``forward``): tree lines, leaf guards and, of
+    those, ``LAMBDA_GUARD`` s (evaluated in Python, not C++).
+    Deterministic, unlike the time they take; ``None`` where this torch keeps them elsewhere."""
+    import re
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    orig = getattr(model, "_orig_mod", model)
+    try:
+        entries = _debug_get_cache_entry_list(type(orig).forward.__code__)
+        tree = str(entries[0].guard_manager)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    leaves = re.findall(r"\+- (?!\w*GuardManager)([A-Z_]+):", tree)
+    return {"tree_lines": len(tree.splitlines()), "guards": len(leaves),
+            "lambda_guards": leaves.count("LAMBDA_GUARD")}
+
+
 def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
             profile: bool, compiled: bool = False,
             tensor_guards_only: bool = False) -> dict[str, Any]:
@@ -103,6 +126,7 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
     models: dict[str, Any] = {}
     keep: list[Any] = []
     losses: dict[str, float] = {}
+    guards: dict[str, dict[str, int] | None] = {}
     for name in IMPLS:
         model = br.build_llama(CONFIG)
         if name == "production":
@@ -119,6 +143,8 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
                 losses[name] = loss
             model.zero_grad(set_to_none=True)
         models[name] = model
+        if compiled:
+            guards[name] = _guard_counts(model)
     cpu: dict[str, list[float]] = {n: [] for n in IMPLS}
     wall: dict[str, list[float]] = {n: [] for n in IMPLS}
     for r in range(rounds):
@@ -132,7 +158,7 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
                 br.step_loss(model, ids)
                 cpu[name].append((time.thread_time() - c0) * 1e3)
                 wall[name].append((time.perf_counter() - t0) * 1e3)
-    out: dict[str, Any] = {"cpu": cpu, "wall": wall, "losses": losses}
+    out: dict[str, Any] = {"cpu": cpu, "wall": wall, "losses": losses, "guards": guards}
     if profile:
         out["profile"] = _profile_calls(models["production"], ids, br.step_loss)
     return out
@@ -222,6 +248,8 @@ def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
     losses = [r["losses"] for r in results]
     summary["losses_agree"] = all(
         abs(l["production"] - l["handwritten"]) <= 1e-4 * abs(l["handwritten"]) for l in losses)
+    if args.compile:
+        summary["guards"] = results[0]["guards"]
     if args.profile:
         summary["profile"] = results[0]["profile"]
     return summary

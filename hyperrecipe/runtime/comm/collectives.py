@@ -50,9 +50,7 @@ measured capabilities.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -68,6 +66,7 @@ from hyperrecipe.errors import (
     PlanMismatchError,
     did_you_mean,
 )
+from hyperrecipe.runtime.comm.shared_table import SharedTable
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -355,12 +354,9 @@ def bind_transition(
     if forward.kind == "identity" and backward.kind == "identity":
         return unchanged_tensor
     key = (forward, backward, group, group_size, group_rank)
-    index = _PAIR_INDEX.get(key)
-    if index is None:
-        index = _PAIR_INDEX[key] = next(_NEXT_INDEX)
-        _PAIRS[index] = _BoundPair(_bind_op(forward, group, group_size, group_rank, "forward"),
-                                   _bind_op(backward, group, group_size, group_rank, "backward"))
-    _PAIR_USERS[index] = _PAIR_USERS.get(index, 0) + 1
+    index = _PAIR_TABLE.acquire(key, lambda: _BoundPair(
+        _bind_op(forward, group, group_size, group_rank, "forward"),
+        _bind_op(backward, group, group_size, group_rank, "backward")))
     pair = _PAIRS[index]
     apply = _BoundTransition.apply
 
@@ -374,36 +370,25 @@ def bind_transition(
             out = _DIRECT.apply(_DIRECT.unwrap_if_dead(x), pair)
         return out
 
-    weakref.finalize(run, _release_pair, key, index)
+    _PAIR_TABLE.release_with(run, key, index)
     return run
+
+
+class _BoundPair(NamedTuple):
+    forward: OpFn
+    backward: OpFn
 
 
 # Every pair :func:`bind_transition` bound, once per (ops, group): boundaries with the same
 # transition share one. Under ``torch.compile`` a transition reads its pair from here by index,
-# so dynamo guards one int per call site and each shared pair's closures once per graph (guards
-# on globals are deduplicated), instead of the whole closure chain under every boundary: that
-# chain was most of the compiled step's guard evaluation (docs/benchmarks.md). The table holds
-# each bound pair (and so its group) for as long as a transition bound to it lives: once the
-# last one is gone (an installation restored or dropped) the entry goes, so the table never
-# keeps a process group alive past its installations (a group that outlives
+# so dynamo guards one int per call site and each shared pair's closures once per graph
+# (:mod:`~hyperrecipe.runtime.comm.shared_table` says why). An entry goes with the last
+# transition bound to it (an installation restored or dropped), so the table never keeps a
+# process group alive past its installations (a group that outlives
 # ``destroy_process_group`` keeps gloo's workers into interpreter teardown: training.md).
 _PairKey = tuple[CollectiveOp, CollectiveOp, "ProcessGroup", int, int]
-_PAIRS: dict[int, _BoundPair] = {}
-_PAIR_INDEX: dict[_PairKey, int] = {}
-_PAIR_USERS: dict[int, int] = {}
-_NEXT_INDEX = itertools.count()
-
-
-def _release_pair(key: _PairKey, index: int) -> None:
-    """One transition bound to ``index`` is gone (``weakref.finalize``); the last one takes
-    the entry with it."""
-    users = _PAIR_USERS.get(index, 0) - 1
-    if users > 0:
-        _PAIR_USERS[index] = users
-        return
-    _PAIR_USERS.pop(index, None)
-    _PAIRS.pop(index, None)
-    _PAIR_INDEX.pop(key, None)
+_PAIR_TABLE: SharedTable[_PairKey, _BoundPair] = SharedTable()
+_PAIRS = _PAIR_TABLE.entries
 
 
 def _compiled_transition(x: Tensor, index: int) -> Tensor:
@@ -413,11 +398,6 @@ def _compiled_transition(x: Tensor, index: int) -> Tensor:
 
 def unchanged_tensor(x: Tensor) -> Tensor:
     return x
-
-
-class _BoundPair(NamedTuple):
-    forward: OpFn
-    backward: OpFn
 
 
 def _backward_once(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
+from hyperrecipe.runtime.comm.shared_table import SharedTable
 from hyperrecipe.runtime.forward.arguments import get_output, set_output
 from hyperrecipe.runtime.forward.layouts import Converter, Redistributor, unchanged
 from hyperrecipe.runtime.forward.marshal import map_tensors
@@ -42,6 +43,13 @@ def _gradient_free(convert: Converter, fqn: str) -> Converter:
 
 InputSlot = tuple[int | None, str, Converter]
 """``(position, name, converter)`` of a declared input a call converts."""
+
+# The slots of the boundaries that convert only their inputs, and the (converter, name) of those
+# that convert only their first output, by index (:func:`make_boundary_forward`).
+_INPUT_SLOT_TABLE: SharedTable[tuple[InputSlot, ...], tuple[InputSlot, ...]] = SharedTable()
+_INPUT_SLOTS = _INPUT_SLOT_TABLE.entries
+_FIRST_OUTPUT_TABLE: SharedTable[tuple[Converter, str], tuple[Converter, str]] = SharedTable()
+_FIRST_OUTPUTS = _FIRST_OUTPUT_TABLE.entries
 
 
 def _input_slots(layouts: Sequence[ArgLayout], redist: Redistributor, boundary: BoundaryPlan
@@ -127,26 +135,38 @@ def make_boundary_forward(
     first_convert = outputs[0][2] if outputs else unchanged
 
     # Two shapes most boundaries have (a block takes its input, a row-parallel linear hands its
-    # output back), as bodies that read nothing else: under torch.compile dynamo guards every
-    # closure cell a body reads, on every call (docs/benchmarks.md, the compiled gap).
+    # output back), as bodies that read one cell of their own besides ``compute``: their slots
+    # come from a module-level table by index, shared by every boundary with the same ones
+    # (eight layers' MLPs: one entry), because under torch.compile dynamo guards what a body
+    # reads on every call, once per boundary through a closure, once per graph through a
+    # global (comm/shared_table.py; docs/benchmarks.md, the compiled gap).
     if undeclared is None and finish is None:
         if first_only and not inputs:
+            out_key = (first_convert, first_name)
+            out_index = _FIRST_OUTPUT_TABLE.acquire(out_key, lambda: out_key)
+
             def output_only(*args: Any, **kwargs: Any) -> Any:
                 out = compute(*args, **kwargs)
+                convert, name = _FIRST_OUTPUTS[out_index]
                 if isinstance(out, Tensor):
-                    return first_convert(out, first_name)
+                    return convert(out, name)
                 if type(out) is tuple and out and out[0] is not None:
-                    return (first_convert(out[0], first_name), *out[1:])
-                value = get_output(out, 0, first_name)
+                    return (convert(out[0], name), *out[1:])
+                value = get_output(out, 0, name)
                 if value is not None:
-                    out = set_output(out, 0, first_name, first_convert(value, first_name))
+                    out = set_output(out, 0, name, convert(value, name))
                 return out
 
+            _FIRST_OUTPUT_TABLE.release_with(output_only, out_key, out_index)
             return output_only
         if inputs and not outputs:
-            def inputs_only(*args: Any, **kwargs: Any) -> Any:
-                return compute(*_convert_declared(inputs, args, kwargs), **kwargs)
+            in_index = _INPUT_SLOT_TABLE.acquire(inputs, lambda: inputs)
 
+            def inputs_only(*args: Any, **kwargs: Any) -> Any:
+                return compute(*_convert_declared(_INPUT_SLOTS[in_index], args, kwargs),
+                               **kwargs)
+
+            _INPUT_SLOT_TABLE.release_with(inputs_only, inputs, in_index)
             return inputs_only
 
     def forward(*args: Any, **kwargs: Any) -> Any:

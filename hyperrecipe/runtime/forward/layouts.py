@@ -34,6 +34,7 @@ The body (:mod:`hyperrecipe.runtime.forward.boundary`) never asks which mode it 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,11 +97,29 @@ class ProductionRedistributor:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
+        # One converter per distinct chain of transitions, shared by the boundaries that have
+        # it (every layer's attention input), while one of them lives: shared slots are one
+        # entry of the boundary body's table, guarded once under torch.compile (boundary.py).
+        self._shared: weakref.WeakValueDictionary[tuple[Any, ...], Converter] = (
+            weakref.WeakValueDictionary())
 
     def _chain(self, steps: Sequence[Transition], bias: Tensor | None = None) -> Converter:
         """The transitions of one declared tensor, bound now (op kinds, groups, sizes), so a
         call runs them and nothing else; none and no bias is :func:`unchanged`, which the
         boundary body leaves out of its call path altogether."""
+        if bias is not None:
+            return self._bind_chain(steps, bias)
+        groups = [group_for(self.mesh, t.mesh_dim) for t in steps]
+        key = tuple((t.forward, t.backward, g.group, g.size, g.rank)
+                    for t, g in zip(steps, groups))
+        convert = self._shared.get(key)
+        if convert is None:
+            convert = self._bind_chain(steps, None)
+            if convert is not unchanged:
+                self._shared[key] = convert
+        return convert
+
+    def _bind_chain(self, steps: Sequence[Transition], bias: Tensor | None) -> Converter:
         bound = []
         for t in steps:
             g = group_for(self.mesh, t.mesh_dim)

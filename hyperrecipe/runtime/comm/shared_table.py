@@ -1,0 +1,74 @@
+"""Install-time objects that many boundaries share, kept once in a module-level table and read
+by index.
+
+Why a table: under ``torch.compile`` dynamo guards every object a traced function reads, on
+every call of the compiled step, under the source it read it through. An object reached
+through a boundary forward's closure is guarded once per boundary (``layers[3].mlp.forward.
+__closure__[1]...``), even when all eight layers hold the very same object; one read through a
+module-level table is guarded once per graph (guards on the same global source are
+deduplicated). So what boundaries share (the bound collective pairs, a boundary's declared-slot
+converters) lives here, and each boundary keeps only the int that indexes it: dynamo guards one
+int per boundary. Eager calls pay one dict lookup.
+
+An entry lives exactly as long as some owner uses it (an installed forward, a bound
+transition): each owner is counted, and ``weakref.finalize`` on it takes its count back when it
+is collected, so the table never keeps a process group (or a model's converters) past the
+installations that made them, and restoring or dropping an installation empties it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["SharedTable"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class SharedTable(Generic[K, V]):
+    """Values interned by key, each under a stable int index.
+
+    ``entries`` is the dict a hot path reads (``table.entries[index]``; keep a module-level name
+    for it, so dynamo sees one global source): it is never replaced, only added to and removed
+    from.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[int, V] = {}
+        self._index: dict[K, int] = {}
+        self._users: dict[int, int] = {}
+        self._next = itertools.count()
+
+    def acquire(self, key: K, make: Callable[[], V]) -> int:
+        """The index of ``key``'s entry, made by ``make`` the first time, with one more user:
+        tie that user to its owner with :meth:`release_with` (the owner usually closes over
+        the index, so it is made after this call)."""
+        index = self._index.get(key)
+        if index is None:
+            value = make()  # first: a failing make leaves nothing behind
+            index = self._index[key] = next(self._next)
+            self.entries[index] = value
+        self._users[index] = self._users.get(index, 0) + 1
+        return index
+
+    def release_with(self, owner: object, key: K, index: int) -> None:
+        """Give back one user of ``index`` once ``owner`` is collected. ``owner`` must be
+        weak-referenceable (a function is) and not reachable from the entry, or the entry
+        would keep itself alive."""
+        weakref.finalize(owner, self._release, key, index)
+
+    def _release(self, key: K, index: int) -> None:
+        users = self._users.get(index, 0) - 1
+        if users > 0:
+            self._users[index] = users
+            return
+        self._users.pop(index, None)
+        self.entries.pop(index, None)
+        self._index.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self.entries)
