@@ -85,7 +85,9 @@ def _tensor_guards_only(entries: list[Any]) -> list[bool]:
 def _guard_counts(model: Any) -> dict[str, int] | None:
     """What dynamo re-checks before each call of a compiled model, read off the guard tree of
     its first compiled frame (the model's own ``forward``): tree lines, leaf guards and, of
-    those, ``LAMBDA_GUARD`` s (evaluated in Python, not C++).
+    those, ``LAMBDA_GUARD`` s (evaluated in Python, not C++). Both models share that frame's
+    code, so each has a cache entry on it: call this right after the model's own warm-up
+    steps, when dynamo (which moves the entry a call hits to the front) lists its entry first.
     Deterministic, unlike the time they take; ``None`` where this torch keeps them elsewhere."""
     import re
 
