@@ -37,12 +37,16 @@ compiled code; the summary then records ``"compile": true``. ``--tensor-guards-o
 recompile), which isolates what guard evaluation costs each model per step. With
 ``--compile`` each launch also reports, per model, rank 0's guard counts (``guards``: the
 guard tree's lines, its leaf guards, and how many of those are ``LAMBDA_GUARD`` s, evaluated
-in Python): figures the machine's load does not move.
+in Python): figures the machine's load does not move. ``--handwritten-first`` builds and
+compiles the hand-written model first (by default production is first; in ``torch.profiler``
+runs the graphs of the model built first ran 7-18 % slower, whichever it was:
+docs/benchmarks.md), and each launch records ``built_first``.
 
 Usage::
 
     python tools/bench_host.py [--baseline REV] [--launches 2] [--rounds 30] [--steps 10]
-                               [--warmup 3] [--profile] [--compile [--tensor-guards-only]]
+                               [--warmup 3] [--profile]
+                               [--compile [--tensor-guards-only] [--handwritten-first]]
                                [--json OUT] [--transition-repeats 20] [--transition-chain 50]
 """
 
@@ -106,7 +110,7 @@ def _guard_counts(model: Any) -> dict[str, int] | None:
 
 def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
             profile: bool, compiled: bool = False,
-            tensor_guards_only: bool = False) -> dict[str, Any]:
+            tensor_guards_only: bool = False, handwritten_first: bool = False) -> dict[str, Any]:
     import gc
 
     import torch
@@ -129,7 +133,7 @@ def _worker(rank: int, world: int, rounds: int, steps: int, warmup: int,
     keep: list[Any] = []
     losses: dict[str, float] = {}
     guards: dict[str, dict[str, int] | None] = {}
-    for name in IMPLS:
+    for name in (IMPLS[::-1] if handwritten_first else IMPLS):
         model = br.build_llama(CONFIG)
         if name == "production":
             keep.append(apply(model, plan, mesh))
@@ -232,12 +236,14 @@ def _launch_here(args: argparse.Namespace) -> dict[str, Any]:
     from hyperrecipe.check.launcher import run_ranks
 
     results = run_ranks(_worker, WORLD, args.rounds, args.steps, args.warmup, args.profile,
-                        args.compile, args.tensor_guards_only, timeout_s=1800)
+                        args.compile, args.tensor_guards_only, args.handwritten_first,
+                        timeout_s=1800)
     (alone,) = run_ranks(_transition_cost, 1, args.transition_repeats, args.transition_chain,
                          timeout_s=600)
     summary: dict[str, Any] = {"hyperrecipe": str(Path(hyperrecipe.__file__).parent),
                                "compile": bool(args.compile),
-                               "tensor_guards_only": bool(args.tensor_guards_only)}
+                               "tensor_guards_only": bool(args.tensor_guards_only),
+                               "built_first": IMPLS[1] if args.handwritten_first else IMPLS[0]}
     for metric in ("cpu", "wall"):
         per_step = {n: [max(vals) for vals in zip(*(r[metric][n] for r in results))]
                     for n in IMPLS}
@@ -294,7 +300,8 @@ def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
                "--transition-repeats", str(args.transition_repeats),
                "--transition-chain", str(args.transition_chain)] + (["--profile"] if args.profile else []) + (
                    ["--compile"] if args.compile else []) + (
-                   ["--tensor-guards-only"] if args.tensor_guards_only else [])
+                   ["--tensor-guards-only"] if args.tensor_guards_only else []) + (
+                   ["--handwritten-first"] if args.handwritten_first else [])
         env = dict(os.environ)
         paths = [str(tree)] if tree is not None else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)])
@@ -320,6 +327,8 @@ def main() -> int:
     parser.add_argument("--tensor-guards-only", action="store_true",
                         help="with --compile: keep only dynamo's tensor guards (diagnosis: "
                              "what guard evaluation costs each model)")
+    parser.add_argument("--handwritten-first", action="store_true",
+                        help="build (and compile) the hand-written model first")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
