@@ -19,6 +19,7 @@ installations that made them, and restoring or dropping an installation empties 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -42,18 +43,22 @@ class SharedTable(Generic[K, V]):
         self._index: dict[K, int] = {}
         self._users: dict[int, int] = {}
         self._next = itertools.count()
+        # A finalizer runs wherever the collector frees its owner: in another thread, or in
+        # this one in the middle of ``acquire`` (reentrant, so that does not deadlock).
+        self._lock = threading.RLock()
 
     def acquire(self, key: K, make: Callable[[], V]) -> int:
         """The index of ``key``'s entry, made by ``make`` the first time, with one more user:
         tie that user to its owner with :meth:`release_with` (the owner usually closes over
         the index, so it is made after this call)."""
-        index = self._index.get(key)
-        if index is None:
-            value = make()  # first: a failing make leaves nothing behind
-            index = self._index[key] = next(self._next)
-            self.entries[index] = value
-        self._users[index] = self._users.get(index, 0) + 1
-        return index
+        with self._lock:
+            index = self._index.get(key)
+            if index is None:
+                value = make()  # first: a failing make leaves nothing behind
+                index = self._index[key] = next(self._next)
+                self.entries[index] = value
+            self._users[index] = self._users.get(index, 0) + 1
+            return index
 
     def release_with(self, owner: object, key: K, index: int) -> None:
         """Give back one user of ``index`` once ``owner`` is collected. ``owner`` must be
@@ -62,13 +67,14 @@ class SharedTable(Generic[K, V]):
         weakref.finalize(owner, self._release, key, index)
 
     def _release(self, key: K, index: int) -> None:
-        users = self._users.get(index, 0) - 1
-        if users > 0:
-            self._users[index] = users
-            return
-        self._users.pop(index, None)
-        self.entries.pop(index, None)
-        self._index.pop(key, None)
+        with self._lock:
+            users = self._users.get(index, 0) - 1
+            if users > 0:
+                self._users[index] = users
+                return
+            self._users.pop(index, None)
+            self.entries.pop(index, None)
+            self._index.pop(key, None)
 
     def __len__(self) -> int:
         return len(self.entries)
