@@ -43,7 +43,12 @@ from torch import Tensor, is_grad_enabled
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
 from hyperrecipe.placement import NamedPlacement, Partial, Replicate, Shard, to_torch_placements
 from hyperrecipe.plan import ArgLayout, BoundaryPlan, Transition
-from hyperrecipe.runtime.comm.collectives import bind_transition, group_for, unchanged_tensor
+from hyperrecipe.runtime.comm.collectives import (
+    MeshDimGroup,
+    bind_transition,
+    group_for,
+    unchanged_tensor,
+)
 from hyperrecipe.runtime.forward.backward_scope import naming_backward_ops
 from hyperrecipe.runtime.forward.grad_layouts import arriving_grad_check
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
@@ -107,22 +112,23 @@ class ProductionRedistributor:
         """The transitions of one declared tensor, bound now (op kinds, groups, sizes), so a
         call runs them and nothing else; none and no bias is :func:`unchanged`, which the
         boundary body leaves out of its call path altogether."""
-        if bias is not None:
-            return self._bind_chain(steps, bias)
         groups = [group_for(self.mesh, t.mesh_dim) for t in steps]
+        if bias is not None:
+            return self._bind_chain(steps, groups, bias)
         key = tuple((t.forward, t.backward, g.group, g.size, g.rank)
                     for t, g in zip(steps, groups))
         convert = self._shared.get(key)
         if convert is None:
-            convert = self._bind_chain(steps, None)
+            convert = self._bind_chain(steps, groups, None)
             if convert is not unchanged:
                 self._shared[key] = convert
         return convert
 
-    def _bind_chain(self, steps: Sequence[Transition], bias: Tensor | None) -> Converter:
+    @staticmethod
+    def _bind_chain(steps: Sequence[Transition], groups: Sequence[MeshDimGroup],
+                    bias: Tensor | None) -> Converter:
         bound = []
-        for t in steps:
-            g = group_for(self.mesh, t.mesh_dim)
+        for t, g in zip(steps, groups):
             fn = bind_transition(t.forward, t.backward, g.group, group_size=g.size,
                                  group_rank=g.rank)
             if fn is not unchanged_tensor:
