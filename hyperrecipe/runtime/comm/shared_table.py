@@ -43,21 +43,31 @@ class SharedTable(Generic[K, V]):
         self._index: dict[K, int] = {}
         self._users: dict[int, int] = {}
         self._next = itertools.count()
-        # A finalizer runs wherever the collector frees its owner: in another thread, or in
-        # this one in the middle of ``acquire`` (reentrant, so that does not deadlock).
+        # A finalizer runs wherever the collector frees its owner: in another thread (it waits
+        # for the lock) or in this one in the middle of ``acquire`` (the lock is reentrant, so
+        # it gets in): a release arriving there is deferred to the end of the acquire, or it
+        # could drop the very entry whose index the acquire has found and is about to count.
         self._lock = threading.RLock()
+        self._acquiring = 0
+        self._deferred: list[tuple[K, int]] = []
 
     def acquire(self, key: K, make: Callable[[], V]) -> int:
         """The index of ``key``'s entry, made by ``make`` the first time, with one more user:
         tie that user to its owner with :meth:`release_with` (the owner usually closes over
         the index, so it is made after this call)."""
         with self._lock:
-            index = self._index.get(key)
-            if index is None:
-                value = make()  # first: a failing make leaves nothing behind
-                index = self._index[key] = next(self._next)
-                self.entries[index] = value
-            self._users[index] = self._users.get(index, 0) + 1
+            self._acquiring += 1
+            try:
+                index = self._index.get(key)
+                if index is None:
+                    value = make()  # first: a failing make leaves nothing behind
+                    index = self._index[key] = next(self._next)
+                    self.entries[index] = value
+                self._users[index] = self._users.get(index, 0) + 1
+            finally:
+                self._acquiring -= 1
+                while not self._acquiring and self._deferred:
+                    self._release(*self._deferred.pop())
             return index
 
     def release_with(self, owner: object, key: K, index: int) -> None:
@@ -68,13 +78,17 @@ class SharedTable(Generic[K, V]):
 
     def _release(self, key: K, index: int) -> None:
         with self._lock:
+            if self._acquiring:  # a finalizer run by the collector inside acquire
+                self._deferred.append((key, index))
+                return
             users = self._users.get(index, 0) - 1
             if users > 0:
                 self._users[index] = users
                 return
             self._users.pop(index, None)
             self.entries.pop(index, None)
-            self._index.pop(key, None)
+            if self._index.get(key) == index:
+                del self._index[key]
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -57,3 +57,47 @@ def test_a_failing_make_leaves_nothing_behind() -> None:
         table.acquire("k", make)
     assert len(table) == 0
     assert table.entries[table.acquire("k", lambda: 3)] == 3
+
+
+class _CollectingKey:
+    """A key whose comparison, once armed, runs the cyclic collector, as an allocation inside
+    ``acquire``'s lookup can: the collector then runs a finalizer in the middle of that acquire.
+    (A dict compares the key it holds with the one looked up, so the held key is armed.)"""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.collect = name, False
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        if self.collect:
+            self.collect = False
+            gc.collect()
+        return isinstance(other, _CollectingKey) and other.name == self.name
+
+
+def test_a_release_the_collector_runs_inside_acquire_waits_for_it() -> None:
+    table: SharedTable[_CollectingKey, str] = SharedTable()
+    owner = _owner()
+    owner.cycle = owner  # type: ignore[attr-defined]  # freed only by the cyclic collector
+    held = _CollectingKey("mlp")
+    first = table.acquire(held, lambda: "converter")
+    table.release_with(owner, held, first)
+    del owner
+    gc.disable()  # the collector runs where the key compares, not before
+    try:
+        held.collect = True
+        again = table.acquire(_CollectingKey("mlp"), lambda: "made again")
+    finally:
+        gc.enable()
+    assert not held.collect, "the lookup never compared the held key"
+    
+    # the old owner's release waited for the acquire: the index it returned has its entry
+    assert table.entries[again] == "converter" and again == first and len(table) == 1
+    later = _owner()
+    table.release_with(later, _CollectingKey("mlp"), again)
+    del later
+    gc.collect()
+    assert len(table) == 0
+    assert table.entries[table.acquire(_CollectingKey("mlp"), lambda: "new")] == "new"
