@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.placement import parse_dtensor
@@ -86,7 +87,10 @@ def _keep_placement(param: nn.Parameter, placements: Any,
     first (:func:`_refuse_partial_left_by_production`)."""
     from torch.distributed.tensor import DTensor
 
-    if not param.requires_grad:  # a buffer-like parameter (a MoE router's bias): no gradient
+    if not param.requires_grad:
+        # no gradient now (a MoE router's bias kept as a parameter, a layer frozen for gradual
+        # unfreezing), and no hook can go on it: rearm_after_moves hooks it once unfrozen
+        _FROZEN[param] = (placements, refuse)
         return
 
     def keep_placement(grad: Tensor, placements: Any = placements) -> Tensor:
@@ -149,6 +153,9 @@ def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
 
 
 _KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
+# Placement hooks owed to parameters frozen at install, by the parameter's Python object (which
+# a module move keeps; its ``__dict__`` does not survive the move).
+_FROZEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def rearm_after_moves(model: nn.Module) -> RemovableHandle:
@@ -162,13 +169,25 @@ def rearm_after_moves(model: nn.Module) -> RemovableHandle:
     on every rank) and a replicated parameter's partial. The check per forward is one dict
     lookup per DTensor parameter, in validate mode only; a parameter swapped in by the user
     (``module.weight = nn.Parameter(...)``) is not the plan's and is not touched.
+
+    A parameter frozen when the plan was applied cannot be hooked then; unfrozen later (gradual
+    unfreezing), it gets its hook before the first forward that needs it, so its gradient keeps
+    the placement and production's missing reductions are still refused by name.
     """
     hooked = [p for p in model.parameters() if getattr(p, _KEEPS_PLACEMENT, False)]
+    frozen = [p for p in model.parameters() if p in _FROZEN]
 
     def rearm(module: nn.Module, args: Any) -> None:
         for p in hooked:
             if _KEEPS_PLACEMENT not in p.__dict__:
                 _rearm(p)
+        if frozen and any(p.requires_grad for p in frozen):
+            for p in [p for p in frozen if p.requires_grad]:
+                frozen.remove(p)
+                placements, refuse = _FROZEN[p]
+                del _FROZEN[p]
+                _keep_placement(p, placements, refuse)
+                hooked.append(p)
 
     return model.register_forward_pre_hook(rearm)
 
