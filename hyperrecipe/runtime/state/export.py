@@ -6,7 +6,8 @@ alone) and streamed straight into its file, hashed as it goes; the next tensor's
 while the current one is written. The safetensors header is written first: every name, dtype
 and shape is known from the plan before a byte is gathered, so each file is streamed and the
 extra memory at any moment is about three full tensors on the writer (two in flight, one
-spare), never a file's worth or the model's. Files are split at ``max_shard_bytes`` with a
+spare) and at most :data:`SMALL_QUEUE_BYTES` of small tensors' copies waiting to be written,
+never a file's worth or the model's. Files are split at ``max_shard_bytes`` with a
 ``model.safetensors.index.json`` as transformers writes them; the model's ``config`` (and
 ``generation_config``) are saved beside them. Tied parameters are written once, under the
 name that owns them, as ``save_pretrained`` does.
@@ -32,6 +33,7 @@ import re
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -178,7 +180,8 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     hashes tensor ``i``, tensor ``i + 1`` is being gathered, so at most two full tensors are
     in flight (a written one's memory is handed back to receive a later one); a tensor of at
     most :data:`SMALL_BYTES` is copied and left to the hashing thread to hash and write, so
-    the writer never waits behind the hashes queued before it. Each file is
+    the writer waits behind the hashes queued before it only past :data:`SMALL_QUEUE_BYTES`
+    of such copies. Each file is
     written under a temporary name in ``folder`` and synced; only
     when every rank got through (the ranks agree after the last gather) are the files renamed
     into place (``os.replace``, atomic per file) and what an earlier export left under the
@@ -255,6 +258,8 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
             hasher.update(header)
             at = synced = len(header)
             hashes: list[Future[None]] = []
+            queued: deque[tuple[Future[None], int]] = deque()  # small copies not yet written
+            queued_bytes = 0
             for item in group:
                 value = gathers.next()  # every rank; the next item's gather starts now
                 start, at = at, at + item.nbytes
@@ -269,6 +274,15 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                     if writer and failure is None and item.nbytes <= SMALL_BYTES:
                         hashes.append(hashing.submit(_hash_and_write, fds[k], start, hasher,
                                                      _bytes_of(value, item.dtype)))
+                        queued.append((hashes[-1], item.nbytes))
+                        queued_bytes += item.nbytes
+                        try:  # bounded: the copies wait for the hashing thread past a limit
+                            while queued_bytes > SMALL_QUEUE_BYTES:
+                                oldest, size = queued.popleft()
+                                queued_bytes -= size
+                                oldest.result()
+                        except OSError as exc:
+                            failure = f"writing {temps[k]}: {exc}"
                     elif writer and failure is None:
                         try:
                             _write(fds[k], start, hasher, hashing, value, item.dtype)
@@ -435,6 +449,11 @@ SMALL_BYTES = 1 << 20
 """A gathered tensor at most this size (a norm's weight, a bias) is copied, then hashed and
 written on the hashing thread while the writer goes on: waiting for the hashes queued before
 it (every tensor of the layer above) stalled the writer once per layer."""
+
+SMALL_QUEUE_BYTES = 64 << 20
+"""At most this many bytes of those copies wait for the hashing thread (a model of
+thousands of small tensors whose hashing falls behind its gathers): past it the writer waits
+for the oldest."""
 
 
 def _bytes_of(value: Tensor, dtype: torch.dtype) -> bytes:

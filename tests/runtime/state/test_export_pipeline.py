@@ -116,6 +116,45 @@ def test_small_tensors_written_beside_the_writer_land_in_order_and_verify(
     assert digest == digest_file(folder / "model.safetensors", algorithm)
 
 
+def test_small_tensors_waiting_for_the_hashing_thread_are_bounded_in_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hashing thread that falls behind (slowed here) holds at most ``SMALL_QUEUE_BYTES`` of
+    small tensors' copies: past it the writer waits for the oldest, and every byte still lands
+    in its place."""
+    from safetensors.torch import load_file
+
+    from hyperrecipe.runtime.state import export
+
+    numel, count, allowed = 1000, 40, 3
+    monkeypatch.setattr(export, "SMALL_QUEUE_BYTES", allowed * numel * 4)
+    copies = {"made": 0, "written": 0, "most_waiting": 0}
+    bytes_of, hash_and_write = export._bytes_of, export._hash_and_write
+
+    def counted_copy(value: torch.Tensor, dtype: torch.dtype) -> bytes:
+        copies["made"] += 1
+        copies["most_waiting"] = max(copies["most_waiting"], copies["made"] - copies["written"])
+        return bytes_of(value, dtype)
+
+    def slow_write(*args: Any) -> None:
+        time.sleep(0.005)
+        hash_and_write(*args)
+        copies["written"] += 1
+
+    monkeypatch.setattr(export, "_bytes_of", counted_copy)
+    monkeypatch.setattr(export, "_hash_and_write", slow_write)
+    items = [ExportItem(name=f"w{i}", dtype=torch.float32, shape=(numel,),
+                        gather=lambda i=i: torch.full((numel,), float(i)))  # type: ignore[misc]
+             for i in range(count)]
+    folder = tmp_path / "export"
+    write_safetensors(folder, items, writer=True, max_shard_bytes=1 << 40, model=nn.Module())
+    assert copies["made"] == count
+    assert copies["most_waiting"] <= allowed + 1, copies  # the one being made, and the limit
+    loaded = load_file(str(folder / "model.safetensors"))
+    for i in range(count):
+        torch.testing.assert_close(loaded[f"w{i}"], torch.full((numel,), float(i)), atol=0,
+                                   rtol=0)
+
+
 def test_a_small_tensor_that_cannot_be_written_fails_the_export_and_keeps_the_old_one(
         tmp_path: Path) -> None:
     """A write on the hashing thread that fails (a file size limit just past the first large
