@@ -37,16 +37,20 @@ compiled code; the summary then records ``"compile": true``. ``--tensor-guards-o
 recompile), which isolates what guard evaluation costs each model per step. With
 ``--compile`` each launch also reports, per model, rank 0's guard counts (``guards``: the
 guard tree's lines, its leaf guards, and how many of those are ``LAMBDA_GUARD`` s, evaluated
-in Python): figures the machine's load does not move. ``--handwritten-first`` builds and
-compiles the hand-written model first (by default production is first; in ``torch.profiler``
-runs the graphs of the model built first ran 7-18 % slower, whichever it was:
-docs/benchmarks.md), and each launch records ``built_first``.
+in Python): figures the machine's load does not move. Which model is built and compiled first
+is ``--built-first``: in ``torch.profiler`` runs the graphs of the model built first ran 7-18 %
+slower, whichever it was (docs/benchmarks.md), so by default (``alternate``) the launches take
+turns, production first in the even ones, and each launch records ``built_first``. The summary
+gives, per tree, the median of the launches' ratios, and with several launches their mean with
+its standard error (``cpu_mean``, ``cpu_sem``) and the median per build order
+(``by_built_first``).
 
 Usage::
 
     python tools/bench_host.py [--baseline REV] [--launches 2] [--rounds 30] [--steps 10]
                                [--warmup 3] [--profile]
-                               [--compile [--tensor-guards-only] [--handwritten-first]]
+                               [--compile [--tensor-guards-only]]
+                               [--built-first {alternate,production,handwritten}]
                                [--json OUT] [--transition-repeats 20] [--transition-chain 50]
 """
 
@@ -290,7 +294,8 @@ def alternate_launches(baseline: str | None, launches: int,
     return runs
 
 
-def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+def _launch_tree(tree: Path | None, args: argparse.Namespace,
+                 handwritten_first: bool) -> dict[str, Any]:
     """One launch in a fresh interpreter with ``tree``'s hyperrecipe first (``None``: this
     checkout's)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -301,13 +306,29 @@ def _launch_tree(tree: Path | None, args: argparse.Namespace) -> dict[str, Any]:
                "--transition-chain", str(args.transition_chain)] + (["--profile"] if args.profile else []) + (
                    ["--compile"] if args.compile else []) + (
                    ["--tensor-guards-only"] if args.tensor_guards_only else []) + (
-                   ["--handwritten-first"] if args.handwritten_first else [])
+                   ["--handwritten-first"] if handwritten_first else [])
         env = dict(os.environ)
         paths = [str(tree)] if tree is not None else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)])
         subprocess.run(cmd, env=env, check=True, cwd=REPO)
         result: dict[str, Any] = json.loads(Path(out.name).read_text())
         return result
+
+
+def _summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One tree's launches: the median of their ratios per metric and, for the CPU ratio, the
+    mean with its standard error and the median per build order."""
+    out: dict[str, Any] = {m: round(statistics.median(r[m]["ratio"] for r in results), 4)
+                           for m in ("cpu", "wall", "transition_us")}
+    cpu = [r["cpu"]["ratio"] for r in results]
+    if len(cpu) > 1:
+        out["cpu_mean"] = round(statistics.fmean(cpu), 4)
+        out["cpu_sem"] = round(statistics.stdev(cpu) / len(cpu) ** 0.5, 4)
+        out["by_built_first"] = {
+            first: {"launches": len(vals), "cpu": round(statistics.median(vals), 4)}
+            for first in IMPLS
+            if (vals := [r["cpu"]["ratio"] for r in results if r["built_first"] == first])}
+    return out
 
 
 def main() -> int:
@@ -327,8 +348,10 @@ def main() -> int:
     parser.add_argument("--tensor-guards-only", action="store_true",
                         help="with --compile: keep only dynamo's tensor guards (diagnosis: "
                              "what guard evaluation costs each model)")
-    parser.add_argument("--handwritten-first", action="store_true",
-                        help="build (and compile) the hand-written model first")
+    parser.add_argument("--built-first", choices=("alternate", *IMPLS), default="alternate",
+                        help="which model is built (and compiled) first; alternate: the "
+                             "launches take turns, production first")
+    parser.add_argument("--handwritten-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -339,10 +362,15 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result))
         return 0
-    runs = alternate_launches(args.baseline, args.launches,
-                              lambda tree: _launch_tree(tree, args), lambda result: result)
-    summary = {which: {m: round(statistics.median(r[m]["ratio"] for r in rs), 4)
-                       for m in ("cpu", "wall", "transition_us")} for which, rs in runs.items()}
+    launched: dict[Path | None, int] = {}
+
+    def launch(tree: Path | None) -> dict[str, Any]:
+        n = launched[tree] = launched.get(tree, -1) + 1
+        first = args.built_first if args.built_first != "alternate" else IMPLS[n % 2]
+        return _launch_tree(tree, args, handwritten_first=first == "handwritten")
+
+    runs = alternate_launches(args.baseline, args.launches, launch, lambda result: result)
+    summary: dict[str, Any] = {which: _summarize(rs) for which, rs in runs.items()}
     if "baseline" in runs:  # the same f/g chain, this tree's against the baseline's
         summary["transition_us_current_over_baseline"] = round(
             statistics.median(r["transition_us"]["production"] for r in runs["current"])
