@@ -27,7 +27,8 @@ that reason (:mod:`~hyperrecipe.runtime.features.reach`).
 
 Refused, at the end of the backward: a gradient taken with ``torch.autograd.grad`` (autograd
 ran the tensor hook but never accumulated, so the value returned was not reduced), and the
-gradient of a parameter whose ``requires_grad`` was switched on after apply (no hooks on it).
+gradient of a bucketed parameter without the hooks. A parameter frozen at apply carries them
+(registered while ``requires_grad`` is briefly on), so unfreezing it later is fine.
 Not covered: ``fully_shard`` after apply replaces parameters with new objects that carry none
 of these hooks, so a plan with gradient buckets (sequence parallel norms) under FSDP2 leaves
 those gradients unreduced over ``tp`` (so did the per-parameter hooks before buckets); the
@@ -71,7 +72,8 @@ class _Slot:
         self.hooked = False
         """Whether the tensor hook ran in this backward (the gradient is on its way)."""
         self.installed = False
-        """Whether the hooks are on the parameter (it required a gradient at apply)."""
+        """Whether the hooks are on the parameter (a gradient accumulated on one without them
+        was never reduced: refused)."""
 
 
 class _Bucket:
@@ -120,16 +122,24 @@ class GradBucketReducer:
         self.armed = False
 
     def install(self) -> None:
-        """Register both hooks on every bucketed parameter that requires a gradient."""
+        """Register both hooks on every bucketed parameter. A frozen one is hooked too (torch
+        takes hooks only while a tensor requires a gradient, and keeps them when it stops):
+        while frozen its slot is zeros when the bucket launches; unfrozen later (gradual
+        unfreezing), its gradient is reduced like the others'."""
         for bucket in self.buckets:
             for slot in bucket.slots:
-                if not slot.param.requires_grad:
-                    continue  # never ready: its slot is zeros when the bucket launches
+                frozen = not slot.param.requires_grad
+                if frozen:
+                    slot.param.requires_grad_(True)
+                try:
+                    slot.param.register_hook(  # type: ignore[no-untyped-call]
+                        self._before_accumulate(slot))
+                    slot.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        self._after_accumulate(bucket, slot))
+                finally:
+                    if frozen:
+                        slot.param.requires_grad_(False)
                 slot.installed = True
-                slot.param.register_hook(  # type: ignore[no-untyped-call]
-                    self._before_accumulate(slot))
-                slot.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    self._after_accumulate(bucket, slot))
 
     def _before_accumulate(self, slot: _Slot) -> Callable[[Tensor], Tensor]:
         def hook(grad: Tensor) -> Tensor:
