@@ -129,7 +129,23 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     def get_tp_size(self) -> int:
         """How many ranks see each batch: the Trainer divides ``num_items_in_batch`` (gathered
         over the world) and scales the loss by it."""
+        if getattr(self, "_counting_locally", False):
+            return 1
         return self.data_parallel.model_parallel
+
+    def _get_num_items_in_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """With ``average_tokens_across_devices`` the Trainer gathers the count over the
+        world, where each batch is counted once per rank that sees it: dividing by
+        :meth:`get_tp_size` undoes that. Without it the count is this rank's own, which the
+        Trainer still divides by ``get_tp_size()``: the loss came out tp times too large. So
+        it counts as one rank."""
+        if self.args.average_tokens_across_devices:
+            return super()._get_num_items_in_batch(*args, **kwargs)
+        self._counting_locally = True
+        try:
+            return super()._get_num_items_in_batch(*args, **kwargs)
+        finally:
+            self._counting_locally = False
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Any = None) -> nn.Module:
@@ -195,11 +211,16 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     # -- clipping and the logged norm ------------------------------------------------------
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """``max_grad_norm``: the norm of the full gradients, as one process clips."""
+        """``max_grad_norm``: the norm of the full gradients, as one process clips, taken
+        after the loss scale (``fp16=True``) is taken off them, as accelerate's
+        ``clip_grad_norm_`` does: clipping the scaled gradients shrank every step by the
+        scale."""
+        self.accelerator.unscale_gradients()
         return self.installation.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        if grad_norm is None:
+        if grad_norm is None:  # no clipping (max_grad_norm 0): the norm of unscaled gradients
+            self.accelerator.unscale_gradients()
             grad_norm = self.installation.grad_norm()
         return grad_norm
 

@@ -36,14 +36,15 @@ def _data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _args(out: str, batch: int, accumulate: int, eval_batch: int) -> Any:
+def _args(out: str, batch: int, accumulate: int, eval_batch: int, **more: Any) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=5,
                              per_device_eval_batch_size=eval_batch,
                              gradient_accumulation_steps=accumulate,
                              learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
-                             save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+                             save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             **more)
 
 
 def _logged(trainer: Any) -> list[tuple[int, float, float]]:
@@ -57,15 +58,20 @@ def _eval_data(n: int) -> list[dict[str, torch.Tensor]]:
 
 def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             resume: str | None, accumulate: int = 1, evaluate: int = 0,
-            eval_batch: int = 3, mode: str = "production") -> dict[str, Any]:
+            eval_batch: int = 3, mode: str = "production",
+            more: dict[str, Any] | None = None, loss_scale: float | None = None
+            ) -> dict[str, Any]:
     """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2);
-    ``evaluate``: the size of an eval set evaluated after training; ``mode``: apply's."""
+    ``evaluate``: the size of an eval set evaluated after training; ``mode``: apply's;
+    ``more``: more ``TrainingArguments``; ``loss_scale``: a ``GradScaler`` with this initial
+    scale on the Trainer's accelerator, as ``fp16=True`` makes on a GPU (on the CPU accelerate
+    makes none)."""
     from transformers import Trainer
 
     from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
 
     model = llama()
-    args = _args(out, batch, accumulate, eval_batch)
+    args = _args(out, batch, accumulate, eval_batch, **(more or {}))
     sets = {"train_dataset": _data(samples), "eval_dataset": _eval_data(evaluate or 1)}
     if how == "one":
         trainer = Trainer(model=model, args=args, **sets)
@@ -80,6 +86,9 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             plan = compile_recipe(DP_TP, llama("meta"), {"dp": 2, "tp": 2})
         inst = apply(model, plan, mesh, mode=mode)  # type: ignore[arg-type]
         trainer = HyperrecipeTrainer(model=model, installation=inst, args=args, **sets)
+    if loss_scale is not None:
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale)
+        trainer.accelerator.native_amp = True
     trainer.train(resume_from_checkpoint=resume)
     return {"logged": _logged(trainer),
             "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None}
@@ -115,6 +124,38 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
         p.numel() for p in llama().parameters())
     resumed = run_ranks(_worker, 1, str(out), "tp", 2, 10, str(ckpt), timeout_s=600)[0]
     _assert_same_run([r for r in resumed["logged"] if r[0] > 3], ref["logged"][3:])
+
+
+def test_trainer_without_averaging_tokens_across_devices_matches_one_process(
+        tmp_path: Path) -> None:
+    """``average_tokens_across_devices=False``: each rank divides the loss by its own token
+    count, which the Trainer still divided by ``get_tp_size()`` (the loss and every gradient
+    came out 2x at tp=2: 9.858 against 4.929)."""
+    more = {"average_tokens_across_devices": False}
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 0, 3,
+                    "production", more, timeout_s=600)[0]
+    for ranks in run_ranks(_worker, 2, str(tmp_path / "tp2"), "tp", 2, 10, None, 1, 0, 3,
+                           "production", more, timeout_s=600):
+        _assert_same_run(ranks["logged"], ref["logged"])
+
+
+def test_trainer_with_fp16_loss_scaling_clips_the_unscaled_gradients(tmp_path: Path) -> None:
+    """``fp16=True`` with a loss scale of 1024: the gradients are unscaled before the plan's
+    clipping, as accelerate's ``clip_grad_norm_`` does (the logged norm was 4075 against 3.98,
+    and every step shrank by the scale). fp16 autocast rounds differently on shards, and its
+    rounding moves one process's own norms by up to 0.9 % against fp32 over five steps
+    (measured): losses agree with one process to rtol 1e-3 (measured 5e-4), norms to rtol 2e-2
+    (measured 9e-3), against a gap of 1000x without the unscale."""
+    more = {"fp16": True}
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 0, 3,
+                    "production", more, 1024.0, timeout_s=600)[0]
+    for ranks in run_ranks(_worker, 2, str(tmp_path / "tp2"), "tp", 2, 10, None, 1, 0, 3,
+                           "production", more, 1024.0, timeout_s=600):
+        assert [s for s, _, _ in ranks["logged"]] == [s for s, _, _ in ref["logged"]]
+        for (step, loss, norm), (_, ref_loss, ref_norm) in zip(ranks["logged"], ref["logged"],
+                                                               strict=True):
+            assert loss == pytest.approx(ref_loss, rel=1e-3), f"loss at step {step}"
+            assert norm == pytest.approx(ref_norm, rel=2e-2), f"grad_norm at step {step}"
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
