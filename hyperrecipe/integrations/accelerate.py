@@ -135,14 +135,13 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         if not self._applied(model):
             return super().prepare_model(model, device_placement, evaluation_mode)
         prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
-        assert self.data_parallel is not None
+        assert self.data_parallel is not None and self.installation is not None
         group = self.data_parallel.group
         if evaluation_mode or group is None:
             return prepared
-        from torch.nn.parallel import DistributedDataParallel
-
         kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-        wrapped = DistributedDataParallel(prepared, process_group=group, **kwargs)
+        # the plan's bucketed gradients are left to the plan (Installation.data_parallel)
+        wrapped = self.installation.data_parallel(group, module=prepared, **kwargs)
         self._models[self._models.index(prepared)] = wrapped
         return wrapped
 

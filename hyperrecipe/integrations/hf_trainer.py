@@ -152,10 +152,10 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         if not training or self.data_parallel.group is None:
             return model
         if self._dp_wrapped is None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # DDP over the ranks that hold this rank's shards: the guard lets it through.
-            self._dp_wrapped = DistributedDataParallel(model, process_group=self.data_parallel.group)
+            # DDP over the ranks that hold this rank's shards, with the plan's bucketed
+            # gradients left to the plan (Installation.data_parallel)
+            self._dp_wrapped = self.installation.data_parallel(self.data_parallel.group,
+                                                               module=model)
         return self._dp_wrapped
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:

@@ -55,6 +55,7 @@ from hyperrecipe.runtime.features.vocab_loss import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Mode", "apply"]
@@ -126,6 +127,7 @@ class _Applier:
         self.mesh_dims = plan.mesh_dims
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.new_params: dict[str, nn.Parameter] = {}
+        self.grad_reducer: GradBucketReducer | None = None
         self.restored: dict[str, nn.Parameter] = {}
         self.released: dict[str, nn.Parameter] = {}
         """Originals whose storage was dropped once their shard existed (by owner FQN)."""
@@ -235,7 +237,8 @@ class _Applier:
         """What reduces the plan's gradient buckets (production: hooks, one flat collective per
         bucket and op, :mod:`~hyperrecipe.runtime.grads.grad_buckets`). They live on the shards
         made here, so a rollback or ``restore()`` drops them with the shards."""
-        self.mode.install_grad_reductions(self.plan, self.new_params, self.mesh)
+        self.grad_reducer = self.mode.install_grad_reductions(self.plan, self.new_params,
+                                                              self.mesh)
 
     def materialize_buffers(self, tx: Rewrite) -> None:
         self.unloaded.extend(materialize_buffers(self.model, tx, self.device))
@@ -454,6 +457,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     installation = Installation.attach(model=model, plan=plan, mode=chosen,
                                        rewritten=tx.result, mesh=mesh,
                                        wrapper_choices=applier.inner.choices,
-                                       unloaded=applier.unloaded)
+                                       unloaded=applier.unloaded,
+                                       grad_reducer=applier.grad_reducer)
     return installation
 

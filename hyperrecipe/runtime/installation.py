@@ -56,6 +56,8 @@ from hyperrecipe.runtime.state.weights import (
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
+
 __all__ = ["Installation", "StatusRow"]
 
 
@@ -99,8 +101,10 @@ class Installation:
 
     def __init__(self, *, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritten,
                  mesh: DeviceMesh, wrapper_choices: Sequence[WrapperChoice] = (),
-                 unloaded: Sequence[str] = ()) -> None:
+                 unloaded: Sequence[str] = (),
+                 grad_reducer: GradBucketReducer | None = None) -> None:
         self.model = model
+        self._grad_reducer = grad_reducer
         self.plan = plan
         self.mode = as_mode(mode)
         self.mesh = mesh
@@ -122,7 +126,8 @@ class Installation:
     @classmethod
     def attach(cls, *, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritten,
                mesh: DeviceMesh, wrapper_choices: Sequence[WrapperChoice] = (),
-               unloaded: Sequence[str] = ()) -> Installation:
+               unloaded: Sequence[str] = (),
+               grad_reducer: GradBucketReducer | None = None) -> Installation:
         """The handle ``apply`` returns once every rank committed, with what it documents
         beside the rewritten model: the group whose barrier refuses a collective entered on
         one rank only, and the hooks through which a trainer's own calls reach the plan
@@ -133,7 +138,8 @@ class Installation:
         ``clip_grad_norm_`` routed to :meth:`grad_norm`). ``restore()`` removes them.
         Constructing an :class:`Installation` itself changes nothing."""
         inst = cls(model=model, plan=plan, mode=mode, rewritten=rewritten, mesh=mesh,
-                   wrapper_choices=wrapper_choices, unloaded=unloaded)
+                   wrapper_choices=wrapper_choices, unloaded=unloaded,
+                   grad_reducer=grad_reducer)
         inst._barrier_group = _barrier_group()
         inst._hooks = [*install_state_hooks(model, inst._live, inst._mark_loaded,
                                             inst._enter_collective),
@@ -142,7 +148,7 @@ class Installation:
                        *inst.mode.install_optimizer_checks(inst._live),
                        *inst.mode.keep_hooks_through_moves(model),
                        *inst.mode.watch_outside_boundaries(model, plan, mesh),
-                       install_ddp_guard(model, plan, mesh),
+                       install_ddp_guard(model, plan, mesh, bucketed=tuple(inst._bucketed)),
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
             inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))
@@ -564,6 +570,63 @@ class Installation:
                    f"{dist.get_rank()} waited {self.collective_timeout_s:g} s: {why_not}). Call "
                    f"it on every rank; {advice}")
             raise PlanMismatchError(msg)
+
+    def data_parallel(self, group: Any, module: nn.Module | None = None,
+                      **ddp_kwargs: Any) -> nn.Module:
+        """``DistributedDataParallel`` over ``group``, a data dim of the mesh (ranks that hold
+        the same shards), the way this plan's gradients need it. Use it instead of wrapping
+        DDP yourself; the trainer integrations do.
+
+        A plan that reduces some gradients over its model-parallel dims in buckets (production
+        mode: sequence-parallel norms, ``reduce_grads``) cannot let DDP average those: DDP
+        copies each gradient as it accumulates, before the bucket's reduction, and writes its
+        average back over the reduced value (a sequence-parallel norm's gradient came out
+        27-89 % off). So those parameters are left out of DDP (torch's
+        ``_set_params_and_buffers_to_ignore_for_model``), the buckets average them over
+        ``group`` after their own reduction, and their values are broadcast from ``group``'s
+        first rank, as DDP broadcasts the others. Any other DDP over such a plan is refused at
+        its first forward.
+
+        Args:
+            group: the data-parallel process group (``mesh.get_group("dp")``).
+            module: what DDP wraps, when it is not the applied model itself (accelerate's
+                prepared model); the applied model must be it or inside it.
+            ddp_kwargs: passed to ``DistributedDataParallel``.
+
+        Returns:
+            The ``DistributedDataParallel`` module.
+
+        Raises:
+            UsageError: ``module`` does not hold the applied model.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hyperrecipe.errors import UsageError
+
+        wrapped = self.model if module is None else module
+        prefix = next((f"{name}." if name else "" for name, m in wrapped.named_modules()
+                       if m is self.model), None)
+        if prefix is None:
+            msg = (f"Installation.data_parallel: module ({type(wrapped).__name__}) does not hold "
+                   f"the applied model ({type(self.model).__name__}); pass the module DDP "
+                   f"wraps, with the applied model inside it")
+            raise UsageError(msg)
+        reducer = self._grad_reducer
+        if reducer is not None and reducer.buckets and dist.get_world_size(group) > 1:
+            mine = {id(p) for p in reducer.params}
+            names = [prefix + fqn for fqn, p in self.model.named_parameters()
+                     if id(p) in mine]
+            ignored = set(getattr(wrapped, "_ddp_params_and_buffers_to_ignore", ()))
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+                wrapped, sorted(ignored | set(names)))
+            first = dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for param in reducer.params:
+                    dist.broadcast(param.data, src=first, group=group)
+            reducer.average_over(group)
+        ddp = DistributedDataParallel(wrapped, process_group=group, **ddp_kwargs)
+        ddp._hyperrecipe_data_parallel = True  # type: ignore[assignment]
+        return ddp
 
     def leave_together(self, what: str) -> None:
         """Return once every rank reached the end of ``what`` (a training loop's end), waiting

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.rewriter import Rewrite
     from hyperrecipe.runtime.features.vocab_loss import VocabShard
     from hyperrecipe.runtime.forward.layouts import Redistributor
+    from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
 __all__ = ["MODES", "PRODUCTION", "VALIDATE", "Mode", "ModeName", "as_mode"]
@@ -101,8 +102,9 @@ class Mode:
         raise NotImplementedError
 
     def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
-                                mesh: DeviceMesh) -> None:
-        """Whatever reduces the plan's gradient buckets over ``params`` (the new shards)."""
+                                mesh: DeviceMesh) -> GradBucketReducer | None:
+        """Whatever reduces the plan's gradient buckets over ``params`` (the new shards): the
+        reducer, or ``None`` where nothing needs one."""
         raise NotImplementedError
 
     def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
@@ -185,11 +187,14 @@ class _Production(Mode):
         return nn.Parameter(local, requires_grad=requires_grad)
 
     def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
-                                mesh: DeviceMesh) -> None:
+                                mesh: DeviceMesh) -> GradBucketReducer | None:
         from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
 
-        if plan.grad_buckets:
-            GradBucketReducer(plan.grad_buckets, params, mesh).install()
+        if not plan.grad_buckets:
+            return None
+        reducer = GradBucketReducer(plan.grad_buckets, params, mesh)
+        reducer.install()
+        return reducer
 
     def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
         return tuple(fqn for b in plan.grad_buckets for fqn in b.params)
@@ -268,7 +273,7 @@ class _Validate(Mode):
         return dtensor_parameter(p, local, mesh, requires_grad=requires_grad)
 
     def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
-                                mesh: DeviceMesh) -> None:
+                                mesh: DeviceMesh) -> GradBucketReducer | None:
         return None  # DTensor's backward reduces: a parameter's hook keeps its placement
 
     def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:

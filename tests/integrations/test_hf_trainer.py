@@ -26,6 +26,7 @@ from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # no
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DP_TP = str(ROOT / "recipes/llama-dp.yaml")
+DP_TP_SP = str(ROOT / "tests/recipes/llama-sp-dp.yaml")  # gradients reduced in buckets
 LOSS_ATOL = 1e-5
 MAX_GRAD_NORM = 0.5
 
@@ -61,7 +62,8 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             eval_batch: int = 3, mode: str = "production",
             more: dict[str, Any] | None = None, loss_scale: float | None = None
             ) -> dict[str, Any]:
-    """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2);
+    """``how``: ``one`` (stock Trainer, whole model), ``tp`` (tp=world), ``dp-tp`` (2 x 2),
+    ``dp-tp-sp`` (2 x 2, sequence parallel: gradients reduced in buckets);
     ``evaluate``: the size of an eval set evaluated after training; ``mode``: apply's;
     ``more``: more ``TrainingArguments``; ``loss_scale``: a ``GradScaler`` with this initial
     scale on the Trainer's accelerator, as ``fp16=True`` makes on a GPU (on the CPU accelerate
@@ -83,7 +85,8 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            plan = compile_recipe(DP_TP, llama("meta"), {"dp": 2, "tp": 2})
+            recipe = DP_TP_SP if how == "dp-tp-sp" else DP_TP
+            plan = compile_recipe(recipe, llama("meta"), {"dp": 2, "tp": 2})
         inst = apply(model, plan, mesh, mode=mode)  # type: ignore[arg-type]
         trainer = HyperrecipeTrainer(model=model, installation=inst, args=args, **sets)
     if loss_scale is not None:
@@ -159,13 +162,18 @@ def test_trainer_with_fp16_loss_scaling_clips_the_unscaled_gradients(tmp_path: P
 
 
 @pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
-def test_trainer_at_dp2_tp2_splits_batches_over_dp_only_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["dp-tp", "dp-tp-sp"])
+def test_trainer_at_dp2_tp2_splits_batches_over_dp_only_like_one_process(
+        tmp_path: Path, how: str) -> None:
     """Each dp rank gets half of one process's batch of 4, both tp ranks of a replica the same
     half; DDP averages over dp only, also with two accumulation steps (DDP's no_sync). Losses,
-    norms and eval_loss (8 samples, gathered over dp only) equal one process's."""
+    norms and eval_loss (8 samples, gathered over dp only) equal one process's. With sequence
+    parallelism the norms' gradients are reduced in the plan's buckets and averaged over dp
+    there (``Installation.data_parallel``; with DDP's own average of them the tp reduction
+    was lost and the losses drifted from the second step, nothing refused)."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 40, None, 2, 8, 4,
                     timeout_s=600)[0]
-    for ranks in run_ranks(_worker, 4, str(tmp_path / "dp-tp"), "dp-tp", 2, 40, None, 2, 8, 2,
+    for ranks in run_ranks(_worker, 4, str(tmp_path / how), how, 2, 40, None, 2, 8, 2,
                            timeout_s=900):
         _assert_same_run(ranks["logged"], ref["logged"])
         assert ranks["eval_loss"] == pytest.approx(ref["eval_loss"], abs=LOSS_ATOL)

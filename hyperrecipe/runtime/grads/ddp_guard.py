@@ -32,9 +32,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["install_ddp_guard"]
 
 
-def install_ddp_guard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> Any:
-    """A forward pre-hook on ``model`` that refuses a DDP wrapper across shards (one class
-    attribute read per forward; the group is checked once per DDP object). Returns the
+def install_ddp_guard(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
+                      bucketed: tuple[str, ...] = ()) -> Any:
+    """A forward pre-hook on ``model`` that refuses a DDP wrapper across shards, and one
+    over the data dim that was not made by ``Installation.data_parallel`` when ``bucketed``
+    (the parameters whose gradients production reduces in buckets) is not empty: DDP would
+    average those before the buckets reduced them, and write that back over the reduction
+    (one class attribute read per forward; each DDP object is checked once). Returns the
     handle."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -50,11 +54,30 @@ def install_ddp_guard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> Any:
             return
         why = checked.get(id(ddp), "")
         if why == "":
-            why = checked[id(ddp)] = _crossing(ddp, mesh, names, sharded)
+            why = checked[id(ddp)] = (_crossing(ddp, mesh, names, sharded)
+                                      or _bypassing_buckets(ddp, bucketed))
         if why is not None:
             raise PlanMismatchError(why)
 
     return model.register_forward_pre_hook(refuse_ddp_across_shards)
+
+
+def _bypassing_buckets(ddp: Any, bucketed: tuple[str, ...]) -> str | None:
+    """Why ``ddp`` (over ranks holding the same shards) would undo the plan's bucketed
+    gradient reductions, or ``None``."""
+    if not bucketed or getattr(ddp, "_hyperrecipe_data_parallel", False):
+        return None
+    group = getattr(ddp, "process_group", None)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) == 1:
+        return None
+    shown = ", ".join(bucketed[:3]) + (f" and {len(bucketed) - 3} more" if len(bucketed) > 3
+                                       else "")
+    return (f"DistributedDataParallel over this plan's data dim: the plan reduces the gradients "
+            f"of {shown} over its model-parallel dims in buckets as they accumulate, and DDP "
+            f"copies each gradient before that reduction and writes its average back over it, "
+            f"so the reduction would be lost (silently wrong gradients). Wrap with "
+            f"installation.data_parallel(group) (HyperrecipeTrainer and HyperrecipeAccelerator "
+            f"do), which leaves those parameters to the buckets and averages them there")
 
 
 def _crossing(ddp: Any, mesh: DeviceMesh, names: tuple[str, ...],
