@@ -242,12 +242,11 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         torch.save(self.args, os.path.join(folder, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Model and optimizer state as DCP (each shard stored once, reshardable); the
+        """Model and optimizer state as DCP (each shard stored once, reshardable) with the
+        installation's commit record (a save that died halfway is refused at resume); the
         scheduler as the Trainer writes it."""
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-        state = self.installation.state_dict(_torch_optimizer(self.optimizer))
-        dcp_save(state, checkpoint_id=os.path.join(output_dir, DCP_FOLDER))
+        self.installation.save_checkpoint(os.path.join(output_dir, DCP_FOLDER),
+                                          _torch_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -266,18 +265,15 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
         folder = os.path.join(checkpoint, DCP_FOLDER)
         if not os.path.isdir(folder):
             msg = (f"HyperrecipeTrainer: {checkpoint} has no {DCP_FOLDER}/ folder (model and "
                    f"optimizer state); it was not written by HyperrecipeTrainer. Load its weights "
                    f"with installation.load_weights() and train without resume_from_checkpoint")
             raise TrainerSetupError(msg)
-        optimizer = _torch_optimizer(self.optimizer)
-        state = self.installation.state_dict(optimizer)
-        dcp_load(state, checkpoint_id=folder)
-        self.installation.load_state_dict(state, optimizer)
+        # read as data (torch's dcp.load unpickles .metadata: a checkpoint could run code),
+        # and refused if its commit record says it is half-written or written again
+        self.installation.load_checkpoint(folder, _torch_optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

@@ -151,13 +151,17 @@ class HyperrecipeStrategy(ModelParallelStrategy):
         """Lightning's own sharded load (``get_model_state_dict`` → ``dcp.load`` →
         ``load_state_dict``, the same for each optimizer) without its check that parameters
         are DTensors: the plan's state-dict hooks hand out DTensors for the shards, so DCP
-        reshards to this mesh. Returns the metadata Lightning saved beside (loops, epoch)."""
+        reshards to this mesh. The folder is read through hyperrecipe's trusted reader (its
+        ``.metadata`` through an allow-list, not ``pickle``). Returns the metadata Lightning
+        saved beside (loops, epoch)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
             set_optimizer_state_dict,
         )
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        from hyperrecipe.runtime.state.dcp_reader import trusted_reader
 
         path = Path(self.broadcast(checkpoint_path))
         if not (path / _METADATA).is_file():
@@ -166,12 +170,13 @@ class HyperrecipeStrategy(ModelParallelStrategy):
             raise TrainerSetupError(msg)
         assert self.model is not None
         model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp_load(model_state, checkpoint_id=path)
+        # read as data: torch's own reader unpickles .metadata (a checkpoint could run code)
+        dcp_load(model_state, storage_reader=trusted_reader(path))
         self.model.load_state_dict(model_state["state_dict"])
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp_load(optimizer_state, checkpoint_id=path)
+            dcp_load(optimizer_state, storage_reader=trusted_reader(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key])
         metadata: dict[str, Any] = torch.load(path / _METADATA, weights_only=(
             True if weights_only is None else weights_only))

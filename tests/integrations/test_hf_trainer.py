@@ -10,6 +10,9 @@ losses for steps 4 and 5, and its weights load with ``from_pretrained``.
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,27 @@ def _args(out: str, batch: int, accumulate: int, eval_batch: int, **more: Any) -
                              learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
                              save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                              **more)
+
+
+class _Hostile:
+    """Unpickles to ``os.system("touch <marker>")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _resume_refused(run: Any, marker: Path) -> str:
+    """``run()`` resumes from a checkpoint whose DCP ``.metadata`` runs code when unpickled:
+    it must fail on every rank, by name, without running it."""
+    from hyperrecipe.check.launcher import RankFailedError
+
+    with pytest.raises(RankFailedError) as failed:
+        run()
+    assert not marker.exists(), "resuming ran the checkpoint's code"
+    return str(failed.value)
 
 
 def _logged(trainer: Any) -> list[tuple[int, float, float]]:
@@ -127,6 +151,13 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
         p.numel() for p in llama().parameters())
     resumed = run_ranks(_worker, 1, str(out), "tp", 2, 10, str(ckpt), timeout_s=600)[0]
     _assert_same_run([r for r in resumed["logged"] if r[0] > 3], ref["logged"][3:])
+    # the model and optimizer state are read as data (torch's dcp.load unpickles .metadata)
+    hostile = shutil.copytree(ckpt, tmp_path / "hostile")
+    marker = tmp_path / "ran"
+    (hostile / "hyperrecipe-dcp/.metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    message = _resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), "tp", 2,
+                                                10, str(hostile), timeout_s=600), marker)
+    assert "WeightLoadError" in message and "hostile/hyperrecipe-dcp" in message, message
 
 
 def test_trainer_without_averaging_tokens_across_devices_matches_one_process(
