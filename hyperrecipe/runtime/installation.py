@@ -392,9 +392,11 @@ class Installation:
         Example::
 
             dcp.save(inst.state_dict(opt), checkpoint_id=f"ckpt/{step}")
-            # resume, on any mesh:
+            # resume, on any mesh, reading the folder as data (torch's own reader unpickles
+            # its .metadata); inst.save_checkpoint / inst.load_checkpoint do both with a
+            # commit record:
             state = inst.state_dict(opt)
-            dcp.load(state, checkpoint_id="ckpt/100")
+            dcp.load(state, storage_reader=trusted_reader("ckpt/100"))
             inst.load_state_dict(state, opt)
 
         Raises:
