@@ -6,8 +6,9 @@ the ``safetensors`` library (whose refusals of a bad dtype or shape do not name 
 and every entry must be a known dtype whose ``dtype x shape`` bytes equal its
 ``data_offsets`` span, the spans must tile the data section exactly (no overlap, no gap, none
 past the end of the file: a truncated file is refused here), and the header is bounded
-(:data:`MAX_HEADER_BYTES`, and :data:`MAX_HEADER_ENTRIES` tensors counted before parsing) and
-parsed in one pass, so that a refusal is fast and lists a few names and a count. The tensors are then read by positional
+(:data:`MAX_HEADER_BYTES`, :data:`MAX_HEADER_ITEMS` JSON values counted before parsing, and
+:data:`MAX_HEADER_ENTRIES` tensors counted while parsing) and checked in one pass, so that a
+refusal is fast and lists a few names and a count. The tensors are then read by positional
 reads (``os.preadv``) of the descriptor the header was checked through, straight into the
 model's shard where the bytes can land as they are, else through one bounded staging buffer;
 never through a memory mapping, where a file shortened after its check (another process, a
@@ -16,7 +17,10 @@ network filesystem) kills the process with SIGBUS instead of raising.
 A ``pytorch_model.bin`` is memory-mapped by ``torch.load(mmap=True, weights_only=True)``, which
 takes each storage's size from the pickle and never compares it with the zip record holding
 the bytes: a record cut short would be read past its end (the next record's bytes, as
-weights). :func:`check_torch_records` compares each storage with its record.
+weights). :func:`check_torch_records` compares each storage with its record. Before that
+load, :func:`check_torch_archive` reads the zip's central directory itself: ``torch.load``
+inflates a compressed record (``torch.save`` never compresses one) whole before anything is
+checked, so a 1 MB file whose ``data.pkl`` is deflated zeros made it allocate 2 GB.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import sys
 import weakref
@@ -36,20 +41,31 @@ from torch import Tensor
 
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "SafetensorsEntry", "Staging",
-           "TorchFile", "check_torch_records", "listing", "open_safetensors",
-           "open_torch_file", "read_safetensors_header"]
+__all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "MAX_HEADER_ITEMS", "MAX_TORCH_RECORDS",
+           "SafetensorsEntry", "Staging", "TorchFile", "check_torch_archive",
+           "check_torch_records", "listing", "open_safetensors", "open_torch_file",
+           "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header read (the ``safetensors`` library's own bound)."""
 
 MAX_HEADER_ENTRIES = 100_000
-"""The most tensors one safetensors file may list, counted before its header is parsed (a
-header of 300,000 entries cost 1.6 s in ``json.loads`` alone before it was refused). Real
-checkpoints list far fewer per file: hub exports are sharded at a few GB, so a file of
-Llama 3.1 405B or DeepSeek-V3 lists hundreds to about 1,500 tensors; even a whole
-DeepSeek-V3 (about 91,000 tensors with its FP8 scales, the largest count of a published
-model we know) would fit in one file."""
+"""The most tensors one safetensors file may list, counted while its header is parsed, member
+by member, so the parse stops at the first one past it however the names are spelled (a
+header of 300,000 entries cost 1.6 s in ``json.loads`` alone before it was refused; a count
+of ``"data_offsets"`` bytes before parsing missed names spelled with a JSON escape, and
+entries that are no tensor at all). Real checkpoints list far fewer per file: hub exports
+are sharded at a few GB, so a file of Llama 3.1 405B or DeepSeek-V3 lists hundreds to about
+1,500 tensors; even a whole DeepSeek-V3 (about 91,000 tensors with its FP8 scales, the
+largest count of a published model we know) would fit in one file."""
+
+MAX_HEADER_ITEMS = 16 * MAX_HEADER_ENTRIES
+"""The most ``,``, ``[`` and ``{`` bytes a safetensors header may hold, counted before it is
+parsed. Every JSON value but the first of its container follows a comma, so this bounds the
+values a parse builds at any depth: a header of one entry holding millions of empty lists
+(``[[],[],...]``, 3 bytes each, 64 bytes each once parsed) cannot make the parse allocate
+gigabytes. A tensor entry holds 6 plus one per dim of its shape; 16 per tensor leaves room
+for 10-dim shapes and metadata (bytes inside strings count too, which only errs high)."""
 
 MAX_LISTED = 50
 """Problems an error lists one per line; the rest are counted (a header of 300,000 foreign
@@ -118,23 +134,25 @@ def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
             text = handle.read(length)
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    listed = text.count(b'"data_offsets"')  # an upper bound on its entries, before parsing
+    listed = text.count(b'"data_offsets"')  # a plainly oversized header, refused unparsed
     if listed > MAX_HEADER_ENTRIES:
+        raise WeightLoadError(_too_many_tensors(path, str(listed)))
+    items = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if items > MAX_HEADER_ITEMS:
+        per = MAX_HEADER_ITEMS // MAX_HEADER_ENTRIES
         raise WeightLoadError(
-            f"{path}: its header lists {listed} tensors; load_weights reads at most "
-            f"{MAX_HEADER_ENTRIES} per file (real checkpoints list at most a few thousand per "
-            f"file); re-save it in several files (save_pretrained(max_shard_size=...))")
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise WeightLoadError(f"{path}: its header is not JSON ({exc!s:.200})") from None
-    if not isinstance(header, dict):
-        raise WeightLoadError(f"{path}: its header is not a JSON object")
+            f"{path}: its header holds {items} JSON separators and brackets (',', '[', '{{'); "
+            f"load_weights parses at most {MAX_HEADER_ITEMS} ({per} per tensor of the "
+            f"{MAX_HEADER_ENTRIES} a file may list; a tensor entry holds 6 plus one per dim "
+            f"of its shape)")
+    header = _header_members(path, text)
     header.pop("__metadata__", None)
+    if len(header) > MAX_HEADER_ENTRIES:
+        raise WeightLoadError(_too_many_tensors(path, str(len(header))))
     base = 8 + length
     entries: dict[str, SafetensorsEntry] = {}
     spans: list[tuple[int, int, str]] = []
-    problems: list[str] = []
+    problems = _Problems()
     prod = math.prod
     for name, entry in header.items():
         try:
@@ -145,19 +163,19 @@ def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
                     or (shape and min(shape) < 0)):
                 raise TypeError
         except (TypeError, KeyError, ValueError):
-            problems.append(f"{name!r:.200}: not a tensor entry (dtype, shape and data_offsets "
-                            f"of non-negative integers)")
+            problems.add(f"{name!r:.200}: not a tensor entry (dtype, shape and data_offsets "
+                         f"of non-negative integers)")
             continue
         known = _KNOWN.get(dtype_name) if type(dtype_name) is str else None
         if known is None:
-            problems.append(f"{name!r:.200}: dtype {dtype_name!r:.20} is not one load_weights "
-                            f"reads ({', '.join(DTYPES)})")
+            problems.add(f"{name!r:.200}: dtype {dtype_name!r:.20} is not one load_weights "
+                         f"reads ({', '.join(DTYPES)})")
             continue
         spans.append((lo, hi, name))
         if numel * known[1] != hi - lo:
-            problems.append(f"{name!r:.200}: {dtype_name} {shape} is {numel * known[1]} bytes, "
-                            f"its data_offsets [{lo}, {hi}] span {hi - lo} (a relabelled dtype "
-                            f"or shape)")
+            problems.add(f"{name!r:.200}: {dtype_name} {shape} is {numel * known[1]} bytes, "
+                         f"its data_offsets [{lo}, {hi}] span {hi - lo} (a relabelled dtype "
+                         f"or shape)")
             continue
         entries[name] = (known[0], shape, base + lo)
     spans.sort()
@@ -165,22 +183,102 @@ def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
     for lo, hi, name in spans:
         if lo != end:
             if lo < end:
-                problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] overlap another "
-                                f"tensor's bytes (which end at {end})")
+                problems.add(f"{name!r:.200}: data_offsets [{lo}, {hi}] overlap another "
+                             f"tensor's bytes (which end at {end})")
             else:
-                problems.append(f"{name!r:.200}: data_offsets [{lo}, {hi}] leave {lo - end} "
-                                f"bytes before it that no tensor holds")
+                problems.add(f"{name!r:.200}: data_offsets [{lo}, {hi}] leave {lo - end} "
+                             f"bytes before it that no tensor holds")
         if hi > end:
             end = hi
     data = size - base
     if end > data:
-        problems.append(f"the tensors' data_offsets end at {end}, the file holds {data} bytes "
-                        f"of data (a truncated file)")
+        problems.add(f"the tensors' data_offsets end at {end}, the file holds {data} bytes "
+                     f"of data (a truncated file)")
     elif end < data:
-        problems.append(f"{data - end} bytes after the last tensor that no tensor holds")
+        problems.add(f"{data - end} bytes after the last tensor that no tensor holds")
     if problems:
-        raise WeightLoadError(listing(f"{path}: the header does not fit the file", problems))
+        raise WeightLoadError(problems.listing(f"{path}: the header does not fit the file"))
     return entries
+
+
+def _too_many_tensors(path: Path, count: str) -> str:
+    return (f"{path}: its header lists {count} tensors; load_weights reads at most "
+            f"{MAX_HEADER_ENTRIES} per file (real checkpoints list at most a few thousand per "
+            f"file); re-save it in several files (save_pretrained(max_shard_size=...))")
+
+
+_DECODER = json.JSONDecoder()
+_OPEN = re.compile(r"[ \t\n\r]*\{[ \t\n\r]*(\}[ \t\n\r]*)?")  # JSON's whitespace only
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
+
+
+def _header_members(path: Path, text: bytes) -> dict[str, Any]:
+    """The members of the JSON object ``text``, counted while they are parsed: the parse
+    stops at the first member past :data:`MAX_HEADER_ENTRIES` tensors (and one
+    ``__metadata__``), however the names are spelled (a count of ``"data_offsets"`` bytes
+    misses ``"data\\u005foffsets"`` and entries that are no tensor at all). Each member's
+    value is parsed by json's C scanner; a name listed twice is refused (``json.loads``
+    would keep the last and silently drop the first).
+
+    Raises:
+        WeightLoadError: not UTF-8, not a JSON object, more members than the bound, or a
+            name listed twice.
+    """
+    members: dict[str, Any] = {}
+    try:
+        doc = text.decode("utf-8")
+        match = _OPEN.match(doc)
+        if match is None:
+            raise WeightLoadError(f"{path}: its header is not a JSON object")
+        at, closed = match.end(), match.group(1) is not None
+        while not closed:
+            if not doc.startswith('"', at):
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes",
+                                           doc, at)
+            name, at = _DECODER.raw_decode(doc, at)  # a str: it starts with a quote
+            match = _COLON.match(doc, at)
+            if match is None:
+                raise json.JSONDecodeError("Expecting ':' delimiter", doc, at)
+            value, at = _DECODER.raw_decode(doc, match.end())
+            if name in members:
+                raise WeightLoadError(f"{path}: its header lists {name!r:.200} twice; a "
+                                      f"tensor's name is listed once")
+            members[name] = value
+            if len(members) > MAX_HEADER_ENTRIES + 1:  # one may be __metadata__
+                raise WeightLoadError(_too_many_tensors(path, f"more than {MAX_HEADER_ENTRIES}"))
+            match = _NEXT.match(doc, at)
+            if match is None:
+                raise json.JSONDecodeError("Expecting ',' delimiter", doc, at)
+            at, closed = match.end(), match.group(1) == "}"
+        if at != len(doc):
+            raise json.JSONDecodeError("Extra data", doc, at)
+    except WeightLoadError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WeightLoadError(f"{path}: its header is not JSON ({exc!s:.200})") from None
+    return members
+
+
+class _Problems:
+    """What is wrong with one file: the first :data:`MAX_LISTED` problems kept as text, the
+    rest only counted, so a header of 100,000 bad entries holds 50 strings, not 100,000."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+        self.more = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.shown)
+
+    def add(self, problem: str) -> None:
+        if len(self.shown) < MAX_LISTED:
+            self.shown.append(problem)
+        else:
+            self.more += 1
+
+    def listing(self, head: str) -> str:
+        return listing(head, self.shown, self.more)
 
 
 STAGING_BYTES = 8 << 20
@@ -441,6 +539,132 @@ def open_safetensors(path: Path, staging: Staging | None = None) -> _Safetensors
     return _SafetensorsFile(path, entries, fd, staging)
 
 
+MAX_TORCH_RECORDS = MAX_HEADER_ENTRIES + 16
+"""The most zip records one ``pytorch_model.bin`` may hold: a storage per tensor (at most
+:data:`MAX_HEADER_ENTRIES`, as for a safetensors file) and the few records of torch.save's own
+(``data.pkl``, ``version``, ``byteorder``...). Checked against the count the end-of-directory
+record declares before a directory entry is read, so a directory of millions of entries is
+refused without walking it."""
+
+_ZIP_STORED = 0
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # a central directory entry, before its name
+
+
+def check_torch_archive(path: Path, fd: int) -> None:
+    """Refuse a ``pytorch_model.bin`` whose zip records ``torch.load`` would inflate or read
+    past the file, from its central directory alone (read here rather than by
+    :mod:`zipfile`, which builds an object for every entry the directory's bytes hold,
+    whatever count the directory declares): at most :data:`MAX_TORCH_RECORDS` entries, none
+    compressed (``torch.save`` stores every record as it is; ``torch.load`` inflates a
+    compressed one whole before anything is checked), none declaring bytes past the end of
+    the file. Time and memory are bounded by the directory's size, itself at most the file's.
+
+    Raises:
+        WeightLoadError: not a zip archive, too many records, or a record compressed or
+            larger than the file: each such record named, with the file, in a bounded
+            listing.
+    """
+    try:
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            count, cd_size, cd_offset = _zip_directory(path, handle, size)
+            handle.seek(cd_offset)
+            directory = handle.read(cd_size)
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    problems = _Problems()
+    at = 0
+    for _ in range(count):
+        if at + _CENTRAL.size > len(directory):
+            problems.add(f"the zip directory ends after {at} of its {cd_size} bytes, "
+                         f"before the last of the {count} records it declares")
+            break
+        fields = _CENTRAL.unpack_from(directory, at)
+        if fields[0] != b"PK\x01\x02":
+            problems.add(f"the zip directory holds no entry at its byte {at}, before the last "
+                         f"of the {count} records it declares")
+            break
+        method, stored, declared, offset = fields[4], fields[8], fields[9], fields[16]
+        name_end = at + _CENTRAL.size + fields[10]
+        extra_end = name_end + fields[11]
+        name = directory[at + _CENTRAL.size:name_end].decode("utf-8", "replace")
+        declared, stored, offset = _zip64_sizes(directory[name_end:extra_end], declared,
+                                                stored, offset)
+        at = extra_end + fields[12]
+        if method != _ZIP_STORED:
+            problems.add(f"record {name!r:.200}: compressed (method {method}, "
+                         f"{_ZIP_METHODS.get(method, 'unknown')}); torch.save stores every "
+                         f"record uncompressed (method 0), and torch.load would inflate it "
+                         f"whole before anything is checked")
+        elif declared > size or offset + stored > size:
+            problems.add(f"record {name!r:.200}: declares {max(declared, stored)} bytes at "
+                         f"byte {offset}; the file holds {size}")
+    if problems:
+        raise WeightLoadError(problems.listing(
+            f"{path}: its zip records are not what torch.save writes"))
+
+
+_ZIP_METHODS = {8: "deflate", 9: "deflate64", 12: "bzip2", 14: "lzma", 93: "zstd"}
+
+
+def _zip_directory(path: Path, handle: Any, size: int) -> tuple[int, int, int]:
+    """The record count, size and offset of the zip central directory of ``handle``, from
+    its end record (the zip64 one where there is one, as torch.save always writes), checked
+    against :data:`MAX_TORCH_RECORDS` and the file's size."""
+    tail_size = min(size, _EOCD.size + 0xFFFF)  # the record, then a comment of at most 64 KiB
+    handle.seek(size - tail_size)
+    tail = handle.read(tail_size)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        raise WeightLoadError(
+            f"{path}: not a zip archive (no end of central directory record in its last "
+            f"{tail_size} bytes); load_weights reads the format torch.save has written since "
+            f"torch 1.6 (re-save a legacy file with torch.save)")
+    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    where = size - tail_size + at
+    if where >= _ZIP64_LOCATOR.size:
+        handle.seek(where - _ZIP64_LOCATOR.size)
+        locator = _ZIP64_LOCATOR.unpack(handle.read(_ZIP64_LOCATOR.size))
+        if locator[0] == b"PK\x06\x07" and locator[2] + _ZIP64_EOCD.size <= size:
+            handle.seek(locator[2])
+            record = _ZIP64_EOCD.unpack(handle.read(_ZIP64_EOCD.size))
+            if record[0] == b"PK\x06\x06":
+                count, cd_size, cd_offset = record[7], record[8], record[9]
+    if count > MAX_TORCH_RECORDS:
+        raise WeightLoadError(
+            f"{path}: its zip directory declares {count} records; load_weights reads at most "
+            f"{MAX_TORCH_RECORDS} (a storage per tensor, at most {MAX_HEADER_ENTRIES}, and "
+            f"torch.save's own few)")
+    if cd_offset + cd_size > size:
+        raise WeightLoadError(
+            f"{path}: its zip directory declares {cd_size} bytes at byte {cd_offset}; the "
+            f"file holds {size}")
+    return count, cd_size, cd_offset
+
+
+def _zip64_sizes(extra: bytes, declared: int, stored: int,
+                 offset: int) -> tuple[int, int, int]:
+    """A directory entry's sizes and offset, each 0xFFFFFFFF replaced by its 8-byte value in
+    the entry's zip64 extra field (tag 1), in the order the zip format gives them."""
+    at = 0
+    while at + 4 <= len(extra):
+        tag, length = struct.unpack_from("<2H", extra, at)
+        if tag == 1:
+            values = extra[at + 4:at + 4 + length]
+            taken = 0
+            fields = [declared, stored, offset]
+            for i, value in enumerate(fields):
+                if value == 0xFFFFFFFF and taken + 8 <= len(values):
+                    (fields[i],) = struct.unpack_from("<Q", values, taken)
+                    taken += 8
+            return fields[0], fields[1], fields[2]
+        at += 4 + length
+    return declared, stored, offset
+
+
 def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> dict[str, int]:
     """Refuse a memory-mapped ``torch.load`` result whose storages do not lie in their zip
     records: each storage's bytes must start where a ``data/<key>`` record starts and fit in
@@ -466,7 +690,12 @@ def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> dict[str, in
         return {}
     if not records:
         raise WeightLoadError(f"{path}: holds tensors but no data records")
-    base = min(storages) - min(records)  # the mapping's address of the file's first byte
+    # The mapping's address of the file's first byte: the first storage lies at the first
+    # record holding bytes (an empty tensor's record holds none, and no storage lies there).
+    filled = [offset for offset, (_, nbytes) in records.items() if nbytes]
+    if not filled:
+        raise WeightLoadError(f"{path}: holds tensors but no data records")
+    base = min(storages) - min(filled)
     problems: list[str] = []
     for ptr, (nbytes, keys) in sorted(storages.items()):
         names = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
@@ -534,17 +763,20 @@ class _Mapped:
 
 
 def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
-    """``path`` (a ``pytorch_model.bin``) loaded as data (``weights_only``), its storages
-    checked against their records, ready for positional reads.
+    """``path`` (a ``pytorch_model.bin``) loaded as data (``weights_only``) once its zip
+    directory is checked (:func:`check_torch_archive`), its storages checked against their
+    records, ready for positional reads.
 
     Raises:
-        WeightLoadError: as :func:`check_torch_records`; not a state dict of tensors.
+        WeightLoadError: as :func:`check_torch_archive` and :func:`check_torch_records`; not
+            a state dict of tensors.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
+        check_torch_archive(path, fd)
         state = torch.load(f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}")
                            else str(path), map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)

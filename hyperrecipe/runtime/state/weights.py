@@ -254,24 +254,35 @@ class _Safetensors:
 def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
                   composites: Mapping[str, Composite], where: Mapping[str, Path],
                   handles: Mapping[Path, Any]) -> list[str]:
-    """Checkpoint tensors that would be converted between floating point and integers (a
-    header relabelling F32 as I32 keeps every size and reads the bits as integers around
-    1e9). Floating dtypes convert among themselves, integers among themselves."""
+    """Checkpoint tensors that would be converted between kinds of dtype: floating point,
+    complex and integers. A header relabelling F32 as I32 keeps every size and reads the bits
+    as integers around 1e9; a complex tensor copied into a real one keeps its real part and
+    drops the imaginary one with only a ``UserWarning`` of torch's. Dtypes convert among their
+    own kind only."""
     problems: list[str] = []
     for t in targets:
-        want = t.local.dtype.is_floating_point or t.local.dtype.is_complex
+        want = _dtype_kind(t.local.dtype)
         for name in (t.fqn, *t.aliases):
             if name not in shapes:
                 continue
             for key in (composites[name].keys() if name in composites else (name,)):
                 dtype = handles[where[key]].dtype(key)
-                if (dtype.is_floating_point or dtype.is_complex) != want:
+                kind = _dtype_kind(dtype)
+                if kind != want:
                     problems.append(
                         f"{key!r} in {where[key].name}: stored as {dtype}, the model's "
-                        f"{t.fqn!r} is {t.local.dtype}; load_weights converts floating dtypes "
-                        f"among themselves and integer dtypes among themselves, never one into "
-                        f"the other (a header relabelled from F32 to I32 reads as integers)")
+                        f"{t.fqn!r} is {t.local.dtype} ({kind} into {want}); load_weights "
+                        f"converts dtypes within their kind only (floating, complex, integer): "
+                        f"a header relabelled from F32 to I32 reads as integers, a complex "
+                        f"tensor into a real one drops its imaginary part")
     return problems
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
