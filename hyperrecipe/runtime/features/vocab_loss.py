@@ -90,7 +90,7 @@ _SCALED: frozenset[Any] = frozenset([
     Tensor.__mul__, Tensor.__rmul__, Tensor.__truediv__, Tensor.mul, Tensor.div, torch.mul,
     torch.div, Tensor.tanh, torch.tanh, Tensor.float, Tensor.to, Tensor.contiguous])
 """Elementwise operations that keep a marked slice a slice of the same logits when every other
-operand is a number (or a 0-dim tensor): scaling, dividing and ``tanh`` (a final soft-capping,
+operand is a number (or a 0-dim tensor that takes no gradient): scaling, dividing and ``tanh`` (a final soft-capping,
 Gemma 2's ``tanh(logits / cap) * cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``),
 a dtype cast. Their result stays marked, so the loss still runs on the shards."""
 
@@ -99,7 +99,9 @@ def _scalar_operand(value: Any) -> bool:
     if isinstance(value, VocabShardedLogits):
         return True  # the slice itself (checked to be the only one by the caller)
     if isinstance(value, Tensor):
-        return value.dim() == 0
+        # a 0-dim tensor that takes a gradient (a learnable logit scale) would get only this
+        # rank's vocab share of it, which nothing reduces: not a scalar here, so refused
+        return value.dim() == 0 and not value.requires_grad
     return isinstance(value, (bool, int, float, str, torch.dtype, torch.device)) or value is None
 
 
@@ -257,7 +259,10 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         g.scatter_add_(-1, index, -(1.0 - ctx.smoothing) * owned.to(g.dtype).unsqueeze(-1))
         if ctx.smoothing:
             g.sub_(ctx.smoothing / ctx.vocab)
-        g.mul_((grad * valid).unsqueeze(-1))
+        # where, not a product: a batch whose every label is ignored has a mean over no
+        # token, so grad is inf there, and inf * 0 put NaN in every gradient of the model
+        # (one process gives zeros: ignored tokens take no part)
+        g.mul_(torch.where(valid, grad, 0.0).unsqueeze(-1))
         return g.to(ctx.input_dtype), None, None, None, None
 
 

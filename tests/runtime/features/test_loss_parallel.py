@@ -343,6 +343,39 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy_of_one_process(
                 assert_close(res["grads"][name], g, f"{what} grad {name}")
 
 
+def _all_ignored_worker(rank: int, world: int, mode: str, recipe: str) -> dict[str, Any]:
+    model = tiny_lm()
+    plan = compile_recipe(recipe, tiny_lm("meta"), {"tp": world})
+    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    ids, labels = tiny_batch()
+    labels[:] = -100
+    loss = hyperrecipe.vocab_parallel_cross_entropy(model(ids), labels)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": inst.full_grads()}
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_batch_whose_labels_are_all_ignored_adds_zero_gradients_as_in_one_process(
+        mode: str, tmp_path: Path) -> None:
+    """Every label ``-100`` (a micro-batch of prompt tokens only): the mean over no token is
+    NaN, as ``F.cross_entropy``'s, but the gradients are zeros, as one process's. Production's
+    kernel multiplied the ``inf`` arriving at each ignored token by 0 and put NaN in every
+    gradient of the model, which gradient accumulation then kept."""
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    model = tiny_lm()
+    ids, labels = tiny_batch()
+    labels[:] = -100
+    ref_loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    ref_loss.backward()
+    for rank, res in enumerate(run_ranks(_all_ignored_worker, 2, mode, str(recipe),
+                                         timeout_s=300)):
+        assert torch.isnan(ref_loss) and torch.isnan(res["loss"])
+        for name, p in model.named_parameters():
+            assert p.grad is not None and not p.grad.any()
+            assert_close(res["grads"][name], p.grad, f"rank {rank} grad {name}")
+
+
 def test_plain_logits_are_refused_by_the_helper() -> None:
     with pytest.raises(LossParallelError, match=r"needs vocab-sharded logits .* found a plain "
                                                 r"Tensor of shape \(4, 10\)"):
@@ -521,8 +554,10 @@ def test_scaling_the_marked_slice_by_scalars_keeps_it_marked_and_anything_else_i
     capped = torch.tanh(logits / 30.0) * 30.0          # Gemma 2's final soft-capping
     assert type(capped) is VocabShardedLogits and type(logits.float() * 0.5) is VocabShardedLogits
     assert torch.equal(plain_vocab_slice(capped), torch.tanh(local / 30.0) * 30.0)
+    # a learnable 0-dim scale would get only this rank's vocab share of its gradient
+    learned = torch.tensor(1.3, requires_grad=True)
     for use in (lambda: logits + 1, lambda: logits * torch.ones(4), lambda: logits.softmax(-1),
-                lambda: logits * logits):
+                lambda: logits * logits, lambda: logits * learned):
         with pytest.raises(LossParallelError, match="call the model without labels"):
             use()
     token = _LOSS_CALLS.set([])  # inside the forward of the model that owns the loss
