@@ -454,7 +454,7 @@ class Installation:
         self._agree_on_source(folder, "load_checkpoint")
         state = self.state_dict(optimizer)
         staged = _staged(state)
-        trusted_dcp_load(staged, folder)
+        trusted_dcp_load(staged, folder, agree=self._agree)
         load_training_state(self._live, staged, optimizer, self._unloaded)
 
     def save_checkpoint(self, folder: str | os.PathLike[str],
@@ -473,6 +473,12 @@ class Installation:
         self._check_live()
         rank = dist.get_rank() if dist.is_initialized() else 0
         committed_dcp_save(self.state_dict(optimizer), folder, rank)
+
+    def _agree(self, error: str | None, what: str) -> dict[int, str]:
+        """Every rank's outcome of ``what`` (bounded by ``collective_timeout_s``)."""
+        from hyperrecipe.runtime.preflight.agreement import agree_on_failure
+
+        return agree_on_failure(error, what, self.collective_timeout_s)
 
     def _agree_on_outcome(self, error: str | None) -> dict[int, str]:
         """Every rank's outcome of a step of ``load_weights`` (bounded by

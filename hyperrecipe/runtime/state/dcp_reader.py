@@ -32,7 +32,7 @@ import io
 import os
 import pickle
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -409,10 +409,15 @@ def trusted_reader(folder: str | os.PathLike[str]) -> TrustedFileSystemReader:
 
 
 def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
-                     process_group: Any = None) -> None:
+                     process_group: Any = None,
+                     agree: Callable[[str | None, str], Mapping[int, str]] | None = None
+                     ) -> None:
     """``dcp.load(state, checkpoint_id=folder)`` through :func:`trusted_reader`: the metadata
     is checked first (on every rank, so all raise the same error), and torch's
-    ``CheckpointException`` becomes a :class:`WeightLoadError` naming the folder.
+    ``CheckpointException`` becomes a :class:`WeightLoadError` naming the folder. With
+    ``agree`` (every rank's outcome of a step, by rank: the installation's bounded agreement),
+    the storage files' fingerprints are split over the world's ranks; without it every rank
+    checks every file.
 
     Raises:
         WeightLoadError: the folder is refused (see :func:`read_dcp_metadata` and
@@ -423,7 +428,7 @@ def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     metadata = read_dcp_metadata(folder, check_fingerprints=False)
-    _verify_fingerprints_together(folder, metadata, process_group)
+    _verify_fingerprints_together(folder, metadata, process_group, agree)
     reader = trusted_reader(folder)
     reader.check_fingerprints = False
     try:
@@ -441,16 +446,17 @@ def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
 
 
 def _verify_fingerprints_together(folder: str | os.PathLike[str], metadata: Any,
-                                  process_group: Any) -> None:
+                                  process_group: Any,
+                                  agree: Callable[[str | None, str], Mapping[int, str]] | None
+                                  ) -> None:
     """:func:`verify_fingerprints` with the files split over the world's ranks and the outcome
-    agreed (:func:`~hyperrecipe.runtime.preflight.agreement.agree_on_failure`); where a rank
-    failed, every rank checks every file, so that all raise the same error. Under another
-    ``process_group`` every rank checks every file (no exchange)."""
+    agreed through ``agree``; where a rank failed, every rank checks every file, so that all
+    raise the same error. Under another ``process_group``, or without ``agree``, every rank
+    checks every file (no exchange)."""
     import torch.distributed as dist
 
-    from hyperrecipe.runtime.preflight.agreement import agree_on_failure
-
-    if process_group is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+    if agree is None or process_group is not None or not dist.is_initialized() \
+            or dist.get_world_size() == 1:
         verify_fingerprints(folder, metadata)
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -459,8 +465,8 @@ def _verify_fingerprints_together(folder: str | os.PathLike[str], metadata: Any,
         verify_fingerprints(folder, metadata, rank, world)
     except WeightLoadError as exc:
         error = exc
-    failed = agree_on_failure(None if error is None else str(error),
-                              f"the fingerprint check of {os.fspath(folder)!r:.200}")
+    failed = agree(None if error is None else str(error),
+                   f"the fingerprint check of {os.fspath(folder)!r:.200}")
     if not failed:
         return
     verify_fingerprints(folder, metadata)  # raises the error of the first file that fails
