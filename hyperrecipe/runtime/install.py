@@ -32,6 +32,7 @@ from hyperrecipe.runtime.comm.collectives import group_for
 from hyperrecipe.runtime.forward.compute import bias_free_forward, class_forward
 from hyperrecipe.runtime.state.export import model_save_pretrained
 from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
+from hyperrecipe.runtime.features.router_loss import install_router_loss_scale
 from hyperrecipe.runtime.features.local_region import (
     local_grad_placements,
     mark_local_grad,
@@ -339,6 +340,12 @@ class _Applier:
         owner = self.modules[loss.owner]
         install_loss_parallel(tx, owner, loss, self._vocab_shard(loss), class_forward(owner))
 
+    def install_router_loss(self, tx: Rewrite) -> None:
+        """An MoE model's router load-balancing loss counted once by the plan's sums of the
+        routers' gradients (:mod:`~hyperrecipe.runtime.features.router_loss`)."""
+        if self.mode.counts_whole_gradients_per_rank:
+            install_router_loss_scale(tx, self.model, self.plan, self.plan.mesh_shape)
+
     def _compute(self, b: BoundaryPlan, module: nn.Module,
                  tx: Rewrite) -> tuple[Callable[..., Any], Any]:
         compute = class_forward(module)
@@ -433,6 +440,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             applier.install_adapters(tx)
             applier.install_boundaries(tx)
             applier.install_loss(tx)
+            applier.install_router_loss(tx)
             applier.install_save_pretrained(tx, lambda: installation)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the vote
             error = exc

@@ -28,6 +28,9 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
 - ``wrapper_edge``: how an inner wrapper, which always computes on local tensors, meets the
   boundary's values (a pass-through in production; DTensors unwrapped and rewrapped with the
   plan's ``inner_out_src`` in validate).
+- ``counts_whole_gradients_per_rank``: whether a gradient that is whole on every rank (the
+  router load-balancing loss's) is summed by the plan's reductions as if it were partial:
+  production's collectives cannot tell; DTensor can (:mod:`~hyperrecipe.runtime.features.router_loss`).
 - ``parameters_are_dtensors``: what the state code (``LiveParams``) finds in the model after
   apply; the one fact of the mode that is data rather than behaviour.
 
@@ -65,6 +68,7 @@ class Mode:
 
     name: ClassVar[ModeName]
     parameters_are_dtensors: ClassVar[bool]
+    counts_whole_gradients_per_rank: ClassVar[bool]
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False,
@@ -163,6 +167,7 @@ class _Production(Mode):
 
     name: ClassVar[ModeName] = "production"
     parameters_are_dtensors: ClassVar[bool] = False
+    counts_whole_gradients_per_rank: ClassVar[bool] = True
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False,
@@ -239,6 +244,7 @@ class _Validate(Mode):
 
     name: ClassVar[ModeName] = "validate"
     parameters_are_dtensors: ClassVar[bool] = True
+    counts_whole_gradients_per_rank: ClassVar[bool] = False
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False,
