@@ -350,8 +350,28 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     for attr in ("config", "generation_config"):
         config = getattr(model, attr, None)
         if config is not None and callable(getattr(config, "save_pretrained", None)):
+            if attr == "config":
+                config = _as_saved(config, model, items)
             config.save_pretrained(out)
     return [out / name for name in names]
+
+
+def _as_saved(config: Any, model: nn.Module, items: Sequence[ExportItem]) -> Any:
+    """A copy of the model's config as transformers' ``save_pretrained`` writes it: ``dtype``
+    the dtype the floating tensors were written in, ``architectures`` the model's class.
+    Written as it stood, a config still saying ``bfloat16`` over fp32 weights (a model loaded in
+    bf16 and trained in fp32) made ``from_pretrained``'s default ``dtype="auto"`` reload the
+    export rounded to bf16, silently; a config without ``architectures`` is refused by tools
+    that go by it. The live model's config is left as it is."""
+    import copy
+
+    saved = copy.deepcopy(config)
+    written = next((i.dtype for i in items if i.dtype.is_floating_point), None)
+    if written is not None and hasattr(saved, "dtype"):
+        saved.dtype = str(written).removeprefix("torch.")
+    if hasattr(saved, "architectures"):
+        saved.architectures = [type(model).__name__.removeprefix("FSDP")]
+    return saved
 
 
 def _distributed() -> bool:

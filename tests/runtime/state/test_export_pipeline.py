@@ -350,3 +350,42 @@ def test_fused_and_row_parallel_tensors_reach_the_writer_byte_for_byte(
     from hyperrecipe.runtime.state.weights import verify_manifest
 
     verify_manifest(folder)  # raises on any mismatch
+
+
+def _bf16_trained_in_fp32_worker(rank: int, world: int, hub: str, out: str
+                                 ) -> dict[str, Any]:
+    """A model loaded in bf16 and trained in fp32 (``.float()``, weights moved off the bf16
+    grid), exported at tp=``world``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.bfloat16)
+    model.float()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    inst = apply(model, compile_recipe(LLAMA, llama("meta"), {"tp": world}), mesh_1d(world))
+    inst.save_pretrained(out)
+    return {"weights": weights, "live_dtype": str(model.config.dtype)}
+
+
+def test_the_exported_config_names_the_dtype_written_and_the_architecture(
+        tmp_path: Path) -> None:
+    """``config.json`` as transformers' ``save_pretrained`` writes it: ``dtype`` that of the
+    tensors written, ``architectures`` the model's class. Written as it stood, the config
+    still said bfloat16 over fp32 weights, and ``from_pretrained``'s default ``dtype="auto"``
+    reloaded the export rounded to bf16 (2.4e-4 off), silently. The live config is left as it
+    was."""
+    from transformers import AutoModelForCausalLM
+
+    hub, out = tmp_path / "hub", tmp_path / "export"
+    llama().save_pretrained(hub)
+    res = run_ranks(_bf16_trained_in_fp32_worker, 2, str(hub), str(out), timeout_s=300)[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
+    assert res["live_dtype"] == "torch.bfloat16"
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in reloaded.state_dict().items():
+        if name in res["weights"]:
+            assert tensor.dtype == torch.float32, name
+            torch.testing.assert_close(tensor, res["weights"][name], atol=0, rtol=0)
