@@ -124,7 +124,9 @@ def check_whole_heads(inp: ResolveInput, claims: ClaimTable,
                     rule_index=rule.index,
                     hint=f"every rank must hold whole heads: {smaller}replicate "
                          f"{p.module!r} instead of sharding it (with the projections of "
-                         f"{attn!r} whose heads pair with its heads)")
+                         f"{attn!r} whose heads pair with its heads); where query heads stay "
+                         f"sharded, declare reduce_grads over {mesh_dim} on what you replicate "
+                         f"(its gradient is then partial)")
 
 
 def divide_head_counts(inp: ResolveInput, claims: ClaimTable) -> tuple[HeadCount, ...]:

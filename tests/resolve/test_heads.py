@@ -52,7 +52,9 @@ def test_kv_projection_split_mid_head_is_refused_at_the_rule_with_the_heads_and_
         "tp=4 would split it mid-head (8 of 16 per rank, shard(0)) @ $.rules[2].params.weight; "
         "every rank must hold whole heads: use a smaller tp that divides 2 heads (tp=2), or "
         "replicate 'model.layers.0.self_attn.k_proj' instead of sharding it (with the "
-        "projections of 'model.layers.0.self_attn' whose heads pair with its heads)")
+        "projections of 'model.layers.0.self_attn' whose heads pair with its heads); where "
+        "query heads stay sharded, declare reduce_grads over tp on what you replicate (its "
+        "gradient is then partial)")
 
 
 def test_query_heads_are_checked_too() -> None:
@@ -81,7 +83,8 @@ def test_each_part_of_a_fused_projection_is_checked() -> None:
         "$.rules[2].params.weight; every rank must hold whole heads: use a smaller tp that "
         "divides 4 heads (tp=2, tp=4), or replicate 'transformer.h.0.attn.c_attn' instead of "
         "sharding it (with the projections of 'transformer.h.0.attn' whose heads pair with its "
-        "heads)")
+        "heads); where query heads stay sharded, declare reduce_grads over tp on what you "
+        "replicate (its gradient is then partial)")
 
 
 PHI3_QKV = """\
@@ -208,5 +211,6 @@ def test_a_single_kv_head_cannot_be_sharded_and_the_hint_says_replicate() -> Non
     assert message.endswith(
         "every rank must hold whole heads: replicate 'model.layers.0.self_attn.k_proj' instead "
         "of sharding it (with the projections of 'model.layers.0.self_attn' whose heads pair "
-        "with its heads)")
+        "with its heads); where query heads stay sharded, declare reduce_grads over tp on what "
+        "you replicate (its gradient is then partial)")
     assert "holds 1 head(s) of head_dim 16" in message
