@@ -343,8 +343,8 @@ class _Applier:
     def install_router_loss(self, tx: Rewrite) -> None:
         """An MoE model's router load-balancing loss counted once by the plan's sums of the
         routers' gradients (:mod:`~hyperrecipe.runtime.features.router_loss`)."""
-        if self.mode.counts_whole_gradients_per_rank:
-            install_router_loss_scale(tx, self.model, self.plan, self.plan.mesh_shape)
+        install_router_loss_scale(tx, self.model, self.plan, self.plan.mesh_shape,
+                                  dtensors=not self.mode.counts_whole_gradients_per_rank)
 
     def _compute(self, b: BoundaryPlan, module: nn.Module,
                  tx: Rewrite) -> tuple[Callable[..., Any], Any]:

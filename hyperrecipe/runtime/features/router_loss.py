@@ -15,8 +15,12 @@ So, while the model runs, the loss function's result keeps its value and carries
 its gradient, ``n`` the number of ranks over which the plan sums the routers' gradients: the
 sums then count it once, whether the model adds it to its ``loss`` or the user adds
 ``outputs.aux_loss`` to theirs. Nothing changes where the routers' gradients are not summed
-(``recipes/mixtral-ep.yaml``: the experts whole on ``ep`` ranks) or where DTensor tracks which
-gradients are whole (validate mode).
+(``recipes/mixtral-ep.yaml``: the experts whole on ``ep`` ranks).
+
+Validate mode needs no scaling (DTensor counts a replicated gradient once), but the function
+mixes the DTensor router logits with plain tensors of its own, which DTensor refused: there it
+runs on the whole logits (``full_tensor``, differentiable), so validate mode computes the
+router loss too and checks production's against it.
 """
 
 from __future__ import annotations
@@ -77,18 +81,43 @@ def router_gradient_ranks(model: nn.Module, plan: Plan,
 
 
 def install_router_loss_scale(tx: Rewrite, model: nn.Module, plan: Plan,
-                              mesh_shape: Mapping[str, int]) -> int:
+                              mesh_shape: Mapping[str, int], *, dtensors: bool = False) -> int:
     """Scale the router loss's gradient by ``1 / n`` while ``model`` runs (module docstring),
     through the rewriter (``restore()`` puts the function back). Returns ``n`` (1: nothing
-    installed)."""
-    n, dims = router_gradient_ranks(model, plan, mesh_shape)
+    scaled). With ``dtensors`` (validate mode) nothing is scaled, DTensor counting whole
+    gradients once by itself; the loss computed from DTensor router logits is handed back as
+    the plain tensor the model adds to its plain loss (DTensor refused the sum of the two)."""
+    n, _ = router_gradient_ranks(model, plan, mesh_shape)
     namespace = sys.modules.get(type(model).__module__)
     original = getattr(namespace, ROUTER_LOSS_FUNCTION, None)
-    if n == 1 or namespace is None or not callable(original):
+    if namespace is None or not callable(original) or (n == 1 and not dtensors):
         return 1
-    tx.replace_function_during(model, namespace, ROUTER_LOSS_FUNCTION,
-                               _counted_once(original, n), fqn="<model>")
-    return n
+    replacement = _as_plain(original) if dtensors else _counted_once(original, n)
+    tx.replace_function_during(model, namespace, ROUTER_LOSS_FUNCTION, replacement,
+                               fqn="<model>")
+    return 1 if dtensors else n
+
+
+def _as_plain(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` on the full router logits: it mixes them with plain tensors of its own
+    (``torch.histc`` counts, a zero accumulator), which DTensor refuses."""
+    @functools.wraps(original)
+    def router_loss(*args: Any, **kwargs: Any) -> Any:
+        return original(*map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
+
+    return router_loss
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every DTensor in it (and in its tuples and lists) made whole: a
+    replicated one keeps its gradient path (``full_tensor`` is differentiable)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if type(value) in (tuple, list):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def _counted_once(original: Callable[..., Any], n: int) -> Callable[..., Any]:
