@@ -4,9 +4,12 @@ The reference (in the parent) and every rank build the model the same way — ``
 then :func:`~hyperrecipe.model_tree.build_model` on the CPU, in ``eval()`` mode so dropout cannot
 make two runs differ — with every all-zero parameter drawn at random (a zero bias hides its own
 misplacement), and feed it the same batch. The loss is the **mean of squares of the first
-output** (the logits of a causal LM, a classifier or a seq2seq LM; a base model's last hidden
-state): every output element gets a non-zero gradient, no labels are needed, and it is the same
-function on every rank once the output is replicated.
+output** (the logits of a causal LM, a classifier or a seq2seq LM, named ``logits`` wherever the
+output has them; a base model's last hidden state): every output element gets a non-zero
+gradient, no labels are needed, and it is the same function on every rank once the output is
+replicated. An MoE model that returns its router load-balancing loss (``aux_loss``: its config
+sets ``output_router_logits``) has it added, so its path is checked too; before, ``aux_loss``
+came first in such an output and was all that check compared.
 
 Nothing here knows about process groups or plans.
 """
@@ -218,6 +221,8 @@ def first_output(out: Any) -> Any:
     if isinstance(out, Tensor):
         return out
     if isinstance(out, Mapping):
+        if out.get("logits") is not None:  # before an MoE output's aux_loss
+            return out["logits"]
         for value in out.values():
             if value is not None:
                 return value
@@ -228,7 +233,8 @@ def first_output(out: Any) -> Any:
 
 
 def loss_of(out: Any) -> Tensor:
-    """Mean of squares of the first output, in fp32.
+    """Mean of squares of the first output, in fp32, plus the router loss (``aux_loss``) an
+    MoE model returns.
 
     A DTensor output (a plan whose root is a boundary, in validate mode) is made whole first,
     differentiably, so the loss is the same function on every rank.
@@ -245,4 +251,8 @@ def loss_of(out: Any) -> Tensor:
 
     if isinstance(first, DTensor):
         first = first.full_tensor()
-    return first.float().pow(2).mean()
+    loss = first.float().pow(2).mean()
+    aux = out.get("aux_loss") if isinstance(out, Mapping) else None
+    if isinstance(aux, Tensor) and aux.is_floating_point() and aux.requires_grad:
+        loss = loss + (aux.full_tensor() if isinstance(aux, DTensor) else aux).float()
+    return loss

@@ -124,6 +124,20 @@ def test_tensor_parallel_experts_run_batched_in_validate_mode_and_agree() -> Non
     assert [m.agree for m in report.modes] == [True, True]
 
 
+def test_check_of_an_moe_model_returning_its_router_loss_compares_logits_and_that_loss(
+        tmp_path: Path) -> None:
+    """A config with ``output_router_logits`` makes the model return ``aux_loss`` before its
+    logits: check compared that scalar alone. Its loss is now the logits' mean of squares plus
+    the router loss, and both modes agree with one process on it (the router loss counted once
+    in production)."""
+    config = tmp_path / "tiny-mixtral-router-loss.json"
+    config.write_text(json.dumps({**json.loads(Path(MIXTRAL).read_text()),
+                                  "output_router_logits": True}))
+    report = check("recipes/mixtral.yaml", "hf:mixtral", model_config=str(config))
+    assert report.exit_code == 0, [(m.mode, m.agree) for m in report.modes]
+    assert [m.agree for m in report.modes] == [True, True]
+
+
 def test_experts_in_a_local_region_keep_transformers_default() -> None:
     report = run_check(CheckOptions(recipe=str(ROOT / "recipes/mixtral-ep.yaml"),
                                     model="hf:mixtral", model_config=MIXTRAL, mesh={"ep": 2},
