@@ -118,7 +118,10 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
                        "and train nothing: build the optimizer after hyperrecipe.apply")
                 raise TrainerSetupError(msg)
         _refuse_unsupported(self)
-        self.data_parallel = data_parallel_of(inst, trainer=_NAME)
+        data_parallel = data_parallel_of(inst, trainer=_NAME)
+        if self.installation is None:  # what was prepared so far, stock accelerate prepared
+            _refuse_prepared_before(self, data_parallel)
+        self.data_parallel = data_parallel
         self.installation = inst
 
     def _applied(self, model: nn.Module) -> bool:
@@ -142,6 +145,8 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         # the plan's bucketed gradients are left to the plan (Installation.data_parallel)
         wrapped = self.installation.data_parallel(group, module=prepared, **kwargs)
+        if self.ddp_handler is not None:  # its comm_hook, as accelerate registers it
+            self.ddp_handler.register_comm_hook(wrapped)
         self._models[self._models.index(prepared)] = wrapped
         return wrapped
 
@@ -181,6 +186,17 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
                                  step_with_optimizer=prepared.step_with_optimizer,
                                  split_batches=prepared.split_batches, data_size=dp.size)
         self._schedulers[self._schedulers.index(prepared)] = ours
+        if dp.model_parallel > 1 and ours.step_with_optimizer and not ours.split_batches:
+            import warnings
+
+            warnings.warn(
+                f"{_NAME} steps this LR scheduler {dp.size} time(s) per optimizer step, once per "
+                f"data rank, not accelerator.num_processes ({dp.size * dp.model_parallel}) "
+                f"times: the {dp.model_parallel} model-parallel ranks of a replica share its "
+                f"batches. Size the schedule as optimizer steps x {dp.size}; one scaled by "
+                f"accelerator.num_processes (transformers' no_trainer examples given "
+                f"--max_train_steps) runs {dp.model_parallel} times too long",
+                UserWarning, stacklevel=2)
         return ours
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -302,6 +318,32 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
             return
         assert self.installation is not None
         self.installation.save_pretrained(save_directory)
+
+
+def _refuse_prepared_before(accelerator: Any, dp: DataParallel) -> None:
+    """Data loaders and schedulers that stock accelerate prepared before the installation
+    arrived: a loader was split over every process, so the model-parallel ranks of one replica
+    took different batches and the plan's collectives summed partial results of different
+    inputs (tiny Llama at tp=2: each rank saw half the data, and the two reported different
+    losses); a scheduler steps once per process. Refused, naming the order that works.
+
+    Raises:
+        TrainerSetupError: such a loader or scheduler exists and ranks share batches.
+    """
+    if dp.model_parallel == 1:
+        return
+    early = [f"{len(accelerator._dataloaders)} data loader(s)"] if accelerator._dataloaders \
+        else []
+    early += [f"{len(accelerator._schedulers)} LR scheduler(s)"] if accelerator._schedulers \
+        else []
+    if early:
+        msg = (f"{_NAME}: {' and '.join(early)} were prepared before prepare(..., "
+               f"installation=inst): accelerate split them over all {dp.size * dp.model_parallel} "
+               f"processes, but the {dp.model_parallel} model-parallel ranks of a replica must "
+               f"see the same batches. Prepare the model with its installation first, or all "
+               f"together: accelerator.prepare(model, optimizer, loader, scheduler, "
+               f"installation=inst)")
+        raise TrainerSetupError(msg)
 
 
 class _DataDimScheduler(AcceleratedScheduler):  # type: ignore[misc]

@@ -217,6 +217,30 @@ def _refusal_worker(rank: int, world: int, how: str) -> str:
                 model, installation=inst)
         elif how == "early":
             HyperrecipeAccelerator(cpu=True).prepare(model, early, installation=inst)
+        elif how == "loader first":
+            accelerator = HyperrecipeAccelerator(cpu=True)
+            loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)),
+                                                                    batch_size=2))
+            accelerator.prepare(model, torch.optim.AdamW(model.parameters()),
+                                installation=inst)
+            return f"ran; the loader gave {[b.tolist() for b in loader]}"
+        elif how == "scheduler":
+            accelerator = HyperrecipeAccelerator(cpu=True)
+            optimizer = torch.optim.AdamW(model.parameters())
+            with pytest.warns(UserWarning) as caught:
+                accelerator.prepare(model, optimizer,
+                                    torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, 10),
+                                    installation=inst)
+            return str(caught[0].message)
+        elif how == "loader after":
+            accelerator = HyperrecipeAccelerator(cpu=True)
+            accelerator.prepare(model, torch.optim.AdamW(model.parameters()),
+                                installation=inst)
+            loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)),
+                                                                    batch_size=2))
+            accelerator.prepare(torch.utils.data.DataLoader(list(range(4)), batch_size=2),
+                                installation=inst)  # the same installation again: fine
+            return f"ran; the loader gave {[b.tolist() for b in loader]}"
     except (PlanMismatchError, TrainerSetupError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ran"
@@ -234,6 +258,31 @@ def test_an_optimizer_built_before_apply_is_refused_by_name() -> None:
     for res in run_ranks(_refusal_worker, 2, "early", timeout_s=600):
         assert res.startswith("TrainerSetupError: HyperrecipeAccelerator: AdamW holds 21 "
                               "parameters that are not the applied model's"), res
+
+
+def test_a_loader_prepared_before_the_installation_is_refused_by_name() -> None:
+    """Stock accelerate split such a loader over every process, so the two tp ranks of a
+    replica took different batches and the plan summed partial results of different inputs,
+    silently. Prepared with or after the installation, both ranks get every batch."""
+    for res in run_ranks(_refusal_worker, 2, "loader first", timeout_s=600):
+        assert res == (
+            "TrainerSetupError: HyperrecipeAccelerator: 1 data loader(s) were prepared before "
+            "prepare(..., installation=inst): accelerate split them over all 2 processes, but "
+            "the 2 model-parallel ranks of a replica must see the same batches. Prepare the "
+            "model with its installation first, or all together: accelerator.prepare(model, "
+            "optimizer, loader, scheduler, installation=inst)"), res
+    for res in run_ranks(_refusal_worker, 2, "loader after", timeout_s=600):
+        assert res == "ran; the loader gave [[0, 1], [2, 3], [4, 5], [6, 7]]", res
+
+
+def test_a_scheduler_at_tp2_warns_that_it_steps_once_per_data_rank() -> None:
+    for res in run_ranks(_refusal_worker, 2, "scheduler", timeout_s=600):
+        assert res == (
+            "HyperrecipeAccelerator steps this LR scheduler 1 time(s) per optimizer step, once "
+            "per data rank, not accelerator.num_processes (2) times: the 2 model-parallel ranks "
+            "of a replica share its batches. Size the schedule as optimizer steps x 1; one "
+            "scaled by accelerator.num_processes (transformers' no_trainer examples given "
+            "--max_train_steps) runs 2 times too long"), res
 
 
 def test_fp16_is_refused_by_name() -> None:
