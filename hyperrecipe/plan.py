@@ -378,6 +378,25 @@ class Plan:
     def mesh_dims(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.mesh)
 
+    @property
+    def model_parallel_dims(self) -> tuple[str, ...]:
+        """The mesh dims the plan splits something over (parameters, layouts, transitions,
+        experts, the loss), in mesh order: the ranks along them hold one model replica and
+        see the same batches; the other dims are data-parallel."""
+        used: set[str] = set()
+        for p in self.params:
+            used.update(p.placement.mesh_dims)
+        for b in self.boundaries:
+            for layout in (*b.inputs, *b.outputs, *b.inner_out_src):
+                used.update(layout.src.mesh_dims)
+                used.update(layout.dst.mesh_dims)
+            used.update(t.mesh_dim for t in b.transitions)
+            if b.expert_parallel is not None:
+                used.add(b.expert_parallel.mesh_dim)
+        if self.loss_parallel is not None:
+            used.add(self.loss_parallel.mesh_dim)
+        return tuple(d for d in self.mesh_dims if d in used)
+
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
             if p.fqn == fqn:

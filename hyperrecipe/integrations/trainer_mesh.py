@@ -35,20 +35,9 @@ __all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_pa
 
 
 def model_parallel_dims(plan: Plan) -> tuple[str, ...]:
-    """The mesh dims the plan splits something over, in mesh order."""
-    used: set[str] = set()
-    for p in plan.params:
-        used.update(p.placement.mesh_dims)
-    for b in plan.boundaries:
-        for layout in (*b.inputs, *b.outputs, *b.inner_out_src):
-            used.update(layout.src.mesh_dims)
-            used.update(layout.dst.mesh_dims)
-        used.update(t.mesh_dim for t in b.transitions)
-        if b.expert_parallel is not None:
-            used.add(b.expert_parallel.mesh_dim)
-    if plan.loss_parallel is not None:
-        used.add(plan.loss_parallel.mesh_dim)
-    return tuple(d for d in plan.mesh_dims if d in used)
+    """The mesh dims the plan splits something over, in mesh order
+    (:attr:`~hyperrecipe.plan.Plan.model_parallel_dims`)."""
+    return plan.model_parallel_dims
 
 
 @attrs.frozen(kw_only=True)

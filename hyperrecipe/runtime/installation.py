@@ -27,6 +27,7 @@ from hyperrecipe.runtime.state.checkpoint import (
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
+from hyperrecipe.runtime.preflight.randomness import install_randomness_check
 from hyperrecipe.runtime.state.export import (
     ExportItem,
     write_safetensors,
@@ -149,6 +150,8 @@ class Installation:
                        *inst.mode.keep_hooks_through_moves(model),
                        *inst.mode.watch_outside_boundaries(model, plan, mesh),
                        install_ddp_guard(model, plan, mesh, bucketed=tuple(inst._bucketed)),
+                       *filter(None, [install_randomness_check(model, mesh,
+                                                               plan.model_parallel_dims)]),
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
             inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))
