@@ -160,6 +160,25 @@ def _router_loss_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     return {"loss": loss, "aux": aux, "grads": inst.full_grads()}
 
 
+def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
+    plan = compile_recipe(recipe_path("mixtral"), build("mixtral", "meta"), {"tp": world})
+    first, second = build("mixtral"), build("mixtral")
+    kept = apply(first, plan, mesh_1d(world))
+    inst = apply(second, plan, mesh_1d(world))  # shares the router loss's replacement
+    kept.restore()  # the second keeps it
+    loss, aux = _router_loss_step(second)
+    return {"loss": loss, "aux": aux, "grads": inst.full_grads()}
+
+
+def test_two_mixtrals_applied_with_one_plan_share_the_router_loss_scaling() -> None:
+    model = build("mixtral")
+    ref_loss, ref_aux = _router_loss_step(model)
+    for rank, res in enumerate(run_ranks(_two_models_worker, 2, timeout_s=300)):
+        assert_matches(res["aux"], ref_aux, f"rank {rank} router loss")
+        for n, p in model.named_parameters():
+            assert_matches(res["grads"][n], p.grad, f"rank {rank} grad {n}")
+
+
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_mixtral_own_loss_with_the_router_loss_trains_like_one_process(mode: str) -> None:
     """``labels=`` with ``output_router_logits=True`` (transformers adds

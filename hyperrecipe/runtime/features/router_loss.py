@@ -98,6 +98,7 @@ def install_router_loss_scale(tx: Rewrite, model: nn.Module, plan: Plan,
     return 1 if dtensors else n
 
 
+@functools.cache
 def _as_plain(original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` on the full router logits: it mixes them with plain tensors of its own
     (``torch.histc`` counts, a zero accumulator), which DTensor refuses."""
@@ -120,6 +121,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@functools.cache  # one replacement per (function, n): installations of one plan share it
 def _counted_once(original: Callable[..., Any], n: int) -> Callable[..., Any]:
     @functools.wraps(original)
     def router_loss(*args: Any, **kwargs: Any) -> Any:
