@@ -10,7 +10,6 @@ losses for steps 4 and 5, and its weights load with ``from_pretrained``.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ pytest.importorskip("transformers", reason="pip install '.[hf,trainers]'")
 from hyperrecipe import apply, compile_recipe  # noqa: E402
 from hyperrecipe.check.launcher import run_ranks  # noqa: E402
 from hyperrecipe.errors import PlanMismatchError, TrainerSetupError  # noqa: E402
+from tests.support.checkpoint_harness import Hostile, resume_refused  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
@@ -49,27 +49,6 @@ def _args(out: str, batch: int, accumulate: int, eval_batch: int, **more: Any) -
                              learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
                              save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                              **more)
-
-
-class _Hostile:
-    """Unpickles to ``os.system("touch <marker>")``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
-
-
-def _resume_refused(run: Any, marker: Path) -> str:
-    """``run()`` resumes from a checkpoint whose DCP ``.metadata`` runs code when unpickled:
-    it must fail on every rank, by name, without running it."""
-    from hyperrecipe.check.launcher import RankFailedError
-
-    with pytest.raises(RankFailedError) as failed:
-        run()
-    assert not marker.exists(), "resuming ran the checkpoint's code"
-    return str(failed.value)
 
 
 def _logged(trainer: Any) -> list[tuple[int, float, float]]:
@@ -154,8 +133,8 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
     # the model and optimizer state are read as data (torch's dcp.load unpickles .metadata)
     hostile = shutil.copytree(ckpt, tmp_path / "hostile")
     marker = tmp_path / "ran"
-    (hostile / "hyperrecipe-dcp/.metadata").write_bytes(pickle.dumps(_Hostile(marker)))
-    message = _resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), "tp", 2,
+    (hostile / "hyperrecipe-dcp/.metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    message = resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), "tp", 2,
                                                 10, str(hostile), timeout_s=600), marker)
     assert "WeightLoadError" in message and "hostile/hyperrecipe-dcp" in message, message
 

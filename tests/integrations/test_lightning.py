@@ -14,7 +14,6 @@ state").
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -28,32 +27,12 @@ pytest.importorskip("transformers", reason="pip install '.[hf]'")
 
 from hyperrecipe.check.launcher import run_ranks  # noqa: E402
 from hyperrecipe.errors import TrainerSetupError  # noqa: E402
+from tests.support.checkpoint_harness import Hostile, resume_refused  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 LOSS_ATOL = 1e-5
-
-
-class _Hostile:
-    """Unpickles to ``os.system("touch <marker>")``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
-
-
-def _resume_refused(run: Any, marker: Path) -> str:
-    """``run()`` resumes from a checkpoint whose DCP ``.metadata`` runs code when unpickled:
-    it must fail on every rank, by name, without running it."""
-    from hyperrecipe.check.launcher import RankFailedError
-
-    with pytest.raises(RankFailedError) as failed:
-        run()
-    assert not marker.exists(), "resuming ran the checkpoint's code"
-    return str(failed.value)
 
 
 def _data(n: int = 6) -> list[dict[str, torch.Tensor]]:
@@ -155,8 +134,8 @@ def test_lightning_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Pa
     # the sharded checkpoint is read as data (torch's dcp.load unpickles .metadata)
     hostile = shutil.copytree(ckpt, tmp_path / "hostile.ckpt")
     marker = tmp_path / "ran"
-    (hostile / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
-    message = _resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), True,
+    (hostile / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    message = resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), True,
                                                 str(hostile), timeout_s=600), marker)
     assert "refused: the pickle names posix.system" in message, message
 

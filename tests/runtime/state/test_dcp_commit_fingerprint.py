@@ -16,22 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.runtime.state.dcp_reader import (COMMIT, FINGERPRINT_SCHEME, read_dcp_metadata,
                                                    sampled_fingerprint)
-from tests.support.runtime_harness import ROOT, llama, mesh_1d
-
-LLAMA = str(ROOT / "recipes/llama.yaml")
-
-
-def _applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
-    model = llama(device)
-    plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
-    return model, apply(model, plan, mesh_1d(world), mode="production")
+from tests.support.checkpoint_harness import applied, resume_worker
 
 
 def _save_twice(rank: int, world: int, committed: str, later: str) -> dict[str, torch.Tensor]:
@@ -40,7 +30,7 @@ def _save_twice(rank: int, world: int, committed: str, later: str) -> dict[str, 
     before it dies. Returns state A in full."""
     import torch.distributed.checkpoint as dcp
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inst.save_checkpoint(committed, opt)
     state_a: dict[str, torch.Tensor] = inst.full_state_dict()
@@ -59,22 +49,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
     return committed, later, state_a
 
 
-def _resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    model, inst = _applied(world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()
-              if isinstance(v, torch.Tensor)}
-    try:
-        inst.load_checkpoint(ckpt, opt)
-    except WeightLoadError as exc:
-        after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        same = all(torch.equal(before[k], after[k]) for k in before)
-        return {"error": str(exc), "unchanged": same}
-    return {"error": None, "full": inst.full_state_dict(), "opt": len(opt.state)}
-
-
 def _load_weights_error(rank: int, world: int, source: str) -> str | None:
-    _, inst = _applied(world, "meta")
+    _, inst = applied(world, "meta")
     try:
         inst.load_weights(source)
     except WeightLoadError as exc:
@@ -106,7 +82,7 @@ def test_a_committed_folder_with_a_same_size_file_of_a_later_save_is_refused(
                 f"{record['fingerprints'][name][:16]}): a dcp.save into the same folder that "
                 f"did not finish, or a file of another checkpoint, so its files may mix two "
                 f"saves. Save the checkpoint again (or resume from an earlier one)")
-    for res in run_ranks(_resume_worker, 2, str(folder)):
+    for res in run_ranks(resume_worker, 2, str(folder)):
         assert res["error"] == expected
         assert res["unchanged"], "the model changed although the load was refused"
     # load_weights names the strategy that refused it (reading DCP folders)
@@ -121,7 +97,7 @@ def test_a_copied_committed_folder_loads_the_committed_state(
     for f in copy.iterdir():
         os.utime(f, (1_000_000_000, 1_000_000_000))
         assert f.stat().st_ino != (committed / f.name).stat().st_ino
-    two = run_ranks(_resume_worker, 2, str(copy))
+    two = run_ranks(resume_worker, 2, str(copy))
     assert [r["error"] for r in two] == [None, None]
     _assert_is(two[0]["full"], state_a)
     assert run_ranks(_load_weights_error, 1, str(copy)) == [None]
@@ -137,7 +113,7 @@ def test_a_commit_record_from_before_fingerprints_still_loads(
     assert sorted(record["fingerprints"]) == sorted(record["files"])
     del record["fingerprint"], record["fingerprints"]
     (folder / COMMIT).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    res = run_ranks(_resume_worker, 1, str(folder))[0]
+    res = run_ranks(resume_worker, 1, str(folder))[0]
     assert res["error"] is None and res["opt"] > 0
     _assert_is(res["full"], state_a)
 

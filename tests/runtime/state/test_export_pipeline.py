@@ -28,15 +28,10 @@ from hyperrecipe.runtime.state.export import (
     ExportItem,
     write_safetensors,
 )
+from tests.support.checkpoint_harness import applied
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
-
-
-def _applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
-    model = llama(device)
-    plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
-    return model, apply(model, plan, mesh_1d(world), mode="production")
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -190,12 +185,12 @@ def test_the_manifest_names_its_digest_and_an_unknown_one_is_refused(tmp_path: P
 
 
 def _export_worker(rank: int, world: int, folder: str) -> None:
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.save_pretrained(folder)
 
 
 def _load_weights_worker(rank: int, world: int, source: str) -> str | None:
-    model, inst = _applied(world, "meta")
+    model, inst = applied(world, "meta")
     try:
         inst.load_weights(source)
     except WeightLoadError as exc:
@@ -228,7 +223,7 @@ def test_a_first_format_sha256_manifest_still_verifies_and_refuses(tmp_path: Pat
 def _threads_after_export_worker(rank: int, world: int, folder: str) -> list[str]:
     import threading
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.save_pretrained(folder)
     return [t.name for t in threading.enumerate() if t.is_alive()]
 
@@ -246,7 +241,7 @@ def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str
     raising. That rank then stays alive outside the collectives (as a rank handling its error
     would), longer than ``collective_timeout_s``: its peers must not wait for the process
     group's timeout."""
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.collective_timeout_s = 2.0
     with torch.no_grad():
         for p in model.parameters():

@@ -19,36 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError, WeightLoadError
-from tests.support.runtime_harness import ROOT, llama, mesh_1d
-
-LLAMA = str(ROOT / "recipes/llama.yaml")
-
-
-class _Hostile:
-    """Unpickles to ``os.system("touch <marker>")``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
-
-
-def _applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
-    model = llama(device)
-    plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
-    return model, apply(model, plan, mesh_1d(world), mode="production")
+from tests.support.checkpoint_harness import Hostile, applied, resume_worker
+from tests.support.runtime_harness import llama
 
 
 def _save_dcp(rank: int, world: int, ckpt: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
     opt.step()
@@ -89,7 +70,7 @@ def _plain_metadata_runs(folder: Path) -> None:
 
 
 def _load_weights_worker(rank: int, world: int, source: str) -> dict[str, Any]:
-    model, inst = _applied(world, "meta")
+    model, inst = applied(world, "meta")
     try:
         inst.load_weights(source)
     except WeightLoadError as exc:
@@ -102,7 +83,7 @@ def test_a_hostile_dcp_metadata_is_refused_by_load_weights_without_running(
         dcp_folder: Path, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     bad = _copy(dcp_folder, tmp_path / "bad")
-    (bad / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    (bad / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
     results = run_ranks(_load_weights_worker, 2, str(bad))
     assert not marker.exists(), "loading a checkpoint ran code"
     for res in results:
@@ -112,23 +93,9 @@ def test_a_hostile_dcp_metadata_is_refused_by_load_weights_without_running(
     assert marker.exists(), "the hostile file is real: torch's plain reader runs it"
 
 
-def _resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    model, inst = _applied(world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()
-              if isinstance(v, torch.Tensor)}
-    try:
-        inst.load_checkpoint(ckpt, opt)
-    except WeightLoadError as exc:
-        after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        same = all(torch.equal(before[k], after[k]) for k in before)
-        return {"error": str(exc), "unchanged": same}
-    return {"error": None, "full": inst.full_state_dict(), "opt": len(opt.state)}
-
-
 def test_load_checkpoint_resumes_what_dcp_save_wrote(dcp_folder: Path) -> None:
-    two = run_ranks(_resume_worker, 2, str(dcp_folder))
-    one = run_ranks(_resume_worker, 1, str(dcp_folder))[0]
+    two = run_ranks(resume_worker, 2, str(dcp_folder))
+    one = run_ranks(resume_worker, 1, str(dcp_folder))[0]
     assert two[0]["error"] is None and one["error"] is None
     assert one["opt"] > 0, "the optimizer's state came back"
     for name, value in two[0]["full"].items():
@@ -139,8 +106,8 @@ def test_a_hostile_dcp_metadata_is_refused_on_the_resume_path(dcp_folder: Path,
                                                               tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     bad = _copy(dcp_folder, tmp_path / "bad")
-    (bad / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
-    for res in run_ranks(_resume_worker, 2, str(bad)):
+    (bad / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    for res in run_ranks(resume_worker, 2, str(bad)):
         assert "refused: the pickle names posix.system" in res["error"]
         assert res["unchanged"]
     assert not marker.exists()
@@ -159,7 +126,7 @@ def _hostile_bytes_entry(folder: Path, marker: Path) -> str:
                 if isinstance(v, BytesStorageMetadata))
     index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == name)
     buf = io.BytesIO()
-    torch.save(_Hostile(marker), buf)
+    torch.save(Hostile(marker), buf)
     data = folder / info.relative_path
     offset = data.stat().st_size
     with open(data, "ab") as f:
@@ -177,7 +144,7 @@ def test_a_hostile_non_tensor_entry_is_refused_on_the_resume_path(dcp_folder: Pa
     marker = tmp_path / "ran"
     bad = _copy(dcp_folder, tmp_path / "bad")
     name = _hostile_bytes_entry(bad, marker)
-    for res in run_ranks(_resume_worker, 2, str(bad)):
+    for res in run_ranks(resume_worker, 2, str(bad)):
         assert f"refused the non-tensor entry {name!r}: it is not plain data" in res["error"]
         assert res["unchanged"]
     assert not marker.exists()
@@ -200,7 +167,7 @@ def test_a_safetensors_folder_that_does_not_fit_is_not_read_as_dcp(
     state = load_file(str(folder / "model.safetensors"))
     save_file({**state, "extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    (folder / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    (folder / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
     res = run_ranks(_load_weights_worker, 1, str(folder))[0]
     assert not marker.exists()
     assert res["error"].startswith("safetensors: the checkpoint does not fit the model")
@@ -294,7 +261,7 @@ def test_truncated_and_corrupt_dcp_storage_is_a_project_error(dcp_folder: Path,
 
 
 def _load_state_worker(rank: int, world: int) -> dict[str, Any]:
-    model, inst = _applied(world)
+    model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = inst.full_state_dict()
     doubled = {k: v * 2 for k, v in before.items()}
@@ -330,7 +297,7 @@ def _export_worker(rank: int, world: int, folder: str, shard_bytes: list[int],
     the first; with ``limit``, the writer's file size limit (``ulimit -f``) for the last."""
     import resource
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     fulls = []
     for i, max_shard_bytes in enumerate(shard_bytes):
         if i:
@@ -348,7 +315,7 @@ def _export_worker(rank: int, world: int, folder: str, shard_bytes: list[int],
 
 
 def _load_full_worker(rank: int, world: int, folder: str) -> dict[str, torch.Tensor]:
-    model, inst = _applied(world, "meta")
+    model, inst = applied(world, "meta")
     inst.load_weights(folder)
     return inst.full_state_dict()
 
@@ -400,7 +367,7 @@ def test_an_export_that_fails_on_the_writer_leaves_the_previous_export_exactly(
 
 
 def _mixed_load_worker(rank: int, world: int, sources: list[str]) -> dict[str, Any]:
-    model, inst = _applied(world, "meta")
+    model, inst = applied(world, "meta")
     try:
         inst.load_weights(sources[rank])
     except WeightLoadError as exc:
@@ -489,7 +456,7 @@ def _save_checkpoint_worker(rank: int, world: int, folder: str, how: str) -> dic
 
     import torch.distributed.checkpoint as dcp
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inst.save_checkpoint(folder, opt)
     ids = torch.arange(8).view(1, 8)
@@ -509,7 +476,7 @@ def _save_checkpoint_worker(rank: int, world: int, folder: str, how: str) -> dic
 
 
 def _resume_error(rank: int, world: int, folder: str) -> str | None:
-    return _resume_worker(rank, world, folder)["error"]
+    return resume_worker(rank, world, folder)["error"]
 
 
 @pytest.mark.parametrize("how", ["limited", "plain"])
@@ -537,7 +504,7 @@ def test_save_checkpoint_then_load_checkpoint_resumes(tmp_path: Path) -> None:
 
 
 def _commit_only_worker(rank: int, world: int, folder: str) -> None:
-    model, inst = _applied(world)
+    model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inst.save_checkpoint(folder, opt)
 
