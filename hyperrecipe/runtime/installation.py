@@ -135,8 +135,10 @@ class Installation:
         (production: state dicts of local shards as DTensors; both: the optimizer's hooks,
         fused parameters' state replicated for DCP; validate: a step of torch's multi-tensor
         kernels over mixed DTensor / plain parameters refused by name; both:
-        ``model.load_state_dict``'s checks, the DDP guard and, for a plan that shards, torch's
-        ``clip_grad_norm_`` routed to :meth:`grad_norm`). ``restore()`` removes them.
+        ``model.load_state_dict``'s checks, the DDP guard, the check that a model-parallel
+        group's ranks draw the same dropout (once, at the first training forward) and, for a
+        plan that shards, torch's ``clip_grad_norm_`` routed to :meth:`grad_norm`).
+        ``restore()`` removes them.
         Constructing an :class:`Installation` itself changes nothing."""
         inst = cls(model=model, plan=plan, mode=mode, rewritten=rewritten, mesh=mesh,
                    wrapper_choices=wrapper_choices, unloaded=unloaded,
