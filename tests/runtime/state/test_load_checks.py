@@ -23,7 +23,8 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import WeightLoadError
-from tests.runtime.state.test_state_trust import _applied, _load_weights_worker
+from tests.runtime.state.test_state_trust import _load_weights_worker
+from tests.support.checkpoint_harness import applied
 
 Header = dict[str, Any]
 
@@ -84,7 +85,7 @@ def _damage(header: Header, data: bytes, how: str) -> tuple[Header, bytes, str, 
 
 def _reload_worker(rank: int, world: int, good: str, bad: str) -> dict[str, Any]:
     """Load ``good``, then ``bad``: the refusal and whether the model is bit-identical."""
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.load_weights(good)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
@@ -195,7 +196,7 @@ def test_a_header_at_the_entry_bound_is_parsed_and_its_tensors_checked(
 
 
 def _reload_values_worker(rank: int, world: int, first: str, second: str) -> dict[str, Any]:
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.load_weights(first)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     inst.load_weights(second)
@@ -224,7 +225,7 @@ def _faulty_reload_worker(rank: int, world: int, folder: str, fail_at: int) -> d
     raises (no real file fails there: a file changed after its check faults the mapping)."""
     from hyperrecipe.runtime.state import weights
 
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.load_weights(folder)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     plan = weights._Safetensors.plan

@@ -26,7 +26,7 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import WeightLoadError
-from tests.runtime.state.test_state_trust import _applied
+from tests.support.checkpoint_harness import applied
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def _shorten_after_checks(folder: str, after: int) -> list[str]:
 
 
 def _shortened_worker(rank: int, world: int, folders: list[str], faulty_rank: int) -> Any:
-    model, inst = _applied(world)
+    model, inst = applied(world)
     inst.load_weights(folders[rank])
     # each rank's own shards (model.state_dict() would gather the full tensors)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
