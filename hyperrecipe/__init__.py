@@ -30,7 +30,8 @@ from hyperrecipe.errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.api import compile_recipe, load_plan, load_recipe
     from hyperrecipe.plan import Plan
-    from hyperrecipe.runtime import Installation, apply
+    from hyperrecipe.api import apply
+    from hyperrecipe.runtime import Installation
     from hyperrecipe.runtime.features.vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = [
@@ -60,7 +61,7 @@ _LAZY = {
     "load_plan": "hyperrecipe.api",
     "load_recipe": "hyperrecipe.api",
     "Plan": "hyperrecipe.plan",
-    "apply": "hyperrecipe.runtime",
+    "apply": "hyperrecipe.api",
     "Installation": "hyperrecipe.runtime",
     "vocab_parallel_cross_entropy": "hyperrecipe.runtime.features.vocab_loss",
 }

@@ -1,4 +1,5 @@
-"""The trainer-facing functions re-exported by ``hyperrecipe``: load, compile, load plans."""
+"""The trainer-facing functions re-exported by ``hyperrecipe``: load, compile (and verify), load
+plans, and apply a plan once it is verified."""
 
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ from hyperrecipe.resolve import resolve_recipe
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["compile_recipe", "load_plan", "load_recipe"]
+    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime.mode import Mode, ModeName
+
+__all__ = ["apply", "compile_recipe", "load_plan", "load_recipe"]
+
+_VERIFIED_HERE: set[str] = set()
+"""Checksums of the plans :func:`apply` verified in this process: once per plan."""
 
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
@@ -31,8 +39,16 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
 
 def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Module | ModelTree,
                    mesh_shape: Mapping[str, int], *,
-                   trust_code: bool | Sequence[str] = False) -> Plan:
-    """Compile a recipe for a model and a mesh shape into a frozen plan.
+                   trust_code: bool | Sequence[str] = False, verify: bool = True,
+                   inputs: str | None = None) -> Plan:
+    """Compile a recipe for a model and a mesh shape into a frozen plan, verified.
+
+    Verification (:mod:`hyperrecipe.verify`) runs one training step of the plan, in production
+    and validate mode, on fake tensors under torch's fake process group (a second or two for
+    a small model): a plan that would train wrong in a way shapes and placements show (a
+    partial gradient no one reduces, a sharded parameter outside every boundary, a layout
+    that does not arrive, a shape production mode cannot run) is refused here, at its recipe
+    line, and the plan records that it was verified (``plan.verification``).
 
     Args:
         recipe_or_path: a loaded :class:`Recipe`, a recipe file, or a shipped recipe's name.
@@ -43,13 +59,19 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
             declarations) from any module (``True``) or from these module prefixes; without it
             a recipe runs nothing but built-in, already imported and entry-point-declared code
             (docs/security.md).
+        verify: run the verification step (default). ``False`` returns the resolved plan
+            unverified, at your own risk: :func:`apply` then verifies it first. A
+            :class:`ModelTree` cannot run a step, so its plan is returned unverified too.
+        inputs: ``pkg.module:make_inputs`` for a model that takes neither token ids nor pixel
+            values (``make_inputs(model, batch=, seq=, generator=)`` returning ``(args,
+            kwargs)``, as ``check --inputs``).
 
     Returns:
         The plan; ``plan.save(path)`` writes it.
 
     Raises:
-        RecipeError: the recipe does not fit the model or mesh, or names code that is not
-            trusted (the message says how to opt in).
+        RecipeError: the recipe does not fit the model or mesh, names code that is not
+            trusted (the message says how to opt in), or the verification step refuses it.
         UsageError: an argument of the wrong type (a ``TypeError`` too).
 
     Example::
@@ -79,7 +101,41 @@ def compile_recipe(recipe_or_path: Recipe | str | os.PathLike[str], model: nn.Mo
         raise UsageError(msg)
     tree = model if isinstance(model, ModelTree) else snapshot(model)
     with trusting(trust_code):
-        return resolve_recipe(recipe, tree, mesh_shape)
+        plan = resolve_recipe(recipe, tree, mesh_shape)
+        if not verify or isinstance(model, ModelTree):
+            return plan
+        from hyperrecipe.verify import verify_plan
+
+        return verify_plan(model, plan, inputs=inputs)
+
+
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
+          mode: Mode | ModeName = "production", trust_code: bool | Sequence[str] = False,
+          verify: bool = True) -> Installation:
+    """Apply a compiled plan to ``model`` on this rank, verifying it first when it carries no
+    verification record that holds here (:func:`compile_recipe`'s ``verify=False``, another
+    torch or transformers, a plan from an older hyperrecipe): once per plan in a process.
+
+    Args and Returns as :func:`hyperrecipe.runtime.apply`, and:
+        verify: ``False`` skips that verification, at your own risk.
+
+    Raises:
+        RecipeError: the verification step refuses the plan (on every rank alike: the step
+            is the same everywhere), before the model is touched.
+        Everything :func:`hyperrecipe.runtime.apply` raises.
+    """
+    from hyperrecipe.runtime.install import apply as install_plan
+
+    if verify and isinstance(plan, Plan) and plan.checksum not in _VERIFIED_HERE:
+        from torch import nn as _nn
+
+        from hyperrecipe.verify import needs_verification, verify_plan
+
+        if isinstance(model, _nn.Module) and needs_verification(plan):
+            with trusting(trust_code):
+                verify_plan(model, plan)
+        _VERIFIED_HERE.add(plan.checksum)
+    return install_plan(model, plan, mesh, mode=mode, trust_code=trust_code)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

@@ -44,6 +44,7 @@ __all__ = [
     "ParamPlan",
     "Plan",
     "PLAN_FORMAT",
+    "PlanVerification",
     "Provenance",
     "RuleRef",
     "Transition",
@@ -337,6 +338,27 @@ class AdapterPlan:
 
 
 @attrs.frozen(kw_only=True)
+class PlanVerification:
+    """That one training step of the plan ran on fake tensors, in each of ``modes``, at compile
+    (:mod:`hyperrecipe.verify`), and what it ran on.
+
+    ``apply`` trusts the record only where it still describes the run at hand: the same torch
+    and transformers versions and the same model structure (``model_digest``); otherwise it
+    verifies again first. ``notes`` say what the step could not show (a data-dependent op that
+    fake tensors cannot run stops a mode early: values are ``check``'s to verify)."""
+
+    torch: str
+    transformers: str | None
+    model_digest: str
+    modes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    """The ranks whose step ran; every other rank holds the same local shapes (even shards)."""
+    inputs: str
+    """What the step was fed (``token ids [2, 16] < 128``, with the model's own loss)."""
+    notes: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class Plan:
     """A compiled recipe for one model structure and one mesh shape."""
 
@@ -357,6 +379,10 @@ class Plan:
     """The loss on vocab shards, when a boundary declares ``loss_parallel: true``."""
     grad_buckets: tuple[GradBucket, ...] = ()
     """The gradient reductions of ``params``, bucketed (:class:`GradBucket`), in launch order."""
+    verification: PlanVerification | None = None
+    """Set when the plan was verified at compile (:class:`PlanVerification`); ``None`` for a
+    plan resolved only (``compile --no-verify``, ``verify=False``): ``apply`` verifies it first.
+    Left out of the JSON when ``None``, so an unverified plan's bytes are the resolver's."""
     checksum: str = ""
     """sha256 of the plan's JSON with this field empty: catches hand edits of decisions, which
     the fingerprint (over what the plan was compiled *from*) cannot."""
@@ -574,6 +600,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(Placement, _from_text(parse_placement))
     conv.register_unstructure_hook(ArgLayout, make_dict_unstructure_fn(
         ArgLayout, conv, grad=override(omit_if_default=True)))
+    conv.register_unstructure_hook(Plan, make_dict_unstructure_fn(
+        Plan, conv, verification=override(omit_if_default=True)))
     return conv
 
 

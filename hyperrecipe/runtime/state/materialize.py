@@ -40,7 +40,17 @@ __all__ = ["BufferKeeper", "allocate_unloaded", "is_meta", "keep_non_persistent_
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank's shards live on: the mesh's device type, the current index."""
+    """The device this rank's shards live on: the mesh's device type, the current index.
+
+    Under torch's fake process group (``init_process_group("fake")``: the dry run and the
+    verification at compile) no value can ever reach another rank, so a meta-built model's
+    shards stay on the meta device whatever the mesh's type: a ``cpu`` mesh then lets
+    validate mode's DTensors run (DTensor's cost model needs a device module, which ``meta``
+    has not) while nothing is allocated."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        return torch.device("meta")
     kind = mesh.device_type
     if kind in ("cpu", "meta"):  # meta: a dry run (hyperrecipe.simulate) allocates nothing
         return torch.device(kind)

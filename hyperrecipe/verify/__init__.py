@@ -1,0 +1,33 @@
+"""Verification at compile: one training step of a plan, in both modes, on fake tensors.
+
+A plan that resolves can still train wrong: a replicated parameter whose gradient comes back
+partial where the plan reduces none, a sharded parameter that a module outside every boundary
+reads as if it were whole, a declared layout that does not arrive, a shape production mode
+cannot run. Shapes and placements show each of these before the first real step, so
+``compile`` runs one: forward, the model's own loss and backward, in production and in
+validate mode, on the meta device under torch's fake process group, in this process (or, where
+the process already has a process group, in a forked child with a world of its own). A failure
+becomes a :class:`~hyperrecipe.errors.RecipeError` at the recipe line responsible.
+
+What fake tensors cannot show (values, 16-bit computation inside an fp32 model, data-dependent
+routing) stays ``hyperrecipe check``'s job; docs/verification.md draws the line.
+
+Modules:
+
+- :mod:`~hyperrecipe.verify.static`: the findings the plan alone shows (a sharded parameter
+  outside every boundary, through a tie too);
+- :mod:`~hyperrecipe.verify.step`: one training step of one rank in one mode, and the module
+  that was running when it failed;
+- :mod:`~hyperrecipe.verify.findings`: a failure turned into a located ``RecipeError``, or into
+  a note when fake tensors cannot run the op (data-dependent);
+- :mod:`~hyperrecipe.verify.isolate`: a fresh fake world, in this process or a forked child;
+- :mod:`~hyperrecipe.verify.run`: :func:`verify_plan`, the order of the above and the record
+  the plan keeps (:class:`~hyperrecipe.plan.PlanVerification`).
+
+What does not live here: the sharding itself (:mod:`hyperrecipe.runtime`), the comparison of
+values with one process (:mod:`hyperrecipe.check`).
+"""
+
+from hyperrecipe.verify.run import needs_verification, verify_plan
+
+__all__ = ["needs_verification", "verify_plan"]

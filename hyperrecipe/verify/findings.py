@@ -1,0 +1,151 @@
+"""A failed verification step, turned into an error at the recipe line responsible.
+
+The runtime's own errors name what they concern first (``model.layers.0.self_attn.k_norm.weight:
+its gradient comes back partial ...``; a ``PlacementMismatchError`` or a validate-mode refusal
+carries its module as ``fqn``). A raw torch error from production mode (a shape that does not
+fit the shards) carries nothing, so the step records the module that was running. Either way
+the name is mapped to the plan's provenance: a parameter's placing rule, else the innermost
+boundary around the module, else the recipe's first rule.
+
+Fake tensors have no values: an op whose output shape depends on them (``nonzero``, ``.item()``,
+a routing table read back to the host) cannot run. That is no finding about the recipe; the
+step stops there and the plan notes what was left to ``check``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hyperrecipe.errors import HyperrecipeError, RecipeError, SourceSpan
+from hyperrecipe.plan import Plan, Provenance
+
+__all__ = ["Failure", "data_dependent", "recipe_error_at", "recipe_error_for"]
+
+_NO_VALUES = (
+    "cannot be called on meta tensors",
+    "Cannot copy out of meta tensor",
+    "data-dependent",
+    "DataDependentOutputException",
+    "_local_scalar_dense",
+    "aten::nonzero",
+    "aten.nonzero",
+    "aten::_unique",
+    "aten::bincount",
+    "aten::masked_select",
+    "meta tensors have no data",
+    "is_nonzero",
+)
+"""Words of the errors an op raises on the meta device because it needs values."""
+
+
+@attrs.frozen(kw_only=True)
+class Failure:
+    """How one mode's step failed: the exception's type and text, the module that was running
+    (innermost first; empty in backward), and the phase."""
+
+    mode: str
+    phase: str
+    error_type: str
+    message: str
+    modules: tuple[str, ...]
+    named: str | None
+    """What the error itself names first (a parameter or module of the plan), if anything."""
+    project_error: bool
+    """Raised by hyperrecipe on purpose (a refusal), not by torch or the model."""
+
+
+def data_dependent(failure: Failure) -> bool:
+    """The op needed values the meta device does not have: no finding about the recipe."""
+    return not failure.project_error and any(w in failure.message for w in _NO_VALUES)
+
+
+def named_in(exc: BaseException, plan: Plan | None, modules: set[str]) -> str | None:
+    """The plan's parameter or the model's module an error names first (``fqn`` attribute, or
+    the text before its first ``": "``)."""
+    fqn = getattr(exc, "fqn", None)
+    if isinstance(fqn, str) and fqn:
+        return fqn
+    head = str(exc).split(": ", 1)[0].strip()
+    params = {p.fqn for p in plan.params} if plan is not None else set()
+    return head if head in params or head in modules else None
+
+
+def is_project_error(exc: BaseException) -> bool:
+    return isinstance(exc, HyperrecipeError)
+
+
+def _provenance(plan: Plan, fqn: str) -> Provenance | None:
+    """The recipe position that decided ``fqn``: a parameter's placing rule (a rule's own
+    position before the recipe-wide `unclaimed:` default), else the innermost boundary that
+    is or encloses the module, else the rule placing a parameter of the module."""
+    by_param = {p.fqn: p for p in plan.params}
+    chain: list[str] = []
+    if fqn in by_param:
+        p = by_param[fqn]
+        ruled = [v for v in p.provenance if v.rule_index >= 0]
+        if ruled or p.provenance:
+            return (ruled or list(p.provenance))[-1]
+        chain = [p.module]
+    else:
+        chain = [fqn]
+    boundaries = {b.fqn: b for b in plan.boundaries}
+    module = chain[0]
+    while True:
+        if module in boundaries and boundaries[module].provenance:
+            return boundaries[module].provenance[-1]
+        owned = [p for p in plan.params if p.module == module and p.provenance]
+        if owned:
+            ruled = [v for v in owned[0].provenance if v.rule_index >= 0]
+            return (ruled or list(owned[0].provenance))[-1]
+        if not module:
+            return None
+        module = module.rpartition(".")[0]
+
+
+def _span(plan: Plan, fqn: str | None) -> tuple[SourceSpan | None, str]:
+    where = _provenance(plan, fqn) if fqn is not None else None
+    if where is not None and where.file and where.line > 0:
+        path = f"$.rules[{where.rule_index}]" if where.rule_index >= 0 else "$"
+        return SourceSpan(path=where.file, line=where.line, column=max(where.column, 1)), path
+    active = [r for r in plan.rules if r.active]
+    if active:
+        first = active[0]
+        return (SourceSpan(path=first.file, line=first.line, column=max(first.column, 1)),
+                f"$.rules[{first.index}]")
+    return None, "$"
+
+
+def recipe_error_at(plan: Plan, fqn: str | None, problem: str, *, hint: str = "") -> RecipeError:
+    """A :class:`RecipeError` located at the recipe position that decided ``fqn``."""
+    span, path = _span(plan, fqn)
+    return RecipeError(problem, span=span, path=path, hint=hint)
+
+
+_FIXES = {
+    "PlacementMismatchError": "declare the layout the module really produces, or change the "
+                              "placements that make it",
+    "ValidateShardingError": "",
+    "ValidateUnsupportedError": "",
+    "PlanMismatchError": "",
+}
+
+
+def recipe_error_for(plan: Plan, failure: Failure) -> RecipeError:
+    """The finding of one failed step, at the recipe line responsible."""
+    module = failure.named or (failure.modules[0] if failure.modules else None)
+    where = (f" in {failure.modules[0]}" if failure.modules and failure.modules[0] != module
+             else "")
+    if failure.project_error:
+        problem = (f"verification ({failure.mode} mode, one training step on fake tensors) "
+                   f"refused the plan{where}: {failure.message}")
+        hint = _FIXES.get(failure.error_type, "")
+    else:
+        running = (f"while {failure.modules[0]} ran its {failure.phase}" if failure.modules
+                   else f"in the {failure.phase}")
+        problem = (f"verification: {failure.mode} mode cannot run one training step of this "
+                   f"plan: {failure.error_type} {running}: {failure.message}")
+        hint = ("the module computes a shape the shards do not fit: a width or head count read "
+                "off the input or fixed in a layer (einops `h=`), not divided by the plan; "
+                "gather its input (`in_dst: replicate`) or compute it whole, or shard what it "
+                "reads (docs/cookbook.md)")
+    return recipe_error_at(plan, module, problem, hint=hint)

@@ -1,0 +1,163 @@
+"""``verify_plan``: the plan-only findings, then one step per mode, then the record.
+
+Ranks: every parameter's local shape and every boundary's layouts are the same on every rank
+(shards are even: the resolver checks divisibility), so one rank's step stands for all; rank 0
+runs. What differs between ranks is values (offsets of a vocab shard, a causal mask's offset
+under context parallelism), which fake tensors do not have anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from torch import nn
+
+from hyperrecipe.errors import ModelSpecError
+from hyperrecipe.plan import Plan, PlanVerification
+from hyperrecipe.verify.findings import Failure, data_dependent, recipe_error_for
+from hyperrecipe.verify.isolate import in_fake_world
+from hyperrecipe.verify.static import refuse_sharded_outside_boundaries
+
+__all__ = ["MODES", "library_versions", "needs_verification", "verify_plan"]
+
+MODES = ("production", "validate")
+"""Both modes run: production shows the shapes its local shards and precompiled collectives
+cannot run; validate shows placements (a partial gradient nobody reduces, a layout that does
+not arrive) that production's plain tensors cannot."""
+
+
+def library_versions() -> tuple[str, str | None]:
+    """torch's version, and transformers' where it is installed (the record's key)."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        transformers: str | None = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    return str(torch.__version__), transformers
+
+
+def needs_verification(plan: Plan, model_digest: str | None = None) -> bool:
+    """Whether ``plan`` carries no verification record that holds here: none, or one made with
+    another torch or transformers, or for another model structure."""
+    record = plan.verification
+    if record is None:
+        return True
+    torch_version, transformers = library_versions()
+    digest = plan.model_digest if model_digest is None else model_digest
+    return (record.torch, record.transformers, record.model_digest) != (
+        torch_version, transformers, digest)
+
+
+def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str]) -> list[Any]:
+    """The reference step (no plan, one process), then one step per mode: JSON-able, so that a
+    forked child can send them back."""
+    from hyperrecipe.verify.step import run_reference, run_step
+
+    reference = run_reference(model, sample)
+    out: list[Any] = [None if reference is None else attrs.asdict(reference)]
+    for mode in modes:
+        failure = run_step(model, plan, mode, 0, sample)
+        out.append(None if failure is None else attrs.asdict(failure))
+        if failure is not None and failure.project_error and mode != "validate":
+            break  # the finding is enough; the other mode would only repeat it
+    return out
+
+
+def _unwraps_dtensors(model: nn.Module, failure: Failure) -> str | None:
+    """The failing module, when its own forward takes its DTensor parameters apart
+    (torchtitan's vocab-parallel ``Embedding``): validate mode cannot see into it, which is a
+    limit of validate mode, not a finding about the recipe (production mode runs the plan's
+    own compute there)."""
+    import inspect
+
+    name = failure.named or (failure.modules[0] if failure.modules else None)
+    if name is None:
+        return None
+    try:
+        module = model.get_submodule(name)
+        source = inspect.getsource(type(module).forward)
+    except (AttributeError, OSError, TypeError):
+        return None
+    return name if "to_local(" in source else None
+
+
+def _failure(data: dict[str, Any]) -> Failure:
+    return Failure(**{**data, "modules": tuple(data["modules"])})
+
+
+def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
+                modes: Sequence[str] = MODES) -> Plan:
+    """Run one training step of ``plan`` on fake tensors in each of ``modes`` and return the
+    plan with its :class:`~hyperrecipe.plan.PlanVerification` record (sealed again).
+
+    Args:
+        model: the model the plan was compiled for, built on the meta device (a real one is
+            copied to meta: no values are read).
+        plan: the resolved plan.
+        inputs: ``pkg.module:make_inputs`` for a model that takes neither token ids nor pixel
+            values (called as ``check --inputs`` calls it).
+        modes: the modes to run (both by default).
+
+    Raises:
+        RecipeError: the step refuses the plan, at the recipe line responsible.
+    """
+    from hyperrecipe.verify.step import float_grouped_experts, step_sample, uses_own_loss
+
+    refuse_sharded_outside_boundaries(plan)
+    torch_version, transformers = library_versions()
+    try:
+        sample = step_sample(model, plan, inputs)
+    except ModelSpecError as exc:
+        note = (f"no step ran: {exc} (verification feeds what `check` feeds; pass "
+                f"inputs='pkg.module:make_inputs', `--inputs` on the command line)")
+        record = PlanVerification(torch=torch_version, transformers=transformers,
+                                  model_digest=plan.model_digest, modes=(), ranks=(),
+                                  inputs="none", notes=(note,))
+        return attrs.evolve(plan, verification=record).sealed()
+    reference, *results = in_fake_world(
+        functools.partial(_steps, model, plan, sample, tuple(modes)))
+    model_fails = reference is not None
+    notes: list[str] = []
+    if float_grouped_experts(model):
+        notes.append("fused experts ran through experts_implementation='batched_mm' (the same "
+                     "shapes; grouped_mm's meta kernel takes bf16 only)")
+    if model_fails:
+        failed = _failure(reference)
+        where = f" in {failed.modules[0]}" if failed.modules else ""
+        notes.append(f"the model itself, without the plan, cannot run its step on fake tensors"
+                     f"{where} ({failed.phase}: {failed.error_type}: {failed.message[:160]}): "
+                     f"a raw error of a mode there is no finding; the rest is `check`'s to "
+                     f"verify")
+    ran: list[str] = []
+    for mode, result in zip(modes, results, strict=False):
+        if result is None:
+            ran.append(mode)
+            continue
+        failure = _failure(result)
+        opaque = _unwraps_dtensors(model, failure) if mode == "validate" else None
+        if opaque is not None:
+            notes.append(f"validate mode cannot check {opaque}: its forward unwraps its DTensor "
+                         f"parameters itself (`to_local()`), so DTensor sees none of its "
+                         f"compute; production mode ran ({failure.message[:160]})")
+            ran.append(mode)
+            continue
+        if failure.project_error or not (model_fails or data_dependent(failure)):
+            raise recipe_error_for(plan, failure)
+        if not model_fails:
+            where = f" in {failure.modules[0]}" if failure.modules else ""
+            notes.append(f"{mode} mode stopped at an op that needs values{where} "
+                         f"({failure.phase}: {failure.message[:160]}); what follows it is "
+                         f"`check`'s to verify")
+        ran.append(mode)
+    loss = "the model's own loss" if uses_own_loss(model, sample) else (
+        "mean of squares of the first output")
+    record = PlanVerification(torch=torch_version, transformers=transformers,
+                              model_digest=plan.model_digest, modes=tuple(ran), ranks=(0,),
+                              inputs=f"{sample.description}, {loss}", notes=tuple(notes))
+    return attrs.evolve(plan, verification=record).sealed()
