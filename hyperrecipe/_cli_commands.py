@@ -240,8 +240,12 @@ _COMPILE_DESCRIPTION = (
     "resolve the recipe against it and the mesh shape, and print a summary of the plan: each "
     "rule's matches, the placements, the collectives per step and the memory per rank. -o writes "
     "the plan JSON for `hyperrecipe explain` and for apply() in a trainer; --explain says which "
-    "recipe lines decided a module or parameter. Nothing runs on a device. Exit 0 on success, 2 "
-    "on errors (recipe errors name file:line:col and the rule).")
+    "recipe lines decided a module or parameter. The plan is then verified: one training step "
+    "(forward, the model's own loss, backward) in production and validate mode on fake tensors "
+    "under torch's fake process group, in this process, so that a plan that would train wrong in "
+    "a way shapes and placements show is refused at its recipe line (--no-verify skips it, at "
+    "your own risk; apply() then verifies first; docs/verification.md). Nothing runs on a "
+    "device. Exit 0 on success, 2 on errors (recipe errors name file:line:col and the rule).")
 _EXPLAIN_DESCRIPTION = (
     "Say why each parameter and boundary whose FQN matches the pattern was placed as it is, from "
     "a plan saved with `hyperrecipe compile -o`: its placements, local and global shapes, and "
@@ -274,6 +278,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="text summary (default) or the plan JSON on stdout")
     c.add_argument("--explain", metavar="FQN_GLOB",
                    help="say which rules decided each matching parameter/boundary and why")
+    c.add_argument("--no-verify", action="store_true",
+                   help="skip the verification step: the plan is written unverified, at your own "
+                        "risk, and apply() verifies it first")
+    c.add_argument("--inputs", metavar="PKG.MOD:FN",
+                   help="make_inputs(model, batch=, seq=, generator=) -> (args, kwargs), for "
+                        "models verification makes no batch for (as check --inputs)")
     _add_trust(c)
     e = sub.add_parser("explain", help="explain decisions recorded in a saved plan",
                        description=_EXPLAIN_DESCRIPTION)
@@ -405,6 +415,11 @@ def _compile(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     plan = resolve_recipe(recipe, tree, args.mesh)
     t2 = time.perf_counter()
+    if not args.no_verify:
+        from hyperrecipe.verify import verify_plan
+
+        plan = verify_plan(model, plan, inputs=args.inputs)
+    t3 = time.perf_counter()
     if args.output:
         try:
             plan.save(args.output)
@@ -419,9 +434,24 @@ def _compile(args: argparse.Namespace) -> int:
         print(explain(plan, args.explain), end="")
         return 0
     print(summary(plan), end="")
+    print(_verification_line(plan, t3 - t2))
     print(f"model built on meta in {t1 - t0:.2f} s ({len(tree.modules)} modules); resolved in "
           f"{(t2 - t1) * 1000:.1f} ms" + (f"; plan written to {args.output}" if args.output else ""))
     return 0
+
+
+def _verification_line(plan: object, seconds: float) -> str:
+    from hyperrecipe.plan import Plan
+
+    assert isinstance(plan, Plan)
+    record = plan.verification
+    if record is None:
+        return "verification: skipped (--no-verify): apply() verifies the plan first"
+    if not record.modes:
+        return "verification: no step ran: " + "; ".join(record.notes)
+    text = (f"verified: one training step in {' and '.join(record.modes)} mode on fake tensors "
+            f"(rank {', '.join(map(str, record.ranks))}; {record.inputs}) in {seconds:.2f} s")
+    return "\n".join([text, *(f"  note: {n}" for n in record.notes)])
 
 
 def _check(args: argparse.Namespace, started: float) -> int:

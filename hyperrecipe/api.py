@@ -126,16 +126,31 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     """
     from hyperrecipe.runtime.install import apply as install_plan
 
-    if verify and isinstance(plan, Plan) and plan.checksum not in _VERIFIED_HERE:
-        from torch import nn as _nn
+    if verify and _fits(model, plan, mesh) and plan.checksum not in _VERIFIED_HERE:
+        import torch.distributed as dist
 
         from hyperrecipe.verify import needs_verification, verify_plan
 
-        if isinstance(model, _nn.Module) and needs_verification(plan):
+        if needs_verification(plan):
             with trusting(trust_code):
-                verify_plan(model, plan)
+                verify_plan(model, plan, mesh=mesh if dist.is_initialized() else None)
         _VERIFIED_HERE.add(plan.checksum)
     return install_plan(model, plan, mesh, mode=mode, trust_code=trust_code)
+
+
+def _fits(model: object, plan: object, mesh: object) -> bool:
+    """Whether verification can run for these arguments: a model of the plan's structure and
+    a mesh of its shape. Anything else is refused by the runtime's ``apply``, with its own
+    message (a wrong model is no finding about the recipe)."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not (isinstance(model, nn.Module) and isinstance(plan, Plan)
+            and isinstance(mesh, DeviceMesh)):
+        return False
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = {n: mesh.size(i) for i, n in enumerate(names)}
+    return shape == plan.mesh_shape and snapshot(model).digest() == plan.model_digest
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

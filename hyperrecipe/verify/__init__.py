@@ -5,8 +5,8 @@ partial where the plan reduces none, a sharded parameter that a module outside e
 reads as if it were whole, a declared layout that does not arrive, a shape production mode
 cannot run. Shapes and placements show each of these before the first real step, so
 ``compile`` runs one: forward, the model's own loss and backward, in production and in
-validate mode, on the meta device under torch's fake process group, in this process (or, where
-the process already has a process group, in a forked child with a world of its own). A failure
+validate mode, on a meta copy of the model under torch's fake process group (or, in a job
+that already has a process group, on its own mesh, every rank together). A failure
 becomes a :class:`~hyperrecipe.errors.RecipeError` at the recipe line responsible.
 
 What fake tensors cannot show (values, 16-bit computation inside an fp32 model, data-dependent
@@ -20,7 +20,8 @@ Modules:
   that was running when it failed;
 - :mod:`~hyperrecipe.verify.findings`: a failure turned into a located ``RecipeError``, or into
   a note when fake tensors cannot run the op (data-dependent);
-- :mod:`~hyperrecipe.verify.isolate`: a fresh fake world, in this process or a forked child;
+- :mod:`~hyperrecipe.verify.isolate`: the world the step runs in (the fake process group, or
+  the job's own);
 - :mod:`~hyperrecipe.verify.run`: :func:`verify_plan`, the order of the above and the record
   the plan keeps (:class:`~hyperrecipe.plan.PlanVerification`).
 

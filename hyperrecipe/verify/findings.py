@@ -75,17 +75,19 @@ def is_project_error(exc: BaseException) -> bool:
 
 
 def _provenance(plan: Plan, fqn: str) -> Provenance | None:
-    """The recipe position that decided ``fqn``: a parameter's placing rule (a rule's own
-    position before the recipe-wide `unclaimed:` default), else the innermost boundary that
-    is or encloses the module, else the rule placing a parameter of the module."""
+    """The recipe position that decided ``fqn``: a parameter's placing rule; for a parameter
+    that only the recipe-wide default placed, and for a module, the innermost boundary that is
+    or encloses it (the rule a fix amends), else the rule placing a parameter of the module,
+    else the recipe-wide default."""
     by_param = {p.fqn: p for p in plan.params}
     chain: list[str] = []
     if fqn in by_param:
         p = by_param[fqn]
         ruled = [v for v in p.provenance if v.rule_index >= 0]
-        if ruled or p.provenance:
-            return (ruled or list(p.provenance))[-1]
-        chain = [p.module]
+        if ruled:
+            return ruled[-1]
+        # placed by the recipe-wide default: the boundary it computes in is the rule to amend
+        chain = [p.boundary if p.boundary is not None else p.module]
     else:
         chain = [fqn]
     boundaries = {b.fqn: b for b in plan.boundaries}
@@ -98,12 +100,19 @@ def _provenance(plan: Plan, fqn: str) -> Provenance | None:
             ruled = [v for v in owned[0].provenance if v.rule_index >= 0]
             return (ruled or list(owned[0].provenance))[-1]
         if not module:
-            return None
+            break
         module = module.rpartition(".")[0]
+    placed = by_param[fqn].provenance if fqn in by_param else ()
+    return placed[-1] if placed else None
 
 
 def _span(plan: Plan, fqn: str | None) -> tuple[SourceSpan | None, str]:
     where = _provenance(plan, fqn) if fqn is not None else None
+    rule = next((r for r in plan.rules if where is not None and r.file == where.file
+                 and r.index == where.rule_index), None)
+    if rule is not None:  # the rule's own line (its `match:`), not the field's
+        return (SourceSpan(path=rule.file, line=rule.line, column=max(rule.column, 1)),
+                f"$.rules[{rule.index}]")
     if where is not None and where.file and where.line > 0:
         path = f"$.rules[{where.rule_index}]" if where.rule_index >= 0 else "$"
         return SourceSpan(path=where.file, line=where.line, column=max(where.column, 1)), path

@@ -1,76 +1,73 @@
-"""A world where the fake process group can be the default group.
+"""The world the verification step runs in: the fake process group, or the job's own.
 
-``init_process_group("fake")`` needs a process without a default group. ``compile`` on the
-command line, ``compile_recipe`` before ``init_process_group`` and ``suggest`` have none, and
-run in this process. A trainer that compiles on its ranks, or applies a plan no one verified,
-already has one: the step then runs in a forked child, whose copy of torch's process-group
-registry is replaced by an empty one (``distributed_c10d._world``, torch's documented
-extension point for that registry) before it makes its own. The child shares nothing back but
-its findings as JSON; the parent's group, model and every process-wide state stay untouched.
+``compile`` on the command line, ``compile_recipe`` before ``init_process_group`` and
+``suggest`` have no process group: the step makes torch's fake one (``init_process_group(
+"fake")``: collectives return at once) and a ``cpu`` mesh of the plan's shape (validate mode's
+DTensors need a device type with a device module: DTensor's cost model asks it for the devices
+per host; ``meta`` has none), and tears both down after.
+
+A trainer that compiles on its ranks, or applies a plan no one verified, already has a group,
+and a process holds one default group at a time. There the step runs on the job's own mesh
+(``apply``'s) or on one made over the job's group, as ``apply`` itself does: every rank of the
+job verifies together, the same step on the same shapes. Either way the model is a meta copy
+and its shards stay on the meta device (:func:`~hyperrecipe.runtime.state.materialize.
+shards_on_meta`), and a collective on meta tensors returns without communicating, real group or
+fake: the only values exchanged are ``apply``'s own agreement digests.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from hyperrecipe.errors import UsageError
+from hyperrecipe.plan import Plan
 
-__all__ = ["in_fake_world"]
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["verification_world"]
 
 
-def in_fake_world(fn: Callable[[], Any]) -> Any:
-    """``fn()`` (returning JSON-able data) where this process may make the fake default group.
+@contextlib.contextmanager
+def verification_world(plan: Plan, mesh: DeviceMesh | None = None) -> Iterator[DeviceMesh]:
+    """A mesh of the plan's shape to run the step on, with shards kept on the meta device.
+
+    Args:
+        plan: the plan (its mesh names and sizes).
+        mesh: the job's mesh, when ``apply`` verifies (used as it is).
 
     Raises:
-        UsageError: a process group exists and this platform cannot fork (compile before
-            ``init_process_group``, or pass ``verify=False``).
-        Whatever ``fn`` raised (in the forked child: a ``HyperrecipeError`` of the same text).
+        UsageError: this process has a process group whose world is not the plan's mesh (the
+            step cannot run on it; compile in a process of its own, ``hyperrecipe compile``).
     """
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    if not dist.is_initialized():
-        return fn()
-    if not hasattr(os, "fork"):
-        msg = ("verification runs its own fake process group and this process already has one, "
-               "and this platform cannot fork: compile the plan before init_process_group "
-               "(`hyperrecipe compile -o plan.json`), or pass verify=False at your own risk")
-        raise UsageError(msg)
-    return _in_forked_child(fn)
+    from hyperrecipe.runtime.state.materialize import shards_on_meta
 
-
-def _in_forked_child(fn: Callable[[], Any]) -> Any:
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child; its result is asserted through the parent
-        os.close(read_end)
-        code = 0
-        try:
-            from torch.distributed import distributed_c10d
-
-            distributed_c10d._world = distributed_c10d._World()
-            payload = {"result": fn()}
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-            payload = {"error": type(exc).__name__, "message": str(exc)}
-            code = 1
-        data = json.dumps(payload).encode()
-        with os.fdopen(write_end, "wb") as out:
-            out.write(data)
-        os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    try:
-        payload = json.loads(data.decode() or "{}")
-    except ValueError:
-        payload = {}
-    if "result" in payload:
-        return payload["result"]
-    from hyperrecipe.errors import HyperrecipeError
-
-    detail = payload.get("message") or "the verification child died without a word"
-    raise HyperrecipeError(f"verification failed in its forked child: "
-                           f"{payload.get('error', 'exit')}: {detail}")
+    shape = plan.mesh_shape
+    world = math.prod(shape.values())
+    with shards_on_meta():
+        if not dist.is_initialized():
+            dist.init_process_group("fake", rank=0, world_size=world)
+            try:
+                yield init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+            finally:
+                dist.destroy_process_group()
+            return
+        if mesh is not None:
+            yield mesh
+            return
+        if dist.get_world_size() != world:
+            here = ",".join(f"{k}={v}" for k, v in shape.items())
+            msg = (f"verification runs the plan's step on this job's process group, which has "
+                   f"{dist.get_world_size()} ranks, but the plan's mesh {here} has {world}: "
+                   f"compile it in a process of its own (`hyperrecipe compile ... -o plan.json`, "
+                   f"or compile_recipe before init_process_group), on a job of {world} ranks "
+                   f"(every rank, as apply), or pass verify=False at your own risk")
+            raise UsageError(msg)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        yield init_device_mesh(device, tuple(shape.values()), mesh_dim_names=tuple(shape))

@@ -8,9 +8,8 @@ under context parallelism), which fake tensors do not have anyway.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import nn
@@ -18,8 +17,11 @@ from torch import nn
 from hyperrecipe.errors import ModelSpecError
 from hyperrecipe.plan import Plan, PlanVerification
 from hyperrecipe.verify.findings import Failure, data_dependent, recipe_error_for
-from hyperrecipe.verify.isolate import in_fake_world
+from hyperrecipe.verify.isolate import verification_world
 from hyperrecipe.verify.static import refuse_sharded_outside_boundaries
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MODES", "library_versions", "needs_verification", "verify_plan"]
 
@@ -54,19 +56,24 @@ def needs_verification(plan: Plan, model_digest: str | None = None) -> bool:
         torch_version, transformers, digest)
 
 
-def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str]) -> list[Any]:
-    """The reference step (no plan, one process), then one step per mode: JSON-able, so that a
-    forked child can send them back."""
+def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
+           mesh: DeviceMesh | None) -> tuple[Failure | None, list[Failure | None], int]:
+    """The reference step (no plan, one process), then one step per mode, and the rank that
+    ran them."""
+    import torch.distributed as dist
+
     from hyperrecipe.verify.step import run_reference, run_step
 
     reference = run_reference(model, sample)
-    out: list[Any] = [None if reference is None else attrs.asdict(reference)]
-    for mode in modes:
-        failure = run_step(model, plan, mode, 0, sample)
-        out.append(None if failure is None else attrs.asdict(failure))
-        if failure is not None and failure.project_error and mode != "validate":
-            break  # the finding is enough; the other mode would only repeat it
-    return out
+    out: list[Failure | None] = []
+    with verification_world(plan, mesh) as world:
+        rank = dist.get_rank()
+        for mode in modes:
+            failure = run_step(model, plan, mode, world, sample)
+            out.append(failure)
+            if failure is not None and failure.project_error and mode != "validate":
+                break  # the finding is enough; the other mode would only repeat it
+    return reference, out, rank
 
 
 def _unwraps_dtensors(model: nn.Module, failure: Failure) -> str | None:
@@ -87,12 +94,8 @@ def _unwraps_dtensors(model: nn.Module, failure: Failure) -> str | None:
     return name if "to_local(" in source else None
 
 
-def _failure(data: dict[str, Any]) -> Failure:
-    return Failure(**{**data, "modules": tuple(data["modules"])})
-
-
 def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
-                modes: Sequence[str] = MODES) -> Plan:
+                modes: Sequence[str] = MODES, mesh: DeviceMesh | None = None) -> Plan:
     """Run one training step of ``plan`` on fake tensors in each of ``modes`` and return the
     plan with its :class:`~hyperrecipe.plan.PlanVerification` record (sealed again).
 
@@ -103,6 +106,8 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
         inputs: ``pkg.module:make_inputs`` for a model that takes neither token ids nor pixel
             values (called as ``check --inputs`` calls it).
         modes: the modes to run (both by default).
+        mesh: the job's mesh, when ``apply`` verifies in a job (every rank verifies together);
+            without it, a fake process group's mesh, or one over the job's group.
 
     Raises:
         RecipeError: the step refuses the plan, at the recipe line responsible.
@@ -120,15 +125,14 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
                                   model_digest=plan.model_digest, modes=(), ranks=(),
                                   inputs="none", notes=(note,))
         return attrs.evolve(plan, verification=record).sealed()
-    reference, *results = in_fake_world(
-        functools.partial(_steps, model, plan, sample, tuple(modes)))
+    reference, results, rank = _steps(model, plan, sample, tuple(modes), mesh)
     model_fails = reference is not None
     notes: list[str] = []
     if float_grouped_experts(model):
         notes.append("fused experts ran through experts_implementation='batched_mm' (the same "
                      "shapes; grouped_mm's meta kernel takes bf16 only)")
     if model_fails:
-        failed = _failure(reference)
+        failed = reference
         where = f" in {failed.modules[0]}" if failed.modules else ""
         notes.append(f"the model itself, without the plan, cannot run its step on fake tensors"
                      f"{where} ({failed.phase}: {failed.error_type}: {failed.message[:160]}): "
@@ -139,7 +143,7 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
         if result is None:
             ran.append(mode)
             continue
-        failure = _failure(result)
+        failure = result
         opaque = _unwraps_dtensors(model, failure) if mode == "validate" else None
         if opaque is not None:
             notes.append(f"validate mode cannot check {opaque}: its forward unwraps its DTensor "
@@ -158,6 +162,6 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
     loss = "the model's own loss" if uses_own_loss(model, sample) else (
         "mean of squares of the first output")
     record = PlanVerification(torch=torch_version, transformers=transformers,
-                              model_digest=plan.model_digest, modes=tuple(ran), ranks=(0,),
+                              model_digest=plan.model_digest, modes=tuple(ran), ranks=(rank,),
                               inputs=f"{sample.description}, {loss}", notes=tuple(notes))
     return attrs.evolve(plan, verification=record).sealed()

@@ -37,7 +37,9 @@ def refuse_sharded_outside_boundaries(plan: Plan) -> None:
         dims = _sharded_dims(source)
         if not dims or p.boundary is not None:
             continue
-        through = (f", sharded through its tie to {source.fqn}" if owner is not None else "")
+        ties = sorted({q.fqn for q in plan.params if q.tied_to == source.fqn and q is not p}
+                      | ({source.fqn} if owner is not None else set()))
+        through = f", sharded through its tie to {', '.join(ties)}" if ties else ""
         problem = (f"{p.fqn} is sharded over {', '.join(dims)}{through}, but its module "
                    f"{p.module or '<root>'} lies outside every boundary: its forward reads this "
                    f"rank's {source.placement} shard as the whole tensor (no error in production "

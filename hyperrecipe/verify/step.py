@@ -1,10 +1,8 @@
 """One training step of one rank in one mode, on the meta device under the fake process group.
 
-The caller provides the world (:mod:`~hyperrecipe.verify.isolate`): this process's default
-group is torch's fake one, so collectives return at once and ``apply`` allocates nothing (a
-meta-built model's shards stay on the meta device, :func:`~hyperrecipe.runtime.state.
-materialize.mesh_device`). The mesh is a ``cpu`` mesh: validate mode's DTensors need a device
-type that has a device module (DTensor's cost model asks it for the devices per host).
+The caller provides the mesh (:mod:`~hyperrecipe.verify.isolate`): ``apply`` allocates
+nothing there (a meta-built model's shards stay on the meta device), and collectives on meta
+tensors return at once.
 
 The step is the one a trainer runs: ``model.train()``, forward with the model's own defaults,
 the model's own loss where it has one (a causal LM given ``labels``), else ``check``'s (mean
@@ -17,7 +15,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +23,9 @@ from torch import Tensor, nn
 from hyperrecipe.check.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["float_grouped_experts", "meta_copy", "run_reference", "run_step", "step_sample", "uses_own_loss"]
 
@@ -61,7 +62,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def step_sample(model: nn.Module, plan: Plan, inputs: str | None) -> Sample:
     """The batch of the step: ``check``'s sample (token ids, pixel values, or the user's
-    ``inputs`` function), two rows of a length every sequence split divides, on meta.
+    ``inputs`` function), two rows of a length every sequence split divides (short, so a
+    model's own length limit is not reached), on meta.
 
     Raises:
         ModelSpecError: no sample can be made for this model without ``inputs``.
@@ -70,7 +72,8 @@ def step_sample(model: nn.Module, plan: Plan, inputs: str | None) -> Sample:
     model_type = getattr(config, "model_type", None)
     spec = (f"hf:{model_type}" if isinstance(model_type, str)
             and hasattr(model, "main_input_name") else type(model).__name__)
-    seq = 8 * max(1, math.prod(plan.mesh_shape.values()))
+    split = math.prod(plan.mesh_shape[d] for d in plan.model_parallel_dims)
+    seq = max(4, 2 * split)  # a sequence shard per rank, twice (context parallel's halves)
     return make_sample(model, spec, batch=2, seq=seq, seed=0, inputs=inputs).to(
         torch.device("meta"))
 
@@ -174,32 +177,25 @@ def run_reference(model: nn.Module, sample: Sample) -> Failure | None:
         running.remove()
 
 
-def run_step(model: nn.Module, plan: Plan, mode: str, rank: int, sample: Sample) -> Failure | None:
-    """Apply ``plan`` to a meta copy of ``model`` as ``rank`` and run one training step.
+def run_step(model: nn.Module, plan: Plan, mode: str, mesh: DeviceMesh,
+             sample: Sample) -> Failure | None:
+    """Apply ``plan`` to a meta copy of ``model`` on ``mesh`` (from
+    :func:`~hyperrecipe.verify.isolate.verification_world`) and run one training step.
 
     Returns:
         ``None`` when the step ran, else how it failed.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from hyperrecipe.runtime.install import apply
 
-    shape = plan.mesh_shape
     copied = meta_copy(model)
     known = {fqn for fqn, _ in copied.named_modules()}
-    dist.init_process_group("fake", rank=rank, world_size=math.prod(shape.values()))
     try:
-        mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
-        try:
-            installation = apply(copied, plan, mesh, mode=mode)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - a finding, reported by the caller
-            return _failure(mode, "apply", exc, plan, (), known)
-        running = _Running(copied)
-        try:
-            return _train_step(copied, plan, sample, mode, running)
-        finally:
-            running.remove()
-            installation.restore()
+        installation = apply(copied, plan, mesh, mode=mode)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - a finding, reported by the caller
+        return _failure(mode, "apply", exc, plan, (), known)
+    running = _Running(copied)
+    try:
+        return _train_step(copied, plan, sample, mode, running)
     finally:
-        dist.destroy_process_group()
+        running.remove()
+        installation.restore()

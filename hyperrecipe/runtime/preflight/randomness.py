@@ -79,8 +79,8 @@ def install_randomness_check(model: nn.Module, mesh: DeviceMesh,
             return
         handle.remove()  # once: nothing is left on the step's path (nor under compile)
         settings = dropout_settings(module)
-        if not settings:
-            return
+        if not settings or any(p.is_meta for p in module.parameters()):
+            return  # on the meta device (the verification step) dropout draws nothing
         mine = _generator_digest(module)
         for dim in dims:
             group = mesh.get_group(dim)

@@ -21,7 +21,10 @@ what the conversion would have produced; ``to_empty`` gets its values back).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,20 +39,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.rewriter import Rewrite
 
 __all__ = ["BufferKeeper", "allocate_unloaded", "is_meta", "keep_non_persistent_buffers",
-           "materialize_buffers", "mesh_device"]
+           "materialize_buffers", "mesh_device", "shards_on_meta"]
+
+
+_SHARDS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hyperrecipe_shards_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def shards_on_meta() -> Iterator[None]:
+    """While inside, a meta-built model's shards stay on the meta device whatever the mesh's
+    device type: the verification step at compile applies a plan to a copy of the model on
+    any mesh (a ``cpu`` mesh under the fake process group, or the job's own) and allocates
+    nothing. Collectives on meta tensors return without communicating."""
+    token = _SHARDS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _SHARDS_ON_META.reset(token)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank's shards live on: the mesh's device type, the current index.
-
-    Under torch's fake process group (``init_process_group("fake")``: the dry run and the
-    verification at compile) no value can ever reach another rank, so a meta-built model's
-    shards stay on the meta device whatever the mesh's type: a ``cpu`` mesh then lets
-    validate mode's DTensors run (DTensor's cost model needs a device module, which ``meta``
-    has not) while nothing is allocated."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "fake":
+    """The device this rank's shards live on: the mesh's device type, the current index (the
+    meta device inside :func:`shards_on_meta`)."""
+    if _SHARDS_ON_META.get():
         return torch.device("meta")
     kind = mesh.device_type
     if kind in ("cpu", "meta"):  # meta: a dry run (hyperrecipe.simulate) allocates nothing

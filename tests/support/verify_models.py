@@ -1,0 +1,102 @@
+"""Plain-torch models with the sharding hazards verification must see (no transformers).
+
+Each is small and written the way people write them: a nanoGPT-style GPT (fused ``c_attn``,
+``B, T, C = x.size()``, a tied ``lm_head``), an attention that reads its head width off the
+input, and a model whose attention keeps its heads in an einops-style layer fixed at build.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class FusedAttention(nn.Module):
+    """nanoGPT's attention: one fused q|k|v projection, split by width; the head count is an
+    attribute the recipe can divide."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class WidthOffInput(nn.Module):
+    """An attention that takes its width from the input: ``C // n_head`` is the whole model's
+    head width even where the projections give this rank's heads only."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        hd = c // self.n_head
+        q, k, v = (p(x).view(b, t, self.n_head, hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.proj = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, attention: type[nn.Module]) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = attention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style GPT: token and position embeddings, blocks, a tied ``lm_head``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, heads: int = 4, layers: int = 2,
+                 block_size: int = 32, attention: type[nn.Module] = FusedAttention) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.h = nn.ModuleList(Block(dim, heads, attention) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def make_gpt(**kwargs: int) -> GPT:
+    return GPT(**kwargs)
+
+
+def make_gpt_width_off_input(**kwargs: int) -> GPT:
+    return GPT(attention=WidthOffInput, **kwargs)

@@ -1,0 +1,149 @@
+"""Verification at compile: wrong recipes are refused at their recipe line, right ones compile.
+
+Every case compiles a recipe against a real model built on the meta device (transformers
+families from the shipped tiny configs, plain-torch models from tests/support/verify_models.py)
+and asserts the refusal's text, file and line, or that the plan records its verification.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import hyperrecipe
+from hyperrecipe import compile_recipe
+from hyperrecipe.errors import RecipeError
+from hyperrecipe.model_tree import build_model
+from tests.support.runtime_harness import ROOT
+
+GPT = "tests.support.verify_models:make_gpt"
+GPT_WIDTH = "tests.support.verify_models:make_gpt_width_off_input"
+
+
+def _recipe(tmp_path: Path, body: str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body).lstrip())
+    return path
+
+
+def _line_of(path: Path, text: str) -> int:
+    """The line of ``path`` that reads ``text`` (stripped), or contains it when none does."""
+    lines = path.read_text().splitlines()
+    exact = [i for i, line in enumerate(lines, 1) if line.strip() == text]
+    return exact[0] if exact else next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+GPT_RIGHT = """
+    recipe: gpt
+    version: 1
+    mesh: [tp]
+    rules:
+      - match: wte
+        style: vocab_parallel
+      - match: h.*.attn
+        boundary: true
+        in_src: {x: replicate}
+        out_src: {0: replicate}
+        head_counts: {n_head: tp}
+      - match: h.*.attn.c_attn
+        params: {weight: {tp: "shard(0, chunks=3)"}}
+        boundary: false
+      - match: h.*.attn.c_proj
+        style: rowwise
+      - match: h.*.mlp
+        boundary: true
+        in_src: {x: replicate}
+        out_src: {0: replicate}
+      - match: h.*.mlp.fc
+        style: colwise
+        boundary: false
+      - match: h.*.mlp.proj
+        style: rowwise
+      - match: lm_head
+        style: colwise_gather_output
+"""
+
+
+def test_a_correct_plain_torch_recipe_compiles_and_records_its_verification(
+        tmp_path: Path) -> None:
+    plan = compile_recipe(_recipe(tmp_path, GPT_RIGHT), build_model(GPT), {"tp": 2})
+    record = plan.verification
+    assert record is not None
+    assert record.modes == ("production", "validate") and record.ranks == (0,)
+    assert record.model_digest == plan.model_digest
+    assert record.torch == hyperrecipe.__dict__.get("torch", __import__("torch")).__version__
+    # the record survives a save and a load, and is covered by the checksum
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert hyperrecipe.load_plan(path) == plan
+
+
+def test_no_verify_returns_the_resolvers_plan_unchanged(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, GPT_RIGHT)
+    plan = compile_recipe(recipe, build_model(GPT), {"tp": 2}, verify=False)
+    assert plan.verification is None
+    assert '"verification"' not in plan.to_json()
+
+
+def test_qwen3_under_the_llama_recipe_is_refused_at_the_line_that_leaves_its_norms_replicated(
+) -> None:
+    model = build_model("hf:qwen3", str(ROOT / "recipes/models/tiny-qwen3.json"))
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(ROOT / "recipes/llama.yaml", model, {"tp": 2})
+    err = caught.value
+    assert err.span is not None and err.span.path.endswith("recipes/llama.yaml")
+    recipe = ROOT / "recipes/llama.yaml"
+    assert err.span.line == _line_of(recipe, "- match: model.layers.*.self_attn")
+    text = str(err)
+    assert "validate mode" in text and "_norm.weight: its gradient comes back partial over tp" in text
+    assert "reduce_grads: {weight: tp}" in text
+
+
+def test_a_tied_embedding_sharded_through_its_tie_onto_no_boundary_is_refused(
+        tmp_path: Path) -> None:
+    # the "forgot the embedding" mistake: lm_head is vocab-sharded, wte (the same tensor) is
+    # not a boundary, so its lookup would read rank 0's rows as the whole table
+    body = GPT_RIGHT.replace("      - match: wte\n        style: vocab_parallel\n", "")
+    recipe = _recipe(tmp_path, body)
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(GPT), {"tp": 2})
+    err = caught.value
+    assert "wte.weight is sharded over tp, sharded through its tie to lm_head.weight" in str(err)
+    assert "outside every boundary" in str(err) and "style: vocab_parallel" in str(err)
+    assert err.span is not None and err.span.line == _line_of(recipe, "match: lm_head")
+
+
+def test_a_fused_qkv_split_plain_colwise_is_refused(tmp_path: Path) -> None:
+    body = GPT_RIGHT.replace('params: {weight: {tp: "shard(0, chunks=3)"}}', "style: colwise")
+    recipe = _recipe(tmp_path, body)
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(GPT), {"tp": 2})
+    assert "verification" in str(caught.value) and "h.0.attn" in str(caught.value)
+    assert caught.value.span is not None and caught.value.span.path == str(recipe)
+
+
+def test_an_attention_reading_its_width_off_the_input_is_refused_in_production(
+        tmp_path: Path) -> None:
+    body = (GPT_RIGHT.replace('params: {weight: {tp: "shard(0, chunks=3)"}}', "style: colwise")
+            .replace("h.*.attn.c_attn", "h.*.attn.{q,k,v}").replace("h.*.attn.c_proj",
+                                                                    "h.*.attn.o"))
+    recipe = _recipe(tmp_path, body)
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(GPT_WIDTH), {"tp": 2})
+    text = str(caught.value)
+    assert "production mode cannot run one training step" in text
+    assert "while h.0.attn ran its forward" in text
+    assert "width or head count read off the input" in text
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")
+                                        if not p.stem.startswith("torchtitan")))
+def test_every_shipped_recipe_verifies(name: str) -> None:
+    recipe = hyperrecipe.load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    family = name.split("-")[0]
+    model = build_model(f"hf:{family}", str(ROOT / "recipes/models" / f"tiny-{family}.json"))
+    plan = compile_recipe(recipe, model, {d: 2 for d in recipe.mesh})
+    assert plan.verification is not None
+    assert plan.verification.modes == ("production", "validate")
