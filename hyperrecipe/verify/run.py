@@ -76,6 +76,10 @@ def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
     return reference, out, rank
 
 
+def _where(failure: Failure) -> str:
+    return f" in {failure.modules[0]}" if failure.modules else ""
+
+
 def _unwraps_dtensors(model: nn.Module, failure: Failure) -> str | None:
     """The failing module, when its own forward takes its DTensor parameters apart
     (torchtitan's vocab-parallel ``Embedding``): validate mode cannot see into it, which is a
@@ -126,39 +130,31 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
                                   inputs="none", notes=(note,))
         return attrs.evolve(plan, verification=record).sealed()
     reference, results, rank = _steps(model, plan, sample, tuple(modes), mesh)
-    model_fails = reference is not None
     notes: list[str] = []
     if float_grouped_experts(model):
         notes.append("fused experts ran through experts_implementation='batched_mm' (the same "
                      "shapes; grouped_mm's meta kernel takes bf16 only)")
-    if model_fails:
-        failed = reference
-        where = f" in {failed.modules[0]}" if failed.modules else ""
+    if reference is not None:
         notes.append(f"the model itself, without the plan, cannot run its step on fake tensors"
-                     f"{where} ({failed.phase}: {failed.error_type}: {failed.message[:160]}): "
-                     f"a raw error of a mode there is no finding; the rest is `check`'s to "
-                     f"verify")
+                     f"{_where(reference)} ({reference.phase}: {reference.error_type}: "
+                     f"{reference.message[:160]}): a raw error of a mode there is no finding; "
+                     f"the rest is `check`'s to verify")
     ran: list[str] = []
-    for mode, result in zip(modes, results, strict=False):
-        if result is None:
-            ran.append(mode)
+    for mode, failure in zip(modes, results, strict=False):
+        ran.append(mode)
+        if failure is None:
             continue
-        failure = result
         opaque = _unwraps_dtensors(model, failure) if mode == "validate" else None
         if opaque is not None:
             notes.append(f"validate mode cannot check {opaque}: its forward unwraps its DTensor "
                          f"parameters itself (`to_local()`), so DTensor sees none of its "
                          f"compute; production mode ran ({failure.message[:160]})")
-            ran.append(mode)
-            continue
-        if failure.project_error or not (model_fails or data_dependent(failure)):
+        elif failure.project_error or not (reference is not None or data_dependent(failure)):
             raise recipe_error_for(plan, failure)
-        if not model_fails:
-            where = f" in {failure.modules[0]}" if failure.modules else ""
-            notes.append(f"{mode} mode stopped at an op that needs values{where} "
+        elif reference is None:
+            notes.append(f"{mode} mode stopped at an op that needs values{_where(failure)} "
                          f"({failure.phase}: {failure.message[:160]}); what follows it is "
                          f"`check`'s to verify")
-        ran.append(mode)
     loss = "the model's own loss" if uses_own_loss(model, sample) else (
         "mean of squares of the first output")
     record = PlanVerification(torch=torch_version, transformers=transformers,
