@@ -200,6 +200,21 @@ def _run_experts_batched(model: nn.Module, plan: Plan, config: dict[str, Any]) -
             f"reference uses the same)")
 
 
+def _verification_finding(model: nn.Module, plan: Plan, inputs: str | None) -> str | None:
+    """What ``compile``'s verification step refuses of ``plan`` (the ``RecipeError``'s text),
+    or ``None``. ``check`` runs such a plan all the same (it resolves without verifying: it is
+    how one sees what the refusal would have cost) and, at a divergence, names the finding as
+    the likely cause."""
+    from hyperrecipe.errors import RecipeError
+    from hyperrecipe.verify import verify_plan
+
+    try:
+        verify_plan(model, plan, inputs=inputs)
+    except RecipeError as exc:
+        return str(exc)
+    return None
+
+
 def _refuse_default_config(options: CheckOptions) -> None:
     """``hf:<type>`` with no config at all builds transformers' default, usually billions of
     parameters, for real in this process and on every rank: refuse, say how big it is and how to
@@ -316,6 +331,7 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     progress(f"built {options.model}: {len(tree.modules)} modules, {n_params:,} parameters "
              f"({time.perf_counter() - t_build:.2f} s); compiling the recipe")
     plan = resolve_recipe(recipe, tree, options.mesh)
+    finding: list[str | None] = []  # computed once, at the first divergence
     if "validate" in options.modes and "experts_implementation" not in config:
         note = _run_experts_batched(model, plan, config)
         if note is not None:
@@ -392,8 +408,11 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         t1 = time.perf_counter()
         progress(f"mode {mode}: comparing with the reference")
         cmp = compare_mode(mode, reference, traces, atol=atol, rtol=rtol, rank_ids=rank_ids)
+        if not cmp.agree and not finding:
+            finding.append(_verification_finding(model, plan, options.inputs))
         ctx = DiagnosisContext(plan=plan, tree=tree, reference_params=reference_params,
-                               mode=mode, rank_ids=rank_ids)
+                               mode=mode, rank_ids=rank_ids,
+                               verification=finding[0] if finding else None)
         suggestion = None if cmp.agree else suggest(cmp, reference, traces, ctx,
                                                    atol=atol, rtol=rtol)
         t2 = time.perf_counter()

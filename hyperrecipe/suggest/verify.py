@@ -183,6 +183,19 @@ def _outermost(groups: Sequence[str]) -> list[str]:
     return [g for g in groups if not any(g.startswith(h + ":") for h in groups if h != g)]
 
 
+def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
+    """Compile the attempt as ``hyperrecipe compile`` will, verification included: a
+    suggestion ``compile`` refuses is narrowed like one that does not resolve, before ``check``
+    spends a launch on it.
+
+    Raises:
+        RecipeError: the attempt does not compile, or its verification step refuses it.
+    """
+    from hyperrecipe.api import compile_recipe
+
+    compile_recipe(path, meta, dict(mesh))
+
+
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
                  *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
                  max_attempts: int, timeout_s: float,
@@ -203,7 +216,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
             the check names is then taken into sequence parallelism (:mod:`.unplaced`).
     """
     from hyperrecipe.check.run import CheckOptions, run_check
+    from hyperrecipe.model_tree import build_model
 
+    meta = build_model(model, dict(check_config))  # what `hyperrecipe compile` verifies on
     current = list(rules)
     narrowed: list[Narrowed] = []
     attempts: list[Attempt] = []
@@ -238,6 +253,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
             options = CheckOptions(recipe=path, model=model, model_config=dict(check_config),
                                    mesh=dict(mesh), timeout_s=timeout_s)
             try:
+                _refused_at_compile(path, meta, mesh)
                 report = run_check(options)
             except RecipeError as exc:
                 seconds = time.perf_counter() - t0

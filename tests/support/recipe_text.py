@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hyperrecipe import compile_recipe
+from hyperrecipe.plan import Plan
 
 
 def to_yaml(data: dict[str, Any]) -> str:
@@ -77,3 +81,12 @@ def write_both(tmp: Path, name: str, data: dict[str, Any]) -> tuple[Path, Path]:
     y.write_text(to_yaml(data))
     t.write_text(to_toml(data))
     return y, t
+
+
+def resolve_only(recipe: Any, model: Any, mesh: Mapping[str, int], **kwargs: Any) -> Plan:
+    """``compile_recipe`` without the verification step: the resolver's plan, byte for byte.
+
+    The resolver's tests compile recipes of a rule or two (a fused projection with no boundary
+    around it, a tie) to read one decision off the plan; such recipes are not whole plans, and
+    ``compile`` verifies whole plans (tests/verify/)."""
+    return compile_recipe(recipe, model, mesh, verify=False, **kwargs)

@@ -147,3 +147,36 @@ def test_every_shipped_recipe_verifies(name: str) -> None:
     plan = compile_recipe(recipe, model, {d: 2 for d in recipe.mesh})
     assert plan.verification is not None
     assert plan.verification.modes == ("production", "validate")
+
+
+def test_the_cli_refuses_a_wrong_recipe_with_exit_2_and_the_docs_show_its_first_words(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperrecipe.cli import main
+
+    monkeypatch.chdir(ROOT)
+    code = main(["compile", "recipes/llama.yaml", "--model", "hf:qwen3", "--model-config",
+                 "recipes/models/tiny-qwen3.json", "--mesh", "tp=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    line = _line_of(ROOT / "recipes/llama.yaml", "- match: model.layers.*.self_attn")
+    head = (f"hyperrecipe: error: recipes/llama.yaml:{line}:5: verification (validate mode, one "
+            f"training step on fake tensors) refused the plan: model.layers.1.self_attn.k_norm"
+            f".weight: its gradient comes back partial over tp")
+    assert err.startswith(head), err
+    assert head in (ROOT / "docs/verification.md").read_text()
+
+
+def test_the_cli_summary_says_what_was_verified_and_no_verify_says_it_was_skipped(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperrecipe.cli import main
+
+    monkeypatch.chdir(ROOT)
+    args = ["compile", "recipes/llama.yaml", "--model", "hf:llama", "--model-config",
+            "recipes/models/tiny-llama.json", "--mesh", "tp=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert ("verified: one training step in production and validate mode on fake tensors (rank "
+            "0; token ids [2, 4] < 128, the model's own loss) in ") in out
+    assert main([*args, "--no-verify"]) == 0
+    assert "verification: skipped (--no-verify): apply() verifies the plan first" in (
+        capsys.readouterr().out)

@@ -8,6 +8,14 @@ Each heuristic tests a pattern on the numbers (or on the failure and the plan) a
 holds, returns a :class:`Suggestion` whose ``evidence`` says what was measured. When nothing
 fits, there is no suggestion: a guess without evidence would send users the wrong way.
 
+When ``compile``'s verification step refuses the plan (``ctx.verification``), that finding is
+the likely cause (:data:`VERIFICATION_FINDING`) where it is a refusal by name (a gradient left
+partial, a layout that does not arrive): it was seen on shapes and placements, where the
+patterns below infer from values. Where verification saw a shape production mode cannot run (a
+width read off the input, heads fixed in a layer), a pattern below that names the heads stays
+first, except the one that can only point at the inputs; with no pattern, the finding is the
+cause.
+
 Patterns, in the order they are tried at the first divergence:
 
 - **bias counted n times**: the error is the same vector at every position and equals an integer
@@ -64,12 +72,14 @@ from hyperrecipe.check.diagnose.causes import (
     OUTPUT_LEFT_SHARDED,
     PARAMS_UNUSED_ON_RANKS,
     PLAIN_TENSOR_MEETS_DTENSOR,
+    VERIFICATION_FINDING,
     WHOLE_PARAM_ON_SHARD,
     DiagnosisContext,
     Suggestion,
 )
 from hyperrecipe.check.diagnose.gradients import gradient_evidence
 from hyperrecipe.check.diagnose.structure import (
+    INPUTS_BUILT_FOR_EVERY_HEAD,
     heads_cut,
     swapped_from_placement,
     swapped_from_shapes,
@@ -83,6 +93,7 @@ from hyperrecipe.check.diagnose.values import (
     scaled,
 )
 from hyperrecipe.check.record import Trace
+from hyperrecipe.verify.findings import VERIFICATION_REFUSED
 
 __all__ = [
     "BIAS_COUNTED_TP_TIMES",
@@ -95,6 +106,7 @@ __all__ = [
     "OUTPUT_LEFT_SHARDED",
     "PARAMS_UNUSED_ON_RANKS",
     "PLAIN_TENSOR_MEETS_DTENSOR",
+    "VERIFICATION_FINDING",
     "WHOLE_PARAM_ON_SHARD",
     "Suggestion",
     "suggest",
@@ -118,6 +130,20 @@ def _event_values(ranks: Sequence[Trace], ctx: DiagnosisContext, key: tuple[str,
 def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: DiagnosisContext,
             *, atol: float, rtol: float) -> Suggestion | None:
     """The likely cause of ``cmp``'s divergence, or ``None`` when no known pattern is seen."""
+    found = _suggest(cmp, reference, ranks, ctx, atol=atol, rtol=rtol)
+    if ctx.verification is None:
+        return found
+    seen = Suggestion(cause=VERIFICATION_FINDING, evidence=ctx.verification)
+    if VERIFICATION_REFUSED in ctx.verification:  # a refusal by name: exact, not inferred
+        return seen
+    # a shape production could not run: a pattern that names the heads stays first, unless
+    # it can only point at the inputs (heads already divided), where verification saw more
+    guessed = found is not None and INPUTS_BUILT_FOR_EVERY_HEAD in found.evidence
+    return seen if found is None or guessed else found
+
+
+def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],
+             ctx: DiagnosisContext, *, atol: float, rtol: float) -> Suggestion | None:
     first = cmp.first
     if first is None:
         if cmp.forward_agrees and cmp.diverged_gradients:

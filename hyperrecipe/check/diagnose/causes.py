@@ -12,6 +12,7 @@ from hyperrecipe.plan import Plan
 
 __all__ = [
     "BIAS_COUNTED_TP_TIMES",
+    "VERIFICATION_FINDING",
     "COLWISE_ROWWISE_SWAPPED",
     "DiagnosisContext",
     "GRADIENT_REDUCTION_MISSING",
@@ -27,6 +28,8 @@ __all__ = [
     "within",
 ]
 
+VERIFICATION_FINDING = ("what verification at compile refused (shapes and placements alone show "
+                        "it; docs/verification.md)")
 BIAS_COUNTED_TP_TIMES = "a bias (or partial value) counted tp times: defer_bias / rowwise"
 HEAD_COUNT_UNDIVIDED = "a head count left undivided (head_counts)"
 WHOLE_PARAM_ON_SHARD = ("a whole (replicated) parameter meets a sharded activation: gather "
@@ -67,6 +70,9 @@ class DiagnosisContext:
         reference_params: the reference model's parameters before any step, by FQN.
         mode: ``"production"`` or ``"validate"``.
         rank_ids: the rank of each trace passed to :func:`suggest`.
+        verification: what the verification step at compile refused of this plan (a
+            ``RecipeError``'s text), or ``None``: when there is one, it is the likely cause,
+            before any pattern (it was seen on shapes and placements, not guessed from values).
     """
 
     plan: Plan
@@ -74,6 +80,7 @@ class DiagnosisContext:
     reference_params: Mapping[str, Tensor]
     mode: str
     rank_ids: tuple[int, ...]
+    verification: str | None = None
 
     @property
     def sizes(self) -> dict[str, int]:
