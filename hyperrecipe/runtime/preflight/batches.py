@@ -21,10 +21,12 @@ exchange it shares with the dropout check are :mod:`.first_forward`'s.
 
 What is digested: every tensor among the root forward's arguments and keywords (``input_ids``,
 ``labels``, ``attention_mask``, ``pixel_values``, tensors nested in lists, tuples and dicts),
-one digest per argument: a 120-bit BLAKE2b of its dtype, shape and bytes. Tensors of up to
-:data:`WHOLE_ELEMENTS` elements are hashed whole, so no difference at all is missed (a
-language-model batch of 8 x 4096 token ids is 32 K elements); a larger one is hashed over an
-evenly strided sample of that many elements (every k-th element of the flattened tensor).
+one digest per argument: the first 120 bits of a SHA-256 of its dtype, shape and bytes (not
+BLAKE2b: with the CPU's SHA instructions SHA-256 hashed a 2.4 MB sample 3x faster here).
+Tensors of up to :data:`WHOLE_ELEMENTS` elements are hashed whole, so no difference at all is
+missed (a language-model batch of 8 x 4096 token ids is 32 K elements); a larger one is hashed
+over an evenly strided sample of at most that many elements (every k-th element of the
+flattened tensor).
 Different samples of a dataset differ almost everywhere, so a sample of a million positions
 cannot miss them in practice; what it can miss is a difference confined to the unsampled
 positions of a huge tensor, which is not what a wrong sampler produces. Sums and other
@@ -91,8 +93,7 @@ def _update(h: Any, tensor: torch.Tensor) -> None:
     n = flat.numel()
     if n > WHOLE_ELEMENTS:
         flat = flat[::-(-n // WHOLE_ELEMENTS)]
-    data = flat.contiguous().cpu().view(torch.uint8)
-    h.update(data.numpy().tobytes())
+    h.update(flat.contiguous().cpu().view(torch.uint8).numpy())  # no copy into bytes
 
 
 def input_digests(module: nn.Module, args: Sequence[Any],
@@ -107,10 +108,10 @@ def input_digests(module: nn.Module, args: Sequence[Any],
             tensors = _tensors_in(value)
             if not tensors:
                 continue
-            h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+            h = hashlib.sha256()
             for tensor in tensors:
                 _update(h, tensor)
-            out[name] = h.digest()
+            out[name] = h.digest()[:_DIGEST_BYTES]
     return out
 
 

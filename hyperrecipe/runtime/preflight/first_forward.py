@@ -89,10 +89,10 @@ def _slots(digests: Mapping[str, bytes]) -> list[int]:
         if len(members) == 1:
             digest = members[0][1]
         else:
-            h = hashlib.blake2b(digest_size=15)
+            h = hashlib.sha256()
             for name, member in members:
                 h.update(name.encode("utf-8", "replace") + b"\0" + member)
-            digest = h.digest()
+            digest = h.digest()[:15]
         words += [*_name_words(key), *_digest_words(digest)]
     return words + [0] * (SLOTS * _SLOT_WORDS - len(words))
 
