@@ -133,7 +133,8 @@ def _dp_tp_worker(rank: int, world: int, split: str) -> dict[str, Any]:
     apply(model, compile_recipe(str(ROOT / "recipes/llama-dp.yaml"), llama("meta"),
                                 {"dp": 2, "tp": 2}), mesh)
     model.train()
-    key = mesh.get_local_rank("dp") if split == "dp" else rank
+    key = {"dp": mesh.get_local_rank("dp"), "world": rank,
+           "rank 3": 99 if rank == 3 else mesh.get_local_rank("dp")}[split]
     return _forward(model, _own_batch(key))
 
 
@@ -152,6 +153,13 @@ def test_dp_by_tp_batches_may_differ_over_dp_and_not_over_tp() -> None:
             "shuffle seed on every rank, instead of a sampler over the world; the trainer "
             "integrations (hyperrecipe.integrations: the Hugging Face Trainer, accelerate, "
             "Lightning, torchtitan) split batches this way"), res
+    # one replica's ranks differ: the other replica's ranks, whose group agrees, raise too
+    # (they would otherwise wait in the step's first collective for peers that left)
+    for res in run_ranks(_dp_tp_worker, 4, "rank 3", timeout_s=400):
+        assert res["error"] is not None and res["error"].startswith(
+            "the ranks [2, 3] of mesh dim 'tp' were handed different inputs at the first "
+            "training forward: 'input_ids' differs (ranks [2] vs [3]); 'labels' differs "
+            "(ranks [2] vs [3]). The ranks"), res
 
 
 def _cp_worker(rank: int, world: int, shards: bool) -> dict[str, Any]:
