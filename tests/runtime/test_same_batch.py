@@ -208,6 +208,13 @@ def test_the_digest_sees_every_tensor_argument_by_name_and_every_difference() ->
     assert input_digests(_Echo(), (big,), {}) != input_digests(_Echo(), (big.flip(0),), {})
     bf16 = torch.randn(3, 5).to(torch.bfloat16)
     assert input_digests(_Echo(), (bf16,), {}) == input_digests(_Echo(), (bf16.clone(),), {})
+    # a nested (ragged) tensor is compared component by component
+    def ragged(last: float) -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.ones(2), torch.tensor([1.0, 1.0, last])],
+                                          layout=torch.jagged)
+
+    assert input_digests(_Echo(), (ragged(1.0),), {}) == input_digests(_Echo(), (ragged(1.0),), {})
+    assert input_digests(_Echo(), (ragged(1.0),), {}) != input_digests(_Echo(), (ragged(2.0),), {})
 
 
 def test_the_row_keeps_each_input_by_name_and_folds_the_seventeenth() -> None:

@@ -26,12 +26,13 @@ BLAKE2b: with the CPU's SHA instructions SHA-256 hashed a 2.4 MB sample 3x faste
 Tensors of up to :data:`WHOLE_ELEMENTS` elements are hashed whole, so no difference at all is
 missed (a language-model batch of 8 x 4096 token ids is 32 K elements); a larger one is hashed
 over an evenly strided sample of at most that many elements (every k-th element of the
-flattened tensor).
-Different samples of a dataset differ almost everywhere, so a sample of a million positions
-cannot miss them in practice; what it can miss is a difference confined to the unsampled
-positions of a huge tensor, which is not what a wrong sampler produces. Sums and other
-reductions were not used: a permutation of the same rows (one sampler's order against
-another's) has the same sums, and floating-point sums can differ by reduction order.
+flattened tensor). Different samples of a dataset differ almost everywhere, so a sample of a
+million positions cannot miss them in practice; what it can miss is a difference confined to
+the unsampled positions of a huge tensor, which is not what a wrong sampler produces, and the
+values of a tensor whose bytes torch will not hand out (a subclass without storage): of it only
+the dtype is compared (a nested tensor is compared component by component). Sums and other reductions were not used: a permutation of the same rows
+(one sampler's order against another's) has the same sums, and floating-point sums can differ
+by reduction order.
 """
 
 from __future__ import annotations
@@ -83,17 +84,28 @@ def _update(h: Any, tensor: torch.Tensor) -> None:
     """Feed ``tensor``'s dtype, shape and (sampled) bytes to ``h``: the bytes as they are in
     memory, so equal digests mean bit-equal values, whatever the dtype."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor argument
-    h.update(f"{local.dtype}|{tuple(local.shape)}|".encode())
-    if local.device.type == "meta":  # nothing to read (a dry run is not checked anyway)
+    h.update(f"{local.dtype}|".encode())
+    if getattr(local, "is_nested", False):  # ragged: its components one by one
+        for part in local.unbind():
+            _update(h, part)
         return
-    flat = local.detach()
-    if flat.layout != torch.strided:
-        flat = flat.to_dense()
-    flat = flat.reshape(-1)
-    n = flat.numel()
-    if n > WHOLE_ELEMENTS:
-        flat = flat[::-(-n // WHOLE_ELEMENTS)]
-    h.update(flat.contiguous().cpu().view(torch.uint8).numpy())  # no copy into bytes
+    try:
+        h.update(f"{tuple(local.shape)}|".encode())
+        if local.device.type == "meta":  # nothing to read (a dry run is not checked anyway)
+            return
+        flat = local.detach()
+        if flat.layout != torch.strided:
+            flat = flat.to_dense()
+        flat = flat.reshape(-1)
+        n = flat.numel()
+        if n > WHOLE_ELEMENTS:
+            flat = flat[::-(-n // WHOLE_ELEMENTS)]
+        h.update(flat.contiguous().cpu().view(torch.uint8).numpy())  # no copy into bytes
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # A tensor whose bytes or sizes torch will not hand out (a subclass): only what was
+        # fed before is compared. Raising here instead would leave this rank out of the
+        # exchange and its peers waiting for it.
+        h.update(f"unreadable {type(exc).__name__}".encode())
 
 
 def input_digests(module: nn.Module, args: Sequence[Any],
