@@ -7,7 +7,8 @@ reported different losses and every gradient was silently wrong, in both modes. 
 training forward compares a digest of the model's inputs across every model-parallel group and
 refuses a difference on every rank, naming the dim, the ranks, the inputs and the sampler to
 use. Data-parallel ranks are not compared; cp ranks are (the plans feed them the whole
-sequence); forwards in ``eval()`` or under ``no_grad`` are not checked.
+sequence); forwards in ``eval()`` or under ``no_grad`` are not checked; a rank that never comes
+is not waited for past ``collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -123,6 +124,42 @@ def test_eval_and_no_grad_forwards_are_not_checked_and_the_first_training_one_is
         assert res["hooked"] == 1, "the check still waits for the first training forward"
         assert res["then"] is not None and res["then"].startswith(
             "the ranks [0, 1] of mesh dim 'tp' were handed different inputs"), res
+
+
+def _absent_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """Rank 1 never runs a training forward; rank 0 must come back within the installation's
+    ``collective_timeout_s`` with an error naming the check, not wait for the group's timeout."""
+    import time
+    from pathlib import Path
+
+    model = llama()
+    inst = apply(model, compile_recipe(LLAMA, llama("meta"), {"tp": world}), mesh_1d(world))
+    inst.collective_timeout_s = 1.0
+    done = Path(folder) / "rank0-done"
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"error": "did not call"}
+    model.train()
+    start = time.monotonic()
+    res = _forward(model, llama_batch())
+    res["waited_s"] = time.monotonic() - start
+    res["hooked"] = _checks_installed(model)
+    done.touch()
+    return res
+
+
+def test_a_rank_that_never_comes_is_not_waited_for_past_collective_timeout_s(
+        tmp_path: Any) -> None:
+    first, second = run_ranks(_absent_worker, 2, str(tmp_path), timeout_s=300)
+    assert second["error"] == "did not call"
+    assert first["error"] == (
+        "rank 0: not every rank reached the check at the first training forward (the same batch "
+        "and dropout across each model-parallel group) within 1 s: a rank stopped, hangs, runs "
+        "other code or starts training later (raise Installation.collective_timeout_s if it is "
+        "slow on purpose); destroy the process group before reusing it"), first
+    assert first["waited_s"] < 30 and first["hooked"] == 0
 
 
 def _dp_tp_worker(rank: int, world: int, split: str) -> dict[str, Any]:
