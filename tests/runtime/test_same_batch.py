@@ -2,8 +2,9 @@
 (``hyperrecipe/runtime/preflight/batches.py``, checked by ``first_forward.py``'s one hook).
 
 A ``DistributedSampler`` over the whole world (the usual torchrun pattern) hands the tp ranks
-of one replica different batches: before this check, tiny Llama at tp=2 ran, the two ranks
-reported different losses and every gradient was silently wrong, in both modes. Now the first
+of one replica different batches: before this check, tiny Llama at tp=2 ran and the ranks
+reported losses 4.810 and 4.820 where one process gives 4.883 and 4.858 on their batches
+(measured with the hook removed; the same in both modes), with nothing refused. Now the first
 training forward compares a digest of the model's inputs across every model-parallel group and
 refuses a difference on every rank, naming the dim, the ranks, the inputs and the sampler to
 use. Data-parallel ranks are not compared; cp ranks are (the plans feed them the whole
