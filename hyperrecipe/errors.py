@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "BatchMismatchError",
     "CheckError",
     "CollectiveShapeError",
     "ConfigError",
@@ -286,6 +287,28 @@ class WeightLoadError(HyperrecipeError, ValueError):
 class ExportError(HyperrecipeError, RuntimeError):
     """An export failed on some rank (a full disk, a file-size limit, an unwritable folder);
     every rank raises it, and the folder's previous export is left as it was."""
+
+
+class BatchMismatchError(PlanMismatchError):
+    """The ranks of a model-parallel group were handed different inputs at the first training
+    forward (a sampler over the world instead of the data dim): they hold one model replica
+    between them, so each rank's shards would compute on other data and the gradients would be
+    silently wrong. Raised on every rank; the message names the mesh dim, the ranks, the inputs
+    that differ and the sampler to use.
+
+    Args:
+        message: the whole message.
+        dim: the mesh dim whose ranks disagree (the first, in mesh order).
+        ranks: those ranks (global ranks of one group along ``dim``).
+        inputs: the names of the forward's arguments that differ between them.
+    """
+
+    def __init__(self, message: str, *, dim: str = "", ranks: tuple[int, ...] = (),
+                 inputs: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.dim = dim
+        self.ranks = ranks
+        self.inputs = inputs
 
 
 class WrapperError(PlanMismatchError):

@@ -49,6 +49,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],
                       "identical findings: True"),
     "bench_gather.py": (["--rounds", "1"], '"in_place_over_floor"'),
+    "bench_first_forward.py": (["--rounds", "1", "--batch", "2", "--seq", "16", "--json"],
+                               '"bytes_sent_per_rank": 656'),
     "suggest_families.py": (["--only", "llama", "--no-ep", "--family-timeout-s", "500"],
                             "| llama | tp=2 | verified |"),
     "bench_export_integrity.py": (["--gib", "0.05", "--repeat", "1"], '"export_over_fsync"'),

@@ -7,7 +7,8 @@ restore) and ``mode`` (the ``Mode`` object ``apply`` chooses once, production or
 Below it, one room per trade; each room's ``__init__`` says what it owns and what it does not:
 
 - ``preflight/``: what ``apply`` checks before touching the model (plan fit, rank agreement,
-  the supported torch).
+  the supported torch), and what the ranks check once at the first training forward (the same
+  batch and the same dropout across each model-parallel group).
 - ``comm/``: production collectives with their autograd duals, shard math, DTensor's strided
   shards.
 - ``forward/``: the boundary wrapper body both modes share and what it calls per call

@@ -27,7 +27,7 @@ from hyperrecipe.runtime.state.checkpoint import (
     optimizer_state,
 )
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
-from hyperrecipe.runtime.preflight.randomness import install_randomness_check
+from hyperrecipe.runtime.preflight.first_forward import install_first_forward_checks
 from hyperrecipe.runtime.state.export import (
     ExportItem,
     write_safetensors,
@@ -136,7 +136,8 @@ class Installation:
         fused parameters' state replicated for DCP; validate: a step of torch's multi-tensor
         kernels over mixed DTensor / plain parameters refused by name; both:
         ``model.load_state_dict``'s checks, the DDP guard, the check that a model-parallel
-        group's ranks draw the same dropout (once, at the first training forward) and, for a
+        group's ranks were handed the same batch and draw the same dropout (once, at the first
+        training forward, :mod:`~hyperrecipe.runtime.preflight.first_forward`) and, for a
         plan that shards, torch's ``clip_grad_norm_`` routed to :meth:`grad_norm`).
         ``restore()`` removes them.
         Constructing an :class:`Installation` itself changes nothing."""
@@ -152,8 +153,9 @@ class Installation:
                        *inst.mode.keep_hooks_through_moves(model),
                        *inst.mode.watch_outside_boundaries(model, plan, mesh),
                        install_ddp_guard(model, plan, mesh, bucketed=tuple(inst._bucketed)),
-                       *filter(None, [install_randomness_check(model, mesh,
-                                                               plan.model_parallel_dims)]),
+                       *filter(None, [install_first_forward_checks(
+                           model, mesh, plan.model_parallel_dims,
+                           lambda: inst.collective_timeout_s)]),
                        keep_non_persistent_buffers(model)]  # to_empty() keeps rotary values
         if any(p.placement.mesh_dims for p in plan.params):  # torch's clip_grad_norm_ on shards
             inst._hooks.append(guard_torch_clipping(inst._live, inst._check_grads))

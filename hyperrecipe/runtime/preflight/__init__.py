@@ -2,7 +2,9 @@
 
 Owns ``plan_fit`` (an edited plan's names, shapes and shard dims against the live model),
 ``agreement`` (the ranks' fixed-size exchanges and the vote, each with a bounded wait),
-``torch_support`` (the oldest torch the runtime runs on) and ``randomness`` (that the ranks of a
-model-parallel group draw the same dropout, checked once at the first training forward). Nothing here installs a forward or
-moves a tensor; a failure here leaves the model exactly as it was.
+``torch_support`` (the oldest torch the runtime runs on), and what is checked once at the first
+training forward, when there is a batch: ``batches`` (that the ranks of a model-parallel group
+were handed the same batch) and ``randomness`` (that they draw the same dropout), judged from one
+bounded exchange by ``first_forward``'s one hook. Nothing here installs a forward or moves a
+tensor; a failure here leaves the model exactly as it was.
 """

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["TIMEOUT_ENV", "agree_before_apply", "agree_on_digest", "agree_on_failure",
-           "agreement_timeout", "vote"]
+           "agreement_timeout", "exchange_rows", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
@@ -166,6 +166,18 @@ def agree_on_digest(digest: str | None, what: str) -> tuple[list[int], list[int]
     failed = [r for r, other in enumerate(rows) if other[-1] != _OK]
     differ = [r for r, other in enumerate(rows) if other[-1] == _OK and other[:-1] != row[:-1]]
     return failed, differ
+
+
+def exchange_rows(row: list[int], what: str, timeout_s: float) -> list[list[int]]:
+    """Every rank's ``row`` of non-negative integers below 2**63 (the same length on every
+    rank), by global rank, in one all-gather over the world that waits at most ``timeout_s``:
+    for a check whose verdict every rank must reach from the same table (the first training
+    forward's, :mod:`~hyperrecipe.runtime.preflight.first_forward`).
+
+    Raises:
+        PlanMismatchError: a rank did not arrive within ``timeout_s``.
+    """
+    return _all_gather_rows(row, what, timeout_s)
 
 
 _TEXT_WORDS = 40  # 7 bytes a word: the first 280 bytes of each rank's error

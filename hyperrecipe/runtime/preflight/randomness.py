@@ -16,25 +16,22 @@ the model over compare a digest of their torch generator states (the CPU's, and 
 accelerator's where the model is on one), once per installation; a difference is refused by
 name. Ranks that differ only over data-parallel dims are not compared: they may (and should)
 draw differently.
+
+This module says what is digested and what the refusal says; the hook, and the one exchange
+it shares with the check that the same ranks were handed the same batch, are
+:mod:`.first_forward`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hyperrecipe.errors import PlanMismatchError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils.hooks import RemovableHandle
-
-__all__ = ["dropout_settings", "install_randomness_check"]
+__all__ = ["dropout_settings", "generator_digest", "randomness_refusal"]
 
 
 def dropout_settings(model: nn.Module) -> list[str]:
@@ -53,7 +50,9 @@ def dropout_settings(model: nn.Module) -> list[str]:
     return found
 
 
-def _generator_digest(model: nn.Module) -> str:
+def generator_digest(model: nn.Module) -> str:
+    """A hex digest of the generator states ``model``'s dropout draws from: the CPU's, and the
+    accelerator's where the model lives on one (dropout on a GPU draws from the GPU's)."""
     digest = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes())
     device = next((p.device for p in model.parameters() if p.device.type != "cpu"), None)
     if device is not None:
@@ -64,39 +63,14 @@ def _generator_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def install_randomness_check(model: nn.Module, mesh: DeviceMesh,
-                             model_parallel: Sequence[str]) -> RemovableHandle | None:
-    """The check of the module docstring as a forward pre-hook on ``model``, for the mesh dims
-    ``model_parallel`` (those of size 1 skipped); ``None`` where there is nothing to check
-    (no such dim, not distributed). It costs one small exchange per dim, once, and
-    removes itself."""
-    names = tuple(mesh.mesh_dim_names or ())
-    dims = [d for d in model_parallel if d in names and mesh.size(names.index(d)) > 1]
-    if not dims or not dist.is_initialized():
-        return None
-    def same_randomness(module: nn.Module, args: Any) -> None:
-        if not module.training:
-            return
-        handle.remove()  # once: nothing is left on the step's path (nor under compile)
-        settings = dropout_settings(module)
-        if not settings or any(p.is_meta for p in module.parameters()):
-            return  # on the meta device (the verification step) dropout draws nothing
-        mine = _generator_digest(module)
-        for dim in dims:
-            group = mesh.get_group(dim)
-            digests: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(digests, mine, group=group)
-            if len(set(digests)) > 1:
-                ranks = dist.get_process_group_ranks(group)
-                shown = ", ".join(settings[:3]) + (" and more" if len(settings) > 3 else "")
-                msg = (f"the ranks {ranks} of mesh dim {dim!r} draw different random numbers "
-                       f"(their torch generator states differ: a seed per rank?), and the "
-                       f"model has dropout ({shown}): replicated activations would differ "
-                       f"between these ranks and the replicated weights drift apart, silently. "
-                       f"Seed every rank of a model-parallel group alike (torch.manual_seed(s) "
-                       f"or transformers.set_seed(s) on every rank, not device-specific), or "
-                       f"set dropout to 0")
-                raise PlanMismatchError(msg)
-
-    handle = model.register_forward_pre_hook(same_randomness)
-    return handle
+def randomness_refusal(dim: str, ranks: Sequence[int], settings: Sequence[str]) -> str:
+    """The message for the ranks ``ranks`` of mesh dim ``dim`` whose generator states differ,
+    in a model with dropout at ``settings``."""
+    shown = ", ".join(settings[:3]) + (" and more" if len(settings) > 3 else "")
+    return (f"the ranks {list(ranks)} of mesh dim {dim!r} draw different random numbers "
+            f"(their torch generator states differ: a seed per rank?), and the "
+            f"model has dropout ({shown}): replicated activations would differ "
+            f"between these ranks and the replicated weights drift apart, silently. "
+            f"Seed every rank of a model-parallel group alike (torch.manual_seed(s) "
+            f"or transformers.set_seed(s) on every rank, not device-specific), or "
+            f"set dropout to 0")
