@@ -82,8 +82,9 @@ def is_project_error(exc: BaseException) -> bool:
 def _provenance(plan: Plan, fqn: str) -> Provenance | None:
     """The recipe position that decided ``fqn``: a parameter's placing rule; for a parameter
     that only the recipe-wide default placed, and for a module, the innermost boundary that is
-    or encloses it (the rule a fix amends), else the rule placing a parameter of the module,
-    else the recipe-wide default."""
+    or encloses it (the rule a fix amends), else the first rule placing a parameter of the
+    module or of a module inside it (``nn.MultiheadAttention`` computes with its
+    ``out_proj``'s weight), going outwards, else the recipe-wide default."""
     by_param = {p.fqn: p for p in plan.params}
     chain: list[str] = []
     if fqn in by_param:
@@ -100,10 +101,11 @@ def _provenance(plan: Plan, fqn: str) -> Provenance | None:
     while True:
         if module in boundaries and boundaries[module].provenance:
             return boundaries[module].provenance[-1]
-        owned = [p for p in plan.params if p.module == module and p.provenance]
-        if owned:
-            ruled = [v for v in owned[0].provenance if v.rule_index >= 0]
-            return (ruled or list(owned[0].provenance))[-1]
+        inside = [p for p in plan.params if p.module == module
+                  or p.module.startswith(f"{module}.") or not module]
+        ruled = [v for p in inside for v in p.provenance if v.rule_index >= 0]
+        if ruled:  # the rule that placed something the module computes with
+            return ruled[0]
         if not module:
             break
         module = module.rpartition(".")[0]

@@ -100,3 +100,38 @@ def make_gpt(**kwargs: int) -> GPT:
 
 def make_gpt_width_off_input(**kwargs: int) -> GPT:
     return GPT(attention=WidthOffInput, **kwargs)
+
+
+class TorchMHABlock(nn.Module):
+    """A block over ``nn.MultiheadAttention``, as torchvision's ViT and most hand-written
+    vision code use it: the fused ``in_proj_weight`` is the attention's own parameter, and
+    ``F.multi_head_attention_forward`` reads ``out_proj.weight`` without calling ``out_proj``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class MHAEncoder(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 16, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(TorchMHABlock(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_mha_encoder(**kwargs: int) -> MHAEncoder:
+    return MHAEncoder(**kwargs)

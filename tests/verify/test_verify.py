@@ -180,3 +180,25 @@ def test_the_cli_summary_says_what_was_verified_and_no_verify_says_it_was_skippe
     assert main([*args, "--no-verify"]) == 0
     assert "verification: skipped (--no-verify): apply() verifies the plan first" in (
         capsys.readouterr().out)
+
+
+def test_a_boundary_on_multihead_attentions_out_proj_is_refused_at_its_rule(
+        tmp_path: Path) -> None:
+    # F.multi_head_attention_forward reads out_proj.weight and never calls out_proj: the
+    # row-wise boundary compiles, and production would compute with the shard as the weight
+    recipe = _recipe(tmp_path, """
+        recipe: mha
+        version: 1
+        mesh: [tp]
+        rules:
+          - match: blocks.*.attn.out_proj
+            style: rowwise
+    """)
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model("tests.support.verify_models:make_mha_encoder"),
+                       {"tp": 2})
+    text = str(caught.value)
+    assert "production mode cannot run one training step" in text
+    assert "while blocks.0.attn ran its forward" in text
+    assert caught.value.span is not None
+    assert caught.value.span.line == _line_of(recipe, "- match: blocks.*.attn.out_proj")
