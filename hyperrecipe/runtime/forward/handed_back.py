@@ -46,7 +46,11 @@ _HANDED_BACK: dict[int, _HandedBack] = {}
 
 
 def _storage(t: Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
+    """Which storage ``t`` views. Meta tensors have no data (every ``data_ptr()`` is 0, so
+    every meta tensor would seem a view of every other): theirs is told by the storage object
+    itself, as the verification step at compile runs validate mode on the meta device."""
+    storage = t.untyped_storage()
+    return int(storage._cdata) if t.is_meta else int(storage.data_ptr())
 
 
 def remember_handed_back(local: Tensor, placements: Sequence[Any], mesh_dims: Sequence[str], *,
