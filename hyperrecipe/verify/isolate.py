@@ -8,8 +8,9 @@ per host; ``meta`` has none), and tears both down after.
 
 A trainer that compiles on its ranks, or applies a plan no one verified, already has a group,
 and a process holds one default group at a time. There the step runs on the job's own mesh
-(``apply``'s) or on one made over the job's group, as ``apply`` itself does: every rank of the
-job verifies together, the same step on the same shapes. Either way the model is a meta copy
+(``apply``'s) or on one made over the job's group (a plan for one replica of a larger job: one
+mesh per replica), as ``apply`` itself does: every rank of the job verifies together, the same
+step on the same shapes. Either way the model is a meta copy
 and its shards stay on the meta device (:func:`~hyperrecipe.runtime.state.materialize.
 shards_on_meta`), and a collective on meta tensors returns without communicating, real group or
 fake: the only values exchanged are ``apply``'s own agreement digests.
@@ -40,8 +41,8 @@ def verification_world(plan: Plan, mesh: DeviceMesh | None = None) -> Iterator[D
         mesh: the job's mesh, when ``apply`` verifies (used as it is).
 
     Raises:
-        UsageError: this process has a process group whose world is not the plan's mesh (the
-            step cannot run on it; compile in a process of its own, ``hyperrecipe compile``).
+        UsageError: this process has a process group whose world the plan's mesh does not
+            divide (compile in a process of its own, ``hyperrecipe compile``).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -61,13 +62,24 @@ def verification_world(plan: Plan, mesh: DeviceMesh | None = None) -> Iterator[D
         if mesh is not None:
             yield mesh
             return
-        if dist.get_world_size() != world:
+        size = dist.get_world_size()
+        if size % world:
             here = ",".join(f"{k}={v}" for k, v in shape.items())
-            msg = (f"verification runs the plan's step on this job's process group, which has "
-                   f"{dist.get_world_size()} ranks, but the plan's mesh {here} has {world}: "
+            msg = (f"verification runs the plan's step on this job's process group, whose "
+                   f"{size} ranks the plan's mesh {here} ({world} ranks) does not divide: "
                    f"compile it in a process of its own (`hyperrecipe compile ... -o plan.json`, "
-                   f"or compile_recipe before init_process_group), on a job of {world} ranks "
-                   f"(every rank, as apply), or pass verify=False at your own risk")
+                   f"or compile_recipe before init_process_group), or pass verify=False at "
+                   f"your own risk")
             raise UsageError(msg)
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        yield init_device_mesh(device, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        if size == world:
+            yield init_device_mesh(device, tuple(shape.values()), mesh_dim_names=tuple(shape))
+            return
+        # a plan for one replica in a larger job (its data dims left to FSDP or DDP): each
+        # replica verifies on its own ranks, every rank of the job together
+        whole = init_device_mesh(device, (size // world, *shape.values()),
+                                 mesh_dim_names=(_REPLICAS, *shape))
+        yield whole[tuple(shape)]
+
+
+_REPLICAS = "hyperrecipe_verification_replicas"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import RecipeError
@@ -49,3 +51,17 @@ def test_apply_verifies_an_unverified_plan_first_and_refuses_on_every_rank() -> 
 def test_apply_verifies_a_right_unverified_plan_and_trains() -> None:
     out = run_ranks(_apply_unverified, 2, str(recipe_path("qwen3")))
     assert [o["error"] for o in out] == [None, None]
+
+
+def _compile_for_one_replica(rank: int, world: int) -> dict[str, Any]:
+    # a tp=2 plan in a 4-rank job (dp left to DDP or FSDP): each replica verifies on its ranks
+    plan = compile_recipe(recipe_path("llama"), build("llama", "meta"), {"tp": 2})
+    assert plan.verification is not None
+    return {"ranks": plan.verification.ranks, "modes": plan.verification.modes}
+
+
+@pytest.mark.slow
+def test_a_plan_for_one_replica_verifies_in_a_larger_job() -> None:
+    out = run_ranks(_compile_for_one_replica, 4)
+    assert [o["ranks"] for o in out] == [(0,), (1,), (2,), (3,)]
+    assert all(o["modes"] == ("production", "validate") for o in out)
