@@ -1,8 +1,10 @@
 """``verify_plan``: the plan-only findings, then one step per mode, then the record.
 
 Ranks: every parameter's local shape and every boundary's layouts are the same on every rank
-(shards are even: the resolver checks divisibility), so one rank's step stands for all; rank 0
-runs. What differs between ranks is values (offsets of a vocab shard, a causal mask's offset
+(shards are even: the resolver checks divisibility), so one rank's step stands for all: rank 0
+runs under the fake process group; in a job every rank of the plan's mesh runs its own, and the
+record says so on every rank alike (the plan's bytes do not depend on the rank that compiled
+it). What differs between ranks is values (offsets of a vocab shard, a causal mask's offset
 under context parallelism), which fake tensors do not have anyway.
 """
 
@@ -58,8 +60,10 @@ def needs_verification(plan: Plan, model_digest: str | None = None) -> bool:
 
 
 def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
-           mesh: DeviceMesh | None) -> tuple[Failure | None, list[Failure | None], int]:
-    """One step per mode, the rank that ran them, and, only when a mode met a raw error (not
+           mesh: DeviceMesh | None
+           ) -> tuple[Failure | None, list[Failure | None], tuple[int, ...]]:
+    """One step per mode, the ranks of the plan's mesh that ran them, and, only when a mode met
+    a raw error (not
     a refusal of ours), the reference step: the model without any plan, in one process."""
     import torch.distributed as dist
 
@@ -70,17 +74,17 @@ def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
     # config's defaults) concerns this copy, not the user's run: not printed at compile
     with warnings.catch_warnings(), verification_world(plan, mesh) as world:
         warnings.simplefilter("ignore")
-        rank = dist.get_rank()
+        ran = (0,) if dist.get_backend() == "fake" else tuple(range(world.size()))
         for mode in modes:
             failure = run_step(model, plan, mode, world, sample)
             out.append(failure)
             if failure is not None and failure.project_error and mode != "validate":
                 break  # the finding is enough; the other mode would only repeat it
     if not any(f is not None and not f.project_error for f in out):
-        return None, out, rank
+        return None, out, ran
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_reference(model, sample), out, rank
+        return run_reference(model, sample), out, ran
 
 
 def _where(failure: Failure) -> str:
@@ -136,7 +140,7 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
                                   model_digest=plan.model_digest, modes=(), ranks=(),
                                   inputs="none", notes=(note,))
         return attrs.evolve(plan, verification=record).sealed()
-    reference, results, rank = _steps(model, plan, sample, tuple(modes), mesh)
+    reference, results, ranks = _steps(model, plan, sample, tuple(modes), mesh)
     notes: list[str] = []
     if float_grouped_experts(model):
         notes.append("fused experts ran through experts_implementation='batched_mm' (the same "
@@ -165,6 +169,6 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
     loss = "the model's own loss" if uses_own_loss(model, sample) else (
         "mean of squares of the first output")
     record = PlanVerification(torch=torch_version, transformers=transformers,
-                              model_digest=plan.model_digest, modes=tuple(ran), ranks=(rank,),
+                              model_digest=plan.model_digest, modes=tuple(ran), ranks=ranks,
                               inputs=f"{sample.description}, {loss}", notes=tuple(notes))
     return attrs.evolve(plan, verification=record).sealed()
