@@ -40,6 +40,21 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HyperrecipeDPOTrainer", "HyperrecipeSFTTrainer", "full_output_embeddings"]
 
 
+def _count_each_batch_once(trainer: Any) -> None:
+    """TRL's SFT and DPO trainers add to ``num_tokens`` (every log line) the batch's token
+    count gathered over the world, divided by ``_tp_size``, which they read from accelerate's
+    ``ParallelismConfig`` (none here: 1). Every model-parallel rank of an applied plan holds a
+    copy of the batch, so it is the ranks that share one (``num_tokens`` measured 190 at tp=2
+    against 95 in one process). Their other gathered metrics are means of copies or ratios of
+    sums, which copies leave as they are."""
+    if not hasattr(trainer, "_tp_size"):
+        msg = (f"{type(trainer).__name__}: this TRL version has no _tp_size (the divisor of its "
+               "gathered token counts); its num_tokens would count each batch once per "
+               "model-parallel rank. Use the TRL version in hyperrecipe's 'trainers' extra")
+        raise TrainerSetupError(msg)
+    trainer._tp_size = trainer.data_parallel.model_parallel
+
+
 class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignore[misc,unused-ignore]
     """``trl.SFTTrainer`` for a model with an applied plan (call on every rank); arguments as
     ``SFTTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
@@ -53,6 +68,10 @@ class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignor
     """
 
     handles_fused_lm_head = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _count_each_batch_once(self)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -94,6 +113,7 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
                    "ref_model with precompute_ref_log_probs=True")
             raise TrainerSetupError(msg)
         super().__init__(*args, **kwargs)
+        _count_each_batch_once(self)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -48,6 +48,8 @@ TABLE = {
     "`transformers.Trainer` under `torchrun`": "refused",
     "`HyperrecipeTrainer`: `max_grad_norm`, logged `grad_norm`": "made right",
     "`HyperrecipeTrainer` with `fp16=True` (a loss scale)": "made right",
+    "`HyperrecipeTrainer`: logged counters and rates (`num_input_tokens_seen`, "
+    "`train_tokens_per_second`, `total_flos`, `eval_steps_per_second`)": "made right",
     "`HyperrecipeTrainer` with `average_tokens_across_devices=False`": "made right",
     "`HyperrecipeTrainer`: `save_steps`, `resume_from_checkpoint`": "made right",
     "`HyperrecipeTrainer` with a validate-mode installation": "made right",
@@ -59,6 +61,7 @@ TABLE = {
     "`HyperrecipeAccelerator` with an optimizer built before apply": "refused",
     "TRL `SFTTrainer`'s fused LM head under `HyperrecipeSFTTrainer`": "made right",
     "TRL `DPOTrainer`'s fused LM head under `HyperrecipeDPOTrainer`": "made right",
+    "TRL's logged `num_tokens` (SFT and DPO) and their other gathered metrics": "made right",
     "`HyperrecipeDPOTrainer` with a `ref_model` that has a plan applied": "refused",
     "`HyperrecipeTrainerMixin` over a TRL trainer that patched the fused LM head, production "
     "mode": "refused",
@@ -67,6 +70,8 @@ TABLE = {
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
     "Lightning at dp × tp under `HyperrecipeStrategy`": "made right",
     "Lightning `fit(ckpt_path=...)` under `HyperrecipeStrategy`": "made right",
+    "Lightning's `lightning.pytorch.utilities.grad_norm(self, 2)` on production shards":
+        "wrong: use ours",
     "Lightning `HyperrecipeStrategy` without a plan applied": "refused",
     "Lightning `HyperrecipeStrategy` with a recipe lacking the `dp` dim at `dp > 1`": "refused",
 }
