@@ -20,7 +20,7 @@ wrong or refused:
 
 - Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` (the per-parameter
   norms users log in ``on_before_optimizer_step``) reads ``p.grad.norm()``: on production shards
-  each rank's shard's norm (measured 0.944 for a total where one process has 1.396), and a
+  each rank's shard's norm (a total measured 2.938 and 2.509 on the two ranks at tp=2 where one process has 3.864), and a
   plain function gives the strategy no seam. :func:`grad_norm` here takes the same arguments
   and returns the same keys with the plan's norms (:meth:`Installation.grad_norms`); import it
   instead of Lightning's.
