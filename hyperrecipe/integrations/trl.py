@@ -11,9 +11,9 @@ TRL gathers a DTensor weight itself (``full_tensor()``), which is why validate m
 :class:`HyperrecipeSFTTrainer` hands TRL's head, for the duration of ``compute_loss``, the full
 weight as DTensor gathers it from the shards: forward an all-gather, backward this rank's slice
 of the gradient (every model-parallel rank computes the same loss).
-:class:`HyperrecipeDPOTrainer` does the same for ``DPOTrainer``, whose policy and (with
-``precompute_ref_log_probs``) reference log-probabilities go through that head in
-``compute_loss`` and ``compute_ref_log_probs``. A separate ``ref_model`` must be a plain model
+:class:`HyperrecipeDPOTrainer` does the same for ``DPOTrainer``, whose policy
+log-probabilities go through that head in ``compute_loss``. A separate ``ref_model`` must be a
+plain model
 (whole on every rank, frozen): an applied one's head would read its own vocab slice, and it is
 refused by name.
 
@@ -85,12 +85,15 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
     ``DPOTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
 
     The reference model is ``ref_model=`` given as a plain model (the whole frozen model on
-    every rank), or none with ``precompute_ref_log_probs=True`` (the applied policy scores
-    the reference log-probabilities once, before training).
+    every rank); with ``precompute_ref_log_probs=True`` it scores the reference
+    log-probabilities once, before training.
 
     Raises:
         TrainerSetupError: ``ref_model`` is a model with an applied plan (its fused head
-            would score its own vocab slice in production mode).
+            would score its own vocab slice in production mode); no ``ref_model`` with
+            ``precompute_ref_log_probs=True`` (TRL would score the reference with the applied
+            policy over batches it split over every rank, so the model-parallel ranks of a
+            replica would run one forward on different batches).
 
     Example::
 
@@ -109,8 +112,17 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
             msg = (f"HyperrecipeDPOTrainer: ref_model ({type(ref).__name__}) has an applied "
                    "plan; TRL's fused LM head would multiply by its output weight outside the "
                    "plan's lm_head boundary, this rank's vocab slice in production mode. Pass "
-                   "the reference as a plain model (whole and frozen on every rank), or no "
-                   "ref_model with precompute_ref_log_probs=True")
+                   "the reference as a plain model (whole and frozen on every rank)")
+            raise TrainerSetupError(msg)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if ref is None and getattr(config, "precompute_ref_log_probs", False):
+            msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a ref_model "
+                   "scores the reference with the applied policy over batches TRL splits over "
+                   "every rank (and hashes its state dict, whose shards are DTensors: TRL fails "
+                   "there with '.numpy() is not supported for tensor subclasses'); the "
+                   "model-parallel ranks of a replica must run each forward on one batch. Pass "
+                   "ref_model= a plain copy of the initial model (whole and frozen on every "
+                   "rank), with or without precompute_ref_log_probs")
             raise TrainerSetupError(msg)
         super().__init__(*args, **kwargs)
         _count_each_batch_once(self)

@@ -175,7 +175,7 @@ def _pairs(n: int) -> Any:
 
 
 def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str,
-                history: bool = False) -> Any:
+                history: bool = False, precompute: bool = False) -> Any:
     """``how``: ``one`` (stock DPOTrainer), ``dpo`` (HyperrecipeDPOTrainer at tp=world),
     ``mixin`` (``class _(HyperrecipeTrainerMixin, DPOTrainer)``), ``applied-ref`` (a
     ref_model with a plan of its own)."""
@@ -191,13 +191,21 @@ def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str,
     args = DPOConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3,
                      learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
                      save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                     bf16=False)
-    sets = {"ref_model": ref, "train_dataset": _pairs(12), "processing_class": _tokenizer()}
+                     bf16=False, precompute_ref_log_probs=precompute)
+    pairs = _pairs(12)
+    if precompute:  # TRL caches the scores beside the dataset's files, for every rank to read
+        from datasets import load_from_disk
+
+        pairs = load_from_disk(out + "-pairs")
+    sets = {"ref_model": None if how == "no-ref" else ref, "train_dataset": pairs,
+            "processing_class": _tokenizer()}
     if how == "one":
         trainer = DPOTrainer(model=model, args=args, **sets)
     else:
         plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
         inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        if how == "no-ref":
+            how = "dpo"
         if how == "applied-ref":
             apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
         cls = MixedDPO if how == "mixin" else HyperrecipeDPOTrainer
@@ -242,6 +250,12 @@ def test_dpo_refusals_name_the_route(tmp_path: Path) -> None:
             "TrainerSetupError: HyperrecipeTrainer: MixedDPO patched the model with TRL's fused "
             "LM head"), res
         assert "HyperrecipeDPOTrainer" in res
+    _pairs(12).save_to_disk(f"{tmp_path}-pairs")
+    for res in run_ranks(_dpo_worker, 2, str(tmp_path), "no-ref", "production", False, True,
+                         timeout_s=600):
+        assert isinstance(res, str) and res.startswith(
+            "TrainerSetupError: HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a "
+            "ref_model"), res
     for res in run_ranks(_dpo_worker, 2, str(tmp_path), "applied-ref", "production",
                          timeout_s=600):
         assert isinstance(res, str) and res.startswith(
@@ -279,4 +293,22 @@ def test_every_number_dpo_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
     assert any("num_tokens" in h for h in ref), ref
     for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
                            timeout_s=600):
+        assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
+
+
+def test_dpo_with_precomputed_reference_log_probs_at_tp2_logs_one_process_s(
+        tmp_path: Path) -> None:
+    """``precompute_ref_log_probs=True`` with a plain ``ref_model``: TRL scores the reference
+    once over batches it splits over every rank (the whole reference on each: no collective)
+    and gathers them in order; every logged number is one process's (``rewards/accuracies``
+    at step 1 aside, as above). Without a ``ref_model`` it is refused (the refusals test).
+    The pairs are read from disk (a copy per run), where TRL's cache of the scores, written by
+    rank 0, is seen by every rank (an in-memory dataset's cache is a per-process temp folder:
+    rank 1 then fails to open rank 0's file, loudly, with the stock trainer too)."""
+    for run in ("one", "tp2"):
+        _pairs(12).save_to_disk(str(tmp_path / f"{run}-pairs"))
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True, True,
+                    timeout_s=600)[0]
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
+                           True, timeout_s=600):
         assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
