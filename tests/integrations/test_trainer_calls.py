@@ -220,3 +220,8 @@ def test_the_documented_trainer_examples_run_under_torchrun(
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / checkpoint).is_file()
+    if name == "lightning":  # the export the example ends with loads
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out-lightning/final")
+        assert exported.config.vocab_size == 128
