@@ -85,12 +85,19 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
     ``DPOTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
 
     The reference model is ``ref_model=`` given as a plain model (the whole frozen model on
-    every rank); with ``precompute_ref_log_probs=True`` it scores the reference
-    log-probabilities once, before training.
+    every rank; with ``precompute_ref_log_probs=True`` it scores the reference
+    log-probabilities once, before training), or a copy of the policy with the same plan
+    applied, with its installation as ``ref_installation=``: its fused head gets its gathered
+    output weight as the policy's does. That reference holds only its shards, and scores by
+    the policy's own program: at equal weights (step 1) its log-probabilities equal the
+    policy's bit for bit, as in one process, where a whole reference differs by rounding
+    (1e-7), which TRL's ``rewards/accuracies`` (``chosen > rejected``) counts as 0.5 instead of
+    one process's 0.0.
 
     Raises:
-        TrainerSetupError: ``ref_model`` is a model with an applied plan (its fused head
-            would score its own vocab slice in production mode); no ``ref_model`` with
+        TrainerSetupError: ``ref_model`` is a model with an applied plan and no
+            ``ref_installation`` (its fused head would score its own vocab slice in production
+            mode), or with ``precompute_ref_log_probs``; ``sync_ref_model``; no ``ref_model`` with
             ``precompute_ref_log_probs=True`` (TRL would score the reference with the applied
             policy over batches it split over every rank, so the model-parallel ranks of a
             replica would run one forward on different batches).
@@ -106,15 +113,35 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
 
     handles_fused_lm_head = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ref_installation: Installation | None = None,
+                 **kwargs: Any) -> None:
         ref = kwargs.get("ref_model")
-        if isinstance(ref, nn.Module) and _applied(ref):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if ref_installation is not None and ref is not ref_installation.model:
+            msg = ("HyperrecipeDPOTrainer: ref_installation= must be the installation of "
+                   f"ref_model (got ref_model {type(ref).__name__}, the installation's model "
+                   f"{type(ref_installation.model).__name__})")
+            raise TrainerSetupError(msg)
+        if isinstance(ref, nn.Module) and _applied(ref) and ref_installation is None:
             msg = (f"HyperrecipeDPOTrainer: ref_model ({type(ref).__name__}) has an applied "
                    "plan; TRL's fused LM head would multiply by its output weight outside the "
                    "plan's lm_head boundary, this rank's vocab slice in production mode. Pass "
-                   "the reference as a plain model (whole and frozen on every rank)")
+                   "its installation too (ref_installation=), or the reference as a plain "
+                   "model (whole and frozen on every rank)")
             raise TrainerSetupError(msg)
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if ref_installation is not None and getattr(config, "precompute_ref_log_probs", False):
+            msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True with an applied "
+                   "ref_model: TRL scores it over batches split over every rank (the "
+                   "model-parallel ranks of a replica must share each batch) after hashing its "
+                   "DTensor state dict; score it during training (the default) or pass a plain "
+                   "ref_model")
+            raise TrainerSetupError(msg)
+        if getattr(config, "sync_ref_model", False):
+            msg = ("HyperrecipeDPOTrainer: sync_ref_model=True mixes the policy's parameters "
+                   "into the reference's one by one, which is untested on an applied plan (a "
+                   "plain reference is whole, the policy's parameters are shards); leave it off")
+            raise TrainerSetupError(msg)
+        self.ref_installation = ref_installation
         if ref is None and getattr(config, "precompute_ref_log_probs", False):
             msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a ref_model "
                    "scores the reference with the applied policy over batches TRL splits over "
@@ -129,13 +156,21 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        with full_output_embeddings(self.installation):
+        with full_output_embeddings(self.installation), self._full_reference_head():
             return super().compute_loss(  # type: ignore[no-untyped-call]
                 model, inputs, return_outputs, num_items_in_batch)
 
     def compute_ref_log_probs(self, model: nn.Module, inputs: Any) -> Any:
-        with full_output_embeddings(self.installation):
+        with full_output_embeddings(self.installation), self._full_reference_head():
             return super().compute_ref_log_probs(model, inputs)  # type: ignore[no-untyped-call]
+
+    @contextmanager
+    def _full_reference_head(self) -> Iterator[None]:
+        if self.ref_installation is None:
+            yield
+            return
+        with full_output_embeddings(self.ref_installation):
+            yield
 
 
 def _applied(model: nn.Module) -> bool:

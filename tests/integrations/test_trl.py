@@ -206,11 +206,14 @@ def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str,
         inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
         if how == "no-ref":
             how = "dpo"
-        if how == "applied-ref":
-            apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        more: dict[str, Any] = {}
+        if how in ("applied-ref", "planned-ref"):
+            ref_inst = apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+            if how == "planned-ref":
+                more["ref_installation"] = ref_inst
         cls = MixedDPO if how == "mixin" else HyperrecipeDPOTrainer
         try:
-            trainer = cls(model=model, installation=inst, args=args, **sets)
+            trainer = cls(model=model, installation=inst, args=args, **sets, **more)
         except TrainerSetupError as exc:
             return f"{type(exc).__name__}: {exc}"
     trainer.train()
@@ -312,3 +315,19 @@ def test_dpo_with_precomputed_reference_log_probs_at_tp2_logs_one_process_s(
     for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
                            True, timeout_s=600):
         assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
+
+
+def test_dpo_with_the_reference_under_the_same_plan_logs_exactly_one_process_s(
+        tmp_path: Path) -> None:
+    """The reference applied with the policy's plan and passed with ``ref_installation=``:
+    scored by the policy's own program, its log-probabilities at step 1 (equal weights) are
+    the policy's bit for bit, as in one process, so every logged number is one process's,
+    ``rewards/accuracies`` at step 1 included (0.0; with a whole reference 0.5: the two
+    programs differ by rounding, which TRL's ``chosen > rejected`` counts)."""
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True,
+                    timeout_s=600)[0]
+    assert ref[0]["rewards/accuracies"] == 0.0 and ref[0]["rewards/chosen"] == 0.0
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "planned-ref", "production",
+                           True, timeout_s=600):
+        assert ranks[0]["rewards/chosen"] == 0.0
+        assert_same_logs(ranks, ref)
