@@ -58,8 +58,11 @@ def _run(world: int, argv: list[str]) -> list[dict[str, Any]]:
         return TRAIN.main(argv)  # type: ignore[no-any-return]
 
     results = run_ranks(worker, world, timeout_s=300)
-    for other in results[1:]:  # every rank's loss is the global batch's
-        assert [r["loss"] for r in other] == [r["loss"] for r in results[0]]
+    for other in results[1:]:  # every rank's loss (and eval loss) is the global batch's
+        def timeless(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+        assert timeless(other) == timeless(results[0])
     return results[0]
 
 
@@ -112,7 +115,7 @@ def uninterrupted(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _assert_matches(records: list[dict[str, Any]], ref: list[dict[str, float]]) -> None:
-    assert [r["step"] for r in records] == list(range(len(ref)))
+    assert [r["step"] for r in records] == list(range(1, len(ref) + 1))
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref],
                                                          abs=LOSS_ATOL)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in ref],
@@ -146,7 +149,7 @@ def test_resume_at_tp1_continues_data_and_schedule_like_the_uninterrupted_run(
     first = _run(2, _args(checkpoint, tmp_path, "--stop-after", "2"))
     assert not (tmp_path / "final").exists() and (tmp_path / "step-2" / ".metadata").is_file()
     resumed = _run(1, _args(checkpoint, tmp_path))
-    assert [r["step"] for r in first + resumed] == list(range(STEPS))
+    assert [r["step"] for r in first + resumed] == list(range(1, STEPS + 1))
     _assert_matches(first + resumed, [{k: r[k] for k in ("loss", "grad_norm")} for r in whole])
     assert [r["lr"] for r in resumed] == [r["lr"] for r in whole[2:]]
 
@@ -198,39 +201,147 @@ def _reference_first_loss(folder: Path, ids: torch.Tensor) -> float:
 
 
 def test_dp_with_a_tp_only_recipe_is_refused_naming_the_dp_recipe(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    w = str(checkpoint)
     with pytest.raises(SystemExit) as exc:
-        TRAIN.parse_args(["--weights", "w", "--out", "o", "--dp", "2", "--recipe", "llama"])
+        TRAIN.parse_args(["--weights", w, "--out", "o", "--dp", "2", "--recipe", "llama"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert ("--dp 2 needs a recipe whose mesh declares dp; llama declares ['tp']. "
             "Use --recipe llama-dp") in err
-    args = TRAIN.parse_args(["--weights", "w", "--out", "o", "--dp", "2"])
+    args = TRAIN.parse_args(["--weights", w, "--out", "o", "--dp", "2"])
     assert args.recipe == "llama-dp"
-    assert TRAIN.parse_args(["--weights", "w", "--out", "o"]).recipe == "llama"
+    assert TRAIN.parse_args(["--weights", w, "--out", "o"]).recipe == "llama"
+
+
+def _saved(family: str, folder: Path) -> Path:
+    """A ``save_pretrained`` checkpoint of the shipped tiny ``family`` config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads((ROOT / f"recipes/models/tiny-{family}.json").read_text())
+    config = AutoConfig.for_model(family, **{k: v for k, v in fields.items()
+                                             if k != "model_type"})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_recipe_auto_trains_a_qwen3_checkpoint_with_the_qwen3_recipe_like_one_process(
+        tmp_path: Path) -> None:
+    """No --recipe on a Qwen3 checkpoint: the shipped qwen3 recipe (before: llama's, whose
+    q/k norms' gradients stay partial), and the losses and norms of one process at tp=2."""
+    qwen3 = _saved("qwen3", tmp_path / "qwen3")
+    argv = _args(qwen3, tmp_path / "out", "--stop-after", "2")
+    assert TRAIN.parse_args(argv).recipe == "qwen3"
+    records = _run(2, argv)
+    _assert_matches(records, _reference(qwen3, 2 * MICRO, _byte_ids())[:2])
+
+
+def test_recipe_auto_refuses_a_family_no_shipped_recipe_covers_naming_suggest(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model_type without a shipped recipe, and a family without a [dp, tp] variant at
+    --dp 2, are refused by name (exit 2), before any rank starts."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    with pytest.raises(SystemExit) as exc:
+        TRAIN.parse_args(["--weights", str(other), "--out", "o"])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--recipe auto: no shipped recipe covers model_type 'gemma2'" in err
+    assert f"hyperrecipe suggest --model hf:gemma2 --model-config {other}/config.json" in err
+    assert "shipped families: gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3" in err
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(SystemExit):
+        TRAIN.parse_args(["--weights", str(other), "--out", "o", "--dp", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--recipe auto at --dp 2: no shipped recipe covers qwen3 on a [dp, tp] mesh" in err
+    with pytest.raises(SystemExit):
+        TRAIN.parse_args(["--weights", str(tmp_path / "none"), "--out", "o"])
+    assert "--recipe auto reads the model_type of" in capsys.readouterr().err
+
+
+def test_eval_split_is_held_out_and_evaluated_like_one_process(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """--eval-fraction 0.1 at tp=2: the last 10 % of the packed sequences never train (the
+    training batches are one process's over the rest) and their mean loss, after steps 2 and
+    4, is one process's over all of them at once; step numbers count optimizer steps done,
+    from 1, in the records as in the progress line."""
+    records = _run(2, _args(checkpoint, tmp_path, "--eval-fraction", "0.1", "--eval-every",
+                            "2"))
+    ids = _byte_ids()
+    packed = ids[:ids.numel() // SEQ * SEQ].view(-1, SEQ)
+    held = math.ceil(0.1 * packed.shape[0])
+    train, evals = packed[:-held], packed[-held:]
+    ref, ref_evals = _reference_with_eval(checkpoint, 2 * MICRO, train, evals, every=2)
+    steps = [r for r in records if "loss" in r]
+    _assert_matches(steps, ref)
+    got = [(r["step"], r["eval_loss"], r["eval_sequences"]) for r in records
+           if "eval_loss" in r]
+    assert [(s, n) for s, _, n in got] == [(2, held), (4, held)]
+    assert [v for _, v, _ in got] == pytest.approx(ref_evals, abs=LOSS_ATOL)
+    line = TRAIN.progress_line(steps[0], STEPS)
+    assert line.startswith("step 1/4 [#####") and steps[0]["step"] == 1
+
+
+def _reference_with_eval(checkpoint: Path, rows: int, train: torch.Tensor,
+                         evals: torch.Tensor, every: int
+                         ) -> tuple[list[dict[str, float]], list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out, eval_losses = [], []
+    for step in range(STEPS):
+        ids = train[(step * rows + torch.arange(rows)) % train.shape[0]]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = _expected_lr(step)
+        opt.step()
+        opt.zero_grad()
+        out.append({"loss": float(loss.detach()), "grad_norm": float(norm)})
+        if (step + 1) % every == 0:
+            with torch.no_grad():
+                eval_losses.append(float(model(input_ids=evals, labels=evals).loss))
+    return out, eval_losses
 
 
 @pytest.mark.slow  # four fresh interpreters under torchrun (docs/benchmarks.md#test-suite)
 def test_dp2_tp2_out_of_the_box_matches_one_process(checkpoint: Path, tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 4 tools/train.py --dp 2`` with no --recipe (the shipped
     llama-dp, FSDP2 over dp): the printed loss (averaged over dp) and norm of every step equal
-    one process over the global batch of 2 micro-batches x 2 dp ranks x 2 sequences."""
+    one process over the global batch of 2 micro-batches x 2 dp ranks x 2 sequences. With
+    --eval-fraction 0.1 the held-out blocks of 2 sequences are dealt over the two dp ranks (an
+    odd count: one rank runs a forward for FSDP only) and the eval loss after steps 2 and 4 is
+    one process's over all of them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         str(ROOT / "tools/train.py"), "--dp", "2", *_args(checkpoint, tmp_path)],
+         str(ROOT / "tools/train.py"), "--dp", "2", *_args(checkpoint, tmp_path),
+         "--eval-fraction", "0.1", "--eval-every", "2"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "recipe llama-dp, mesh {'dp': 2, 'tp': 2}" in proc.stderr
+    assert "recipe llama-dp (model_type llama), mesh {'dp': 2, 'tp': 2}" in proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    _assert_matches(records, _reference(checkpoint, 2 * 2 * MICRO, _byte_ids()))
+    ids = _byte_ids()
+    packed = ids[:ids.numel() // SEQ * SEQ].view(-1, SEQ)
+    held = math.ceil(0.1 * packed.shape[0])
+    assert math.ceil(held / MICRO) % 2 == 1  # the uneven deal this test is about
+    ref, ref_evals = _reference_with_eval(checkpoint, 2 * 2 * MICRO, packed[:-held],
+                                          packed[-held:], every=2)
+    _assert_matches([r for r in records if "loss" in r], ref)
+    assert [r["eval_loss"] for r in records if "eval_loss" in r] == pytest.approx(
+        ref_evals, abs=LOSS_ATOL)
 
 
 def test_help_names_the_recipe_for_dp(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         TRAIN.parse_args(["--help"])
-    assert "'llama-dp' (recipes/llama-dp.yaml, mesh [dp, tp]) at --dp > 1" in " ".join(
-        capsys.readouterr().out.split())
+    assert ("--recipe auto: the shipped recipe named after the checkpoint's config.model_type "
+            "(recipes/qwen3.yaml for Qwen3), at --dp > 1 its <model_type>-dp variant "
+            "(recipes/llama-dp.yaml, mesh [dp, tp])") in " ".join(capsys.readouterr().out.split())
 
 
 def test_tokens_past_the_vocab_and_a_file_shorter_than_a_sequence_are_refused(

@@ -9,9 +9,14 @@ checkpoint (on any tp size), export consolidated safetensors at the end.
     torchrun --nproc-per-node 2 tools/train.py --weights path/to/hf-checkpoint \\
         --data corpus.txt --out runs/demo --steps 20 --save-every 10
 
-Recipes: ``--recipe`` defaults to the shipped ``llama`` (tp only) and, with ``--dp`` above 1, to
-the shipped ``llama-dp`` (``recipes/llama-dp.yaml``: ``llama`` on a ``[dp, tp]`` mesh); a recipe
-of your own for ``--dp`` must declare ``mesh: [dp, tp]``.
+Recipes: ``--recipe auto`` (the default) picks the shipped recipe named after the checkpoint's
+``config.model_type`` (``recipes/qwen3.yaml`` for a Qwen3 checkpoint) and, with ``--dp`` above 1,
+its ``[dp, tp]`` variant (``recipes/llama-dp.yaml``); a family no shipped recipe covers is
+refused by name, pointing to ``hyperrecipe suggest``. A recipe of your own for ``--dp`` must
+declare ``mesh: [dp, tp]``.
+
+Evaluation: ``--eval-fraction F`` holds the last F of the packed sequences out of training and
+evaluates the model's mean loss over them every ``--eval-every`` steps and after the last one.
 
 Data: ``--data FILE`` tokenises a text file with the checkpoint folder's ``tokenizer.json``
 (transformers' tokenizer) where there is one, and otherwise byte by byte (token = byte value
@@ -42,9 +47,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
 
-TP_RECIPE = "llama"
-DP_TP_RECIPE = "llama-dp"
-"""Shipped recipes (``recipes/NAME.yaml``) used when ``--recipe`` is not given."""
+AUTO = "auto"
+DP_SUFFIX = "-dp"
+"""``--recipe auto``: the shipped ``recipes/<model_type>.yaml``, or at ``--dp`` > 1
+``recipes/<model_type>-dp.yaml`` (its ``[dp, tp]`` variant)."""
 
 SYNTHETIC_SEED = 1000
 
@@ -52,11 +58,14 @@ SYNTHETIC_SEED = 1000
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=f"Without --recipe: '{TP_RECIPE}' at --dp 1, '{DP_TP_RECIPE}' "
-               f"(recipes/{DP_TP_RECIPE}.yaml, mesh [dp, tp]) at --dp > 1.")
-    parser.add_argument("--recipe", default=None,
-                        help=f"recipe file or shipped name (default: {TP_RECIPE}, or "
-                             f"{DP_TP_RECIPE} with --dp > 1; with --dp it must declare dp)")
+        epilog="--recipe auto: the shipped recipe named after the checkpoint's "
+               "config.model_type (recipes/qwen3.yaml for Qwen3), at --dp > 1 its "
+               "<model_type>-dp variant (recipes/llama-dp.yaml, mesh [dp, tp]); another family "
+               "is refused, naming hyperrecipe suggest.")
+    parser.add_argument("--recipe", default=AUTO,
+                        help="recipe file or shipped name, or auto (default): the shipped "
+                             "recipe for the checkpoint's model_type (with --dp it must "
+                             "declare dp)")
     parser.add_argument("--weights", required=True, help="HF checkpoint folder (safetensors)")
     parser.add_argument("--out", required=True, help="checkpoints (step-N/) and the export (final/)")
     parser.add_argument("--data", default=None,
@@ -86,25 +95,79 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="forward under torch.autocast(bfloat16); weights and AdamW stay fp32")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object per step on stdout instead of a progress line")
+    parser.add_argument("--eval-fraction", type=float, default=0.0,
+                        help="hold the last fraction of --data's sequences out of training and "
+                             "evaluate on them (default 0: no evaluation)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="evaluate after every N steps and after the last "
+                             "(default: --save-every)")
     args = parser.parse_args(argv)
-    for name in ("seq_len", "micro_batch", "grad_accum", "steps", "save_every", "dp"):
+    if args.eval_every is None:
+        args.eval_every = args.save_every
+    if not 0.0 <= args.eval_fraction < 1.0:
+        parser.error(f"--eval-fraction must be at least 0 and below 1, got {args.eval_fraction}")
+    if args.eval_fraction > 0 and args.data is None:
+        parser.error("--eval-fraction holds out sequences of --data; give --data FILE")
+    for name in ("seq_len", "micro_batch", "grad_accum", "steps", "save_every", "dp",
+                 "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
                          f"{getattr(args, name)}")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         parser.error(f"--stop-after must be between 1 and --steps ({args.steps}), "
                      f"got {args.stop_after}")
-    if args.recipe is None:
-        args.recipe = DP_TP_RECIPE if args.dp > 1 else TP_RECIPE
+    if args.recipe == AUTO:
+        args.recipe = auto_recipe(Path(args.weights), args.dp, parser)
     mesh_dims = hyperrecipe.load_recipe(args.recipe).mesh
     if args.dp > 1 and "dp" not in mesh_dims:
+        variant = f"{args.recipe}{DP_SUFFIX}"
+        shipped = variant in shipped_recipes()
         parser.error(f"--dp {args.dp} needs a recipe whose mesh declares dp; {args.recipe} "
-                     f"declares {list(mesh_dims)}. Use --recipe {DP_TP_RECIPE} (the shipped "
-                     f"llama on [dp, tp]) or add dp to your recipe's mesh: [dp, tp].")
+                     f"declares {list(mesh_dims)}. "
+                     + (f"Use --recipe {variant} (the shipped {args.recipe} on [dp, tp]) or "
+                        if shipped else "")
+                     + "add dp to your recipe's mesh: [dp, tp].")
     if set(mesh_dims) - {"dp", "tp"}:
         parser.error(f"tools/train.py builds a mesh of dp and tp only; {args.recipe} declares "
                      f"{list(mesh_dims)}")
     return args
+
+
+def shipped_recipes() -> list[str]:
+    """The names of the shipped recipes (``recipes/NAME.yaml``)."""
+    from hyperrecipe.shipped import shipped_dir
+
+    return sorted(p.stem for p in shipped_dir().glob("*.yaml"))
+
+
+def auto_recipe(weights: Path, dp: int, parser: argparse.ArgumentParser) -> str:
+    """The shipped recipe for the checkpoint's ``config.model_type``: ``<model_type>``, or at
+    ``dp`` > 1 ``<model_type>-dp``. A recipe of another family compiles on many models (their
+    trees share FQNs) and trains them wrong (Llama's on Qwen3 leaves the q/k norms' partial
+    gradients unreduced), so a family without its own shipped recipe is refused."""
+    config = weights / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as exc:
+        parser.error(f"--recipe auto reads the model_type of {config}: {exc}; give --weights a "
+                     "Hugging Face checkpoint folder, or --recipe")
+    shipped = shipped_recipes()
+    families = [n for n in shipped if "-" not in n]
+    if not isinstance(model_type, str) or model_type not in families:
+        parser.error(f"--recipe auto: no shipped recipe covers model_type {model_type!r} "
+                     f"({config}); shipped families: {', '.join(families)}. Let "
+                     f"`hyperrecipe suggest --model hf:{model_type} --model-config {config} "
+                     f"--mesh tp=N -o {model_type}.yaml` propose one (it keeps only what its "
+                     f"check verified), then pass --recipe {model_type}.yaml")
+    if dp == 1:
+        return model_type
+    variant = f"{model_type}{DP_SUFFIX}"
+    if variant not in shipped:
+        parser.error(f"--recipe auto at --dp {dp}: no shipped recipe covers {model_type} on a "
+                     f"[dp, tp] mesh (shipped: {', '.join(n for n in shipped if n.endswith(DP_SUFFIX))}"
+                     f"); write one that extends {model_type} with mesh: [dp, tp], as "
+                     f"recipes/llama-dp.yaml does, and pass --recipe")
+    return variant
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -146,18 +209,28 @@ class Batches:
     """
 
     def __init__(self, tokens: torch.Tensor | None, *, vocab: int, seq_len: int,
-                 micro_batch: int, grad_accum: int, dp: int) -> None:
+                 micro_batch: int, grad_accum: int, dp: int,
+                 eval_fraction: float = 0.0) -> None:
         self.vocab, self.seq_len = vocab, seq_len
         self.shape = (grad_accum, dp, micro_batch)
         self.rows = grad_accum * dp * micro_batch
+        self.micro_batch, self.dp = micro_batch, dp
         self.packed = None
+        self.held_out: torch.Tensor | None = None
         if tokens is not None:
             count = tokens.numel() // seq_len
             if count == 0:
                 msg = (f"--data holds {tokens.numel()} tokens, fewer than one --seq-len "
                        f"({seq_len}) sequence")
                 raise SystemExit(msg)
-            self.packed = tokens[:count * seq_len].view(count, seq_len)
+            packed = tokens[:count * seq_len].view(count, seq_len)
+            held = math.ceil(eval_fraction * count) if eval_fraction > 0 else 0
+            if held >= count:
+                msg = (f"--eval-fraction {eval_fraction} holds out all {count} sequences of "
+                       f"--data; nothing is left to train on")
+                raise SystemExit(msg)
+            self.packed = packed[:count - held]
+            self.held_out = packed[count - held:] if held else None
 
     def global_batch(self, step: int) -> torch.Tensor:
         if self.packed is None:
@@ -170,6 +243,18 @@ class Batches:
         blocks = self.global_batch(step).view(*self.shape, self.seq_len)
         for m in range(self.shape[0]):
             yield blocks[m, dp_rank]
+
+    def eval_micro_batches(self, dp_rank: int) -> Iterator[torch.Tensor | None]:
+        """The held-out sequences in blocks of ``micro_batch``, block i to dp rank i mod dp.
+        Every dp rank yields the same number of items (``None`` where it has no block left):
+        FSDP2 gathers parameters in each forward, so every dp rank must run as many."""
+        assert self.held_out is not None
+        blocks = [self.held_out[i:i + self.micro_batch]
+                  for i in range(0, self.held_out.shape[0], self.micro_batch)]
+        rounds = math.ceil(len(blocks) / self.dp)
+        for r in range(rounds):
+            index = r * self.dp + dp_rank
+            yield blocks[index] if index < len(blocks) else None
 
 
 # -- schedule, checkpoints, progress ------------------------------------------------------------
@@ -204,10 +289,53 @@ def newest_checkpoint(out: Path) -> tuple[int, Path] | None:
 
 
 def progress_line(rec: dict[str, Any], steps: int) -> str:
-    done = round(20 * (rec["step"] + 1) / steps)
-    return (f"step {rec['step'] + 1:>{len(str(steps))}}/{steps} [{'#' * done}{'.' * (20 - done)}]"
+    """``rec["step"]`` counts optimizer steps done (1 after the first), as the ``--json``
+    records, ``--stop-after`` and the ``step-N`` checkpoints do."""
+    width = len(str(steps))
+    if "eval_loss" in rec:
+        return (f"eval {rec['step']:>{width}}/{steps} loss {rec['eval_loss']:.4f} "
+                f"({rec['eval_sequences']} held-out sequences)")
+    done = round(20 * rec["step"] / steps)
+    return (f"step {rec['step']:>{width}}/{steps} [{'#' * done}{'.' * (20 - done)}]"
             f" loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}"
             f"  {rec['tokens_per_s']:,.0f} tok/s")
+
+
+def evaluate(model: torch.nn.Module, batches: Batches, *, dp_rank: int, dp_group: Any,
+             device: str, autocast: Any) -> float:
+    """The model's mean loss over every held-out token, as one process computes it over the
+    held-out sequences at once (every label of a packed sequence is valid, so each sequence
+    counts ``seq_len - 1`` tokens): each dp rank sums loss × tokens over its blocks, the sums
+    are all-reduced over dp."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss x tokens, tokens
+    first: torch.Tensor | None = None
+    try:
+        with torch.no_grad():
+            for ids in batches.eval_micro_batches(dp_rank):
+                assert batches.held_out is not None
+                run = ids if ids is not None else batches.held_out[:1]
+                first = run if first is None else first
+                run = run.to(device)
+                with autocast:
+                    loss = model(input_ids=run, labels=run).loss
+                if ids is not None:  # a rank without a block ran the forward for FSDP only
+                    tokens = ids.shape[0] * (ids.shape[1] - 1)
+                    totals[0] += float(loss) * tokens
+                    totals[1] += tokens
+    finally:
+        model.train()
+        # FSDP2 leaves the root's parameters gathered after a forward without backward (its
+        # reshard runs after backward): put the shards back before the optimizer or a
+        # checkpoint looks at them
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    if dp_group is not None:
+        dist.all_reduce(totals, group=dp_group)
+    return float(totals[0] / totals[1])
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -267,10 +395,14 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     if args.data is not None:
         tokens, how = tokenize(Path(args.data), Path(args.weights), config.vocab_size)
     batches = Batches(tokens, vocab=config.vocab_size, seq_len=args.seq_len,
-                      micro_batch=args.micro_batch, grad_accum=args.grad_accum, dp=args.dp)
+                      micro_batch=args.micro_batch, grad_accum=args.grad_accum, dp=args.dp,
+                      eval_fraction=args.eval_fraction)
     if rank0:
-        print(f"train.py: recipe {args.recipe}, mesh {shape}, mode {args.mode}, data {how}"
-              + (f" ({tokens.numel()} tokens, {tokens.numel() // args.seq_len} sequences)"
+        held = batches.held_out.shape[0] if batches.held_out is not None else 0
+        print(f"train.py: recipe {args.recipe} (model_type {config.model_type}), mesh {shape}, "
+              f"mode {args.mode}, data {how}"
+              + (f" ({tokens.numel()} tokens, {tokens.numel() // args.seq_len} sequences"
+                 + (f", {held} held out for evaluation" if held else "") + ")"
                  if tokens is not None else "")
               + f", global batch {batches.rows} x {args.seq_len} tokens", file=sys.stderr,
               flush=True)
@@ -308,11 +440,23 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             mean_loss /= args.dp
         loss_value = float(mean_loss)  # waits for the step (a device sync on CUDA)
         seconds = time.perf_counter() - began
-        rec = {"step": step, "loss": round(loss_value, 6), "grad_norm": round(float(norm), 6),
-               "lr": lr, "tokens_per_s": round(batches.rows * args.seq_len / seconds, 1)}
+        # numbered by optimizer steps done, as the progress line, --stop-after and step-N
+        rec = {"step": step + 1, "loss": round(loss_value, 6),
+               "grad_norm": round(float(norm), 6), "lr": lr,
+               "tokens_per_s": round(batches.rows * args.seq_len / seconds, 1)}
         records.append(rec)
         if rank0:
             print(json.dumps(rec) if args.json else progress_line(rec, args.steps), flush=True)
+        if batches.held_out is not None and ((step + 1) % args.eval_every == 0
+                                             or step + 1 == stop):
+            evaluated: dict[str, Any] = {
+                "step": step + 1, "eval_loss": round(evaluate(
+                    model, batches, dp_rank=dp_rank, dp_group=dp_group, device=device,
+                    autocast=autocast), 6), "eval_sequences": int(batches.held_out.shape[0])}
+            records.append(evaluated)
+            if rank0:
+                print(json.dumps(evaluated) if args.json
+                      else progress_line(evaluated, args.steps), flush=True)
         if (step + 1) % args.save_every == 0:
             # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
             # Committed last, so a save that dies halfway is refused on resume.

@@ -186,18 +186,39 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
                                  step_with_optimizer=prepared.step_with_optimizer,
                                  split_batches=prepared.split_batches, data_size=dp.size)
         self._schedulers[self._schedulers.index(prepared)] = ours
-        if dp.model_parallel > 1 and ours.step_with_optimizer and not ours.split_batches:
+        return ours
+
+    def _warn_of_schedules_sized_by_every_process(self) -> None:
+        """Once, where it can tell: a prepared schedule whose length is readable
+        (:func:`_schedule_length`) and that the run stepped exactly a model-parallel factor
+        short of its end, as a schedule sized by ``accelerator.num_processes`` is (transformers'
+        no_trainer examples given ``--max_train_steps``). A schedule sized right, or one whose
+        length cannot be read, says nothing (``prepare`` warned at every tp > 1 before)."""
+        dp = self.data_parallel
+        if dp is None or dp.model_parallel == 1 or getattr(self, "_schedule_warned", False):
+            return
+        for ours in self._schedulers:
+            if not isinstance(ours, _DataDimScheduler) or not ours.step_with_optimizer:
+                continue
+            total = _schedule_length(ours.scheduler)
+            stepped = int(getattr(ours.scheduler, "last_epoch", 0))
+            if total is None or not 0 < stepped < total:
+                continue
+            if abs(total - stepped * dp.model_parallel) >= dp.model_parallel * dp.size:
+                continue
             import warnings
 
+            self._schedule_warned = True
             warnings.warn(
-                f"{_NAME} steps this LR scheduler {dp.size} time(s) per optimizer step, once per "
-                f"data rank, not accelerator.num_processes ({dp.size * dp.model_parallel}) "
-                f"times: the {dp.model_parallel} model-parallel ranks of a replica share its "
-                f"batches. Size the schedule as optimizer steps x {dp.size}; one scaled by "
-                f"accelerator.num_processes (transformers' no_trainer examples given "
-                f"--max_train_steps) runs {dp.model_parallel} times too long",
-                UserWarning, stacklevel=2)
-        return ours
+                f"{_NAME}: this LR schedule ({type(ours.scheduler).__name__}) spans {total} "
+                f"steps and the run stepped it {stepped} times, once per data rank ({dp.size}) "
+                f"per optimizer step: it was sized by accelerator.num_processes "
+                f"({dp.size * dp.model_parallel}), as transformers' no_trainer examples size it "
+                f"given --max_train_steps, and stopped {100 * stepped // total}% along. The "
+                f"{dp.model_parallel} model-parallel ranks of a replica share its batches: size "
+                f"the schedule as optimizer steps x {dp.size}",
+                UserWarning, stacklevel=3)
+            return
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Over the data dim only (accelerate gathers over the world, where the model-parallel
@@ -305,6 +326,7 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         every rank got here: rank 0 may still be writing files only it writes, and a group
         torn down under a peer was seen to abort a rank at interpreter exit
         (``Installation.leave_together``)."""
+        self._warn_of_schedules_sized_by_every_process()
         if self.installation is not None:
             self.installation.leave_together(f"{_NAME}.end_training")
         super().end_training()
@@ -365,6 +387,22 @@ class _DataDimScheduler(AcceleratedScheduler):  # type: ignore[misc]
             total = getattr(self.scheduler, "total_steps", None)  # OneCycle without drop_last
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
+
+
+def _schedule_length(scheduler: Any) -> int | None:
+    """How many steps an LR schedule spans, where it says: ``OneCycleLR.total_steps``,
+    ``CosineAnnealingLR.T_max``, ``total_iters`` (``LinearLR``, ``ConstantLR``,
+    ``PolynomialLR``), or the ``num_training_steps`` of a ``LambdaLR`` built by transformers'
+    ``get_scheduler`` (a ``functools.partial``); otherwise ``None``."""
+    for name in ("total_steps", "T_max", "total_iters"):
+        value = getattr(scheduler, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    for function in getattr(scheduler, "lr_lambdas", ()):
+        value = getattr(function, "keywords", {}).get("num_training_steps")
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:

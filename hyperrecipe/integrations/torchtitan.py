@@ -44,13 +44,22 @@ if TYPE_CHECKING:
     from hyperrecipe.plan import ParamPlan, Plan
     from hyperrecipe.runtime.installation import Installation
 
-__all__ = ["RECIPE", "RECIPE_DP_TP", "build_llama3", "cross_entropy_loss", "installation_of",
-           "parallelize_llama"]
+__all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DP_TP", "build_llama3", "cross_entropy_loss",
+           "installation_of", "parallelize_llama", "shipped_recipe_for"]
 
 #: The shipped recipe :func:`parallelize_llama` compiles when given none (tp only).
 RECIPE = "torchtitan-llama3"
 #: ... and with a data-parallel shard dim (``dp_shard > 1``: FSDP2 over torchtitan's ``fsdp``).
 RECIPE_DP_TP = "torchtitan-llama3-dp-tp"
+
+#: The shipped recipes by torchtitan model class (module and qualified name, the exact
+#: class): (tp only, with ``dp_shard > 1``). A recipe for one model often compiles on another
+#: whose module names it shares and trains it wrong (torchtitan-llama3 compiles on torchtitan's
+#: ``Qwen3Model``, whose per-head ``q_norm``/``k_norm`` gradients it leaves partial), so
+#: :func:`parallelize_llama` without ``recipe=`` refuses any other class.
+RECIPES_BY_MODEL: dict[str, tuple[str, str]] = {
+    "torchtitan.models.llama3.model.Llama3Model": (RECIPE, RECIPE_DP_TP),
+}
 
 IGNORE_INDEX = -100
 
@@ -157,17 +166,19 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
             what this step does not do (``training.max_norm`` clips right: see the module).
         ac_config: torchtitan's activation checkpointing policy, applied after the plan.
-        recipe: a recipe file or shipped recipe name for torchtitan's module names; by default
-            :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or, with
-            ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is applied
-            over ``fsdp`` after the plan, per block and on the root).
+        recipe: a recipe file or shipped recipe name for the model's module names; by default
+            the shipped one for the model's class (:data:`RECIPES_BY_MODEL`): for
+            ``Llama3Model`` :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or,
+            with ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is
+            applied over ``fsdp`` after the plan, per block and on the root).
 
     Returns:
         ``model``, applied in production mode; :func:`installation_of` gives its installation
         (``clip_grad_norm_``, ``state_dict`` for DCP, ``restore``).
 
     Raises:
-        PlanMismatchError: the job asks for replicated data, context or pipeline parallel,
+        PlanMismatchError: no ``recipe`` is given and no shipped recipe is for the model's
+            class; the job asks for replicated data, context or pipeline parallel,
             sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
             (see the module docstring).
         RecipeError: the recipe does not fit the model or the tp size.
@@ -176,6 +187,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     from hyperrecipe import apply, compile_recipe
 
     fsdp = int(parallel_dims.dp_shard) > 1
+    chosen = recipe if recipe is not None else shipped_recipe_for(model, fsdp=fsdp)
     if fsdp:
         mesh = parallel_dims.get_mesh(["fsdp", "tp"])
         shape = {"fsdp": mesh["fsdp"].size(), "tp": mesh["tp"].size()}
@@ -184,7 +196,6 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
         # rank)
         mesh = parallel_dims.get_optional_mesh("tp", include_singleton_axes=True)
         shape = {"tp": mesh.size()}
-    chosen = recipe if recipe is not None else (RECIPE_DP_TP if fsdp else RECIPE)
     plan = compile_recipe(chosen, model, shape)
     _compute_meta_buffers(model, mesh.device_type)
     _INSTALLATIONS[model] = apply(model, plan, mesh, mode="production")
@@ -199,6 +210,30 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
             fully_shard(block, mesh=mesh["fsdp"])
         fully_shard(model, mesh=mesh["fsdp"])
     return model
+
+
+def shipped_recipe_for(model: nn.Module, *, fsdp: bool) -> str:
+    """The shipped recipe for ``model``'s class (:data:`RECIPES_BY_MODEL`), with or without
+    FSDP2 on ``fsdp``.
+
+    Raises:
+        PlanMismatchError: no shipped recipe is for that class (the message names the
+            classes there are recipes for and what to do).
+    """
+    cls = type(model)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    recipes = RECIPES_BY_MODEL.get(name)
+    if recipes is None:
+        covered = ", ".join(f"{k.rsplit('.', 1)[1]} ({', '.join(v)})"
+                            for k, v in RECIPES_BY_MODEL.items())
+        msg = (f"hyperrecipe's torchtitan parallelize_llama has no shipped recipe for "
+               f"{cls.__qualname__} ({name}); shipped: {covered}. A recipe for another model "
+               f"compiles on one that shares its module names and trains it wrong (Llama's on "
+               f"torchtitan's Qwen3 leaves the q_norm/k_norm gradients partial), so none is "
+               f"guessed: write a recipe for {cls.__qualname__}'s module names and pass "
+               f"recipe=, or use torchtitan's own parallelize function for it")
+        raise PlanMismatchError(msg)
+    return recipes[1] if fsdp else recipes[0]
 
 
 def _compute_meta_buffers(model: nn.Module, device_type: str) -> None:

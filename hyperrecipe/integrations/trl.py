@@ -11,9 +11,9 @@ TRL gathers a DTensor weight itself (``full_tensor()``), which is why validate m
 :class:`HyperrecipeSFTTrainer` hands TRL's head, for the duration of ``compute_loss``, the full
 weight as DTensor gathers it from the shards: forward an all-gather, backward this rank's slice
 of the gradient (every model-parallel rank computes the same loss).
-:class:`HyperrecipeDPOTrainer` does the same for ``DPOTrainer``, whose policy and (with
-``precompute_ref_log_probs``) reference log-probabilities go through that head in
-``compute_loss`` and ``compute_ref_log_probs``. A separate ``ref_model`` must be a plain model
+:class:`HyperrecipeDPOTrainer` does the same for ``DPOTrainer``, whose policy
+log-probabilities go through that head in ``compute_loss``. A separate ``ref_model`` must be a
+plain model
 (whole on every rank, frozen): an applied one's head would read its own vocab slice, and it is
 refused by name.
 
@@ -40,6 +40,21 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HyperrecipeDPOTrainer", "HyperrecipeSFTTrainer", "full_output_embeddings"]
 
 
+def _count_each_batch_once(trainer: Any) -> None:
+    """TRL's SFT and DPO trainers add to ``num_tokens`` (every log line) the batch's token
+    count gathered over the world, divided by ``_tp_size``, which they read from accelerate's
+    ``ParallelismConfig`` (none here: 1). Every model-parallel rank of an applied plan holds a
+    copy of the batch, so it is the ranks that share one (``num_tokens`` measured 190 at tp=2
+    against 95 in one process). Their other gathered metrics are means of copies or ratios of
+    sums, which copies leave as they are."""
+    if not hasattr(trainer, "_tp_size"):
+        msg = (f"{type(trainer).__name__}: this TRL version has no _tp_size (the divisor of its "
+               "gathered token counts); its num_tokens would count each batch once per "
+               "model-parallel rank. Use the TRL version in hyperrecipe's 'trainers' extra")
+        raise TrainerSetupError(msg)
+    trainer._tp_size = trainer.data_parallel.model_parallel
+
+
 class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignore[misc,unused-ignore]
     """``trl.SFTTrainer`` for a model with an applied plan (call on every rank); arguments as
     ``SFTTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
@@ -54,6 +69,10 @@ class HyperrecipeSFTTrainer(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignor
 
     handles_fused_lm_head = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _count_each_batch_once(self)
+
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         with full_output_embeddings(self.installation):
@@ -66,12 +85,22 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
     ``DPOTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
 
     The reference model is ``ref_model=`` given as a plain model (the whole frozen model on
-    every rank), or none with ``precompute_ref_log_probs=True`` (the applied policy scores
-    the reference log-probabilities once, before training).
+    every rank; with ``precompute_ref_log_probs=True`` it scores the reference
+    log-probabilities once, before training), or a copy of the policy with the same plan
+    applied, with its installation as ``ref_installation=``: its fused head gets its gathered
+    output weight as the policy's does. That reference holds only its shards, and scores by
+    the policy's own program: at equal weights (step 1) its log-probabilities equal the
+    policy's bit for bit, as in one process, where a whole reference differs by rounding
+    (1e-7), which TRL's ``rewards/accuracies`` (``chosen > rejected``) counts as 0.5 instead of
+    one process's 0.0.
 
     Raises:
-        TrainerSetupError: ``ref_model`` is a model with an applied plan (its fused head
-            would score its own vocab slice in production mode).
+        TrainerSetupError: ``ref_model`` is a model with an applied plan and no
+            ``ref_installation`` (its fused head would score its own vocab slice in production
+            mode), or with ``precompute_ref_log_probs``; ``sync_ref_model``; no ``ref_model`` with
+            ``precompute_ref_log_probs=True`` (TRL would score the reference with the applied
+            policy over batches it split over every rank, so the model-parallel ranks of a
+            replica would run one forward on different batches).
 
     Example::
 
@@ -84,26 +113,64 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
 
     handles_fused_lm_head = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ref_installation: Installation | None = None,
+                 **kwargs: Any) -> None:
         ref = kwargs.get("ref_model")
-        if isinstance(ref, nn.Module) and _applied(ref):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if ref_installation is not None and ref is not ref_installation.model:
+            msg = ("HyperrecipeDPOTrainer: ref_installation= must be the installation of "
+                   f"ref_model (got ref_model {type(ref).__name__}, the installation's model "
+                   f"{type(ref_installation.model).__name__})")
+            raise TrainerSetupError(msg)
+        if isinstance(ref, nn.Module) and _applied(ref) and ref_installation is None:
             msg = (f"HyperrecipeDPOTrainer: ref_model ({type(ref).__name__}) has an applied "
                    "plan; TRL's fused LM head would multiply by its output weight outside the "
                    "plan's lm_head boundary, this rank's vocab slice in production mode. Pass "
-                   "the reference as a plain model (whole and frozen on every rank), or no "
-                   "ref_model with precompute_ref_log_probs=True")
+                   "its installation too (ref_installation=), or the reference as a plain "
+                   "model (whole and frozen on every rank)")
+            raise TrainerSetupError(msg)
+        if ref_installation is not None and getattr(config, "precompute_ref_log_probs", False):
+            msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True with an applied "
+                   "ref_model: TRL scores it over batches split over every rank (the "
+                   "model-parallel ranks of a replica must share each batch) after hashing its "
+                   "DTensor state dict; score it during training (the default) or pass a plain "
+                   "ref_model")
+            raise TrainerSetupError(msg)
+        if getattr(config, "sync_ref_model", False):
+            msg = ("HyperrecipeDPOTrainer: sync_ref_model=True mixes the policy's parameters "
+                   "into the reference's one by one, which is untested on an applied plan (a "
+                   "plain reference is whole, the policy's parameters are shards); leave it off")
+            raise TrainerSetupError(msg)
+        self.ref_installation = ref_installation
+        if ref is None and getattr(config, "precompute_ref_log_probs", False):
+            msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a ref_model "
+                   "scores the reference with the applied policy over batches TRL splits over "
+                   "every rank (and hashes its state dict, whose shards are DTensors: TRL fails "
+                   "there with '.numpy() is not supported for tensor subclasses'); the "
+                   "model-parallel ranks of a replica must run each forward on one batch. Pass "
+                   "ref_model= a plain copy of the initial model (whole and frozen on every "
+                   "rank), with or without precompute_ref_log_probs")
             raise TrainerSetupError(msg)
         super().__init__(*args, **kwargs)
+        _count_each_batch_once(self)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        with full_output_embeddings(self.installation):
+        with full_output_embeddings(self.installation), self._full_reference_head():
             return super().compute_loss(  # type: ignore[no-untyped-call]
                 model, inputs, return_outputs, num_items_in_batch)
 
     def compute_ref_log_probs(self, model: nn.Module, inputs: Any) -> Any:
-        with full_output_embeddings(self.installation):
+        with full_output_embeddings(self.installation), self._full_reference_head():
             return super().compute_ref_log_probs(model, inputs)  # type: ignore[no-untyped-call]
+
+    @contextmanager
+    def _full_reference_head(self) -> Iterator[None]:
+        if self.ref_installation is None:
+            yield
+            return
+        with full_output_embeddings(self.ref_installation):
+            yield
 
 
 def _applied(model: nn.Module) -> bool:

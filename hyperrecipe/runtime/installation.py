@@ -35,7 +35,11 @@ from hyperrecipe.runtime.state.export import (
     writer_gather,
 )
 from hyperrecipe.runtime.state.materialize import keep_non_persistent_buffers
-from hyperrecipe.runtime.grads.grad_norm import clip_grads_by_norm, total_grad_norm
+from hyperrecipe.runtime.grads.grad_norm import (
+    clip_grads_by_norm,
+    per_parameter_grad_norms,
+    total_grad_norm,
+)
 from hyperrecipe.runtime.grads.scaler_guard import guard_grad_scaler
 from hyperrecipe.runtime.grads.torch_clip_guard import guard_torch_clipping
 from hyperrecipe.runtime.mode import Mode, as_mode
@@ -278,6 +282,24 @@ class Installation:
         """
         self._check_grads("grad_norm")
         return total_grad_norm(self._live, norm_type, foreach)
+
+    def grad_norms(self, norm_type: float = 2.0, *,
+                   foreach: bool | None = None) -> dict[str, Tensor]:
+        """Each parameter's full gradient norm, FQN → float32 scalar: what
+        ``param.grad.norm(norm_type)`` gives on the unsharded model in one process, on every
+        rank, in both modes (a collective: call on every rank). On production shards
+        ``param.grad.norm()`` is this rank's shard's norm; Lightning's
+        ``lightning.pytorch.utilities.grad_norm`` reads exactly that
+        (``hyperrecipe.integrations.lightning.grad_norm`` reads this instead).
+
+        Parameters without a gradient are left out; tied ones appear once, under the owner's
+        FQN.
+
+        Raises:
+            PlanMismatchError, ValueError: as :meth:`grad_norm`.
+        """
+        self._check_grads("grad_norms")
+        return per_parameter_grad_norms(self._live, norm_type, foreach)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,

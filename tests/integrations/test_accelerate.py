@@ -224,14 +224,26 @@ def _refusal_worker(rank: int, world: int, how: str) -> str:
             accelerator.prepare(model, torch.optim.AdamW(model.parameters()),
                                 installation=inst)
             return f"ran; the loader gave {[b.tolist() for b in loader]}"
-        elif how == "scheduler":
+        elif how.startswith("scheduler"):  # "scheduler N": a LinearLR over N steps, 5 taken
+            import warnings
+
             accelerator = HyperrecipeAccelerator(cpu=True)
             optimizer = torch.optim.AdamW(model.parameters())
-            with pytest.warns(UserWarning) as caught:
-                accelerator.prepare(model, optimizer,
-                                    torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, 10),
-                                    installation=inst)
-            return str(caught[0].message)
+            total = int(how.split()[1])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                prepared = accelerator.prepare(
+                    model, optimizer, torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total),
+                    installation=inst)
+                at_prepare = len(caught)
+                for _ in range(5):
+                    prepared[0](input_ids=ids, labels=ids).loss.backward()
+                    prepared[1].step()
+                    prepared[2].step()
+                    prepared[1].zero_grad()
+                accelerator.end_training()
+                accelerator.end_training()  # warned once
+            return f"at prepare {at_prepare}; " + " | ".join(str(w.message) for w in caught)
         elif how == "loader after":
             accelerator = HyperrecipeAccelerator(cpu=True)
             accelerator.prepare(model, torch.optim.AdamW(model.parameters()),
@@ -275,14 +287,20 @@ def test_a_loader_prepared_before_the_installation_is_refused_by_name() -> None:
         assert res == "ran; the loader gave [[0, 1], [2, 3], [4, 5], [6, 7]]", res
 
 
-def test_a_scheduler_at_tp2_warns_that_it_steps_once_per_data_rank() -> None:
-    for res in run_ranks(_refusal_worker, 2, "scheduler", timeout_s=600):
+def test_a_schedule_sized_by_every_process_is_warned_of_once_and_a_right_one_not() -> None:
+    """At tp=2 the scheduler steps once per data rank per optimizer step. A LinearLR over 10
+    steps stepped 5 times (5 optimizer steps: sized by accelerator.num_processes) is warned
+    of once, at end_training, where the run shows it; one over 5 steps says nothing, and
+    neither does prepare (it warned at every tp > 1 before, sized right or not)."""
+    for res in run_ranks(_refusal_worker, 2, "scheduler 10", timeout_s=600):
         assert res == (
-            "HyperrecipeAccelerator steps this LR scheduler 1 time(s) per optimizer step, once "
-            "per data rank, not accelerator.num_processes (2) times: the 2 model-parallel ranks "
-            "of a replica share its batches. Size the schedule as optimizer steps x 1; one "
-            "scaled by accelerator.num_processes (transformers' no_trainer examples given "
-            "--max_train_steps) runs 2 times too long"), res
+            "at prepare 0; HyperrecipeAccelerator: this LR schedule (LinearLR) spans 10 steps "
+            "and the run stepped it 5 times, once per data rank (1) per optimizer step: it was "
+            "sized by accelerator.num_processes (2), as transformers' no_trainer examples size "
+            "it given --max_train_steps, and stopped 50% along. The 2 model-parallel ranks of a "
+            "replica share its batches: size the schedule as optimizer steps x 1"), res
+    for res in run_ranks(_refusal_worker, 2, "scheduler 5", timeout_s=600):
+        assert res == "at prepare 0; ", res
 
 
 def test_fp16_is_refused_by_name() -> None:

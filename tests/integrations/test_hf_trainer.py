@@ -26,6 +26,7 @@ from hyperrecipe.check.launcher import run_ranks  # noqa: E402
 from hyperrecipe.errors import PlanMismatchError, TrainerSetupError  # noqa: E402
 from tests.support.checkpoint_harness import Hostile, resume_refused  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
+from tests.support.trainer_logs import assert_same_logs  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DP_TP = str(ROOT / "recipes/llama-dp.yaml")
@@ -97,7 +98,8 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
         trainer.accelerator.native_amp = True
     trainer.train(resume_from_checkpoint=resume)
     return {"logged": _logged(trainer),
-            "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None}
+            "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None,
+            "history": trainer.state.log_history}
 
 
 def _assert_same_run(actual: list[tuple[int, float, float]],
@@ -137,6 +139,23 @@ def test_trainer_at_tp2_clips_like_one_process_and_resumes_at_tp1(tmp_path: Path
     message = resume_refused(lambda: run_ranks(_worker, 1, str(tmp_path / "again"), "tp", 2,
                                                 10, str(hostile), timeout_s=600), marker)
     assert "WeightLoadError" in message and "hostile/hyperrecipe-dcp" in message, message
+
+
+def test_every_number_the_trainer_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
+    """With ``include_num_input_tokens_seen``, every key of every log line (training steps,
+    the closing metrics, ``evaluate()`` on 7 samples in batches of 3) against one process:
+    ``num_input_tokens_seen`` (measured 32, 64, ... at tp=2 against 16, 32, ... before: the
+    Trainer gathers each rank's count over the world), ``total_flos`` (the Trainer summed each
+    rank's shards' count over the world), and the rates by the counts they imply
+    (``train_tokens_per_second``; ``eval_steps_per_second`` was counted over
+    ``eval_batch_size × world_size``)."""
+    more = {"include_num_input_tokens_seen": True}
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 2, 10, None, 1, 7, 3,
+                    "production", more, timeout_s=600)[0]
+    assert any("num_input_tokens_seen" in h for h in ref["history"])
+    for ranks in run_ranks(_worker, 2, str(tmp_path / "tp2"), "tp", 2, 10, None, 1, 7, 3,
+                           "production", more, timeout_s=600):
+        assert_same_logs(ranks["history"], ref["history"])
 
 
 def test_trainer_without_averaging_tokens_across_devices_matches_one_process(

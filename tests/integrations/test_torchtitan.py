@@ -90,6 +90,38 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
         parallelize_llama(model, parallel_dims=parallel_dims)
 
 
+def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
+    """torchtitan's Qwen3 (its debugmodel, on meta) compiles under the Llama 3 recipe (their
+    module names overlap) and trained wrong with it; without ``recipe=`` the step now refuses
+    it, naming the class and the classes it has recipes for. Its own Llama 3 still gets
+    torchtitan-llama3 (the tests above)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    from hyperrecipe import compile_recipe
+    from hyperrecipe.integrations.torchtitan import (
+        RECIPE,
+        build_llama3,
+        parallelize_llama,
+        shipped_recipe_for,
+    )
+
+    with torch.device("meta"):
+        qwen3 = qwen3_configs["debugmodel"](attn_backend="flex").build()
+        llama3 = build_llama3()
+    assert compile_recipe(RECIPE, qwen3, {"tp": 2}).params  # what made it silent
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    with pytest.raises(PlanMismatchError) as exc:
+        parallelize_llama(qwen3, parallel_dims=dims)
+    assert str(exc.value).startswith(
+        "hyperrecipe's torchtitan parallelize_llama has no shipped recipe for Qwen3Model "
+        "(torchtitan.models.qwen3.model.Qwen3Model); shipped: Llama3Model (torchtitan-llama3, "
+        "torchtitan-llama3-dp-tp).")
+    assert "pass recipe=" in str(exc.value)
+    assert shipped_recipe_for(llama3, fsdp=False) == "torchtitan-llama3"
+    assert shipped_recipe_for(llama3, fsdp=True) == "torchtitan-llama3-dp-tp"
+
+
 def test_torchtitans_own_clip_on_the_plans_shards_trains_as_one_process() -> None:
     """torchtitan's Trainer clips with ``dist_utils.clip_grad_norm_`` (torch's norm): with the
     installation alive that is the full norm, so the parallelize step accepts torchtitan's

@@ -48,6 +48,8 @@ TABLE = {
     "`transformers.Trainer` under `torchrun`": "refused",
     "`HyperrecipeTrainer`: `max_grad_norm`, logged `grad_norm`": "made right",
     "`HyperrecipeTrainer` with `fp16=True` (a loss scale)": "made right",
+    "`HyperrecipeTrainer`: logged counters and rates (`num_input_tokens_seen`, "
+    "`train_tokens_per_second`, `total_flos`, `eval_steps_per_second`)": "made right",
     "`HyperrecipeTrainer` with `average_tokens_across_devices=False`": "made right",
     "`HyperrecipeTrainer`: `save_steps`, `resume_from_checkpoint`": "made right",
     "`HyperrecipeTrainer` with a validate-mode installation": "made right",
@@ -59,6 +61,7 @@ TABLE = {
     "`HyperrecipeAccelerator` with an optimizer built before apply": "refused",
     "TRL `SFTTrainer`'s fused LM head under `HyperrecipeSFTTrainer`": "made right",
     "TRL `DPOTrainer`'s fused LM head under `HyperrecipeDPOTrainer`": "made right",
+    "TRL's logged `num_tokens` (SFT and DPO) and their other gathered metrics": "made right",
     "`HyperrecipeDPOTrainer` with a `ref_model` that has a plan applied": "refused",
     "`HyperrecipeTrainerMixin` over a TRL trainer that patched the fused LM head, production "
     "mode": "refused",
@@ -67,6 +70,8 @@ TABLE = {
     "Lightning `gradient_clip_val` under `HyperrecipeStrategy`": "made right",
     "Lightning at dp × tp under `HyperrecipeStrategy`": "made right",
     "Lightning `fit(ckpt_path=...)` under `HyperrecipeStrategy`": "made right",
+    "Lightning's `lightning.pytorch.utilities.grad_norm(self, 2)` on production shards":
+        "wrong: use ours",
     "Lightning `HyperrecipeStrategy` without a plan applied": "refused",
     "Lightning `HyperrecipeStrategy` with a recipe lacking the `dp` dim at `dp > 1`": "refused",
 }
@@ -215,3 +220,8 @@ def test_the_documented_trainer_examples_run_under_torchrun(
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / checkpoint).is_file()
+    if name == "lightning":  # the export the example ends with loads
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out-lightning/final")
+        assert exported.config.vocab_size == 128

@@ -23,6 +23,7 @@ from hyperrecipe import apply, compile_recipe  # noqa: E402
 from hyperrecipe.check.launcher import run_ranks  # noqa: E402
 from hyperrecipe.errors import TrainerSetupError  # noqa: E402
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # noqa: E402
+from tests.support.trainer_logs import assert_same_logs  # noqa: E402
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DP_TP = str(ROOT / "recipes/llama-dp.yaml")
@@ -51,7 +52,8 @@ def _data(n: int) -> Any:
 
 
 def _worker(rank: int, world: int, out: str, how: str, mode: str,
-            resume: str | None, batch: int = 2) -> list[tuple[int, float, float]] | str:
+            resume: str | None, batch: int = 2, history: bool = False
+            ) -> list[tuple[int, float, float]] | list[dict[str, Any]] | str:
     """``how``: ``one`` (stock SFTTrainer, whole model), ``sft`` (HyperrecipeSFTTrainer at
     tp=world), ``dp-tp`` (HyperrecipeSFTTrainer at 2 x 2), ``mixin``
     (``class _(HyperrecipeTrainerMixin, SFTTrainer)``)."""
@@ -87,6 +89,9 @@ def _worker(rank: int, world: int, out: str, how: str, mode: str,
         except TrainerSetupError as exc:
             return f"{type(exc).__name__}: {exc}"
     trainer.train(resume_from_checkpoint=resume)
+    if history:  # every log line, and an evaluate()'s
+        trainer.evaluate(_data(7))
+        return trainer.state.log_history
     logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
               if "loss" in h]
     if resume is None and how in ("one", "sft"):  # eval_loss as the step-0 entry
@@ -169,7 +174,8 @@ def _pairs(n: int) -> Any:
     return Dataset.from_dict({"prompt": text(5), "chosen": text(4), "rejected": text(3)})
 
 
-def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str) -> Any:
+def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str,
+                history: bool = False, precompute: bool = False) -> Any:
     """``how``: ``one`` (stock DPOTrainer), ``dpo`` (HyperrecipeDPOTrainer at tp=world),
     ``mixin`` (``class _(HyperrecipeTrainerMixin, DPOTrainer)``), ``applied-ref`` (a
     ref_model with a plan of its own)."""
@@ -185,21 +191,34 @@ def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str) -> Any:
     args = DPOConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3,
                      learning_rate=1e-2, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
                      save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                     bf16=False)
-    sets = {"ref_model": ref, "train_dataset": _pairs(12), "processing_class": _tokenizer()}
+                     bf16=False, precompute_ref_log_probs=precompute)
+    pairs = _pairs(12)
+    if precompute:  # TRL caches the scores beside the dataset's files, for every rank to read
+        from datasets import load_from_disk
+
+        pairs = load_from_disk(out + "-pairs")
+    sets = {"ref_model": None if how == "no-ref" else ref, "train_dataset": pairs,
+            "processing_class": _tokenizer()}
     if how == "one":
         trainer = DPOTrainer(model=model, args=args, **sets)
     else:
         plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
         inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
-        if how == "applied-ref":
-            apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+        if how == "no-ref":
+            how = "dpo"
+        more: dict[str, Any] = {}
+        if how in ("applied-ref", "planned-ref"):
+            ref_inst = apply(ref, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+            if how == "planned-ref":
+                more["ref_installation"] = ref_inst
         cls = MixedDPO if how == "mixin" else HyperrecipeDPOTrainer
         try:
-            trainer = cls(model=model, installation=inst, args=args, **sets)
+            trainer = cls(model=model, installation=inst, args=args, **sets, **more)
         except TrainerSetupError as exc:
             return f"{type(exc).__name__}: {exc}"
     trainer.train()
+    if history:
+        return trainer.state.log_history
     keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
     return [(h["step"], *(float(h[k]) for k in keys)) for h in trainer.state.log_history
             if "loss" in h]
@@ -234,8 +253,81 @@ def test_dpo_refusals_name_the_route(tmp_path: Path) -> None:
             "TrainerSetupError: HyperrecipeTrainer: MixedDPO patched the model with TRL's fused "
             "LM head"), res
         assert "HyperrecipeDPOTrainer" in res
+    _pairs(12).save_to_disk(f"{tmp_path}-pairs")
+    for res in run_ranks(_dpo_worker, 2, str(tmp_path), "no-ref", "production", False, True,
+                         timeout_s=600):
+        assert isinstance(res, str) and res.startswith(
+            "TrainerSetupError: HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a "
+            "ref_model"), res
     for res in run_ranks(_dpo_worker, 2, str(tmp_path), "applied-ref", "production",
                          timeout_s=600):
         assert isinstance(res, str) and res.startswith(
             "TrainerSetupError: HyperrecipeDPOTrainer: ref_model (LlamaForCausalLM) has an "
             "applied plan"), res
+
+
+# -- every logged number ------------------------------------------------------------------
+
+
+def test_every_number_sft_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
+    """Every key of every SFT log line, and of an ``evaluate()``, against one process:
+    ``num_tokens`` (TRL gathers each batch's token count over the world and divides by its
+    ``_tp_size``, 1 without accelerate's ParallelismConfig: measured 32, 64, ... at tp=2
+    against 16, 32, ...), ``entropy``, ``mean_token_accuracy``, ``total_flos`` and the rates
+    by the counts they imply."""
+    ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", "production", None, 2, True,
+                    timeout_s=600)[0]
+    assert any("num_tokens" in h for h in ref), ref
+    for ranks in run_ranks(_worker, 2, str(tmp_path / "tp2"), "sft", "production", None, 2,
+                           True, timeout_s=600):
+        assert_same_logs(ranks, ref)
+
+
+def test_every_number_dpo_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
+    """Every key of every DPO log line against one process: ``num_tokens`` (measured 190 at
+    tp=2 against 95 before), rewards, margins, log-probabilities, logits, entropy, accuracy.
+    Not compared: ``rewards/accuracies`` at step 1, where policy and reference have the same
+    weights, so one process's rewards are exactly 0 and ``chosen > rejected`` is never true
+    (0.0), while at tp=2 the policy's log-probabilities come from the sharded model and the
+    reference's from the whole one, 1e-7 apart, and ``>`` turns that noise into 0.5
+    (issue #40, left open)."""
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True,
+                    timeout_s=600)[0]
+    assert any("num_tokens" in h for h in ref), ref
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
+                           timeout_s=600):
+        assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
+
+
+def test_dpo_with_precomputed_reference_log_probs_at_tp2_logs_one_process_s(
+        tmp_path: Path) -> None:
+    """``precompute_ref_log_probs=True`` with a plain ``ref_model``: TRL scores the reference
+    once over batches it splits over every rank (the whole reference on each: no collective)
+    and gathers them in order; every logged number is one process's (``rewards/accuracies``
+    at step 1 aside, as above). Without a ``ref_model`` it is refused (the refusals test).
+    The pairs are read from disk (a copy per run), where TRL's cache of the scores, written by
+    rank 0, is seen by every rank (an in-memory dataset's cache is a per-process temp folder:
+    rank 1 then fails to open rank 0's file, loudly, with the stock trainer too)."""
+    for run in ("one", "tp2"):
+        _pairs(12).save_to_disk(str(tmp_path / f"{run}-pairs"))
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True, True,
+                    timeout_s=600)[0]
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
+                           True, timeout_s=600):
+        assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
+
+
+def test_dpo_with_the_reference_under_the_same_plan_logs_exactly_one_process_s(
+        tmp_path: Path) -> None:
+    """The reference applied with the policy's plan and passed with ``ref_installation=``:
+    scored by the policy's own program, its log-probabilities at step 1 (equal weights) are
+    the policy's bit for bit, as in one process, so every logged number is one process's,
+    ``rewards/accuracies`` at step 1 included (0.0; with a whole reference 0.5: the two
+    programs differ by rounding, which TRL's ``chosen > rejected`` counts)."""
+    ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True,
+                    timeout_s=600)[0]
+    assert ref[0]["rewards/accuracies"] == 0.0 and ref[0]["rewards/chosen"] == 0.0
+    for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "planned-ref", "production",
+                           True, timeout_s=600):
+        assert ranks[0]["rewards/chosen"] == 0.0
+        assert_same_logs(ranks, ref)

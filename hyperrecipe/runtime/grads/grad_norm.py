@@ -39,7 +39,7 @@ from hyperrecipe.runtime.comm.collectives import group_for
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["clip_grads_by_norm", "total_grad_norm"]
+__all__ = ["clip_grads_by_norm", "per_parameter_grad_norms", "total_grad_norm"]
 
 
 def _plan_dims(p: ParamPlan, mesh_dims: Sequence[str]) -> tuple[str, ...]:
@@ -150,6 +150,45 @@ def total_grad_norm(live: LiveParams, norm_type: float = 2.0, foreach: bool | No
     if only is None:
         _check_all_planned(live)
     return _norm_of(live, _local_grads(live, only), p, foreach)
+
+
+def per_parameter_grad_norms(live: LiveParams, norm_type: float = 2.0,
+                             foreach: bool | None = None) -> dict[str, Tensor]:
+    """Each parameter's full gradient norm, FQN → float32 scalar, the same on every rank and
+    equal to ``p.grad.norm(norm_type)`` on the whole model in one process (a collective: one
+    all-reduce per mesh dim that splits a gradient, of one number per parameter).
+
+    Parameters without a gradient are left out; a tied one appears once, under its owner's
+    FQN.
+    """
+    p = _order(norm_type)
+    _check_all_planned(live)
+    pieces = _local_grads(live)
+    present = [g for _, g in pieces if g is not None]
+    device = present[0].device if present else live.mesh.device_type
+    identity = math.inf if p == -math.inf else 0.0
+    partial = torch.full((len(pieces),), identity, dtype=torch.float32, device=device)
+    for i, (_, grad) in enumerate(pieces):
+        if grad is not None:
+            partial[i] = _reduce_local([grad], p, foreach).to(device)
+    if p in (math.inf, -math.inf):
+        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.MIN
+    else:
+        op = dist.ReduceOp.SUM
+    for dim in live.plan.mesh_dims:
+        index = [i for i, (dims, _) in enumerate(pieces) if dim in dims]
+        if not index:
+            continue
+        over = group_for(live.mesh, dim)
+        if over.size == 1:
+            continue
+        sub = partial[index].contiguous()
+        dist.all_reduce(sub, op=op, group=over.group)
+        partial[index] = sub
+    norms = partial if p in (math.inf, -math.inf) else partial.pow(1.0 / p)
+    return {q.fqn: norms[i]
+            for i, (q, (_, grad)) in enumerate(zip(live.own, pieces, strict=True))
+            if grad is not None}
 
 
 def _norm_of(live: LiveParams, pieces: list[tuple[tuple[str, ...], Tensor | None]], p: float,
