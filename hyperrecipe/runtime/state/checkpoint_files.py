@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hyperrecipe._files import open_regular
 from hyperrecipe.errors import WeightLoadError
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "MAX_HEADER_ITEMS", "MAX_TORCH_RECORDS",
@@ -110,7 +111,7 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
             named, with the file, in a bounded listing.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
@@ -528,7 +529,7 @@ def open_safetensors(path: Path, staging: Staging | None = None) -> _Safetensors
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         raise WeightLoadError(f"{path}: safetensors is little-endian; this host is not")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
@@ -772,7 +773,7 @@ def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
             a state dict of tensors.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:

@@ -42,6 +42,7 @@ Strategies:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -54,7 +55,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe._files import read_regular_file
+from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
@@ -75,7 +76,7 @@ from hyperrecipe.runtime.state.checkpoint_files import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
+__all__ = ["LoadAttempt", "WeightLoadError", "dtype_kind", "load_weights", "persistent_buffers",
            "source_digest", "verify_manifest"]
 
 
@@ -261,13 +262,13 @@ def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
     own kind only."""
     problems: list[str] = []
     for t in targets:
-        want = _dtype_kind(t.local.dtype)
+        want = dtype_kind(t.local.dtype)
         for name in (t.fqn, *t.aliases):
             if name not in shapes:
                 continue
             for key in (composites[name].keys() if name in composites else (name,)):
                 dtype = handles[where[key]].dtype(key)
-                kind = _dtype_kind(dtype)
+                kind = dtype_kind(dtype)
                 if kind != want:
                     problems.append(
                         f"{key!r} in {where[key].name}: stored as {dtype}, the model's "
@@ -278,7 +279,7 @@ def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
     return problems
 
 
-def _dtype_kind(dtype: torch.dtype) -> str:
+def dtype_kind(dtype: torch.dtype) -> str:
     """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
     if dtype.is_complex:
         return "complex"
@@ -432,6 +433,17 @@ class _DCP:
         roots = {k.split(".", 1)[0] for t in targets for k in (t.fqn, *t.aliases)}
         shapes = {k: s for k, s in shapes.items() if k.split(".", 1)[0] in roots}
         problems: list[str] = []
+        for t in targets:  # dcp.load's copy_ would convert between kinds without a word
+            for name in (t.fqn, *t.aliases):
+                meta = metadata.state_dict_metadata.get(prefix + name)
+                stored_dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+                if name in shapes and isinstance(stored_dtype, torch.dtype) and \
+                        dtype_kind(stored_dtype) != dtype_kind(t.local.dtype):
+                    problems.append(
+                        f"{prefix + name!r} in {source.name}: stored as {stored_dtype}, the "
+                        f"model's {t.fqn!r} is {t.local.dtype} ({dtype_kind(stored_dtype)} into "
+                        f"{dtype_kind(t.local.dtype)}); load_weights converts dtypes within "
+                        f"their kind only (floating, complex, integer)")
         files = {k: source.name for k in shapes}
         ignored = _check_fit(targets, shapes, files, ignore, problems,
                              _tied_hints(self.live.model, shapes))
@@ -728,13 +740,16 @@ def source_digest(source: str | os.PathLike[str]) -> str:
         files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
                  if path.is_dir() else [path])
         for f in files:
-            mode = os.stat(f).st_mode
-            if not stat.S_ISREG(mode):
+            try:  # not blocking, checked on the descriptor: a FIFO is never waited on
+                fd = open_regular(f)
+            except OSError as exc:
+                if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
+                    raise
                 digest.update(f"{f.name}\0not a regular file\0".encode())
-                continue  # never opened: loading refuses it by name
-            size = os.stat(f).st_size
-            digest.update(f"{f.name}\0{size}\0".encode())
-            with open(f, "rb") as handle:
+                continue  # loading refuses it by name
+            with os.fdopen(fd, "rb") as handle:
+                size = os.fstat(fd).st_size
+                digest.update(f"{f.name}\0{size}\0".encode())
                 for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
                                       max(0, size - _SAMPLE_BYTES)}):
                     handle.seek(offset)

@@ -22,25 +22,16 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError, WeightLoadError
-from tests.support.checkpoint_harness import Hostile, applied, resume_worker
+from tests.support.checkpoint_harness import (Hostile, applied, resume_worker,
+                                              save_dcp_worker)
 from tests.support.runtime_harness import llama
-
-
-def _save_dcp(rank: int, world: int, ckpt: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    model, inst = applied(world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
-    opt.step()
-    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
 
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``dcp.save(inst.state_dict(opt))`` at tp=2 after one AdamW step."""
     ckpt = tmp_path_factory.mktemp("dcp") / "step-1"
-    run_ranks(_save_dcp, 2, str(ckpt))
+    run_ranks(save_dcp_worker, 2, str(ckpt))
     return ckpt
 
 
