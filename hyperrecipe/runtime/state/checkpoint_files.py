@@ -44,7 +44,7 @@ from hyperrecipe.errors import WeightLoadError
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "MAX_HEADER_ITEMS", "MAX_TORCH_RECORDS",
            "SafetensorsEntry", "Staging", "TorchFile", "check_torch_archive",
-           "check_torch_records", "listing", "open_safetensors", "open_torch_file",
+           "check_torch_records", "dtype_kind", "listing", "open_safetensors", "open_torch_file",
            "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
@@ -98,6 +98,13 @@ byte offset of its data in the file (a plain tuple: a header may hold hundreds o
 thousands)."""
 
 _KNOWN = {name: (dtype, dtype.itemsize) for name, dtype in DTYPES.items()}
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
 
 
 def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:

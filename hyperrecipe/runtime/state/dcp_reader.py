@@ -416,7 +416,7 @@ def kind_changes(state: Mapping[str, Any], metadata: Any) -> list[str]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hyperrecipe.runtime.state.weights import dtype_kind
+    from hyperrecipe.runtime.state.checkpoint_files import dtype_kind
 
     flat, _ = flatten_state_dict(dict(state))
     problems: list[str] = []

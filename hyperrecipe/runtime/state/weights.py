@@ -68,6 +68,7 @@ from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
     Staging,
+    dtype_kind,
     listing,
     open_safetensors,
     open_torch_file,
@@ -76,7 +77,7 @@ from hyperrecipe.runtime.state.checkpoint_files import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["LoadAttempt", "WeightLoadError", "dtype_kind", "load_weights", "persistent_buffers",
+__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
            "source_digest", "verify_manifest"]
 
 
@@ -277,13 +278,6 @@ def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
                         f"a header relabelled from F32 to I32 reads as integers, a complex "
                         f"tensor into a real one drops its imaginary part")
     return problems
-
-
-def dtype_kind(dtype: torch.dtype) -> str:
-    """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
-    if dtype.is_complex:
-        return "complex"
-    return "floating" if dtype.is_floating_point else "integer"
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
