@@ -166,14 +166,15 @@ class _Safetensors:
             self.opened[path] = open_safetensors(path, self.staging)
         return self.opened[path]
 
-    def files(self, folder: Path) -> list[Path]:
+    @classmethod
+    def files(cls, folder: Path) -> list[Path]:
         """The weight files of a folder without an index, as ``from_pretrained`` picks them:
         ``model.safetensors`` alone when it is there (a folder may also hold another tool's
         files, such as Mistral's ``consolidated.safetensors``), else every file of the kind."""
-        single = folder / self.single_name
+        single = folder / cls.single_name
         if single.is_file():
             return [single]
-        return sorted(f for suffix in self.suffixes for f in folder.glob(f"*{suffix}"))
+        return sorted(f for suffix in cls.suffixes for f in folder.glob(f"*{suffix}"))
 
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
@@ -298,8 +299,9 @@ class _TorchPickle(_Safetensors):
     single_name = "pytorch_model.bin"
     kind = "pytorch_model*.bin"
 
-    def files(self, folder: Path) -> list[Path]:
-        single = folder / self.single_name
+    @classmethod
+    def files(cls, folder: Path) -> list[Path]:
+        single = folder / cls.single_name
         return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
 
     def open(self, path: Path) -> Any:
@@ -783,8 +785,11 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
         raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
     again = (f"; the folder no longer holds what its export wrote: export again, or remove "
              f"{MANIFEST} if its files were replaced on purpose by another tool")
-    extra = sorted(f.name for f in folder.iterdir()
-                   if EXPORT_FILES.fullmatch(f.name) and f.name not in files)
+    if not files:  # a manifest that binds nothing would pass every folder unchecked
+        raise WeightLoadError(f"{path}: lists no files, while an export lists every file it "
+                              f"wrote; it vouches for nothing{again}")
+    extra = sorted({f.name for f in folder.iterdir() if EXPORT_FILES.fullmatch(f.name)}
+                   .union(_files_loading_reads(folder)) - set(files))
     if extra:
         raise WeightLoadError(f"{folder}: {extra} are not in {MANIFEST}{again}")
     for i, (name, entry) in enumerate(sorted(files.items())):
@@ -800,6 +805,29 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
             raise WeightLoadError(f"{file}: its {algorithm} is not the one in {MANIFEST} (same "
                                   f"size, other bytes: a relabelled header, overwritten data)"
                                   f"{again}")
+
+
+def _files_loading_reads(folder: Path) -> set[str]:
+    """The names of the files ``load_weights`` reads from ``folder``, through the first format
+    that can read it (an index and the files it names, else the files ``files()`` picks;
+    a DCP folder's ``.metadata`` and storage files): all of them must be in a manifest that
+    is there, or the manifest would vouch for a folder whose weights it never saw."""
+    for fmt in (_Safetensors, _TorchPickle):
+        index = folder / fmt.index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(read_regular_file(index, limit=MAX_INDEX_BYTES))[
+                    "weight_map"]
+                named = {v for v in weight_map.values() if isinstance(v, str)}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                named = set()  # loading names what is wrong with the index
+            return {fmt.index_name, *named}
+        found = fmt.files(folder)
+        if found:
+            return {f.name for f in found}
+    if (folder / ".metadata").is_file():
+        return {".metadata", *(f.name for f in folder.glob("*.distcp"))}
+    return set()
 
 
 Agree = Callable[[str | None], Mapping[int, str]]
