@@ -196,6 +196,12 @@ def test_chunks_that_tile_the_tensor_pass(size: tuple[int, ...],
                                                    "reaches past"),
     ((8, 6), [((0, 0), (8,))], "chunk 0 is not 2 non-negative offsets and sizes"),
     ((), [((), ()), ((), ())], "overlap in the global size [] (2 of 1"),
+    # a tiling, but no dcp.save writes it, and checking it would take quadratic time: 1500
+    # full-height columns and 1500 one-row stripes beside them (each row slab holds 1501)
+    ((1500, 1501), [((0, i), (1500, 1)) for i in range(1500)]
+     + [((r, 1500), (1, 1)) for r in range(1500)],
+     "its 3000 chunks are too irregular to check in bounded time (dcp.save writes a grid of "
+     "shards: rows, columns or blocks); refused"),
 ])
 def test_chunks_that_do_not_tile_the_tensor_are_refused_by_name(
         size: tuple[int, ...], chunks: list[Any], says: str) -> None:
