@@ -473,9 +473,8 @@ def _chunk_problem(fqn: str, meta: Any, storage: Any, index: Any) -> str | None:
             volume *= s
         covered += volume
     budget = [_TILING_WORK * len(boxes) * (len(shape) + 1) + 1024]
-    try:
-        tiled = covered == numel and _tiles(boxes, (0,) * len(shape), shape, 0, budget)
-    except _TooIrregular:
+    tiled = covered == numel and _tiles(boxes, (0,) * len(shape), shape, 0, budget)
+    if tiled is None:
         return (f"{fqn!r}: its {len(boxes)} chunks are too irregular to check in bounded time "
                 f"(dcp.save writes a grid of shards: rows, columns or blocks); refused")
     if not tiled:
@@ -492,19 +491,15 @@ _TILING_WORK = 4
 two); past it the layout is refused as too irregular rather than checked in quadratic time."""
 
 
-class _TooIrregular(Exception):
-    """:func:`_tiles` ran out of its budget."""
-
-
 def _tiles(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], lo: tuple[int, ...],
-           hi: tuple[int, ...], dim: int, budget: list[int]) -> bool:
+           hi: tuple[int, ...], dim: int, budget: list[int]) -> bool | None:
     """Whether ``boxes`` (offsets, sizes; each within ``lo``..``hi`` in the dims before
     ``dim`` already) tile the box ``lo``..``hi`` exactly in dims ``dim`` on: swept along
     ``dim``, every slab between two consecutive chunk edges must be tiled by the chunks
     spanning it in the remaining dims. Work is the sum over slabs of the chunks spanning them
     (one per slab for row or column shards, a row of a grid for 2-D shards), taken from
-    ``budget[0]``; :class:`_TooIrregular` when it runs out (a forged layout whose slabs each
-    hold many chunks would otherwise take quadratic time)."""
+    ``budget[0]``; ``None`` when it runs out (a forged layout whose slabs each hold many
+    chunks would otherwise take quadratic time)."""
     if dim == len(lo):
         return len(boxes) == 1
     edges = sorted({lo[dim], hi[dim], *(o[dim] for o, _ in boxes),
@@ -519,9 +514,10 @@ def _tiles(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], lo: tuple[int, 
         active = [b for b in active if b[0][dim] + b[1][dim] >= end]
         budget[0] -= len(active) + 1
         if budget[0] < 0:
-            raise _TooIrregular
-        if not _tiles(active, lo, hi, dim + 1, budget):
-            return False
+            return None
+        inner = _tiles(active, lo, hi, dim + 1, budget)
+        if not inner:
+            return inner
     return True
 
 
