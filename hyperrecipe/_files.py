@@ -5,8 +5,10 @@ data from users and from other people's pull requests. ``Path.read_text`` on suc
 hang or exhaust memory: a FIFO blocks until a writer appears, ``/dev/zero`` (or a ``.yaml``
 symlink to it) never ends, and a regular file may be any size. :func:`read_regular_file` opens
 without blocking, refuses anything that is not a regular file, and reads at most ``limit``
-bytes. Its refusals are :class:`OSError` with ``strerror`` set, so callers that already turn an
-unreadable file into their own located error need no new branch. Nothing here imports torch.
+bytes; :func:`open_regular` is the same open and check, handing back the descriptor, for
+readers that read a file in pieces (checkpoints, digests). Their refusals are :class:`OSError`
+with ``strerror`` set, so callers that already turn an unreadable file into their own located
+error need no new branch. Nothing here imports torch.
 """
 
 from __future__ import annotations
