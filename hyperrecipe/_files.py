@@ -5,8 +5,10 @@ data from users and from other people's pull requests. ``Path.read_text`` on suc
 hang or exhaust memory: a FIFO blocks until a writer appears, ``/dev/zero`` (or a ``.yaml``
 symlink to it) never ends, and a regular file may be any size. :func:`read_regular_file` opens
 without blocking, refuses anything that is not a regular file, and reads at most ``limit``
-bytes. Its refusals are :class:`OSError` with ``strerror`` set, so callers that already turn an
-unreadable file into their own located error need no new branch. Nothing here imports torch.
+bytes; :func:`open_regular` is the same open and check, handing back the descriptor, for
+readers that read a file in pieces (checkpoints, digests). Their refusals are :class:`OSError`
+with ``strerror`` set, so callers that already turn an unreadable file into their own located
+error need no new branch. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,13 +17,39 @@ import errno
 import os
 import stat
 
-__all__ = ["read_regular_file"]
+__all__ = ["open_regular", "read_regular_file"]
 
 _KINDS = ((stat.S_ISDIR, errno.EISDIR, "Is a directory"),
           (stat.S_ISFIFO, errno.EINVAL, "not a regular file (a FIFO)"),
           (stat.S_ISCHR, errno.EINVAL, "not a regular file (a character device)"),
           (stat.S_ISBLK, errno.EINVAL, "not a regular file (a block device)"),
           (stat.S_ISSOCK, errno.EINVAL, "not a regular file (a socket)"))
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without blocking and checked
+    on the descriptor itself (``fstat``), so a file swapped for a FIFO after a caller's
+    ``stat`` is refused, not waited on. Read from the descriptor (``os.pread``,
+    ``os.fdopen``), never by the name again; the caller closes it.
+
+    Raises:
+        OSError: as :func:`read_regular_file`, but for size.
+    """
+    # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever. On a
+    # regular file it changes nothing (reads of regular files never block), so it stays set.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(os.fspath(path), flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        for is_kind, code, reason in _KINDS:
+            if is_kind(mode):
+                raise OSError(code, reason, os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_regular_file(path: str | os.PathLike[str], *, limit: int) -> bytes:
@@ -36,16 +64,8 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int) -> bytes:
             socket: ``strerror`` says which), or is larger than ``limit`` (``strerror`` gives both
             sizes). A path with a NUL byte raises ``ValueError`` as ``open`` does.
     """
-    # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(os.fspath(path), flags)
+    fd = open_regular(path)
     try:
-        mode = os.fstat(fd).st_mode
-        for is_kind, code, reason in _KINDS:
-            if is_kind(mode):
-                raise OSError(code, reason, os.fspath(path))
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
         size = os.fstat(fd).st_size
         if size > limit:
             raise OSError(errno.EFBIG, f"the file is {size} bytes; the limit is {limit}",

@@ -8,11 +8,14 @@ content, the model structure and the mesh shape so a trainer cannot apply it to 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 from pathlib import Path
 from collections.abc import Callable
+import types
+import typing
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -478,6 +481,9 @@ class Plan:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise PlanFormatError(f"{source}: plan format {found!r} is not {PLAN_FORMAT}; "
                                   f"recompile the recipe with this hyperrecipe")
+        misshapen = shape_problem(raw, cls)
+        if misshapen is not None:
+            raise PlanFormatError(f"{source}: invalid plan: {misshapen}")
         try:
             plan = converter.structure(raw, cls)
         except cattrs.BaseValidationError as exc:
@@ -567,6 +573,99 @@ def _deeper_than(data: Any, limit: int) -> str | None:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]"[:200], v, depth + 1) for i, v in enumerate(value))
     return None
+
+
+def shape_problem(raw: Any, cls: type) -> str | None:
+    """The first value of ``raw`` (``json.loads`` output) whose JSON kind is not the one
+    ``cls``' fields hold, as ``"expected a list, found a string of 2097152 characters @
+    $.params[0].shape"``; ``None`` when every value has its kind, every object its required
+    keys and no other.
+
+    cattrs, structuring with ``detailed_validation``, iterates a string found where a tuple
+    belongs and builds an exception for each character (about 3 KB and 0.15 ms each: a
+    160,000-character string took 25 s and 500 MB), and likewise for each element of a long
+    list of wrong kind. This walk visits each JSON value once, without recursion, and stops
+    at the first misfit, so cattrs only ever sees data of the right shape; what is left to it
+    is bounded per value (a literal's spelling, a placement's syntax)."""
+    stack: list[tuple[Any, Any, str]] = [(raw, cls, "$")]
+    while stack:
+        value, tp, path = stack.pop()
+        problem = _kind_problem(value, tp, path, stack)
+        if problem is not None:
+            return f"{problem} @ {path[:200]}"
+    return None
+
+
+def _kind_problem(value: Any, tp: Any, path: str,
+                  stack: list[tuple[Any, Any, str]]) -> str | None:
+    """Why ``value`` cannot be a ``tp``, or ``None``, pushing its members to check next."""
+    if value is _MISSING:
+        return "required field missing"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp == Placement or tp is NamedPlacement:  # stored in recipe syntax
+        return None if isinstance(value, str) else f"expected a placement string, found {_kind(value)}"
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            stack.append((value, rest[0], path))
+        return None  # unions of several kinds: cattrs tries each, once
+    if origin is tuple:
+        if not isinstance(value, list):
+            return f"expected a list, found {_kind(value)}"
+        items = (args[0],) * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(items) != len(value):
+            return f"expected a list of {len(items)}, found {len(value)} values"
+        stack.extend((v, t, f"{path}[{i}]") for i, v, t in reversed(list(zip(
+            range(len(value)), value, items))))
+        return None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"expected an object, found {_kind(value)}"
+        stack.extend((v, args[1], f"{path}.{k}") for k, v in reversed(list(value.items())))
+        return None
+    if isinstance(tp, type) and attrs.has(tp):
+        if not isinstance(value, dict):
+            return f"expected an object, found {_kind(value)}"
+        fields = _field_types(tp)
+        extra = [k for k in value if k not in fields]
+        if extra:
+            return f"extra fields found ({', '.join(repr(k[:40]) for k in extra[:5])})"
+        missing = next((n for n, (_, required) in fields.items()
+                        if required and n not in value), None)
+        if missing is not None:
+            stack.append((_MISSING, tp, f"{path}.{missing}"))
+            return None
+        stack.extend((value[n], t, f"{path}.{n}") for n, (t, _) in reversed(fields.items())
+                     if n in value)
+        return None
+    expected = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}
+    if tp in expected and not (type(value) is tp or tp is float and type(value) is int):
+        return f"expected {expected[tp]}, found {_kind(value)}"
+    return None
+
+
+_MISSING = object()
+"""Pushed for a required field that is absent, so that it is reported at its own path."""
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)} values"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    return "null" if value is None else f"{type(value).__name__} {value!r:.40}"
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[Any, bool]]:
+    """Each field's name (the JSON key), its resolved type, and whether it is required."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.default is attrs.NOTHING)
+            for f in attrs.fields(cls) if f.init}
 
 
 def compute_fingerprint(recipe_digest: str, model_digest: str, mesh: tuple[MeshDim, ...]) -> str:

@@ -94,7 +94,7 @@ from hyperrecipe.lint.config import ConfigFinder
 from hyperrecipe.lint.files import discover
 steps = [["import hyperrecipe.lint (runner, screen)", T() - t]]
 t = T()
-targets, _ = discover([sys.argv[1]], ConfigFinder())
+targets, _, _ = discover([sys.argv[1]], ConfigFinder())
 steps.append(["discovery + configuration", T() - t])
 files = [(str(x.path), x.path.read_bytes()) for x in targets if x.kind == "python"]
 gc.disable()  # as the lint's screen does

@@ -107,9 +107,30 @@ MATCH_CASES: dict[str, str] = {  # matched against a 5,000-character name (Pytho
 }
 MATCH_SUBJECT = "a" * 5000
 
-PLAN_CASES: dict[str, str] = {
+def _toy_plan_with(field: str, value: Any) -> Callable[[], str]:
+    """The toy model's plan at tp=2 (its JSON) with ``params[0][field]`` (or the top-level
+    ``params`` when ``field`` is empty) replaced by ``value``."""
+    def make() -> str:
+        from hyperrecipe import compile_recipe
+
+        with torch.device("meta"):
+            model = Toy()
+        raw = json.loads(compile_recipe(str(REPO / "tests/recipes/toy.yaml"), model,
+                                        {"tp": 2}).to_json())
+        if field:
+            raw["params"][0][field] = value
+        else:
+            raw["params"] = value
+        return json.dumps(raw)
+    return make
+
+
+PLAN_CASES: dict[str, str | Callable[[], str]] = {
     "plan 100000-deep JSON": "[" * 100_000 + "]" * 100_000,
     "plan 5000-digit integer": '{"format": ' + "9" * 5000 + "}",
+    # issue 41: cattrs built an exception per character (160,000 characters: 24.7 s, 503 MB)
+    "plan 2 MiB string for a list": _toy_plan_with("shape", "a" * (2 << 20)),
+    "plan 100,000 objects missing fields": _toy_plan_with("", [{"fqn": "x"}] * 100_000),
 }
 
 
@@ -173,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         rows.append(_row(name, [_time_match(pattern) for _ in range(args.repeats)]))
-    for name, text in PLAN_CASES.items():
+    for name, case in PLAN_CASES.items():
         if args.only and name not in args.only:
             continue
+        text = case() if callable(case) else case
         rows.append(_row(name, [_time_plan(text) for _ in range(args.repeats)]))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{datetime.date.today()}; {os.cpu_count()} CPU cores ({platform.machine()}), 1-min "

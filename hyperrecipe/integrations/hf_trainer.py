@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from hyperrecipe._files import open_regular
 from hyperrecipe.errors import TrainerSetupError
 from hyperrecipe.integrations.trainer_mesh import (
     DataParallel,
@@ -330,7 +331,9 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         self.installation.load_checkpoint(folder, _torch_optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            # not blocking, checked on the descriptor: a FIFO swapped in is refused, not waited on
+            with os.fdopen(open_regular(scheduler), "rb") as stream:
+                self.lr_scheduler.load_state_dict(torch.load(stream, weights_only=True))
 
 
 class HyperrecipeTrainer(HyperrecipeTrainerMixin, Trainer):

@@ -43,6 +43,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from hyperrecipe._files import open_regular
 from hyperrecipe.errors import TrainerSetupError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -185,8 +186,10 @@ class HyperrecipeStrategy(ModelParallelStrategy):
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp_load(optimizer_state, storage_reader=trusted_reader(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key])
-        metadata: dict[str, Any] = torch.load(path / _METADATA, weights_only=(
-            True if weights_only is None else weights_only))
+        # not blocking, checked on the descriptor: a FIFO swapped in is refused, not waited on
+        with os.fdopen(open_regular(path / _METADATA), "rb") as stream:
+            metadata: dict[str, Any] = torch.load(stream, weights_only=(
+                True if weights_only is None else weights_only))
         return metadata
 
 

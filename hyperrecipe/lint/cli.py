@@ -152,10 +152,13 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout.write(render(result.findings, args.format, version=version))
     if args.format == "text" and result.findings:
         count = sum(f.severity == "finding" for f in result.findings)
-        errors = len(result.findings) - count
+        unread = sum(f.code == "HR997" for f in result.findings)
+        errors = len(result.findings) - count - unread
         parts = [f"{count} finding{'s' * (count != 1)}"]
         if errors:
             parts.append(f"{errors} file{'s' * (errors != 1)} not linted")
+        if unread:
+            parts.append(f"{unread} path{'s' * (unread != 1)} not read")
         files = f"{result.files} file{'s' * (result.files != 1)}"
         sys.stderr.write(f"hyperrecipe lint: {', '.join(parts)} in {files} checked\n")
     if args.exit_zero and result.exit_code == 1:

@@ -6,8 +6,8 @@ under ``hyperrecipe/lint/rules/`` carries the same code and name; a test keeps t
 
 Codes are stable: a code is never reused for a different check.
 
-* ``HR000`` syntax-error, ``HR998`` file-not-checked, ``HR999`` internal-error — a file could not
-  be linted (errors, exit 2).
+* ``HR000`` syntax-error, ``HR997`` path-not-read, ``HR998`` file-not-checked, ``HR999``
+  internal-error — a file (or a folder's files) could not be linted (errors, exit 2).
 * ``HR001``-``HR099`` — Python rules. Those marked *gated* are the forward gate: they are
   switched off in the ``rewriter`` paths of the configuration.
 * ``HR100``-``HR199`` — recipe files.
@@ -72,6 +72,10 @@ CODES: Final[tuple[CodeInfo, ...]] = (
              summary="a suppression comment silences nothing"),
     CodeInfo(code="HR901", name="invalid-suppression", kind="suppression",
              summary="a suppression comment without codes or reason, or with an unknown code"),
+    CodeInfo(code="HR997", name="path-not-read", kind="error",
+             summary="a folder or file under the named paths could not be read (permissions, "
+                     "a path longer than the OS allows, a symlink loop, removed while walked), "
+                     "so nothing below it was checked"),
     CodeInfo(code="HR998", name="file-not-checked", kind="error",
              summary="the file was not checked: it ran over its time or memory budget, or "
                      "crashed the parser"),
@@ -83,7 +87,7 @@ _BY_CODE: Final[Mapping[str, CodeInfo]] = {info.code: info for info in CODES}
 _BY_NAME: Final[Mapping[str, CodeInfo]] = {info.name: info for info in CODES}
 
 #: Reported whatever the selection: silencing them would hide files that were never checked.
-ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR998", "HR999"})
+ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR997", "HR998", "HR999"})
 SELECTABLE: Final[tuple[str, ...]] = tuple(i.code for i in CODES if i.code not in ALWAYS_ON)
 
 
@@ -128,8 +132,8 @@ def resolve_selection(
 ) -> frozenset[str]:
     """The codes to report: ``select`` (all selectable codes when ``None``) minus ``ignore``.
 
-    ``HR000``, ``HR998`` and ``HR999`` are always added: a file that could not be checked is
-    never silent.
+    ``HR000``, ``HR997``, ``HR998`` and ``HR999`` are always added: a file that could not be
+    checked is never silent.
     """
     base = frozenset(SELECTABLE) if select is None else resolve_selectors(select, where=where)
     return (base - resolve_selectors(ignore, where=where)) | ALWAYS_ON

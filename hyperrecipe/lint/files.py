@@ -47,34 +47,55 @@ def display_path(path: Path, cwd: Path) -> str:
         return str(path)
 
 
-def _walk(folder: Path, named: Path, finder: ConfigFinder) -> Iterator[tuple[Path, int, bool]]:
-    """Files under ``folder`` as (path, size, is_python), skipping excluded folders and files."""
+def _walk(folder: Path, named: Path, finder: ConfigFinder,
+          unreadable: list[tuple[Path, str]]) -> Iterator[tuple[Path, int, bool]]:
+    """Files under ``folder`` as (path, size, is_python), skipping excluded folders and files;
+    a folder that cannot be listed, or an entry that cannot be examined (a symlink loop, a
+    path longer than the OS allows, an entry removed while walked), is appended to
+    ``unreadable`` with what to say about it, never skipped silently."""
     try:
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
-    except OSError:
+        config = finder.for_folder(folder)  # looks for its pyproject.toml
+    except OSError as exc:
+        unreadable.append((folder, f"folder could not be read ({_reason(exc)}); nothing below "
+                                   f"it was checked"))
         return
-    config = finder.for_folder(folder)
     for entry in entries:
         path = folder / entry.name
         try:
-            if entry.is_dir(follow_symlinks=False):
-                if not config.is_excluded(path, named=named):
-                    yield from _walk(path, named, finder)
-                continue
-            if not entry.is_file():
-                continue
-            suffix = os.path.splitext(entry.name)[1]
-            if suffix in PYTHON_SUFFIXES or suffix in RECIPE_SUFFIXES:
-                if not config.is_excluded(path, named=named):
-                    yield path, entry.stat().st_size, suffix in PYTHON_SUFFIXES
-        except OSError:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError as exc:
+            unreadable.append((path, f"could not be read ({_reason(exc)}); not checked"))
             continue
+        if is_dir:
+            try:
+                excluded = config.is_excluded(path, named=named)
+            except OSError:
+                excluded = False  # reported by the walk below, which cannot list it either
+            if not excluded:
+                yield from _walk(path, named, finder, unreadable)
+            continue
+        try:
+            suffix = os.path.splitext(entry.name)[1]
+            if suffix not in PYTHON_SUFFIXES and suffix not in RECIPE_SUFFIXES:
+                continue
+            if not entry.is_file():  # a symlink to nothing, a FIFO, a socket: nothing to read
+                continue
+            if not config.is_excluded(path, named=named):
+                yield path, entry.stat().st_size, suffix in PYTHON_SUFFIXES
+        except OSError as exc:
+            unreadable.append((path, f"could not be read ({_reason(exc)}); not checked"))
+
+
+def _reason(exc: OSError) -> str:
+    """What the OS said, without the path (the finding names it)."""
+    return exc.strerror or type(exc).__name__
 
 
 def discover(
     paths: Sequence[str], finder: ConfigFinder, *, force_exclude: bool = False
-) -> tuple[list[Target], list[str]]:
+) -> tuple[list[Target], list[str], list[tuple[Path, str]]]:
     """Expand the command-line paths into targets.
 
     Folders are walked (recursively, not following symlinked folders) for ``.py``/``.pyi`` files
@@ -85,12 +106,15 @@ def discover(
     pass it, so the files pre-commit hands over honour ``exclude``).
 
     Returns:
-        The targets (each file once, in a stable order) and the paths that do not exist.
+        The targets (each file once, in a stable order), the paths that do not exist, and the
+        folders and entries below the named paths that could not be read, each with a message
+        giving the OS's reason.
     """
     cwd = Path.cwd()
     seen: set[Path] = set()
     targets: list[Target] = []
     missing: list[str] = []
+    unreadable: list[tuple[Path, str]] = []
 
     def add(path: Path, size: int, is_python: bool) -> None:
         if path in seen:
@@ -114,7 +138,7 @@ def discover(
         if kind == "dir":
             if finder.for_folder(path).is_excluded(path, named=path, force=force_exclude):
                 continue
-            for found, size, is_python in _walk(path, path, finder):
+            for found, size, is_python in _walk(path, path, finder, unreadable):
                 add(found, size, is_python)
         elif kind == "file":
             if finder.for_folder(path.parent).is_excluded(path, named=path, force=force_exclude):
@@ -122,7 +146,7 @@ def discover(
             add(path, path.stat().st_size, path.suffix not in RECIPE_SUFFIXES)
         else:
             missing.append(raw if kind is None else f"{raw} ({kind})")
-    return targets, missing
+    return targets, missing, unreadable
 
 
 def _kind(path: Path) -> str | None:

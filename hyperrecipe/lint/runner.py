@@ -223,7 +223,7 @@ def lint_paths(
             resolve_selectors(select, where="--select")
         resolve_selectors(ignore, where="--ignore")
         finder = ConfigFinder()
-        targets, missing = discover(named, finder, force_exclude=force_exclude)
+        targets, missing, unreadable = discover(named, finder, force_exclude=force_exclude)
         if len(named) != len(paths):
             targets.extend(_stdin_target(stdin, stdin_filename, finder, force_exclude))
     except (ConfigError, ValueError) as exc:
@@ -265,7 +265,9 @@ def lint_paths(
 
     _STDIN[:] = [stdin or b""]
     cpus = jobs if jobs is not None else _available_cpus()
-    findings: list[Finding] = []
+    cwd = Path.cwd()
+    findings: list[Finding] = [
+        _error(display_path(path, cwd), "HR997", message) for path, message in unreadable]
 
     # Phase 1: screen (and recipe checks). Phase 2: libcst on what the screen could not clear.
     # Both run in bounded, forked workers (:mod:`hyperrecipe.lint.supervisor`). The phases use

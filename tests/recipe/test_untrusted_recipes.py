@@ -8,7 +8,9 @@ test, which is what it guards against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -239,6 +241,58 @@ def test_hostile_plan_json_raises_only_plan_format_error(text: str, problem: str
     with pytest.raises(PlanFormatError) as err:
         Plan.from_json(text, source="p.json")
     assert str(err.value).startswith(f"p.json: {problem}"), str(err.value)
+
+
+@pytest.fixture(scope="module")
+def plan_json() -> dict[str, Any]:
+    import json
+
+    import torch
+
+    from hyperrecipe import compile_recipe
+    from tests.support.runtime_harness import ROOT
+    from tests.support.toy_models import Toy
+
+    with torch.device("meta"):
+        model = Toy()
+    return json.loads(compile_recipe(str(ROOT / "tests/recipes/toy.yaml"), model,
+                                     {"tp": 2}).to_json())
+
+
+TWO_MB = "a" * (2 << 20)
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda p: p.update(params=TWO_MB),
+     "expected a list, found a string of 2097152 characters @ $.params"),
+    (lambda p: p["params"][0].update(shape=TWO_MB),
+     "expected a list, found a string of 2097152 characters @ $.params[0].shape"),
+    (lambda p: p["boundaries"][0].update(out_names=TWO_MB),
+     "expected a list, found a string of 2097152 characters @ $.boundaries[0].out_names"),
+    (lambda p: p.update(params=[{"fqn": 1, "bogus": 2}] * 100_000),
+     "extra fields found ('bogus') @ $.params[0]"),
+    (lambda p: p.update(params=[{"fqn": 1}] * 100_000),
+     "required field missing @ $.params[0].module"),
+    (lambda p: p["params"][0].update(shape=["a"] * 100_000),
+     "expected an integer, found a string of 1 characters @ $.params[0].shape[0]"),
+    (lambda p: p["params"][0].pop("shape"), "required field missing @ $.params[0].shape"),
+    (lambda p: p["params"][0].update(placement=[]),
+     "expected a placement string, found a list of 0 values @ $.params[0].placement"),
+    (lambda p: p["mesh"].append([1]), "expected an object, found a list of 1 values @ $.mesh[1]"),
+])
+def test_a_plan_of_the_wrong_shape_is_refused_at_its_first_misfit(
+        plan_json: dict[str, Any], edit: Callable[[dict[str, Any]], Any], problem: str) -> None:
+    """A value of the wrong JSON kind is refused by shape before cattrs structures anything:
+    cattrs built an error per character of a string where a list belongs (a 160,000-character
+    string took 25 s and 500 MB), and per element of a long list of the wrong kind."""
+    import copy
+    import json
+
+    raw = copy.deepcopy(plan_json)
+    edit(raw)
+    with pytest.raises(PlanFormatError) as err:
+        Plan.from_json(json.dumps(raw), source="p.json")
+    assert str(err.value) == f"p.json: invalid plan: {problem}"
 
 
 def test_a_plan_file_that_is_not_utf8_is_a_plan_format_error(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""What the checkpoint tests share: a tiny Llama applied at tp=world, a resume that reports
-whether a refused load left the model as it was, and a pickle that runs code when read."""
+"""What the checkpoint tests share: a tiny Llama applied at tp=world, a DCP save of it, a
+resume that reports whether a refused load left the model as it was, and a pickle that runs
+code when read."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
     model = llama(device)
     plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
     return model, apply(model, plan, mesh_1d(world), mode="production")
+
+
+def save_dcp_worker(rank: int, world: int, ckpt: str) -> None:
+    """``dcp.save(inst.state_dict(opt))`` of the applied model after one AdamW step."""
+    import torch.distributed.checkpoint as dcp
+
+    model, inst = applied(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
+    opt.step()
+    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
 
 
 def resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:

@@ -39,11 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hyperrecipe._files import open_regular
 from hyperrecipe.errors import WeightLoadError
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_HEADER_ENTRIES", "MAX_HEADER_ITEMS", "MAX_TORCH_RECORDS",
            "SafetensorsEntry", "Staging", "TorchFile", "check_torch_archive",
-           "check_torch_records", "listing", "open_safetensors", "open_torch_file",
+           "check_torch_records", "dtype_kind", "listing", "open_safetensors", "open_torch_file",
            "read_safetensors_header"]
 
 MAX_HEADER_BYTES = 100_000_000
@@ -99,6 +100,13 @@ thousands)."""
 _KNOWN = {name: (dtype, dtype.itemsize) for name, dtype in DTYPES.items()}
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
 def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
     """The tensors of the safetensors file ``path``, each checked against the file, in one
     pass over the header.
@@ -110,7 +118,7 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
             named, with the file, in a bounded listing.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
@@ -528,7 +536,7 @@ def open_safetensors(path: Path, staging: Staging | None = None) -> _Safetensors
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         raise WeightLoadError(f"{path}: safetensors is little-endian; this host is not")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:
@@ -772,7 +780,7 @@ def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
             a state dict of tensors.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
     except OSError as exc:
         raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     try:

@@ -32,18 +32,19 @@ import io
 import os
 import pickle
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
-from hyperrecipe._files import read_regular_file
+from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["COMMIT", "FINGERPRINT_SCHEME", "MAX_METADATA_BYTES", "TrustedFileSystemReader",
-           "commit_record", "fingerprint_share", "read_dcp_metadata", "sampled_fingerprint",
+__all__ = ["COMMIT", "FINGERPRINT_SCHEME", "MAX_CHUNK_PROBLEMS", "MAX_METADATA_BYTES",
+           "TrustedFileSystemReader", "check_chunks", "commit_record", "kind_changes", "fingerprint_share", "read_dcp_metadata", "sampled_fingerprint",
            "trusted_dcp_load", "trusted_reader", "verify_fingerprints"]
 
 MAX_METADATA_BYTES = 1 << 30
@@ -145,6 +146,7 @@ def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None, *
                        for k, v in metadata.state_dict_metadata.items()):
         raise WeightLoadError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
     record = _commit_of(base) if rank is None else None  # "not committed" says most: first
+    check_chunks(path, metadata)
     sizes = _check_storage(base, path, metadata)
     if record is not None:
         _check_commit(base, record, data, sizes)
@@ -189,7 +191,7 @@ def sampled_fingerprint(path: Path) -> str:
     """
     import hashlib
 
-    with open(path, "rb", buffering=0) as handle:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as handle:  # a FIFO: refused
         size = os.fstat(handle.fileno()).st_size
         digest = hashlib.sha256(f"{FINGERPRINT_SCHEME}\0{size}\0".encode())
         sampled = 2 * _EDGE_BYTES + _BLOCKS * _BLOCK_BYTES
@@ -361,6 +363,191 @@ def _check_storage(base: Path, path: Path, metadata: Any) -> dict[str, int]:
     return sizes
 
 
+MAX_CHUNK_PROBLEMS = 20
+"""The most chunk problems one refusal lists (then it counts the rest)."""
+
+
+def check_chunks(path: Path, metadata: Any) -> None:
+    """Refuse a ``.metadata`` whose tensor chunks do not describe each tensor exactly once,
+    before anything is read: every chunk's offsets and sizes are integers within the
+    tensor's global size, every chunk has a storage entry, the chunks do not overlap and
+    together tile the global shape (no row left out, none read twice), and no two storage
+    entries share a byte of a storage file (so no chunk reads another tensor's bytes).
+
+    torch reads what the metadata says: a chunk left out keeps whatever the destination
+    held (the previous weights, or NaN), a chunk listed twice or pointing at another
+    layer's bytes loads those, and a chunk past the tensor's end fails halfway through the
+    copy.
+
+    Raises:
+        WeightLoadError: naming ``path``, the tensor and what is wrong, at most
+            :data:`MAX_CHUNK_PROBLEMS` of them.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    problems: list[str] = []
+    storage = metadata.storage_data
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        problem = _chunk_problem(fqn, meta, storage, MetadataIndex)
+        if problem is not None:
+            problems.append(problem)
+            if len(problems) > MAX_CHUNK_PROBLEMS:
+                break
+    if isinstance(storage, Mapping):
+        problems.extend(_shared_bytes(storage))
+    if problems:
+        shown = problems[:MAX_CHUNK_PROBLEMS]
+        more = f"\n  ... and more" if len(problems) > len(shown) else ""
+        msg = (f"{path}: refused before reading: the chunks it lists do not cover each tensor "
+               f"exactly once:\n  " + "\n  ".join(shown) + more + "\nThe file was edited or "
+               f"belongs to another checkpoint; nothing was loaded. Save the checkpoint again "
+               f"(or resume from an earlier one)")
+        raise WeightLoadError(msg)
+
+
+def kind_changes(state: Mapping[str, Any], metadata: Any) -> list[str]:
+    """The tensors of ``state`` (nested as ``dcp.load`` takes it) that ``metadata`` stores as
+    another kind of dtype (floating point, complex, integer): ``dcp.load`` copies with
+    ``copy_``, which converts an ``int32`` chunk into a float tensor (or drops a complex
+    one's imaginary part) without a word. Dtypes of one kind convert, as ``load_weights``
+    does for safetensors."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hyperrecipe.runtime.state.checkpoint_files import dtype_kind
+
+    flat, _ = flatten_state_dict(dict(state))
+    problems: list[str] = []
+    for fqn, value in flat.items():
+        meta = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        stored = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not isinstance(stored, torch.dtype):
+            problems.append(f"{fqn!r}: no dtype recorded ({stored!r:.40})")
+        elif dtype_kind(stored) != dtype_kind(value.dtype):
+            problems.append(f"{fqn!r}: stored as {stored}, loads into {value.dtype} "
+                            f"({dtype_kind(stored)} into {dtype_kind(value.dtype)})")
+    return problems
+
+
+def _ints(value: Any, ndim: int) -> tuple[int, ...] | None:
+    """``value`` as ``ndim`` non-negative ints (``torch.Size``, a tuple or list of them),
+    else ``None``."""
+    if not isinstance(value, (tuple, list)) or len(value) != ndim or not all(
+            type(v) is int and v >= 0 for v in value):
+        return None
+    return tuple(value)
+
+
+def _chunk_problem(fqn: str, meta: Any, storage: Any, index: Any) -> str | None:
+    size = getattr(meta, "size", None)
+    shape = _ints(size, len(size)) if isinstance(size, (tuple, list)) else None
+    chunks = getattr(meta, "chunks", None)
+    if shape is None or not isinstance(chunks, list):
+        return f"{fqn!r}: not tensor metadata (size {size!r:.80}, chunks {type(chunks).__name__})"
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for n, chunk in enumerate(chunks):
+        offsets = _ints(getattr(chunk, "offsets", None), len(shape))
+        sizes = _ints(getattr(chunk, "sizes", None), len(shape))
+        if offsets is None or sizes is None:
+            return (f"{fqn!r}: chunk {n} is not {len(shape)} non-negative offsets and sizes "
+                    f"(offsets {getattr(chunk, 'offsets', None)!r:.80}, sizes "
+                    f"{getattr(chunk, 'sizes', None)!r:.80})")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            return (f"{fqn!r}: chunk {n} (offsets {list(offsets)}, sizes {list(sizes)}) reaches "
+                    f"past the tensor's global size {list(shape)}")
+        if isinstance(storage, Mapping) and index(fqn, offsets) not in storage:
+            return f"{fqn!r}: chunk {n} (offsets {list(offsets)}) has no storage entry"
+        if all(sizes):
+            boxes.append((offsets, sizes))
+    numel = 1
+    for d in shape:
+        numel *= d
+    covered = 0
+    for _, sizes in boxes:
+        volume = 1
+        for s in sizes:
+            volume *= s
+        covered += volume
+    budget = [_TILING_WORK * len(boxes) * (len(shape) + 1) + 1024]
+    tiled = covered == numel and _tiles(boxes, (0,) * len(shape), shape, 0, budget)
+    if tiled is None:
+        return (f"{fqn!r}: its {len(boxes)} chunks are too irregular to check in bounded time "
+                f"(dcp.save writes a grid of shards: rows, columns or blocks); refused")
+    if not tiled:
+        listed = ", ".join(f"{list(o)}+{list(s)}" for o, s in boxes[:8])
+        what = ("cover less than" if covered < numel else "overlap in" if covered > numel
+                else "overlap and leave gaps in")
+        return (f"{fqn!r}: its chunks (offsets+sizes: {listed}{', ...' if len(boxes) > 8 else ''}) "
+                f"{what} the global size {list(shape)} ({covered} of {numel} elements listed)")
+    return None
+
+
+_TILING_WORK = 4
+"""Chunk visits :func:`_tiles` may make per chunk and dim (a grid of shards takes about
+two); past it the layout is refused as too irregular rather than checked in quadratic time."""
+
+
+def _tiles(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], lo: tuple[int, ...],
+           hi: tuple[int, ...], dim: int, budget: list[int]) -> bool | None:
+    """Whether ``boxes`` (offsets, sizes; each within ``lo``..``hi`` in the dims before
+    ``dim`` already) tile the box ``lo``..``hi`` exactly in dims ``dim`` on: swept along
+    ``dim``, every slab between two consecutive chunk edges must be tiled by the chunks
+    spanning it in the remaining dims. Work is the sum over slabs of the chunks spanning them
+    (one per slab for row or column shards, a row of a grid for 2-D shards), taken from
+    ``budget[0]``; ``None`` when it runs out (a forged layout whose slabs each hold many
+    chunks would otherwise take quadratic time)."""
+    if dim == len(lo):
+        return len(boxes) == 1
+    edges = sorted({lo[dim], hi[dim], *(o[dim] for o, _ in boxes),
+                    *(o[dim] + s[dim] for o, s in boxes)})
+    order = sorted(boxes, key=lambda b: b[0][dim])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    at = 0
+    for start, end in zip(edges, edges[1:]):
+        while at < len(order) and order[at][0][dim] <= start:
+            active.append(order[at])
+            at += 1
+        active = [b for b in active if b[0][dim] + b[1][dim] >= end]
+        budget[0] -= len(active) + 1
+        if budget[0] < 0:
+            return None
+        inner = _tiles(active, lo, hi, dim + 1, budget)
+        if not inner:
+            return inner
+    return True
+
+
+def _shared_bytes(storage: Mapping[Any, Any]) -> list[str]:
+    """Storage entries whose byte ranges overlap in one file: ``dcp.save`` writes every item
+    once, so two entries on the same bytes mean one reads what another item holds."""
+    spans: dict[str, list[tuple[int, int, Any]]] = {}
+    for index, info in storage.items():
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is int and type(length) is int and length > 0:
+            spans.setdefault(str(getattr(info, "relative_path", "")), []).append(
+                (offset, offset + length, index))
+    problems: list[str] = []
+    for name, ranges in sorted(spans.items()):
+        ranges.sort(key=lambda r: (r[0], r[1]))
+        for (a0, a1, a), (b0, b1, b) in zip(ranges, ranges[1:]):
+            if b0 < a1:
+                problems.append(f"{_entry(a)} and {_entry(b)} read the same bytes of {name} "
+                                f"({a0}..{a1} and {b0}..{b1})")
+                if len(problems) > MAX_CHUNK_PROBLEMS:
+                    return problems
+    return problems
+
+
+def _entry(index: Any) -> str:
+    offset = getattr(index, "offset", None)
+    return f"{getattr(index, 'fqn', index)!r}" + (f" (offsets {list(offset)})"
+                                                  if offset is not None else "")
+
+
 class TrustedFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` that reads metadata with :func:`read_dcp_metadata`, checks
     every storage file's sampled fingerprint against the commit record
@@ -371,6 +558,10 @@ class TrustedFileSystemReader(FileSystemReader):
     """``False`` where the caller verified them already (:func:`trusted_dcp_load`, which
     splits the files over the ranks)."""
 
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.fs = _RegularFiles()
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         metadata = read_dcp_metadata(Path(os.fspath(self.path)), kwargs.get("rank"),
                                      check_fingerprints=self.check_fingerprints)
@@ -379,6 +570,22 @@ class TrustedFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         return super().read_data(plan, _PlainBytes(planner))  # type: ignore[arg-type]
+
+
+class _RegularFiles(FileSystem):
+    """torch's ``FileSystem`` whose read streams are opened by :func:`open_regular`: a
+    storage file swapped for a FIFO after :func:`read_dcp_metadata` checked it is refused
+    (``OSError``, reported by ``dcp.load`` as the rank's failure), not waited on forever."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str
+                      ) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with os.fdopen(open_regular(path), "rb") as stream:
+            yield cast(io.IOBase, stream)
 
 
 class _PlainBytes:
@@ -428,6 +635,14 @@ def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     metadata = read_dcp_metadata(folder, check_fingerprints=False)
+    kinds = kind_changes(state, metadata)
+    if kinds:
+        shown = "\n  ".join(kinds[:MAX_CHUNK_PROBLEMS])
+        more = f"\n  ... and {len(kinds) - MAX_CHUNK_PROBLEMS} more" \
+            if len(kinds) > MAX_CHUNK_PROBLEMS else ""
+        raise WeightLoadError(f"{folder}: refused before reading: tensors stored as another "
+                              f"kind of dtype than the state they load into:\n  {shown}{more}\n"
+                              f"dcp.load would convert them silently; nothing was loaded")
     _verify_fingerprints_together(folder, metadata, process_group, agree)
     reader = trusted_reader(folder)
     reader.check_fingerprints = False

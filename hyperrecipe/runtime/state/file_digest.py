@@ -16,9 +16,12 @@ still verifies. Without ``xxhash`` installed an export records sha256.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
+
+from hyperrecipe._files import open_regular
 
 __all__ = ["DIGESTS", "FORMATS", "Hasher", "digest_file", "manifest_document", "new_hasher",
            "parse_manifest", "writing_digest"]
@@ -103,7 +106,7 @@ def digest_file(path: Path, algorithm: str) -> str:
     hasher = new_hasher(algorithm)
     buffer = bytearray(8 << 20)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as handle:  # a FIFO: refused
         while n := handle.readinto(view):
             hasher.update(view[:n])
     return hasher.hexdigest()

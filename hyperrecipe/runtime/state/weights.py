@@ -42,6 +42,7 @@ Strategies:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -54,7 +55,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe._files import read_regular_file
+from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
@@ -67,6 +68,7 @@ from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
     Staging,
+    dtype_kind,
     listing,
     open_safetensors,
     open_torch_file,
@@ -164,14 +166,15 @@ class _Safetensors:
             self.opened[path] = open_safetensors(path, self.staging)
         return self.opened[path]
 
-    def files(self, folder: Path) -> list[Path]:
+    @classmethod
+    def files(cls, folder: Path) -> list[Path]:
         """The weight files of a folder without an index, as ``from_pretrained`` picks them:
         ``model.safetensors`` alone when it is there (a folder may also hold another tool's
         files, such as Mistral's ``consolidated.safetensors``), else every file of the kind."""
-        single = folder / self.single_name
+        single = folder / cls.single_name
         if single.is_file():
             return [single]
-        return sorted(f for suffix in self.suffixes for f in folder.glob(f"*{suffix}"))
+        return sorted(f for suffix in cls.suffixes for f in folder.glob(f"*{suffix}"))
 
     def ineligible(self, source: Path) -> str | None:
         if source.is_file():
@@ -261,13 +264,13 @@ def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
     own kind only."""
     problems: list[str] = []
     for t in targets:
-        want = _dtype_kind(t.local.dtype)
+        want = dtype_kind(t.local.dtype)
         for name in (t.fqn, *t.aliases):
             if name not in shapes:
                 continue
             for key in (composites[name].keys() if name in composites else (name,)):
                 dtype = handles[where[key]].dtype(key)
-                kind = _dtype_kind(dtype)
+                kind = dtype_kind(dtype)
                 if kind != want:
                     problems.append(
                         f"{key!r} in {where[key].name}: stored as {dtype}, the model's "
@@ -276,13 +279,6 @@ def _kind_changes(targets: Sequence[_Target], shapes: Mapping[str, Any],
                         f"a header relabelled from F32 to I32 reads as integers, a complex "
                         f"tensor into a real one drops its imaginary part")
     return problems
-
-
-def _dtype_kind(dtype: torch.dtype) -> str:
-    """``"complex"``, ``"floating"`` or ``"integer"`` (``bool`` among the integers)."""
-    if dtype.is_complex:
-        return "complex"
-    return "floating" if dtype.is_floating_point else "integer"
 
 
 def _files_of(composite: Composite, where: Mapping[str, Path]) -> str:
@@ -303,8 +299,9 @@ class _TorchPickle(_Safetensors):
     single_name = "pytorch_model.bin"
     kind = "pytorch_model*.bin"
 
-    def files(self, folder: Path) -> list[Path]:
-        single = folder / self.single_name
+    @classmethod
+    def files(cls, folder: Path) -> list[Path]:
+        single = folder / cls.single_name
         return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
 
     def open(self, path: Path) -> Any:
@@ -432,6 +429,17 @@ class _DCP:
         roots = {k.split(".", 1)[0] for t in targets for k in (t.fqn, *t.aliases)}
         shapes = {k: s for k, s in shapes.items() if k.split(".", 1)[0] in roots}
         problems: list[str] = []
+        for t in targets:  # dcp.load's copy_ would convert between kinds without a word
+            for name in (t.fqn, *t.aliases):
+                meta = metadata.state_dict_metadata.get(prefix + name)
+                stored_dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+                if name in shapes and isinstance(stored_dtype, torch.dtype) and \
+                        dtype_kind(stored_dtype) != dtype_kind(t.local.dtype):
+                    problems.append(
+                        f"{prefix + name!r} in {source.name}: stored as {stored_dtype}, the "
+                        f"model's {t.fqn!r} is {t.local.dtype} ({dtype_kind(stored_dtype)} into "
+                        f"{dtype_kind(t.local.dtype)}); load_weights converts dtypes within "
+                        f"their kind only (floating, complex, integer)")
         files = {k: source.name for k in shapes}
         ignored = _check_fit(targets, shapes, files, ignore, problems,
                              _tied_hints(self.live.model, shapes))
@@ -728,13 +736,16 @@ def source_digest(source: str | os.PathLike[str]) -> str:
         files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
                  if path.is_dir() else [path])
         for f in files:
-            mode = os.stat(f).st_mode
-            if not stat.S_ISREG(mode):
+            try:  # not blocking, checked on the descriptor: a FIFO is never waited on
+                fd = open_regular(f)
+            except OSError as exc:
+                if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
+                    raise
                 digest.update(f"{f.name}\0not a regular file\0".encode())
-                continue  # never opened: loading refuses it by name
-            size = os.stat(f).st_size
-            digest.update(f"{f.name}\0{size}\0".encode())
-            with open(f, "rb") as handle:
+                continue  # loading refuses it by name
+            with os.fdopen(fd, "rb") as handle:
+                size = os.fstat(fd).st_size
+                digest.update(f"{f.name}\0{size}\0".encode())
                 for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
                                       max(0, size - _SAMPLE_BYTES)}):
                     handle.seek(offset)
@@ -774,8 +785,11 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
         raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
     again = (f"; the folder no longer holds what its export wrote: export again, or remove "
              f"{MANIFEST} if its files were replaced on purpose by another tool")
-    extra = sorted(f.name for f in folder.iterdir()
-                   if EXPORT_FILES.fullmatch(f.name) and f.name not in files)
+    if not files:  # a manifest that binds nothing would pass every folder unchecked
+        raise WeightLoadError(f"{path}: lists no files, while an export lists every file it "
+                              f"wrote; it vouches for nothing{again}")
+    extra = sorted({f.name for f in folder.iterdir() if EXPORT_FILES.fullmatch(f.name)}
+                   .union(_files_loading_reads(folder)) - set(files))
     if extra:
         raise WeightLoadError(f"{folder}: {extra} are not in {MANIFEST}{again}")
     for i, (name, entry) in enumerate(sorted(files.items())):
@@ -791,6 +805,29 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
             raise WeightLoadError(f"{file}: its {algorithm} is not the one in {MANIFEST} (same "
                                   f"size, other bytes: a relabelled header, overwritten data)"
                                   f"{again}")
+
+
+def _files_loading_reads(folder: Path) -> set[str]:
+    """The names of the files ``load_weights`` reads from ``folder``, through the first format
+    that can read it (an index and the files it names, else the files ``files()`` picks;
+    a DCP folder's ``.metadata`` and storage files): all of them must be in a manifest that
+    is there, or the manifest would vouch for a folder whose weights it never saw."""
+    for fmt in (_Safetensors, _TorchPickle):
+        index = folder / fmt.index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(read_regular_file(index, limit=MAX_INDEX_BYTES))[
+                    "weight_map"]
+                named = {v for v in weight_map.values() if isinstance(v, str)}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                named = set()  # loading names what is wrong with the index
+            return {fmt.index_name, *named}
+        found = fmt.files(folder)
+        if found:
+            return {f.name for f in found}
+    if (folder / ".metadata").is_file():
+        return {".metadata", *(f.name for f in folder.glob("*.distcp"))}
+    return set()
 
 
 Agree = Callable[[str | None], Mapping[int, str]]

@@ -22,25 +22,16 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError, WeightLoadError
-from tests.support.checkpoint_harness import Hostile, applied, resume_worker
+from tests.support.checkpoint_harness import (Hostile, applied, resume_worker,
+                                              save_dcp_worker)
 from tests.support.runtime_harness import llama
-
-
-def _save_dcp(rank: int, world: int, ckpt: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    model, inst = applied(world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
-    opt.step()
-    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
 
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``dcp.save(inst.state_dict(opt))`` at tp=2 after one AdamW step."""
     ckpt = tmp_path_factory.mktemp("dcp") / "step-1"
-    run_ranks(_save_dcp, 2, str(ckpt))
+    run_ranks(save_dcp_worker, 2, str(ckpt))
     return ckpt
 
 
@@ -444,6 +435,44 @@ def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
     for e in errors:
         assert e in own or "cannot read the checkpoint on rank(s) [0]" in e, e
     assert run_ranks(_load_weights_worker, 1, str(folder))[0]["error"].startswith(named)
+
+
+def _bind(folder: Path, how: str) -> Path:
+    """Rewrite an export's manifest so that it vouches for none of the files a load reads,
+    and put the weights in ``pytorch_model.bin`` (a name no export writes): ``empty`` lists
+    no files, ``unlisted`` lists only ``config.json`` (its right size and digest)."""
+    from safetensors.torch import load_file
+
+    from hyperrecipe.runtime.state.file_digest import digest_file, manifest_document
+
+    manifest = folder / "hyperrecipe.manifest.json"
+    old = json.loads(manifest.read_text())
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    config = folder / "config.json"
+    files = {} if how == "empty" else {
+        "config.json": (config.stat().st_size, digest_file(config, old["digest"]))}
+    manifest.write_text(json.dumps(manifest_document(old["format"], old["digest"], files)))
+    return manifest
+
+
+@pytest.mark.parametrize("how", ["empty", "unlisted"])
+def test_a_manifest_that_vouches_for_none_of_the_files_read_is_refused(
+        how: str, tmp_path: Path) -> None:
+    """A manifest binds the folder: it must list every file the load reads (before, one that
+    listed nothing, or only other files, let pytorch_model.bin load unchecked)."""
+    folder = tmp_path / "export"
+    run_ranks(_export_worker, 1, str(folder), [1 << 40], None)
+    manifest = _bind(folder, how)
+    error = run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
+    assert error is not None, "the load trusted a manifest that vouches for nothing it read"
+    if how == "empty":
+        assert error.startswith(f"{manifest}: lists no files, while an export lists every "
+                                f"file it wrote; it vouches for nothing; the folder no longer "
+                                f"holds what its export wrote"), error
+    else:
+        assert error.startswith(f"{folder}: ['pytorch_model.bin'] are not in "
+                                f"hyperrecipe.manifest.json"), error
 
 
 # -- 5c. a DCP checkpoint is committed last ------------------------------------------------
