@@ -44,6 +44,8 @@ def _torch_pipelining() -> str:
 # tool -> (its smallest arguments, a line fragment its output must hold)
 SMOKE: dict[str, tuple[list[str], str]] = {
     "gen_docs.py": (["--check"], ""),
+    "bench_verify.py": (["--only", "llama", "--skip-70b", "--repeat", "1", "--json"],
+                        '"verify_s"'),
     "bench_cli.py": (["--runs", "1", "--quiet"], "code 0"),
     "bench_launch.py": (["--repeats", "1", "--world-sizes", "2"], "| fork | 2 |"),
     "bench_lint.py": (["--repeat", "1", "--full-repeat", "1", "--root", "<pipelining>"],

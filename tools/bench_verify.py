@@ -7,7 +7,7 @@ compile of each (imports and first-call caches are not the step's). Then a Llama
 the meta device and compiled with recipes/llama-sp.yaml at tp=8, verified, timed whole
 (build, resolve, verify). Figures go in docs/benchmarks.md; nothing here asserts a time.
 
-    python tools/bench_verify.py [--skip-70b] [--json]
+    python tools/bench_verify.py [--only RECIPE] [--skip-70b] [--repeat N] [--json]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def _time(fn: object, repeat: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-70b", action="store_true")
+    parser.add_argument("--only", metavar="RECIPE", help="one shipped recipe (its file's stem)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -49,7 +50,7 @@ def main() -> None:
     rows = []
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         family = path.stem.split("-")[0]
-        if family == "torchtitan":
+        if family == "torchtitan" or args.only not in (None, path.stem):
             continue
         recipe = load_recipe(path)
         model = build_model(f"hf:{family}", str(ROOT / "recipes/models" / f"tiny-{family}.json"))

@@ -19,12 +19,7 @@ import attrs
 from hyperrecipe.errors import HyperrecipeError, RecipeError, SourceSpan
 from hyperrecipe.plan import Plan, Provenance
 
-__all__ = ["VERIFICATION_REFUSED", "Failure", "data_dependent", "recipe_error_at",
-           "recipe_error_for"]
-
-VERIFICATION_REFUSED = "one training step on fake tensors) refused the plan"
-"""The words of a finding that is one of hyperrecipe's own refusals (a gradient left partial,
-a layout that does not arrive), as opposed to a raw error of torch or the model."""
+__all__ = ["Failure", "data_dependent", "recipe_error_at", "recipe_error_for"]
 
 _NO_VALUES = (
     "cannot be called on meta tensors",
@@ -57,6 +52,9 @@ class Failure:
     """What the error itself names first (a parameter or module of the plan), if anything."""
     project_error: bool
     """Raised by hyperrecipe on purpose (a refusal), not by torch or the model."""
+    error: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+    """The exception itself: ``apply``'s own refusals (ranks that disagree, an adapter that
+    cannot be imported) are raised as they are, not as findings about the step."""
 
 
 def data_dependent(failure: Failure) -> bool:
@@ -160,8 +158,8 @@ def recipe_error_for(plan: Plan, failure: Failure) -> RecipeError:
     where = (f" in {failure.modules[0]}" if failure.modules and failure.modules[0] != module
              else "")
     if failure.project_error:
-        problem = (f"verification ({failure.mode} mode, {VERIFICATION_REFUSED}{where}: "
-                   f"{failure.message}")
+        problem = (f"verification ({failure.mode} mode, one training step on fake tensors) "
+                   f"refused the plan{where}: {failure.message}")
         hint = _FIXES.get(failure.error_type, "")
     else:
         running = (f"while {failure.modules[0]} ran its {failure.phase}" if failure.modules

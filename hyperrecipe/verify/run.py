@@ -91,22 +91,17 @@ def _where(failure: Failure) -> str:
     return f" in {failure.modules[0]}" if failure.modules else ""
 
 
-def _unwraps_dtensors(model: nn.Module, failure: Failure) -> str | None:
-    """The failing module, when its own forward takes its DTensor parameters apart
-    (torchtitan's vocab-parallel ``Embedding``): validate mode cannot see into it, which is a
-    limit of validate mode, not a finding about the recipe (production mode runs the plan's
-    own compute there)."""
-    import inspect
-
-    name = failure.named or (failure.modules[0] if failure.modules else None)
-    if name is None:
+def _own_lookup(plan: Plan, failure: Failure) -> str | None:
+    """The vocab-parallel boundary whose output validate mode found in another layout than
+    declared. Production mode does not run such a module's forward as written: it runs the
+    plan's masked lookup, whose output is partial by construction. Validate mode runs the
+    module's own forward on DTensors, which may compute the lookup otherwise (an embedding
+    subclass with a padding row, torchtitan's ``Embedding`` taking its weight apart with
+    ``to_local()``): a limit of validate mode, not a finding about the recipe."""
+    if failure.error_type != "PlacementMismatchError" or failure.named is None:
         return None
-    try:
-        module = model.get_submodule(name)
-        source = inspect.getsource(type(module).forward)
-    except (AttributeError, OSError, TypeError):
-        return None
-    return name if "to_local(" in source else None
+    lookups = {b.fqn for b in plan.boundaries if b.vocab_parallel is not None}
+    return failure.named if failure.named in lookups else None
 
 
 def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
@@ -155,11 +150,13 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
         ran.append(mode)
         if failure is None:
             continue
-        opaque = _unwraps_dtensors(model, failure) if mode == "validate" else None
-        if opaque is not None:
-            notes.append(f"validate mode cannot check {opaque}: its forward unwraps its DTensor "
-                         f"parameters itself (`to_local()`), so DTensor sees none of its "
-                         f"compute; production mode ran ({failure.message[:160]})")
+        if failure.phase == "apply" and failure.error is not None:
+            raise failure.error  # apply's own refusal: the same as at apply, only earlier
+        lookup = _own_lookup(plan, failure) if mode == "validate" else None
+        if lookup is not None:
+            notes.append(f"validate mode computed {lookup}'s lookup its own way, where "
+                         f"production runs the plan's masked lookup into this rank's rows "
+                         f"({failure.message[:160]}); the lookup is `check`'s to compare")
         elif failure.project_error or not (reference is not None or data_dependent(failure)):
             raise recipe_error_for(plan, failure)
         elif reference is None:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from hyperrecipe.check.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
+from hyperrecipe.verify.attention import CpuAttentionOnMeta
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +124,7 @@ def _failure(mode: str, phase: str, exc: BaseException, plan: Plan | None, modul
                    message=str(exc).strip().splitlines()[0][:2000] if str(exc).strip()
                    else type(exc).__name__,
                    modules=modules, named=named_in(exc, plan, known),
-                   project_error=is_project_error(exc))
+                   project_error=is_project_error(exc), error=exc)
 
 
 def _loss(model: nn.Module, plan: Plan | None, sample: Sample, own: bool, out: Any) -> Tensor:
@@ -154,7 +155,8 @@ def _train_step(model: nn.Module, plan: Plan | None, sample: Sample, mode: str,
         own = uses_own_loss(model, sample)
         if own:
             kwargs["labels"] = kwargs["input_ids"]
-        out = model(*sample.args, **kwargs)
+        with CpuAttentionOnMeta():
+            out = model(*sample.args, **kwargs)
         phase = "loss"
         loss = _loss(model, plan, sample, own, out)
         phase = "backward"

@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from hyperrecipe import PlanMismatchError, apply, compile_recipe
+from hyperrecipe import PlanMismatchError
+from hyperrecipe.runtime import apply
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.runtime.preflight.agreement import TIMEOUT_ENV
+from tests.support.recipe_text import resolve_only as compile_recipe
 from tests.support.toy_models import Toy
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "tests" / "recipes" / "toy.yaml")

@@ -20,7 +20,7 @@ import torch
 
 from hyperrecipe import compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from hyperrecipe.errors import RankFailedError
+from hyperrecipe.errors import RankFailedError, RecipeError
 from tests.support.runtime_harness import ATOL, ROOT, RTOL, assert_close, llama, llama_worker, reference
 
 REPLICATED_MLP = ROOT / "tests/recipes/llama-sp-replicated-mlp.yaml"
@@ -71,11 +71,15 @@ def test_a_whole_gradient_declared_where_it_arrives_partial_is_refused(tmp_path:
     Declared whole, production slices a partial sum and is wrong; validate mode names it."""
     recipe = _variant(tmp_path, "whole-on-partial",
                       "  - match: model.layers.0.mlp\n    in_grad: {x: replicate}\n")
+    with pytest.raises(RecipeError) as refused:  # compile's verification sees it first
+        compile_recipe(recipe, llama("meta"), {"tp": 2})
+    assert "arrives partial on tp" in str(refused.value) and refused.value.span is not None
+    # and the runtime, given the plan unverified, is not silent about it either
     _, ref_grads = reference()
-    prod = run_ranks(llama_worker, 2, recipe, "production", {}, timeout_s=300)
+    prod = run_ranks(llama_worker, 2, recipe, "production", {}, False, timeout_s=300)
     assert _differs(prod[0], ref_grads), "production computes wrong gradients without an error"
     with pytest.raises(RankFailedError) as err:
-        run_ranks(llama_worker, 2, recipe, "validate", {}, timeout_s=300)
+        run_ranks(llama_worker, 2, recipe, "validate", {}, False, timeout_s=300)
     assert ("PlanMismatchError: model.layers.0.mlp: the gradient of input 'x' arrives partial "
             "on tp (each rank holds a share of a sum), but the plan takes it whole (declared "
             "in_grad: replicate): production mode runs local_slice there") in str(err.value)
@@ -87,13 +91,16 @@ def test_a_partial_gradient_declared_where_it_arrives_whole_is_refused(tmp_path:
     production reduce-scatters it and counts it twice; validate mode names it."""
     recipe = _variant(tmp_path, "partial-on-whole",
                       "  - match: model.layers.1.mlp\n    in_grad: {x: {tp: partial}}\n")
-    plan = compile_recipe(recipe, llama("meta"), {"tp": 2})
+    with pytest.raises(RecipeError) as refused:  # compile's verification sees it first
+        compile_recipe(recipe, llama("meta"), {"tp": 2})
+    assert "whole (replicate on tp)" in str(refused.value)
+    plan = compile_recipe(recipe, llama("meta"), {"tp": 2}, verify=False)
     assert plan.boundary("model.layers.1.mlp").transitions[0].backward.kind == "reduce_scatter"
     _, ref_grads = reference()
-    prod = run_ranks(llama_worker, 2, recipe, "production", {}, timeout_s=300)
+    prod = run_ranks(llama_worker, 2, recipe, "production", {}, False, timeout_s=300)
     assert _differs(prod[0], ref_grads), "production computes wrong gradients without an error"
     with pytest.raises(RankFailedError) as err:
-        run_ranks(llama_worker, 2, recipe, "validate", {}, timeout_s=300)
+        run_ranks(llama_worker, 2, recipe, "validate", {}, False, timeout_s=300)
     assert "PlanMismatchError: model.layers.1.mlp: " in str(err.value)
     assert "whole (replicate on tp)" in str(err.value)
     assert "reduce_scatter" in str(err.value)

@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from hyperrecipe import apply, compile_recipe
+from hyperrecipe.runtime import apply
 from hyperrecipe.check.launcher import RankFailedError, run_ranks
 from hyperrecipe.errors import PlanMismatchError, RewriteError
 from tests.support.runtime_harness import ROOT, assert_close, mesh_1d
+from tests.support.recipe_text import resolve_only as compile_recipe
 from tests.support.toy_models import Toy
 
 TOY = str(ROOT / "tests/recipes/toy.yaml")

@@ -57,15 +57,19 @@ def mesh_1d(world: int) -> Any:
 
 
 def llama_worker(rank: int, world: int, recipe: str, mode: str,
-                 overrides: dict[str, Any]) -> dict[str, Any]:
-    """Apply ``recipe`` to tiny Llama, run one step; return logits, full grads, counts."""
+                 overrides: dict[str, Any], verify: bool = True) -> dict[str, Any]:
+    """Apply ``recipe`` to tiny Llama, run one step; return logits, full grads, counts.
+
+    ``verify=False`` compiles and applies without the verification step, for the tests of
+    what the runtime itself does with a plan that verification would refuse."""
     from collections import Counter
 
     from hyperrecipe.runtime.comm.collectives import count_collectives
 
     model = llama(**overrides)
-    plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world})
-    inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
+    plan = compile_recipe(recipe, llama("meta", **overrides), {"tp": world}, verify=verify)
+    inst = apply(model, plan, mesh_1d(world), mode=mode,  # type: ignore[arg-type]
+                 verify=verify)
     with count_collectives() as log:
         out = llama_step(model, llama_batch(overrides.get("vocab_size", 128)))
     counted = Counter((r.kind, r.mesh_dim, r.direction) for r in log.records)

@@ -8,13 +8,10 @@ Each heuristic tests a pattern on the numbers (or on the failure and the plan) a
 holds, returns a :class:`Suggestion` whose ``evidence`` says what was measured. When nothing
 fits, there is no suggestion: a guess without evidence would send users the wrong way.
 
-When ``compile``'s verification step refuses the plan (``ctx.verification``), that finding is
-the likely cause (:data:`VERIFICATION_FINDING`) where it is a refusal by name (a gradient left
-partial, a layout that does not arrive): it was seen on shapes and placements, where the
-patterns below infer from values. Where verification saw a shape production mode cannot run (a
-width read off the input, heads fixed in a layer), a pattern below that names the heads stays
-first, except the one that can only point at the inputs; with no pattern, the finding is the
-cause.
+When ``compile``'s verification step refuses the plan (``ctx.verification``: ``check``
+resolves without verifying, so that one can see what a refused plan does), its finding is
+added to the evidence of the pattern that holds, naming the recipe line and the fix; where no
+pattern holds, the finding is the likely cause (:data:`VERIFICATION_FINDING`).
 
 Patterns, in the order they are tried at the first divergence:
 
@@ -59,6 +56,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import attrs
 from torch import Tensor
 
 from hyperrecipe.check.compare import ModeComparison
@@ -79,7 +77,6 @@ from hyperrecipe.check.diagnose.causes import (
 )
 from hyperrecipe.check.diagnose.gradients import gradient_evidence
 from hyperrecipe.check.diagnose.structure import (
-    INPUTS_BUILT_FOR_EVERY_HEAD,
     heads_cut,
     swapped_from_placement,
     swapped_from_shapes,
@@ -93,7 +90,6 @@ from hyperrecipe.check.diagnose.values import (
     scaled,
 )
 from hyperrecipe.check.record import Trace
-from hyperrecipe.verify.findings import VERIFICATION_REFUSED
 
 __all__ = [
     "BIAS_COUNTED_TP_TIMES",
@@ -133,13 +129,10 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
     found = _suggest(cmp, reference, ranks, ctx, atol=atol, rtol=rtol)
     if ctx.verification is None:
         return found
-    seen = Suggestion(cause=VERIFICATION_FINDING, evidence=ctx.verification)
-    if VERIFICATION_REFUSED in ctx.verification:  # a refusal by name: exact, not inferred
-        return seen
-    # a shape production could not run: a pattern that names the heads stays first, unless
-    # it can only point at the inputs (heads already divided), where verification saw more
-    guessed = found is not None and INPUTS_BUILT_FOR_EVERY_HEAD in found.evidence
-    return seen if found is None or guessed else found
+    if found is None:
+        return Suggestion(cause=VERIFICATION_FINDING, evidence=ctx.verification)
+    return attrs.evolve(found, evidence=f"{found.evidence}; verification at compile refuses "
+                                        f"this plan: {ctx.verification}")
 
 
 def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],

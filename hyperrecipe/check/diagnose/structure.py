@@ -20,7 +20,7 @@ from hyperrecipe.resolve.head_counts import HEAD_SIZE_ATTRS
 from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
 from hyperrecipe.runtime.mode import as_mode
 
-__all__ = ["INPUTS_BUILT_FOR_EVERY_HEAD", "heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
+__all__ = ["heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
            "whole_param_on_shard"]
 
 
@@ -132,11 +132,6 @@ def heads_cut(fqn: str, failure: Failure, ctx: DiagnosisContext) -> Suggestion |
     return None
 
 
-INPUTS_BUILT_FOR_EVERY_HEAD = "so look at the inputs"
-"""How :data:`HEADS_NOT_WHOLE`'s evidence says that only the inputs are left to blame (the
-plan divides the heads evenly): a guess the verification step's finding replaces."""
-
-
 def _heads_already_divided(fqn: str, stated: Sequence[tuple[str, int]], ways: int,
                            ctx: DiagnosisContext) -> str:
     """When the plan already divides this module's head counts and they divide evenly, the
@@ -144,9 +139,9 @@ def _heads_already_divided(fqn: str, stated: Sequence[tuple[str, int]], ways: in
     divided = sorted(h.attr for h in ctx.plan.head_counts if h.module == fqn)
     if not divided or any(a not in HEAD_SIZE_ATTRS and v % ways for a, v in stated):
         return ""
-    return (f"; the plan already divides {', '.join(divided)} and the heads divide evenly, "
-            f"{INPUTS_BUILT_FOR_EVERY_HEAD}: one built outside {fqn} for every head (a per-head "
-            f"bias flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is "
+    return (f"; the plan already divides {', '.join(divided)} and the heads divide evenly, so "
+            f"look at the inputs: one built outside {fqn} for every head (a per-head bias "
+            f"flattened with the batch, ALiBi's [batch * heads, 1, kv]) has no layout that is "
             f"one rank's heads; compute this attention whole (gather its fused projection, "
             f"docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
