@@ -4,7 +4,8 @@ The JSON object (``--format json``) has these keys: ``agree``; what ran (``recip
 ``source``, ``recipe_files``, ``model``, ``mesh``, ``world_size``, ``backend``, ``seed``, ``sample``,
 ``steps``, ``tolerance``, ``loss``, ``notes``); ``modes``, one object per mode with ``agree``,
 ``first_divergent`` (``{fqn, what, rank, max_abs, max_rel, detail}`` or null), ``suggestion``
-(``{cause, evidence}`` or null), ``failure`` (what a rank raised, or null), ``output``,
+(``{cause, evidence, verification}`` or null: ``verification`` is what compile's
+verification step refuses of the plan, or null), ``failure`` (what a rank raised, or null), ``output``,
 ``worst_gradient`` (``{name, rank, max_abs, max_rel, agree}``), ``gradients`` (``compared``,
 ``diverged``), ``params_after_steps`` (null without ``--steps``), ``boundary_values_compared``,
 ``inner_wrappers`` (rank 0's inner-wrapper choices, ``[{fqn, wrapper, state, reason}]``, empty
@@ -75,7 +76,8 @@ def _mode_json(m: ModeResult) -> dict[str, Any]:
         "agree": m.agree,
         "first_divergent": first,
         "suggestion": None if m.suggestion is None else {
-            "cause": m.suggestion.cause, "evidence": m.suggestion.evidence},
+            "cause": m.suggestion.cause, "evidence": m.suggestion.evidence,
+            "verification": m.suggestion.verification},
         "failure": failure,
         "output": None if c.output is None else _diff_json(c.output.diff),
         "worst_gradient": _named_json(c.worst_gradient),
@@ -173,6 +175,9 @@ def _mode_text(m: ModeResult, width: int) -> list[str]:
     if m.suggestion is not None:
         lines.append(f"{pad}likely cause: {m.suggestion.cause}")
         lines.append(f"{pad}evidence: {_indent(m.suggestion.evidence, pad)}")
+        if m.suggestion.verification is not None:
+            lines.append(f"{pad}verification at compile refuses this plan: "
+                         f"{_indent(m.suggestion.verification, pad)}")
     if c.failure is not None and c.first is not None and not c.first.what.startswith("raised"):
         lines.append(f"{pad}rank {c.failure_rank} then raised in {c.failure.phase}: "
                      f"{_indent(c.failure.error, pad)}")

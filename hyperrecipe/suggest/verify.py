@@ -184,9 +184,10 @@ def _outermost(groups: Sequence[str]) -> list[str]:
 
 
 def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
-    """Compile the attempt as ``hyperrecipe compile`` will, verification included: a
-    suggestion ``compile`` refuses is narrowed like one that does not resolve, before ``check``
-    spends a launch on it.
+    """Compile the attempt as ``hyperrecipe compile`` will, verification included. Run after
+    ``check`` agreed (a divergence narrows by what ``check`` measured, which knows more ways
+    out, such as gathering a region instead of giving it up): a suggestion ``compile`` refuses
+    is then narrowed like one that does not resolve, so none is written that compile refuses.
 
     Raises:
         RecipeError: the attempt does not compile, or its verification step refuses it.
@@ -253,8 +254,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
             options = CheckOptions(recipe=path, model=model, model_config=dict(check_config),
                                    mesh=dict(mesh), timeout_s=timeout_s)
             try:
-                _refused_at_compile(path, meta, mesh)
                 report = run_check(options)
+                if report.agree:  # what check agrees on must also compile as compile will
+                    _refused_at_compile(path, meta, mesh)
             except RecipeError as exc:
                 seconds = time.perf_counter() - t0
                 if exc.rule_index is None or not 0 <= exc.rule_index < len(merge_rules(current)):

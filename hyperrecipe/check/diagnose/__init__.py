@@ -9,9 +9,9 @@ holds, returns a :class:`Suggestion` whose ``evidence`` says what was measured. 
 fits, there is no suggestion: a guess without evidence would send users the wrong way.
 
 When ``compile``'s verification step refuses the plan (``ctx.verification``: ``check``
-resolves without verifying, so that one can see what a refused plan does), its finding is
-added to the evidence of the pattern that holds, naming the recipe line and the fix; where no
-pattern holds, the finding is the likely cause (:data:`VERIFICATION_FINDING`).
+resolves without verifying, so that one can see what a refused plan does), its finding goes
+with the pattern that holds (``Suggestion.verification``: the recipe line and the fix); where
+no pattern holds, the finding is the likely cause (:data:`VERIFICATION_FINDING`).
 
 Patterns, in the order they are tried at the first divergence:
 
@@ -131,8 +131,7 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
         return found
     if found is None:
         return Suggestion(cause=VERIFICATION_FINDING, evidence=ctx.verification)
-    return attrs.evolve(found, evidence=f"{found.evidence}; verification at compile refuses "
-                                        f"this plan: {ctx.verification}")
+    return attrs.evolve(found, verification=ctx.verification)
 
 
 def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],

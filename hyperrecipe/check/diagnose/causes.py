@@ -58,6 +58,9 @@ class Suggestion:
 
     cause: str
     evidence: str
+    verification: str | None = None
+    """What ``compile``'s verification step refuses of the plan, beside a pattern's evidence
+    (the recipe line and the fix), when it refuses it."""
 
 
 @attrs.frozen(kw_only=True)
