@@ -38,6 +38,10 @@ _NO_VALUES = (
 """Words of the errors an op raises on the meta device because it needs values."""
 
 
+_DEPENDS_ON_DATA = "its output's shape depends on the data"
+"""How validate mode's refusal of a data-dependent op says so (``validate_scope``)."""
+
+
 @attrs.frozen(kw_only=True)
 class Failure:
     """How one mode's step failed: the exception's type and text, the module that was running
@@ -58,8 +62,13 @@ class Failure:
 
 
 def data_dependent(failure: Failure) -> bool:
-    """The op needed values the meta device does not have: no finding about the recipe."""
-    return not failure.project_error and any(w in failure.message for w in _NO_VALUES)
+    """The op needed values the meta device does not have, or its output's shape depends on
+    them, which no placement describes (validate mode refuses ``nonzero`` on DTensors, which
+    production runs on local tensors): no finding about the recipe."""
+    if failure.project_error:
+        return (failure.error_type == "ValidateUnsupportedError"
+                and _DEPENDS_ON_DATA in failure.message)
+    return any(w in failure.message for w in _NO_VALUES)
 
 
 def named_in(exc: BaseException, plan: Plan | None, modules: set[str]) -> str | None:

@@ -63,8 +63,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def step_sample(model: nn.Module, plan: Plan, inputs: str | None) -> Sample:
     """The batch of the step: ``check``'s sample (token ids, pixel values, or the user's
-    ``inputs`` function), two rows of a length every sequence split divides (short, so a
-    model's own length limit is not reached), on meta.
+    ``inputs`` function): as many rows as the ranks that split the model (at least two), of
+    twice that many tokens (at least four: short, so a model's own length limit is not
+    reached), on meta.
 
     Raises:
         ModelSpecError: no sample can be made for this model without ``inputs``.
@@ -75,7 +76,10 @@ def step_sample(model: nn.Module, plan: Plan, inputs: str | None) -> Sample:
             and hasattr(model, "main_input_name") else type(model).__name__)
     split = math.prod(plan.mesh_shape[d] for d in plan.model_parallel_dims)
     seq = max(4, 2 * split)  # a sequence shard per rank, twice (context parallel's halves)
-    return make_sample(model, spec, batch=2, seq=seq, seed=0, inputs=inputs).to(
+    # rows too, one per rank at least: tokens flattened over the batch and sharded unflatten
+    # back evenly only when every dim divides (DTensor refuses uneven unflattening)
+    batch = max(2, split)
+    return make_sample(model, spec, batch=batch, seq=seq, seed=0, inputs=inputs).to(
         torch.device("meta"))
 
 
