@@ -43,7 +43,7 @@ for path in sorted((root / "recipes").glob("*.yaml")):
         if importlib.util.find_spec("torchtitan") is None:
             skipped.append(path.stem)
             continue
-        model = build_model("hyperrecipe.integrations.torchtitan:build_llama3")
+        model = build_model("hyperrecipe.models.torchtitan:build_llama3")
     else:
         model = build_model(f"hf:{family}", str(root / "recipes/models" / f"tiny-{family}.json"))
     plan = compile_recipe(recipe, model, {d: 2 for d in recipe.mesh}, verify=False)
@@ -123,7 +123,7 @@ def _package_exceptions() -> list[type[BaseException]]:
         try:
             module = __import__(info.name, fromlist=["_"])
         except ModuleNotFoundError as exc:  # a trainer integration without its extra
-            if info.name.startswith("hyperrecipe.integrations.") and exc.name in (
+            if info.name.startswith("hyperrecipe.trainers.") and exc.name in (
                     "accelerate", "lightning", "trl"):
                 continue
             raise

@@ -2,7 +2,7 @@
 
 One launch of ``--world`` ranks (gloo on CPU, NCCL when there are enough GPUs). Each rank
 builds torchtitan's ``Llama3Model`` twice from the same seed: once parallelized by
-``hyperrecipe.integrations.torchtitan.parallelize_llama`` (``recipes/torchtitan-llama3.yaml``,
+``hyperrecipe.trainers.torchtitan.parallelize_llama`` (``recipes/torchtitan-llama3.yaml``,
 production mode) and once by torchtitan's own ``parallelize_llama`` (TP + sequence parallel +
 loss parallel, DTensor backend ``partial_dtensor``, fp32 parameters). Rounds alternate the two
 (``--steps`` timed steps each, after ``--warmup``), so drift in the machine's load hits both. A
@@ -51,7 +51,7 @@ def _models(args: argparse.Namespace, world: int, device: Any) -> dict[str, Any]
     from torchtitan.models.llama3 import parallelize_llama as titan_parallelize
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    from hyperrecipe.integrations.torchtitan import (
+    from hyperrecipe.trainers.torchtitan import (
         build_llama3,
         installation_of,
         parallelize_llama,
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hyperrecipe.integrations.torchtitan import cross_entropy_loss
+    from hyperrecipe.trainers.torchtitan import cross_entropy_loss
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     runs = _models(args, world, device)

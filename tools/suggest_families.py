@@ -4,7 +4,7 @@
 The families are not hand-picked: every model type in transformers' ``CONFIG_MAPPING`` whose
 config class has a non-empty ``base_model_tp_plan``, in sorted order (``--only`` picks some).
 Each is built from a tiny config derived from the family's defaults
-(:func:`hyperrecipe.integrations.hf_tiny.tiny_config`: hidden 64, 2 layers, 4 heads of 16,
+(:func:`hyperrecipe.models.hf_tiny.tiny_config`: hidden 64, 2 layers, 4 heads of 16,
 vocab 128, 4 experts, ...) and :func:`hyperrecipe.suggest.suggest_recipe` is run with
 verification (``check`` in both modes against one process). A family is
 
@@ -97,7 +97,7 @@ def causal_families_without_a_plan() -> list[str]:
 def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, Any]:
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.errors import HyperrecipeError
-    from hyperrecipe.integrations.hf_tiny import tiny_config
+    from hyperrecipe.models.hf_tiny import tiny_config
     from hyperrecipe.suggest import SuggestOptions, suggest_recipe
     from hyperrecipe.suggest.gathered import GATHERED_INSTEAD
     from hyperrecipe.suggest.sequence import SEQUENCE_GROUP
@@ -254,7 +254,7 @@ class FamilyWorker:
 def _blocks_read_off_the_structure(model_type: str, config: dict[str, Any]) -> set[str]:
     """The blocks ``suggest`` read off the structure because the plan names nothing of them
     (:func:`hyperrecipe.suggest.structure.blocks_the_plan_leaves_out`): beyond the plan."""
-    from hyperrecipe.integrations.hf_plans import read_plans
+    from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model
     from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
 

@@ -23,7 +23,7 @@ Below it, one room per trade; each room's ``__init__`` says what it owns and wha
 Imports point down this list's dependency order: ``comm`` and ``preflight`` import no other
 room; ``forward`` imports ``comm``; ``features`` imports ``forward`` and ``comm``; ``grads`` and
 ``state`` import ``comm`` and ``state``'s ``LiveParams`` (tests/test_layering.py keeps it so).
-Third-party knowledge (transformers' key conversions) lives in :mod:`hyperrecipe.integrations`.
+Third-party knowledge (transformers' key conversions) lives in :mod:`hyperrecipe.models`.
 
 What does not live here: resolving recipes or re-deciding anything the plan records (the
 enclosing boundary of a parameter, its DTensor placement, the vocab-parallel lookup, the

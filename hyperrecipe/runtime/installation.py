@@ -290,7 +290,7 @@ class Installation:
         rank, in both modes (a collective: call on every rank). On production shards
         ``param.grad.norm()`` is this rank's shard's norm; Lightning's
         ``lightning.pytorch.utilities.grad_norm`` reads exactly that
-        (``hyperrecipe.integrations.lightning.grad_norm`` reads this instead).
+        (``hyperrecipe.trainers.lightning.grad_norm`` reads this instead).
 
         Parameters without a gradient are left out; tied ones appear once, under the owner's
         FQN.

@@ -263,7 +263,7 @@ class _Validate(Mode):
 
     def prepare(self, model: nn.Module, plan: Plan) -> None:
         from hyperrecipe.errors import ValidateUnsupportedError
-        from hyperrecipe.integrations.hf_kernels import validate_experts_refusal
+        from hyperrecipe.models.hf_kernels import validate_experts_refusal
         from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
 
         register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)

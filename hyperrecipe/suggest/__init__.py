@@ -1,14 +1,14 @@
 """``hyperrecipe suggest``: a recipe proposed from the model's own parallel plans, and proven.
 
 What lives here: reading what a model declares (transformers' ``tp_plan``, through
-:mod:`hyperrecipe.integrations.hf_plans`) and translating it into rules with the regions our
+:mod:`hyperrecipe.models.hf_plans`) and translating it into rules with the regions our
 format needs (``translate``), writing them with a comment per rule on its source (``render``),
 and keeping only what ``check`` verified in both modes against one process, narrowing a failing
 rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the whole flow;
 ``hyperrecipe suggest`` is a thin layer over it. What does not: any placement decision of its
 own at run time (the recipe goes through ``compile`` and ``check`` like a hand-written one), the
 check itself (:mod:`hyperrecipe.check`), knowledge of transformers by name
-(:mod:`hyperrecipe.integrations`).
+(:mod:`hyperrecipe.models`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class SuggestOptions:
         timeout_s: per check step, as ``hyperrecipe check --timeout``.
         check_config: the config the check builds; default: the given config when it is small,
             the shipped tiny config of the family, or one derived from the given config with
-            every size shrunk (:func:`hyperrecipe.integrations.hf_tiny.tiny_config`).
+            every size shrunk (:func:`hyperrecipe.models.hf_tiny.tiny_config`).
     """
 
     translate: TranslateOptions = TranslateOptions()
@@ -120,7 +120,7 @@ def _summary_lines(s: Suggestion) -> list[str]:
 
 
 def _check_config(model: str, model_config: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    from hyperrecipe.integrations.hf_tiny import is_tiny, tiny_config
+    from hyperrecipe.models.hf_tiny import is_tiny, tiny_config
     from hyperrecipe.model_tree import load_model_config, shipped_tiny_config
 
     fields = load_model_config(model_config)
@@ -205,7 +205,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         if s.verified:
             Path("llama.yaml").write_text(s.text)
     """
-    from hyperrecipe.integrations.hf_plans import read_plans
+    from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
     from hyperrecipe.suggest.render import render_recipe
     from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries

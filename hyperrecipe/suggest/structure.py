@@ -38,7 +38,7 @@ import attrs
 import torch
 from torch import nn
 
-from hyperrecipe.integrations.hf_plans import PlanEntry
+from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.suggest.rules import STRUCTURE_SOURCE
 
 __all__ = ["STRUCTURE_SOURCE", "blocks_the_plan_leaves_out", "structural_entries"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from hyperrecipe.integrations.hf_plans import PlanEntry
+from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
 from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
@@ -441,7 +441,7 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
     """Suggested rules for ``tree`` from transformers' plan ``entries`` (see the module doc).
 
     Args:
-        entries: the model's plan entries (:func:`~hyperrecipe.integrations.hf_plans.read_plans`).
+        entries: the model's plan entries (:func:`~hyperrecipe.models.hf_plans.read_plans`).
         tree: the model's structure.
         mesh: mesh dim -> size; the tensor-parallel dim is ``options.dim``.
         options: what to add beyond the plan.

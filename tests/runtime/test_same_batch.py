@@ -37,7 +37,7 @@ LLAMA = str(ROOT / "recipes/llama.yaml")
 TP_FIX = ("Fix: every rank of this mesh belongs to one model replica, so every rank must be "
           "handed the same batch: use no DistributedSampler over the world (or "
           "DistributedSampler(dataset, num_replicas=1, rank=0)), the same shuffle seed on every "
-          "rank; the trainer integrations (hyperrecipe.integrations: the Hugging Face Trainer, "
+          "rank; the trainer integrations (hyperrecipe.trainers: the Hugging Face Trainer, "
           "accelerate, Lightning, torchtitan) split batches this way")
 WHY = ("The ranks along a model-parallel dim hold one model replica between them and must see "
        "the same batch: with different ones each rank's shards compute on other data, the "
@@ -189,7 +189,7 @@ def test_dp_by_tp_batches_may_differ_over_dp_and_not_over_tp() -> None:
             "Fix: split batches over the data dim 'dp' only: DistributedSampler(dataset, "
             "num_replicas=mesh['dp'].size() (= 2), rank=mesh.get_local_rank('dp')), the same "
             "shuffle seed on every rank, instead of a sampler over the world; the trainer "
-            "integrations (hyperrecipe.integrations: the Hugging Face Trainer, accelerate, "
+            "integrations (hyperrecipe.trainers: the Hugging Face Trainer, accelerate, "
             "Lightning, torchtitan) split batches this way"), res
     # one replica's ranks differ: the other replica's ranks, whose group agrees, raise too
     # (they would otherwise wait in the step's first collective for peers that left)

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from hyperrecipe.integrations.hf_plans import read_plans
-from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.models.hf_plans import read_plans
+from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP
 from hyperrecipe.suggest.translate import Translation, translate

@@ -19,8 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyperrecipe.integrations.hf_plans import read_plans
-from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.models.hf_plans import read_plans
+from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.suggest.sequence import GATHERED_GROUP, SEQUENCE_GROUP
 from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from hyperrecipe.check.run import CheckOptions, run_check
-from hyperrecipe.integrations.hf_plans import read_plans
-from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.models.hf_plans import read_plans
+from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.suggest import SuggestOptions, suggest_recipe
 from hyperrecipe.suggest.structure import (STRUCTURE_SOURCE, structural_entries,

@@ -18,8 +18,8 @@ import pytest
 
 from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import SuggestError
-from hyperrecipe.integrations.hf_plans import read_plans
-from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.models.hf_plans import read_plans
+from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
 from hyperrecipe.recipe import load_recipe
 from hyperrecipe.resolve import resolve_recipe
@@ -132,7 +132,7 @@ def test_an_untranslatable_style_is_narrowed_with_its_reason(tmp_path: Path) -> 
 def test_a_parameter_inside_a_region_that_the_plan_leaves_out_gets_its_gradient_reduced() -> None:
     # Apertus' xIELU activation holds learnable scalars between up_proj (colwise) and down_proj
     # (rowwise); transformers' plan does not mention them
-    from hyperrecipe.integrations.hf_tiny import tiny_config
+    from hyperrecipe.models.hf_tiny import tiny_config
 
     model = build_model("hf:apertus", tiny_config("apertus"))
     entries, tree = read_plans(model), snapshot(model)
@@ -145,7 +145,7 @@ def test_a_parameter_inside_a_region_that_the_plan_leaves_out_gets_its_gradient_
 
 
 def test_attention_sinks_are_sharded_with_the_heads_they_belong_to() -> None:
-    from hyperrecipe.integrations.hf_tiny import tiny_config
+    from hyperrecipe.models.hf_tiny import tiny_config
 
     model = build_model("hf:granite_swa", tiny_config("granite_swa"))
     t = translate(read_plans(model), snapshot(model), TP2)
@@ -210,7 +210,7 @@ def test_suggest_options_default_to_verifying() -> None:
 
 
 def test_the_tiny_config_shrinks_every_size_the_family_names_under_its_own_spelling() -> None:
-    from hyperrecipe.integrations.hf_tiny import tiny_config
+    from hyperrecipe.models.hf_tiny import tiny_config
 
     # GPT-style field names through the config's attribute_map; ids inside the tiny vocabulary
     assert tiny_config("codegen") == {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from hyperrecipe.integrations.hf_tiny import tiny_config
+from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model
 from hyperrecipe.suggest import SuggestOptions, suggest_recipe
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP

@@ -1,4 +1,4 @@
-"""Ranks for tests/integrations/test_torchtitan.py: torchtitan's Llama 3 trained under hyperrecipe's plan,
+"""Ranks for tests/trainers/test_torchtitan.py: torchtitan's Llama 3 trained under hyperrecipe's plan,
 under torchtitan's own ``parallelize_llama``, and in one process, from the same seed and data.
 
 Every run draws its weights in one process's order (``torch.manual_seed(SEED)`` then
@@ -29,7 +29,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def materialized() -> nn.Module:
-    from hyperrecipe.integrations.torchtitan import build_llama3
+    from hyperrecipe.trainers.torchtitan import build_llama3
 
     model = build_llama3(vocab_size=VOCAB)
     torch.manual_seed(SEED)
@@ -55,7 +55,7 @@ def parallel_dims(tp: int) -> Any:
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from hyperrecipe.integrations.torchtitan import cross_entropy_loss
+    from hyperrecipe.trainers.torchtitan import cross_entropy_loss
 
     return cross_entropy_loss(model(tokens), labels) / labels.numel()
 
@@ -84,7 +84,7 @@ def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation
     """The plan as torchtitan's parallelize step; losses and the first step's full grads.
     ``clip``: ``installation`` (``inst.clip_grad_norm_``) or ``torchtitan`` (its Trainer's
     ``dist_utils.clip_grad_norm_``, torch's norm underneath)."""
-    from hyperrecipe.integrations.torchtitan import installation_of, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize_llama
 
     training = None
     if clip == "torchtitan":
@@ -156,7 +156,7 @@ def checkpoint_run(rank: int, world: int, folder: str, save_after: int | None,
     (``save_after=None``) resume from ``folder`` first."""
     import torch.distributed.checkpoint as dcp
 
-    from hyperrecipe.integrations.torchtitan import installation_of, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize_llama
 
     model = parallelize_llama(materialized(), parallel_dims=parallel_dims(world))
     inst = installation_of(model)
@@ -185,7 +185,7 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
     from torchtitan.components.loss import cross_entropy_loss as stock_loss
 
     from hyperrecipe.errors import LossParallelError
-    from hyperrecipe.integrations.torchtitan import (
+    from hyperrecipe.trainers.torchtitan import (
         build_llama3,
         installation_of,
         parallelize_llama,
@@ -229,7 +229,7 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig, TrainingConfig
 
-    from hyperrecipe.integrations.torchtitan import (
+    from hyperrecipe.trainers.torchtitan import (
         build_llama3,
         installation_of,
         parallelize_llama,

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.integrations.transformers import attention_implementation
+from hyperrecipe.models.transformers import attention_implementation
 from hyperrecipe.runtime.comm.collectives import execute, transition
 from hyperrecipe.wrappers import WrapperContext, builtin_wrapper, requirement
 

@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.integrations.transformers import expert_kernel_flags
+from hyperrecipe.models.transformers import expert_kernel_flags
 
 __all__ = ["expert_parallel_attributes", "expert_parallel_forward"]
 

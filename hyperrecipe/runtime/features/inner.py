@@ -39,7 +39,7 @@ import attrs
 from torch import nn
 
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
-from hyperrecipe.integrations.transformers import attention_implementation, attention_registry
+from hyperrecipe.models.transformers import attention_implementation, attention_registry
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite

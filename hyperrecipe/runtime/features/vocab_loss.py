@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import LossParallelError, PlanMismatchError
-from hyperrecipe.integrations.transformers import causal_lm_loss_name, is_causal_lm_loss
+from hyperrecipe.models.transformers import causal_lm_loss_name, is_causal_lm_loss
 from hyperrecipe.plan import LossParallel, Transition
 from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for, transition
 

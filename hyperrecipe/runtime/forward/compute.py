@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.integrations.transformers import is_conv1d
+from hyperrecipe.models.transformers import is_conv1d
 
 __all__ = ["bias_free_forward", "class_forward", "vocab_parallel_embedding"]
 

@@ -105,9 +105,9 @@ def _crossing(ddp: Any, mesh: DeviceMesh, names: tuple[str, ...],
             f"Wrap with DDP only over a dim the plan does not shard "
             f"(DDP(model, process_group=mesh['dp'].get_group())) or use fully_shard on it; "
             f"the shards were overwritten, so rebuild and reload the model. Under the Hugging "
-            f"Face Trainer use hyperrecipe.integrations.hf_trainer.HyperrecipeTrainer (TRL: "
-            f"hyperrecipe.integrations.trl.HyperrecipeSFTTrainer), under accelerate "
-            f"hyperrecipe.integrations.accelerate.HyperrecipeAccelerator, which wrap over the "
+            f"Face Trainer use hyperrecipe.trainers.hf_trainer.HyperrecipeTrainer (TRL: "
+            f"hyperrecipe.trainers.trl.HyperrecipeSFTTrainer), under accelerate "
+            f"hyperrecipe.trainers.accelerate.HyperrecipeAccelerator, which wrap over the "
             f"data dim only (docs/training.md)")
 
 

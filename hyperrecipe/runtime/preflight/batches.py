@@ -131,7 +131,7 @@ def sampler_fix(mesh: DeviceMesh, model_parallel: Sequence[str]) -> str:
     """What to do instead, for this mesh: a sampler over the data dim's rank and size."""
     names = tuple(mesh.mesh_dim_names or ())
     data = [d for d in names if d not in model_parallel and mesh.size(names.index(d)) > 1]
-    helper = ("the trainer integrations (hyperrecipe.integrations: the Hugging Face Trainer, "
+    helper = ("the trainer integrations (hyperrecipe.trainers: the Hugging Face Trainer, "
               "accelerate, Lightning, torchtitan) split batches this way")
     if not data:
         return (f"every rank of this mesh belongs to one model replica, so every rank must be "

@@ -10,5 +10,5 @@ writer's host writing their own blocks into its file), ``file_digest`` (the
 export manifest's digest and shape) and ``materialize``
 (allocating the rank's shards after a meta apply, and keeping non-persistent
 buffers' values through a later ``to_empty``). Key conversions of third-party checkpoint
-formats live in :mod:`hyperrecipe.integrations`. Nothing here installs a forward.
+formats live in :mod:`hyperrecipe.models`. Nothing here installs a forward.
 """

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchError
-from hyperrecipe.integrations.transformers import size_to_bytes
+from hyperrecipe.models.transformers import size_to_bytes
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.gather_into import (
     OwnBlocks,

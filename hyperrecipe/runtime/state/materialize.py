@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.integrations.transformers import model_initializer
+from hyperrecipe.models.transformers import model_initializer
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

@@ -58,8 +58,8 @@ from torch import Tensor, nn
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.integrations.hf_conversion import Composite, conversion_for
-from hyperrecipe.integrations.transformers import (
+from hyperrecipe.models.hf_conversion import Composite, conversion_for
+from hyperrecipe.models.transformers import (
     base_model_prefix,
     ignored_checkpoint_keys,
     tied_weight_keys,

@@ -134,7 +134,7 @@ def test_a_conversion_that_cannot_be_read_by_slices_is_refused_by_name(
 
 
 def test_composite_reads_only_the_requested_block() -> None:
-    from hyperrecipe.integrations.hf_conversion import Composite
+    from hyperrecipe.models.hf_conversion import Composite
 
     full = {f"e{i}.{p}": torch.randn(3, 5) for i in range(4) for p in ("a", "b")}
     stacks = [Composite.stack(0, [Composite.leaf(f"e{i}.{p}", (3, 5)) for i in range(4)])

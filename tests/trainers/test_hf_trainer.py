@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer over an applied plan (``hyperrecipe.integrations.hf_trainer``), on
+"""The Hugging Face Trainer over an applied plan (``hyperrecipe.trainers.hf_trainer``), on
 real gloo ranks: tiny Llama (``recipes/llama.yaml``), the model's own ``labels=`` loss, five
 AdamW steps with ``max_grad_norm=0.5`` (every step clips: the full norms are 2.1-4.0), against
 the stock ``Trainer`` on the whole model in one process with the same seed and data.
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, samples: int,
     makes none)."""
     from transformers import Trainer
 
-    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
+    from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainer
 
     model = llama()
     args = _args(out, batch, accumulate, eval_batch, **(more or {}))
@@ -211,7 +211,7 @@ def test_trainer_at_dp2_tp2_splits_batches_over_dp_only_like_one_process(
 def _refusal_worker(rank: int, world: int, out: str, how: str) -> str:
     from transformers import Trainer, TrainingArguments
 
-    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
+    from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainer
 
     model = llama()
     plan = compile_recipe(LLAMA, llama("meta"), {"tp": world})
@@ -236,7 +236,7 @@ def test_the_stock_trainer_at_tp2_is_refused_and_names_the_integration(tmp_path:
     step trains on it, naming the route that works."""
     for res in run_ranks(_refusal_worker, 2, str(tmp_path), "stock", timeout_s=600):
         assert res.startswith("PlanMismatchError: DistributedDataParallel over ranks [0, 1]")
-        assert "hyperrecipe.integrations.hf_trainer.HyperrecipeTrainer" in res
+        assert "hyperrecipe.trainers.hf_trainer.HyperrecipeTrainer" in res
 
 
 def test_the_integration_refuses_a_model_other_than_the_applied_one(tmp_path: Path) -> None:
@@ -287,7 +287,7 @@ def _leave_together_worker(rank: int, world: int, out: str) -> bool:
 
     from transformers import TrainerCallback
 
-    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainer
+    from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainer
 
     marker = Path(out) / "rank0-done"
 

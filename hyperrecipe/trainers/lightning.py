@@ -225,7 +225,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str,
 
     Example::
 
-        from hyperrecipe.integrations.lightning import grad_norm
+        from hyperrecipe.trainers.lightning import grad_norm
 
         def on_before_optimizer_step(self, optimizer):
             self.log_dict(grad_norm(self, norm_type=2))

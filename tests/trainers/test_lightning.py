@@ -1,4 +1,4 @@
-"""PyTorch Lightning over an applied plan (``hyperrecipe.integrations.lightning``), on real gloo
+"""PyTorch Lightning over an applied plan (``hyperrecipe.trainers.lightning``), on real gloo
 ranks: tiny Llama (``recipes/llama.yaml``) applied in ``configure_model`` through
 ``HyperrecipeStrategy``, five AdamW steps of the model's own ``labels=`` loss with Lightning's
 ``gradient_clip_val=0.5`` (every step clips), against Lightning on the whole model in one
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hyperrecipe import apply, compile_recipe
-    from hyperrecipe.integrations.lightning import HyperrecipeStrategy
+    from hyperrecipe.trainers.lightning import HyperrecipeStrategy
     from tests.support.runtime_harness import mesh_1d
 
     class LitLlama(L.LightningModule):
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
             if norms:
                 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
-                from hyperrecipe.integrations.lightning import grad_norm
+                from hyperrecipe.trainers.lightning import grad_norm
 
                 self.norms.append({k: float(v) for k, v in grad_norm(self, 2).items()})
                 self.stock_norms.append(
@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, out: str, planned: bool, resume: str | None,
 
 def test_grad_norm_under_the_strategy_gives_one_process_s_per_parameter_norms(
         tmp_path: Path) -> None:
-    """``hyperrecipe.integrations.lightning.grad_norm(self, 2)`` in
+    """``hyperrecipe.trainers.lightning.grad_norm(self, 2)`` in
     ``on_before_optimizer_step`` at tp=2 gives one process's every key (each parameter's norm
     and the total) at every step, to rtol 1e-5. Lightning's own ``grad_norm`` there reads each
     rank's shards (its total at step 1 measured 2.938 and 2.509 on the two ranks where one process has 3.864); in one
@@ -217,7 +217,7 @@ def test_the_strategy_refuses_a_recipe_without_the_data_dim(tmp_path: Path) -> N
 def _mesh_refusal_worker(rank: int, world: int, out: str) -> str:
     import lightning.pytorch as L
 
-    from hyperrecipe.integrations.lightning import HyperrecipeStrategy
+    from hyperrecipe.trainers.lightning import HyperrecipeStrategy
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:

@@ -37,7 +37,7 @@ from transformers import Trainer
 
 from hyperrecipe._files import open_regular
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.trainer_mesh import (
+from hyperrecipe.trainers.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
@@ -367,7 +367,7 @@ def _whole_parameter_count(inst: Installation) -> int:
 def _refuse_unhandled_fused_head(trainer: Any) -> None:
     """TRL's trainers patch the model with a fused LM head that multiplies by the output
     weight outside the plan's ``lm_head`` boundary: on production shards, this rank's vocab
-    slice only. ``hyperrecipe.integrations.trl`` hands it the full weight (SFT); any other
+    slice only. ``hyperrecipe.trainers.trl`` hands it the full weight (SFT); any other
     trainer that patched it is refused."""
     patched = trainer.model.__dict__.get("forward")
     code = getattr(patched, "__code__", None)
@@ -380,7 +380,7 @@ def _refuse_unhandled_fused_head(trainer: Any) -> None:
     msg = (f"HyperrecipeTrainer: {type(trainer).__name__} patched the model with TRL's fused LM "
            "head, which multiplies by the output weight outside the plan's lm_head boundary: "
            "on production shards it scores this rank's vocab slice only. Use "
-           "hyperrecipe.integrations.trl.HyperrecipeSFTTrainer (SFT) or HyperrecipeDPOTrainer "
+           "hyperrecipe.trainers.trl.HyperrecipeSFTTrainer (SFT) or HyperrecipeDPOTrainer "
            "(DPO), or validate mode")
     raise TrainerSetupError(msg)
 

@@ -1,6 +1,6 @@
 """torchtitan's own Llama 3 code under a hyperrecipe plan as its parallelize step.
 
-``hyperrecipe.integrations.torchtitan.parallelize_llama`` (torchtitan's ``parallelize_fn``
+``hyperrecipe.trainers.torchtitan.parallelize_llama`` (torchtitan's ``parallelize_fn``
 signature) with ``recipes/torchtitan-llama3.yaml`` (tensor + sequence parallel, loss on vocab
 shards) against one process and against torchtitan's own ``parallelize_llama`` (TP + SP + loss
 parallel) on real gloo ranks, fp32. Losses of AdamW steps with clipping agree to rtol 1e-5
@@ -82,7 +82,7 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
     for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
         world *= sizes[name]
     parallel_dims = ParallelDims(**sizes, world_size=world)
-    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import build_llama3, parallelize_llama
 
     with torch.device("meta"):
         model = build_llama3()
@@ -99,7 +99,7 @@ def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
     from torchtitan.models.qwen3 import qwen3_configs
 
     from hyperrecipe import compile_recipe
-    from hyperrecipe.integrations.torchtitan import (
+    from hyperrecipe.trainers.torchtitan import (
         RECIPE,
         build_llama3,
         parallelize_llama,
@@ -191,7 +191,7 @@ def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    from hyperrecipe.integrations.torchtitan import build_llama3, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import build_llama3, parallelize_llama
 
     with torch.device("meta"):
         model = build_llama3()

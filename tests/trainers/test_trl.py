@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` (and, at the end of the file, ``DPOTrainer``) over an applied plan (``hyperrecipe.integrations.trl``), on real gloo
+"""TRL's ``SFTTrainer`` (and, at the end of the file, ``DPOTrainer``) over an applied plan (``hyperrecipe.trainers.trl``), on real gloo
 ranks: tiny Llama (``recipes/llama.yaml``), a word-level tokenizer over its 128 ids built here
 (no download), a pre-tokenised ``datasets.Dataset``, five AdamW steps with
 ``max_grad_norm=0.5`` (every step clips: the full norms are 3.8-5.0), against the stock
@@ -59,8 +59,8 @@ def _worker(rank: int, world: int, out: str, how: str, mode: str,
     (``class _(HyperrecipeTrainerMixin, SFTTrainer)``)."""
     from trl import SFTConfig, SFTTrainer
 
-    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainerMixin
-    from hyperrecipe.integrations.trl import HyperrecipeSFTTrainer
+    from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainerMixin
+    from hyperrecipe.trainers.trl import HyperrecipeSFTTrainer
 
     class MixedSFT(HyperrecipeTrainerMixin, SFTTrainer):  # type: ignore[misc]
         pass
@@ -181,8 +181,8 @@ def _dpo_worker(rank: int, world: int, out: str, how: str, mode: str,
     ref_model with a plan of its own)."""
     from trl import DPOConfig, DPOTrainer
 
-    from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainerMixin
-    from hyperrecipe.integrations.trl import HyperrecipeDPOTrainer
+    from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainerMixin
+    from hyperrecipe.trainers.trl import HyperrecipeDPOTrainer
 
     class MixedDPO(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignore[misc]
         pass

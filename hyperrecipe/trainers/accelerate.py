@@ -11,7 +11,7 @@ handed to ``prepare(..., installation=inst)``, meets each of these where acceler
 
 - ``prepare_model``: accelerate prepares autocast only (no ``to()``, no wrap, as the
   Hugging Face Trainer asks for a model that owns its placement), then DDP over the plan's data
-  dim only (:mod:`~hyperrecipe.integrations.trainer_mesh`), or none;
+  dim only (:mod:`~hyperrecipe.trainers.trainer_mesh`), or none;
 - ``prepare_data_loader``: accelerate's own splitting, over the data dim only, and a prepared
   scheduler steps once per data rank (accelerate steps it once per process);
   ``gather_for_metrics`` gathers over the data dim only;
@@ -39,7 +39,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch import nn
 
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.trainer_mesh import (
+from hyperrecipe.trainers.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,

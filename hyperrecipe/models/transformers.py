@@ -10,7 +10,7 @@ What lives here: attention dispatch (``config._attn_implementation`` and the
 per-module initializer that recomputes buffers after a meta apply, ``Conv1D`` (GPT-2's
 transposed linear), ``save_pretrained``'s size strings, the checkpoint conventions of a model
 class (tied weights, the base-model prefix, keys it ignores) and the experts kernels' flag. Checkpoint key conversions are in
-:mod:`hyperrecipe.integrations.hf_conversion`.
+:mod:`hyperrecipe.models.hf_conversion`.
 """
 
 from __future__ import annotations

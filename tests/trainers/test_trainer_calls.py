@@ -11,7 +11,7 @@ trainer examples run as shown.
   supplies it while the installation lives, ``runtime/grads/torch_clip_guard.py``).
 - ``accelerator.clip_grad_norm_`` (accelerate, the applied model not prepared) in five clipped
   AdamW steps: one process's norms (rtol 1e-5) and losses (rtol 1e-5, atol 1e-6).
-- No module outside ``hyperrecipe/integrations/`` imports a trainer library.
+- No module outside ``hyperrecipe/trainers/`` imports a trainer library.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_accelerate_clip_grad_norm_on_the_applied_model_clips_like_one_process(
 _TRAINER_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning", "trl")
 
 
-def test_only_the_integrations_import_trainer_libraries() -> None:
+def test_only_the_trainers_import_trainer_libraries() -> None:
     """The runtime proper names no trainer; ``hyperrecipe/__init__`` imports no integration
     module (they are imported by the user, and import their library themselves)."""
     for path in sorted((ROOT / "hyperrecipe").rglob("*.py")):
@@ -189,10 +189,10 @@ def test_only_the_integrations_import_trainer_libraries() -> None:
                 top = name.split(".")[0]
                 if top in _TRAINER_LIBRARIES or (name == "transformers" and isinstance(
                         node, ast.ImportFrom) and any(a.name == "Trainer" for a in node.names)):
-                    assert rel.startswith("hyperrecipe/integrations/"), f"{rel} imports {name}"
-                if name.startswith("hyperrecipe.integrations.") and name.split(".")[2] in (
+                    assert rel.startswith("hyperrecipe/trainers/"), f"{rel} imports {name}"
+                if name.startswith("hyperrecipe.trainers.") and name.split(".")[2] in (
                         "hf_trainer", "lightning"):
-                    assert rel.startswith("hyperrecipe/integrations/"), f"{rel} imports {name}"
+                    assert rel.startswith("hyperrecipe/trainers/"), f"{rel} imports {name}"
 
 
 def _example(name: str) -> str:

@@ -1,4 +1,4 @@
-"""accelerate in your own loop over an applied plan (``hyperrecipe.integrations.accelerate``),
+"""accelerate in your own loop over an applied plan (``hyperrecipe.trainers.accelerate``),
 on real gloo ranks: tiny Llama (``recipes/llama.yaml``), the model's own ``labels=`` loss, five
 AdamW steps under ``accelerator.accumulate`` with ``accelerator.clip_grad_norm_(model.
 parameters(), 0.5)`` (every step clips: the full norms are 2.1-4.0) and a linear LR schedule,
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, out: str, how: str, batch: int, accumulate: i
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from hyperrecipe.integrations.accelerate import HyperrecipeAccelerator
+    from hyperrecipe.trainers.accelerate import HyperrecipeAccelerator
 
     model = llama()
     loader = DataLoader(_data(batch * accumulate * STEPS * 2), batch_size=batch)
@@ -202,7 +202,7 @@ def test_accelerate_save_state_at_dp2_tp2_resumes_at_tp2(tmp_path: Path) -> None
 def _refusal_worker(rank: int, world: int, how: str) -> str:
     from accelerate import Accelerator
 
-    from hyperrecipe.integrations.accelerate import HyperrecipeAccelerator
+    from hyperrecipe.trainers.accelerate import HyperrecipeAccelerator
 
     model = llama()
     early = torch.optim.AdamW(model.parameters())

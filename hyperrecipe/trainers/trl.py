@@ -17,7 +17,7 @@ plain model
 (whole on every rank, frozen): an applied one's head would read its own vocab slice, and it is
 refused by name.
 
-What does not live here: the Trainer's seams (:mod:`~hyperrecipe.integrations.hf_trainer`).
+What does not live here: the Trainer's seams (:mod:`~hyperrecipe.trainers.hf_trainer`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.sft_trainer import SFTTrainer
 
 from hyperrecipe.errors import TrainerSetupError
-from hyperrecipe.integrations.hf_trainer import HyperrecipeTrainerMixin
+from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainerMixin
 from hyperrecipe.placement import parse_dtensor
 
 if TYPE_CHECKING:  # pragma: no cover

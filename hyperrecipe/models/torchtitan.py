@@ -1,0 +1,67 @@
+"""torchtitan's own model code, built as its flavors build it: the model library side of
+torchtitan (its parallelize step, a trainer, is :mod:`hyperrecipe.trainers.torchtitan`).
+
+torchtitan is imported only when :func:`build_llama3` runs (``build_model``'s
+``hyperrecipe.models.torchtitan:build_llama3`` factory); nothing of hyperrecipe imports this
+module otherwise.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["build_llama3"]
+
+
+def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                 vocab_size: int = 256, max_seq_len: int = 64, multiple_of: int = 32,
+                 fuse_qkv: bool = True) -> nn.Module:
+    """torchtitan's ``Llama3Model`` at the given size, as torchtitan's flavors build it.
+
+    The layers are torchtitan's own (``Llama3TransformerBlock``, ``GQAttention`` with its fused
+    ``qkv_linear.wqkv``, ``FeedForward``, ``RMSNorm``, ``ComplexRoPE``) with the same
+    initializers as its ``debugmodel``. The inner attention is torchtitan's
+    ``ScaledDotProductAttention`` (causal), because its default FlexAttention compiles a kernel
+    that CPU test ranks cannot afford; the module names, and so the recipe, are the same.
+    Parameters are created on the current default device (``build_model`` puts them on meta).
+    """
+    from functools import partial
+
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+
+    linear_init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    norm_init = {"weight": nn.init.ones_}
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+            attention=make_gqa_config(
+                dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                wqkv_param_init=linear_init, wo_param_init=linear_init,
+                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=fuse_qkv,
+                rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max_seq_len,
+                                        theta=500000)),
+            feed_forward=make_ffn_config(
+                dim=dim, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=multiple_of),
+                w1_param_init=linear_init, w2w3_param_init=linear_init))
+        for _ in range(n_layers)]
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
+                                        param_init={"weight": partial(nn.init.normal_,
+                                                                      std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=linear_init),
+        layers=layers)
+    model: nn.Module = config.build()
+    return model
