@@ -263,11 +263,11 @@ class _Validate(Mode):
 
     def prepare(self, model: nn.Module, plan: Plan) -> None:
         from hyperrecipe.errors import ValidateUnsupportedError
-        from hyperrecipe.models.hf_kernels import validate_experts_refusal
+        from hyperrecipe.models import LIBRARY
         from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
 
         register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)
-        refusal = validate_experts_refusal(model, plan)
+        refusal = LIBRARY.validate_refusal(model, plan)
         if refusal is not None:
             raise ValidateUnsupportedError(refusal, fqn=refusal.split(":", 1)[0],
                                            op="aten._grouped_mm.default")

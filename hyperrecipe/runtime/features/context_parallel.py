@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.models.transformers import attention_implementation
+from hyperrecipe.models import LIBRARY
 from hyperrecipe.runtime.comm.collectives import execute, transition
 from hyperrecipe.wrappers import WrapperContext, builtin_wrapper, requirement
 
@@ -84,7 +84,7 @@ def _check_mask(mask: Tensor, q_len: int, kv_len: int, fqn: str) -> None:
 def _sdpa(ctx: WrapperContext) -> str | None:
     """The wrappers pass SDPA's calling convention (a 4-D boolean mask, ``is_causal=False``);
     another implementation (flash attention's padding masks) would misread it."""
-    impl = attention_implementation(ctx.module)
+    impl = LIBRARY.attention_implementation(ctx.module)
     return None if impl == "sdpa" else f"attn_implementation is {impl!r}"
 
 

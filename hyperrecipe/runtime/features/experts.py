@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.models.transformers import expert_kernel_flags
+from hyperrecipe.models import LIBRARY
 
 __all__ = ["expert_parallel_attributes", "expert_parallel_forward"]
 
@@ -55,7 +55,7 @@ def expert_parallel_attributes(module: nn.Module, num_local: int, *, fqn: str
     out: dict[str, object] = {}
     if count != num_local:
         out["num_experts"] = num_local
-    out.update(expert_kernel_flags(module))
+    out.update(LIBRARY.expert_kernel_flags(module))
     return out
 
 

@@ -39,7 +39,7 @@ import attrs
 from torch import nn
 
 from hyperrecipe.errors import PlacementMismatchError, PlanMismatchError
-from hyperrecipe.models.transformers import attention_implementation, attention_registry
+from hyperrecipe.models import LIBRARY
 from hyperrecipe.placement import REPLICATED, to_torch_placements
 from hyperrecipe.plan import BoundaryPlan
 from hyperrecipe.rewriter import Rewrite
@@ -162,13 +162,13 @@ class InnerWrapperInstaller:
         return compute
 
     def _hook_attention(self, tx: Rewrite, fqn: str, module: nn.Module) -> None:
-        impl = attention_implementation(module)
+        impl = LIBRARY.attention_implementation(module)
         if impl is None:
             msg = (f"{fqn}: the attention hook needs a transformers attention module (one with "
                    f"config._attn_implementation); {type(module).__name__} has none — declare "
                    f"the wrapper with hook='forward'")
             raise PlanMismatchError(msg)
-        registries = attention_registry()
+        registries = LIBRARY.attention_registry()
         registry, target = registries if registries is not None else ({}, {})
         if impl == "eager" or impl not in registry:
             msg = (f"{fqn}: attention implementation {impl!r} is not looked up through "

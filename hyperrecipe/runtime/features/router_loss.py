@@ -27,38 +27,36 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.models import LIBRARY
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
     from hyperrecipe.rewriter import Rewrite
 
-__all__ = ["ROUTER_LOSS_FUNCTION", "install_router_loss_scale", "router_gradient_ranks"]
-
-ROUTER_LOSS_FUNCTION = "load_balancing_loss_func"
-"""The module-level function transformers' MoE families compute the router loss with."""
+__all__ = ["install_router_loss_scale", "router_gradient_ranks"]
 
 
 def router_gradient_ranks(model: nn.Module, plan: Plan,
                           mesh_shape: Mapping[str, int]) -> tuple[int, tuple[str, ...]]:
     """Over how many ranks (and which mesh dims) the plan sums the gradients of the modules
-    whose output the model records as ``router_logits`` (transformers'
-    ``_can_record_outputs``): ``(1, ())`` where it sums none or the model records none.
+    whose output the model records as router logits (its library's
+    :meth:`~hyperrecipe.models.library.ModelLibrary.router_loss`): ``(1, ())`` where it sums
+    none or the model records none.
 
     Raises:
         PlanMismatchError: routers whose gradients are summed over different dims (the router
             loss cannot be scaled for all of them at once).
     """
-    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    router_class = getattr(recorder, "target_class", None)
-    if not isinstance(router_class, type):
+    router = LIBRARY.router_loss(model)
+    if router is None:
         return 1, ()
+    router_class = router.router_class
     by_fqn = {p.fqn: p for p in plan.params}
     summed: dict[tuple[str, ...], str] = {}
     for name, module in model.named_modules():
@@ -88,12 +86,12 @@ def install_router_loss_scale(tx: Rewrite, model: nn.Module, plan: Plan,
     gradients once by itself; the loss computed from DTensor router logits is handed back as
     the plain tensor the model adds to its plain loss (DTensor refused the sum of the two)."""
     n, _ = router_gradient_ranks(model, plan, mesh_shape)
-    namespace = sys.modules.get(type(model).__module__)
-    original = getattr(namespace, ROUTER_LOSS_FUNCTION, None)
-    if namespace is None or not callable(original) or (n == 1 and not dtensors):
+    router = LIBRARY.router_loss(model)
+    if router is None or router.namespace is None or (n == 1 and not dtensors):
         return 1
+    original = getattr(router.namespace, router.name)
     replacement = _as_plain(original) if dtensors else _counted_once(original, n)
-    tx.replace_function_during(model, namespace, ROUTER_LOSS_FUNCTION, replacement,
+    tx.replace_function_during(model, router.namespace, router.name, replacement,
                                fqn="<model>")
     return 1 if dtensors else n
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.errors import LossParallelError, PlanMismatchError
-from hyperrecipe.models.transformers import causal_lm_loss_name, is_causal_lm_loss
+from hyperrecipe.models import LIBRARY
 from hyperrecipe.plan import LossParallel, Transition
 from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for, transition
 
@@ -531,17 +531,18 @@ def install_loss_parallel(tx: Rewrite, owner: nn.Module, loss: LossParallel, sha
             (another loss type, or a model that is not a transformers ``ForCausalLM``).
     """
     where = loss.owner or "<root>"
-    original = getattr(owner, "loss_function", None)
-    if not is_causal_lm_loss(original):
+    seat = LIBRARY.loss_seat(owner)
+    if seat is None:
+        original = getattr(owner, "loss_function", None)
         found = getattr(original, "__qualname__", None) or type(original).__name__
+        expected = LIBRARY.causal_lm_loss_name() or "a model library's causal-LM loss"
         msg = (f"{where} ({type(owner).__name__}) takes labels=, but its loss_function is "
-               f"{found}, not {causal_lm_loss_name}: only a causal-LM cross entropy runs "
+               f"{found}, not {expected}: only a causal-LM cross entropy runs "
                f"on vocab shards. Drop loss_parallel from the recipe (or compute the loss "
                f"yourself from a model whose forward takes no labels, with "
                f"hyperrecipe.vocab_parallel_cross_entropy)")
         raise PlanMismatchError(msg)
-    assert original is not None
-    tx.set_attribute(owner, "_loss_function", _causal_lm_loss(original), fqn=where)
+    tx.set_attribute(owner, seat.attribute, _causal_lm_loss(seat.function), fqn=where)
     full = _gather_logits(shard, loss.gather)
 
     def forward(*args: Any, **kwargs: Any) -> Any:

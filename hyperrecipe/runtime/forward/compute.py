@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.models.transformers import is_conv1d
+from hyperrecipe.models import LIBRARY
 
 __all__ = ["bias_free_forward", "class_forward", "vocab_parallel_embedding"]
 
@@ -44,7 +44,7 @@ def bias_free_forward(module: nn.Module, inner: Forward) -> Forward:
             return F.linear(input, module.weight)
 
         return linear
-    if is_conv1d(module):
+    if LIBRARY.is_transposed_linear(module):
         def conv1d(x: Tensor) -> Tensor:
             return torch.matmul(x, module.get_parameter("weight"))
 

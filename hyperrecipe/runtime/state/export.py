@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import ExportAbortedError, ExportError, PlanMismatchError
-from hyperrecipe.models.transformers import size_to_bytes
+from hyperrecipe.models import LIBRARY
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.gather_into import (
     OwnBlocks,
@@ -735,7 +735,11 @@ def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None
                    f"Installation.save_pretrained(folder) on every rank, or restore() first")
             raise PlanMismatchError(msg)
         del is_main_process  # rank 0 writes; every rank gathers
-        installation().save_pretrained(save_directory,
-                                       max_shard_bytes=size_to_bytes(max_shard_size))
+        max_shard_bytes = LIBRARY.size_to_bytes(max_shard_size)
+        if max_shard_bytes is None:
+            msg = (f"model.save_pretrained(max_shard_size={max_shard_size!r}): not a size "
+                   f"(bytes, or a string such as '5GB')")
+            raise PlanMismatchError(msg)
+        installation().save_pretrained(save_directory, max_shard_bytes=max_shard_bytes)
 
     return save_pretrained

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.models.transformers import model_initializer
+from hyperrecipe.models import LIBRARY
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,7 +114,7 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
             recompute.append((fqn, module, lost))
     if device.type == "meta":
         return pending  # a dry run: no buffer has a value to recompute or check
-    init = model_initializer(model)
+    init = LIBRARY.initializer(model)
     for fqn, module, lost in recompute:
         if init is not None and not any(True for _ in module.parameters(recurse=False)):
             with torch.no_grad():

@@ -58,12 +58,7 @@ from torch import Tensor, nn
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.models.hf_conversion import Composite, conversion_for
-from hyperrecipe.models.transformers import (
-    base_model_prefix,
-    ignored_checkpoint_keys,
-    tied_weight_keys,
-)
+from hyperrecipe.models import LIBRARY, Composite
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
@@ -213,8 +208,8 @@ class _Safetensors:
                                 for t in targets):
             # Keys the model does not hold by name: transformers may convert them at load
             # time (per-expert MoE tensors into fused ones); read them the way it would.
-            conversion = conversion_for(self.model, shapes,
-                                        [k for t in targets for k in (t.fqn, *t.aliases)])
+            conversion = LIBRARY.checkpoint_conversion(
+                self.model, shapes, [k for t in targets for k in (t.fqn, *t.aliases)])
             if conversion is not None:
                 problems.extend(conversion.problems)
                 composites = conversion.tensors
@@ -592,7 +587,7 @@ def _tied_hints(model: nn.Module, shapes: Mapping[str, Any]) -> dict[str, str]:
     """Why a parameter transformers ties is missing from a checkpoint holding its source: the
     checkpoint was saved tied (stored once, under the source's name) and this model is built
     untied, so ``from_pretrained`` would initialize the missing one randomly."""
-    tied = tied_weight_keys(model)
+    tied = LIBRARY.tied_weight_keys(model)
     return {target: (f"the checkpoint stores it tied to {source!r} (saved with "
                      f"tie_word_embeddings=True, which writes the tensor once), and this model is "
                      f"built untied; build it with tie_word_embeddings=True and compile the plan "
@@ -605,7 +600,7 @@ def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> 
     """Why a tensor outside the base model is missing when the checkpoint was saved from the
     base model (keys without ``base_model_prefix``, as ``LlamaModel.save_pretrained`` writes
     them, read here as ``from_pretrained`` does by adding the prefix)."""
-    prefix = base_model_prefix(model)
+    prefix = LIBRARY.base_model_prefix(model)
     if not prefix or not any(c.kind == "leaf" and k == f"{prefix}.{c.key}"
                              for k, c in composites.items()):
         return {}
@@ -660,7 +655,7 @@ def _ignore_patterns(model: nn.Module, extra: Sequence[str]) -> Callable[[str], 
     everything else is."""
     import re
 
-    sources = (*ignored_checkpoint_keys(model), *STALE_BUFFERS, *extra)
+    sources = (*LIBRARY.ignored_checkpoint_keys(model), *STALE_BUFFERS, *extra)
     patterns = [re.compile(p) for p in sources]
 
     def each(key: str) -> bool:
