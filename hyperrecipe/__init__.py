@@ -4,8 +4,13 @@ This namespace is the trainer API and nothing else: load and compile recipes, lo
 them, and the errors all of that raises. Everything else lives in subpackages and modules, in the
 order data flows (``docs/architecture.md``): ``errors`` and ``placement``; ``recipe`` and
 ``shipped``; ``wrappers`` (the torch-free wrapper registry); ``model_tree``; ``resolve``;
-``plan``; ``rewriter`` and ``signature``; ``runtime``; ``check`` and ``plan_report``; ``lint``
-and ``cli``. Names resolve lazily (PEP 562) so that ``hyperrecipe lint``, the recipe loader and
+``plan``; ``collective`` (the collectives a plan stores); ``refs`` (``pkg.mod:attr``
+references and which code may be imported) and ``_files`` (reading files someone else named, in
+bounded time and memory); ``models`` (what the runtime asks of a model library, below it);
+``rewriter`` and ``signature``; ``runtime``; ``verify`` (one step on fake tensors at compile);
+``api`` (the functions this namespace re-exports); ``check`` and ``plan_report``; ``simulate``
+(a dry run at real scale); ``suggest``; ``trainers`` (one module per trainer, above the
+runtime); ``lint``; ``cli`` and ``_cli_commands`` (the command line). Names resolve lazily (PEP 562) so that ``hyperrecipe lint``, the recipe loader and
 compiling never import the runtime.
 """
 

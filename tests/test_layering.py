@@ -18,6 +18,7 @@ import ast
 import inspect
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -465,3 +466,90 @@ def test_no_module_of_the_package_imports_itself_back() -> None:
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: a subpackage of the runtime (``runtime.state``), the mode
+    (``runtime.mode``, which every room asks), the runtime's top (``install``,
+    ``installation``), or a subpackage or module of the package (``check``, ``plan``)."""
+    parts = module.split(".")
+    if parts[:2] == ["hyperrecipe", "runtime"] and len(parts) > 2:
+        if parts[2] == "mode" or (ROOT / "hyperrecipe" / "runtime" / parts[2]).is_dir():
+            return f"runtime.{parts[2]}"
+        return "runtime"
+    return parts[1] if len(parts) > 1 else "hyperrecipe"
+
+
+def test_no_room_imports_itself_back_through_another() -> None:
+    """Rooms (:func:`_room`) form no cycle in code that runs: imports inside functions count,
+    imports for the type checker alone do not."""
+    arrows: dict[str, set[str]] = {}
+    for module, deps in _module_graph().items():
+        for dep in deps:
+            if _room(module) != _room(dep):
+                arrows.setdefault(_room(module), set()).add(_room(dep))
+    assert "runtime.state" in arrows["runtime"] and "runtime.mode" in arrows["runtime.state"]
+    cycles = []
+    done: set[str] = set()
+
+    def visit(room: str, path: list[str]) -> None:
+        for dep in sorted(arrows.get(room, ())):
+            if dep in path:
+                cycles.append([*path[path.index(dep):], dep])
+            elif dep not in done:
+                visit(dep, [*path, dep])
+        done.add(room)
+
+    for room in sorted(arrows):
+        if room not in done:
+            visit(room, [room])
+    assert cycles == []
+
+
+def test_the_mode_imports_none_of_the_rooms_that_ask_it() -> None:
+    """Each mode's behaviour is registered by the feature it concerns (``@answers``); the mode
+    itself imports nothing of the runtime in code that runs."""
+    graph = _module_graph()
+    assert {m for m in graph["hyperrecipe.runtime.mode"] if m.startswith("hyperrecipe.")} == {
+        "hyperrecipe.errors"}
+
+
+ANSWERED = """
+import json
+import hyperrecipe.runtime.mode as mode_module
+from hyperrecipe.runtime.mode import MODES, QUESTIONS, _ANSWERS
+missing = [f"{m}.{q}" for m in MODES for q in QUESTIONS if (m, q) not in _ANSWERS]
+print(json.dumps({"missing": missing, "questions": len(QUESTIONS),
+                  "owners": sorted({f.__module__ for f in _ANSWERS.values()})}))
+"""
+
+
+def test_importing_the_runtime_answers_every_question_for_every_mode() -> None:
+    done = subprocess.run([sys.executable, "-c", ANSWERED], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["missing"] == [] and result["questions"] >= 12
+    assert "hyperrecipe.runtime.mode" not in result["owners"]
+    assert {o.split(".")[2] for o in result["owners"]} >= {"comm", "forward", "features",
+                                                           "grads"}
+
+
+def _named_in(doc: str, name: str) -> bool:
+    """Whether a package's docstring names ``name`` (a module or subpackage) as its map does:
+    ````name````, ``name.py``, or a ``:mod:`` path ending in it."""
+    return re.search(rf"``{name}(/|\.py)?``|`{name}(/|\.py)?`|\.{name}`|\b{name}\.py\b",
+                     doc) is not None
+
+
+def test_every_module_and_subpackage_is_on_its_packages_map() -> None:
+    missing = []
+    for init in sorted((ROOT / "hyperrecipe").rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        package = init.parent
+        children = [p.stem for p in package.glob("*.py") if p.stem not in ("__init__",
+                                                                           "__main__")]
+        children += [d.name for d in package.iterdir() if (d / "__init__.py").is_file()]
+        missing += [f"{package.relative_to(ROOT).as_posix()}/{name}" for name in children
+                    if not _named_in(doc, name)]
+    assert missing == [], "name each in its package's __init__ docstring"

@@ -7,7 +7,6 @@ diverges. One responsibility per module:
 - :mod:`~hyperrecipe.check.launcher` starts the ranks (forked or spawned processes on one host,
   gloo on CPU, NCCL when there is a GPU per rank) and turns a failing or hanging rank into a
   :class:`~hyperrecipe.errors.RankFailedError`;
-- :mod:`~hyperrecipe.check.sample`: the seeded model, the sample batch, the loss;
 - :mod:`~hyperrecipe.check.record`: forward hooks that record boundary inputs and outputs in
   execution order, and the recorded step (gradients, SGD steps);
 - :mod:`~hyperrecipe.check.gather`: whole tensors from a rank's local shards or DTensors;
@@ -21,6 +20,8 @@ diverges. One responsibility per module:
 Everything here reads the plan; which boundary encloses a parameter comes from the plan's
 ``boundary`` field and the boundaries' ``parent`` chain, never from FQN prefixes. What does not
 live here: applying a plan (``check`` calls :func:`hyperrecipe.runtime.apply` like any trainer)
-and the exceptions it raises (:mod:`hyperrecipe.errors`). Nothing here is used on a training hot
+the seeded model, the sample batch and the loss, which check shares with verification at
+compile (:mod:`hyperrecipe.verify.sample`), and the exceptions it raises
+(:mod:`hyperrecipe.errors`). Nothing here is used on a training hot
 path, and importing this package imports nothing heavy: import the submodules you need.
 """

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from hyperrecipe.errors import StepFailed
 from hyperrecipe.placement import REPLICATED, NamedPlacement
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
-from hyperrecipe.check.sample import Sample, first_output, loss_of
+from hyperrecipe.verify.sample import Sample, first_output, loss_of
 from hyperrecipe.runtime.forward.arguments import declared_argument, get_output
 from hyperrecipe.runtime.features.vocab_loss import plain_vocab_slice
 

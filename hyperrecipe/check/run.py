@@ -2,7 +2,7 @@
 
 :func:`run_check` builds the model on the CPU with a fixed seed, compiles the recipe against it
 (a recipe that does not fit fails here, before any rank starts), makes the sample batch
-(:mod:`hyperrecipe.check.sample`), records the single-process reference step
+(:mod:`hyperrecipe.verify.sample`), records the single-process reference step
 (:mod:`hyperrecipe.check.record`), then for each mode launches ``world_size`` ranks with
 :func:`~hyperrecipe.check.launcher.run_ranks` (gloo on CPU, NCCL when there is a GPU per rank),
 compares their traces with the reference (:mod:`hyperrecipe.check.compare`) and looks for a
@@ -36,7 +36,7 @@ from hyperrecipe.check.compare import ModeComparison, compare_mode
 from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
 from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ranks
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
-from hyperrecipe.check.sample import (
+from hyperrecipe.verify.sample import (
     build_seeded_noting,
     make_sample,
     weights_fingerprint,

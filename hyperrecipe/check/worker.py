@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from hyperrecipe.check.record import StepFailed, Tracer, run_step
-from hyperrecipe.check.sample import Sample, build_seeded, weights_fingerprint
+from hyperrecipe.verify.sample import Sample, build_seeded, weights_fingerprint
 from hyperrecipe.errors import ModelSpecError
 
 __all__ = ["RankJob", "check_rank", "side_file"]

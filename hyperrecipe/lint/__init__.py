@@ -5,7 +5,8 @@ What lives here: the rule registry (``codes``: every code and name, importable w
 attribute names (``targets``, read by the rules and the screen alike), the cheap text/``ast``
 screen that decides which files need libcst (``prefilter``), the libcst engine and suppression
 comments (``engine``, ``suppressions``, ``rule``), one module per rule under ``rules/``,
-recipe-file checks (``recipes``), output formats (``output``), bounded worker processes that give
+recipe-file checks (``recipes``), what a run reports (``findings``), the rule reference in
+docs/lint.md rendered from the rules (``docs``), output formats (``output``), bounded worker processes that give
 every file a time and memory budget (``supervisor``), the runner (``runner``) and the command
 line (``cli``). What does not: anything that imports torch — the lint runs in pre-commit and CI
 before a model exists — and any fixing of code (rules only report).

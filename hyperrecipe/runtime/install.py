@@ -55,6 +55,13 @@ from hyperrecipe.runtime.features.vocab_loss import (
     vocab_shard_output,
 )
 
+# The modules that answer the Mode's questions (mode.py's QUESTIONS) register their answers when
+# imported: these are the ones nothing above imports already (tests/test_layering.py checks that
+# importing the runtime answers every question for every mode).
+from hyperrecipe.runtime.comm import dtensor_parameters, dtensor_rules  # noqa: F401
+from hyperrecipe.runtime.forward import layouts, outside_params  # noqa: F401
+from hyperrecipe.runtime.grads import grad_buckets, optimizer_kernels  # noqa: F401
+
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
     from torch.distributed.device_mesh import DeviceMesh

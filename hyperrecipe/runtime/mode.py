@@ -34,15 +34,20 @@ every wrapper body (:mod:`~hyperrecipe.runtime.forward.boundary`); where they di
 - ``parameters_are_dtensors``: what the state code (``LiveParams``) finds in the model after
   apply; the one fact of the mode that is data rather than behaviour.
 
-This module is the only code that knows which mode runs: the rest of the runtime asks the
-:class:`Mode` it was given to do something. A :class:`Mode` compares equal to its name
-(``PRODUCTION == "production"``), so callers that hold the string keep working.
+Each answer lives with the feature it concerns and is registered there with :func:`answers`
+(``@answers("vocab_shard", "production")`` in :mod:`~hyperrecipe.runtime.features.vocab_loss`),
+so this module imports nothing from the rooms that import it: the rest of the runtime asks the
+:class:`Mode` it was given to do something, and the feature that knows answers. Importing
+:mod:`hyperrecipe.runtime` imports every answering module (``install`` does);
+tests/test_layering.py checks that each question has an answer for each mode. A :class:`Mode`
+compares equal to its name (``PRODUCTION == "production"``), so callers that hold the string
+keep working.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from hyperrecipe.errors import ModeError
 
@@ -58,17 +63,61 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["MODES", "PRODUCTION", "VALIDATE", "Mode", "ModeName", "as_mode"]
+__all__ = ["MODES", "PRODUCTION", "QUESTIONS", "VALIDATE", "Mode", "ModeName", "answers",
+           "as_mode"]
 
 ModeName = Literal["production", "validate"]
 
+QUESTIONS = ("redistributor", "wrapper_edge", "prepare", "make_parameter",
+             "install_grad_reductions", "hook_reduced_gradients", "install_optimizer_checks",
+             "watch_outside_boundaries", "keep_hooks_through_moves", "divided_head_counts",
+             "embedding_compute", "vocab_shard")
+"""What code asks a :class:`Mode` (one method each, module docstring); every mode answers each."""
+
+_ANSWERS: dict[tuple[str, str], Callable[..., Any]] = {}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def answers(question: str, *modes: ModeName) -> Callable[[_F], _F]:
+    """Register the decorated function as ``modes``' answer to ``question`` (one of
+    :data:`QUESTIONS`; it takes the method's arguments, without ``self``)."""
+    if question not in QUESTIONS or not modes or not set(modes) <= {"production", "validate"}:
+        msg = f"answers({question!r}, {', '.join(map(repr, modes))}): no such question or mode"
+        raise ModeError(msg)
+
+    def register(fn: _F) -> _F:
+        for mode in modes:
+            _ANSWERS[mode, question] = fn
+        return fn
+
+    return register
+
 
 class Mode:
-    """How a plan runs; see the module docstring. Use :data:`PRODUCTION` or :data:`VALIDATE`."""
+    """How a plan runs; see the module docstring. Use :data:`PRODUCTION` or :data:`VALIDATE`.
 
-    name: ClassVar[ModeName]
-    parameters_are_dtensors: ClassVar[bool]
-    counts_whole_gradients_per_rank: ClassVar[bool]
+    Attributes:
+        name: ``"production"`` or ``"validate"``.
+        parameters_are_dtensors: what the state code (``LiveParams``) finds in the model after
+            apply; the one fact of the mode that is data rather than behaviour.
+        counts_whole_gradients_per_rank: whether the plan's reductions sum a gradient that is
+            whole on every rank as if it were partial (production's collectives cannot tell;
+            DTensor can).
+    """
+
+    def __init__(self, name: ModeName, *, parameters_are_dtensors: bool,
+                 counts_whole_gradients_per_rank: bool) -> None:
+        self.name: ModeName = name
+        self.parameters_are_dtensors = parameters_are_dtensors
+        self.counts_whole_gradients_per_rank = counts_whole_gradients_per_rank
+
+    def _ask(self, question: str) -> Callable[..., Any]:
+        try:
+            return _ANSWERS[self.name, question]
+        except KeyError:
+            msg = (f"no runtime module answers {question!r} for the {self.name} mode: "
+                   f"import hyperrecipe.runtime (which imports every answer) first")
+            raise ModeError(msg) from None
 
     def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
                       local_code: bool = False,
@@ -78,7 +127,9 @@ class Mode:
         the plan runs code on local tensors inside boundaries (marshal adapters, local regions,
         inner wrappers). ``sharded_regions``: per boundary, the mesh dims on which its own
         region holds sharded parameters (validate mode's gradient-layout check)."""
-        raise NotImplementedError
+        result: Redistributor = self._ask("redistributor")(
+            mesh, mesh_dims, local_code=local_code, sharded_regions=sharded_regions)
+        return result
 
     def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
                      mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
@@ -86,7 +137,9 @@ class Mode:
         boundary calls it: on local tensors in both modes. ``declared``: ``args`` are the
         module's forward arguments, whose declared inputs unwrap with production's gradient
         placement (the forward hook)."""
-        raise NotImplementedError
+        result: Callable[..., Any] = self._ask("wrapper_edge")(fn, boundary, mesh, mesh_dims,
+                                                              declared=declared)
+        return result
 
     def prepare(self, model: nn.Module, plan: Plan) -> None:
         """What this mode needs before anything is installed, or its refusal of the model.
@@ -94,7 +147,7 @@ class Mode:
         Raises:
             ValidateUnsupportedError: (validate) a kernel the model runs cannot run on DTensors.
         """
-        raise NotImplementedError
+        self._ask("prepare")(model, plan)
 
     def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
                        requires_grad: bool) -> nn.Parameter:
@@ -103,47 +156,59 @@ class Mode:
         Raises:
             PlanMismatchError: the mode cannot run this parameter as the plan places it.
         """
-        raise NotImplementedError
+        result: nn.Parameter = self._ask("make_parameter")(p, local, mesh,
+                                                           requires_grad=requires_grad)
+        return result
 
     def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
                                 mesh: DeviceMesh) -> GradBucketReducer | None:
         """Whatever reduces the plan's gradient buckets over ``params`` (the new shards): the
         reducer, or ``None`` where nothing needs one."""
-        raise NotImplementedError
+        result: GradBucketReducer | None = self._ask("install_grad_reductions")(plan, params,
+                                                                                mesh)
+        return result
 
     def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
         """The parameters whose gradients hooks on the objects apply installed reduce (a
         wrapper that replaced those objects would leave the gradients partial)."""
-        raise NotImplementedError
+        result: tuple[str, ...] = self._ask("hook_reduced_gradients")(plan)
+        return result
 
     def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
         """Hooks that refuse an optimizer step this mode cannot run right."""
-        raise NotImplementedError
+        result: list[RemovableHandle] = self._ask("install_optimizer_checks")(live)
+        return result
 
     def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
                                  mesh: DeviceMesh) -> list[RemovableHandle]:
         """Hooks on the replicated parameters no boundary encloses (validate: their gradients
         checked against the data they compute on)."""
-        raise NotImplementedError
+        result: list[RemovableHandle] = self._ask("watch_outside_boundaries")(model, plan, mesh)
+        return result
 
     def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
         """Hooks that keep the parameters' own hooks in place when the trainer moves the
         model after apply (``model.to(device)``)."""
-        raise NotImplementedError
+        result: list[RemovableHandle] = self._ask("keep_hooks_through_moves")(model)
+        return result
 
     def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
         """The head counts to set on modules for the length of the installation."""
-        raise NotImplementedError
+        result: tuple[HeadCount, ...] = self._ask("divided_head_counts")(plan)
+        return result
 
     def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
                           compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
         """The compute of a vocab-parallel embedding boundary (``boundary.vocab_parallel``)."""
-        raise NotImplementedError
+        result: Callable[..., Any] = self._ask("embedding_compute")(tx, boundary, module,
+                                                                   compute, mesh)
+        return result
 
     def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
                     mesh_dims: tuple[str, ...]) -> VocabShard:
         """The marked vocab-slice logits of the plan's loss on vocab shards."""
-        raise NotImplementedError
+        result: VocabShard = self._ask("vocab_shard")(loss, mesh, mesh_dims)
+        return result
 
     def __str__(self) -> str:
         return self.name
@@ -162,168 +227,11 @@ class Mode:
         return hash(self.name)
 
 
-class _Production(Mode):
-    """Local shards, the collectives the resolver lowered, local kernels."""
-
-    name: ClassVar[ModeName] = "production"
-    parameters_are_dtensors: ClassVar[bool] = False
-    counts_whole_gradients_per_rank: ClassVar[bool] = True
-
-    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
-                      local_code: bool = False,
-                      sharded_regions: Mapping[str, frozenset[str]] | None = None
-                      ) -> Redistributor:
-        from hyperrecipe.runtime.forward.layouts import ProductionRedistributor
-
-        return ProductionRedistributor(mesh)
-
-    def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                     mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
-        return fn  # the arguments are local already
-
-    def prepare(self, model: nn.Module, plan: Plan) -> None:
-        return None  # local kernels run whatever the model runs
-
-    def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
-                       requires_grad: bool) -> nn.Parameter:
-        from torch import nn
-
-        # gradient reductions (grad_reduce) run in buckets: install_grad_reductions
-        return nn.Parameter(local, requires_grad=requires_grad)
-
-    def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
-                                mesh: DeviceMesh) -> GradBucketReducer | None:
-        from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
-
-        if not plan.grad_buckets:
-            return None
-        reducer = GradBucketReducer(plan.grad_buckets, params, mesh)
-        reducer.install()
-        return reducer
-
-    def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
-        return tuple(fqn for b in plan.grad_buckets for fqn in b.params)
-
-    def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
-        return []
-
-    def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
-                                 mesh: DeviceMesh) -> list[RemovableHandle]:
-        return []  # no per-call checks on the hot path
-
-    def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
-        return []  # a move assigns plain parameters' .data: the object and its hooks stay
-
-    def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
-        return plan.head_counts
-
-    def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
-                          compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
-        from torch import nn
-
-        from hyperrecipe.runtime.comm.collectives import group_for
-        from hyperrecipe.runtime.forward.compute import local_padding_idx, vocab_parallel_embedding
-
-        assert boundary.vocab_parallel is not None
-        g = group_for(mesh, boundary.vocab_parallel)
-        local = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=boundary.fqn)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            tx.set_attribute(module, "padding_idx", local_padding_idx(module, rank=g.rank),
-                             fqn=boundary.fqn)
-        return local
-
-    def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
-                    mesh_dims: tuple[str, ...]) -> VocabShard:
-        from hyperrecipe.runtime.features.vocab_loss import make_vocab_shard
-
-        return make_vocab_shard(loss, mesh, mesh_dims, dtensor=False)
-
-
-class _Validate(Mode):
-    """DTensors end to end, every declared placement checked, DTensor's own kernels."""
-
-    name: ClassVar[ModeName] = "validate"
-    parameters_are_dtensors: ClassVar[bool] = True
-    counts_whole_gradients_per_rank: ClassVar[bool] = False
-
-    def redistributor(self, mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
-                      local_code: bool = False,
-                      sharded_regions: Mapping[str, frozenset[str]] | None = None
-                      ) -> Redistributor:
-        from hyperrecipe.runtime.forward.layouts import ValidateRedistributor
-
-        return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code,
-                                     sharded_regions=sharded_regions)
-
-    def wrapper_edge(self, fn: Callable[..., Any], boundary: BoundaryPlan, mesh: DeviceMesh,
-                     mesh_dims: tuple[str, ...], *, declared: bool = False) -> Callable[..., Any]:
-        from hyperrecipe.runtime.features.inner import dtensor_edge
-
-        return dtensor_edge(fn, boundary, mesh, mesh_dims, declared=declared)
-
-    def prepare(self, model: nn.Module, plan: Plan) -> None:
-        from hyperrecipe.errors import ValidateUnsupportedError
-        from hyperrecipe.models import LIBRARY
-        from hyperrecipe.runtime.comm.dtensor_rules import register_validate_rules
-
-        register_validate_rules()  # the ops torch ships without a DTensor rule (CPU SDPA)
-        refusal = LIBRARY.validate_refusal(model, plan)
-        if refusal is not None:
-            raise ValidateUnsupportedError(refusal, fqn=refusal.split(":", 1)[0],
-                                           op="aten._grouped_mm.default")
-
-    def make_parameter(self, p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
-                       requires_grad: bool) -> nn.Parameter:
-        from hyperrecipe.runtime.comm.dtensor_parameters import dtensor_parameter
-
-        return dtensor_parameter(p, local, mesh, requires_grad=requires_grad)
-
-    def install_grad_reductions(self, plan: Plan, params: dict[str, nn.Parameter],
-                                mesh: DeviceMesh) -> GradBucketReducer | None:
-        return None  # DTensor's backward reduces: a parameter's hook keeps its placement
-
-    def hook_reduced_gradients(self, plan: Plan) -> tuple[str, ...]:
-        return ()  # DTensor's backward reduces them
-
-    def install_optimizer_checks(self, live: LiveParams) -> list[RemovableHandle]:
-        # torch's multi-tensor kernels over mixed DTensor / plain parameters: refused by name
-        from hyperrecipe.runtime.grads.optimizer_kernels import install_mixed_kernel_check
-
-        return list(install_mixed_kernel_check(live))
-
-    def watch_outside_boundaries(self, model: nn.Module, plan: Plan,
-                                 mesh: DeviceMesh) -> list[RemovableHandle]:
-        # the data flow the plan does not hold, read off the autograd graph
-        from hyperrecipe.runtime.forward.outside_params import watch_params_outside_boundaries
-
-        return watch_params_outside_boundaries(model, plan, mesh)
-
-    def keep_hooks_through_moves(self, model: nn.Module) -> list[RemovableHandle]:
-        from hyperrecipe.runtime.comm.dtensor_parameters import rearm_after_moves
-
-        return [rearm_after_moves(model)]
-
-    def divided_head_counts(self, plan: Plan) -> tuple[HeadCount, ...]:
-        # DTensor computes with global shapes, so the attributes stay global, except in modules
-        # whose code runs on local tensors (a local region) in both modes
-        from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
-
-        return tuple(h for h in plan.head_counts
-                     if runs_on_local_tensors(h.module, plan.boundaries))
-
-    def embedding_compute(self, tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
-                          compute: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
-        return compute  # DTensor looks a row-sharded table up itself
-
-    def vocab_shard(self, loss: LossParallel, mesh: DeviceMesh,
-                    mesh_dims: tuple[str, ...]) -> VocabShard:
-        from hyperrecipe.runtime.features.vocab_loss import make_vocab_shard
-
-        return make_vocab_shard(loss, mesh, mesh_dims, dtensor=True)
-
-
-PRODUCTION: Mode = _Production()
-VALIDATE: Mode = _Validate()
+#: Local shards, the collectives the resolver lowered, local kernels.
+PRODUCTION = Mode("production", parameters_are_dtensors=False,
+                  counts_whole_gradients_per_rank=True)
+#: DTensors end to end, every declared placement checked, DTensor's own kernels.
+VALIDATE = Mode("validate", parameters_are_dtensors=True, counts_whole_gradients_per_rank=False)
 MODES: dict[str, Mode] = {m.name: m for m in (PRODUCTION, VALIDATE)}
 
 

@@ -5,7 +5,12 @@ What lives here: reading what a model declares (transformers' ``tp_plan``, throu
 format needs (``translate``), writing them with a comment per rule on its source (``render``),
 and keeping only what ``check`` verified in both modes against one process, narrowing a failing
 rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the whole flow;
-``hyperrecipe suggest`` is a thin layer over it. What does not: any placement decision of its
+``hyperrecipe suggest`` is a thin layer over it. Beside those: ``rules`` (what a suggestion is
+made of: the rules, and what was given up or corrected), ``structure`` (plan entries read off
+the structure for a family that declares no plan), ``sequence`` (sequence parallelism on top of
+the translated regions), ``gathered`` (a region that fails under sequence parallelism computed
+whole on the gathered sequence) and ``unplaced`` (a module no rule places, blamed under sequence
+parallelism, run on this rank's tokens). What does not: any placement decision of its
 own at run time (the recipe goes through ``compile`` and ``check`` like a hand-written one), the
 check itself (:mod:`hyperrecipe.check`), knowledge of transformers by name
 (:mod:`hyperrecipe.models`).

@@ -14,12 +14,16 @@ routing) stays ``hyperrecipe check``'s job; docs/verification.md draws the line.
 
 Modules:
 
+- :mod:`~hyperrecipe.verify.sample`: the seeded model, the sample batch and the model's own
+  loss (``hyperrecipe check`` runs its reference step on the same sample);
 - :mod:`~hyperrecipe.verify.static`: the findings the plan alone shows (a sharded parameter
   outside every boundary, through a tie too);
 - :mod:`~hyperrecipe.verify.step`: one training step of one rank in one mode, and the module
   that was running when it failed;
 - :mod:`~hyperrecipe.verify.findings`: a failure turned into a located ``RecipeError``, or into
   a note when fake tensors cannot run the op (data-dependent);
+- :mod:`~hyperrecipe.verify.attention`: the CPU's attention kernel on the meta device too, so
+  validate mode checks the ops a CPU run dispatches;
 - :mod:`~hyperrecipe.verify.isolate`: the world the step runs in (the fake process group, or
   the job's own);
 - :mod:`~hyperrecipe.verify.run`: :func:`verify_plan`, the order of the above and the record

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe.check.sample import Sample, loss_of, make_sample
+from hyperrecipe.verify.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
 from hyperrecipe.verify.attention import CpuAttentionOnMeta
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
@@ -142,7 +142,7 @@ def _loss(model: nn.Module, plan: Plan | None, sample: Sample, own: bool, out: A
         plan.loss_parallel.kind == "helper")
     ids = sample.kwargs.get("input_ids", sample.args[0] if sample.args else None)
     if helper and isinstance(ids, Tensor):
-        from hyperrecipe.check.sample import first_output
+        from hyperrecipe.verify.sample import first_output
         from hyperrecipe.runtime.features.vocab_loss import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(first_output(out), ids)

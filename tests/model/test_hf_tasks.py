@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hyperrecipe.check.sample import make_sample
+from hyperrecipe.verify.sample import make_sample
 from hyperrecipe.errors import ModelSpecError
 from hyperrecipe.model_tree import HF_TASKS, build_model, shipped_tiny_config, snapshot
 

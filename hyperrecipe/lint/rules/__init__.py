@@ -1,5 +1,9 @@
 """The Python lint rules, one module each; :data:`ALL_RULES` in code order.
 
+``forward_assignment`` (HR001), ``forward_setattr`` (HR002), ``forward_dict`` (HR003),
+``class_swap`` (HR004), and ``_patterns``: the assignment targets, setattr-like calls and
+namespace dicts several rules match.
+
 Importing this package imports libcst. The registry in :mod:`hyperrecipe.lint.codes` carries
 the same codes and names without that cost.
 """

@@ -7,6 +7,7 @@ alone for an export), ``strided`` (DTensor's
 ``_StridedShard`` split on chunk boundaries for validate mode), ``dtensor_parameters``
 (validate mode's parameters as DTensors with the plan's placement) and ``dtensor_rules``
 (DTensor sharding rules for ops torch ships without one, registered by validate mode's
-``apply``). It knows placements and process groups, not modules, plans' boundaries or models:
+``apply``), and ``shared_table`` (install-time objects many boundaries share, kept once and
+read by index). It knows placements and process groups, not modules, plans' boundaries or models:
 the rooms above call it.
 """

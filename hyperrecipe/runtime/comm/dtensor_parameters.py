@@ -19,6 +19,7 @@ from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.placement import parse_dtensor
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.strided import FusedParts, mark_parts
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle
@@ -204,3 +205,23 @@ def _rearm(param: nn.Parameter) -> None:
         setattr(param, _KEEPS_PLACEMENT, True)
     else:
         _keep_placement(param, tuple(param.placements))  # type: ignore[attr-defined]
+
+
+@answers("make_parameter", "production")
+def _plain_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
+                     requires_grad: bool) -> nn.Parameter:
+    # gradient reductions (grad_reduce) run in buckets: install_grad_reductions
+    return nn.Parameter(local, requires_grad=requires_grad)
+
+
+answers("make_parameter", "validate")(dtensor_parameter)
+
+
+@answers("keep_hooks_through_moves", "production")
+def _nothing_to_rearm(model: nn.Module) -> list[RemovableHandle]:
+    return []  # a move assigns plain parameters' .data: the object and its hooks stay
+
+
+@answers("keep_hooks_through_moves", "validate")
+def _rearm_after_moves(model: nn.Module) -> list[RemovableHandle]:
+    return [rearm_after_moves(model)]

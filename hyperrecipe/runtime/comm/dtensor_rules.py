@@ -25,7 +25,16 @@ import of hyperrecipe, so compiling and production never touch DTensor's registr
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hyperrecipe.errors import ValidateUnsupportedError
+from hyperrecipe.models import LIBRARY
+from hyperrecipe.runtime.mode import answers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+    from hyperrecipe.plan import Plan
 
 __all__ = ["register_validate_rules", "validate_rule_ops"]
 
@@ -172,3 +181,18 @@ def new_tensor_placed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     stride = torch.empty(size, device="meta").stride()
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                               shape=torch.Size(size), stride=stride)
+
+
+@answers("prepare", "production")
+def _nothing_to_prepare(model: nn.Module, plan: Plan) -> None:
+    return None  # local kernels run whatever the model runs
+
+
+@answers("prepare", "validate")
+def _prepare_dtensor_kernels(model: nn.Module, plan: Plan) -> None:
+    """The rules above, and the model library's refusal of a kernel DTensor cannot run."""
+    register_validate_rules()
+    refusal = LIBRARY.validate_refusal(model, plan)
+    if refusal is not None:
+        raise ValidateUnsupportedError(refusal, fqn=refusal.split(":", 1)[0],
+                                       op="aten._grouped_mm.default")

@@ -4,7 +4,8 @@ Owns ``adapters`` (method and function adapters for third-party code), ``inner``
 wrappers: fallback chains, hooks, the local-tensor edge), ``context_parallel`` (the built-in
 attention wrappers), ``local_region`` (boundaries that compute on local tensors in both modes),
 ``experts``, ``token_dispatch`` and ``reach`` (expert parallelism and keeping every rank's
-backward in step) and ``vocab_loss`` (the loss on vocab shards). Features build on
+backward in step) ``vocab_loss`` (the loss on vocab shards) and ``router_loss`` (a mixture-of-experts router
+loss counted once under a plan that sums the routers' gradients). Features build on
 :mod:`~hyperrecipe.runtime.forward` and :mod:`~hyperrecipe.runtime.comm`; they never move
 training state (that is :mod:`~hyperrecipe.runtime.state`).
 """

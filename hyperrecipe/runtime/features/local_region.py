@@ -36,11 +36,12 @@ from torch import nn
 
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.placement import Shard, to_torch_placements
-from hyperrecipe.plan import ArgLayout, BoundaryPlan, ParamPlan
+from hyperrecipe.plan import ArgLayout, BoundaryPlan, HeadCount, ParamPlan, Plan
 from hyperrecipe.runtime.forward.arguments import Slot, map_declared
 from hyperrecipe.rewriter import installed_forward_owner
 from hyperrecipe.runtime.forward.marshal import to_local_tree
 from hyperrecipe.runtime.forward.validate_scope import running_local_code
+from hyperrecipe.runtime.mode import answers
 
 __all__ = ["input_grad_placements", "local_grad_placements", "local_region_forward",
            "mark_local_grad", "region_partial_dims", "runs_on_local_tensors", "unwrap_declared",
@@ -210,3 +211,15 @@ def local_region_forward(module: nn.Module, inner: Forward, boundary: BoundaryPl
             return local_inner(*to_local_tree(args_l), **to_local_tree(kwargs))
 
     return forward
+
+
+@answers("divided_head_counts", "production")
+def _all_head_counts(plan: Plan) -> tuple[HeadCount, ...]:
+    return plan.head_counts
+
+
+@answers("divided_head_counts", "validate")
+def _local_region_head_counts(plan: Plan) -> tuple[HeadCount, ...]:
+    # DTensor computes with global shapes, so the attributes stay global, except in modules
+    # whose code runs on local tensors (a local region) in both modes
+    return tuple(h for h in plan.head_counts if runs_on_local_tensors(h.module, plan.boundaries))

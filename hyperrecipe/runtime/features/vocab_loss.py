@@ -38,6 +38,7 @@ from hyperrecipe.errors import LossParallelError, PlanMismatchError
 from hyperrecipe.models import LIBRARY
 from hyperrecipe.plan import LossParallel, Transition
 from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for, transition
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -556,3 +557,15 @@ def install_loss_parallel(tx: Rewrite, owner: nn.Module, loss: LossParallel, sha
 
     tx.install_forward(owner, _eager(forward), fqn=where,
                        companions={"_hyperrecipe_loss_parallel": loss})
+
+
+@answers("vocab_shard", "production")
+def _local_vocab_shard(loss: LossParallel, mesh: DeviceMesh,
+                       mesh_dims: tuple[str, ...]) -> VocabShard:
+    return make_vocab_shard(loss, mesh, mesh_dims, dtensor=False)
+
+
+@answers("vocab_shard", "validate")
+def _dtensor_vocab_shard(loss: LossParallel, mesh: DeviceMesh,
+                         mesh_dims: tuple[str, ...]) -> VocabShard:
+    return make_vocab_shard(loss, mesh, mesh_dims, dtensor=True)

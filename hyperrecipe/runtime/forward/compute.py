@@ -18,7 +18,7 @@ The choice is made once, at install time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +26,13 @@ from torch.nn import functional as F
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.models import LIBRARY
+from hyperrecipe.runtime.mode import answers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.plan import BoundaryPlan
+    from hyperrecipe.rewriter import Rewrite
 
 __all__ = ["bias_free_forward", "class_forward", "vocab_parallel_embedding"]
 
@@ -99,3 +106,23 @@ def vocab_parallel_embedding(module: nn.Module, inner: Forward, *, rank: int, fq
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     return lookup
+
+
+@answers("embedding_compute", "production")
+def _masked_local_lookup(tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                         compute: Forward, mesh: DeviceMesh) -> Forward:
+    from hyperrecipe.runtime.comm.collectives import group_for
+
+    assert boundary.vocab_parallel is not None
+    g = group_for(mesh, boundary.vocab_parallel)
+    local = vocab_parallel_embedding(module, compute, rank=g.rank, fqn=boundary.fqn)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        tx.set_attribute(module, "padding_idx", local_padding_idx(module, rank=g.rank),
+                         fqn=boundary.fqn)
+    return local
+
+
+@answers("embedding_compute", "validate")
+def _dtensor_lookup(tx: Rewrite, boundary: BoundaryPlan, module: nn.Module,
+                    compute: Forward, mesh: DeviceMesh) -> Forward:
+    return compute  # DTensor looks a row-sharded table up itself

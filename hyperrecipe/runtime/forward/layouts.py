@@ -59,6 +59,7 @@ from hyperrecipe.runtime.forward.input_grads import (
     reduce_grad_here,
 )
 from hyperrecipe.runtime.forward.validate_scope import caller_is_local, validate_compute
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -437,3 +438,19 @@ class ValidateRedistributor:
 
         return convert
 
+
+@answers("redistributor", "production")
+def _production_redistributor(mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
+                              local_code: bool = False,
+                              sharded_regions: Mapping[str, frozenset[str]] | None = None
+                              ) -> Redistributor:
+    return ProductionRedistributor(mesh)
+
+
+@answers("redistributor", "validate")
+def _validate_redistributor(mesh: DeviceMesh, mesh_dims: tuple[str, ...], *,
+                            local_code: bool = False,
+                            sharded_regions: Mapping[str, frozenset[str]] | None = None
+                            ) -> Redistributor:
+    return ValidateRedistributor(mesh, mesh_dims, check_input_grads=not local_code,
+                                 sharded_regions=sharded_regions)

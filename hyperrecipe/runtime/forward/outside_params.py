@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.runtime.comm.collectives import group_for
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -273,3 +274,12 @@ def watch_params_outside_boundaries(model: nn.Module, plan: Plan, mesh: DeviceMe
             reducing.add(id(param))
             handles.append(param.register_hook(_reduce_declared(watched, p, mesh)))  # type: ignore[no-untyped-call]
     return handles
+
+
+@answers("watch_outside_boundaries", "production")
+def _no_watch(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> list[RemovableHandle]:
+    return []  # no per-call checks on the hot path
+
+
+# validate: the data flow the plan does not hold, read off the autograd graph
+answers("watch_outside_boundaries", "validate")(watch_params_outside_boundaries)

@@ -57,8 +57,9 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
-from hyperrecipe.plan import GradBucket
+from hyperrecipe.plan import GradBucket, Plan
 from hyperrecipe.runtime.comm.collectives import MeshDimGroup, execute, group_for
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -262,3 +263,29 @@ class GradBucketReducer:
                 slot.set_aside.add_(reduced)
                 param.grad = slot.set_aside
             slot.set_aside = None
+
+
+@answers("install_grad_reductions", "production")
+def _install_bucket_reducer(plan: Plan, params: dict[str, nn.Parameter],
+                            mesh: DeviceMesh) -> GradBucketReducer | None:
+    if not plan.grad_buckets:
+        return None
+    reducer = GradBucketReducer(plan.grad_buckets, params, mesh)
+    reducer.install()
+    return reducer
+
+
+@answers("install_grad_reductions", "validate")
+def _dtensor_reduces(plan: Plan, params: dict[str, nn.Parameter],
+                     mesh: DeviceMesh) -> GradBucketReducer | None:
+    return None  # DTensor's backward reduces: a parameter's hook keeps its placement
+
+
+@answers("hook_reduced_gradients", "production")
+def _bucketed_params(plan: Plan) -> tuple[str, ...]:
+    return tuple(fqn for b in plan.grad_buckets for fqn in b.params)
+
+
+@answers("hook_reduced_gradients", "validate")
+def _no_hooked_params(plan: Plan) -> tuple[str, ...]:
+    return ()  # DTensor's backward reduces them

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from hyperrecipe.errors import MixedParametersError
+from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
@@ -126,3 +127,11 @@ def install_mixed_kernel_check(live: LiveParams) -> list[Any]:
                 raise error
 
     return [model_scoped_step_pre_hook(live.model, on_step)]
+
+
+@answers("install_optimizer_checks", "production")
+def _no_optimizer_checks(live: LiveParams) -> list[Any]:
+    return []
+
+
+answers("install_optimizer_checks", "validate")(install_mixed_kernel_check)

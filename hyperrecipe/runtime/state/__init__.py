@@ -9,6 +9,8 @@ APIs), ``export`` (consolidated safetensors for ``from_pretrained``), ``direct_w
 writer's host writing their own blocks into its file), ``file_digest`` (the
 export manifest's digest and shape) and ``materialize``
 (allocating the rank's shards after a meta apply, and keeping non-persistent
-buffers' values through a later ``to_empty``). Key conversions of third-party checkpoint
+buffers' values through a later ``to_empty``), ``dcp_reader`` (DCP's ``.metadata`` read in
+bounded time and memory, and the commit record of a DCP folder) and ``scoped_hooks`` (torch's global
+optimizer step pre-hooks, held weakly so they live as long as the model they serve). Key conversions of third-party checkpoint
 formats live in :mod:`hyperrecipe.models`. Nothing here installs a forward.
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hyperrecipe.check.sample import make_sample
+from hyperrecipe.verify.sample import make_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_the_loss_of_an_moe_output_is_its_logits_plus_its_router_loss() -> None:
     squares (it was the only thing compared)."""
     import json
 
-    from hyperrecipe.check.sample import first_output, loss_of
+    from hyperrecipe.verify.sample import first_output, loss_of
     from hyperrecipe.model_tree import build_model
 
     config = json.loads((ROOT / "recipes/models/tiny-mixtral.json").read_text())
