@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
     from hyperrecipe.api import apply
     from hyperrecipe.runtime import Installation
-    from hyperrecipe.runtime.features.vocab_loss import vocab_parallel_cross_entropy
+    from hyperrecipe.runtime import vocab_parallel_cross_entropy
 
 __all__ = [
     "HyperrecipeError",
@@ -68,7 +68,7 @@ _LAZY = {
     "Plan": "hyperrecipe.plan",
     "apply": "hyperrecipe.api",
     "Installation": "hyperrecipe.runtime",
-    "vocab_parallel_cross_entropy": "hyperrecipe.runtime.features.vocab_loss",
+    "vocab_parallel_cross_entropy": "hyperrecipe.runtime",
 }
 
 

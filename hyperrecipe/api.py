@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hyperrecipe.runtime.installation import Installation
-    from hyperrecipe.runtime.mode import Mode, ModeName
+    from hyperrecipe.runtime import Installation
+    from hyperrecipe.runtime import Mode, ModeName
 
 __all__ = ["apply", "compile_recipe", "load_plan", "load_recipe"]
 
@@ -124,7 +124,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             is the same everywhere), before the model is touched.
         Everything :func:`hyperrecipe.runtime.apply` raises.
     """
-    from hyperrecipe.runtime.install import apply as install_plan
+    from hyperrecipe.runtime import apply as install_plan
 
     if verify and _fits(model, plan, mesh) and plan.checksum not in _VERIFIED_HERE:
         import torch.distributed as dist

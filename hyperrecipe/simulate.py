@@ -226,7 +226,7 @@ def _simulate_rank(model: nn.Module, plan: Plan, shape: Mapping[str, int], rank:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrecipe.runtime.install import apply
+    from hyperrecipe.runtime import apply
 
     copied = copy.deepcopy(model)
     dist.init_process_group("fake", rank=rank, world_size=world)
@@ -274,7 +274,7 @@ def trace_step(model: nn.Module, plan: Plan, seq_len: int,
 
     from torch.utils._pytree import tree_leaves
 
-    from hyperrecipe.runtime.comm.collectives import count_collectives
+    from hyperrecipe.runtime import count_collectives
 
     accepted = inspect.signature(model.forward).parameters
     if not {"input_ids", "labels"} <= set(accepted):

@@ -553,3 +553,28 @@ def test_every_module_and_subpackage_is_on_its_packages_map() -> None:
         missing += [f"{package.relative_to(ROOT).as_posix()}/{name}" for name in children
                     if not _named_in(doc, name)]
     assert missing == [], "name each in its package's __init__ docstring"
+
+
+def test_what_sits_above_the_runtime_uses_its_front_only() -> None:
+    """``check``, ``verify``, ``simulate``, the trainers and ``api`` import the runtime's front
+    (``hyperrecipe.runtime``'s ``__all__``), never a room's module: a room can then be
+    reorganised without breaking a trainer."""
+    import hyperrecipe.runtime
+
+    offenders = []
+    for path in sorted((ROOT / "hyperrecipe").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("hyperrecipe/runtime/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "hyperrecipe.runtime"):
+                if node.module != "hyperrecipe.runtime":
+                    offenders.append(f"{rel}: {node.module}")
+                else:
+                    offenders += [f"{rel}: {a.name}" for a in node.names
+                                  if a.name not in hyperrecipe.runtime.__all__]
+            elif isinstance(node, ast.Import):
+                offenders += [f"{rel}: {a.name}" for a in node.names
+                              if a.name.startswith("hyperrecipe.runtime.")]
+    assert offenders == []

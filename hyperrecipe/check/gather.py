@@ -22,8 +22,8 @@ from torch import Tensor
 
 from hyperrecipe.errors import CheckError
 from hyperrecipe.placement import NamedPlacement, Partial, Shard
-from hyperrecipe.runtime.comm.collectives import group_for
-from hyperrecipe.runtime.comm.sharding import gather_full
+from hyperrecipe.runtime import group_for
+from hyperrecipe.runtime import gather_full
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh

@@ -36,8 +36,8 @@ from hyperrecipe.errors import StepFailed
 from hyperrecipe.placement import REPLICATED, NamedPlacement
 from hyperrecipe.plan import ArgLayout, BoundaryPlan
 from hyperrecipe.verify.sample import Sample, first_output, loss_of
-from hyperrecipe.runtime.forward.arguments import declared_argument, get_output
-from hyperrecipe.runtime.features.vocab_loss import plain_vocab_slice
+from hyperrecipe.runtime import declared_argument, get_output
+from hyperrecipe.runtime import plain_vocab_slice
 
 __all__ = ["Event", "Failure", "StepFailed", "Trace", "Tracer", "Viewer", "run_step"]
 

@@ -45,7 +45,7 @@ from hyperrecipe.check.worker import RankJob, check_rank, side_file
 from hyperrecipe.errors import CheckError, DeadlinePassed, HyperrecipeError, ModelSpecError
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
-from hyperrecipe.runtime.mode import ModeName
+from hyperrecipe.runtime import ModeName
 
 __all__ = ["CheckError", "CheckOptions", "CheckReport", "Mode", "ModeResult", "SGD_LR",
            "parent_deadline", "run_check"]

@@ -20,6 +20,10 @@ Below it, one room per trade; each room's ``__init__`` says what it owns and wha
 - ``state/``: live parameters, loading weights, DCP state dicts and hooks, export,
   materializing after a meta apply.
 
+Everything above the runtime (``check``, ``verify``, ``simulate``, the trainers, ``api``)
+imports from this package's front only, the names in ``__all__`` (tests/test_layering.py keeps
+it so).
+
 Imports point down this list's dependency order: ``comm`` and ``preflight`` import no other
 room; ``forward`` imports ``comm``; ``features`` imports ``forward`` and ``comm``; ``grads`` and
 ``state`` import ``comm`` and ``state``'s ``LiveParams`` (tests/test_layering.py keeps it so).
@@ -32,8 +36,27 @@ in :mod:`hyperrecipe.wrappers`), and any direct assignment of ``forward`` (only
 :mod:`hyperrecipe.rewriter` does that). Compiling a recipe imports no module of this package.
 """
 
+from hyperrecipe.runtime.comm.collectives import count_collectives, group_for
+from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
+from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
+from hyperrecipe.runtime.features.vocab_loss import (
+    VocabShardedLogits,
+    plain_vocab_slice,
+    vocab_parallel_cross_entropy,
+)
+from hyperrecipe.runtime.forward.arguments import declared_argument, get_output
 from hyperrecipe.runtime.install import apply
 from hyperrecipe.runtime.installation import Installation, StatusRow
-from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode
+from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
+from hyperrecipe.runtime.state.dcp_reader import trusted_reader
+from hyperrecipe.runtime.state.materialize import shards_on_meta
 
-__all__ = ["PRODUCTION", "VALIDATE", "Installation", "Mode", "StatusRow", "apply"]
+__all__ = [
+    # what a trainer uses
+    "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "apply",
+    "as_mode", "vocab_parallel_cross_entropy", "VocabShardedLogits", "trusted_reader",
+    # what the tools above the runtime read (check, verify, simulate, the trainers' own
+    # initializers): shard math, the mesh dim groups, a boundary's declared values
+    "count_collectives", "declared_argument", "gather_full", "get_output", "group_for",
+    "local_shard", "plain_vocab_slice", "runs_on_local_tensors", "shards_on_meta",
+]

@@ -44,7 +44,7 @@ from hyperrecipe.trainers.trainer_mesh import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime import Installation
 
 __all__ = ["DCP_FOLDER", "HyperrecipeTrainer", "HyperrecipeTrainerMixin"]
 

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
     from hyperrecipe.recipe.schema import Recipe
-    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime import Installation
 
 __all__ = ["HyperrecipeStrategy", "grad_norm"]
 
@@ -105,7 +105,7 @@ class HyperrecipeStrategy(ModelParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         from hyperrecipe.api import compile_recipe, load_recipe
-        from hyperrecipe.runtime.install import apply
+        from hyperrecipe.runtime import apply
 
         if self.installation is not None:
             msg = ("HyperrecipeStrategy.apply: a plan is already applied through this strategy "
@@ -169,7 +169,7 @@ class HyperrecipeStrategy(ModelParallelStrategy):
         )
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        from hyperrecipe.runtime.state.dcp_reader import trusted_reader
+        from hyperrecipe.runtime import trusted_reader
 
         path = Path(self.broadcast(checkpoint_path))
         if not (path / _METADATA).is_file():

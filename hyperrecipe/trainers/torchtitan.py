@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from hyperrecipe.plan import ParamPlan, Plan
-    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime import Installation
 
 __all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DP_TP", "cross_entropy_loss",
            "installation_of", "parallelize_llama", "shipped_recipe_for"]
@@ -244,7 +244,7 @@ def _full_then_shard(root: nn.Module, param_plan: ParamPlan, mesh_dims: tuple[st
         if not isinstance(param, DTensor):
             root.load_state_dict({param_plan.fqn: full}, strict=False)
             return
-        from hyperrecipe.runtime.comm.sharding import local_shard
+        from hyperrecipe.runtime import local_shard
 
         # FSDP2's piece of this rank's tp shard: every rank drew the same full tensor, so
         # each slices its own (src_data_rank=None: no scatter)
@@ -286,7 +286,7 @@ def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     from hyperrecipe import vocab_parallel_cross_entropy
-    from hyperrecipe.runtime.features.vocab_loss import VocabShardedLogits
+    from hyperrecipe.runtime import VocabShardedLogits
 
     if isinstance(pred, VocabShardedLogits):
         return vocab_parallel_cross_entropy(pred, labels, ignore_index=IGNORE_INDEX,

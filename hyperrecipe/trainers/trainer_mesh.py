@@ -29,7 +29,7 @@ from hyperrecipe.errors import TrainerSetupError
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
-    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime import Installation
 
 __all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims"]
 

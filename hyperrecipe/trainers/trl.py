@@ -35,7 +35,7 @@ from hyperrecipe.trainers.hf_trainer import HyperrecipeTrainerMixin
 from hyperrecipe.placement import parse_dtensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.installation import Installation
+    from hyperrecipe.runtime import Installation
 
 __all__ = ["HyperrecipeDPOTrainer", "HyperrecipeSFTTrainer", "full_output_embeddings"]
 

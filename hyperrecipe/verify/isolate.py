@@ -47,7 +47,7 @@ def verification_world(plan: Plan, mesh: DeviceMesh | None = None) -> Iterator[D
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrecipe.runtime.state.materialize import shards_on_meta
+    from hyperrecipe.runtime import shards_on_meta
 
     shape = plan.mesh_shape
     world = math.prod(shape.values())

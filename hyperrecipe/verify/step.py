@@ -143,7 +143,7 @@ def _loss(model: nn.Module, plan: Plan | None, sample: Sample, own: bool, out: A
     ids = sample.kwargs.get("input_ids", sample.args[0] if sample.args else None)
     if helper and isinstance(ids, Tensor):
         from hyperrecipe.verify.sample import first_output
-        from hyperrecipe.runtime.features.vocab_loss import vocab_parallel_cross_entropy
+        from hyperrecipe.runtime import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(first_output(out), ids)
     return loss_of(out)
@@ -191,7 +191,7 @@ def run_step(model: nn.Module, plan: Plan, mode: str, mesh: DeviceMesh,
     Returns:
         ``None`` when the step ran, else how it failed.
     """
-    from hyperrecipe.runtime.install import apply
+    from hyperrecipe.runtime import apply
 
     copied = meta_copy(model)
     known = {fqn for fqn, _ in copied.named_modules()}

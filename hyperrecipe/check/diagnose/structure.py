@@ -17,8 +17,8 @@ from hyperrecipe.check.diagnose.causes import (
 from hyperrecipe.check.record import Failure
 from hyperrecipe.placement import Shard
 from hyperrecipe.resolve.head_counts import HEAD_SIZE_ATTRS
-from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
-from hyperrecipe.runtime.mode import as_mode
+from hyperrecipe.runtime import runs_on_local_tensors
+from hyperrecipe.runtime import as_mode
 
 __all__ = ["heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
            "whole_param_on_shard"]
