@@ -20,6 +20,11 @@ Funnelling the assignments through one module buys three guarantees that a train
 
 Installing a forward twice on one module (or one method twice on one class) without restoring in
 between is a :class:`~hyperrecipe.errors.RewriteError`, never a silent double wrap.
+
+Patches that outlive one model's transaction (torch's own functions, replaced while any
+installation lives) are the rewriter's process-wide half, :mod:`hyperrecipe.process_patches`,
+which also keeps the one table of every patch the package makes to code it does not own
+(HR005 refuses such a patch anywhere else).
 """
 
 from __future__ import annotations

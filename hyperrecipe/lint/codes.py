@@ -8,8 +8,9 @@ Codes are stable: a code is never reused for a different check.
 
 * ``HR000`` syntax-error, ``HR997`` path-not-read, ``HR998`` file-not-checked, ``HR999``
   internal-error — a file (or a folder's files) could not be linted (errors, exit 2).
-* ``HR001``-``HR099`` — Python rules. Those marked *gated* are the forward gate: they are
-  switched off in the ``rewriter`` paths of the configuration.
+* ``HR001``-``HR099`` — Python rules. Those marked *gated* are the rewriter's gate (forwards,
+  and process-wide patches): they are switched off in the ``rewriter`` paths of the
+  configuration.
 * ``HR100``-``HR199`` — recipe files.
 * ``HR900``-``HR999`` — about suppression comments themselves.
 """
@@ -66,6 +67,9 @@ CODES: Final[tuple[CodeInfo, ...]] = (
              summary='`x.__dict__["forward"] = ...`, `vars(x)["forward"] = ...` and dict updates'),
     CodeInfo(code="HR004", name="class-swap", kind="rule", gated=True,
              summary="`x.__class__ = Other` replaces every method, forward included"),
+    CodeInfo(code="HR005", name="process-patch", kind="rule", gated=True,
+             summary="`torch.nn.utils.clip_grad_norm_ = f`: an imported module's or class's "
+                     "attribute (or a module's `_apply`) replaced outside the rewriter"),
     CodeInfo(code="HR100", name="recipe-schema", kind="recipe",
              summary="a recipe file does not match the recipe schema"),
     CodeInfo(code="HR900", name="unused-suppression", kind="suppression",

@@ -8,7 +8,9 @@ libcst rules unless a screen *proves* that no rule can fire in it:
    ``__class__`` as an attribute that is not immediately called, as a quoted string or a keyword
    argument; a backslash escape of one of their letters; a string literal that is a proper
    prefix of one of them followed by another literal (``"for" "ward"``); the word ``__dict__``
-   or ``vars`` (copying another object's attribute dict names no target); or a
+   or ``vars`` (copying another object's attribute dict names no target); the word ``import``
+   (HR005: a patch of an imported module or class needs one; ``_apply`` is a watched name
+   like ``forward``); or a
    ``# hyperrecipe:`` comment. Non-ASCII sources are NFKC-normalised first, as the tokenizer
    normalises identifiers (``m.ｆorward`` *is* ``m.forward``). A file with none of these is only
    syntax-checked (``symtable``, which parses but builds no AST objects), so a broken file is
@@ -20,7 +22,11 @@ libcst rules unless a screen *proves* that no rule can fire in it:
    argument, keyword or dict key whose value is statically one of those names (string literals,
    concatenations, placeholder-free f-strings and names bound to such literals anywhere in the
    file); an ``update``/``dict`` call copying one possible attribute dict (``x.__dict__``, or a
-   call of a plain name such as ``vars(x)``) into another.
+   call of a plain name such as ``vars(x)``) into another; for HR005, an attribute (other than
+   ``__doc__``, ``__module__``, ``__name__``, ``__qualname__``) stored or deleted, or a
+   ``setattr``/``delattr`` (also imported from ``builtins`` under another name),
+   ``__setattr__`` or ``__delattr__`` call, on a chain starting from a name an import anywhere
+   in the file binds.
 
 A file that fails to parse either way goes to libcst, which reports the syntax error — or, when
 libcst accepts syntax this interpreter does not, lints it. The test-suite checks that this path
@@ -39,7 +45,7 @@ from collections.abc import Iterator
 from typing import Final, cast
 
 from hyperrecipe.errors import InterpreterLimit
-from hyperrecipe.lint.targets import ENTRY_NAMES, TARGET_NAMES
+from hyperrecipe.lint.targets import ENTRY_NAMES, METADATA_NAMES, SCREENED_NAMES
 
 __all__ = [
     "SUPPRESSION_HINT",
@@ -67,10 +73,10 @@ _NOT_A_TARGET_AFTER: Final = frozenset(b"(.[{}\"'`")
 _IN: Final = b"in"
 #: Where a suppression comment may be (a superset: the match may sit inside a string).
 SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
-# Any escape that can spell a letter of a target name (f o r w a d _ c l s i m p e).
+# Any escape that can spell a letter of a screened name (f o r w a d _ c l s i m p e y).
 _LETTER_ESCAPE: Final = re.compile(
-    rb"\\(?:x|u00|U000000)(?:5[fF]|6[134569cCdDfF]|7[0237])"
-    rb"|\\(?:137|141|143|144|145|146|151|154|155|157|160|162|163|167)"
+    rb"\\(?:x|u00|U000000)(?:5[fF]|6[134569cCdDfF]|7[02379])"
+    rb"|\\(?:137|141|143|144|145|146|151|154|155|157|160|162|163|167|171)"
     rb"|\\N\{"
 )
 # A literal that is a proper prefix of a target name, followed by another literal: the start of
@@ -81,7 +87,7 @@ _LETTER_ESCAPE: Final = re.compile(
 # (`["']`) or an alternation of the 60-odd prefixes is tried at every position (that cost two
 # thirds of the text screen).
 _PREFIXES: Final = frozenset(
-    name[:end].encode() for name in TARGET_NAMES for end in range(1, len(name))
+    name[:end].encode() for name in SCREENED_NAMES for end in range(1, len(name))
 )
 
 
@@ -104,6 +110,8 @@ _SPLIT_CANDIDATES: Final = tuple(
 # (`vars` also when aliased: the import names it).
 _DICT_WORD: Final = b"__dict__"
 _VARS_WORD: Final = b"vars"
+# A patch of an imported module or class (HR005) needs an import to name it.
+_IMPORT_WORD: Final = b"import"
 
 
 def _normalized(source: bytes) -> bytes:
@@ -184,7 +192,7 @@ def _mentions(source: bytes, word: bytes) -> bool:
     return False
 
 
-_WORDS: Final = tuple(sorted(name.encode() for name in TARGET_NAMES))
+_WORDS: Final = tuple(sorted(name.encode() for name in SCREENED_NAMES))
 
 
 def _text_may_match(source: bytes) -> bool:
@@ -197,6 +205,8 @@ def _text_may_match(source: bytes) -> bool:
         return True
     if b"\\" in source and _LETTER_ESCAPE.search(source):
         return True
+    if _IMPORT_WORD in source and _has_word(source, _IMPORT_WORD):
+        return True  # HR005: an imported module or class may be patched; the ast screen decides
     return _has_split_literal(source)
 
 
@@ -253,6 +263,10 @@ _CALLED_ATTRIBUTES: Final = frozenset(
         "object", "dict", "multiple",  # patch.object, patch.dict, patch.multiple
     }
 )
+#: Builtins that set or delete an attribute by name, and the dunders that do on any receiver
+#: (HR005 reports them on an imported receiver).
+_SETATTR_NAMES: Final = frozenset({"setattr", "delattr"})
+_DUNDER_SETATTR_NAMES: Final = frozenset({"__setattr__", "__delattr__"})
 #: Calls whose keywords (``forward=f``) can write the key: ``ns.update``, ``mock.patch.dict``,
 #: ``patch.multiple``.
 _UPDATE_ATTRIBUTES: Final = frozenset({"update", "dict", "multiple"})
@@ -289,7 +303,7 @@ def _spelled_as_class(node: ast.expr) -> bool:
 def _dict_with_target_key(node: ast.expr) -> bool:
     """A dict display with a target-name key: a name bound to it may feed ``ns.update(d)``."""
     return isinstance(node, ast.Dict) and any(
-        key is not None and _literal_str(key) in TARGET_NAMES for key in node.keys
+        key is not None and _literal_str(key) in SCREENED_NAMES for key in node.keys
     )
 
 
@@ -328,6 +342,11 @@ class _Screen:
     def __init__(self) -> None:
         self.constant_names: set[str] = set()  # names bound to a target-name literal
         self.names_in_key_positions: set[str] = set()
+        # HR005: names imports bind, and the names stored-through or set-by-name on
+        self.imported: set[str] = set()
+        self.setattr_names: set[str] = set(_SETATTR_NAMES)  # also `from builtins import ... as`
+        self.patched_roots: set[str] = set()
+        self.named_setattr_roots: dict[str, set[str]] = {}  # plain-name callee -> receiver roots
 
     def is_target(self, node: ast.expr | None) -> bool:
         if node is None:
@@ -335,7 +354,7 @@ class _Screen:
         if isinstance(node, ast.Name):
             self.names_in_key_positions.add(node.id)
             return False
-        return _literal_str(node) in TARGET_NAMES
+        return _literal_str(node) in SCREENED_NAMES
 
     def dict_has_target_key(self, node: ast.expr) -> bool:
         return isinstance(node, ast.Dict) and any(self.is_target(key) for key in node.keys)
@@ -353,9 +372,21 @@ class _Screen:
             kind = type(node)
             if kind is ast.Attribute:
                 assert isinstance(node, ast.Attribute)
-                if node.attr in TARGET_NAMES and type(node.ctx) is not ast.Load:
-                    if node.attr != "__call__" or _spelled_as_class(node.value):
-                        return True  # an instance's `__call__` is never what `m(x)` calls
+                if type(node.ctx) is not ast.Load:
+                    if node.attr in SCREENED_NAMES:
+                        if node.attr != "__call__" or _spelled_as_class(node.value):
+                            return True  # an instance's `__call__` is never what `m(x)` calls
+                    elif node.attr not in METADATA_NAMES:
+                        self.add_root(self.patched_roots, node.value)
+            elif kind is ast.Import:
+                assert isinstance(node, ast.Import)
+                self.imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif kind is ast.ImportFrom:
+                assert isinstance(node, ast.ImportFrom)
+                for alias in node.names:
+                    self.imported.add(alias.asname or alias.name)
+                    if node.module == "builtins" and alias.name in _SETATTR_NAMES:
+                        self.setattr_names.add(alias.asname or alias.name)
             elif kind is ast.Subscript:
                 assert isinstance(node, ast.Subscript)
                 if type(node.ctx) is not ast.Load and self.is_target(node.slice):
@@ -365,6 +396,7 @@ class _Screen:
                 assert isinstance(node, ast.Call)
                 func = node.func
                 attr = func.attr if isinstance(func, ast.Attribute) else None
+                self.note_set_by_name(node, func, attr)
                 if type(func) is ast.Name or attr in _CALLED_ATTRIBUTES:
                     for arg in node.args:
                         if self.is_target(arg) or self.dict_has_target_key(arg):
@@ -391,7 +423,7 @@ class _Screen:
                     return True
             elif kind is ast.Assign:
                 assert isinstance(node, ast.Assign)
-                if _literal_str(node.value) in TARGET_NAMES or _dict_with_target_key(node.value):
+                if _literal_str(node.value) in SCREENED_NAMES or _dict_with_target_key(node.value):
                     self.constant_names.update(
                         t.id for t in node.targets if isinstance(t, ast.Name)
                     )
@@ -401,12 +433,38 @@ class _Screen:
                     node.value is not None
                     and isinstance(node.target, ast.Name)
                     and (
-                        _literal_str(node.value) in TARGET_NAMES
+                        _literal_str(node.value) in SCREENED_NAMES
                         or _dict_with_target_key(node.value)
                     )
                 ):
                     self.constant_names.add(node.target.id)
-        return not self.constant_names.isdisjoint(self.names_in_key_positions)
+        if not self.constant_names.isdisjoint(self.names_in_key_positions):
+            return True
+        for name, roots in self.named_setattr_roots.items():
+            if name in self.setattr_names:
+                self.patched_roots |= roots
+        return not self.imported.isdisjoint(self.patched_roots)
+
+    @staticmethod
+    def add_root(roots: set[str], node: ast.expr) -> None:
+        """Record the name an attribute chain (``torch.nn.utils``) starts from."""
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        if isinstance(node, ast.Name):
+            roots.add(node.id)
+
+    def note_set_by_name(self, call: ast.Call, func: ast.expr, attr: str | None) -> None:
+        """HR005's setattr-like calls, more loosely than the rule (any receiver position)."""
+        if not call.args:
+            return
+        if isinstance(func, ast.Name):
+            self.add_root(self.named_setattr_roots.setdefault(func.id, set()), call.args[0])
+        elif attr in _SETATTR_NAMES:
+            self.add_root(self.patched_roots, call.args[0])
+        elif attr in _DUNDER_SETATTR_NAMES:
+            assert isinstance(func, ast.Attribute)
+            self.add_root(self.patched_roots, func.value)
+            self.add_root(self.patched_roots, call.args[0])
 
 
 #: The interpreter's messages for sources it refuses because of a limit, not the grammar.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Final
 import attrs
 import libcst as cst
 
-from hyperrecipe.lint.targets import ENTRY_NAMES, TARGET_NAMES
+from hyperrecipe.lint.targets import ENTRY_NAMES, PATCHED_METHOD_NAMES, TARGET_NAMES
 
 if TYPE_CHECKING:
     from libcst.metadata import CodeRange, QualifiedName
@@ -40,7 +40,7 @@ StatementPath = tuple[int, ...] | None
 
 #: The attribute names the rules care about; name constants are resolved only for these.
 #: :data:`ENTRY_NAMES` (from ``targets``) are the attributes that decide what ``m(x)`` runs.
-WATCHED_NAMES: Final = TARGET_NAMES
+WATCHED_NAMES: Final = TARGET_NAMES | PATCHED_METHOD_NAMES
 
 
 @attrs.frozen
@@ -238,6 +238,9 @@ class FileContext:
         Follows imports and aliases (``from builtins import setattr as s`` makes ``s`` refer to
         ``builtins.setattr``), and knows when a local definition shadows a builtin.
         """
+        return frozenset(q.name for q in self._qualified_of(node))
+
+    def _qualified_of(self, node: cst.CSTNode) -> Collection[QualifiedName]:
         from libcst.metadata import QualifiedNameProvider
 
         if self._qualified is None:
@@ -246,8 +249,30 @@ class FileContext:
         if callable(found):  # libcst computes qualified names lazily per node
             found = found()
         if not isinstance(found, Collection):
-            return frozenset()
-        return frozenset(q.name for q in found)
+            return ()
+        return found
+
+    def imported_as(self, name: cst.Name) -> str | None:
+        """The dotted name an import binds ``name`` to where it is used, else ``None`` (a
+        local, a parameter, a builtin, a name bound only by assignment).
+
+        The file's imports are read first (cheap); scope analysis (not the costlier qualified
+        names) runs only for a name some import binds, to tell it from a local of that name.
+        """
+        if self._imports is None:
+            self._imports = _imported_names(self.module)
+        if name.value not in self._imports:
+            return None
+        from libcst.metadata import ScopeProvider
+
+        scope = self.wrapper.resolve(ScopeProvider).get(name)
+        if scope is None:
+            return None
+        for assignment in scope[name.value]:
+            node = getattr(assignment, "node", None)
+            if isinstance(node, (cst.Import, cst.ImportFrom)):
+                return _bound_by(node, name.value)
+        return None
 
     def refers_to(self, node: cst.CSTNode, *qualified: str) -> bool:
         """Whether ``node`` may refer to one of the ``qualified`` names.
@@ -495,6 +520,27 @@ def _imported_names(module: cst.Module) -> dict[str, list[str]]:
             elif isinstance(statement, cst.BaseCompoundStatement):
                 pending.extend(_blocks_of(statement))
     return bound
+
+
+def _bound_by(node: cst.Import | cst.ImportFrom, local: str) -> str:
+    """The dotted name ``node`` binds ``local`` to (as :func:`_imported_names` spells it)."""
+    if isinstance(node, cst.ImportFrom):
+        source = "." * len(node.relative) + (_dotted(node.module) if node.module else "")
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                asname = alias.asname.name if alias.asname is not None else None
+                name = _dotted(alias.name)
+                if (asname.value if isinstance(asname, cst.Name) else name) == local:
+                    return f"{source}.{name}".lstrip(".")
+        return local
+    for alias in node.names:
+        dotted = _dotted(alias.name)
+        asname = alias.asname.name if alias.asname is not None else None
+        if isinstance(asname, cst.Name) and asname.value == local:
+            return dotted
+        if asname is None and dotted.split(".")[0] == local:
+            return local
+    return local
 
 
 def _dotted(node: cst.BaseExpression) -> str:

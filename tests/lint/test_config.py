@@ -210,11 +210,12 @@ def test_invalid_toml_is_a_usage_error(write_tree: WriteTree) -> None:
         lint_paths(["."])
 
 
-def test_this_repository_allows_exactly_the_rewriter_module() -> None:
+def test_this_repository_allows_exactly_the_rewriter_modules() -> None:
     root = Path(__file__).resolve().parents[2]
     config = load_config(root / "pyproject.toml")
     assert config is not None
-    assert config.rewriter == (root / "hyperrecipe" / "rewriter.py",)
+    assert config.rewriter == (root / "hyperrecipe" / "rewriter.py",
+                               root / "hyperrecipe" / "process_patches.py")
     finder = ConfigFinder()
     rewriter = root / "hyperrecipe" / "rewriter.py"
     assert finder.for_path(rewriter).allows_forward_install(rewriter)

@@ -50,7 +50,9 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
             "namespace_copy_unbound", "local_constant_in_method", "bound_mapping_update",
             "patch_multiple_on_mocker", "patch_dict_copies_a_namespace",
             "patch_dict_copies_vars", "namespace_copy_unbound_double_star",
-            "class_dunder_call_store", "split_prefix_of_call_impl"} <= flagged
+            "class_dunder_call_store", "split_prefix_of_call_impl",
+            "patch_after_late_import", "patch_through_builtins_alias",
+            "patch_as_for_target", "apply_escaped", "apply_split"} <= flagged
     assert not flagged & {"fullwidth_string_is_another_name", "raw_string_escape_is_literal",
                           "namespace_copy_into_ordinary_dict", "call_impl_read",
                           "shadowed_setattr", "forward_called", "forward_item_store",
@@ -60,10 +62,15 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
                           "suppression_in_string_only", "python_312_generic_function",
                           "empty_file", "namespace_copy_from_a_method_call",
                           "method_result_update", "instance_dunder_call_store",
-                          "vars_inside_a_longer_word", "quoted_non_prefix_pair"}
+                          "vars_inside_a_longer_word", "quoted_non_prefix_pair",
+                          "patch_of_local_named_like_module", "module_metadata_reexport",
+                          "imports_but_patches_nothing"}
 
 
 def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
+    """torch patches its own modules (HR005: ``sys.excepthook``, DTensor's dispatcher flags...)
+    as is its right; those findings go through the screen like the others, and only the files
+    that hold a finding (about twenty) reach libcst."""
     screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2)
     assert screened.findings == full.findings  # type: ignore[attr-defined]
     rows = [
@@ -71,14 +78,16 @@ def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_cla
         (Path(f.path).absolute().relative_to(TORCH_DISTRIBUTED).as_posix(), f.line, f.code)
         for f in screened.findings  # type: ignore[attr-defined]
     ]
-    assert rows == [
+    assert [row for row in rows if row[2] != "HR005"] == [
         ("_composable/replicate.py", 248, "HR004"),
         ("fsdp/_fully_shard/_fsdp_init.py", 430, "HR004"),
         ("pipelining/_IR.py", 628, "HR001"),
         ("pipelining/_IR.py", 1240, "HR001"),
         ("pipelining/_IR.py", 1242, "HR001"),
     ]
-    assert screened.libcst_files <= 10  # type: ignore[attr-defined]
+    patched = {path for path, _, code in rows if code == "HR005"}
+    assert {"distributed_c10d.py", "tensor/experimental/__init__.py"} <= patched
+    assert screened.libcst_files <= len(patched) + 5  # type: ignore[attr-defined]
 
 
 def _every_node_with_its_path(module: cst.Module) -> list[tuple[cst.CSTNode, StatementPath]]:

@@ -6,6 +6,15 @@ They are strings (not files) so that linting this repository does not lint them.
 from __future__ import annotations
 
 TRICKY: dict[str, bytes] = {
+    # HR005: patches of imported modules and classes, and a module's _apply
+    "patch_after_late_import": b"def go(f):\n    torch.x = f\n\nimport torch\n",
+    "patch_through_builtins_alias": b"from builtins import setattr as s\nimport torch\ns(torch, n, 1)\n",
+    "patch_as_for_target": b"import torch\nfor torch.x in ys:\n    pass\n",
+    "apply_escaped": b'object.__setattr__(m, "_appl\\x79", f)\n',
+    "apply_split": b'setattr(m, "_ap" "ply", f)\n',
+    "patch_of_local_named_like_module": b"import torch\ndef go(torch):\n    torch.x = 1\n",
+    "module_metadata_reexport": b"from a import fn\nfn.__module__ = 'pkg'\n",
+    "imports_but_patches_nothing": b"import torch\nself.x = torch.ones(1)\n",
     "call_impl_escaped": b'setattr(m, "_call_\\x69mpl", f)\n',
     "compiled_call_impl_split": b'setattr(m, "_compiled" "_call_impl", f)\n',
     "dunder_call_octal": b'setattr(Block, "__\\143all__", f)\n',

@@ -17,12 +17,15 @@ from hyperrecipe.lint.rules.class_swap import ClassSwap
 from hyperrecipe.lint.rules.forward_assignment import ForwardAssignment
 from hyperrecipe.lint.rules.forward_dict import ForwardDict
 from hyperrecipe.lint.rules.forward_setattr import ForwardSetattr
+from hyperrecipe.lint.rules.process_patch import ProcessPatch
 
-__all__ = ["ALL_RULES", "ClassSwap", "ForwardAssignment", "ForwardDict", "ForwardSetattr"]
+__all__ = ["ALL_RULES", "ClassSwap", "ForwardAssignment", "ForwardDict", "ForwardSetattr",
+           "ProcessPatch"]
 
 ALL_RULES: Final[tuple[type[LintRule], ...]] = (
     ForwardAssignment,
     ForwardSetattr,
     ForwardDict,
     ClassSwap,
+    ProcessPatch,
 )

@@ -20,12 +20,16 @@ mesh dim per step, only with a scaler). Optimizers over other parameters are unt
 without ``_unscale_grads_`` is not covered (the docs say so); a subclass that overrides it
 (torch's ``ShardedGradScaler``) agrees through its own ``process_group``.
 
-Another library may patch the same method over ours (wrapping it, as ours wraps torch's). Each
-installation of ours is a closure over the function it wrapped, so the chain stays callable
-however it is stacked; when the last installation goes, torch's method is put back only if ours
-is still the one on the class. Otherwise ours stays in the chain below the other patch and
-serves as a pass-through (no installation left: the function it wrapped answers), and the next
-apply finds it there (through ``__wrapped__``) instead of wrapping again.
+This module only builds the wrapper; the patch is declared in
+:data:`hyperrecipe.process_patches.PROCESS_PATCHES` and assigned there, held by each
+installation. Another library may patch the same method over ours (wrapping it, as ours wraps
+torch's). Each wrapper of ours is a closure over the function it wrapped, so the chain stays
+callable however it is stacked; when the last installation goes, torch's method is put back only
+if ours is still the one on the class. Otherwise ours stays in the chain below the other patch
+and serves as a pass-through (no installation left: the function it wrapped answers), and the
+next apply finds it there (through ``__wrapped__``) instead of wrapping again. A patch over ours
+that does not say what it wraps hides ours, and ours goes on top of it: the flags are then
+all-reduced twice, with the same result (``MAX`` of flags that already agree).
 
 Validate mode's gradients are DTensors inside boundaries and plain outside, and torch's inf
 check (one multi-tensor kernel per device and dtype) refuses that mix with DTensor's bare
@@ -44,16 +48,18 @@ import torch
 import torch.distributed as dist
 
 from hyperrecipe.errors import MixedParametersError
+from hyperrecipe.process_patches import ProcessHold, hold_process_patches
 
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.checkpoint import LiveParams
 
-__all__ = ["ScalerGuardHandle", "guard_grad_scaler"]
+__all__ = ["PATCH", "ScalerGuardHandle", "guard_grad_scaler"]
 
 _OWNERS: dict[int, weakref.ref[LiveParams]] = {}
+_HOLDS: dict[int, ProcessHold] = {}
 _KEYS = itertools.count()
-_METHOD = "_unscale_grads_"
-_MARK = "_hyperrecipe_scaler_guard"
+#: The declared patch (``hyperrecipe.process_patches``) this module supplies.
+PATCH = "torch.amp.GradScaler:_unscale_grads_"
 
 
 class ScalerGuardHandle:
@@ -70,37 +76,17 @@ def guard_grad_scaler(live: LiveParams) -> ScalerGuardHandle:
     """Make every ``GradScaler`` over ``live``'s parameters agree on overflows across the mesh
     while ``live`` exists (see the module)."""
     key = next(_KEYS)
+    _HOLDS[key] = hold_process_patches({PATCH: _agreeing})
     _OWNERS[key] = weakref.ref(live)
     weakref.finalize(live, _forget, key)
-    scaler = torch.amp.GradScaler
-    current = getattr(scaler, _METHOD, None)
-    if current is not None and not _ours_in_chain(current):
-        setattr(scaler, _METHOD, _agreeing(current))
     return ScalerGuardHandle(key)
 
 
 def _forget(key: int) -> None:
     _OWNERS.pop(key, None)
-    if _OWNERS:
-        return
-    top = torch.amp.GradScaler.__dict__.get(_METHOD)
-    if getattr(top, _MARK, False):  # ours is on top: put back what it wrapped
-        setattr(torch.amp.GradScaler, _METHOD, top.__wrapped__)  # type: ignore[union-attr]
-    # else another patch wraps ours: the chain stays whole, ours passes through
-
-
-def _ours_in_chain(fn: Any) -> bool:
-    """Whether ``fn`` is ours or wraps ours through ``__wrapped__`` (which ``functools.wraps``
-    sets). A patch over ours that does not say what it wraps hides ours, and ours goes on top
-    of it: the flags are then all-reduced twice, with the same result (``MAX`` of flags that
-    already agree)."""
-    seen: set[int] = set()
-    while fn is not None and id(fn) not in seen:
-        if getattr(fn, _MARK, False):
-            return True
-        seen.add(id(fn))
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    hold = _HOLDS.pop(key, None)
+    if hold is not None:
+        hold.release()
 
 
 def _agreeing(inner: Any) -> Any:
@@ -123,7 +109,6 @@ def _agreeing(inner: Any) -> Any:
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         return found
 
-    setattr(_agreeing_unscale_grads_, _MARK, True)
     return _agreeing_unscale_grads_
 
 

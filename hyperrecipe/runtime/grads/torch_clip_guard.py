@@ -10,7 +10,7 @@ model or the optimizer sees that call, so the only seam is torch's module itself
 module's globals at every call (torch 2.13), whoever imported it however.
 
 While at least one installation with sharded parameters is alive, that global and its public
-alias ``torch.nn.utils.get_total_norm`` are replaced by :func:`_guarded_total_norm`. It compares
+alias ``torch.nn.utils.get_total_norm`` are replaced by :func:`_guarded_total_norm`'s. It compares
 the identity of every tensor it is given with the live ``.grad`` of each installation's planned
 parameters (a dict of a few hundred ids, no device work):
 
@@ -29,8 +29,14 @@ replaced too and scales such a list tensor by tensor (what ``foreach=False`` doe
 On a torch without ``_get_total_norm`` (a release that renames it) ``clip_grad_norm_`` itself
 is replaced on ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``; a caller that bound it by
 name before the first apply (``from torch.nn.utils import clip_grad_norm_`` at import time) is
-then not covered. The last installation to go (``restore()``, or its live parameters garbage
-collected) puts torch's functions back.
+then not covered.
+
+This module only builds the replacements (each over the function it replaces, which it calls
+for gradients that are no installation's); the patches are declared in
+:data:`hyperrecipe.process_patches.PROCESS_PATCHES` and assigned there, held by each
+installation: the last to go (``restore()``, or its live parameters garbage collected) puts
+torch's functions back, unless another library has patched over ours since (then ours stays
+in its chain as a pass-through).
 ``clip_grad_value_`` is elementwise, right on shards, and left alone.
 """
 
@@ -45,6 +51,7 @@ import torch
 from torch import Tensor
 
 from hyperrecipe.errors import ShardedGradNormError
+from hyperrecipe.process_patches import ProcessHold, hold_process_patches
 from hyperrecipe.runtime.grads.grad_norm import total_grad_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,8 +88,8 @@ class _Owner:
 
 
 _OWNERS: dict[int, _Owner] = {}
+_HOLDS: dict[int, ProcessHold] = {}
 _KEYS = itertools.count()
-_ORIGINALS: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's function, while guarded
 
 
 class GuardHandle:
@@ -101,74 +108,43 @@ def guard_torch_clipping(live: LiveParams, check: Callable[[str], None]) -> Guar
     ``live`` exists (see the module). ``check(what)`` is called before each such norm and may
     raise (an installation restored, or with partial gradients)."""
     key = next(_KEYS)
+    _HOLDS[key] = hold_process_patches(_builders())
     _OWNERS[key] = _Owner(live, check)
     weakref.finalize(live, _forget, key)
-    _install()
     return GuardHandle(key)
 
 
 def guarded() -> bool:
     """Whether torch's functions are replaced now."""
-    return bool(_ORIGINALS)
+    return bool(_HOLDS)
 
 
 def _forget(key: int) -> None:
     _OWNERS.pop(key, None)
-    if not _OWNERS:
-        _uninstall()
+    hold = _HOLDS.pop(key, None)
+    if hold is not None:
+        hold.release()
 
 
-def _targets() -> dict[tuple[str, str], Any]:
-    """(module, attribute) → replacement, for this torch."""
+_CLIP_GRAD = "torch.nn.utils.clip_grad"
+_UTILS = "torch.nn.utils"
+
+
+def _builders() -> dict[str, Callable[[Any], Callable[..., Any]]]:
+    """Declared patch (``hyperrecipe.process_patches``) -> its replacement's factory, for
+    this torch."""
     from torch.nn.utils import clip_grad
 
     if hasattr(clip_grad, "_get_total_norm"):
-        out: dict[tuple[str, str], Any] = {("torch.nn.utils.clip_grad", "_get_total_norm"):
-                                           _guarded_total_norm}
-        if hasattr(torch.nn.utils, "get_total_norm"):
-            out["torch.nn.utils", "get_total_norm"] = _guarded_total_norm
+        out: dict[str, Callable[[Any], Callable[..., Any]]] = {
+            f"{_CLIP_GRAD}:_get_total_norm": _guarded_total_norm,
+            f"{_UTILS}:get_total_norm": _guarded_total_norm}
         if hasattr(clip_grad, "_clip_grads_with_norm_"):
-            out["torch.nn.utils.clip_grad", "_clip_grads_with_norm_"] = _guarded_clip_with_norm
-            if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
-                out["torch.nn.utils", "clip_grads_with_norm_"] = _guarded_clip_with_norm
+            out[f"{_CLIP_GRAD}:_clip_grads_with_norm_"] = _guarded_clip_with_norm
+            out[f"{_UTILS}:clip_grads_with_norm_"] = _guarded_clip_with_norm
         return out
-    return {("torch.nn.utils.clip_grad", "clip_grad_norm_"): _guarded_clip_grad_norm,
-            ("torch.nn.utils", "clip_grad_norm_"): _guarded_clip_grad_norm}
-
-
-def _module(name: str) -> Any:
-    import importlib
-
-    return importlib.import_module(name)
-
-
-def _install() -> None:
-    if _ORIGINALS:
-        return
-    for (mod, name), replacement in _targets().items():
-        module = _module(mod)
-        _ORIGINALS[mod, name] = getattr(module, name)
-        setattr(module, name, replacement)
-
-
-def _uninstall() -> None:
-    """Put torch's functions back, except where someone replaced ours since (theirs stays)."""
-    replacements = set(map(id, (_guarded_total_norm, _guarded_clip_with_norm,
-                                _guarded_clip_grad_norm)))
-    for (mod, name), original in _ORIGINALS.items():
-        module = _module(mod)
-        if id(getattr(module, name, None)) in replacements:
-            setattr(module, name, original)
-    _ORIGINALS.clear()
-
-
-def _original(mod: str, name: str) -> Any:
-    found = _ORIGINALS.get((mod, name))
-    if found is None:  # a caller that bound ours by name after the last installation went
-        from torch.nn.utils import clip_grad
-
-        found = getattr(clip_grad, name)
-    return found
+    return {f"{_CLIP_GRAD}:clip_grad_norm_": _guarded_clip_grad_norm,
+            f"{_UTILS}:clip_grad_norm_": _guarded_clip_grad_norm}
 
 
 def _describe(t: Tensor) -> str:
@@ -231,18 +207,21 @@ def _as_list(tensors: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
 
 
-def _guarded_total_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> Tensor:
-    """``torch.nn.utils.get_total_norm``, the full norm when given an installation's
-    gradients (see the module)."""
-    listed = _as_list(tensors)
-    found = _owner_of(listed)
-    if found is None:
-        original = _original("torch.nn.utils.clip_grad", "_get_total_norm")
-        return cast(Tensor, original(listed, norm_type, error_if_nonfinite, foreach))
-    with torch.no_grad():
-        return _true_norm(found, norm_type, error_if_nonfinite, foreach)
+def _guarded_total_norm(original: Callable[..., Any]) -> Callable[..., Tensor]:
+    """``torch.nn.utils.get_total_norm`` over ``original``: the full norm when given an
+    installation's gradients (see the module)."""
+
+    def _guarded_total_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0,
+                            error_if_nonfinite: bool = False,
+                            foreach: bool | None = None) -> Tensor:
+        listed = _as_list(tensors)
+        found = _owner_of(listed)
+        if found is None:
+            return cast(Tensor, original(listed, norm_type, error_if_nonfinite, foreach))
+        with torch.no_grad():
+            return _true_norm(found, norm_type, error_if_nonfinite, foreach)
+
+    return _guarded_total_norm
 
 
 def _mixed(grads: list[Tensor]) -> bool:
@@ -252,30 +231,39 @@ def _mixed(grads: list[Tensor]) -> bool:
     return len(kinds) == 2
 
 
-def _guarded_clip_with_norm(parameters: Tensor | Iterable[Tensor], max_norm: float,
-                            total_norm: Tensor, foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_``, tensor by tensor over a list mixing DTensor
-    and plain gradients (validate mode), which torch's multi-tensor kernels refuse."""
-    listed = _as_list(parameters)
-    if foreach is not False and _mixed([p.grad for p in listed if p.grad is not None]):
-        foreach = False
-    original = _original("torch.nn.utils.clip_grad", "_clip_grads_with_norm_")
-    original(listed, max_norm, total_norm, foreach)
+def _guarded_clip_with_norm(original: Callable[..., Any]) -> Callable[..., None]:
+    """``torch.nn.utils.clip_grads_with_norm_`` over ``original``, tensor by tensor over a
+    list mixing DTensor and plain gradients (validate mode), which torch's multi-tensor
+    kernels refuse."""
+
+    def _guarded_clip_with_norm(parameters: Tensor | Iterable[Tensor], max_norm: float,
+                                total_norm: Tensor, foreach: bool | None = None) -> None:
+        listed = _as_list(parameters)
+        if foreach is not False and _mixed([p.grad for p in listed if p.grad is not None]):
+            foreach = False
+        original(listed, max_norm, total_norm, foreach)
+
+    return _guarded_clip_with_norm
 
 
-def _guarded_clip_grad_norm(parameters: Tensor | Iterable[Tensor], max_norm: float,
-                            norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                            foreach: bool | None = None) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` on a torch without ``_get_total_norm``."""
-    listed = _as_list(parameters)
-    grads = [p.grad for p in listed if p.grad is not None]
-    found = _owner_of(grads)
-    if found is None:
-        original = _original("torch.nn.utils.clip_grad", "clip_grad_norm_")
-        return cast(Tensor, original(listed, max_norm, norm_type, error_if_nonfinite, foreach))
-    with torch.no_grad():
-        total = _true_norm(found, norm_type, error_if_nonfinite, foreach)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device))
-    return total
+def _guarded_clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Tensor]:
+    """``torch.nn.utils.clip_grad_norm_`` over ``original``, on a torch without
+    ``_get_total_norm``."""
+
+    def _guarded_clip_grad_norm(parameters: Tensor | Iterable[Tensor], max_norm: float,
+                                norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                                foreach: bool | None = None) -> Tensor:
+        listed = _as_list(parameters)
+        grads = [p.grad for p in listed if p.grad is not None]
+        found = _owner_of(grads)
+        if found is None:
+            return cast(Tensor, original(listed, max_norm, norm_type, error_if_nonfinite,
+                                         foreach))
+        with torch.no_grad():
+            total = _true_norm(found, norm_type, error_if_nonfinite, foreach)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return total
+
+    return _guarded_clip_grad_norm

@@ -36,7 +36,7 @@ from hyperrecipe.models import LIBRARY
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hyperrecipe.rewriter import Rewrite
+    from hyperrecipe.rewriter import Rewrite, Rewritten
 
 __all__ = ["BufferKeeper", "allocate_unloaded", "is_meta", "keep_non_persistent_buffers",
            "materialize_buffers", "mesh_device", "shards_on_meta"]
@@ -155,38 +155,40 @@ def _apply_keeping_buffers(self: nn.Module, fn: Any, recurse: bool = True) -> nn
 
 class BufferKeeper:
     """What :func:`keep_non_persistent_buffers` installed; ``remove()`` (``restore()``)
-    takes it off again."""
+    takes it off again (idempotent)."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self._modules = modules
+    def __init__(self, rewritten: Rewritten) -> None:
+        self._rewritten = rewritten
 
     def remove(self) -> None:
-        for module in self._modules:
-            bound = vars(module).get("_apply")
-            if isinstance(bound, types.MethodType) and bound.__func__ is _apply_keeping_buffers:
-                del vars(module)["_apply"]
-            vars(module).pop(_VALUES, None)
-        self._modules = []
+        if not self._rewritten.restored:
+            self._rewritten.restore()
 
 
 def keep_non_persistent_buffers(model: nn.Module) -> BufferKeeper:
     """Give every module owning a non-persistent buffer with a value an ``_apply`` that
     writes the values back after ``to_empty`` (which no checkpoint load would repair).
 
-    The values are kept on the CPU (rotary ``inv_freq``: ``head_dim / 2`` floats). A dry run's
-    meta buffers have no value and are left alone."""
-    kept: list[nn.Module] = []
-    for module in model.modules():
-        values = {name: buf.detach().to("cpu", copy=True)
-                  for name, buf in module._buffers.items()
-                  if name in module._non_persistent_buffers_set and buf is not None
-                  and not is_meta(buf)}
-        if not values or "_apply" in vars(module):
-            continue
-        object.__setattr__(module, _VALUES, values)
-        object.__setattr__(module, "_apply", types.MethodType(_apply_keeping_buffers, module))
-        kept.append(module)
-    return BufferKeeper(kept)
+    The instance ``_apply`` is the declared patch ``torch.nn.Module:_apply``
+    (:data:`hyperrecipe.process_patches.PROCESS_PATCHES`), made in a rewriter transaction of
+    its own, so ``remove()`` is that transaction's restore. The values are kept on the CPU
+    (rotary ``inv_freq``: ``head_dim / 2`` floats). A dry run's meta buffers have no value and
+    are left alone."""
+    from hyperrecipe.rewriter import Rewrite
+
+    with Rewrite(label="keep non-persistent buffers") as tx:
+        for fqn, module in model.named_modules():
+            values = {name: buf.detach().to("cpu", copy=True)
+                      for name, buf in module._buffers.items()
+                      if name in module._non_persistent_buffers_set and buf is not None
+                      and not is_meta(buf)}
+            if not values or "_apply" in vars(module):
+                continue
+            where = fqn or "<root>"
+            tx.set_attribute(module, _VALUES, values, fqn=where)
+            tx.set_attribute(module, "_apply", types.MethodType(_apply_keeping_buffers, module),
+                             fqn=where)
+    return BufferKeeper(tx.result)
 
 
 def _join(prefix: str, name: str) -> str:
