@@ -7,7 +7,8 @@ order data flows (``docs/architecture.md``): ``errors`` and ``placement``; ``rec
 ``plan``; ``collective`` (the collectives a plan stores); ``refs`` (``pkg.mod:attr``
 references and which code may be imported) and ``_files`` (reading files someone else named, in
 bounded time and memory); ``models`` (what the runtime asks of a model library, below it);
-``rewriter`` and ``signature``; ``runtime``; ``verify`` (one step on fake tensors at compile);
+``rewriter`` and ``signature``, with ``process_patches`` (the rewriter's process-wide half:
+every patch of torch the package makes, declared in one table and held by reference count); ``runtime``; ``verify`` (one step on fake tensors at compile);
 ``api`` (the functions this namespace re-exports); ``check`` and ``plan_report``; ``simulate``
 (a dry run at real scale); ``suggest``; ``trainers`` (one module per trainer, above the
 runtime); ``lint``; ``cli`` and ``_cli_commands`` (the command line). Names resolve lazily (PEP 562) so that ``hyperrecipe lint``, the recipe loader and

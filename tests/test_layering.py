@@ -282,7 +282,6 @@ FOREIGN_PRIVATE_NAMES: dict[str, str] = {
     "_foreach_mul_": "torch's multi-tensor scale, as clip_grad_norm_ applies it",
     "_get_total_norm": "torch's clip_grad_norm_ helper, routed to the plan's full norm",
     "_clip_grads_with_norm_": "torch's clip_grad_norm_ helper, routed likewise",
-    "_unscale_grads_": "GradScaler's inf check over gradients, which must see every shard",
     "_active_ddp_module": "DDP's marker of the module it is running (the DDP guard)",
     "_ddp_params_and_buffers_to_ignore": "the parameters DDP must not average (hook-reduced)",
     "_set_params_and_buffers_to_ignore_for_model": "DDP's setter for the same",

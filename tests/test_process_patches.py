@@ -111,7 +111,9 @@ def test_every_transaction_patch_is_made_by_its_supplier() -> None:
         assert "tx.set_" in source, patch.key
         mention = ("ALL_ATTENTION_FUNCTIONS" if patch.attribute.startswith("<")
                    else f'"{patch.attribute}"')
-        assert mention in source, patch.key
+        # the runtime names no library's attribute: the library's answer does (models/)
+        library = "".join(p.read_text() for p in (PACKAGE / "models").glob("*.py"))
+        assert mention in source or mention in library, patch.key
 
 
 def test_the_package_patches_no_imported_module_outside_the_rewriter() -> None:

@@ -1,7 +1,8 @@
 """The Python lint rules, one module each; :data:`ALL_RULES` in code order.
 
 ``forward_assignment`` (HR001), ``forward_setattr`` (HR002), ``forward_dict`` (HR003),
-``class_swap`` (HR004), and ``_patterns``: the assignment targets, setattr-like calls and
+``class_swap`` (HR004), ``process_patch`` (HR005: a patch of an imported module or class
+outside the rewriter), and ``_patterns``: the assignment targets, setattr-like calls and
 namespace dicts several rules match.
 
 Importing this package imports libcst. The registry in :mod:`hyperrecipe.lint.codes` carries
