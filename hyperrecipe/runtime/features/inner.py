@@ -9,9 +9,10 @@ Every decision shows in ``Installation.status()``.
 
 Hooks (:data:`~hyperrecipe.wrappers.Hook`):
 
-- ``attention``: transformers' attention modules call
-  ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``. A dispatcher is
-  set (through the rewriter) as that registry's local entry for the module's implementation;
+- ``attention``: an attention module whose model library dispatches its attention function
+  through a registry (transformers' attention modules: the library's answers are in
+  :mod:`hyperrecipe.models`). A dispatcher is set (through the rewriter) as that registry's
+  local entry for the module's implementation;
   it calls the module's wrapper when the module has one (a companion attribute) and the
   original function for every other module, so other models in the process are unaffected.
   ``eager`` is not in the registry (models call their own function directly) and cannot be
@@ -165,15 +166,17 @@ class InnerWrapperInstaller:
     def _hook_attention(self, tx: Rewrite, fqn: str, module: nn.Module) -> None:
         impl = LIBRARY.attention_implementation(module)
         if impl is None:
-            msg = (f"{fqn}: the attention hook needs a transformers attention module (one with "
-                   f"config._attn_implementation); {type(module).__name__} has none — declare "
-                   f"the wrapper with hook='forward'")
+            msg = (f"{fqn}: the attention hook needs an attention module whose model library "
+                   f"dispatches its attention function (a transformers attention module); "
+                   f"{type(module).__name__} has none — declare the wrapper with "
+                   f"hook='forward'")
             raise PlanMismatchError(msg)
         registries = LIBRARY.attention_registry()
         registry, target = registries if registries is not None else ({}, {})
         if impl == "eager" or impl not in registry:
             msg = (f"{fqn}: attention implementation {impl!r} is not looked up through "
-                   f"transformers' AttentionInterface (eager attention is called directly), so "
+                   f"its model library's attention registry (eager attention is called "
+                   f"directly), so "
                    f"it cannot be wrapped; build the model with attn_implementation='sdpa'")
             raise PlanMismatchError(msg)
         if impl in self._dispatchers:
@@ -192,7 +195,7 @@ class InnerWrapperInstaller:
             return wrapper(original, module, *args, **kwargs)
 
         setattr(dispatch, _DISPATCHER_MARK, True)
-        tx.set_item(target, impl, dispatch, fqn=f"transformers ALL_ATTENTION_FUNCTIONS[{impl!r}]")
+        tx.set_item(target, impl, dispatch, fqn=f"attention registry[{impl!r}]")
         self._dispatchers[impl] = dispatch
 
 

@@ -8,8 +8,8 @@ unloaded weights fails loudly instead of training on whatever ``torch.empty`` re
 Buffers are not in the plan (they are not sharded). A *persistent* buffer is allocated and left
 for :meth:`~hyperrecipe.runtime.installation.Installation.load_weights` (checkpoints carry it). A
 *non-persistent* buffer (rotary ``inv_freq``) is in no checkpoint, so it must be recomputed: the
-only general recipe for that is the model's own initializer, so a transformers model's
-``_init_weights`` is run on each parameter-free module that owns one, and a buffer that is still
+only general recipe for that is the model's own initializer (its model library's answer,
+:mod:`hyperrecipe.models`), run on each parameter-free module that owns one, and a buffer that is still
 unset afterwards is refused by name, with what to do instead.
 
 ``model.to_empty(device=...)`` after apply (torchtitan's Trainer's order, ``tools/train.py``
@@ -124,7 +124,7 @@ def materialize_buffers(model: nn.Module, tx: Rewrite, device: torch.device) -> 
             listed = ", ".join(_join(fqn, n) for n in unset)
             msg = (f"non-persistent buffer(s) {listed} of {type(module).__name__} were on the meta "
                    f"device and no checkpoint holds them, and hyperrecipe cannot recompute them "
-                   f"(only a transformers model's own _init_weights is known to); build this "
+                   f"(only a model library's own initializer, such as a transformers model's, is known to); build this "
                    f"module on the real device before apply (the rest of the model may stay on "
                    f"meta)")
             raise PlanMismatchError(msg)
