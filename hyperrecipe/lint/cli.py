@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
     parser.add_argument("--select", type=_codes, action="append", metavar="CODES",
                         help="comma-separated codes, names or prefixes to report "
-                             "(replaces the configured select)")
+                             "(replaces the configured select; an opt-in rule such as "
+                             "HR005 only by its code or name)")
     parser.add_argument("--ignore", type=_codes, action="append", default=[], metavar="CODES",
                         help="comma-separated codes, names or prefixes not to report")
     parser.add_argument("--jobs", "-j", type=int, default=None, metavar="N",

@@ -10,7 +10,9 @@ Codes are stable: a code is never reused for a different check.
   internal-error — a file (or a folder's files) could not be linted (errors, exit 2).
 * ``HR001``-``HR099`` — Python rules. Those marked *gated* are the rewriter's gate (forwards,
   and process-wide patches): they are switched off in the ``rewriter`` paths of the
-  configuration.
+  configuration. Those marked *opt-in* (``HR005``) are reported only where selected by their
+  exact code or name, never by default nor through a prefix such as ``HR0`` (as ruff treats
+  its preview rules).
 * ``HR100``-``HR199`` — recipe files.
 * ``HR900``-``HR999`` — about suppression comments themselves.
 """
@@ -27,6 +29,7 @@ from hyperrecipe.errors import SelectorError, did_you_mean
 __all__ = [
     "ALWAYS_ON",
     "CODES",
+    "DEFAULT_SELECTION",
     "CodeInfo",
     "SelectorError",
     "by_code",
@@ -47,6 +50,11 @@ class CodeInfo:
         summary: one line for listings.
         kind: which family it belongs to.
         gated: part of the forward gate, so allowed in the configured rewriter paths.
+        opt_in: reported only where selected by this exact code or name (``--select HR005``,
+            ``select = [..., "process-patch"]``): not in the default selection, and not
+            matched by a prefix such as ``HR0`` (an ``ignore`` prefix does match it). For a
+            rule that serves one project's own discipline and would flood anyone else's code
+            with findings that are legitimate there.
     """
 
     code: str
@@ -54,6 +62,7 @@ class CodeInfo:
     summary: str
     kind: CodeKind
     gated: bool = False
+    opt_in: bool = False
 
 
 CODES: Final[tuple[CodeInfo, ...]] = (
@@ -67,7 +76,7 @@ CODES: Final[tuple[CodeInfo, ...]] = (
              summary='`x.__dict__["forward"] = ...`, `vars(x)["forward"] = ...` and dict updates'),
     CodeInfo(code="HR004", name="class-swap", kind="rule", gated=True,
              summary="`x.__class__ = Other` replaces every method, forward included"),
-    CodeInfo(code="HR005", name="process-patch", kind="rule", gated=True,
+    CodeInfo(code="HR005", name="process-patch", kind="rule", gated=True, opt_in=True,
              summary="`torch.nn.utils.clip_grad_norm_ = f`: an imported module's or class's "
                      "attribute (or a module's `_apply`) replaced outside the rewriter"),
     CodeInfo(code="HR100", name="recipe-schema", kind="recipe",
@@ -93,6 +102,10 @@ _BY_NAME: Final[Mapping[str, CodeInfo]] = {info.name: info for info in CODES}
 #: Reported whatever the selection: silencing them would hide files that were never checked.
 ALWAYS_ON: Final[frozenset[str]] = frozenset({"HR000", "HR997", "HR998", "HR999"})
 SELECTABLE: Final[tuple[str, ...]] = tuple(i.code for i in CODES if i.code not in ALWAYS_ON)
+#: What is reported without a ``select``: every selectable code but the opt-in ones.
+DEFAULT_SELECTION: Final[frozenset[str]] = frozenset(
+    code for code in SELECTABLE if not _BY_CODE[code].opt_in
+)
 
 
 def by_code(code: str) -> CodeInfo:
@@ -100,12 +113,17 @@ def by_code(code: str) -> CodeInfo:
     return _BY_CODE[code]
 
 
-def resolve_selectors(selectors: Iterable[str], *, where: str) -> frozenset[str]:
+def resolve_selectors(
+    selectors: Iterable[str], *, where: str, prefixes_reach_opt_in: bool = False
+) -> frozenset[str]:
     """Turn codes (``HR001``), names (``forward-setattr``) and prefixes (``HR00``) into codes.
 
     Args:
         selectors: as written by the user.
         where: where they were written, for the message (``"--select"``, ``"pyproject.toml"``).
+        prefixes_reach_opt_in: whether a prefix also matches the opt-in codes. ``False`` for a
+            selection (an opt-in rule is chosen by its exact code or name only); ``True`` for
+            ``ignore``, where ``HR0`` means every ``HR0`` code.
 
     Raises:
         SelectorError: for a selector that matches no code; the message suggests the nearest.
@@ -119,7 +137,13 @@ def resolve_selectors(selectors: Iterable[str], *, where: str) -> frozenset[str]
             chosen.add(_BY_NAME[token].code)
             continue
         upper = token.upper()
-        matches = [c for c in SELECTABLE if c.startswith(upper)] if upper.startswith("HR") else []
+        if upper in _BY_CODE and upper in SELECTABLE:
+            chosen.add(upper)  # an exact code, opt-in or not
+            continue
+        matches = [
+            c for c in SELECTABLE
+            if c.startswith(upper) and (prefixes_reach_opt_in or not _BY_CODE[c].opt_in)
+        ] if upper.startswith("HR") else []
         if not matches:
             known = [*SELECTABLE, *(_BY_CODE[c].name for c in SELECTABLE)]
             msg = f"{where}: unknown rule code or name {token!r}{did_you_mean(token, known)}"
@@ -134,10 +158,12 @@ def resolve_selection(
     ignore: Iterable[str],
     where: str,
 ) -> frozenset[str]:
-    """The codes to report: ``select`` (all selectable codes when ``None``) minus ``ignore``.
+    """The codes to report: ``select`` (:data:`DEFAULT_SELECTION` when ``None``) minus
+    ``ignore``.
 
     ``HR000``, ``HR997``, ``HR998`` and ``HR999`` are always added: a file that could not be
     checked is never silent.
     """
-    base = frozenset(SELECTABLE) if select is None else resolve_selectors(select, where=where)
-    return (base - resolve_selectors(ignore, where=where)) | ALWAYS_ON
+    base = DEFAULT_SELECTION if select is None else resolve_selectors(select, where=where)
+    ignored = resolve_selectors(ignore, where=where, prefixes_reach_opt_in=True)
+    return (base - ignored) | ALWAYS_ON

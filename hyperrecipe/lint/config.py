@@ -6,13 +6,14 @@ linted file, so a monorepo can hold several projects with their own settings. Ke
     [tool.hyperrecipe.lint]
     rewriter = ["hyperrecipe/rewriter.py"]   # files or folders allowed to install forwards
     exclude  = [".venv*", "build"]            # globs, on top of the built-in excludes
-    select   = ["HR0"]                         # codes, names or code prefixes (default: all)
+    select   = ["HR0", "process-patch"]        # codes, names or code prefixes (default: all
+                                               # but opt-in HR005, selected only by name/code)
     ignore   = ["class-swap"]
     [tool.hyperrecipe.lint.per-file-ignores]
     "tests/*" = ["HR001"]                      # glob -> codes not reported in matching files
 
 Paths and globs are relative to the ``pyproject.toml`` that holds them. Without any table every
-rule is on and no path is allowed to install forwards.
+rule but the opt-in ones (HR005) is on and no path is allowed to install forwards.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class LintConfig:
         root: the folder paths and globs are relative to (the pyproject's folder).
         rewriter: absolute paths (files or folders) allowed to install forwards.
         exclude: globs from the table (the built-in :data:`DEFAULT_EXCLUDE` apply as well).
-        select: codes, names or prefixes to report; ``None`` for all.
+        select: codes, names or prefixes to report; ``None`` for the default selection (every
+            rule but the opt-in ones).
         ignore: codes, names or prefixes not to report.
         per_file_ignores: ``(glob, codes)`` pairs: codes not reported in the files the glob
             matches (see :meth:`ignores_for`).

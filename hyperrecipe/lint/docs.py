@@ -31,8 +31,17 @@ def rule_markdown(rule: type[LintRule]) -> str:
     gate = ""
     if rule.gated:
         gate = " It is part of the forward gate: off in the configured `rewriter` paths."
+    opt_in = ""
+    if rule.opt_in:
+        opt_in = (
+            f"**Opt-in**: reported only where selected by its exact code or name "
+            f"(`--select {rule.code}`, or `select = [..., \"{rule.name}\"]` in "
+            f"`[tool.hyperrecipe.lint]`); never by default, and never through a prefix such as "
+            f"`{rule.code[:3]}`.\n\n"
+        )
     return (
         f"## {rule.code} {rule.name}\n\n"
+        f"{opt_in}"
         f"Message: *{rule.message}*\n\n"
         f"{body}\n\n"
         f"Tested by {len(rule.VALID)} valid and {len(rule.INVALID)} invalid embedded cases.{gate}\n"
@@ -42,7 +51,10 @@ def rule_markdown(rule: type[LintRule]) -> str:
 def render_reference() -> str:
     """The generated part of ``docs/lint.md``: the code table, then every rule."""
     rows = ["| code | name | what |", "|---|---|---|"]
-    rows += [f"| {info.code} | {info.name} | {info.summary} |" for info in CODES]
+    rows += [
+        f"| {info.code} | {info.name} | {'(opt-in) ' if info.opt_in else ''}{info.summary} |"
+        for info in CODES
+    ]
     sections = [rule_markdown(rule) for rule in ALL_RULES]
     return "\n".join([BEGIN, "", "\n".join(rows), "", "\n".join(sections).rstrip("\n"), "", END])
 

@@ -2,15 +2,18 @@
 
 libcst is about ten times slower than the interpreter's own parser, and in a real tree almost
 no file assigns ``forward``. So each file goes through two screens first; a file is handed to the
-libcst rules unless a screen *proves* that no rule can fire in it:
+libcst rules unless a screen *proves* that no rule can fire in it. The screens look only for what
+the selected rules can report: the parts marked *HR005* below apply only where that opt-in rule
+is selected (``needs_libcst(..., patches=True)``); otherwise the screen is what it was before
+HR005 existed, so a file that merely imports something is not even parsed with :mod:`ast`.
 
 1. **Text.** Every finding needs one of a few spellings in the source: ``forward`` or
    ``__class__`` as an attribute that is not immediately called, as a quoted string or a keyword
    argument; a backslash escape of one of their letters; a string literal that is a proper
    prefix of one of them followed by another literal (``"for" "ward"``); the word ``__dict__``
-   or ``vars`` (copying another object's attribute dict names no target); the word ``import``
-   (HR005: a patch of an imported module or class needs one; ``_apply`` is a watched name
-   like ``forward``); or a
+   or ``vars`` (copying another object's attribute dict names no target); *HR005:* the word
+   ``import`` (a patch of an imported module or class needs one), and ``_apply`` as a screened
+   name like ``forward``; or a
    ``# hyperrecipe:`` comment. Non-ASCII sources are NFKC-normalised first, as the tokenizer
    normalises identifiers (``m.ｆorward`` *is* ``m.forward``). A file with none of these is only
    syntax-checked (``symtable``, which parses but builds no AST objects), so a broken file is
@@ -22,7 +25,7 @@ libcst rules unless a screen *proves* that no rule can fire in it:
    argument, keyword or dict key whose value is statically one of those names (string literals,
    concatenations, placeholder-free f-strings and names bound to such literals anywhere in the
    file); an ``update``/``dict`` call copying one possible attribute dict (``x.__dict__``, or a
-   call of a plain name such as ``vars(x)``) into another; for HR005, an attribute (other than
+   call of a plain name such as ``vars(x)``) into another; *HR005:* an attribute (other than
    ``__doc__``, ``__module__``, ``__name__``, ``__qualname__``) stored or deleted, or a
    ``setattr``/``delattr`` (also imported from ``builtins`` under another name),
    ``__setattr__`` or ``__delattr__`` call, on a chain starting from a name an import anywhere
@@ -45,7 +48,7 @@ from collections.abc import Iterator
 from typing import Final, cast
 
 from hyperrecipe.errors import InterpreterLimit
-from hyperrecipe.lint.targets import ENTRY_NAMES, METADATA_NAMES, SCREENED_NAMES
+from hyperrecipe.lint.targets import ENTRY_NAMES, METADATA_NAMES, SCREENED_NAMES, TARGET_NAMES
 
 __all__ = [
     "SUPPRESSION_HINT",
@@ -73,37 +76,72 @@ _NOT_A_TARGET_AFTER: Final = frozenset(b"(.[{}\"'`")
 _IN: Final = b"in"
 #: Where a suppression comment may be (a superset: the match may sit inside a string).
 SUPPRESSION_HINT: Final = re.compile(rb"#[ \t]*hyperrecipe[ \t]*:")
-# Any escape that can spell a letter of a screened name (f o r w a d _ c l s i m p e y).
-_LETTER_ESCAPE: Final = re.compile(
-    rb"\\(?:x|u00|U000000)(?:5[fF]|6[134569cCdDfF]|7[02379])"
-    rb"|\\(?:137|141|143|144|145|146|151|154|155|157|160|162|163|167|171)"
-    rb"|\\N\{"
-)
-# A literal that is a proper prefix of a target name, followed by another literal: the start of
-# a concatenation that may spell the name ("for" "ward", "fo" + "rward", ("__cl") "ass__").
-# Every prefix is made of a few letters (`[f_][a-z_]*` today), so a regex looks for that shape
-# and the prefix is then looked up in a set. One regex per opening quote: a pattern that starts
-# with a literal character is searched for in C at memory speed, one that starts with a class
-# (`["']`) or an alternation of the 60-odd prefixes is tried at every position (that cost two
-# thirds of the text screen).
-_PREFIXES: Final = frozenset(
-    name[:end].encode() for name in SCREENED_NAMES for end in range(1, len(name))
-)
+
+
+def _letter_escape(names: frozenset[str]) -> re.Pattern[bytes]:
+    """Any escape that can spell a letter of ``names`` (hex, ``\\u``/``\\U``, octal, ``\\N{}``).
+
+    Starts with a literal backslash, so it is searched for in C at memory speed."""
+    letters = sorted({ord(char) for name in names for char in name})
+    hexes = [b"%x[%x%X]" % (v >> 4, v & 15, v & 15) if v & 15 > 9 else b"%02x" % v
+             for v in letters]
+    octals = [b"%03o" % v for v in letters]
+    return re.compile(
+        rb"\\(?:x|u00|U000000)(?:" + b"|".join(hexes) + rb")"
+        + rb"|\\(?:" + b"|".join(octals) + rb")"
+        + rb"|\\N\{"
+    )
 
 
 def _byte_class(values: set[int]) -> bytes:
     return b"[" + b"".join(re.escape(bytes([v])) for v in sorted(values)) + b"]"
 
 
-_SPLIT_CANDIDATES: Final = tuple(
-    re.compile(
-        quote + b"(" + _byte_class({p[0] for p in _PREFIXES})
-        + _byte_class({c for p in _PREFIXES for c in p})
-        + b"{0,%d})" % (max(len(p) for p in _PREFIXES) - 1) + rb"[\"']"
-        + rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
+def _split_candidates(prefixes: frozenset[bytes]) -> tuple[re.Pattern[bytes], ...]:
+    """A literal that is a proper prefix of a screened name, followed by another literal: the
+    start of a concatenation that may spell the name (``"for" "ward"``, ``"fo" + "rward"``,
+    ``("__cl") "ass__"``).
+
+    Every prefix is made of a few letters (``[f_][a-z_]*`` today), so a regex looks for that
+    shape and the prefix is then looked up in a set. One regex per opening quote: a pattern
+    that starts with a literal character is searched for in C at memory speed, one that starts
+    with a class (``["']``) or an alternation of the 60-odd prefixes is tried at every position
+    (that cost two thirds of the text screen)."""
+    return tuple(
+        re.compile(
+            quote + b"(" + _byte_class({p[0] for p in prefixes})
+            + _byte_class({c for p in prefixes for c in p})
+            + b"{0,%d})" % (max(len(p) for p in prefixes) - 1) + rb"[\"']"
+            + rb"(?:[ \t\f\r\n\\+()]|#[^\n]*\n)*[rRuUfFbB]{0,2}[\"']"
+        )
+        for quote in (b'"', b"'")
     )
-    for quote in (b'"', b"'")
-)
+
+
+class _Watch:
+    """What the screen looks for under one selection: the names, and whether HR005's patches.
+
+    Args:
+        names: the attribute names a finding may be about.
+        patches: HR005 is selected, so a store through an imported name is a possible finding.
+    """
+
+    def __init__(self, names: frozenset[str], *, patches: bool) -> None:
+        self.names = names
+        self.patches = patches
+        self.words = tuple(sorted(name.encode() for name in names))
+        self.letter_escape = _letter_escape(names)
+        self.prefixes = frozenset(
+            name[:end].encode() for name in names for end in range(1, len(name))
+        )
+        self.split_candidates = _split_candidates(self.prefixes)
+
+
+#: The forward gate alone (HR001-HR004): the screen as it was before HR005.
+_GATE: Final = _Watch(TARGET_NAMES, patches=False)
+#: The gate and HR005's process patches (``_apply`` on any receiver, stores through imports).
+_GATE_AND_PATCHES: Final = _Watch(SCREENED_NAMES, patches=True)
+
 
 # Copying another object's attribute dict (`m.__dict__.update(o.__dict__)`,
 # `mock.patch.dict(vars(m), vars(o))`) needs no target name at all, only one of these words
@@ -192,22 +230,19 @@ def _mentions(source: bytes, word: bytes) -> bool:
     return False
 
 
-_WORDS: Final = tuple(sorted(name.encode() for name in SCREENED_NAMES))
-
-
-def _text_may_match(source: bytes) -> bool:
+def _text_may_match(source: bytes, watch: _Watch = _GATE) -> bool:
     if b"hyperrecipe" in source and SUPPRESSION_HINT.search(source):
         return True
-    for word in _WORDS:
+    for word in watch.words:
         if word in source and _mentions(source, word):
             return True
     if _DICT_WORD in source or (_VARS_WORD in source and _has_word(source, _VARS_WORD)):
         return True
-    if b"\\" in source and _LETTER_ESCAPE.search(source):
+    if b"\\" in source and watch.letter_escape.search(source):
         return True
-    if _IMPORT_WORD in source and _has_word(source, _IMPORT_WORD):
+    if watch.patches and _IMPORT_WORD in source and _has_word(source, _IMPORT_WORD):
         return True  # HR005: an imported module or class may be patched; the ast screen decides
-    return _has_split_literal(source)
+    return _has_split_literal(source, watch)
 
 
 def _has_word(source: bytes, word: bytes) -> bool:
@@ -224,12 +259,12 @@ def _has_word(source: bytes, word: bytes) -> bool:
     return False
 
 
-def _has_split_literal(source: bytes) -> bool:
-    """Whether a literal holding a proper prefix of a target name is followed by another one."""
-    for candidate in _SPLIT_CANDIDATES:
+def _has_split_literal(source: bytes, watch: _Watch) -> bool:
+    """Whether a literal holding a proper prefix of a screened name is followed by another."""
+    for candidate in watch.split_candidates:
         match = candidate.search(source)
         while match is not None:
-            if match.group(1) in _PREFIXES:
+            if match.group(1) in watch.prefixes:
                 return True
             match = candidate.search(source, match.start() + 1)
     return False
@@ -300,10 +335,10 @@ def _spelled_as_class(node: ast.expr) -> bool:
     )
 
 
-def _dict_with_target_key(node: ast.expr) -> bool:
-    """A dict display with a target-name key: a name bound to it may feed ``ns.update(d)``."""
+def _dict_with_target_key(node: ast.expr, names: frozenset[str]) -> bool:
+    """A dict display with a key in ``names``: a name bound to it may feed ``ns.update(d)``."""
     return isinstance(node, ast.Dict) and any(
-        key is not None and _literal_str(key) in SCREENED_NAMES for key in node.keys
+        key is not None and _literal_str(key) in names for key in node.keys
     )
 
 
@@ -337,9 +372,11 @@ def _nodes(tree: ast.AST) -> Iterator[ast.AST]:
 
 
 class _Screen:
-    """One walk over an AST, looking for anything a rule could report."""
+    """One walk over an AST, looking for anything a selected rule could report."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: _Watch = _GATE) -> None:
+        self.names = watch.names
+        self.patches = watch.patches
         self.constant_names: set[str] = set()  # names bound to a target-name literal
         self.names_in_key_positions: set[str] = set()
         # HR005: names imports bind, and the names stored-through or set-by-name on
@@ -354,7 +391,7 @@ class _Screen:
         if isinstance(node, ast.Name):
             self.names_in_key_positions.add(node.id)
             return False
-        return _literal_str(node) in SCREENED_NAMES
+        return _literal_str(node) in self.names
 
     def dict_has_target_key(self, node: ast.expr) -> bool:
         return isinstance(node, ast.Dict) and any(self.is_target(key) for key in node.keys)
@@ -368,20 +405,21 @@ class _Screen:
         return sum(_namespace_like(a) for a in sources) >= 2
 
     def found(self, tree: ast.AST) -> bool:
+        names, patches = self.names, self.patches
         for node in _nodes(tree):
             kind = type(node)
             if kind is ast.Attribute:
                 assert isinstance(node, ast.Attribute)
                 if type(node.ctx) is not ast.Load:
-                    if node.attr in SCREENED_NAMES:
+                    if node.attr in names:
                         if node.attr != "__call__" or _spelled_as_class(node.value):
                             return True  # an instance's `__call__` is never what `m(x)` calls
-                    elif node.attr not in METADATA_NAMES:
+                    elif patches and node.attr not in METADATA_NAMES:
                         self.add_root(self.patched_roots, node.value)
-            elif kind is ast.Import:
+            elif kind is ast.Import and patches:
                 assert isinstance(node, ast.Import)
                 self.imported.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif kind is ast.ImportFrom:
+            elif kind is ast.ImportFrom and patches:
                 assert isinstance(node, ast.ImportFrom)
                 for alias in node.names:
                     self.imported.add(alias.asname or alias.name)
@@ -396,7 +434,8 @@ class _Screen:
                 assert isinstance(node, ast.Call)
                 func = node.func
                 attr = func.attr if isinstance(func, ast.Attribute) else None
-                self.note_set_by_name(node, func, attr)
+                if patches:
+                    self.note_set_by_name(node, func, attr)
                 if type(func) is ast.Name or attr in _CALLED_ATTRIBUTES:
                     for arg in node.args:
                         if self.is_target(arg) or self.dict_has_target_key(arg):
@@ -423,7 +462,7 @@ class _Screen:
                     return True
             elif kind is ast.Assign:
                 assert isinstance(node, ast.Assign)
-                if _literal_str(node.value) in SCREENED_NAMES or _dict_with_target_key(node.value):
+                if _literal_str(node.value) in names or _dict_with_target_key(node.value, names):
                     self.constant_names.update(
                         t.id for t in node.targets if isinstance(t, ast.Name)
                     )
@@ -433,13 +472,15 @@ class _Screen:
                     node.value is not None
                     and isinstance(node.target, ast.Name)
                     and (
-                        _literal_str(node.value) in SCREENED_NAMES
-                        or _dict_with_target_key(node.value)
+                        _literal_str(node.value) in names
+                        or _dict_with_target_key(node.value, names)
                     )
                 ):
                     self.constant_names.add(node.target.id)
         if not self.constant_names.isdisjoint(self.names_in_key_positions):
             return True
+        if not patches:
+            return False
         for name, roots in self.named_setattr_roots.items():
             if name in self.setattr_names:
                 self.patched_roots |= roots
@@ -513,7 +554,7 @@ def _syntax_ok(source: bytes, filename: str) -> bool:
     return True
 
 
-def needs_libcst(source: bytes, filename: str) -> bool:
+def needs_libcst(source: bytes, filename: str, *, patches: bool) -> bool:
     """Whether ``source`` may hold a finding (or a syntax error) and needs the libcst pass.
 
     ``False`` is a proof: no rule can fire and the file parses. ``True`` only means "look".
@@ -521,13 +562,17 @@ def needs_libcst(source: bytes, filename: str) -> bool:
     Args:
         source: the file's bytes (encoding declarations are honoured).
         filename: for the parser's messages only.
+        patches: HR005 (opt-in) is selected for this file and not switched off by a rewriter
+            path, so the screen looks for process patches too. ``False`` screens for the
+            forward gate alone: a file that only imports things is cleared by its text.
 
     Raises:
         InterpreterLimit: the interpreter refuses the source for a nesting limit; report it,
             do not hand it to libcst.
     """
+    watch = _GATE_AND_PATCHES if patches else _GATE
     screened = source if source.isascii() else _normalized(source)
-    if not _text_may_match(screened):
+    if not _text_may_match(screened, watch):
         return not _syntax_ok(source, filename)
     if b"hyperrecipe" in screened and SUPPRESSION_HINT.search(screened):
         _syntax_ok(source, filename)  # raises for a limit
@@ -539,4 +584,4 @@ def needs_libcst(source: bytes, filename: str) -> bool:
         if limit is not None:
             raise limit from None
         return True
-    return _Screen().found(tree)
+    return _Screen(watch).found(tree)

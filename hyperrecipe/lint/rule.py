@@ -97,6 +97,9 @@ class LintRule(cst.BatchableCSTVisitor):
     message: ClassVar[str]
     #: Part of the forward gate: not run in the configured rewriter paths.
     gated: ClassVar[bool] = True
+    #: Reported only where selected by its exact code or name, never by default or by a prefix
+    #: (see :class:`hyperrecipe.lint.codes.CodeInfo`).
+    opt_in: ClassVar[bool] = False
     VALID: ClassVar[tuple[Valid, ...]] = ()
     INVALID: ClassVar[tuple[Invalid, ...]] = ()
 

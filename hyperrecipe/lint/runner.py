@@ -42,6 +42,9 @@ POOL_MIN_FILES: Final = 8
 INLINE_MAX_BYTES: Final = 256 * 1024
 #: The path that stands for standard input, as in ruff.
 STDIN_PATH: Final = "-"
+#: The opt-in rule that widens the screen (``import`` sends a file to the ``ast`` walk) only
+#: where it is selected.
+_PROCESS_PATCH: Final = "HR005"
 
 
 @attrs.frozen(kw_only=True)
@@ -99,6 +102,12 @@ def _stdin_source() -> bytes:
     return _STDIN[0] if _STDIN else b""
 
 
+def _screens_patches(job: _Job) -> bool:
+    """Whether the screen must look for process patches: HR005 (opt-in) is selected for the
+    file, and the file is not a rewriter path (HR005 is gated, so it does not run there)."""
+    return _PROCESS_PATCH in job[2] and not job[3]
+
+
 def _screen(job: _Job) -> list[Finding] | None:
     """The file's findings if the screen settles it (usually none); ``None``: libcst must look."""
     from hyperrecipe.lint.prefilter import InterpreterLimit, needs_libcst
@@ -111,7 +120,7 @@ def _screen(job: _Job) -> list[Finding] | None:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return None if needs_libcst(source, job[1]) else []
+        return None if needs_libcst(source, job[1], patches=_screens_patches(job)) else []
     except InterpreterLimit as limit:
         return [_error(job[1], "HR000", f"cannot parse: {limit.message}", limit.line,
                        limit.column)]

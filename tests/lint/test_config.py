@@ -221,3 +221,57 @@ def test_this_repository_allows_exactly_the_rewriter_modules() -> None:
     assert finder.for_path(rewriter).allows_forward_install(rewriter)
     runtime = root / "hyperrecipe" / "runtime" / "apply.py"
     assert not finder.for_path(runtime).allows_forward_install(runtime)
+
+
+PATCH = "import torch\ntorch.nn.utils.clip_grad_norm_ = f\n"
+
+
+def test_process_patch_is_opt_in_not_reported_or_even_parsed_by_default(
+    write_tree: WriteTree,
+) -> None:
+    write_tree({"patch.py": PATCH, "both.py": PATCH + FORWARD})
+    result = lint_paths(["."], jobs=1)
+    assert [(f.path, f.code) for f in result.findings] == [("both.py", "HR001")]
+    assert result.libcst_files == 1  # the file that only patches is cleared by the screen
+
+
+@pytest.mark.parametrize("selector", ["HR005", "process-patch"])
+def test_process_patch_is_reported_where_selected_by_its_code_or_name(
+    write_tree: WriteTree, selector: str
+) -> None:
+    write_tree({"patch.py": PATCH, "both.py": PATCH + FORWARD})
+    assert _found(select=[selector]) == [("both.py", "HR005"), ("patch.py", "HR005")]
+    assert _found(select=["HR0", selector]) == [
+        ("both.py", "HR005"), ("both.py", "HR001"), ("patch.py", "HR005"),
+    ]
+
+
+@pytest.mark.parametrize("prefix", ["HR", "HR0", "HR00"])
+def test_a_prefix_does_not_select_process_patch(write_tree: WriteTree, prefix: str) -> None:
+    write_tree({"patch.py": PATCH, "both.py": PATCH + FORWARD})
+    assert _found(select=[prefix]) == [("both.py", "HR001")]
+
+
+def test_a_configured_select_naming_process_patch_reports_it_outside_the_rewriter(
+    write_tree: WriteTree,
+) -> None:
+    write_tree({
+        "pyproject.toml": '[tool.hyperrecipe.lint]\nrewriter = ["pkg/rw.py"]\n'
+                          'select = ["HR0", "process-patch"]\n'
+                          '[tool.hyperrecipe.lint.per-file-ignores]\n"tests/*" = ["HR005"]\n',
+        "pkg/rw.py": PATCH,
+        "pkg/other.py": PATCH,
+        "tests/test_x.py": PATCH,
+    })
+    assert _found() == [("pkg/other.py", "HR005")]
+    assert _found(select=["HR0"]) == []  # --select replaces the configured select
+
+
+def test_this_repository_selects_process_patch_in_the_package_only() -> None:
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "pyproject.toml")
+    assert config is not None and config.select is not None
+    assert "process-patch" in config.select or "HR005" in config.select
+    assert config.ignores_for(root / "tests" / "test_x.py") == ("HR005",)
+    assert config.ignores_for(root / "tools" / "bench_x.py") == ("HR005",)
+    assert config.ignores_for(root / "hyperrecipe" / "x.py") == ()

@@ -2,7 +2,9 @@
 
 The fast path skips libcst for files the screen clears. These tests run the same trees with
 and without the screen and require identical findings: on hand-made tricky cases and on the
-installed ``torch/distributed`` package (the one slow test, ~10 s).
+installed ``torch/distributed`` package (the slow tests, ~10 s each). The screen follows the
+selection: with the opt-in HR005 unselected (the default) it must clear what it cleared before
+HR005 existed; with HR005 selected it must still never hide one of its findings.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import libcst as cst
 import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from hyperrecipe.lint import prefilter
+from hyperrecipe.lint.codes import DEFAULT_SELECTION
+from hyperrecipe.lint.prefilter import needs_libcst
 from hyperrecipe.lint.rule import FileContext, StatementPath
 from hyperrecipe.lint.runner import lint_paths
 from tests.lint.tricky_cases import TRICKY
@@ -24,23 +29,34 @@ ODD_INDENTS = (
     b"      pass"
 )
 TORCH_DISTRIBUTED = Path(pytest.importorskip("torch").__file__).parent / "distributed"
+#: The default selection and HR005 (opt-in): the selection this repository lints itself with.
+WITH_PROCESS_PATCH = [*sorted(DEFAULT_SELECTION), "HR005"]
+#: The tricky cases only HR005 flags (so none of them is flagged by default).
+PROCESS_PATCH_CASES = {"patch_after_late_import", "patch_through_builtins_alias",
+                       "patch_as_for_target", "apply_escaped", "apply_split"}
 
 
-def _both(paths: list[str], jobs: int) -> tuple[object, object]:
-    screened = lint_paths(paths, jobs=jobs)
-    full = lint_paths(paths, jobs=jobs, screen=False)
+def _both(paths: list[str], jobs: int, select: list[str] | None = None) -> tuple[object, object]:
+    screened = lint_paths(paths, jobs=jobs, select=select)
+    full = lint_paths(paths, jobs=jobs, screen=False, select=select)
     return screened, full
 
 
-def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_path: Path) -> None:
+@pytest.mark.parametrize("select", [None, WITH_PROCESS_PATCH], ids=["default", "with-HR005"])
+def test_tricky_cases_give_identical_findings_with_and_without_the_screen(
+    tmp_path: Path, select: list[str] | None
+) -> None:
     for name, source in TRICKY.items():
         (tmp_path / f"{name}.py").write_bytes(source)
-    screened = lint_paths([str(tmp_path)], jobs=2)
-    full = lint_paths([str(tmp_path)], jobs=2, screen=False)
-    assert screened.findings == full.findings
-    assert full.libcst_files == len(TRICKY)
-    assert screened.libcst_files < full.libcst_files  # the screen did clear some files
-    flagged = {Path(f.path).stem for f in screened.findings}
+    screened, full = _both([str(tmp_path)], jobs=2, select=select)
+    assert screened.findings == full.findings  # type: ignore[attr-defined]
+    assert full.libcst_files == len(TRICKY)  # type: ignore[attr-defined]
+    assert screened.libcst_files < full.libcst_files  # type: ignore[attr-defined]
+    flagged = {Path(f.path).stem for f in screened.findings}  # type: ignore[attr-defined]
+    if select is None:
+        assert not flagged & PROCESS_PATCH_CASES
+    else:
+        assert PROCESS_PATCH_CASES <= flagged
     assert {"comment_between_dot_and_name", "latin1_ordinal_a", "escaped_string",
             "class_concatenated", "module_constant", "alias_of_setattr", "update_dict_call",
             "python_312_type_alias", "syntax_error_without_trigger_words", "nul_byte",
@@ -50,9 +66,7 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
             "namespace_copy_unbound", "local_constant_in_method", "bound_mapping_update",
             "patch_multiple_on_mocker", "patch_dict_copies_a_namespace",
             "patch_dict_copies_vars", "namespace_copy_unbound_double_star",
-            "class_dunder_call_store", "split_prefix_of_call_impl",
-            "patch_after_late_import", "patch_through_builtins_alias",
-            "patch_as_for_target", "apply_escaped", "apply_split"} <= flagged
+            "class_dunder_call_store", "split_prefix_of_call_impl"} <= flagged
     assert not flagged & {"fullwidth_string_is_another_name", "raw_string_escape_is_literal",
                           "namespace_copy_into_ordinary_dict", "call_impl_read",
                           "shadowed_setattr", "forward_called", "forward_item_store",
@@ -67,27 +81,81 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
                           "imports_but_patches_nothing"}
 
 
-def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
-    """torch patches its own modules (HR005: ``sys.excepthook``, DTensor's dispatcher flags...)
-    as is its right; those findings go through the screen like the others, and only the files
-    that hold a finding (about twenty) reach libcst."""
-    screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2)
-    assert screened.findings == full.findings  # type: ignore[attr-defined]
-    rows = [
+def _rows(result: object) -> list[tuple[str, int, str]]:
+    return [
         # shown relative to the working directory when inside it (the README's `.venv` is)
         (Path(f.path).absolute().relative_to(TORCH_DISTRIBUTED).as_posix(), f.line, f.code)
-        for f in screened.findings  # type: ignore[attr-defined]
+        for f in result.findings  # type: ignore[attr-defined]
     ]
-    assert [row for row in rows if row[2] != "HR005"] == [
-        ("_composable/replicate.py", 248, "HR004"),
-        ("fsdp/_fully_shard/_fsdp_init.py", 430, "HR004"),
-        ("pipelining/_IR.py", 628, "HR001"),
-        ("pipelining/_IR.py", 1240, "HR001"),
-        ("pipelining/_IR.py", 1242, "HR001"),
-    ]
+
+
+TORCH_GATE_FINDINGS = [
+    ("_composable/replicate.py", 248, "HR004"),
+    ("fsdp/_fully_shard/_fsdp_init.py", 430, "HR004"),
+    ("pipelining/_IR.py", 628, "HR001"),
+    ("pipelining/_IR.py", 1240, "HR001"),
+    ("pipelining/_IR.py", 1242, "HR001"),
+]
+
+
+def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
+    """By default (HR005 unselected) the screen is the one from before HR005: only the files
+    with a finding, and a few it cannot clear, reach libcst — not the files that merely patch
+    something they imported."""
+    screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2)
+    assert screened.findings == full.findings  # type: ignore[attr-defined]
+    assert _rows(screened) == TORCH_GATE_FINDINGS
+    assert screened.libcst_files <= 10  # type: ignore[attr-defined]
+
+
+def test_torch_distributed_with_process_patch_selected_finds_torch_own_patches() -> None:
+    """torch patches its own modules (HR005: ``sys.excepthook``, DTensor's dispatcher flags...)
+    as is its right; where HR005 is selected those findings go through the screen like the
+    others, and only the files that hold a finding (about twenty) reach libcst."""
+    screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2, select=WITH_PROCESS_PATCH)
+    assert screened.findings == full.findings  # type: ignore[attr-defined]
+    rows = _rows(screened)
+    assert [row for row in rows if row[2] != "HR005"] == TORCH_GATE_FINDINGS
     patched = {path for path, _, code in rows if code == "HR005"}
     assert {"distributed_c10d.py", "tensor/experimental/__init__.py"} <= patched
     assert screened.libcst_files <= len(patched) + 5  # type: ignore[attr-defined]
+
+
+def test_unselected_process_patch_adds_no_ast_walk_for_a_file_that_only_imports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The word ``import`` alone sends a file to the ``ast`` screen only where HR005 is
+    selected; the patch itself is no finding of the default rules, so the text clears it."""
+    parsed: list[str] = []
+    parse = prefilter.ast.parse
+
+    def counting_parse(source: bytes, filename: str) -> object:
+        parsed.append(filename)
+        return parse(source, filename)
+
+    monkeypatch.setattr(prefilter.ast, "parse", counting_parse)
+    imports = b"import torch\nfrom os import path\nx = torch.ones(1)\n"
+    patches = b"import torch\ntorch.nn.utils.clip_grad_norm_ = f\nm._apply = g\n"
+    assert not needs_libcst(imports, "imports.py", patches=False)
+    assert not needs_libcst(patches, "patches.py", patches=False)
+    assert parsed == []
+    assert not needs_libcst(imports, "imports.py", patches=True)
+    assert needs_libcst(patches, "patches.py", patches=True)
+    assert parsed == ["imports.py", "patches.py"]
+
+
+def test_every_file_the_default_screen_sends_to_libcst_the_process_patch_screen_sends() -> None:
+    """Selecting HR005 only widens the screen: on ``torch/distributed``, every file the default
+    screen cannot clear is one the wider screen cannot clear either."""
+    narrow, wide = set(), set()
+    for path in sorted(TORCH_DISTRIBUTED.rglob("*.py")):
+        source = path.read_bytes()
+        if needs_libcst(source, str(path), patches=False):
+            narrow.add(path)
+        if needs_libcst(source, str(path), patches=True):
+            wide.add(path)
+    assert narrow <= wide
+    assert len(narrow) <= 10 < len(wide)
 
 
 def _every_node_with_its_path(module: cst.Module) -> list[tuple[cst.CSTNode, StatementPath]]:

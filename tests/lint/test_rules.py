@@ -1,7 +1,8 @@
 """Every rule's embedded VALID/INVALID cases, as generated tests (``TestHR001...::test_VALID_0``).
 
 Each case runs through the libcst engine directly and through the full runner with the screen on
-and off, so a case also proves the screen does not hide it.
+and off, so a case also proves the screen does not hide it. An opt-in rule's cases run with it
+selected (by its code) on top of the default selection, and screened as for that selection.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from hyperrecipe.lint.runner import lint_paths
 ALL_CODES = registry.resolve_selection(select=None, ignore=(), where="test")
 
 
-def _lint(code: str) -> list[Finding]:
-    return lint_source(code.encode("utf-8"), display="case.py", codes=ALL_CODES)
+def _selection(rule: type[LintRule]) -> list[str] | None:
+    """The ``select`` a rule's cases run under: the default, plus the rule when it is opt-in."""
+    return [*sorted(registry.DEFAULT_SELECTION), rule.code] if rule.opt_in else None
+
+
+def _lint(code: str, rule: type[LintRule] | None = None) -> list[Finding]:
+    codes = ALL_CODES | {rule.code} if rule is not None else ALL_CODES
+    return lint_source(code.encode("utf-8"), display="case.py", codes=codes)
 
 
 def _valid_test(rule: type[LintRule], case: Valid) -> Callable[[Any], None]:
     def test(self: Any) -> None:
-        findings = _lint(case.code)
+        findings = _lint(case.code, rule)
         assert [f for f in findings if f.severity == "error"] == []
         assert [f for f in findings if f.code == rule.code] == []
 
@@ -39,16 +46,18 @@ def _valid_test(rule: type[LintRule], case: Valid) -> Callable[[Any], None]:
 
 def _invalid_test(rule: type[LintRule], case: Invalid) -> Callable[[Any, Path], None]:
     def test(self: Any, tmp_path: Path) -> None:
-        found = [f for f in _lint(case.code) if f.code == rule.code]
+        found = [f for f in _lint(case.code, rule) if f.code == rule.code]
         assert len(found) == case.count, found
         if case.line is not None:
             assert (found[0].line, found[0].column) == (case.line, case.column)
         assert found[0].name == rule.name
         source = case.code.encode("utf-8")
-        assert needs_libcst(source, "case.py"), "the screen would hide this case"
+        assert needs_libcst(source, "case.py", patches=rule.opt_in), (
+            "the screen would hide this case")
         (tmp_path / "case.py").write_bytes(source)
-        screened = lint_paths([str(tmp_path)], jobs=1).findings
-        full = lint_paths([str(tmp_path)], jobs=1, screen=False).findings
+        select = _selection(rule)
+        screened = lint_paths([str(tmp_path)], jobs=1, select=select).findings
+        full = lint_paths([str(tmp_path)], jobs=1, screen=False, select=select).findings
         assert screened == full
         assert sum(f.code == rule.code for f in screened) == case.count
 
@@ -83,10 +92,38 @@ def test_every_rule_documents_itself_in_ruff_shape(rule: type[LintRule]) -> None
     ]
 
 
-def test_registry_and_rule_classes_agree_on_codes_names_and_gating() -> None:
-    from_classes = {(r.code, r.name, r.gated) for r in ALL_RULES}
-    from_registry = {(i.code, i.name, i.gated) for i in registry.CODES if i.kind == "rule"}
+def test_registry_and_rule_classes_agree_on_codes_names_gating_and_opt_in() -> None:
+    from_classes = {(r.code, r.name, r.gated, r.opt_in) for r in ALL_RULES}
+    from_registry = {
+        (i.code, i.name, i.gated, i.opt_in) for i in registry.CODES if i.kind == "rule"
+    }
     assert from_classes == from_registry
+
+
+def test_process_patch_is_the_one_opt_in_code_and_outside_the_default_selection() -> None:
+    assert [i.code for i in registry.CODES if i.opt_in] == ["HR005"]
+    assert "HR005" not in registry.DEFAULT_SELECTION
+    assert "HR005" not in ALL_CODES
+    assert registry.DEFAULT_SELECTION == set(registry.SELECTABLE) - {"HR005"}
+
+
+@pytest.mark.parametrize("selector", ["HR005", "hr005", "process-patch"])
+def test_an_opt_in_code_is_selected_by_its_exact_code_or_name(selector: str) -> None:
+    assert registry.resolve_selectors([selector], where="--select") == {"HR005"}
+    assert "HR005" in registry.resolve_selection(select=["HR0", selector], ignore=(), where="x")
+
+
+@pytest.mark.parametrize("prefix", ["HR", "HR0", "hr00"])
+def test_a_prefix_never_selects_an_opt_in_code(prefix: str) -> None:
+    chosen = registry.resolve_selectors([prefix], where="--select")
+    assert "HR005" not in chosen
+    assert {"HR001", "HR004"} <= chosen
+
+
+def test_an_ignore_prefix_does_cover_an_opt_in_code() -> None:
+    assert registry.resolve_selection(select=["HR005", "HR001"], ignore=["HR00"], where="x") == {
+        "HR000", "HR997", "HR998", "HR999",
+    }
 
 
 def test_codes_are_unique_and_well_formed() -> None:

@@ -88,6 +88,9 @@ class ProcessPatch(TargetVisitor):
 
     code: ClassVar[str] = "HR005"
     name: ClassVar[str] = "process-patch"
+    #: hyperrecipe's own discipline: users' code (tests, compatibility shims) patches imported
+    #: modules legitimately, so the rule runs only where a project selects it by code or name.
+    opt_in: ClassVar[bool] = True
     message: ClassVar[str] = (
         f"patches an imported module or class outside the rewriter; {_INSTEAD}"
     )
