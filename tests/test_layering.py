@@ -188,7 +188,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "forward": {"comm"},
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
-    "state": {"comm"},
+    "state": {"comm", "preflight"},
 }
 
 

@@ -5,6 +5,7 @@ post-accumulate-grad hooks), ``grad_norm`` (the norm of the full gradients and c
 equal to one process on every rank), ``torch_clip_guard`` (torch's own ``clip_grad_norm_`` /
 ``get_total_norm`` handed that norm while an installation lives, the one module that patches
 torch), ``ddp_guard`` (refusing data parallel over ranks that hold
-different shards) and ``optimizer_kernels`` (validate mode's refusal of torch's multi-tensor
+different shards), ``data_parallel`` (the DDP a trainer wraps with, leaving the buckets' parameters
+to the buckets) and ``optimizer_kernels`` (validate mode's refusal of torch's multi-tensor
 kernels over mixed DTensor / plain parameters). It installs no forward.
 """

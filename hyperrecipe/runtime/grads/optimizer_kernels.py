@@ -31,7 +31,7 @@ from torch import Tensor
 from hyperrecipe.errors import MixedParametersError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["install_mixed_kernel_check", "mixed_kernel_refusal", "multi_tensor_kernel"]
 

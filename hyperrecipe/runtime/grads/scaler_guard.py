@@ -46,7 +46,7 @@ import torch.distributed as dist
 from hyperrecipe.errors import MixedParametersError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["ScalerGuardHandle", "guard_grad_scaler"]
 
