@@ -22,8 +22,10 @@ rewrite the files *and* the record beside them, so their digests need not resist
 Every record is written through :func:`replace_text` (temporary file, ``fsync``, rename) and
 made durable with :func:`sync_folder`. What each weight file's own structure says (a
 safetensors header against its bytes, a ``.bin``'s zip records) is checked where the file is
-parsed, in :mod:`~hyperrecipe.runtime.state.checkpoint_files`; the ranks' exchanges about these
-records live in :mod:`~hyperrecipe.runtime.preflight.agreement`.
+parsed, in :mod:`~hyperrecipe.runtime.state.checkpoint_files`. The ranks' agreements about
+these records (comparing source digests, every rank's outcome of a check) live in
+:mod:`~hyperrecipe.runtime.preflight.agreement`; the commit only gathers the fingerprints each
+rank computed of its share.
 """
 
 from __future__ import annotations

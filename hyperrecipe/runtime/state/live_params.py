@@ -103,13 +103,13 @@ class LiveParams:
         if self.wrapper_layout(p, value) is not None:
             return (f"{p.fqn} is now a piece of this rank's shard, made by a data-parallel "
                     f"wrapper on mesh {mesh} (fully_shard?): load weights before wrapping; "
-                    f"checkpoint with Installation.state_dict() / load_state_dict(), which "
+                    f"checkpoint with inst.state.state_dict() / load_state_dict(), which "
                     f"store and restore the pieces")
         return (f"{p.fqn} is now a DTensor on another mesh ({mesh}) that is not a "
                 f"data-parallel wrapper's piece of this rank's shard on a replicated dim of "
                 f"the plan's mesh {tuple(self.plan.mesh_dims)}, so where its values lie in the "
                 f"full tensor is unknown and a checkpoint of it would be wrong; use "
-                f"Installation.full_state_dict() for full weights")
+                f"inst.state.full_state_dict() for full weights")
 
     # -- data-parallel wrappers over the shards (fully_shard after apply) ------------------
 

@@ -519,7 +519,7 @@ def test_the_models_own_save_pretrained_gathers_the_shards_while_applied(
                         "state_dict")[0]
     assert refused["error"] is not None and refused["error"].startswith(
         "model.save_pretrained(state_dict) on a model with an applied plan")
-    assert "call TrainingState.save_pretrained(folder) on every rank" in refused["error"]
+    assert "call inst.state.save_pretrained(folder) on every rank" in refused["error"]
 
 
 # -- DistributedDataParallel, as Trainer/accelerate wrap a model under torchrun --------------
