@@ -89,7 +89,7 @@ class Requirement:
     """Something a wrapper needs at install time.
 
     ``check(ctx)`` returns ``None`` when the need is met, else the reason it is not (shown in
-    ``Installation.status()`` and in the error when no wrapper of a chain is eligible).
+    ``TrainingState.status()`` and in the error when no wrapper of a chain is eligible).
     """
 
     what: str

@@ -189,7 +189,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "forward": {"comm"},
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
-    "state": {"comm"},
+    "state": {"comm", "preflight"},
 }
 
 
@@ -577,3 +577,19 @@ def test_what_sits_above_the_runtime_uses_its_front_only() -> None:
                 offenders += [f"{rel}: {a.name}" for a in node.names
                               if a.name.startswith("hyperrecipe.runtime.")]
     assert offenders == []
+
+
+def test_the_installation_keeps_at_most_twelve_public_members() -> None:
+    """Training state moves in and out through ``inst.state`` (one front), trainer glue is
+    plain functions (``hyperrecipe.runtime.data_parallel``, ``leave_together``): the handle
+    itself stays small. Members set in ``__init__`` count as attributes do."""
+    from hyperrecipe.runtime import Installation
+
+    init = next(node for node in ast.walk(ast.parse(inspect.getsource(Installation)))
+                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assigned = {t.attr for node in ast.walk(init) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.value.id == "self"}
+    public = sorted({n for n in [*vars(Installation), *assigned] if not n.startswith("_")})
+    assert "state" in public and len(public) <= 12, public

@@ -12,7 +12,7 @@ builds the same model unapplied (same seed), the reference. Each round, in alter
     The same, then every file it wrote synced: the same bytes made durable, as the export makes
     them before it renames them into place.
 ``hyperrecipe``
-    ``Installation.save_pretrained(folder)`` on both ranks: every tensor gathered (the next one
+    ``TrainingState.save_pretrained(folder)`` on both ranks: every tensor gathered (the next one
     while rank 0 writes the current one), hashed (xxh3_128) as it streams, synced, renamed
     into place, the manifest written last. The figure is the slower rank's.
 
@@ -81,7 +81,7 @@ COMPONENTS = ("hyperrecipe-nosync", "hyperrecipe-nohash")
 PHASES = {"every_rank_entered": "enter", "_negotiate": "negotiate", "write_runs": "write_runs",
           "send": "report_written", "wait_written": "wait_written", "_write": "write",
           "_hash_and_write": "small_write", "hash_range": "hash_range",
-          "start_writeback": "start_writeback", "fsync": "fsync", "_agree": "agree",
+          "start_writeback": "start_writeback", "fsync": "fsync", "every_rank_failure": "agree",
           "replace_text": "replace_text", "next": "wait_next"}
 
 
@@ -131,7 +131,7 @@ def _patch_way(patched: _Patched, way: str) -> None:
     if way == "hyperrecipe-nosync":
         patched.set(export, "os", _os_with(fsync=lambda fd: None))
         patched.set(export, "start_writeback", lambda fd, offset, nbytes: None)
-        patched.set(export, "_sync_folder", lambda folder: None)
+        patched.set(export, "sync_folder", lambda folder: None)
     elif way == "hyperrecipe-nohash":
         patched.set(export, "new_hasher", lambda algorithm: _NoHash())
         patched.set(export, "hash_range", lambda hasher, fd, mapping, start, end: None)
@@ -139,7 +139,7 @@ def _patch_way(patched: _Patched, way: str) -> None:
 
 def _patch_phases(patched: _Patched, spent: dict[str, list[float]]) -> None:
     """Wrap each step in :data:`PHASES` to add its wall and thread CPU seconds to ``spent``."""
-    import hyperrecipe.runtime.installation as installation
+    import hyperrecipe.runtime.preflight.agreement as agreement
     import hyperrecipe.runtime.state.export as export
 
     def timed(name: str, fn: Any) -> Any:
@@ -157,7 +157,7 @@ def _patch_phases(patched: _Patched, spent: dict[str, list[float]]) -> None:
         if not hasattr(export, attr) and attr not in ("every_rank_entered", "next", "send"):
             continue  # an older tree (--baseline) without this step
         if attr == "every_rank_entered":
-            patched.set(installation, attr, timed(name, getattr(installation, attr)))
+            patched.set(agreement, attr, timed(name, getattr(agreement, attr)))
         elif attr == "next":
             patched.set(export._Gathers, attr, timed(name, export._Gathers.next))
         elif attr == "send" and hasattr(export, "Reports"):
@@ -202,7 +202,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int, root: str,
                       (reference.parameters() if reference is not None else []))
 
     first = Path(root) / "check"
-    inst.save_pretrained(first)
+    inst.state.save_pretrained(first)
     if reference is not None:  # the export holds the reference's tensors, byte for byte
         with safe_open(str(first / "model.safetensors"), framework="pt") as f:
             for name, value in reference.state_dict().items():
@@ -226,7 +226,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], rounds: int, root: str,
                 before = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 if way.startswith("hyperrecipe"):
-                    inst.save_pretrained(folder)
+                    inst.state.save_pretrained(folder)
                 elif reference is not None:
                     reference.save_pretrained(folder)
                     if way == "transformers+fsync":

@@ -16,7 +16,7 @@ rotates each round), into fresh folders on the same file system:
 - ``dcp``: torch's ``dcp.save`` of the same tensors (one process: no process group), its own
   fsync of each file included (``FileSystemWriter(sync_files=True)``, torch's default);
 - ``dcp+commit``: the same through
-  :func:`hyperrecipe.runtime.state.dcp_reader.committed_dcp_save` (what ``save_checkpoint``
+  :func:`hyperrecipe.runtime.state.integrity.committed_dcp_save` (what ``save_checkpoint``
   runs): a ``writing`` record before, the ``committed`` record with ``.metadata``'s sha256 and
   every file's size after.
 
@@ -49,7 +49,7 @@ from torch import nn
 
 from torch.distributed.checkpoint import save as dcp_save
 
-from hyperrecipe.runtime.state.dcp_reader import committed_dcp_save
+from hyperrecipe.runtime.state.integrity import committed_dcp_save
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
 
 KINDS = ("plain", "plain+fsync", "export", "export-sha256", "dcp", "dcp+commit")

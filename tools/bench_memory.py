@@ -3,7 +3,7 @@
 Three ways, each in fresh gloo ranks (fork), on one Llama checkpoint written by
 ``save_pretrained`` (safetensors, several files):
 
-- ``meta``: build on the meta device, ``hyperrecipe.apply``, ``Installation.load_weights``;
+- ``meta``: build on the meta device, ``hyperrecipe.apply``, ``TrainingState.load_weights``;
 - ``materialized``: the full model built in memory on every rank, then ``apply``;
 - ``parallelize_module``: the same full model through PyTorch's ``parallelize_module`` with a
   column/row-wise plan (the reference the issue names).
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, how: str, cfg: dict[str, Any], folder: str) -
     if how == "meta":
         model = build_model("hf:llama", cfg, device="meta")
         inst = hyperrecipe.apply(model, plan, mesh, mode="production")
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
     else:
         # A model materialized in process memory (as a trainer that builds, then loads, has
         # it): from_pretrained would leave the weights in mmapped file pages, which RssAnon

@@ -1,4 +1,4 @@
-"""A reload against a first load: ``Installation.load_weights`` into a model that already
+"""A reload against a first load: ``TrainingState.load_weights`` into a model that already
 holds weights (a resume, a weight swap) against the first load after a meta ``apply``.
 
 In fresh gloo ranks (fork), on one Llama checkpoint written by ``save_pretrained``
@@ -102,8 +102,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
     if dcp is not None:  # the same weights as a DCP folder (save_checkpoint at this tp)
         model = build_model("hf:llama", cfg, device="meta")
         inst = hyperrecipe.apply(model, plan, mesh, mode="production")
-        inst.load_weights(folder)
-        inst.save_checkpoint(dcp)
+        inst.state.load_weights(folder)
+        inst.state.save_checkpoint(dcp)
         folder = dcp
         del model, inst
         gc.collect()
@@ -119,11 +119,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], folder: str,
         shard = max(shard, max((p.to_local() if hasattr(p, "to_local") else p).nbytes
                                for p in model.parameters()))
         torch.distributed.barrier()
-        seconds, peak = _timed(lambda: inst.load_weights(folder))
+        seconds, peak = _timed(lambda: inst.state.load_weights(folder))
         first.append(seconds)
         first_peak.append(peak)
         torch.distributed.barrier()
-        seconds, peak = _timed(lambda: inst.load_weights(folder))
+        seconds, peak = _timed(lambda: inst.state.load_weights(folder))
         again.append(seconds)
         again_peak.append(peak)
         torch.distributed.barrier()
@@ -155,8 +155,8 @@ def _manifest_worker(rank: int, world: int, cfg: dict[str, Any], folder: str, ru
                                       {"tp": world})
     model = build_model("hf:llama", cfg, device="meta")
     inst = hyperrecipe.apply(model, plan, mesh, mode="production")
-    inst.load_weights(folder)
-    inst.save_pretrained(export)
+    inst.state.load_weights(folder)
+    inst.state.save_pretrained(export)
     bare = export + "-bare"
     if rank == 0:  # the same files, hard-linked, without the manifest
         os.mkdir(bare)
@@ -170,7 +170,7 @@ def _manifest_worker(rank: int, world: int, cfg: dict[str, Any], folder: str, ru
         for source, out in ((export, verified), (bare, plain)):
             torch.distributed.barrier()
             start = time.perf_counter()
-            inst.load_weights(source)
+            inst.state.load_weights(source)
             out.append(time.perf_counter() - start)
     return {"verified_s": statistics.median(verified), "plain_s": statistics.median(plain),
             "ratio": statistics.median(v / p for v, p in zip(verified, plain, strict=True))}
@@ -210,7 +210,7 @@ def _refused_load_worker(rank: int, world: int, cfg: dict[str, Any], folder: str
     for _ in range(runs):
         start = time.process_time()
         try:
-            inst.load_weights(folder)
+            inst.state.load_weights(folder)
         except WeightLoadError as exc:
             assert len(str(exc).splitlines()) < 60
         seconds.append(time.process_time() - start)

@@ -51,11 +51,8 @@ def _models(args: argparse.Namespace, world: int, device: Any) -> dict[str, Any]
     from torchtitan.models.llama3 import parallelize_llama as titan_parallelize
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    from hyperrecipe.trainers.torchtitan import (
-        build_llama3,
-        installation_of,
-        parallelize_llama,
-    )
+    from hyperrecipe.models.torchtitan import build_llama3
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize_llama
 
     def weights() -> Any:
         with device:

@@ -273,7 +273,7 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int) -> fl
 
 
 def _committed(folder: Path) -> bool:
-    """Whether ``inst.save_checkpoint`` finished writing ``folder`` (its commit record says so):
+    """Whether ``inst.state.save_checkpoint`` finished writing ``folder`` (its commit record says so):
     a save killed halfway leaves ``writing``, and resuming skips it for the one before."""
     try:
         record = json.loads((folder / "hyperrecipe.commit.json").read_text())
@@ -370,7 +370,7 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     out = Path(args.out)
     resume = newest_checkpoint(out)
     if resume is None:
-        inst.load_weights(args.weights)
+        inst.state.load_weights(args.weights)
 
     # 4. Optional FSDP2 over dp, after apply.
     if args.dp > 1:
@@ -389,7 +389,7 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     start = 0
     if resume is not None:
         start, folder = resume
-        inst.load_checkpoint(folder, opt)  # dcp.load, reading the folder as data
+        inst.state.load_checkpoint(folder, opt)  # dcp.load, reading the folder as data
 
     tokens, how = (None, "synthetic (random tokens seeded by step)")
     if args.data is not None:
@@ -460,14 +460,16 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         if (step + 1) % args.save_every == 0:
             # 6. Checkpoint: every shard (or FSDP's piece of it) stored once, reshardable.
             # Committed last, so a save that dies halfway is refused on resume.
-            inst.save_checkpoint(out / f"step-{step + 1}", opt)
+            inst.state.save_checkpoint(out / f"step-{step + 1}", opt)
 
     # 7. Export for from_pretrained (every rank gathers, rank 0 writes).
     if stop == args.steps:
-        inst.save_pretrained(out / "final")
+        inst.state.save_pretrained(out / "final")
     # 8. Every rank leaves together (through the store, bounded), so no rank's gloo workers are
     # still dropping a finished collective when its interpreter shuts down (docs/training.md).
-    inst.leave_together("tools/train.py")
+    from hyperrecipe.runtime import leave_together
+
+    leave_together(inst, "tools/train.py")
     return records
 
 

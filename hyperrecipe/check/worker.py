@@ -105,7 +105,7 @@ def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
         return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
     def full_params() -> dict[str, torch.Tensor]:
-        return {k: v for k, v in inst.full_state_dict().items() if k in names}
+        return {k: v for k, v in inst.state.full_state_dict().items() if k in names}
 
     tracer = Tracer(model, plan.boundaries, view=lambda v, p: full_view(v, p, mesh, dims))
     try:
@@ -126,5 +126,5 @@ def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     payload = trace.to_payload()
     payload["timings"].update(build_s=t1 - t0, apply_s=t2 - t1)
     payload["wrapper_choices"] = [[c.fqn, c.wrapper, c.state, c.reason or ""]
-                                  for c in inst.wrapper_choices]
+                                  for c in inst.state.wrapper_choices]
     return payload

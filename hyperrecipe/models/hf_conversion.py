@@ -212,7 +212,7 @@ def _assemble(converter: Any, lists: Mapping[str, list[Composite]], merge_op: ty
                              "sharded load cannot read by slices; load it once with "
                              "from_pretrained and save the model's own state dict "
                              "(safetensors.torch.save_file), or save it with "
-                             "Installation.save_pretrained, then load that")
+                             "TrainingState.save_pretrained, then load that")
     parts = [c for p in ordered for c in state[p]]
     if len(parts) != 1:
         raise ValueError(f"its {len(parts)} source groups are not combined into one tensor by "

@@ -2,8 +2,9 @@
 
 The top of this package is the seam a trainer sees: ``install`` (``apply``: checks, parameter
 sharding, head counts, boundaries, inner wrappers and adapters, all in one rewriter
-transaction), ``installation`` (the ``Installation`` handle: status, state, gradients,
-restore) and ``mode`` (the ``Mode`` object ``apply`` chooses once, production or validate).
+transaction), ``installation`` (the ``Installation`` handle: model, plan, mode, mesh, gradients,
+``restore``, and ``inst.state``, the training state's front; plus ``data_parallel`` and
+``leave_together``, the trainer glue that needs an installation) and ``mode`` (the ``Mode`` object ``apply`` chooses once, production or validate).
 Below it, one room per trade; each room's ``__init__`` says what it owns and what it does not:
 
 - ``preflight/``: what ``apply`` checks before touching the model (plan fit, rank agreement,
@@ -17,16 +18,18 @@ Below it, one room per trade; each room's ``__init__`` says what it owns and wha
   the loss on vocab shards.
 - ``grads/``: gradient buckets, the norm of the full gradients and clipping, the DDP guard,
   validate mode's optimizer-kernel refusal.
-- ``state/``: live parameters, loading weights, DCP state dicts and hooks, export,
-  materializing after a meta apply.
+- ``state/``: the front ``inst.state`` (``TrainingState``), live parameters, loading weights,
+  DCP state dicts and hooks, export, the integrity records of state files, materializing
+  after a meta apply.
 
 Everything above the runtime (``check``, ``verify``, ``simulate``, the trainers, ``api``)
 imports from this package's front only, the names in ``__all__`` (tests/test_layering.py keeps
 it so).
 
 Imports point down this list's dependency order: ``comm`` and ``preflight`` import no other
-room; ``forward`` imports ``comm``; ``features`` imports ``forward`` and ``comm``; ``grads`` and
-``state`` import ``comm`` and ``state``'s ``LiveParams`` (tests/test_layering.py keeps it so).
+room; ``forward`` imports ``comm``; ``features`` imports ``forward`` and ``comm``; ``state``
+imports ``comm`` and ``preflight`` (its rank agreements live in ``preflight/agreement.py``);
+``grads`` imports ``comm`` and ``state``'s ``LiveParams`` (tests/test_layering.py keeps it so).
 Third-party knowledge (transformers' key conversions) lives in :mod:`hyperrecipe.models`.
 
 What does not live here: resolving recipes or re-deciding anything the plan records (the
@@ -46,15 +49,17 @@ from hyperrecipe.runtime.features.vocab_loss import (
 )
 from hyperrecipe.runtime.forward.arguments import declared_argument, get_output
 from hyperrecipe.runtime.install import apply
-from hyperrecipe.runtime.installation import Installation, StatusRow
+from hyperrecipe.runtime.installation import Installation, data_parallel, leave_together
 from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
 from hyperrecipe.runtime.state.dcp_reader import trusted_reader
+from hyperrecipe.runtime.state.front import StatusRow, TrainingState
 from hyperrecipe.runtime.state.materialize import shards_on_meta
 
 __all__ = [
     # what a trainer uses
-    "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "apply",
-    "as_mode", "vocab_parallel_cross_entropy", "VocabShardedLogits", "trusted_reader",
+    "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "TrainingState",
+    "apply", "as_mode", "data_parallel", "leave_together", "vocab_parallel_cross_entropy",
+    "VocabShardedLogits", "trusted_reader",
     # what the tools above the runtime read (check, verify, simulate, the trainers' own
     # initializers): shard math, the mesh dim groups, a boundary's declared values
     "count_collectives", "declared_argument", "gather_full", "get_output", "group_for",

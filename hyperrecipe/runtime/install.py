@@ -38,7 +38,7 @@ from hyperrecipe.runtime.features.local_region import (
     mark_local_grad,
     region_partial_dims,
 )
-from hyperrecipe.runtime.installation import Installation
+from hyperrecipe.runtime.installation import Installation, attach
 from hyperrecipe.runtime.state.materialize import (
     allocate_unloaded,
     is_meta,
@@ -301,8 +301,8 @@ class _Applier:
 
     def install_save_pretrained(self, tx: Rewrite,
                                 installation: Callable[[], Installation]) -> None:
-        """A transformers model's ``save_pretrained`` becomes the installation's (export.py),
-        for as long as the plan is applied."""
+        """A transformers model's ``save_pretrained`` becomes the installation's
+        ``state.save_pretrained`` (export.py), for as long as the plan is applied."""
         if callable(getattr(self.model, "save_pretrained", None)):
             tx.set_attribute(self.model, "save_pretrained", model_save_pretrained(installation),
                              fqn="<model>")
@@ -398,7 +398,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     Args:
         model: the full, unsharded model, on this rank's device (same weights on every rank), or
             the model built on the meta device: then only this rank's shards are allocated, on
-            the mesh's device, unset (NaN) until :meth:`Installation.load_weights`;
+            the mesh's device, unset (NaN) until ``inst.state.load_weights``;
             non-persistent buffers (rotary ``inv_freq``) are recomputed.
         plan: from :func:`hyperrecipe.compile_recipe` or :func:`hyperrecipe.load_plan`.
         mesh: a ``DeviceMesh`` whose dim names and sizes are the plan's.
@@ -410,7 +410,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             it only built-in, already imported and entry-point-declared code is imported.
 
     Returns:
-        The :class:`Installation`: status, full gradients and state dicts, ``restore()``.
+        The :class:`Installation`: full gradients, the training state (``inst.state``:
+        status, state dicts, weights, checkpoints, export) and ``restore()``.
 
     Raises:
         PlanMismatchError: the plan does not fit the model or the mesh, or ranks hold different
@@ -469,10 +470,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
             msg = (f"applying plan {plan.recipe!r} failed on rank(s) {failed}; this rank rolled "
                    f"back too (see the failing rank's error)")
             raise PlanMismatchError(msg)
-    installation = Installation.attach(model=model, plan=plan, mode=chosen,
-                                       rewritten=tx.result, mesh=mesh,
-                                       wrapper_choices=applier.inner.choices,
-                                       unloaded=applier.unloaded,
-                                       grad_reducer=applier.grad_reducer)
+    installation = attach(model=model, plan=plan, mode=chosen, rewritten=tx.result, mesh=mesh,
+                          wrapper_choices=applier.inner.choices, unloaded=applier.unloaded,
+                          grad_reducer=applier.grad_reducer)
     return installation
 

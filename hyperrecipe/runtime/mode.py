@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.features.vocab_loss import VocabShard
     from hyperrecipe.runtime.forward.layouts import Redistributor
     from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["MODES", "PRODUCTION", "QUESTIONS", "VALIDATE", "Mode", "ModeName", "answers",
            "as_mode"]

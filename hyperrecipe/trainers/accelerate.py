@@ -20,8 +20,8 @@ handed to ``prepare(..., installation=inst)``, meets each of these where acceler
   norm and is right too, this skips the detour);
 - ``save_state`` / ``load_state``: accelerate's state (schedulers, samplers, RNG, the step,
   custom objects) as accelerate writes it, the model and its optimizers as DCP in
-  ``hyperrecipe-dcp/`` (:meth:`Installation.save_checkpoint`), so ``load_state`` resumes on any
-  mesh; ``save_model`` writes consolidated safetensors (:meth:`Installation.save_pretrained`).
+  ``hyperrecipe-dcp/`` (:meth:`TrainingState.save_checkpoint`), so ``load_state`` resumes on any
+  mesh; ``save_model`` writes consolidated safetensors (:meth:`TrainingState.save_pretrained`).
 
 Settings that cannot be right here are refused by name (:class:`TrainerSetupError`).
 """
@@ -143,8 +143,10 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         if evaluation_mode or group is None:
             return prepared
         kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-        # the plan's bucketed gradients are left to the plan (Installation.data_parallel)
-        wrapped = self.installation.data_parallel(group, module=prepared, **kwargs)
+        # the plan's bucketed gradients are left to the plan (hyperrecipe.runtime.data_parallel)
+        from hyperrecipe.runtime import data_parallel
+
+        wrapped = data_parallel(self.installation, group, module=prepared, **kwargs)
         if self.ddp_handler is not None:  # its comm_hook, as accelerate registers it
             self.ddp_handler.register_comm_hook(wrapped)
         self._models[self._models.index(prepared)] = wrapped
@@ -266,7 +268,7 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
             location = str(super().save_state(output_dir, safe_serialization,
                                               **save_model_func_kwargs))
         assert self.installation is not None
-        self.installation.save_checkpoint(os.path.join(location, DCP_FOLDER), optimizer)
+        self.installation.state.save_checkpoint(os.path.join(location, DCP_FOLDER), optimizer)
         return location
 
     def load_state(self, input_dir: str | None = None, **load_model_func_kwargs: Any) -> None:
@@ -295,10 +297,10 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         if not os.path.isdir(folder):
             msg = (f"{_NAME}: {read[0]} has no {DCP_FOLDER}/ folder (the model and optimizer "
                    f"state); it was not written by {_NAME}.save_state. Load its weights with "
-                   "installation.load_weights()")
+                   "installation.state.load_weights()")
             raise TrainerSetupError(msg)
         assert self.installation is not None
-        self.installation.load_checkpoint(folder, optimizer)
+        self.installation.state.load_checkpoint(folder, optimizer)
 
     @contextmanager
     def _without_applied(self) -> Iterator[tuple[Any, torch.optim.Optimizer | None]]:
@@ -325,10 +327,12 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
         """accelerate's ``end_training`` (trackers, then the process group torn down), once
         every rank got here: rank 0 may still be writing files only it writes, and a group
         torn down under a peer was seen to abort a rank at interpreter exit
-        (``Installation.leave_together``)."""
+        (:func:`hyperrecipe.runtime.leave_together`)."""
+        from hyperrecipe.runtime import leave_together
+
         self._warn_of_schedules_sized_by_every_process()
         if self.installation is not None:
-            self.installation.leave_together(f"{_NAME}.end_training")
+            leave_together(self.installation, f"{_NAME}.end_training")
         super().end_training()
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
@@ -339,7 +343,7 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
             super().save_model(model, save_directory, max_shard_size, safe_serialization)
             return
         assert self.installation is not None
-        self.installation.save_pretrained(save_directory)
+        self.installation.state.save_pretrained(save_directory)
 
 
 def _refuse_prepared_before(accelerator: Any, dp: DataParallel) -> None:

@@ -18,9 +18,9 @@ shards). :class:`HyperrecipeTrainer` meets each of these at the Trainer's own se
 - the counters it logs (``num_input_tokens_seen`` and ``train_tokens_per_second``,
   ``total_flos``, ``evaluate()``'s steps per second) count each batch once, not once per
   model-parallel rank holding a copy of it;
-- ``save_steps`` writes the weights with :meth:`Installation.save_pretrained` (consolidated:
+- ``save_steps`` writes the weights with :meth:`TrainingState.save_pretrained` (consolidated:
   ``from_pretrained`` loads them) and model plus optimizer through DCP
-  (:meth:`Installation.state_dict`), so ``resume_from_checkpoint`` resumes on any mesh.
+  (:meth:`TrainingState.state_dict`), so ``resume_from_checkpoint`` resumes on any mesh.
 
 Settings that cannot be right here are refused by name at construction (:class:`TrainerSetupError`).
 """
@@ -78,7 +78,7 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     Example::
 
         inst = hyperrecipe.apply(model, plan, mesh)
-        inst.load_weights(ckpt_dir)
+        inst.state.load_weights(ckpt_dir)
         trainer = HyperrecipeTrainer(model=model, installation=inst, args=TrainingArguments(
             output_dir="out", max_grad_norm=1.0, save_steps=100), train_dataset=data)
         trainer.train()                       # resume: trainer.train(resume_from_checkpoint=True)
@@ -107,9 +107,11 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; then every rank waits for the others to finish it (rank 0
         writes the last checkpoint's own files alone), so a script that ends here tears the
-        process group down on every rank together (``Installation.leave_together``)."""
+        process group down on every rank together (:func:`hyperrecipe.runtime.leave_together`)."""
+        from hyperrecipe.runtime import leave_together
+
         result = super().train(*args, **kwargs)
-        self.installation.leave_together(f"{type(self).__name__}.train")
+        leave_together(self.installation, f"{type(self).__name__}.train")
         return result
 
     # -- where the model lives ------------------------------------------------------------
@@ -205,9 +207,11 @@ class HyperrecipeTrainerMixin(_TrainerBase):
             return model
         if self._dp_wrapped is None:
             # DDP over the ranks that hold this rank's shards, with the plan's bucketed
-            # gradients left to the plan (Installation.data_parallel)
-            self._dp_wrapped = self.installation.data_parallel(self.data_parallel.group,
-                                                               module=model)
+            # gradients left to the plan (hyperrecipe.runtime.data_parallel)
+            from hyperrecipe.runtime import data_parallel
+
+            self._dp_wrapped = data_parallel(self.installation, self.data_parallel.group,
+                                             module=model)
         return self._dp_wrapped
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
@@ -289,7 +293,7 @@ class HyperrecipeTrainerMixin(_TrainerBase):
             msg = ("HyperrecipeTrainer: saving a given state_dict is not supported on an applied "
                    "plan (its tensors are this rank's shards); call save_model() without one")
             raise TrainerSetupError(msg)
-        self.installation.save_pretrained(folder)
+        self.installation.state.save_pretrained(folder)
         if not self.args.should_save:
             return
         if self.processing_class is not None:
@@ -300,7 +304,7 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         """Model and optimizer state as DCP (each shard stored once, reshardable) with the
         installation's commit record (a save that died halfway is refused at resume); the
         scheduler as the Trainer writes it."""
-        self.installation.save_checkpoint(os.path.join(output_dir, DCP_FOLDER),
+        self.installation.state.save_checkpoint(os.path.join(output_dir, DCP_FOLDER),
                                           _torch_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
@@ -308,14 +312,14 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: nn.Module | None = None) -> None:
         """Each rank reads its slices of the consolidated weights (any tp size)."""
-        self.installation.load_weights(resume_from_checkpoint)
+        self.installation.state.load_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: each rank reads its slices of the best checkpoint's
         consolidated weights (the Trainer would read whole tensors on every rank)."""
         best = self.state.best_model_checkpoint
         if best is not None:
-            self.installation.load_weights(best)
+            self.installation.state.load_weights(best)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -324,11 +328,11 @@ class HyperrecipeTrainerMixin(_TrainerBase):
         if not os.path.isdir(folder):
             msg = (f"HyperrecipeTrainer: {checkpoint} has no {DCP_FOLDER}/ folder (model and "
                    f"optimizer state); it was not written by HyperrecipeTrainer. Load its weights "
-                   f"with installation.load_weights() and train without resume_from_checkpoint")
+                   f"with installation.state.load_weights() and train without resume_from_checkpoint")
             raise TrainerSetupError(msg)
         # read as data (torch's dcp.load unpickles .metadata: a checkpoint could run code),
         # and refused if its commit record says it is half-written or written again
-        self.installation.load_checkpoint(folder, _torch_optimizer(self.optimizer))
+        self.installation.state.load_checkpoint(folder, _torch_optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             # not blocking, checked on the descriptor: a FIFO swapped in is refused, not waited on

@@ -75,7 +75,7 @@ class HyperrecipeStrategy(ModelParallelStrategy):
         class LitLlama(L.LightningModule):
             def configure_model(self):
                 self.inst = self.trainer.strategy.apply(self.model, "recipes/llama.yaml")
-                self.inst.load_weights(ckpt_dir)
+                self.inst.state.load_weights(ckpt_dir)
 
         L.Trainer(strategy=HyperrecipeStrategy(tensor_parallel_size=2), devices=2,
                   gradient_clip_val=1.0).fit(LitLlama(), loader)
@@ -140,9 +140,11 @@ class HyperrecipeStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         """Lightning's teardown, once every rank got here (rank 0 may still be writing files
-        only it writes; ``Installation.leave_together``)."""
+        only it writes; :func:`hyperrecipe.runtime.leave_together`)."""
+        from hyperrecipe.runtime import leave_together
+
         if self.installation is not None:
-            self.installation.leave_together("HyperrecipeStrategy.teardown")
+            leave_together(self.installation, "HyperrecipeStrategy.teardown")
         super().teardown()
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -214,7 +214,7 @@ def _initialize_through_the_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh)
     own copy of ``_param_init`` (the config's dict is shared by all layers) whose functions
     draw the full tensor, exactly as one process would, and keep this rank's part: through
     ``load_state_dict`` (whose production hook keeps the shard and marks the weight set), or,
-    under FSDP2, as FSDP's piece of the rank's shard (``inst.status()`` then still lists the
+    under FSDP2, as FSDP's piece of the rank's shard (``inst.state.status()`` then still lists the
     weights as unset: the installation cannot see that write).
     """
     import torch

@@ -10,7 +10,7 @@ This module reads that from the plan, so both trainer integrations agree on it.
 Metrics gathered for a dataset (the Trainer's ``evaluate``, accelerate's ``gather_for_metrics``)
 are gathered over the data dim only here too: the model-parallel ranks hold copies of a batch.
 
-Where training ends, the ranks leave together (``Installation.leave_together``): without it a
+Where training ends, the ranks leave together (``hyperrecipe.runtime.leave_together``): without it a
 rank was seen to abort at interpreter exit in torch's teardown (``terminate called without an
 active exception``; the method says why).
 

@@ -1,4 +1,4 @@
-"""``Installation.leave_together`` on real gloo ranks: a rank returns only once every rank got
+"""``hyperrecipe.runtime.leave_together`` on real gloo ranks: a rank returns only once every rank got
 there, and a rank that never comes is warned about within ``collective_timeout_s``, not waited
 for. No wall-clock asserts: order is read off files the ranks write, and the launch's own
 limit is what a hang would hit.
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
+from hyperrecipe.runtime import leave_together
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
@@ -26,7 +27,7 @@ def _late_worker(rank: int, world: int, folder: str) -> bool:
     if rank == 0:
         time.sleep(1.0)
         marker.touch()
-    inst.leave_together("test loop")
+    leave_together(inst, "test loop")
     return marker.is_file()
 
 
@@ -47,7 +48,7 @@ def _absent_worker(rank: int, world: int, folder: str) -> str:
         return "did not call"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        inst.leave_together("test loop")
+        leave_together(inst, "test loop")
     done.touch()
     return "; ".join(f"{w.category.__name__}: {w.message}" for w in caught)
 

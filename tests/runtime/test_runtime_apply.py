@@ -55,8 +55,8 @@ def _restore_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     shard = model.layers[0].mlp.up.weight
     sharded_shape = tuple(shard.to_local().shape if hasattr(shard, "to_local") else shard.shape)
     heads = model.layers[0].mlp.num_heads
-    rows = inst.status()
-    full = inst.full_state_dict()
+    rows = inst.state.status()
+    full = inst.state.full_state_dict()
     inst.restore()
     after = model.state_dict()
     return {
@@ -232,8 +232,8 @@ def _load_worker(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(2.0)
-    inst.load_full_state_dict(other.state_dict())
-    back = inst.full_state_dict()
+    inst.state.load_full_state_dict(other.state_dict())
+    back = inst.state.full_state_dict()
     return {"equal": all(torch.equal(back[k], v) for k, v in other.state_dict().items())}
 
 

@@ -29,30 +29,30 @@ def applied(world: int, device: str = "cpu") -> tuple[nn.Module, Any]:
 
 
 def save_dcp_worker(rank: int, world: int, ckpt: str) -> None:
-    """``dcp.save(inst.state_dict(opt))`` of the applied model after one AdamW step."""
+    """``dcp.save(inst.state.state_dict(opt))`` of the applied model after one AdamW step."""
     import torch.distributed.checkpoint as dcp
 
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
     opt.step()
-    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
+    dcp.save(inst.state.state_dict(opt), checkpoint_id=ckpt)
 
 
 def resume_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    """``inst.load_checkpoint(ckpt, opt)`` on this rank: the error and whether the model's
+    """``inst.state.load_checkpoint(ckpt, opt)`` on this rank: the error and whether the model's
     tensors are unchanged, or the full state and the optimizer's entries."""
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()
               if isinstance(v, torch.Tensor)}
     try:
-        inst.load_checkpoint(ckpt, opt)
+        inst.state.load_checkpoint(ckpt, opt)
     except WeightLoadError as exc:
         after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         same = all(torch.equal(before[k], after[k]) for k in before)
         return {"error": str(exc), "unchanged": same}
-    return {"error": None, "full": inst.full_state_dict(), "opt": len(opt.state)}
+    return {"error": None, "full": inst.state.full_state_dict(), "opt": len(opt.state)}
 
 
 class Hostile:

@@ -29,7 +29,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def materialized() -> nn.Module:
-    from hyperrecipe.trainers.torchtitan import build_llama3
+    from hyperrecipe.models.torchtitan import build_llama3
 
     model = build_llama3(vocab_size=VOCAB)
     torch.manual_seed(SEED)
@@ -162,9 +162,9 @@ def checkpoint_run(rank: int, world: int, folder: str, save_after: int | None,
     inst = installation_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     if save_after is None:
-        state = inst.state_dict(opt)
+        state = inst.state.state_dict(opt)
         dcp.load(state, checkpoint_id=folder)
-        inst.load_state_dict(state, opt)
+        inst.state.load_state_dict(state, opt)
     tokens, labels = batch()
     losses = []
     for step in range(steps):
@@ -175,7 +175,7 @@ def checkpoint_run(rank: int, world: int, folder: str, save_after: int | None,
         opt.zero_grad()
         losses.append(loss.item())
         if save_after is not None and step + 1 == save_after:
-            dcp.save(inst.state_dict(opt), checkpoint_id=str(Path(folder)))
+            dcp.save(inst.state.state_dict(opt), checkpoint_id=str(Path(folder)))
     return losses
 
 
@@ -185,8 +185,8 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
     from torchtitan.components.loss import cross_entropy_loss as stock_loss
 
     from hyperrecipe.errors import LossParallelError
+    from hyperrecipe.models.torchtitan import build_llama3
     from hyperrecipe.trainers.torchtitan import (
-        build_llama3,
         installation_of,
         parallelize_llama,
     )
@@ -199,7 +199,7 @@ def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(SEED)
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # type: ignore[operator]
-    unset = [r.error for r in inst.status() if r.state == "unset"]
+    unset = [r.error for r in inst.state.status() if r.state == "unset"]
     tokens, labels = batch()
     refused = ""
     try:
@@ -225,12 +225,13 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
 
     ``on_meta``: in torchtitan's Trainer's order (meta, parallelize, ``to_empty``,
     ``init_weights`` seeded as one process seeds ``init_states``) instead of from weights.
-    ``save_to``: a DCP checkpoint (``inst.state_dict(opt)``) written there after the last step."""
+    ``save_to``: a DCP checkpoint (``inst.state.state_dict(opt)``) written there after the last step."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig, TrainingConfig
 
+    from hyperrecipe.models.torchtitan import build_llama3
+
     from hyperrecipe.trainers.torchtitan import (
-        build_llama3,
         installation_of,
         parallelize_llama,
     )
@@ -276,5 +277,5 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
     if save_to is not None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(inst.state_dict(opt), checkpoint_id=save_to)
+        dcp.save(inst.state.state_dict(opt), checkpoint_id=save_to)
     return {"losses": losses, "grads": grads}

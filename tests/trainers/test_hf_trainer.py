@@ -198,7 +198,7 @@ def test_trainer_at_dp2_tp2_splits_batches_over_dp_only_like_one_process(
     half; DDP averages over dp only, also with two accumulation steps (DDP's no_sync). Losses,
     norms and eval_loss (8 samples, gathered over dp only) equal one process's. With sequence
     parallelism the norms' gradients are reduced in the plan's buckets and averaged over dp
-    there (``Installation.data_parallel``; with DDP's own average of them the tp reduction
+    there (``hyperrecipe.runtime.data_parallel``; with DDP's own average of them the tp reduction
     was lost and the losses drifted from the second step, nothing refused)."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), "one", 4, 40, None, 2, 8, 4,
                     timeout_s=600)[0]

@@ -82,7 +82,8 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
     for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
         world *= sizes[name]
     parallel_dims = ParallelDims(**sizes, world_size=world)
-    from hyperrecipe.trainers.torchtitan import build_llama3, parallelize_llama
+    from hyperrecipe.models.torchtitan import build_llama3
+    from hyperrecipe.trainers.torchtitan import parallelize_llama
 
     with torch.device("meta"):
         model = build_llama3()
@@ -99,9 +100,9 @@ def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
     from torchtitan.models.qwen3 import qwen3_configs
 
     from hyperrecipe import compile_recipe
+    from hyperrecipe.models.torchtitan import build_llama3
     from hyperrecipe.trainers.torchtitan import (
         RECIPE,
-        build_llama3,
         parallelize_llama,
         shipped_recipe_for,
     )
@@ -191,7 +192,8 @@ def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    from hyperrecipe.trainers.torchtitan import build_llama3, parallelize_llama
+    from hyperrecipe.models.torchtitan import build_llama3
+    from hyperrecipe.trainers.torchtitan import parallelize_llama
 
     with torch.device("meta"):
         model = build_llama3()

@@ -44,7 +44,7 @@ TABLE = {
     '`DistributedDataParallel(model, process_group=mesh["dp"].get_group())`, a plan without '
     'gradient buckets': "safe",
     "the same over a plan with gradient buckets (sequence-parallel norms)": "refused",
-    '`inst.data_parallel(mesh["dp"].get_group())`': "made right",
+    '`data_parallel(inst, mesh["dp"].get_group())`': "made right",
     "`transformers.Trainer` under `torchrun`": "refused",
     "`HyperrecipeTrainer`: `max_grad_norm`, logged `grad_norm`": "made right",
     "`HyperrecipeTrainer` with `fp16=True` (a loss scale)": "made right",

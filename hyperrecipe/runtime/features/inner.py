@@ -5,7 +5,7 @@ checked (an unmet one makes it *ineligible*, and the reason is kept); an eligibl
 built and hooked in inside a rewriter savepoint, so a candidate that raises half way through is
 rolled back before the next is tried. The first that installs is used; when none does,
 :class:`~hyperrecipe.errors.PlanMismatchError` lists every candidate and why it was passed over.
-Every decision shows in ``Installation.status()``.
+Every decision shows in ``TrainingState.status()``.
 
 Hooks (:data:`~hyperrecipe.wrappers.Hook`):
 

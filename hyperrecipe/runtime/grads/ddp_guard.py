@@ -35,7 +35,7 @@ __all__ = ["install_ddp_guard"]
 def install_ddp_guard(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
                       bucketed: tuple[str, ...] = ()) -> Any:
     """A forward pre-hook on ``model`` that refuses a DDP wrapper across shards, and one
-    over the data dim that was not made by ``Installation.data_parallel`` when ``bucketed``
+    over the data dim that was not made by ``hyperrecipe.runtime.data_parallel`` when ``bucketed``
     (the parameters whose gradients production reduces in buckets) is not empty: DDP would
     average those before the buckets reduced them, and write that back over the reduction
     (one class attribute read per forward; each DDP object is checked once). Returns the
@@ -76,8 +76,9 @@ def _bypassing_buckets(ddp: Any, bucketed: tuple[str, ...]) -> str | None:
             f"of {shown} over its model-parallel dims in buckets as they accumulate, and DDP "
             f"copies each gradient before that reduction and writes its average back over it, "
             f"so the reduction would be lost (silently wrong gradients). Wrap with "
-            f"installation.data_parallel(group) (HyperrecipeTrainer and HyperrecipeAccelerator "
-            f"do), which leaves those parameters to the buckets and averages them there")
+            f"hyperrecipe.runtime.data_parallel(installation, group) (HyperrecipeTrainer and "
+            f"HyperrecipeAccelerator do), which leaves those parameters to the buckets and "
+            f"averages them there")
 
 
 def _crossing(ddp: Any, mesh: DeviceMesh, names: tuple[str, ...],

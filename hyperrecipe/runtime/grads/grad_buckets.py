@@ -44,7 +44,7 @@ each gradient into its bucket as it accumulates, before this module has reduced 
 model-parallel dims, and writes its average back over the reduced value at the end, so the
 reduction was lost (a sequence-parallel norm's gradient 27-89 % off at dp=2 x tp=2).
 :meth:`GradBucketReducer.average_over` makes the buckets also average over the data dim, and
-:meth:`~hyperrecipe.runtime.installation.Installation.data_parallel` wraps DDP with these
+:func:`~hyperrecipe.runtime.installation.data_parallel` wraps DDP with these
 parameters left out of it; the DDP guard refuses any other DDP over such a plan.
 """
 

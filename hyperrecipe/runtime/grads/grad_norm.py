@@ -37,7 +37,7 @@ from hyperrecipe.plan import ParamPlan
 from hyperrecipe.runtime.comm.collectives import group_for
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["clip_grads_by_norm", "per_parameter_grad_norms", "total_grad_norm"]
 

@@ -32,7 +32,7 @@ from hyperrecipe.errors import MixedParametersError
 from hyperrecipe.runtime.mode import answers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["install_mixed_kernel_check", "mixed_kernel_refusal", "multi_tensor_kernel"]
 

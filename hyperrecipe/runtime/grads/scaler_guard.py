@@ -51,7 +51,7 @@ from hyperrecipe.errors import MixedParametersError
 from hyperrecipe.process_patches import ProcessHold, hold_process_patches
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["PATCH", "ScalerGuardHandle", "guard_grad_scaler"]
 

@@ -55,7 +55,7 @@ from hyperrecipe.process_patches import ProcessHold, hold_process_patches
 from hyperrecipe.runtime.grads.grad_norm import total_grad_norm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["GuardHandle", "guard_torch_clipping", "guarded"]
 

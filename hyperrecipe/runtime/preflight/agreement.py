@@ -13,6 +13,12 @@ default 30): a rank that never arrives (killed, hung in its own code) makes its 
 ``PlanMismatchError`` after that long instead of waiting for the process group's timeout
 (default 30 minutes) and a raw backend error. After such a timeout the process group may hold
 an unfinished collective: destroy it before reusing it.
+
+The training state's collectives agree here too, so that every rank-agreement mechanism lives in
+one module: the entry check of a gathering call (:class:`EntryCheck`, through the store:
+:func:`every_rank_entered`), the digest of a checkpoint every rank is about to read
+(:func:`agree_on_source`), every rank's outcome of a step (:func:`agree_on_failure`,
+:func:`every_rank_failure`) and the meeting at a training loop's end (:func:`leave_together`).
 """
 
 from __future__ import annotations
@@ -20,20 +26,23 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import PlanMismatchError, WeightLoadError
 from hyperrecipe.plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TIMEOUT_ENV", "agree_before_apply", "agree_on_digest", "agree_on_failure",
-           "agreement_timeout", "exchange_rows", "vote"]
+__all__ = ["TIMEOUT_ENV", "EntryCheck", "agree_before_apply", "agree_on_digest",
+           "agree_on_failure", "agree_on_source", "agreement_timeout", "every_rank_entered",
+           "every_rank_failure", "exchange_rows", "leave_together", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
@@ -230,3 +239,164 @@ def _mesh_text(mesh: DeviceMesh) -> str:
     if len(names) != len(sizes):
         return "x".join(str(s) for s in sizes) + " (unnamed)"
     return ",".join(f"{n}={s}" for n, s in zip(names, sizes))
+
+
+class _Entered:
+    """How many collective state calls this process got through (the same on every rank
+    while the ranks call them in the same order, which they must for the gathers anyway)."""
+
+    calls = 0
+
+
+def every_rank_entered(store: Any, label: str, rank: int, world: int,
+                       timeout_s: float) -> str | None:
+    """Wait up to ``timeout_s`` for every rank to enter this collective call; None when all
+    did and all entered ``label``, otherwise why not (the missing ranks, or what others called).
+
+    Through the process group's store, not a collective: a monitored barrier bounds the wait
+    only on rank 0 (other ranks wait for rank 0 with the process group's timeout), and a timed
+    out collective leaves the group unusable. The store is polled (``check``): a timed-out
+    blocking ``wait`` would leave a reply pending on the store's socket. A rank that gives up
+    removes its own entry and does not count the call, so a later call finds no stale arrival;
+    after a call every rank got through, the last rank to leave removes its keys.
+    """
+    import time
+
+    key = f"hyperrecipe/collective/{_Entered.calls + 1}"
+    mine = f"{key}/{rank}"
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.set(mine, label)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            store.delete_key(mine)
+            return f"rank(s) {missing} did not enter it within {timeout_s:g} s"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    called = {r: bytes(store.get(k)).decode() for r, k in enumerate(keys)}
+    _Entered.calls += 1
+    if store.add(f"{key}/left", 1) == world:  # every rank has read every entry
+        for k in (*keys, f"{key}/left"):
+            store.delete_key(k)
+    others = {r: c for r, c in called.items() if c != label}
+    if others:
+        listed = ", ".join(f"rank {r} {c}()" for r, c in sorted(others.items()))
+        return f"other ranks entered another collective at this point: {listed}"
+    return None
+
+
+def _store_group() -> bool:
+    """Whether there are peers to wait for through the store: more than one process, and not
+    torch's fake process group (a dry run, :mod:`hyperrecipe.simulate`), whose peers are
+    imagined."""
+    return (dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() != "fake")
+
+
+@attrs.frozen(kw_only=True)
+class EntryCheck:
+    """The check at the door of a gathering call: every rank must call it; one that does not
+    would leave the others waiting in the gather (or in DCP's exchanges) until the watchdog
+    (minutes, then an opaque error). Every rank that called fails within ``timeout_s()``
+    instead, naming the missing ranks (:func:`every_rank_entered`).
+
+    ``active`` is decided once, when the installation is attached (the world group existed
+    and had peers); ``timeout_s`` is read at each call (``Installation.collective_timeout_s``
+    may be changed after apply).
+    """
+
+    active: bool
+    timeout_s: Callable[[], float]
+
+    @classmethod
+    def for_world(cls, timeout_s: Callable[[], float]) -> EntryCheck:
+        return cls(active=_store_group(), timeout_s=timeout_s)
+
+    def __call__(self, label: str, why: str = "", advice: str = "only one rank writes") -> None:
+        """Return once every rank entered ``label`` (``TrainingState.save_pretrained``,
+        ``model.state_dict``...).
+
+        Raises:
+            PlanMismatchError: a rank did not enter it within ``timeout_s()``, or entered
+                another collective at this point.
+        """
+        if not self.active:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        timeout = self.timeout_s()
+        why_not = every_rank_entered(_get_default_store(), label, dist.get_rank(),
+                                     dist.get_world_size(), timeout)
+        if why_not is not None:
+            msg = (f"{label}() is a collective{why}: every rank must call it (rank "
+                   f"{dist.get_rank()} waited {timeout:g} s: {why_not}). Call it on every "
+                   f"rank; {advice}")
+            raise PlanMismatchError(msg)
+
+
+def leave_together(what: str, timeout_s: float) -> None:
+    """Return once every rank reached the end of ``what``, waiting at most ``timeout_s``; a
+    rank that does not arrive is warned about, not raised on (this rank's work is done).
+
+    Why: see :func:`hyperrecipe.runtime.installation.leave_together`, the entry point a
+    trainer calls.
+    """
+    if not _store_group():
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    why_not = every_rank_entered(_get_default_store(), what, dist.get_rank(),
+                                 dist.get_world_size(), timeout_s)
+    if why_not is not None:
+        warnings.warn(f"{what}: the ranks did not leave together ({why_not}); a rank that "
+                      "failed says why", RuntimeWarning, stacklevel=3)
+
+
+def agree_on_source(source: str | os.PathLike[str], what: str,
+                    read_digest: Callable[[int, int], str]) -> None:
+    """Every rank compares a digest of what it is about to read (``read_digest(rank,
+    world)``, which may also check this rank's share of the files and raise
+    :class:`~hyperrecipe.errors.WeightLoadError`) in one bounded exchange before any rank
+    loads: ranks handed different checkpoints (or one a truncated copy) would otherwise each
+    load their own and train on a mixture.
+
+    Raises:
+        WeightLoadError: this rank could not read it (its own error), another rank could not,
+            or the ranks read different contents; no rank loaded.
+        PlanMismatchError: a rank did not arrive within :func:`agreement_timeout`.
+    """
+    error: WeightLoadError | None = None
+    digest: str | None = None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        digest = read_digest(rank, world)
+    except WeightLoadError as exc:
+        error, digest = exc, None
+    failed, differ = agree_on_digest(digest, f"the agreement before {what}")
+    if error is not None:
+        raise error
+    if failed:
+        raise WeightLoadError(f"rank {rank}: {what}({os.fspath(source)!r}) cannot read the "
+                              f"checkpoint on rank(s) {failed} (see their errors); no rank "
+                              f"loaded")
+    if differ:
+        assert digest is not None
+        raise WeightLoadError(
+            f"ranks read different checkpoints: this rank (rank {rank}) reads "
+            f"{os.fspath(source)!r} (digest {digest[:12]}), rank(s) {differ} read other "
+            f"contents (another checkpoint or step, or a truncated or partial copy); every "
+            f"rank must {what} the same checkpoint; no rank loaded")
+
+
+def every_rank_failure(failure: str | None) -> list[tuple[int, str]]:
+    """Every rank's failure (rank, why), the same list on every rank, whole (not cut to a fixed
+    size as :func:`agree_on_failure`'s): the export's final agreement, which runs on its own
+    thread under the export's own bound."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [(0, failure)] if failure is not None else []
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failure)
+    return [(r, f) for r, f in enumerate(everyone) if f is not None]

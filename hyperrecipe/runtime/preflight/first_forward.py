@@ -20,7 +20,7 @@ under torch's fake process group (its peers are imagined). After a pass the hook
 so nothing is left on the step's path (nor under ``torch.compile``); after a refusal it stays, so
 a caller who catches the error and goes on is refused again at the next training forward. A rank
 that does not arrive within the installation's ``collective_timeout_s`` makes its peers raise
-instead of waiting for the process group's timeout. Installed by ``Installation.attach`` in
+instead of waiting for the process group's timeout. Installed by ``installation.attach`` in
 both modes; ``restore()`` removes it.
 """
 

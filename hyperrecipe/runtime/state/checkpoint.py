@@ -18,8 +18,9 @@ the plan's placements plus the wrapper's split, strided where both split one ten
 dp × tp checkpoint is stored piece by piece and reshards like any other.
 
 Everything that gathers is a collective; the functions that may gather say so.
-:func:`every_rank_entered` is how a collective state path learns, within a bound, that a rank
-called it alone (``if rank == 0: dcp.save(inst.state_dict())``) instead of waiting in the
+:func:`~hyperrecipe.runtime.preflight.agreement.every_rank_entered` is how a collective state
+path learns, within a bound, that a rank
+called it alone (``if rank == 0: dcp.save(inst.state.state_dict())``) instead of waiting in the
 gather or in DCP's own exchanges for the process group's timeout.
 """
 
@@ -34,37 +35,18 @@ from torch import Tensor, nn
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.placement import parse_dtensor
 from hyperrecipe.plan import ParamPlan, Plan
-from hyperrecipe.runtime.mode import Mode, as_mode
-from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
+from hyperrecipe.runtime.state.live_params import LiveParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "every_rank_entered",
-    "LiveParams",
     "differing_ties",
-    "dtensor_placements",
     "load_optimizer_state",
     "load_training_state",
     "optimizer_state",
     "optimizer_state_to_load",
 ]
-
-
-def dtensor_placements(p: ParamPlan, mesh_dims: tuple[str, ...]) -> tuple[Any, ...] | None:
-    """The torch placements that store ``p``'s local shard exactly as a DTensor, or ``None``:
-    read from the plan (``ParamPlan.dtensor``, decided at compile time), in the plan's mesh
-    order (``mesh_dims`` is the plan's). K equal chunks of a dim sharded over one mesh dim are
-    ``_StridedShard(d, split_factor=K)``; unequal chunks, or a chunked dim that another mesh dim
-    shards too, have none (``ParamPlan.no_dtensor`` says why)."""
-    del mesh_dims  # the plan records the placement in its own mesh order
-    if p.no_dtensor is not None:
-        return None
-    layout = parse_dtensor(p.dtensor)
-    if layout.parts is not None:
-        return None  # one DTensor per part (unequal chunks): stored whole
-    return layout.torch_placements()
 
 
 def differing_ties(plan: Plan, state: Mapping[str, Any], prefix: str = "") -> str | None:
@@ -98,257 +80,6 @@ def differing_ties(plan: Plan, state: Mapping[str, Any], prefix: str = "") -> st
             f"untied (tie_word_embeddings=False) and compile the plan for it, or keep one name")
 
 
-def _stores_exactly(placements: tuple[Any, ...] | None) -> bool:
-    """Whether DCP can store a DTensor of these placements shard by shard."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return placements is not None and not any(isinstance(q, _StridedShard) for q in placements)
-
-
-class LiveParams:
-    """The model's *current* parameters for the plan's FQNs, looked up on every use.
-
-    An ``Installation`` must not keep its own references: ``to_empty()``, ``fully_shard`` and
-    ``load_state_dict(assign=True)`` replace parameter objects, and a state dict read from stale
-    references is a silently stale checkpoint.
-    """
-
-    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mode: Mode | str) -> None:
-        self.model, self.plan, self.mesh, self.mode = model, plan, mesh, as_mode(mode)
-        self.modules = dict(model.named_modules(remove_duplicate=False))
-        self.own = tuple(p for p in plan.params if p.tied_to is None)
-
-    def param(self, p: ParamPlan) -> Tensor:
-        value: Tensor | None = self.modules[p.module]._parameters.get(p.name)
-        if value is None:
-            msg = f"{p.fqn}: the parameter is gone from the model; it was removed after apply"
-            raise PlanMismatchError(msg)
-        return value
-
-    def local(self, p: ParamPlan) -> Tensor:
-        """This rank's shard as the plan lays it out (a plain tensor sharing the parameter's
-        storage), or a refusal naming what replaced the parameter (a parameter that
-        ``fully_shard`` wrapped after apply holds only pieces of the shard: see
-        :meth:`full_of`)."""
-        from torch.distributed.tensor import DTensor
-
-        value = self.param(p)
-        if isinstance(value, DTensor):
-            if value.device_mesh != self.mesh:
-                raise PlanMismatchError(self._wrapped_refusal(p, value))
-            value = value._local_tensor
-        if tuple(value.shape) != p.local_shape and not (self.mode.parameters_are_dtensors
-                                                        and tuple(value.shape) == p.shape):
-            msg = (f"{p.fqn}: the live parameter has shape {list(value.shape)}, this rank's "
-                   f"shard is {list(p.local_shape)}; it was replaced after apply")
-            raise PlanMismatchError(msg)
-        if value.device.type == "meta":
-            msg = (f"{p.fqn} is on the meta device; apply allocates shards itself, do not call "
-                   f"to_empty() on an applied model")
-            raise PlanMismatchError(msg)
-        return value
-
-    def _wrapped_refusal(self, p: ParamPlan, value: Tensor) -> str:
-        from torch.distributed.tensor import DTensor
-
-        assert isinstance(value, DTensor)
-        mesh = value.device_mesh.mesh_dim_names
-        if self.wrapper_layout(p, value) is not None:
-            return (f"{p.fqn} is now a piece of this rank's shard, made by a data-parallel "
-                    f"wrapper on mesh {mesh} (fully_shard?): load weights before wrapping; "
-                    f"checkpoint with Installation.state_dict() / load_state_dict(), which "
-                    f"store and restore the pieces")
-        return (f"{p.fqn} is now a DTensor on another mesh ({mesh}) that is not a "
-                f"data-parallel wrapper's piece of this rank's shard on a replicated dim of "
-                f"the plan's mesh {tuple(self.plan.mesh_dims)}, so where its values lie in the "
-                f"full tensor is unknown and a checkpoint of it would be wrong; use "
-                f"Installation.full_state_dict() for full weights")
-
-    # -- data-parallel wrappers over the shards (fully_shard after apply) ------------------
-
-    def wrapper_layout(self, p: ParamPlan, value: Tensor) -> tuple[Any, ...] | None:
-        """The placements over this mesh of ``value``, when it is what a data-parallel
-        wrapper (FSDP2's ``fully_shard`` on a dim the plan replicates) made of this rank's
-        shard: a DTensor on a sub-mesh of this mesh whose global shape is the shard's. The
-        wrapper splits the *shard*, so on a tensor dim the plan also shards over a later mesh
-        dim its placement is ``_StridedShard`` (the layout FSDP2 itself uses with tensor
-        parallel), which DCP stores shard by shard. ``None`` for anything else, including a
-        chunked (fused) shard under a wrapper, whose pieces no placement expresses."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        if (not isinstance(value, DTensor) or value.device_mesh == self.mesh
-                or tuple(value.shape) != p.local_shape or self.mode.parameters_are_dtensors):
-            return None
-        names = tuple(self.mesh.mesh_dim_names or ())
-        wrapper = value.device_mesh
-        wnames = tuple(wrapper.mesh_dim_names or ())
-        if not wnames or any(n not in names for n in wnames) or list(wnames) != sorted(
-                wnames, key=names.index):
-            return None
-        coordinate = self.mesh.get_coordinate()
-        if coordinate is None:
-            return None
-        index = tuple(slice(None) if n in wnames else coordinate[i] for i, n in enumerate(names))
-        if not torch.equal(self.mesh.mesh[index], wrapper.mesh):
-            return None  # not this mesh's sub-mesh through this rank
-        base = dtensor_placements(p, self.plan.mesh_dims)
-        if base is None or any(isinstance(q, _StridedShard) for q in base):
-            return None
-        placements = list(base)
-        sharded_dims: set[int] = set()
-        for wdim, q in zip(wnames, value.placements, strict=True):
-            if isinstance(q, Replicate):
-                continue
-            i = names.index(wdim)
-            if type(q) is not Shard or not isinstance(placements[i], Replicate) or (
-                    q.dim in sharded_dims):  # a plain shard only (not a strided subclass)
-                return None
-            sharded_dims.add(q.dim)
-            later = [self.mesh.size(t) for t in range(i + 1, len(names))
-                     if isinstance(placements[t], Shard) and placements[t].dim == q.dim]
-            factor = 1
-            for n in later:
-                factor *= n
-            placements[i] = (_StridedShard(q.dim, split_factor=factor) if factor > 1
-                             else Shard(q.dim))
-        layout = tuple(placements)
-        shape, _ = compute_local_shape_and_global_offset(p.shape, self.mesh, layout)
-        if tuple(shape) != tuple(value._local_tensor.shape):
-            return None  # the wrapper split differently than DTensor would: do not guess
-        return layout
-
-    def stored(self, p: ParamPlan, value: Tensor | None = None) -> Tensor:
-        """``value`` (default: the live parameter), a parameter-shaped tensor of any live
-        layout, as the DTensor a checkpoint stores: over this mesh with the plan's placements
-        (:meth:`as_dtensor`), or, for a data-parallel wrapper's piece, with
-        :meth:`wrapper_layout` (sharing the piece's storage)."""
-        from torch.distributed.tensor import DTensor
-
-        value = self.param(p) if value is None else value
-        layout = self.wrapper_layout(p, value)
-        if layout is not None:
-            assert isinstance(value, DTensor)
-            return DTensor.from_local(value._local_tensor.detach(), self.mesh, layout,
-                                      run_check=False, shape=torch.Size(p.shape),
-                                      stride=contiguous_stride(p.shape))
-        if value is self.param(p):
-            return self.as_dtensor(p, self.local(p))  # local() refuses stale or foreign values
-        if isinstance(value, DTensor) and value.device_mesh != self.mesh:
-            raise PlanMismatchError(self._wrapped_refusal(p, value))
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        return self.as_dtensor(p, local)
-
-    def piece_like(self, p: ParamPlan, value: Tensor, like: Tensor) -> Tensor:
-        """This rank's part of a checkpoint ``value`` (a DTensor of any layout, or a full
-        tensor) in the layout of the live tensor ``like``: a wrapper's piece (as a DTensor
-        like ``like``), or a plain shard. May be a collective."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        layout = self.wrapper_layout(p, like)
-        if layout is None:
-            return self.shard_of(p, value)
-        assert isinstance(like, DTensor)
-        if isinstance(value, DTensor) and value.device_mesh == like.device_mesh and (
-                value.placements == like.placements and value.shape == like.shape):
-            return value  # already a piece in the live layout (idempotent for load hooks)
-        if isinstance(value, DTensor) and value.device_mesh == self.mesh and tuple(
-                value.placements) == layout:
-            piece = value._local_tensor
-        else:
-            shard = self.shard_of(p, value)
-            whole = DTensor.from_local(shard, like.device_mesh,
-                                       tuple(Replicate() for _ in like.placements),
-                                       run_check=False)
-            piece = whole.redistribute(like.device_mesh, like.placements).to_local()
-        return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
-
-    def gathers(self, p: ParamPlan) -> bool:
-        """Whether :meth:`as_dtensor` of ``p``'s shard gathers (a collective): a layout DCP
-        cannot store shard by shard (fused ``chunks=K``, or none DTensor expresses)."""
-        return tuple(p.shape) != p.local_shape and not _stores_exactly(
-            dtensor_placements(p, self.plan.mesh_dims))
-
-    def like_param(self, p: ParamPlan, local: Tensor) -> Tensor:
-        """This rank's shard ``local`` as a DTensor like the live (validate-mode) parameter."""
-        return _like_param(self, p, local)
-
-    def items(self) -> Iterator[tuple[ParamPlan, Tensor]]:
-        for p in self.own:
-            yield p, self.local(p)
-
-    # -- DTensor views -------------------------------------------------------------------
-
-    def as_dtensor(self, p: ParamPlan, local: Tensor) -> Tensor:
-        """``local`` (shaped like ``p``'s shard) as a DTensor DCP can store once per shard.
-        Gathers (a collective) only for layouts DTensor cannot store."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        placements = dtensor_placements(p, self.plan.mesh_dims)
-        if tuple(local.shape) == p.shape and tuple(local.shape) != p.local_shape:
-            # validate mode keeps replicated params outside boundaries whole
-            placements = tuple(Replicate() for _ in self.plan.mesh_dims)
-        if _stores_exactly(placements):
-            assert placements is not None
-            return DTensor.from_local(local.detach(), self.mesh, placements, run_check=False,
-                                      shape=torch.Size(p.shape), stride=contiguous_stride(p.shape))
-        full = self.full(p, local)
-        return DTensor.from_local(full, self.mesh, tuple(Replicate() for _ in self.plan.mesh_dims),
-                                  run_check=False)
-
-    def full_of(self, p: ParamPlan, value: Tensor) -> Tensor:
-        """The full tensor of a parameter-shaped ``value`` in any of the layouts a live
-        parameter or gradient can have: a plain local shard, a DTensor on this mesh (validate),
-        or a DTensor that ``fully_shard`` made of this rank's shard. A collective."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            if value.device_mesh == self.mesh:
-                value = value._local_tensor
-            elif tuple(value.shape) == p.local_shape:
-                value = value.full_tensor()
-            else:
-                msg = (f"{p.fqn}: a DTensor of shape {list(value.shape)} on mesh "
-                       f"{value.device_mesh.mesh_dim_names} is neither this plan's layout nor "
-                       f"a wrapper's of this rank's shard {list(p.local_shape)}")
-                raise PlanMismatchError(msg)
-        return self.full(p, value)
-
-    def full(self, p: ParamPlan, local: Tensor) -> Tensor:
-        """The full tensor from every rank's ``local`` (a collective when sharded)."""
-        if tuple(local.shape) == p.shape:
-            return local.detach().clone()
-        return gather_full(local, p.placement, p.shape, self.mesh, self.plan.mesh_dims)
-
-    def shard_of(self, p: ParamPlan, value: Tensor) -> Tensor:
-        """This rank's shard of ``value``: a DTensor of any placement (redistributed; may be a
-        collective) or a full tensor (sliced)."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            if tuple(value.shape) != p.shape:
-                msg = (f"{p.fqn}: the checkpoint holds shape {list(value.shape)}, the model "
-                       f"{list(p.shape)}")
-                raise PlanMismatchError(msg)
-            placements = dtensor_placements(p, self.plan.mesh_dims)
-            if (_stores_exactly(placements) and value.device_mesh == self.mesh):
-                assert placements is not None
-                return value.redistribute(self.mesh, placements).to_local()
-            value = value.full_tensor()
-        if tuple(value.shape) != p.shape:
-            msg = f"{p.fqn}: got shape {list(value.shape)}, the model {list(p.shape)}"
-            raise PlanMismatchError(msg)
-        return local_shard(value, p.placement, self.mesh, self.plan.mesh_dims)
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 # -- optimizer state -----------------------------------------------------------------------
@@ -434,7 +165,7 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups", []), list) \
             or not isinstance(state.get("state", {}), Mapping):
         msg = (f"the optimizer entry is a {type(state).__name__} without 'state' (a mapping) and "
-               f"'param_groups' (a list); pass what Installation.state_dict(optimizer) returned")
+               f"'param_groups' (a list); pass what TrainingState.state_dict(optimizer) returned")
         raise PlanMismatchError(msg)
     saved_groups = state.get("param_groups", [])
     if not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
@@ -477,7 +208,7 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
                     continue
                 local = live.shard_of(p, value)
                 out[key] = local if not live.mode.parameters_are_dtensors or not isinstance(
-                    param, DTensor) else _like_param(live, p, local)
+                    param, DTensor) else live.like_param(p, local)
             else:
                 out[key] = value
         out_state[ids[fqn]] = out
@@ -486,7 +217,7 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
 
 def load_training_state(live: LiveParams, state: Mapping[str, Any],
                         optimizer: torch.optim.Optimizer | None, unloaded: set[str]) -> None:
-    """``Installation.load_state_dict``: every parameter's shard, every buffer and the
+    """``TrainingState.load_state_dict``: every parameter's shard, every buffer and the
     optimizer's state are computed and checked first; only then is anything written, so a
     missing or malformed entry leaves the model and the optimizer as they were. A collective
     (resharding may gather).
@@ -498,7 +229,7 @@ def load_training_state(live: LiveParams, state: Mapping[str, Any],
     model = state.get("model") if isinstance(state, Mapping) else None
     if not isinstance(model, Mapping):
         raise PlanMismatchError("load_state_dict: the state has no 'model' entry; pass what "
-                                "Installation.state_dict() returned (after dcp.load)")
+                                "TrainingState.state_dict() returned (after dcp.load)")
     plan = live.plan
     missing = [p.fqn for p in live.own
                if p.fqn not in model and not any(q.tied_to == p.fqn and q.fqn in model
@@ -507,7 +238,7 @@ def load_training_state(live: LiveParams, state: Mapping[str, Any],
         raise PlanMismatchError(f"load_state_dict: missing {missing}")
     if optimizer is not None and "optimizer" not in state:
         raise PlanMismatchError("load_state_dict: an optimizer was given but the state holds "
-                                "none; save with Installation.state_dict(optimizer)")
+                                "none; save with TrainingState.state_dict(optimizer)")
     why = differing_ties(plan, model)
     if why is not None:
         raise PlanMismatchError(f"load_state_dict: {why}")
@@ -552,16 +283,6 @@ def load_training_state(live: LiveParams, state: Mapping[str, Any],
         optimizer.load_state_dict(to_load)
 
 
-def _like_param(live: LiveParams, p: ParamPlan, local: Tensor) -> Tensor:
-    """In validate mode the optimizer's state tensors are DTensors like the parameter."""
-    from torch.distributed.tensor import DTensor
-
-    param = live.param(p)
-    assert isinstance(param, DTensor)
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
     if optimizer.state:
         return
@@ -583,49 +304,3 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
             if lr is not None:
                 g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-
-
-class _Entered:
-    """How many collective state calls this process got through (the same on every rank
-    while the ranks call them in the same order, which they must for the gathers anyway)."""
-
-    calls = 0
-
-
-def every_rank_entered(store: Any, label: str, rank: int, world: int,
-                       timeout_s: float) -> str | None:
-    """Wait up to ``timeout_s`` for every rank to enter this collective call; None when all
-    did and all entered ``label``, otherwise why not (the missing ranks, or what others called).
-
-    Through the process group's store, not a collective: a monitored barrier bounds the wait
-    only on rank 0 (other ranks wait for rank 0 with the process group's timeout), and a timed
-    out collective leaves the group unusable. The store is polled (``check``): a timed-out
-    blocking ``wait`` would leave a reply pending on the store's socket. A rank that gives up
-    removes its own entry and does not count the call, so a later call finds no stale arrival;
-    after a call every rank got through, the last rank to leave removes its keys.
-    """
-    import time
-
-    key = f"hyperrecipe/collective/{_Entered.calls + 1}"
-    mine = f"{key}/{rank}"
-    keys = [f"{key}/{r}" for r in range(world)]
-    store.set(mine, label)
-    deadline = time.monotonic() + timeout_s
-    pause = 0.001
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            store.delete_key(mine)
-            return f"rank(s) {missing} did not enter it within {timeout_s:g} s"
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    called = {r: bytes(store.get(k)).decode() for r, k in enumerate(keys)}
-    _Entered.calls += 1
-    if store.add(f"{key}/left", 1) == world:  # every rank has read every entry
-        for k in (*keys, f"{key}/left"):
-            store.delete_key(k)
-    others = {r: c for r, c in called.items() if c != label}
-    if others:
-        listed = ", ".join(f"rank {r} {c}()" for r, c in sorted(others.items()))
-        return f"other ranks entered another collective at this point: {listed}"
-    return None

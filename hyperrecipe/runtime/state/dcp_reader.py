@@ -7,7 +7,7 @@ someone else handed over can therefore run any code on ``dcp.load``. Here:
 
 - ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, which admits only the globals that
   DCP's own metadata pickles name (found by pickling the metadata of real checkpoints, saved
-  by ``dcp.save(inst.state_dict(opt))`` and by ``get_state_dict`` in both modes), and the
+  by ``dcp.save(inst.state.state_dict(opt))`` and by ``get_state_dict`` in both modes), and the
   result must be a ``Metadata`` whose every file name is a regular file of the folder that
   holds the bytes the metadata says it does: a refused global, a path out of the folder, a
   FIFO or a truncated ``.distcp`` are a :class:`WeightLoadError` naming the file, before
@@ -19,11 +19,13 @@ someone else handed over can therefore run any code on ``dcp.load``. Here:
 ``dcp.load``, or call :func:`trusted_dcp_load`, which also turns torch's
 ``CheckpointException`` (a ``BaseException``) into a :class:`WeightLoadError`.
 
-:func:`committed_dcp_save` is ``dcp.save`` between two commit records (:data:`COMMIT`); the
-committed record holds the ``.metadata``'s sha256 and each storage file's size and sampled
-fingerprint (:func:`sampled_fingerprint`), which every reader here checks before it reads a
-tensor, so a folder that a later ``dcp.save`` wrote into is refused by name instead of loading
-a mix of two saves.
+A folder that ``save_checkpoint`` wrote carries a commit record
+(:data:`~hyperrecipe.runtime.state.integrity.COMMIT`, written by
+:func:`~hyperrecipe.runtime.state.integrity.committed_dcp_save`): the ``.metadata``'s sha256
+and each storage file's size and sampled fingerprint, which every reader here checks before it
+reads a tensor, so a folder that a later ``dcp.save`` wrote into is refused by name instead of
+loading a mix of two saves. This module only reads; the record and its checks live in
+:mod:`~hyperrecipe.runtime.state.integrity`.
 """
 
 from __future__ import annotations
@@ -42,13 +44,16 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
+from hyperrecipe.runtime.state.integrity import (
+    MAX_METADATA_BYTES,
+    check_commit,
+    commit_of,
+    describe_failure,
+    verify_fingerprints,
+)
 
-__all__ = ["COMMIT", "FINGERPRINT_SCHEME", "MAX_CHUNK_PROBLEMS", "MAX_METADATA_BYTES",
-           "TrustedFileSystemReader", "check_chunks", "commit_record", "kind_changes", "fingerprint_share", "read_dcp_metadata", "sampled_fingerprint",
-           "trusted_dcp_load", "trusted_reader", "verify_fingerprints"]
-
-MAX_METADATA_BYTES = 1 << 30
-"""The largest ``.metadata`` read (a 70B model's metadata is tens of MiB)."""
+__all__ = ["MAX_CHUNK_PROBLEMS", "TrustedFileSystemReader", "check_chunks", "kind_changes",
+           "read_dcp_metadata", "trusted_dcp_load", "trusted_reader"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset({
@@ -145,183 +150,16 @@ def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None, *
                                                             BytesStorageMetadata))
                        for k, v in metadata.state_dict_metadata.items()):
         raise WeightLoadError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
-    record = _commit_of(base) if rank is None else None  # "not committed" says most: first
+    record = commit_of(base) if rank is None else None  # "not committed" says most: first
     check_chunks(path, metadata)
     sizes = _check_storage(base, path, metadata)
     if record is not None:
-        _check_commit(base, record, data, sizes)
+        check_commit(base, record, data, sizes)
         if check_fingerprints:
             verify_fingerprints(base, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
-
-
-COMMIT = "hyperrecipe.commit.json"
-"""Written by ``Installation.save_checkpoint``: ``{"state": "writing"}`` before ``dcp.save``,
-then ``committed`` with the ``.metadata``'s sha256, each storage file's size (``files``) and,
-since records carry ``"fingerprint": FINGERPRINT_SCHEME``, each storage file's sampled
-fingerprint (``fingerprints``). A record without ``fingerprint`` (written before it existed)
-is checked as it always was: ``.metadata``'s sha256 and the sizes."""
-
-FINGERPRINT_SCHEME = "sampled-sha256/1"
-"""The fingerprint a commit record names: sha256 of the file's size, its first and last
-:data:`_EDGE_BYTES` and :data:`_BLOCKS` blocks of :data:`_BLOCK_BYTES` evenly spaced between
-them (the whole file when it is no longer than that: 4 MiB)."""
-
-_EDGE_BYTES = 1 << 20
-_BLOCK_BYTES = 64 << 10
-_BLOCKS = 32
-
-
-def sampled_fingerprint(path: Path) -> str:
-    """The sampled fingerprint (:data:`FINGERPRINT_SCHEME`) of a storage file: 4 MiB read
-    whatever its size, in 34 reads, so checking it costs about what opening the file does.
-
-    What it catches: any change of size (a truncated or extended file), and any change of the
-    bytes it samples: a file of another checkpoint, or the same file written again by a later
-    ``dcp.save`` of a model that trained since (every weight and optimizer moment moved, so
-    every sampled block differs). What it does not: a change confined to bytes between the
-    samples, as a deliberate edit, or a save in which only a few small tensors changed (most
-    parameters frozen), could make. The export manifest (``save_pretrained``) records a full
-    digest of every byte for that.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    import hashlib
-
-    with os.fdopen(open_regular(path), "rb", buffering=0) as handle:  # a FIFO: refused
-        size = os.fstat(handle.fileno()).st_size
-        digest = hashlib.sha256(f"{FINGERPRINT_SCHEME}\0{size}\0".encode())
-        sampled = 2 * _EDGE_BYTES + _BLOCKS * _BLOCK_BYTES
-        if size <= sampled:
-            regions = [(0, size)]
-        else:
-            gap = size - 2 * _EDGE_BYTES - _BLOCK_BYTES
-            regions = [(0, _EDGE_BYTES),
-                       *((_EDGE_BYTES + gap * k // (_BLOCKS - 1), _BLOCK_BYTES)
-                         for k in range(_BLOCKS)),
-                       (size - _EDGE_BYTES, _EDGE_BYTES)]
-        for offset, length in regions:
-            data = os.pread(handle.fileno(), length, offset)
-            digest.update(len(data).to_bytes(8, "little"))  # a short read differs too
-            digest.update(data)
-    return digest.hexdigest()
-
-
-def _storage_files(folder: Path) -> list[str]:
-    return sorted(f.name for f in folder.iterdir() if f.name.endswith(".distcp"))
-
-
-def fingerprint_share(folder: Path, rank: int = 0, world: int = 1) -> dict[str, str]:
-    """The sampled fingerprints of this rank's share of the folder's storage files (every
-    ``world``-th in name order, from ``rank``), so that the ranks together read each once."""
-    return {name: sampled_fingerprint(folder / name)
-            for name in _storage_files(folder)[rank::world]}
-
-
-def commit_record(folder: Path, fingerprints: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The committed record of a folder ``dcp.save`` just finished writing; ``fingerprints``
-    (name -> :func:`sampled_fingerprint`, every storage file) as the ranks computed them, or
-    computed here when not given."""
-    import hashlib
-
-    data = read_regular_file(folder / ".metadata", limit=MAX_METADATA_BYTES)
-    sizes = {f.name: f.stat().st_size for f in sorted(folder.iterdir())
-             if f.name.endswith(".distcp")}
-    if fingerprints is None:
-        fingerprints = fingerprint_share(folder)
-    return {"state": "committed", "metadata_sha256": hashlib.sha256(data).hexdigest(),
-            "files": sizes, "fingerprint": FINGERPRINT_SCHEME,
-            "fingerprints": dict(sorted(fingerprints.items()))}
-
-
-def _commit_of(base: Path) -> dict[str, Any] | None:
-    """The folder's commit record (``None`` without one: another tool's folder passes),
-    refused when it says its save did not finish."""
-    import json
-
-    path = base / COMMIT
-    if not os.path.lexists(path):
-        return None
-    try:
-        record = json.loads(read_regular_file(path, limit=1 << 24).decode("utf-8"))
-        state = record["state"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
-    if state != "committed":
-        raise WeightLoadError(f"{base}: not committed ({COMMIT} says {state!r:.40}): the "
-                              f"save_checkpoint that wrote it did not finish, so its files may "
-                              f"mix two saves; resume from an earlier checkpoint")
-    if not isinstance(record, dict):
-        raise WeightLoadError(f"{path}: malformed (not an object)")
-    return record
-
-
-def _check_commit(base: Path, record: Mapping[str, Any], data: bytes,
-                  sizes: Mapping[str, int]) -> None:
-    """Refuse a committed folder written again since (a plain ``dcp.save`` into it) where
-    ``.metadata`` or a size shows it, and a record whose fingerprints cannot be checked; the
-    fingerprints themselves are read by :func:`verify_fingerprints`."""
-    import hashlib
-
-    files = record.get("files")
-    if record.get("metadata_sha256") != hashlib.sha256(data).hexdigest() or not isinstance(
-            files, dict) or any(files.get(name) != size for name, size in sizes.items()):
-        raise WeightLoadError(f"{base}: written again after it was committed (.metadata or a "
-                              f"storage file is not what {COMMIT} records: a dcp.save into the "
-                              f"same folder?); its files may mix two saves")
-    if "fingerprint" not in record:
-        return  # a record from before fingerprints: the checks above are all it allows
-    scheme, prints = record["fingerprint"], record.get("fingerprints")
-    if scheme != FINGERPRINT_SCHEME:
-        raise WeightLoadError(f"{base / COMMIT}: fingerprint {scheme!r:.40} is not "
-                              f"{FINGERPRINT_SCHEME!r}: written by a newer hyperrecipe? Load "
-                              f"it with that version")
-    if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
-        raise WeightLoadError(f"{base / COMMIT}: malformed (fingerprints is not an object of "
-                              f"strings)")
-    missing = sorted(set(sizes) - set(prints))
-    if missing:
-        raise WeightLoadError(f"{base}: written again after it was committed: {missing[0]} "
-                              f"is not in {COMMIT}, which records {sorted(prints)[:8]}; its "
-                              f"files may mix two saves. Save the checkpoint again")
-
-
-def verify_fingerprints(folder: str | os.PathLike[str], metadata: Any, rank: int = 0,
-                        world: int = 1) -> None:
-    """Check this rank's share (every ``world``-th file in name order, from ``rank``) of the
-    storage files ``metadata`` names against the sampled fingerprints the commit record holds
-    (:func:`sampled_fingerprint`: what it catches and what it does not). Nothing to do for a
-    folder without a record, or with one written before fingerprints. Call it after
-    :func:`read_dcp_metadata` (which checks the record's state, ``.metadata`` and sizes).
-
-    Raises:
-        WeightLoadError: a storage file's bytes are not the ones committed, naming the folder,
-            the file and what differs.
-    """
-    base = Path(folder)
-    record = _commit_of(base)
-    if record is None or "fingerprint" not in record:
-        return
-    prints = record["fingerprints"]
-    names = sorted({info.relative_path for info in metadata.storage_data.values()})
-    for name in names[rank::world]:
-        try:
-            found = sampled_fingerprint(base / name)
-        except OSError as exc:
-            raise WeightLoadError(f"{base / name}: cannot be read: {exc.strerror or exc}") \
-                from None
-        if found != prints.get(name):
-            size = os.stat(base / name).st_size
-            msg = (f"{base}: written again after it was committed: {name} has the size "
-                   f"{COMMIT} records ({size} bytes) but other bytes (sampled fingerprint "
-                   f"{found[:16]}, committed {str(prints.get(name))[:16]}): a dcp.save into "
-                   f"the same folder that did not finish, or a file of another checkpoint, "
-                   f"so its files may mix two saves. Save the checkpoint again (or resume "
-                   f"from an earlier one)")
-            raise WeightLoadError(msg)
 
 
 def _check_storage(base: Path, path: Path, metadata: Any) -> dict[str, int]:
@@ -650,7 +488,7 @@ def trusted_dcp_load(state: dict[str, Any], folder: str | os.PathLike[str],
         dcp_load(state, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:
         failures = getattr(exc, "failures", {}) or {}
-        lines = [f"rank {r}: {_describe(e)}" for r, e in sorted(failures.items())]
+        lines = [f"rank {r}: {describe_failure(e)}" for r, e in sorted(failures.items())]
         raise WeightLoadError(f"{folder}: dcp.load failed:\n  " + "\n  ".join(
             lines or [str(exc)])) from None
     except WeightLoadError:
@@ -687,76 +525,3 @@ def _verify_fingerprints_together(folder: str | os.PathLike[str], metadata: Any,
     verify_fingerprints(folder, metadata)  # raises the error of the first file that fails
     first = min(failed)
     raise WeightLoadError(f"rank {first} refused {os.fspath(folder)!r}: {failed[first]}")
-
-
-def _describe(failure: Any) -> str:
-    exc = failure[0] if isinstance(failure, tuple) and failure else failure
-    if isinstance(exc, BaseException):
-        return f"{type(exc).__name__}: {exc!s:.300}"
-    text = str(exc)
-    return text.strip().splitlines()[-1][:300] if text.strip() else type(exc).__name__
-
-
-def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int) -> None:
-    """``dcp.save(state, checkpoint_id=folder)`` between two commit records: ``writing``
-    before any rank writes (rank 0 writes it before entering ``dcp.save``, whose first step
-    is a collective), ``committed`` after ``.metadata`` is written, with each storage file's
-    sampled fingerprint (each rank computes its share, gathered in one exchange). A save that
-    dies between the two leaves ``writing``, which every reader here refuses.
-
-    Raises:
-        ExportError: ``dcp.save`` failed on a rank, or a rank could not read back its share
-            of the files (the folder stays uncommitted).
-    """
-    import json
-
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    from hyperrecipe.errors import ExportError
-    from hyperrecipe.runtime.state.export import replace_text
-
-    path = Path(folder)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        replace_text(path / COMMIT, json.dumps({"state": "writing"}) + "\n")
-    try:
-        dcp_save(state, checkpoint_id=str(path))
-    except CheckpointException as exc:
-        failures = getattr(exc, "failures", {}) or {}
-        lines = [f"rank {r}: {_describe(e)}" for r, e in sorted(failures.items())]
-        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
-                          f"uncommitted and will not load:\n  " + "\n  ".join(
-                              lines or [str(exc)])) from None
-    fingerprints = _fingerprints_together(path, rank)
-    if rank == 0:
-        replace_text(path / COMMIT, json.dumps(commit_record(path, fingerprints), indent=2,
-                                               sort_keys=True) + "\n")
-
-
-def _fingerprints_together(path: Path, rank: int) -> dict[str, str]:
-    """Every storage file's sampled fingerprint, each rank reading its share once ``dcp.save``
-    returned (its files written and synced), gathered on every rank.
-
-    Raises:
-        ExportError: a rank could not read its share (the folder stays uncommitted).
-    """
-    import torch.distributed as dist
-
-    from hyperrecipe.errors import ExportError
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    share: dict[str, str] | str
-    try:
-        share = fingerprint_share(path, rank, world)
-    except OSError as exc:
-        share = f"rank {rank}: cannot read {exc.filename}: {exc.strerror or exc}"
-    shares: list[dict[str, str] | str] = [share]
-    if world > 1:
-        shares = [{} for _ in range(world)]
-        dist.all_gather_object(shares, share)
-    failures = [s for s in shares if isinstance(s, str)]
-    if failures:
-        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
-                          f"uncommitted and will not load:\n  " + "\n  ".join(failures))
-    return {name: value for s in shares if isinstance(s, dict) for name, value in s.items()}

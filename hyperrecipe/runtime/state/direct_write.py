@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hyperrecipe.runtime.comm.gather_into import OwnBlocks
-from hyperrecipe.runtime.state.file_digest import Hasher
+from hyperrecipe.runtime.state.integrity import Hasher
 
 __all__ = ["Offer", "Reports", "accept", "hash_range", "host_identity", "map_for_hashing", "offer",
            "wait_written", "write_runs"]

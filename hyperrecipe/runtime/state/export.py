@@ -1,4 +1,4 @@
-"""``Installation.save_pretrained``: consolidated safetensors, one gathered tensor at a time.
+"""``TrainingState.save_pretrained``: consolidated safetensors, one gathered tensor at a time.
 
 ``from_pretrained`` wants whole tensors; an applied model holds shards. Each tensor in turn is
 gathered to the one rank that writes (:func:`writer_gather`: its peers send their blocks to it
@@ -63,18 +63,22 @@ from hyperrecipe.runtime.state.direct_write import (
     wait_written,
     write_runs,
 )
-from hyperrecipe.runtime.state.file_digest import (
-    FORMATS,
+from hyperrecipe.runtime.preflight.agreement import every_rank_failure
+from hyperrecipe.runtime.state.integrity import (
+    MANIFEST,
+    MANIFEST_FORMAT,
     Hasher,
     manifest_document,
     new_hasher,
+    replace_text,
+    sync_folder,
     writing_digest,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - checkpoint -> weights -> dcp_reader -> export
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
-__all__ = ["MANIFEST", "ExportItem", "replace_text", "model_save_pretrained", "write_safetensors",
+__all__ = ["EXPORT_FILES", "ExportItem", "model_save_pretrained", "write_safetensors",
            "writer_blocks", "writer_gather"]
 
 _DTYPES = {
@@ -158,11 +162,6 @@ def _files(items: Sequence[ExportItem], max_shard_bytes: int) -> list[list[Expor
     return files
 
 
-MANIFEST = "hyperrecipe.manifest.json"
-"""Written last by an export: each weight file's size and digest (``load_weights`` checks them;
-:mod:`~hyperrecipe.runtime.state.file_digest` says which digest and why)."""
-MANIFEST_FORMAT = FORMATS[-1]
-
 EXPORT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """Names an export writes: anything else of that name in the folder is an earlier export's."""
 
@@ -192,7 +191,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     was. A gather that fails on a rank (or a rank that stops) cannot be gathered past: that
     rank raises at once and the others once a gather or the agreement has waited
     ``timeout_s`` (``None``: the process group's own timeout). ``digest`` is the manifest's
-    algorithm (default :func:`~hyperrecipe.runtime.state.file_digest.writing_digest`).
+    algorithm (default :func:`~hyperrecipe.runtime.state.integrity.writing_digest`).
 
     With ``direct`` (the default), ranks that run on the writer's kernel and see its
     temporary files write their own blocks of each item that has ``blocks`` straight into them
@@ -333,7 +332,7 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 stale.unlink()
         document = manifest_document(MANIFEST_FORMAT, algorithm, manifest)
         replace_text(out / MANIFEST, json.dumps(document, indent=2, sort_keys=True) + "\n")
-        _sync_folder(out)
+        sync_folder(out)
     finally:
         gathers.close()
         hashing.shutdown()
@@ -610,13 +609,13 @@ class _Gathers:
 
     def agree(self, failure: str | None,
               first: Callable[[], None] | None = None) -> list[tuple[int, str]]:
-        """Every rank's failure, the same list on every rank (see :func:`_agree`), after
-        ``first`` (on the export's thread, within the same bounded wait)."""
+        """Every rank's failure, the same list on every rank (:func:`every_rank_failure`),
+        after ``first`` (on the export's thread, within the same bounded wait)."""
 
         def agree() -> list[tuple[int, str]]:
             if first is not None:
                 first()
-            return _agree(failure)
+            return every_rank_failure(failure)
 
         result: list[tuple[int, str]] = self._wait(self._submit(agree),
                                                    "agreeing that every rank got through")
@@ -671,50 +670,13 @@ def _header(group: Sequence[ExportItem]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _agree(failure: str | None) -> list[tuple[int, str]]:
-    """Every rank's failure (rank, why), the same list on every rank."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return [(0, failure)] if failure is not None else []
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failure)
-    return [(r, f) for r, f in enumerate(everyone) if f is not None]
-
-
-def replace_text(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make the renames durable (a folder's entries are synced through the folder itself)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None]:
     """The ``save_pretrained`` an applied transformers model carries while its plan is applied.
 
     transformers' own ``save_pretrained`` writes ``model.state_dict()`` from rank 0 alone: on an
     applied model those are DTensors or this rank's shards, and safetensors fails on them with
     ``Attempted to access the data pointer on an invalid python storage``. This one is
-    :meth:`Installation.save_pretrained` (every rank gathers, rank 0 writes) for the arguments
+    :meth:`TrainingState.save_pretrained` (every rank gathers, rank 0 writes) for the arguments
     a plain save passes; a call with anything else is refused by name. Called on one rank only
     (``if rank == 0``, as ``Trainer`` does), the gather's monitored barrier refuses it within
     ``collective_timeout_s`` instead of hanging.
@@ -732,7 +694,7 @@ def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None
             msg = (f"model.save_pretrained({', '.join(unsupported)}) on a model with an applied "
                    f"plan: the weights are gathered from the shards, so only a folder, "
                    f"max_shard_size and is_main_process are supported; call "
-                   f"Installation.save_pretrained(folder) on every rank, or restore() first")
+                   f"inst.state.save_pretrained(folder) on every rank, or restore() first")
             raise PlanMismatchError(msg)
         del is_main_process  # rank 0 writes; every rank gathers
         max_shard_bytes = LIBRARY.size_to_bytes(max_shard_size)
@@ -740,6 +702,6 @@ def model_save_pretrained(installation: Callable[[], Any]) -> Callable[..., None
             msg = (f"model.save_pretrained(max_shard_size={max_shard_size!r}): not a size "
                    f"(bytes, or a string such as '5GB')")
             raise PlanMismatchError(msg)
-        installation().save_pretrained(save_directory, max_shard_bytes=max_shard_bytes)
+        installation().state.save_pretrained(save_directory, max_shard_bytes=max_shard_bytes)
 
     return save_pretrained

@@ -6,7 +6,7 @@ device, as the plan says, and filled with NaN until weights are loaded, so that 
 unloaded weights fails loudly instead of training on whatever ``torch.empty`` returned.
 
 Buffers are not in the plan (they are not sharded). A *persistent* buffer is allocated and left
-for :meth:`~hyperrecipe.runtime.installation.Installation.load_weights` (checkpoints carry it). A
+for :meth:`~hyperrecipe.runtime.installation.TrainingState.load_weights` (checkpoints carry it). A
 *non-persistent* buffer (rotary ``inv_freq``) is in no checkpoint, so it must be recomputed: the
 only general recipe for that is the model's own initializer (its model library's answer,
 :mod:`hyperrecipe.models`), run on each parameter-free module that owns one, and a buffer that is still

@@ -10,7 +10,7 @@ module therefore carries two hooks, removed by ``restore()``:
   placements over the mesh (no copy, no collective), so DCP stores every shard once. A fused
   (chunked) shard would be a ``_StridedShard`` DTensor, which DCP refuses ("overlapping
   chunks"), and a layout no DTensor expresses cannot be stored shard by shard at all: those
-  are handed out as ``Installation.state_dict()`` stores them, gathered and replicated (a
+  are handed out as ``TrainingState.state_dict()`` stores them, gathered and replicated (a
   collective, so ``model.state_dict()`` of such a plan must be called on every rank).
 - a load pre-hook that turns DTensors (any placement, any mesh layout of the same global
   shape) and full tensors into this rank's shard before ``load_state_dict`` copies them.
@@ -37,10 +37,8 @@ from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
 from hyperrecipe.plan import ParamPlan
-from hyperrecipe.runtime.state.checkpoint import (
-    LiveParams,
-    differing_ties,
-)
+from hyperrecipe.runtime.state.checkpoint import differing_ties
+from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["install_optimizer_hooks", "install_state_hooks", "replaced_bucket_params"]
 
@@ -90,7 +88,7 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
             if live.wrapper_layout(p, live.param(p)) is not None:  # fully_shard's piece
                 state[key] = live.stored(p)
                 continue
-            # Installation.state_dict()'s form: the plan's placements where DCP stores them
+            # TrainingState.state_dict()'s form: the plan's placements where DCP stores them
             # shard by shard; a fused (chunked) shard, which DCP refuses as _StridedShard
             # ("overlapping chunks"), gathered and handed out replicated (a collective).
             state[key] = live.as_dtensor(p, live.local(p))
@@ -104,7 +102,7 @@ def install_state_hooks(model: nn.Module, live: LiveParams,
                    "replace the installed shards with new parameter objects (ties split, "
                    "deferred biases and gradient hooks left on the old ones); call "
                    "load_state_dict without assign=True (the values are copied into the "
-                   "shards), or Installation.load_weights / load_full_state_dict")
+                   "shards), or TrainingState.load_weights / load_full_state_dict")
             raise PlanMismatchError(msg)
         why = differing_ties(live.plan, state, prefix)
         if why is not None:
@@ -189,7 +187,7 @@ def _broadcast_refusal(fqn: str) -> str:
             f"set_model_state_dict(..., broadcast_from_rank0=True) does after copying one "
             f"contiguous slice of the full tensor into it (not this rank's piece of every "
             f"chunk): its values are wrong. Load full tensors with "
-            f"Installation.load_full_state_dict(), model.load_state_dict(full_state_dict), or "
+            f"TrainingState.load_full_state_dict(), model.load_state_dict(full_state_dict), or "
             f"set_model_state_dict with full_state_dict=True and no broadcast_from_rank0 (or "
             f"in production mode)")
 

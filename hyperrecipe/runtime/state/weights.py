@@ -1,4 +1,4 @@
-"""``Installation.load_weights``: each rank reads only its slices of a checkpoint.
+"""``TrainingState.load_weights``: each rank reads only its slices of a checkpoint.
 
 Loading is a chain of strategies in the shape of the design's capability fallback. Each
 strategy says whether it can read a source (``ineligible`` with the reason when not), then
@@ -33,7 +33,7 @@ Strategies:
   weights_only=True)``, no tensor page touched), then read like safetensors by positional
   reads at each tensor's zip record, conversions included.
 - ``dcp``: a ``torch.distributed.checkpoint`` folder (a ``.metadata`` file), as written by
-  ``dcp.save(inst.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
+  ``dcp.save(inst.state.state_dict())`` (keys ``model.<fqn>``) or by a trainer that saved the model's
   state dict at the top level (keys ``<fqn>``), on any mesh. After every check, one
   ``dcp.load`` reads straight into the shards (DTensors over the shards' own storage), so a
   load holds no second copy of the rank's shards; only a tied parameter stored under several
@@ -42,7 +42,6 @@ Strategies:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -60,6 +59,7 @@ from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.models import LIBRARY, Composite
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
+from hyperrecipe.runtime.state.integrity import MANIFEST, digest_file, parse_manifest
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
     Staging,
@@ -70,10 +70,10 @@ from hyperrecipe.runtime.state.checkpoint_files import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hyperrecipe.runtime.state.checkpoint import LiveParams
+    from hyperrecipe.runtime.state.live_params import LiveParams
 
 __all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
-           "source_digest", "verify_manifest"]
+           "verify_manifest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -705,51 +705,6 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|distcp)|.*\.index\.json|\.metadata")
-_SAMPLE_BYTES = 1 << 16
-
-
-def source_digest(source: str | os.PathLike[str]) -> str:
-    """A digest of what ``load_weights(source)`` would read, for ranks to compare before they
-    load: each weight file's name and size and three 64 KiB windows of its bytes (start,
-    middle, end; a file up to 192 KiB whole), the index and DCP metadata included. Another
-    checkpoint, another training step of the same one, or a truncated copy differ; a change
-    that keeps the size and lies outside the windows does not (it is a sample, not a hash of
-    everything: that would read every byte on every rank). Paths are not part of it, so ranks
-    on different hosts may hold their own copies.
-
-    Raises:
-        WeightLoadError: a file cannot be read.
-    """
-    import hashlib
-
-    path = Path(source)
-    digest = hashlib.sha256()
-    if not path.exists():
-        return digest.hexdigest()  # loading says what is missing
-    try:
-        files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
-                 if path.is_dir() else [path])
-        for f in files:
-            try:  # not blocking, checked on the descriptor: a FIFO is never waited on
-                fd = open_regular(f)
-            except OSError as exc:
-                if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
-                    raise
-                digest.update(f"{f.name}\0not a regular file\0".encode())
-                continue  # loading refuses it by name
-            with os.fdopen(fd, "rb") as handle:
-                size = os.fstat(fd).st_size
-                digest.update(f"{f.name}\0{size}\0".encode())
-                for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
-                                      max(0, size - _SAMPLE_BYTES)}):
-                    handle.seek(offset)
-                    digest.update(handle.read(_SAMPLE_BYTES))
-    except OSError as exc:
-        raise WeightLoadError(f"{source}: cannot be read: {exc}") from None
-    return digest.hexdigest()
-
-
 MAX_MANIFEST_BYTES = 64 << 20
 
 
@@ -764,8 +719,7 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
         WeightLoadError: the manifest is malformed, a file is missing, extra (a later write by
             another tool, or an earlier export), of another size, or of other contents.
     """
-    from hyperrecipe.runtime.state.export import EXPORT_FILES, MANIFEST
-    from hyperrecipe.runtime.state.file_digest import digest_file, parse_manifest
+    from hyperrecipe.runtime.state.export import EXPORT_FILES
 
     folder = Path(source)
     path = folder / MANIFEST
@@ -931,7 +885,7 @@ def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str],
     here is a fault while copying: a file changed or unreadable after its check. Putting the
     previous values back would need a second copy of every tensor (what a reload on a full GPU
     cannot hold), so the tensors written so far, and the one being written, are marked unset
-    instead (NaN, and :meth:`Installation.status` lists them): the model is never a silent
+    instead (NaN, and :meth:`TrainingState.status` lists them): the model is never a silent
     mixture of two checkpoints, and a load that fails its checks changes nothing.
 
     After the copy the ranks agree (``agree``, bounded): when any rank failed (or did not

@@ -390,10 +390,10 @@ def _apply_and_step(model: torch.nn.Module, plan: Plan, mode: str,
     except Exception as exc:  # noqa: BLE001 - reported to the test
         inst.restore()
         return {"error": f"{type(exc).__name__}: {exc}"}
-    rows = [(s.fqn, s.what, s.state) for s in inst.status() if s.what.startswith("adapter")]
+    rows = [(s.fqn, s.what, s.state) for s in inst.state.status() if s.what.startswith("adapter")]
     grads = inst.full_grads()
     inst.restore()
-    restored = [(s.fqn, s.state) for s in inst.status() if s.what.startswith("adapter")]
+    restored = [(s.fqn, s.state) for s in inst.state.status() if s.what.startswith("adapter")]
     return {"logits": logits, "grads": grads, "rows": rows, "restored": restored}
 
 

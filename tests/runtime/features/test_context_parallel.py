@@ -83,7 +83,7 @@ def _chain_worker(rank: int, world: int, recipe: str) -> dict[str, Any]:
     plan = compile_recipe(recipe, llama("meta"), {"cp": world})
     inst = apply(model, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
     llama_step(model, llama_batch())
-    rows = [(r.fqn, r.what, r.state, r.error) for r in inst.status()
+    rows = [(r.fqn, r.what, r.state, r.error) for r in inst.state.status()
             if r.what.startswith("inner wrapper")]
     return {"rows": rows, "scaling_kept": model.model.layers[0].self_attn.scaling == scaling}
 
@@ -351,7 +351,7 @@ def _forward_hook_worker(rank: int, world: int, recipe: str, mode: str) -> dict[
 
     out = out.full_tensor() if isinstance(out, DTensor) else out
     out.sum().backward()
-    rows = [(r.fqn, r.state) for r in inst.status() if r.what.startswith("inner wrapper")]
+    rows = [(r.fqn, r.state) for r in inst.state.status() if r.what.startswith("inner wrapper")]
     return {"out": out, "grads": inst.full_grads(), "rows": rows}
 
 

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, Any]:
                  mode=mode, trust_code=["tests"])  # type: ignore[arg-type]
     out = model(_tokens())
     out.pow(2).mean().backward()
-    rows = [(r.fqn, r.state) for r in inst.status() if r.what.startswith("inner wrapper")]
+    rows = [(r.fqn, r.state) for r in inst.state.status() if r.what.startswith("inner wrapper")]
     return {"out": out.detach(), "grads": inst.full_grads(), "rows": rows}
 
 

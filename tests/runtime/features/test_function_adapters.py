@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, recipe: str, bare: str, mode: str) -> dict[st
                  mode=mode)  # type: ignore[arg-type]
     out = model(_tokens())
     out.pow(2).mean().backward()
-    rows = [(r.fqn, r.what, r.state) for r in inst.status() if r.what.startswith("adapter")]
+    rows = [(r.fqn, r.what, r.state) for r in inst.state.status() if r.what.startswith("adapter")]
     grads = inst.full_grads()
     inst.restore()
     return {"out": out.detach(), "grads": grads, "rows": rows, "bare": bare_run,

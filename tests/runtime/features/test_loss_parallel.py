@@ -104,7 +104,7 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
         except LossParallelError as exc:
             misuse.append(str(exc))
     grads = inst.full_grads()
-    status = [(r.what, r.state, r.note) for r in inst.status() if r.fqn == "lm_head"]
+    status = [(r.what, r.state, r.note) for r in inst.state.status() if r.fqn == "lm_head"]
     with torch.no_grad():
         summed = model(input_ids=ids, labels=llama_labels(ids), num_items_in_batch=torch.tensor(7))
         logits = model(input_ids=ids).logits

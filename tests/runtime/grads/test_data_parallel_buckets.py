@@ -3,7 +3,7 @@ sequence-parallel norms, on a dp=2 x tp=2 mesh: ``tests/recipes/llama-sp-dp.yaml
 
 DDP copies each gradient into its own bucket as it accumulates, before the plan's bucket has
 reduced it over ``tp``, and writes its average back over the reduced value: 4 of 21 gradients
-came out 27-89 % off, silently. ``Installation.data_parallel`` leaves the bucketed parameters
+came out 27-89 % off, silently. ``hyperrecipe.runtime.data_parallel`` leaves the bucketed parameters
 out of DDP and averages them over ``dp`` in the plan's buckets; any other DDP over such a plan
 is refused at its first forward. Gradients are compared with one process on the whole batch
 (each dp rank takes half) at the harness's tolerances (atol 2e-6, rtol 1e-5), with two
@@ -20,6 +20,7 @@ import torch
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.runtime import data_parallel
 from tests.support.runtime_harness import ROOT, assert_close, grads_of, llama
 
 pytestmark = pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
@@ -55,7 +56,7 @@ def _ddp_worker(rank: int, world: int) -> dict[str, Any]:
     mesh = _mesh()
     model = llama()
     inst = apply(model, compile_recipe(RECIPE, llama("meta"), {"dp": 2, "tp": 2}), mesh)
-    ddp = inst.data_parallel(mesh.get_group("dp"))
+    ddp = data_parallel(inst, mesh.get_group("dp"))
     half = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
     first, second = _micro_batches()
     with ddp.no_sync():  # type: ignore[operator]
@@ -95,6 +96,6 @@ def test_a_plain_ddp_over_a_plan_with_gradient_buckets_is_refused_at_its_first_f
             "model.layers.1.input_layernorm.weight and 2 more over its model-parallel dims in "
             "buckets as they accumulate, and DDP copies each gradient before that reduction and "
             "writes its average back over it, so the reduction would be lost (silently wrong "
-            "gradients). Wrap with installation.data_parallel(group) (HyperrecipeTrainer and "
-            "HyperrecipeAccelerator do), which leaves those parameters to the buckets and "
-            "averages them there"), message
+            "gradients). Wrap with hyperrecipe.runtime.data_parallel(installation, group) "
+            "(HyperrecipeTrainer and HyperrecipeAccelerator do), which leaves those parameters "
+            "to the buckets and averages them there"), message

@@ -78,14 +78,14 @@ def _worker(rank: int, world: int, recipe: str, mode: str,
     plan = compile_recipe(recipe, llama("meta"), {"tp": world})
     inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
     opt = _adamw(model, kernel)
-    before = inst.full_state_dict()
+    before = inst.state.full_state_dict()
     try:
         losses = _train(model, opt)
     except MixedParametersError as exc:
-        after = inst.full_state_dict()
+        after = inst.state.full_state_dict()
         return {"error": str(exc), "plain": exc.plain, "dtensors": exc.dtensors,
                 "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
-    return {"losses": losses, "weights": inst.full_state_dict()}
+    return {"losses": losses, "weights": inst.state.full_state_dict()}
 
 
 def _assert_trains_like_one_process(results: list[dict[str, Any]],

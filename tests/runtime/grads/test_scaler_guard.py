@@ -30,7 +30,7 @@ def _scaled_step_worker(rank: int, world: int, mode: str, overflow_on: int | Non
     inst = apply(model, plan, mesh_1d(world), mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    before = {n: t.clone() for n, t in inst.full_state_dict().items()}
+    before = {n: t.clone() for n, t in inst.state.full_state_dict().items()}
     loss = model(input_ids=llama_batch()).logits.float().pow(2).mean()
     scaler.scale(loss).backward()
     if rank == overflow_on:  # an overflow in this rank's rows only (q_proj is row-sharded)
@@ -38,7 +38,7 @@ def _scaled_step_worker(rank: int, world: int, mode: str, overflow_on: int | Non
         (grad.to_local() if hasattr(grad, "to_local") else grad)[0, 0] = float("inf")
     scaler.step(opt)
     scaler.update()
-    after = inst.full_state_dict()
+    after = inst.state.full_state_dict()
     # a weight replicated on every rank: its value is this rank's own copy
     norm = model.model.layers[0].input_layernorm.weight
     local_norm = (norm.to_local() if hasattr(norm, "to_local") else norm).detach().clone()

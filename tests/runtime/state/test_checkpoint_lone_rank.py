@@ -1,6 +1,6 @@
 """One rank alone in a collective state path, on real gloo ranks.
 
-``dcp.save(inst.state_dict())`` is a collective twice over: DCP's own planning exchanges run on
+``dcp.save(inst.state.state_dict())`` is a collective twice over: DCP's own planning exchanges run on
 the default process group, so a rank that calls it alone (``if rank == 0: dcp.save(...)``) used
 to wait there for the process group's timeout (30 minutes by default) on a plan without fused
 parameters, where ``state_dict()`` itself gathers nothing. Now the lone rank raises
@@ -39,11 +39,11 @@ def _lone_worker(rank: int, world: int, lone: int, call: str, folder: str) -> st
         return "did not call"
     try:
         if call == "dcp.save":
-            dcp.save(inst.state_dict(), checkpoint_id=str(Path(folder) / "ckpt"))
+            dcp.save(inst.state.state_dict(), checkpoint_id=str(Path(folder) / "ckpt"))
         elif call == "save_checkpoint":
-            inst.save_checkpoint(Path(folder) / "ckpt")
+            inst.state.save_checkpoint(Path(folder) / "ckpt")
         else:
-            inst.load_state_dict({"model": {}})
+            inst.state.load_state_dict({"model": {}})
         outcome = "no error"
     except Exception as exc:  # noqa: BLE001
         outcome = f"{type(exc).__name__}: {exc}"
@@ -52,10 +52,10 @@ def _lone_worker(rank: int, world: int, lone: int, call: str, folder: str) -> st
 
 
 @pytest.mark.parametrize(("lone", "call", "label"), [
-    (0, "dcp.save", "Installation.state_dict()"),
-    (1, "dcp.save", "Installation.state_dict()"),
-    (0, "save_checkpoint", "Installation.state_dict()"),
-    (1, "load_state_dict", "Installation.load_state_dict()"),
+    (0, "dcp.save", "TrainingState.state_dict()"),
+    (1, "dcp.save", "TrainingState.state_dict()"),
+    (0, "save_checkpoint", "TrainingState.state_dict()"),
+    (1, "load_state_dict", "TrainingState.load_state_dict()"),
 ])
 def test_a_lone_rank_in_a_state_collective_raises_by_name(tmp_path: Path, lone: int, call: str,
                                                           label: str) -> None:

@@ -62,8 +62,8 @@ def _load_worker(rank: int, world: int, folder: str, recipe: str, dim: str,
     meta = build("mixtral", "meta", **_experts(mode))
     plan = compile_recipe(str(ROOT / "recipes" / recipe), meta, {dim: world})
     inst = apply(meta, plan, _mesh(dim, world), mode=mode)  # type: ignore[arg-type]
-    inst.load_weights(folder)
-    rows = {r.what: (r.state, r.note) for r in inst.status() if r.what.startswith("weights")}
+    inst.state.load_weights(folder)
+    rows = {r.what: (r.state, r.note) for r in inst.state.status() if r.what.startswith("weights")}
     logits = step(meta)
     return {"logits": logits, "grads": inst.full_grads(), "rows": rows}
 
@@ -115,9 +115,9 @@ def _refusal_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     plan = compile_recipe(str(ROOT / "recipes/mixtral.yaml"), meta, {"tp": world})
     inst = apply(meta, plan, _mesh("tp", world))
     try:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
     except WeightLoadError as exc:
-        return {"msg": str(exc), "rows": [(r.what, r.state) for r in inst.status()
+        return {"msg": str(exc), "rows": [(r.what, r.state) for r in inst.state.status()
                                           if r.what == "weights"]}
     return {"msg": None}
 

@@ -5,7 +5,7 @@ chunk pointed at another tensor's bytes loads those, a chunk past the tensor's e
 the middle of the copy. Each forged folder here is a real ``dcp.save`` of a tiny Llama at tp=2
 (real gloo ranks) whose ``.metadata`` is read, edited and pickled again, as
 ``test_state_trust.py`` forges it; each load must refuse it by name with the model untouched,
-through ``inst.load_checkpoint`` and through ``inst.load_weights``.
+through ``inst.state.load_checkpoint`` and through ``inst.state.load_weights``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ Q1 = "model.model.layers.1.self_attn.q_proj.weight"
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``dcp.save(inst.state_dict(opt))`` at tp=2 after one AdamW step: q_proj (64 x 64) is
+    """``dcp.save(inst.state.state_dict(opt))`` at tp=2 after one AdamW step: q_proj (64 x 64) is
     stored as two row chunks, rows 0:32 and 32:64."""
     ckpt = tmp_path_factory.mktemp("dcp") / "step-1"
     run_ranks(save_dcp_worker, 2, str(ckpt))
@@ -90,19 +90,19 @@ FORGERIES = {
 
 
 def _load_weights_worker(rank: int, world: int, source: str) -> dict[str, Any]:
-    """``inst.load_weights(source)`` into a model that holds weights: the error, whether any
+    """``inst.state.load_weights(source)`` into a model that holds weights: the error, whether any
     tensor changed, and what ``status()`` lists as unset."""
     model, inst = applied(world)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        inst.load_weights(source)
+        inst.state.load_weights(source)
         error = None
     except WeightLoadError as exc:
         error = str(exc)
     after = model.state_dict()
     return {"error": error,
             "changed": sorted(k for k in before if not torch.equal(before[k], after[k])),
-            "unset": [r.error for r in inst.status() if r.state == "unset"]}
+            "unset": [r.error for r in inst.state.status() if r.state == "unset"]}
 
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))

@@ -19,8 +19,8 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import WeightLoadError
-from hyperrecipe.runtime.state.dcp_reader import (COMMIT, FINGERPRINT_SCHEME, read_dcp_metadata,
-                                                   sampled_fingerprint)
+from hyperrecipe.runtime.state.dcp_reader import read_dcp_metadata
+from hyperrecipe.runtime.state.integrity import COMMIT, FINGERPRINT_SCHEME, sampled_fingerprint
 from tests.support.checkpoint_harness import applied, resume_worker
 
 
@@ -32,12 +32,12 @@ def _save_twice(rank: int, world: int, committed: str, later: str) -> dict[str, 
 
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    inst.save_checkpoint(committed, opt)
-    state_a: dict[str, torch.Tensor] = inst.full_state_dict()
+    inst.state.save_checkpoint(committed, opt)
+    state_a: dict[str, torch.Tensor] = inst.state.full_state_dict()
     ids = torch.arange(8).view(1, 8)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    dcp.save(inst.state_dict(opt), checkpoint_id=later)
+    dcp.save(inst.state.state_dict(opt), checkpoint_id=later)
     return state_a
 
 
@@ -52,7 +52,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
 def _load_weights_error(rank: int, world: int, source: str) -> str | None:
     _, inst = applied(world, "meta")
     try:
-        inst.load_weights(source)
+        inst.state.load_weights(source)
     except WeightLoadError as exc:
         return str(exc)
     return None

@@ -69,11 +69,11 @@ def _applied(world: int, device: str) -> tuple[Any, Any]:
 
 def _save_then_load(rank: int, world: int, folder: str) -> dict[str, Any]:
     saved, inst = _applied(world, "cpu")
-    inst.save_checkpoint(folder)
+    inst.state.save_checkpoint(folder)
     model, loading = _applied(world, "meta")
     shards = [p.detach() for p in model.parameters()]
-    extra = _peak_during(lambda: loading.load_weights(folder))
-    again = _peak_during(lambda: loading.load_weights(folder))
+    extra = _peak_during(lambda: loading.state.load_weights(folder))
+    again = _peak_during(lambda: loading.state.load_weights(folder))
     mine = dict(saved.named_parameters())
     return {"extra": extra, "again": again, "largest": max(s.nbytes for s in shards),
             "total": sum(s.nbytes for s in shards),

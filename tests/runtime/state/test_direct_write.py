@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, folder: str, case: str) -> dict[str, Any]:
             for p in model.parameters():
                 p.mul_(2)  # other weights: they must not reach the folder
     try:
-        inst.save_pretrained(folder)
+        inst.state.save_pretrained(folder)
     except ExportError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", **counts}
     return {"error": None, **counts}
@@ -124,7 +124,7 @@ def test_hashing_a_range_from_the_pages_or_by_reading_gives_the_bytes_digest(
     import os
 
     from hyperrecipe.runtime.state.direct_write import hash_range, map_for_hashing
-    from hyperrecipe.runtime.state.file_digest import new_hasher
+    from hyperrecipe.runtime.state.integrity import new_hasher
 
     data = os.urandom((9 << 20) + 4097)
     path = tmp_path / "f"

@@ -97,7 +97,7 @@ def test_small_tensors_written_beside_the_writer_land_in_order_and_verify(
     on the writer's: every byte lands in its place and the manifest's digest is the file's."""
     from safetensors.torch import load_file
 
-    from hyperrecipe.runtime.state.file_digest import digest_file, parse_manifest
+    from hyperrecipe.runtime.state.integrity import digest_file, parse_manifest
 
     folder = tmp_path / "export"
     assert write_safetensors(folder, _small_items(), writer=True, max_shard_bytes=1 << 40,
@@ -186,13 +186,13 @@ def test_the_manifest_names_its_digest_and_an_unknown_one_is_refused(tmp_path: P
 
 def _export_worker(rank: int, world: int, folder: str) -> None:
     model, inst = applied(world)
-    inst.save_pretrained(folder)
+    inst.state.save_pretrained(folder)
 
 
 def _load_weights_worker(rank: int, world: int, source: str) -> str | None:
     model, inst = applied(world, "meta")
     try:
-        inst.load_weights(source)
+        inst.state.load_weights(source)
     except WeightLoadError as exc:
         return str(exc)
     return None
@@ -224,7 +224,7 @@ def _threads_after_export_worker(rank: int, world: int, folder: str) -> list[str
     import threading
 
     model, inst = applied(world)
-    inst.save_pretrained(folder)
+    inst.state.save_pretrained(folder)
     return [t.name for t in threading.enumerate() if t.is_alive()]
 
 
@@ -270,7 +270,7 @@ def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str
         export.gather_to_writer = gather_to_writer  # type: ignore[assignment]
         export.own_blocks = own_blocks
     try:
-        inst.save_pretrained(folder)
+        inst.state.save_pretrained(folder)
     except ExportError as exc:
         outcome: tuple[str, str] | None = (type(exc).__name__, str(exc))
     else:
@@ -314,7 +314,7 @@ def _family_export_worker(rank: int, world: int, family: str, mode: str, folder:
     model = _family_model(family, mode)
     plan = compile_recipe(str(ROOT / f"recipes/{family}.yaml"), model, {"tp": world})
     inst = apply(model, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
-    inst.save_pretrained(folder, max_shard_bytes=200_000)
+    inst.state.save_pretrained(folder, max_shard_bytes=200_000)
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -360,7 +360,7 @@ def _bf16_trained_in_fp32_worker(rank: int, world: int, hub: str, out: str
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     inst = apply(model, compile_recipe(LLAMA, llama("meta"), {"tp": world}), mesh_1d(world))
-    inst.save_pretrained(out)
+    inst.state.save_pretrained(out)
     return {"weights": weights, "live_dtype": str(model.config.dtype)}
 
 

@@ -28,16 +28,16 @@ READERS = ["read_safetensors_header", "open_safetensors", "open_torch_file", "di
 def _read_fifo(rank: int, world: int, reader: str, fifo: str) -> str:
     """What ``reader`` says about the FIFO ``fifo`` (it must not wait for a writer)."""
     from hyperrecipe._files import read_regular_file
-    from hyperrecipe.runtime.state import checkpoint_files, dcp_reader, file_digest, weights
+    from hyperrecipe.runtime.state import checkpoint_files, integrity
 
     path = Path(fifo)
     calls: dict[str, Any] = {
         "read_safetensors_header": lambda: checkpoint_files.read_safetensors_header(path),
         "open_safetensors": lambda: checkpoint_files.open_safetensors(path),
         "open_torch_file": lambda: checkpoint_files.open_torch_file(path),
-        "digest_file": lambda: file_digest.digest_file(path, "sha256"),
-        "sampled_fingerprint": lambda: dcp_reader.sampled_fingerprint(path),
-        "source_digest": lambda: weights.source_digest(path),
+        "digest_file": lambda: integrity.digest_file(path, "sha256"),
+        "sampled_fingerprint": lambda: integrity.sampled_fingerprint(path),
+        "source_digest": lambda: integrity.source_digest(path),
         "read_regular_file": lambda: read_regular_file(path, limit=1 << 20),
     }
     try:

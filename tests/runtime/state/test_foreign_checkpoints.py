@@ -47,11 +47,11 @@ def _load_worker(rank: int, world: int, family: str, mode: str, source: str,
                  overrides: dict[str, Any], ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     model, inst = _applied(family, world, mode, **overrides)
     try:
-        inst.load_weights(source, **({"ignore_unexpected": ignore} if ignore else {}))
+        inst.state.load_weights(source, **({"ignore_unexpected": ignore} if ignore else {}))
     except WeightLoadError as exc:
-        return {"error": str(exc), "unset": [r.state for r in inst.status() if r.what == "weights"]}
-    rows = {r.what: (r.state, r.note) for r in inst.status() if r.what.startswith("weights")}
-    return {"error": None, "full": inst.full_state_dict(), "rows": rows}
+        return {"error": str(exc), "unset": [r.state for r in inst.state.status() if r.what == "weights"]}
+    rows = {r.what: (r.state, r.note) for r in inst.state.status() if r.what.startswith("weights")}
+    return {"error": None, "full": inst.state.full_state_dict(), "rows": rows}
 
 
 def _one_file(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -234,12 +234,12 @@ def _load_state_dict_worker(rank: int, world: int, family: str, mode: str,
         else:
             model.load_state_dict(state, strict=how == "strict")
     except PlanMismatchError as exc:
-        return {"error": str(exc), "unset": [r.state for r in inst.status() if r.what == "weights"]}
+        return {"error": str(exc), "unset": [r.state for r in inst.state.status() if r.what == "weights"]}
     logits = model(input_ids=batch()).logits
     logits.float().pow(2).mean().backward()
-    return {"error": None, "full": inst.full_state_dict(), "logits": logits.detach(),
+    return {"error": None, "full": inst.state.full_state_dict(), "logits": logits.detach(),
             "grads": inst.full_grads(),
-            "unset": [r.state for r in inst.status() if r.what == "weights"]}
+            "unset": [r.state for r in inst.state.status() if r.what == "weights"]}
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -291,7 +291,7 @@ def _broadcast_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
                                                                    broadcast_from_rank0=True))
     except PlanMismatchError as exc:
         return {"error": str(exc)}
-    return {"error": None, "full": inst.full_state_dict()}
+    return {"error": None, "full": inst.state.full_state_dict()}
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -380,16 +380,16 @@ def _dcp_worker(rank: int, world: int, mode: str, plain_ckpt: str, out: str) -> 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model, inst = _applied("gpt2", world, mode)
-    inst.load_weights(plain_ckpt)  # a DCP folder plain torch code wrote in one process
-    by_load_weights = inst.full_state_dict()
+    inst.state.load_weights(plain_ckpt)  # a DCP folder plain torch code wrote in one process
+    by_load_weights = inst.state.full_state_dict()
     other, other_inst = _applied("gpt2", world, mode)
-    state = other_inst.state_dict()
+    state = other_inst.state.state_dict()
     dcp.load(state["model"], checkpoint_id=plain_ckpt)  # its keys are the model's FQNs
-    other_inst.load_state_dict(state)
+    other_inst.state.load_state_dict(state)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
-    dcp.save(inst.state_dict(), checkpoint_id=out)
-    return {"load_weights": by_load_weights, "load_state_dict": other_inst.full_state_dict(),
+    dcp.save(inst.state.state_dict(), checkpoint_id=out)
+    return {"load_weights": by_load_weights, "load_state_dict": other_inst.state.full_state_dict(),
             "get_model_state_dict": full}
 
 
@@ -398,9 +398,9 @@ def test_dcp_checkpoints_cross_between_one_process_and_an_applied_model(
         tmp_path: Path, mode: str) -> None:
     """Tied GPT-2 with a fused c_attn: ``dcp.save(model.state_dict())`` of the unapplied model
     in one process loads into the applied model through ``load_weights`` and through
-    ``Installation.load_state_dict``; torch's ``get_model_state_dict(full_state_dict=True,
+    ``TrainingState.load_state_dict``; torch's ``get_model_state_dict(full_state_dict=True,
     cpu_offload=True)`` gives rank 0 the full weights; and the applied model's
-    ``inst.state_dict()`` checkpoint, read by ``dcp.load`` into a plain one-process model's
+    ``inst.state.state_dict()`` checkpoint, read by ``dcp.load`` into a plain one-process model's
     state dict, gives the full weights back. All exact."""
     import torch.distributed.checkpoint as dcp
 
@@ -437,12 +437,12 @@ def _export_worker(rank: int, world: int, family: str, recipe: str, dim: str, fo
         meta = meta.to(dtype)
     plan = compile_recipe(str(ROOT / "recipes" / recipe), meta, {dim: world})
     inst = apply(meta, plan, init_device_mesh("cpu", (world,), mesh_dim_names=(dim,)))
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     opt = torch.optim.AdamW(meta.parameters(), lr=1e-2)
     meta(input_ids=batch()).logits.float().pow(2).mean().backward()
     opt.step()
-    inst.save_pretrained(out, max_shard_bytes=30_000)
-    return {"full": inst.full_state_dict()}
+    inst.state.save_pretrained(out, max_shard_bytes=30_000)
+    return {"full": inst.state.full_state_dict()}
 
 
 @pytest.mark.parametrize(("family", "recipe", "dim", "dtype"), [
@@ -453,7 +453,7 @@ def _export_worker(rank: int, world: int, family: str, recipe: str, dim: str, fo
 ])
 def test_export_after_a_step_loads_with_from_pretrained_as_the_trained_model(
         tmp_path: Path, family: str, recipe: str, dim: str, dtype: torch.dtype | None) -> None:
-    """One AdamW step at 2 ranks, then ``inst.save_pretrained`` (split into many files);
+    """One AdamW step at 2 ranks, then ``inst.state.save_pretrained`` (split into many files);
     ``AutoModelForCausalLM.from_pretrained(out)`` with its defaults has the trained weights
     bit for bit, in the trained dtype, and its logits equal exactly those of a one-process
     model of the same construction given those weights."""
@@ -486,7 +486,7 @@ def test_export_after_a_step_loads_with_from_pretrained_as_the_trained_model(
 def _model_save_worker(rank: int, world: int, mode: str, folder: str, out: str,
                        how: str) -> dict[str, Any]:
     model, inst = _applied("gpt2", world, mode)
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     try:
         if how == "plain":
             model.save_pretrained(out, max_shard_size="20KB")  # what a script calls
@@ -494,7 +494,7 @@ def _model_save_worker(rank: int, world: int, mode: str, folder: str, out: str,
             model.save_pretrained(out, state_dict=model.state_dict())  # Trainer's _save
     except PlanMismatchError as exc:
         return {"error": str(exc)}
-    full = inst.full_state_dict()
+    full = inst.state.full_state_dict()
     inst.restore()
     return {"error": None, "full": full,
             "restored": "save_pretrained" not in vars(model)}
@@ -519,7 +519,7 @@ def test_the_models_own_save_pretrained_gathers_the_shards_while_applied(
                         "state_dict")[0]
     assert refused["error"] is not None and refused["error"].startswith(
         "model.save_pretrained(state_dict) on a model with an applied plan")
-    assert "call Installation.save_pretrained(folder) on every rank" in refused["error"]
+    assert "call inst.state.save_pretrained(folder) on every rank" in refused["error"]
 
 
 # -- DistributedDataParallel, as Trainer/accelerate wrap a model under torchrun --------------
@@ -542,7 +542,7 @@ def _ddp_worker(rank: int, world: int, folder: str, dp_tp: bool) -> dict[str, An
     else:
         model, inst = _applied("llama", world, "production")
         group, dp = None, 0
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     ddp = DistributedDataParallel(model, process_group=group)  # the world group by default
     ids = batch()[2 * dp:2 * dp + 2] if dp_tp else batch()
     try:
@@ -592,8 +592,8 @@ def _tied_state_worker(rank: int, world: int, mode: str, state: dict[str, torch.
     model, inst = _applied("llama", world, mode, tie_word_embeddings=True)
     out: dict[str, str | None] = {}
     for how, call in (("model.load_state_dict", lambda: model.load_state_dict(state)),
-                      ("inst.load_state_dict", lambda: inst.load_state_dict({"model": state})),
-                      ("inst.load_full_state_dict", lambda: inst.load_full_state_dict(state))):
+                      ("inst.state.load_state_dict", lambda: inst.state.load_state_dict({"model": state})),
+                      ("inst.state.load_full_state_dict", lambda: inst.state.load_full_state_dict(state))):
         try:
             call()
             out[how] = None

@@ -86,15 +86,15 @@ def _damage(header: Header, data: bytes, how: str) -> tuple[Header, bytes, str, 
 def _reload_worker(rank: int, world: int, good: str, bad: str) -> dict[str, Any]:
     """Load ``good``, then ``bad``: the refusal and whether the model is bit-identical."""
     model, inst = applied(world)
-    inst.load_weights(good)
+    inst.state.load_weights(good)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        inst.load_weights(bad)
+        inst.state.load_weights(bad)
     except WeightLoadError as exc:
         after = model.state_dict()
         return {"error": str(exc), "unchanged": all(torch.equal(before[k], after[k])
                                                     for k in before),
-                "unset": [r.error for r in inst.status() if r.state == "unset"]}
+                "unset": [r.error for r in inst.state.status() if r.state == "unset"]}
     return {"error": None}
 
 
@@ -197,10 +197,10 @@ def test_a_header_at_the_entry_bound_is_parsed_and_its_tensors_checked(
 
 def _reload_values_worker(rank: int, world: int, first: str, second: str) -> dict[str, Any]:
     model, inst = applied(world)
-    inst.load_weights(first)
+    inst.state.load_weights(first)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    inst.load_weights(second)
-    return {"full": inst.full_state_dict(),
+    inst.state.load_weights(second)
+    return {"full": inst.state.full_state_dict(),
             "same_storage": ptrs == {n: p.data_ptr() for n, p in model.named_parameters()}}
 
 
@@ -226,7 +226,7 @@ def _faulty_reload_worker(rank: int, world: int, folder: str, fail_at: int) -> d
     from hyperrecipe.runtime.state import weights
 
     model, inst = applied(world)
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     plan = weights._Safetensors.plan
     reads: list[str] = []
@@ -245,7 +245,7 @@ def _faulty_reload_worker(rank: int, world: int, folder: str, fail_at: int) -> d
 
     weights._Safetensors.plan = faulty_plan  # type: ignore[method-assign]
     try:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
     except WeightLoadError as exc:
         after = model.state_dict()
         written = reads[:fail_at - 1]
@@ -253,7 +253,7 @@ def _faulty_reload_worker(rank: int, world: int, folder: str, fail_at: int) -> d
                 "written_unset": all(torch.isnan(after[k]).all() for k in written),
                 "rest_unchanged": all(torch.equal(before[k], after[k])
                                       for k in before if k not in written),
-                "unset": [r.error for r in inst.status() if r.state == "unset"]}
+                "unset": [r.error for r in inst.state.status() if r.state == "unset"]}
     return {"error": None}
 
 

@@ -84,18 +84,18 @@ def _shorten_after_checks(folder: str, after: int) -> list[str]:
 
 def _shortened_worker(rank: int, world: int, folders: list[str], faulty_rank: int) -> Any:
     model, inst = applied(world)
-    inst.load_weights(folders[rank])
+    inst.state.load_weights(folders[rank])
     # each rank's own shards (model.state_dict() would gather the full tensors)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     reads = _shorten_after_checks(folders[rank], 2) if rank == faulty_rank else []
     try:
-        inst.load_weights(folders[rank])
+        inst.state.load_weights(folders[rank])
     except WeightLoadError as exc:
         after = dict(model.named_parameters())
         changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
         return {"error": str(exc), "reads": reads, "changed": changed,
                 "changed_are_nan": all(bool(torch.isnan(after[k]).all()) for k in changed),
-                "unset": [r.error for r in inst.status() if r.state == "unset"]}
+                "unset": [r.error for r in inst.state.status() if r.state == "unset"]}
     return {"error": None, "reads": reads}
 
 

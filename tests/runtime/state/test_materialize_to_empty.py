@@ -48,8 +48,8 @@ def _to_empty_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     inst = apply(meta, plan, mesh_1d(world), mode="production")
     meta.to_empty(device="cpu")  # torchtitan's Trainer's order, tools/train.py-style
     after_to_empty = _buffers(meta)
-    inst.load_weights(folder)
-    unset = [r.fqn for r in inst.status() if r.state == "unset"]
+    inst.state.load_weights(folder)
+    unset = [r.fqn for r in inst.state.status() if r.state == "unset"]
     loss = meta(input_ids=_batch(), labels=_batch()).loss
     loss.backward()
     copied = copy.deepcopy(meta)  # the kept values travel with a copy, bound to the copy
@@ -62,7 +62,7 @@ def _grads_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     plan = compile_recipe(LLAMA, meta, {"tp": world})
     inst = apply(meta, plan, mesh_1d(world), mode="production")
     meta.to_empty(device="cpu")
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     loss = meta(input_ids=_batch(), labels=_batch()).loss
     loss.backward()
     return {"loss": loss.detach(), "grads": inst.full_grads()}

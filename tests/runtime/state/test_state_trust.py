@@ -29,7 +29,7 @@ from tests.support.runtime_harness import llama
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``dcp.save(inst.state_dict(opt))`` at tp=2 after one AdamW step."""
+    """``dcp.save(inst.state.state_dict(opt))`` at tp=2 after one AdamW step."""
     ckpt = tmp_path_factory.mktemp("dcp") / "step-1"
     run_ranks(save_dcp_worker, 2, str(ckpt))
     return ckpt
@@ -63,9 +63,9 @@ def _plain_metadata_runs(folder: Path) -> None:
 def _load_weights_worker(rank: int, world: int, source: str) -> dict[str, Any]:
     model, inst = applied(world, "meta")
     try:
-        inst.load_weights(source)
+        inst.state.load_weights(source)
     except WeightLoadError as exc:
-        rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
+        rows = {r.what: r.state for r in inst.state.status() if r.what.startswith("weights")}
         return {"error": str(exc), "rows": rows}
     return {"error": None}
 
@@ -254,17 +254,17 @@ def test_truncated_and_corrupt_dcp_storage_is_a_project_error(dcp_folder: Path,
 def _load_state_worker(rank: int, world: int) -> dict[str, Any]:
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = inst.full_state_dict()
+    before = inst.state.full_state_dict()
     doubled = {k: v * 2 for k, v in before.items()}
     errors = []
     for state in ({"model": doubled},
                   {"model": doubled, "optimizer": {"state": 3, "param_groups": []}},
                   {"model": doubled, "optimizer": {"state": {}, "param_groups": [{"lr": 1}]}}):
         try:
-            inst.load_state_dict(state, opt)
+            inst.state.load_state_dict(state, opt)
         except PlanMismatchError as exc:
             errors.append(str(exc))
-    after = inst.full_state_dict()
+    after = inst.state.full_state_dict()
     return {"errors": errors, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
             "opt_state": len(opt.state)}
 
@@ -295,11 +295,11 @@ def _export_worker(rank: int, world: int, folder: str, shard_bytes: list[int],
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(2)
-        fulls.append(inst.full_state_dict())
+        fulls.append(inst.state.full_state_dict())
         if limit is not None and i == len(shard_bytes) - 1 and rank == 0:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
         try:
-            inst.save_pretrained(folder, max_shard_bytes=max_shard_bytes)
+            inst.state.save_pretrained(folder, max_shard_bytes=max_shard_bytes)
         except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
             return {"error": f"{type(exc).__name__}: {exc}", "fulls": fulls}
     return {"error": None, "fulls": fulls}
@@ -307,8 +307,8 @@ def _export_worker(rank: int, world: int, folder: str, shard_bytes: list[int],
 
 def _load_full_worker(rank: int, world: int, folder: str) -> dict[str, torch.Tensor]:
     model, inst = applied(world, "meta")
-    inst.load_weights(folder)
-    return inst.full_state_dict()
+    inst.state.load_weights(folder)
+    return inst.state.full_state_dict()
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -360,9 +360,9 @@ def test_an_export_that_fails_on_the_writer_leaves_the_previous_export_exactly(
 def _mixed_load_worker(rank: int, world: int, sources: list[str]) -> dict[str, Any]:
     model, inst = applied(world, "meta")
     try:
-        inst.load_weights(sources[rank])
+        inst.state.load_weights(sources[rank])
     except WeightLoadError as exc:
-        unset = [r.state for r in inst.status() if r.what == "weights"]
+        unset = [r.state for r in inst.state.status() if r.what == "weights"]
         return {"error": str(exc), "unset": unset}
     return {"error": None}
 
@@ -443,7 +443,7 @@ def _bind(folder: Path, how: str) -> Path:
     no files, ``unlisted`` lists only ``config.json`` (its right size and digest)."""
     from safetensors.torch import load_file
 
-    from hyperrecipe.runtime.state.file_digest import digest_file, manifest_document
+    from hyperrecipe.runtime.state.integrity import digest_file, manifest_document
 
     manifest = folder / "hyperrecipe.manifest.json"
     old = json.loads(manifest.read_text())
@@ -487,7 +487,7 @@ def _save_checkpoint_worker(rank: int, world: int, folder: str, how: str) -> dic
 
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    inst.save_checkpoint(folder, opt)
+    inst.state.save_checkpoint(folder, opt)
     ids = torch.arange(8).view(1, 8)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -496,11 +496,11 @@ def _save_checkpoint_worker(rank: int, world: int, folder: str, how: str) -> dic
         if rank == 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
         try:
-            inst.save_checkpoint(folder, opt)
+            inst.state.save_checkpoint(folder, opt)
         except Exception as exc:  # noqa: BLE001 - the test reads the type and message
             error = f"{type(exc).__name__}: {exc}"
     else:
-        dcp.save(inst.state_dict(opt), checkpoint_id=folder)
+        dcp.save(inst.state.state_dict(opt), checkpoint_id=folder)
     return {"error": error}
 
 
@@ -535,7 +535,7 @@ def test_save_checkpoint_then_load_checkpoint_resumes(tmp_path: Path) -> None:
 def _commit_only_worker(rank: int, world: int, folder: str) -> None:
     model, inst = applied(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    inst.save_checkpoint(folder, opt)
+    inst.state.save_checkpoint(folder, opt)
 
 
 def test_a_checkpoint_of_thousands_of_foreign_tensors_gives_a_short_error(

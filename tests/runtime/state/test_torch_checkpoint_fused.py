@@ -5,7 +5,7 @@ A trainer we did not write checkpoints with ``dcp.save(model.state_dict())`` or
 ``c_attn`` (``shard(1, chunks=3)``) and Phi-3's ``qkv_proj`` / ``gate_up_proj`` are chunked: each
 rank holds its piece of every fused part, which DTensor writes as ``_StridedShard`` and DCP
 refuses ("overlapping chunks"). Production mode's state-dict hooks hand those parameters, and
-their optimizer state, out replicated, as ``Installation.state_dict()`` does, so the checkpoint
+their optimizer state, out replicated, as ``TrainingState.state_dict()`` does, so the checkpoint
 is right: resumed runs equal an uninterrupted one, and one process reads the full weights.
 """
 
@@ -63,7 +63,7 @@ def _save_worker(rank: int, world: int, family: str, ckpt: str, mode: str) -> di
     dcp.save(model.state_dict(), checkpoint_id=ckpt + "/model")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt + "/both")
-    full = inst.full_state_dict()
+    full = inst.state.full_state_dict()
     return {"full": full, "losses": _train(model, opt, range(3, 6))}
 
 

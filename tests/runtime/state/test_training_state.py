@@ -62,10 +62,10 @@ def _overrides() -> dict[str, Any]:
 
 def _meta_load_worker(rank: int, world: int, folder: str, mode: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, mode)
-    before = [r.state for r in inst.status() if r.what == "weights"]
+    before = [r.state for r in inst.state.status() if r.what == "weights"]
     devices = {p.device.type for p in model.parameters()}
-    inst.load_weights(folder)
-    rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
+    inst.state.load_weights(folder)
+    rows = {r.what: r.state for r in inst.state.status() if r.what.startswith("weights")}
     local_numel = sum(p.numel() if not hasattr(p, "to_local") else p.to_local().numel()
                       for p in model.parameters())
     loss = _loss(model, _batch(0))
@@ -98,11 +98,11 @@ def test_meta_apply_then_load_weights_matches_one_process(hf_checkpoint: Path, m
 def _bad_load_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
     try:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
     except WeightLoadError as exc:
         still_unset = all(torch.isnan(p).all() for p in model.parameters())
         return {"error": str(exc), "still_unset": still_unset,
-                "rows": [(r.what, r.state) for r in inst.status() if r.what.startswith("weights")]}
+                "rows": [(r.what, r.state) for r in inst.state.status() if r.what.startswith("weights")]}
     return {"error": None}
 
 
@@ -188,10 +188,10 @@ def _save_worker(rank: int, world: int, folder: str, ckpt: str, mode: str) -> li
     import torch.distributed.checkpoint as dcp
 
     model, inst = _meta_applied(world, mode)
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = _train(model, opt, range(3))
-    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
+    dcp.save(inst.state.state_dict(opt), checkpoint_id=ckpt)
     return losses + _train(model, opt, range(3, 6))
 
 
@@ -200,10 +200,10 @@ def _resume_worker(rank: int, world: int, ckpt: str, mode: str) -> dict[str, Any
 
     model, inst = _meta_applied(world, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    state = inst.state_dict(opt)  # optimizer state created, so DCP has somewhere to load
+    state = inst.state.state_dict(opt)  # optimizer state created, so DCP has somewhere to load
     dcp.load(state, checkpoint_id=ckpt)
-    inst.load_state_dict(state, opt)
-    unset = [r for r in inst.status() if r.what == "weights"]
+    inst.state.load_state_dict(state, opt)
+    unset = [r for r in inst.state.status() if r.what == "weights"]
     return {"losses": _train(model, opt, range(3, 6)), "unset": unset}
 
 
@@ -237,9 +237,9 @@ def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_r
 
 def _dcp_weights_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(ckpt)
-    rows = {r.what: r.state for r in inst.status() if r.what.startswith("weights")}
-    return {"rows": rows, "full": inst.full_state_dict()}
+    inst.state.load_weights(ckpt)
+    rows = {r.what: r.state for r in inst.state.status() if r.what.startswith("weights")}
+    return {"rows": rows, "full": inst.state.full_state_dict()}
 
 
 def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(tp2_checkpoint: str) -> None:
@@ -258,7 +258,7 @@ def _stale_worker(rank: int, world: int) -> str:
     inst = apply(model, plan, mesh_1d(world), mode="production")
     model.to_empty(device="meta")  # replaces the parameter objects behind the installation
     try:
-        inst.state_dict()
+        inst.state.state_dict()
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -277,7 +277,7 @@ def _torch_api_save_worker(rank: int, world: int, folder: str, ckpt: str) -> lis
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = _train(model, opt, range(3))
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -330,12 +330,12 @@ def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
 
 def _export_worker(rank: int, world: int, folder: str, out: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, range(2))
-    inst.save_pretrained(out, max_shard_bytes=60_000)
+    inst.state.save_pretrained(out, max_shard_bytes=60_000)
     still_applied = not inst.restored and "forward" in vars(model.model.layers[0].self_attn)
-    return {"full": inst.full_state_dict(), "still_applied": still_applied}
+    return {"full": inst.state.full_state_dict(), "still_applied": still_applied}
 
 
 def test_save_pretrained_writes_what_from_pretrained_loads(hf_checkpoint: Path,
@@ -364,7 +364,7 @@ def _one_rank_export_worker(rank: int, world: int, out: str) -> str:
     inst.collective_timeout_s = 2.0
     if rank == 0:
         try:
-            inst.save_pretrained(out)
+            inst.state.save_pretrained(out)
         except Exception as exc:  # noqa: BLE001
             return f"{type(exc).__name__}: {exc}"
         return "no error"
@@ -376,7 +376,7 @@ def _one_rank_export_worker(rank: int, world: int, out: str) -> str:
 
 def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Path) -> None:
     msg = run_ranks(_one_rank_export_worker, 2, str(tmp_path / "x"), timeout_s=60)[0]
-    assert msg.startswith("PlanMismatchError: Installation.save_pretrained() is a collective: "
+    assert msg.startswith("PlanMismatchError: TrainingState.save_pretrained() is a collective: "
                           "every rank must call it")
 
 
@@ -395,7 +395,7 @@ def _fsdp_applied(folder: str | None) -> tuple[nn.Module, Any, Any, int]:
     plan = compile_recipe(DP_TP, meta, {"dp": 2, "tp": 2})
     inst = apply(meta, plan, mesh, mode="production")
     if folder is not None:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
     for layer in meta.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(meta, mesh=mesh["dp"])
@@ -424,16 +424,16 @@ def _fsdp_worker(rank: int, world: int, folder: str, ckpt: str) -> dict[str, Any
 
     model, inst, opt, dp = _fsdp_applied(folder)
     losses, grads = _fsdp_train(model, opt, dp, range(3), inst)
-    dcp.save(inst.state_dict(opt), checkpoint_id=ckpt)
+    dcp.save(inst.state.state_dict(opt), checkpoint_id=ckpt)
     model_sd, optim_sd = get_state_dict(model, opt)  # torch's own API, through the hooks
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt + "-torch-api")
     more, _ = _fsdp_train(model, opt, dp, range(3, 6))
     try:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
         refusal = "no error"
     except Exception as exc:  # noqa: BLE001
         refusal = f"{type(exc).__name__}: {exc}"
-    return {"losses": losses + more, "grads": grads, "full": inst.full_state_dict(),
+    return {"losses": losses + more, "grads": grads, "full": inst.state.full_state_dict(),
             "refusal": refusal}
 
 
@@ -449,9 +449,9 @@ def _fsdp_resume_worker(rank: int, world: int, ckpt: str, torch_api: bool) -> li
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:
-        state = inst.state_dict(opt)
+        state = inst.state.state_dict(opt)
         dcp.load(state, checkpoint_id=ckpt)
-        inst.load_state_dict(state, opt)
+        inst.state.load_state_dict(state, opt)
     return _fsdp_train(model, opt, dp, range(3, 6))[0]
 
 
@@ -466,7 +466,7 @@ def test_fully_shard_on_dp_after_apply_trains_checkpoints_and_resumes_like_one_p
     few lr=1e-2 steps; what this part checks is that the weights are the trained ones (they
     moved by ~1e-2 from the start), not a stale copy.
 
-    The DCP checkpoint written after step 3 (``Installation.state_dict(opt)``: FSDP's pieces
+    The DCP checkpoint written after step 3 (``TrainingState.state_dict(opt)``: FSDP's pieces
     of each tensor-parallel shard, stored as ``_StridedShard`` x ``Shard`` DTensors over the
     2-D mesh) resumes at tp=2 without FSDP, where the next three losses on the whole batch
     equal the uninterrupted one-process run's, and under FSDP again, where each dp rank's next
@@ -579,14 +579,14 @@ def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool,
     plan = compile_recipe(GPT2, meta, {"tp": world})
     inst = apply(meta, plan, mesh_1d(world), mode=mode)  # type: ignore[arg-type]
     if save:
-        inst.load_weights(folder)
+        inst.state.load_weights(folder)
         strided = type(meta.state_dict()["transformer.h.0.attn.c_attn.weight"]).__name__
-        dcp.save(inst.state_dict(), checkpoint_id=ckpt)
-        return {"full": inst.full_state_dict(), "strided": strided}
-    state = inst.state_dict()
+        dcp.save(inst.state.state_dict(), checkpoint_id=ckpt)
+        return {"full": inst.state.full_state_dict(), "strided": strided}
+    state = inst.state.state_dict()
     dcp.load(state, checkpoint_id=ckpt)
-    inst.load_state_dict(state)
-    return {"full": inst.full_state_dict()}
+    inst.state.load_state_dict(state)
+    return {"full": inst.state.full_state_dict()}
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -616,16 +616,16 @@ def _validate_worker(rank: int, world: int, folder: str, ckpt: str) -> dict[str,
     from torch.distributed.tensor import DTensor
 
     model, inst = _meta_applied(world, "validate")
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     dtensors = isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
-    dcp.save(inst.state_dict(), checkpoint_id=ckpt)
-    return {"full": inst.full_state_dict(), "dtensors": dtensors}
+    dcp.save(inst.state.state_dict(), checkpoint_id=ckpt)
+    return {"full": inst.state.full_state_dict(), "dtensors": dtensors}
 
 
 def _production_reader(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(ckpt)
-    return {"full": inst.full_state_dict()}
+    inst.state.load_weights(ckpt)
+    return {"full": inst.state.full_state_dict()}
 
 
 def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path,
@@ -732,8 +732,8 @@ def test_failure_while_sharding_on_one_rank_rolls_every_rank_back_exactly(mode: 
 
 def _single_file_worker(rank: int, world: int, path: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(path)
-    return {"full": inst.full_state_dict(),
+    inst.state.load_weights(path)
+    return {"full": inst.state.full_state_dict(),
             "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
@@ -756,7 +756,7 @@ def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
 
 def _after_apply_worker(rank: int, world: int, folder: str, how: str) -> dict[str, Any]:
     model, inst = _meta_applied(world, "production")
-    inst.load_weights(folder)
+    inst.state.load_weights(folder)
     model.train()
     if how == "checkpointing":
         model.gradient_checkpointing_enable()

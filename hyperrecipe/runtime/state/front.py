@@ -1,0 +1,455 @@
+"""The front of training state: ``inst.state``, the one object that moves state in and out.
+
+An applied model's state goes in and out through one door, as torch's ``get_state_dict`` /
+``set_state_dict`` and torchtitan's checkpointer give it one: full and sharded state dicts,
+loading weights, DCP checkpoints with a commit record, the export to transformers' format, and
+the status of what was installed and loaded. The :class:`~hyperrecipe.runtime.Installation`
+keeps the model, plan, mode, mesh, gradients and ``restore()``; everything here reads the
+installation's :class:`~hyperrecipe.runtime.state.live_params.LiveParams` and its entry check,
+and never keeps a parameter.
+
+Everything that produces or consumes full tensors gathers or slices shards, so it is a
+collective: call it on every rank (a rank that does not would leave the others waiting; the
+entry check refuses it within ``collective_timeout_s`` instead).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.plan import ParamPlan, Plan
+from hyperrecipe.runtime.comm.sharding import local_shard
+from hyperrecipe.runtime.preflight.agreement import (
+    EntryCheck,
+    agree_on_failure,
+    agree_on_source,
+)
+from hyperrecipe.runtime.state.checkpoint import (
+    differing_ties,
+    load_training_state,
+    optimizer_state,
+)
+from hyperrecipe.runtime.state.export import (
+    ExportItem,
+    write_safetensors,
+    writer_blocks,
+    writer_gather,
+)
+from hyperrecipe.runtime.state.integrity import committed_dcp_save, source_digest
+from hyperrecipe.runtime.state.live_params import LiveParams
+from hyperrecipe.runtime.state.weights import (
+    LoadAttempt,
+    WeightLoadError,
+    load_weights,
+    persistent_buffers,
+    verify_manifest,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.rewriter import RewriteRecord, Rewritten
+
+__all__ = ["StatusRow", "TrainingState", "WrapperChoice"]
+
+
+class WrapperChoice(Protocol):
+    """One candidate of one boundary's inner-wrapper chain and what became of it
+    (:class:`hyperrecipe.runtime.features.inner.WrapperChoice`, read here by shape: state sits
+    below features)."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def wrapper(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class StatusRow:
+    """One install: which module, what was changed, and where it stands.
+
+    ``error`` says why a row is not installed/loaded; ``note`` adds what a successful row did
+    that a user should know (a checkpoint read through transformers' key conversion).
+    """
+
+    fqn: str
+    what: str
+    state: str
+    error: str | None = None
+    note: str | None = None
+
+
+_DCP_WHY = (" (so are dcp.save and dcp.load of what it returns, which would otherwise wait "
+            "for the process group's timeout)")
+
+
+class TrainingState:
+    """State in and out of an applied model (``inst.state``): state dicts, weights,
+    checkpoints, export and status.
+
+    Built by the installation; it holds what it needs from it: the model, plan and mesh, the
+    live parameters, the rewrite's records (for :meth:`status` and to refuse a restored
+    model), the inner-wrapper choices, the tensors no load has written yet, and the entry check
+    with the installation's ``collective_timeout_s``.
+    """
+
+    def __init__(self, *, model: nn.Module, plan: Plan, mesh: DeviceMesh, live: LiveParams,
+                 rewritten: Rewritten, wrapper_choices: Sequence[WrapperChoice] = (),
+                 unloaded: Sequence[str] = (), enter: EntryCheck,
+                 timeout_s: Callable[[], float]) -> None:
+        self._model = model
+        self._plan = plan
+        self._mesh = mesh
+        self._live = live
+        self._rewritten = rewritten
+        self._wrapper_choices = tuple(wrapper_choices)
+        self._unloaded = set(unloaded)
+        self._loads: list[LoadAttempt] = []
+        self._enter = enter
+        self._timeout_s = timeout_s
+
+    def _mark_loaded(self, fqns: set[str]) -> None:
+        """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
+        owners = {p.fqn: p.tied_to or p.fqn for p in self._plan.params}
+        self._unloaded -= {owners.get(f, f) for f in fqns}
+
+    def _check_live(self) -> None:
+        if self._rewritten.restored:
+            raise PlanMismatchError("this installation was restored; its shards are gone")
+
+    def _enter_collective(self, what: str, why: str = "",
+                          advice: str = "only one rank writes") -> None:
+        self._enter(f"TrainingState.{what}", why, advice)
+
+    def _own(self) -> list[ParamPlan]:
+        return [p for p in self._plan.params if p.tied_to is None]
+
+    # -- status -----------------------------------------------------------------------------
+
+    @property
+    def wrapper_choices(self) -> tuple[WrapperChoice, ...]:
+        """Every candidate of every inner-wrapper chain and what ``apply`` made of it
+        (installed, ineligible with the reason, failed and rolled back, not tried): the
+        structured form of the ``inner wrapper`` rows of :meth:`status`."""
+        return self._wrapper_choices
+
+    def status(self) -> list[StatusRow]:
+        """A row per install: fqn, what (``forward``, ``parameter weight``, ``adapter
+        marshal``…), state, error. A method adapter's fqn is its target,
+        ``pkg.mod:Class.method``; a function adapter has a row per module it is scoped to (fqn:
+        the module; what: ``adapter marshal pkg.mod:function``). Then a row per weight-loading
+        strategy tried (``weights safetensors``: ``loaded``, ``ineligible``, ``failed``, ``not
+        tried``) and, while a meta-built model has tensors with no value yet, one ``weights``
+        row ``unset`` naming how many. A plan with the loss on vocab shards adds a row ``loss on
+        vocab shards`` at the lm_head saying what its logits are."""
+        adapters = {a.target: a.mode for a in self._plan.adapters}
+        restored = self._rewritten.restored
+
+        def what(r: RewriteRecord) -> str:
+            if r.kind == "method" and r.fqn in adapters:
+                return f"adapter {adapters[r.fqn]}"
+            if r.kind == "function":
+                return f"adapter {adapters[r.what]} {r.what}" if r.what in adapters else r.what
+            return r.what if r.kind in ("forward", "method") else f"{r.kind} {r.what}"
+
+        rows = [StatusRow(fqn=r.fqn, what=what(r), state=r.state, error=r.error)
+                for r in self._rewritten.records]
+        loss = self._plan.loss_parallel
+        if loss is not None:
+            how = ("the model's labels= loss runs on them; a call without labels gets the full "
+                   "logits" if loss.kind == "model" else
+                   "compute the loss with hyperrecipe.vocab_parallel_cross_entropy")
+            rows.append(StatusRow(
+                fqn=loss.boundary, what="loss on vocab shards",
+                state="restored" if restored else "installed",
+                note=f"its logits are this rank's {loss.local_vocab} of {loss.vocab} vocab entries "
+                     f"over {loss.mesh_dim} and refuse torch ops; {how}"))
+        rows.extend(StatusRow(fqn=c.fqn, what=f"inner wrapper {c.wrapper}",
+                              state=c.state if not restored or c.state != "installed"
+                              else "restored", error=c.reason)
+                    for c in self._wrapper_choices)
+        rows.extend(StatusRow(fqn=a.source, what=f"weights {a.strategy}", state=a.state,
+                              error=None if a.state == "loaded" else a.detail,
+                              note=a.detail if a.state == "loaded" else None)
+                    for a in self._loads)
+        if self._unloaded:
+            names = sorted(self._unloaded)
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            rows.append(StatusRow(fqn="<model>", what="weights", state="unset",
+                                  error=f"{len(names)} tensors have no value yet ({shown}); "
+                                        f"call load_weights()"))
+        return rows
+
+    # -- full tensors -----------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """FQN → full tensor for every parameter (tied names included) and buffer (a
+        collective: call on every rank)."""
+        self._check_live()
+        self._enter_collective("full_state_dict")
+        full = {p.fqn: self._live.full_of(p, self._live.param(p)) for p in self._own()}
+        out: dict[str, Tensor] = {}
+        for p in self._plan.params:
+            out[p.fqn] = full[p.tied_to or p.fqn]
+        for name, buf in self._model.named_buffers():
+            out[name] = buf.detach().clone()
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Copy full tensors in; each rank keeps its own shard.
+
+        Raises:
+            PlanMismatchError: a parameter is missing or has the wrong shape; tied names hold
+                different values.
+        """
+        self._check_live()
+        why = differing_ties(self._plan, state_dict)
+        if why is not None:
+            raise PlanMismatchError(f"load_full_state_dict: {why}")
+        for p in self._own():
+            if p.fqn not in state_dict:
+                raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} is missing")
+            full = state_dict[p.fqn]
+            if tuple(full.shape) != p.shape:
+                raise PlanMismatchError(f"load_full_state_dict: {p.fqn!r} has shape "
+                                        f"{list(full.shape)}, the model {list(p.shape)}")
+        for p in self._own():
+            target = self._live.local(p)
+            full = state_dict[p.fqn].to(target.device)
+            with torch.no_grad():
+                if tuple(target.shape) == p.shape:
+                    target.copy_(full)
+                else:
+                    target.copy_(local_shard(full, p.placement, self._mesh,
+                                             self._plan.mesh_dims))
+            self._unloaded.discard(p.fqn)
+        for name, buf in self._model.named_buffers():
+            if name in state_dict:
+                with torch.no_grad():
+                    buf.copy_(state_dict[name])
+                self._unloaded.discard(name)
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def load_weights(self, source: str | os.PathLike[str], *,
+                     ignore_unexpected: Sequence[str] = ()) -> None:
+        """Load a checkpoint, each rank reading only its slices (call on every rank).
+
+        ``source`` is a ``.safetensors`` file, a Hugging Face checkpoint folder (one file or an
+        indexed ``model.safetensors.index.json``), or a ``torch.distributed.checkpoint`` folder
+        (saved from :meth:`state_dict` or a model state dict, on any mesh). Strategies are tried
+        in that order; :meth:`status` shows which loaded and why the others were skipped.
+        Dtypes are converted to the model's; tied parameters load from whichever of their
+        names the checkpoint holds (several names must hold one value).
+
+        Args:
+            source: the checkpoint file or folder.
+            ignore_unexpected: regular expressions (``re.search``) naming checkpoint keys the
+                model does not use and that may be skipped (extra heads, another model's
+                parts). Buffers that older transformers versions saved and current models
+                compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
+                being named, as ``from_pretrained`` does; any other unexpected key is refused.
+
+        Before any rank reads, the ranks compare a digest of what each is about to read, and
+        a folder that ``save_pretrained`` wrote is checked against its manifest (sizes, and
+        sha256, each rank hashing its share): all ranks load, or all raise. The first strategy
+        that can read the source is the only one tried; DCP metadata is read without running
+        code (docs/security.md, "Checkpoints").
+
+        Raises:
+            WeightLoadError: the checkpoint does not fit (every missing, unexpected and
+                mis-shaped tensor named, with its file; tied names holding different values),
+                cannot be read, differs between ranks or from its manifest, or is refused (a
+                FIFO, a path out of the folder, a pickle naming code); the model is left as it
+                was before the call.
+        """
+        self._check_live()
+        try:
+            self._agree_on_source(source, "load_weights")
+            attempts = load_weights(self._live, self._model, source, self._unloaded,
+                                    tuple(ignore_unexpected), self._agree_on_outcome)
+        except WeightLoadError as exc:
+            self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
+                                       detail=str(exc))]
+            raise
+        self._loads = attempts
+
+    # -- sharded state dicts and DCP checkpoints --------------------------------------------
+
+    def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Training state for ``torch.distributed.checkpoint``, in both modes (collective).
+
+        Returns ``{"model": {fqn: DTensor}}`` (plus ``"optimizer"``: the optimizer's state keyed
+        by FQN, when given). Every tensor is a DTensor with the plan's placements over this
+        mesh, sharing the live shard's storage, so ``dcp.save`` stores each shard once and
+        ``dcp.load`` into it reads a checkpoint saved on any mesh; chunked (fused) parameters,
+        which DCP cannot store shard by shard, are gathered and stored replicated. Tied
+        parameters appear under every name, as in ``model.state_dict()``; persistent buffers
+        are plain tensors (the same on every rank).
+
+        Example::
+
+            dcp.save(inst.state.state_dict(opt), checkpoint_id=f"ckpt/{step}")
+            # resume, on any mesh, reading the folder as data (torch's own reader unpickles
+            # its .metadata); inst.state.save_checkpoint / load_checkpoint do both with a
+            # commit record:
+            state = inst.state.state_dict(opt)
+            dcp.load(state, storage_reader=trusted_reader("ckpt/100"))
+            inst.state.load_state_dict(state, opt)
+
+        Raises:
+            PlanMismatchError: another rank did not call it within ``collective_timeout_s``
+                (a lone ``dcp.save(inst.state.state_dict())`` would wait in DCP's collectives
+                for the process group's timeout instead).
+        """
+        self._check_live()
+        self._enter_collective("state_dict", _DCP_WHY, "each rank saves its own shards")
+        own = {p.fqn: self._live.stored(p) for p in self._own()}
+        model: dict[str, Any] = {p.fqn: own[p.tied_to or p.fqn] for p in self._plan.params}
+        for name, buf in persistent_buffers(self._model):
+            model[name] = buf
+        out: dict[str, Any] = {"model": model}
+        if optimizer is not None:
+            out["optimizer"] = optimizer_state(self._live, optimizer)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Put back a :meth:`state_dict` (after ``dcp.load``, or full tensors): each rank keeps
+        its shard of every parameter and of the optimizer's state (collective).
+
+        Raises:
+            PlanMismatchError: a parameter is missing or has another global shape; an
+                optimizer was given but the state has none, or other parameter groups;
+                another rank did not call it within ``collective_timeout_s``.
+        """
+        self._check_live()
+        self._enter_collective("load_state_dict", _DCP_WHY, "each rank keeps its own shards")
+        load_training_state(self._live, state, optimizer, self._unloaded)
+
+    def save_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``dcp.save(inst.state.state_dict(optimizer), checkpoint_id=folder)`` that marks the
+        folder committed only when the save finished (call on every rank): a save that dies
+        halfway (a full disk, a killed rank) leaves a folder that :meth:`load_checkpoint` and
+        :meth:`load_weights` refuse instead of loading a mix of two saves, and a folder
+        written again after its commit by a plain ``dcp.save`` is refused too.
+
+        Raises:
+            ExportError: ``dcp.save`` failed on a rank.
+        """
+        self._check_live()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        committed_dcp_save(self.state_dict(optimizer), folder, rank)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str],
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume from a DCP folder written by :meth:`save_checkpoint` (or
+        ``dcp.save(inst.state.state_dict(optimizer))``), on any mesh: ``dcp.load`` into
+        :meth:`state_dict` then :meth:`load_state_dict`, reading the folder as data (call on
+        every rank).
+
+        torch's own ``dcp.load`` unpickles ``.metadata`` and non-tensor entries with plain
+        ``pickle``, so a folder someone else wrote can run code; this reads them through an
+        allow-list (docs/security.md, "Checkpoints"). A trainer that calls ``dcp.load`` itself
+        gets the same by passing ``storage_reader=hyperrecipe.runtime.state.dcp_reader.
+        trusted_reader(folder)``.
+
+        Raises:
+            WeightLoadError: the folder is refused (a global outside DCP's metadata classes,
+                non-tensor entries that are not plain data, storage files missing, truncated,
+                not regular or outside the folder) or a rank failed reading it; nothing was
+                written.
+            PlanMismatchError: see :meth:`load_state_dict`.
+        """
+        from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
+
+        self._check_live()
+        self._agree_on_source(folder, "load_checkpoint")
+        state = self.state_dict(optimizer)
+        staged = _staged(state)
+        trusted_dcp_load(staged, folder, agree=self._agree)
+        load_training_state(self._live, staged, optimizer, self._unloaded)
+
+    # -- export -----------------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *,
+                        max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:
+        """Write consolidated safetensors that ``from_pretrained`` loads (call on every rank).
+
+        Each tensor is gathered in turn (a collective) and streamed by ``writer_rank`` into its
+        file, so the extra memory is about one full tensor; files are split at
+        ``max_shard_bytes`` with an index; the model's ``config`` is saved beside them. The model
+        stays applied and keeps training. Tied parameters are written once, under their owner's
+        name, as ``save_pretrained`` does.
+
+        The files replace an earlier export in ``folder`` whole or not at all: they are
+        written under temporary names and renamed into place once every rank got through, an
+        earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
+        file's size and digest, xxh3_128 where ``xxhash`` is installed) is written last.
+
+        Raises:
+            PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
+                instead of hanging until the process group's watchdog.
+            ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
+            ExportAbortedError: a rank failed or stopped mid-gather: that rank raises at once,
+                the others within ``collective_timeout_s`` (the folder is unchanged).
+        """
+        self._check_live()
+        self._enter_collective("save_pretrained")
+        items = [ExportItem(name=p.fqn, dtype=self._live.param(p).dtype, shape=p.shape,
+                            gather=writer_gather(self._live, p, writer_rank),
+                            blocks=writer_blocks(self._live, p, writer_rank))
+                 for p in self._own()]
+        items.extend(ExportItem(name=name, dtype=buf.dtype, shape=tuple(buf.shape),
+                                gather=lambda buf=buf: buf)  # type: ignore[misc]
+                     for name, buf in persistent_buffers(self._model))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        write_safetensors(folder, items, writer=rank == writer_rank,
+                          max_shard_bytes=max_shard_bytes, model=self._model,
+                          timeout_s=self._timeout_s())
+
+    # -- the ranks' agreements (bounded by collective_timeout_s) ----------------------------
+
+    def _agree(self, error: str | None, what: str) -> dict[int, str]:
+        """Every rank's outcome of ``what`` (bounded by ``collective_timeout_s``)."""
+        return agree_on_failure(error, what, self._timeout_s())
+
+    def _agree_on_outcome(self, error: str | None) -> dict[int, str]:
+        """Every rank's outcome of a step of ``load_weights``: a rank whose copy failed while
+        the others finished must not leave them training on a model it does not hold."""
+        return agree_on_failure(error, "the agreement in load_weights", self._timeout_s())
+
+    def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
+        """The ranks compare a digest of what each is about to read, each also checking its
+        share of an export's manifest (:func:`agree_on_source`)."""
+
+        def read_digest(rank: int, world: int) -> str:
+            digest = source_digest(source)
+            verify_manifest(source, rank, world)  # each rank hashes its share of the files
+            return digest
+
+        agree_on_source(source, what, read_digest)
+
+
+def _staged(state: Any) -> Any:
+    """``state`` with every tensor cloned: ``dcp.load`` writes into what it is given, and the
+    state dict shares the live shards, so a load that fails halfway would leave a mixture."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, state)
