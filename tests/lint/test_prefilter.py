@@ -63,6 +63,7 @@ def test_tricky_cases_give_identical_findings_with_and_without_the_screen(tmp_pa
                           "vars_inside_a_longer_word", "quoted_non_prefix_pair"}
 
 
+@pytest.mark.slow  # lints all of the installed torch.distributed (docs/benchmarks.md#test-suite)
 def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
     screened, full = _both([str(TORCH_DISTRIBUTED)], jobs=2)
     assert screened.findings == full.findings  # type: ignore[attr-defined]
