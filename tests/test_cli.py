@@ -63,6 +63,7 @@ def test_explain_from_saved_plan_and_no_match(in_root: Path, tmp_path: Path,
                           "boundary; nearest: layers.*.mlp.up")
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_recipe_error_prints_without_traceback_and_exits_2(in_root: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("recipe: b\nversion: 1\nmesh: [tp]\nrules:\n  - match: layers.*.mlp.up\n"

@@ -54,6 +54,7 @@ print(json.dumps({"compiled": compiled, "skipped": skipped, "runtime": runtime})
 """
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_resolving_every_shipped_recipe_imports_no_runtime_module() -> None:
     """The resolver is pure: ``compile_recipe(..., verify=False)`` imports no runtime module.
     Verification (``hyperrecipe/verify/``) sits above the runtime and runs ``apply``."""

@@ -33,6 +33,7 @@ def test_every_package_is_listed_for_the_wheel() -> None:
     assert listed - found == {"hyperrecipe._shipped"}
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_an_installed_wheel_compiles_a_shipped_recipe_outside_a_checkout(tmp_path: Path) -> None:
     pytest.importorskip("setuptools")  # the build backend, used without build isolation (offline)
     src = tmp_path / "src"

@@ -122,6 +122,7 @@ def _assert_matches(records: list[dict[str, Any]], ref: list[dict[str, float]]) 
                                                               rel=NORM_RTOL)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_tp2_on_a_text_file_with_grad_accum_matches_one_process_over_the_global_batch(
         checkpoint: Path, uninterrupted: tuple[list[dict[str, Any]], Path]) -> None:
     """tp=2, two micro-batches of two sequences per step against one process over the four
@@ -138,6 +139,7 @@ def test_tp2_on_a_text_file_with_grad_accum_matches_one_process_over_the_global_
     assert (out / "final" / "config.json").is_file()
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_resume_at_tp1_continues_data_and_schedule_like_the_uninterrupted_run(
         checkpoint: Path, uninterrupted: tuple[list[dict[str, Any]], Path],
         tmp_path: Path) -> None:
@@ -154,6 +156,7 @@ def test_resume_at_tp1_continues_data_and_schedule_like_the_uninterrupted_run(
     assert [r["lr"] for r in resumed] == [r["lr"] for r in whole[2:]]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_bf16_autocast_trains_near_the_fp32_run(
         checkpoint: Path, uninterrupted: tuple[list[dict[str, Any]], Path],
         tmp_path: Path) -> None:
@@ -165,6 +168,7 @@ def test_bf16_autocast_trains_near_the_fp32_run(
     assert bf16 != fp32
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_checkpoint_tokenizer_json_tokenises_the_text(checkpoint: Path,
                                                          tmp_path: Path) -> None:
     """With a tokenizer.json beside the weights, the ids are transformers' tokenizer's (a word
@@ -226,6 +230,7 @@ def _saved(family: str, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_recipe_auto_trains_a_qwen3_checkpoint_with_the_qwen3_recipe_like_one_process(
         tmp_path: Path) -> None:
     """No --recipe on a Qwen3 checkpoint: the shipped qwen3 recipe (before: llama's, whose
@@ -261,6 +266,7 @@ def test_recipe_auto_refuses_a_family_no_shipped_recipe_covers_naming_suggest(
     assert "--recipe auto reads the model_type of" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_eval_split_is_held_out_and_evaluated_like_one_process(
         checkpoint: Path, tmp_path: Path) -> None:
     """--eval-fraction 0.1 at tp=2: the last 10 % of the packed sequences never train (the

@@ -78,6 +78,7 @@ PHI3_GQA = {**json.loads((ROOT / "recipes/models/tiny-phi3.json").read_text()),
             "num_key_value_heads": 2}
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "tp", "gradients"), [
     ("recipes/gpt2.yaml", 2, 29), ("recipes/gpt2.yaml", 4, 29), ("recipes/phi3.yaml", 2, 15),
     ("tests/recipes/phi3-gqa.yaml", 2, 15)])
@@ -100,6 +101,7 @@ def test_fused_projection_recipes_agree_with_one_process_in_both_modes(recipe: s
     assert report.exit_code == 0
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_linear_of_unequal_parts_agrees_in_validate_mode_used_whole_and_with_its_bias() -> None:
     """The toy MLP's ``up`` in parts, its bias in parts (layer 0) or replicated (layer 1), its
     fused output used whole by ``down``: validate mode computes ``up`` part by part and hands
@@ -115,6 +117,7 @@ MIXTRAL = str(ROOT / "recipes/models/tiny-mixtral.json")
 BATCHED_NOTE = "experts_implementation=batched_mm for every run"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_tensor_parallel_experts_run_batched_in_validate_mode_and_agree() -> None:
     """grouped_mm cannot run on float32 DTensors on the CPU; check switches every run to
     batched_mm (and says so) rather than report a divergence the recipe did not cause."""
@@ -124,6 +127,7 @@ def test_tensor_parallel_experts_run_batched_in_validate_mode_and_agree() -> Non
     assert [m.agree for m in report.modes] == [True, True]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_check_of_an_moe_model_returning_its_router_loss_compares_logits_and_that_loss(
         tmp_path: Path) -> None:
     """A config with ``output_router_logits`` makes the model return ``aux_loss`` before its
@@ -138,6 +142,7 @@ def test_check_of_an_moe_model_returning_its_router_loss_compares_logits_and_tha
     assert [m.agree for m in report.modes] == [True, True]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_experts_in_a_local_region_keep_transformers_default() -> None:
     report = run_check(CheckOptions(recipe=str(ROOT / "recipes/mixtral-ep.yaml"),
                                     model="hf:mixtral", model_config=MIXTRAL, mesh={"ep": 2},
@@ -146,6 +151,7 @@ def test_experts_in_a_local_region_keep_transformers_default() -> None:
     assert report.exit_code == 0
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_cli_check_runs_as_a_subprocess_and_reports_json(in_root: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(in_root)}
     proc = subprocess.run(
@@ -206,6 +212,7 @@ def test_swapped_colwise_rowwise_mlp_is_caught_in_the_mlp(
     assert lines[-1].startswith("diverged: production, validate")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_undeferred_bias_is_named_at_o_proj_as_a_bias_counted_tp_times(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["check", "tests/recipes/broken-no-defer-bias.yaml",
@@ -232,6 +239,7 @@ def test_undeferred_bias_is_named_at_o_proj_as_a_bias_counted_tp_times(
     assert set(prod["timings"]) >= {"launch_s", "rank0_forward_s", "rank0_apply_s"}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_undivided_head_count_is_named_at_the_attention_in_production_only() -> None:
     report = check("tests/recipes/broken-head-count.yaml", ATTN_TOY)
     assert report.exit_code == 1
@@ -248,6 +256,7 @@ def test_undivided_head_count_is_named_at_the_attention_in_production_only() -> 
     assert mode(report, "validate").agree, "validate computes with global head counts"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_an_undivided_head_count_in_a_local_region_is_named_in_validate_mode_too(
         tmp_path: Path) -> None:
     """A local region's code runs on this rank's shards in validate mode as well, so a head
@@ -267,6 +276,7 @@ def test_an_undivided_head_count_in_a_local_region_is_named_in_validate_mode_too
             "the plan does not divide it"), m.suggestion.evidence
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.skipif(not (ROOT / "recipes/gpt2.yaml").exists(),
                     reason="the GPT-2 recipe (and the runtime's Conv1D support) is not here")
 def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:
@@ -286,6 +296,7 @@ def test_undivided_gpt2_split_size_is_named_where_the_attention_fails() -> None:
     assert "num_heads" not in prod.suggestion.evidence, "GPT-2 reshapes with -1: not num_heads"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_sequence_sharded_value_the_model_reshapes_is_named_with_where_to_gather() -> None:
     """GPT2Model views ln_f's output with the whole sequence's shape: a stream still sharded
     there is refolded silently (same elements, another shape) in both modes."""
@@ -302,6 +313,7 @@ def test_a_sequence_sharded_value_the_model_reshapes_is_named_with_where_to_gath
             ) in first.detail
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_validate_mode_refuses_a_sequence_shard_the_model_refolds_naming_where_to_gather(
         ) -> None:
     """The same recipe in validate mode: the value lm_head takes as sequence-sharded is a view
@@ -328,6 +340,7 @@ QWEN3_OVER_LLAMA_SP = (
 another family")."""
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_validate_mode_names_a_per_head_norm_whose_gradient_production_leaves_partial(
         tmp_path: Path) -> None:
     """Production's q_norm/k_norm gradients stay partial (4 of 25 differ, the forward agrees);
@@ -356,6 +369,7 @@ def test_validate_mode_names_a_per_head_norm_whose_gradient_production_leaves_pa
         "sequence_parallel` for a norm on the sequence-sharded stream)"), failure.error
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_the_qwen3_sp_recipe_that_declares_the_reduction_agrees_in_validate_mode() -> None:
     report = check("tests/recipes/qwen3-sp.yaml", "hf:qwen3",
                    model_config=str(ROOT / "recipes/models/tiny-qwen3.json"),
@@ -365,6 +379,7 @@ def test_the_qwen3_sp_recipe_that_declares_the_reduction_agrees_in_validate_mode
     assert len(validate.comparison.gradients) == 25
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_missing_gradient_reduction_is_reported_with_a_right_forward() -> None:
     report = check("tests/recipes/broken-no-reduce-grads.yaml", ATTN_TOY,
                    model_config={"qk_norm": True}, modes=("production",))
@@ -397,6 +412,7 @@ def test_correct_plain_torch_recipe_agrees_without_importing_transformers(in_roo
     assert proc.stdout.splitlines()[-1] == "transformers imported: False"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_rank_that_raises_is_reported_with_its_error_and_exit_2(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
@@ -617,6 +633,7 @@ def test_a_tensor_below_atol_is_still_compared_against_its_own_size() -> None:
     assert diff_tensors(torch.full((4,), 1e-12), torch.zeros(4), atol=1e-5, rtol=1e-4).ok
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_zero_initialised_bias_counted_tp_times_is_caught(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """transformers zeroes a Llama's biases; the check draws them, so a row-wise bias that every
@@ -634,6 +651,7 @@ def test_a_zero_initialised_bias_counted_tp_times_is_caught(
     assert drawn.startswith("14 parameters initialised to zero drawn from N(0, 0.1^2)")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_router_buffer_beside_replicated_dtensor_scores_runs_in_validate_mode(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """DeepSeek-V3's router adds its plain buffer ``e_score_correction_bias`` ([experts]) to
@@ -649,6 +667,7 @@ def test_a_router_buffer_beside_replicated_dtensor_scores_runs_in_validate_mode(
     assert set(data["modes"]) == {"production", "validate"}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_plain_tensor_that_could_be_a_ranks_piece_names_local_region(
         in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """tests/recipes/cookbook/t5-heads.yaml without its local regions: the first block's

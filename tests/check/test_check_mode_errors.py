@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hyperrecipe.check.report import render_text, report_json
 from hyperrecipe.check.run import CheckOptions, run_check
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGER_EXPERTS = {**json.loads((ROOT / "recipes/models/tiny-mixtral.json").read_text()),

@@ -98,6 +98,7 @@ def run(recipe: str, model: str, config: str | None, modes: tuple[str, ...]) -> 
                                   mesh={"tp": 2}, modes=modes))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "model", "config", "modes", "agree"), CASES,
                          ids=[Path(_recipe_of(c)).stem for c in CASES])
 def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
@@ -116,6 +117,7 @@ def test_cookbook_recipe_gives_the_verdict_the_cookbook_states(
     assert report.exit_code == (0 if all(agree) else 1)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
     """The literal copy of qwen3.yaml's norm rule: production raises in q_norm (a [64] weight
     meets a [.., 32] shard) and check names the cause; validate agrees."""
@@ -130,6 +132,7 @@ def test_naive_qwen3_copy_fails_in_production_with_the_norm_named() -> None:
         "model.layers.0.self_attn.q_norm received an input with 32 of its 64 features (tp = 2)")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() -> None:
     """BLOOM's MLP adds ``residual`` after its row-wise reduction; declared replicated on a
     boundary holding the column-wise ``dense_h_to_4h``, production all-reduces its whole
@@ -153,6 +156,7 @@ def test_a_declared_residual_is_named_by_validate_mode_not_reduced_silently() ->
     assert failure.error.endswith("or leave 'residual' out of the boundary's in_src / in_dst")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> None:
     """Heads whole and num_heads divided, yet BLOOM's attention fails: its ``alibi`` holds every
     head, flattened with the batch. The likely cause says so instead of only "heads cut"."""
@@ -168,6 +172,7 @@ def test_megatron_bloom_fails_at_the_alibi_input_and_check_points_at_it() -> Non
         "docs/cookbook.md#alibi-and-residual-arguments-bloom)")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_and_validate_says_so(
         ) -> None:
     """BertAttention hands its input to ``output`` as the residual: a boundary there declares it
@@ -208,6 +213,7 @@ def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None
         assert (ROOT / name).is_file(), name
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_jamba_without_out_grad_diverges_in_production_and_validate_names_x_proj(
         tmp_path: Path) -> None:
     """The Mamba mixer's x_proj without ``out_grad``: the rowwise default (backward identity)

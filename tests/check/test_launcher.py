@@ -110,6 +110,7 @@ def test_failing_rank_raises_and_stops_the_rank_blocked_in_a_collective(tmp_path
     _assert_ranks_gone(tmp_path, 2)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_rank_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     def rank_fn(rank: int, world_size: int) -> None:
         if rank == 0:
@@ -127,6 +128,7 @@ def test_rank_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     _assert_ranks_gone(tmp_path, 2)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_timeout_names_the_ranks_that_had_not_finished(tmp_path: Path) -> None:
     def rank_fn(rank: int, world_size: int) -> int:
         _write_pid(tmp_path, rank)
@@ -152,6 +154,7 @@ def test_timeout_names_the_ranks_that_had_not_finished(tmp_path: Path) -> None:
     _assert_ranks_gone(tmp_path, 3)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_rank_that_exits_without_a_result_is_reported() -> None:
     def rank_fn(rank: int, world_size: int) -> int:
         if rank == 0:
@@ -167,6 +170,7 @@ def test_rank_that_exits_without_a_result_is_reported() -> None:
     assert info.value.rank == 0
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_rank_killed_by_a_signal_is_reported_with_the_signal_name() -> None:
     def rank_fn(rank: int, world_size: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -180,6 +184,7 @@ def _segfault_in_a_named_frame() -> None:
     ctypes.string_at(0)  # a real segmentation fault, as a native library's bug gives
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_rank_killed_by_a_fault_reports_the_python_stack_it_died_in() -> None:
     def rank_fn(rank: int, world_size: int) -> int:
         if rank == 1:
@@ -207,6 +212,7 @@ def test_rank_killed_by_a_fault_reports_the_python_stack_it_died_in() -> None:
     assert "pytest" not in info.value.rank_traceback, "the frames a forked rank inherited stay out"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_unpicklable_result_is_a_rank_failure() -> None:
     def rank_fn(rank: int, world_size: int) -> object:
         return lambda: rank
@@ -216,6 +222,7 @@ def test_unpicklable_result_is_a_rank_failure() -> None:
         run_ranks(rank_fn, 2)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_progress_reports_start_and_every_rank_ready_and_done() -> None:
     messages: list[str] = []
     run_ranks(lambda rank, world_size: rank, 2, on_progress=messages.append)
@@ -228,6 +235,7 @@ def test_progress_reports_start_and_every_rank_ready_and_done() -> None:
     assert [m.split(": ")[1] for m in done] == ["done (1/2)", "done (2/2)"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_fork_after_the_parent_used_intra_op_threads_does_not_hang() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -244,6 +252,7 @@ def test_fork_after_the_parent_used_intra_op_threads_does_not_hang() -> None:
         torch.set_num_threads(before)  # the rest of the session forks from this process
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_library_that_sizes_its_threads_from_the_environment_keeps_one_in_a_rank() -> None:
     """accelerate raises a CPU rank's thread count when OMP_NUM_THREADS is unset; after the
     parent started its OpenMP pool, the rank then hung in its first parallel region (MKL's
@@ -260,6 +269,7 @@ def test_a_library_that_sizes_its_threads_from_the_environment_keeps_one_in_a_ra
     assert results[0][0] == "1"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_forked_ranks_clear_dtensor_sharding_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -281,6 +281,7 @@ def test_command_usage_error_exits_2_without_a_traceback(write_tree: WriteTree) 
     assert done.stderr.startswith("hyperrecipe lint: error: --select: unknown rule code or name")
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_command_on_this_repository_is_clean() -> None:
     done = _command(cwd=ROOT)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")

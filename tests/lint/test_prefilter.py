@@ -98,6 +98,7 @@ TORCH_GATE_FINDINGS = [
 ]
 
 
+@pytest.mark.slow  # lints all of the installed torch.distributed (docs/benchmarks.md#test-suite)
 def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_class_swaps() -> None:
     """By default (HR005 unselected) the screen is the one from before HR005: only the files
     with a finding, and a few it cannot clear, reach libcst — not the files that merely patch

@@ -103,6 +103,7 @@ print(json.dumps([[f.path, f.line, f.column, f.code, f.message] for f in result.
 """
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_the_memory_budget_holds_for_files_screened_in_process(write_tree: WriteTree) -> None:
     """A 200 kB tuple display takes the parser ~80 MB: over a 20 MiB budget, in-process too;
     the limit is lifted afterwards, so the next file is checked as usual. Run in a fresh
@@ -198,6 +199,7 @@ def test_a_recipe_toml_nested_1000_deep_is_reported_without_a_traceback(
                                    "deeper than 64 levels", "deep.toml:1:1: HR998")), done.stdout
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_a_tree_of_10000_files_finishes_with_every_finding(tmp_path: Path) -> None:
     """Issue 28: from about 8,000 files the parent and both workers sat blocked sending on
     their sockets, forever. Run in a child with a timeout, so a regression fails instead of

@@ -52,6 +52,7 @@ def test_extending_recipe_re_places_both_names_of_a_tied_parameter() -> None:
                for p in embed.provenance)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_extending_recipe_with_a_tied_parameter_agrees_with_one_process_in_both_modes() -> None:
     report = run_check(CheckOptions(recipe=str(TIED / "llama-tied-replicated.yaml"),
                                     model="hf:llama", model_config=tied_config(),

@@ -147,6 +147,7 @@ def test_head_size_from_a_width_and_a_head_count() -> None:
     assert head_size_of(tree.module("proj")) is None
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_check_names_heads_when_a_split_the_tree_cannot_see_fails_at_runtime() -> None:
     """One head of 16 at tp=2: the attention's head size is ``hidden_size_per_attention_head``
     (ChatGLM's name), which resolve does not read, so the plan compiles; production then fails

@@ -55,6 +55,7 @@ def _mesh_name_worker(rank: int, world: int) -> str:
     return _outcome(lambda: apply(model, plan, mesh))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_with_another_mesh_dim_name_fails_every_rank() -> None:
     r0, r1 = run_ranks(_mesh_name_worker, 2, timeout_s=60)
     assert r0 == ("PlanMismatchError: rank 0: the plan does not fit the model or mesh on rank(s) "
@@ -70,6 +71,7 @@ def _model_config_worker(rank: int, world: int) -> str:
     return _outcome(lambda: apply(model, plan, _mesh("tp")))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_with_another_model_config_fails_every_rank() -> None:
     r0, r1 = run_ranks(_model_config_worker, 2, timeout_s=60)
     assert r0.startswith("PlanMismatchError: rank 0: the plan does not fit the model or mesh on "
@@ -109,6 +111,7 @@ def _interrupted_worker(rank: int, world: int) -> str:
     return f"{outcome} | unchanged={unchanged}"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_interrupted_mid_apply_fails_every_rank_and_all_roll_back() -> None:
     r0, r1 = run_ranks(_interrupted_worker, 2, timeout_s=60)
     assert r0 == ("PlanMismatchError: applying plan 'toy' failed on rank(s) [1]; this rank "
@@ -125,6 +128,7 @@ def _absent_worker(rank: int, world: int) -> str:
     return _outcome(lambda: apply(model, plan, mesh))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_that_never_arrives_fails_its_peer_after_the_agreement_timeout(
         monkeypatch: Any) -> None:
     monkeypatch.setenv(TIMEOUT_ENV, "1")
@@ -169,6 +173,7 @@ def _slow_worker(rank: int, world: int) -> str:
     return f"{outcome} | wrong={wrong} lost={bool(lost)} said={said}"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_slower_than_the_wait_rolls_back_with_its_peers(monkeypatch: Any) -> None:
     """The late rank finds its peer's buffered "arrived" word but no vote: neither keeps the
     plan, neither hangs or aborts in the other's rollback, and no parameter keeps a wrong

@@ -43,6 +43,7 @@ def _world(mesh: dict[str, int]) -> int:
     return world
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("family", "recipe", "mesh", "mode"), CASES,
                          ids=[f"{r.removesuffix('.yaml')}-{m}" + ("" if _world(w) == 2 else f"-{_world(w)}")
                               for _, r, w, m in CASES])
@@ -60,6 +61,7 @@ def test_default_forward_and_greedy_generate_equal_one_process(
             f"rank {rank} generated {res['tokens'].tolist()}, one process {ref['tokens'].tolist()}"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_gqa_phi3_with_unequal_fused_parts_generates_like_one_process(mode: str) -> None:
     """``qkv_proj`` as ``shard(0, chunks=[64, 32, 32])``: validate mode computes it part by part
@@ -73,6 +75,7 @@ def test_gqa_phi3_with_unequal_fused_parts_generates_like_one_process(mode: str)
         assert torch.equal(res["tokens"], ref["tokens"]), f"rank {rank} generated tokens"
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(("family", "recipe", "mesh"), [
     ("llama", "recipes/llama-sp.yaml", TP2), ("llama", "recipes/llama-cp.yaml", {"cp": 2}),
@@ -91,6 +94,7 @@ def test_sequence_sharded_recipes_run_the_default_forward(family: str, recipe: s
         assert_close(res["logits"], ref["logits"], f"rank {rank} logits")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("mode", "message"), [
     ("production", "CollectiveShapeError: local_slice[tp](scatter_dim=1) (forward): scatter_dim=1 "
                    "of a tensor of shape (2, 1, 64) has size 1, which does not divide evenly "
@@ -135,6 +139,7 @@ def _scope_worker(rank: int, world: int) -> dict[str, object]:
             "second": tuple(second.shape), "mixed": mixed}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_only_legacy_empty_tensors_concatenate_with_dtensors_in_a_validate_compute() -> None:
     (res,) = run_ranks(_scope_worker, 1, timeout_s=60)
     assert res["first"] == ("DTensor", (2, 3), "(Shard(dim=1),)")

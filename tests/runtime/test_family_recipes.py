@@ -101,6 +101,7 @@ def _slow(family: str, mode: str, world: int, overrides: dict[str, Any]) -> bool
             or "experts_implementation" in overrides)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("family", "mode", "world", "overrides"), [
     pytest.param(*c, id=_case_id(*c), marks=[pytest.mark.slow] if _slow(*c) else [])
     for c in CASES])
@@ -131,6 +132,7 @@ def test_gpt2_ties_its_head_to_the_embedding_by_default() -> None:
     assert params[emb] is params[head]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_mixtral_router_aux_loss_added_by_the_user_counts_once_like_one_process() -> None:
     """The load-balancing loss is computed from replicated router logits, so its gradient is
     whole on every rank, while the recipe's reductions (the router's reduce_grads, the MoE
@@ -170,6 +172,7 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     return {"loss": loss, "aux": aux, "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_two_mixtrals_applied_with_one_plan_share_the_router_loss_scaling() -> None:
     model = build("mixtral")
     ref_loss, ref_aux = _router_loss_step(model)
@@ -179,6 +182,7 @@ def test_two_mixtrals_applied_with_one_plan_share_the_router_loss_scaling() -> N
             assert_matches(res["grads"][n], p.grad, f"rank {rank} grad {n}")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_mixtral_own_loss_with_the_router_loss_trains_like_one_process(mode: str) -> None:
     """``labels=`` with ``output_router_logits=True`` (transformers adds
@@ -235,6 +239,7 @@ def _validate_chunked_toy(rank: int, world: int, recipe: str) -> str:
     return "applied"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_validate_mode_refuses_unequal_chunks_of_input_features(tmp_path: Path) -> None:
     recipe = tmp_path / "chunks.yaml"
     recipe.write_text(
@@ -311,6 +316,7 @@ def _phi3_configs(rank: int, world: int) -> dict[str, Any]:
     return {**applied, "restored": attn.config is shared and shared.num_attention_heads == 4}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_phi3_attention_divides_heads_on_its_own_copy_of_the_config() -> None:
     for res in run_ranks(_phi3_configs, 2, timeout_s=120):
         assert res == {"own": True, "heads": 2, "shared_heads": 4, "one_copy_per_module": True,

@@ -53,6 +53,7 @@ def test_the_gather_into_a_replicated_block_is_sliced_in_backward() -> None:
     assert plan.to_json().count('"grad"') == 1
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_replicated_block_under_sequence_parallel_matches_one_process(mode: str) -> None:
     ref_logits, ref_grads = reference()
@@ -66,6 +67,7 @@ def test_replicated_block_under_sequence_parallel_matches_one_process(mode: str)
         assert results[0]["counted"] == results[0]["expected"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_whole_gradient_declared_where_it_arrives_partial_is_refused(tmp_path: Path) -> None:
     """Layer 0's MLP keeps its sharded gate/up: its input's gradient comes back partial.
     Declared whole, production slices a partial sum and is wrong; validate mode names it."""
@@ -86,6 +88,7 @@ def test_a_whole_gradient_declared_where_it_arrives_partial_is_refused(tmp_path:
     assert "Declare in_grad: {x: {tp: partial}}" in str(err.value)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_partial_gradient_declared_where_it_arrives_whole_is_refused(tmp_path: Path) -> None:
     """Layer 1's MLP computes replicated: its input's gradient is whole. Declared partial,
     production reduce-scatters it and counts it twice; validate mode names it."""

@@ -10,10 +10,14 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
+
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.runtime import leave_together
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 

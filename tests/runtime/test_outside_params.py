@@ -14,8 +14,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from hyperrecipe.check.diagnose import GRADIENT_REDUCTION_MISSING
 from hyperrecipe.check.run import CheckOptions, CheckReport, ModeResult, run_check
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests/recipes/cookbook/models/tiny-gemma2.json"

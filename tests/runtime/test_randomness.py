@@ -22,6 +22,8 @@ from hyperrecipe.errors import PlanMismatchError
 from tests.support.family_harness import batch, build, recipe_path
 from tests.support.runtime_harness import mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}  # GPT-2's defaults
 
 

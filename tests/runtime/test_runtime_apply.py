@@ -72,6 +72,7 @@ def _restore_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_restore_returns_the_model_bit_for_bit(mode: str) -> None:
     res = run_ranks(_restore_worker, 2, mode)[0]
@@ -139,6 +140,7 @@ def _mismatch_worker(rank: int, world: int) -> str:
     return "applied"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_ranks_with_different_plans_all_raise_instead_of_hanging() -> None:
     res = run_ranks(_mismatch_worker, 2, timeout_s=60)
     assert res[0].startswith("ranks hold different plans or meshes: this rank (rank 0) has plan "
@@ -169,6 +171,7 @@ def _mesh_and_model_mismatch_worker(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_plan_for_another_mesh_or_model_or_applied_twice_is_refused() -> None:
     mesh_err, model_err, twice = run_ranks(_mesh_and_model_mismatch_worker, 2)[0]
     assert mesh_err == ("plan 'toy' was compiled for mesh tp=4, but the DeviceMesh is tp=2; "
@@ -193,6 +196,7 @@ def _vocab_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
                                                            else g).abs().sum(-1)}
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("mode", "world"), [("production", 2), ("production", 4), ("validate", 2)])
 def test_vocab_parallel_lookup_is_exact_on_every_shard_edge(mode: str, world: int) -> None:
     res = run_ranks(_vocab_worker, world, mode)
@@ -215,6 +219,7 @@ def _bias_worker(rank: int, world: int) -> dict[str, Any]:
     return {"out": model.layers[0].mlp(x).detach()}
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("world", [2, 4])
 def test_rowwise_bias_is_added_once_after_reduction(world: int) -> None:
     ref = toy()
@@ -237,6 +242,7 @@ def _load_worker(rank: int, world: int) -> dict[str, Any]:
     return {"equal": all(torch.equal(back[k], v) for k, v in other.state_dict().items())}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_load_full_state_dict_keeps_each_ranks_shard() -> None:
     assert all(r["equal"] for r in run_ranks(_load_worker, 2))
 
@@ -247,6 +253,7 @@ def _raises_worker(rank: int, world: int) -> None:
     torch.distributed.barrier()
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_that_raises_ends_the_run_with_its_error() -> None:
     with pytest.raises(RankFailedError, match="rank one exploded"):
         run_ranks(_raises_worker, 2, timeout_s=60)
@@ -281,6 +288,7 @@ def _scaled_worker(rank: int, world: int) -> dict[str, Any]:
             "padding_after": model.embed.padding_idx}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_vocab_parallel_keeps_an_embedding_subclass_forward_and_its_padding_row() -> None:
     ref = scaled_toy()
     ids = torch.tensor([[0, 15, 16, 20, 31], [20, 1, 17, 30, 14]])
@@ -331,6 +339,7 @@ def _no_grad_worker(rank: int, world: int, recipe: str, mode: str) -> dict[str, 
     return {"error": None, "inference_shape": list(inference.shape)}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_no_grad_input_that_requires_grad_is_refused_not_silently_wrong(
         tmp_path: Path, mode: str) -> None:

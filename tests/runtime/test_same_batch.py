@@ -83,6 +83,7 @@ def _tp_worker(rank: int, world: int, mode: str, same: bool) -> dict[str, Any]:
     return res
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_the_same_batch_on_the_tp_ranks_passes_and_the_check_leaves(mode: str) -> None:
     first, second = run_ranks(_tp_worker, 2, mode, True, timeout_s=300)
@@ -92,6 +93,7 @@ def test_the_same_batch_on_the_tp_ranks_passes_and_the_check_leaves(mode: str) -
         "checked once: nothing is left on the step's path"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_different_batches_on_the_tp_ranks_are_refused_on_every_rank(mode: str) -> None:
     for res in run_ranks(_tp_worker, 2, mode, False, timeout_s=300):
@@ -120,6 +122,7 @@ def _unchecked_worker(rank: int, world: int) -> dict[str, Any]:
     return {"hooked": hooked, "then": _forward(model, ids)["error"]}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_eval_and_no_grad_forwards_are_not_checked_and_the_first_training_one_is() -> None:
     for res in run_ranks(_unchecked_worker, 2, timeout_s=300):
         assert res["hooked"] == 1, "the check still waits for the first training forward"
@@ -151,6 +154,7 @@ def _absent_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return res
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_rank_that_never_comes_is_not_waited_for_past_collective_timeout_s(
         tmp_path: Any) -> None:
     first, second = run_ranks(_absent_worker, 2, str(tmp_path), timeout_s=300)
@@ -211,6 +215,7 @@ def _cp_worker(rank: int, world: int, shards: bool) -> dict[str, Any]:
     return _forward(model, ids.chunk(world, dim=1)[rank] if shards else ids)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_cp_ranks_take_the_whole_sequence_and_a_rank_s_shard_is_refused() -> None:
     """The cp plans slice the sequence themselves (at the first decoder layer, after the model
     derived positions and the mask from the whole of it), so every cp rank is handed the whole

@@ -38,6 +38,7 @@ def _held_bytes(rank: int, world: int, recipe: str) -> dict[str, int]:
             "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_dry_run_parameter_bytes_equal_a_real_gloo_run_at_tp2() -> None:
     held = run_ranks(_held_bytes, 2, RECIPE, timeout_s=300)
     model = llama("meta")
@@ -163,6 +164,7 @@ def _traced_step(rank: int, world: int, recipe: str, dim: str) -> dict[str, Any]
     return attrs.asdict(trace_step(model, plan, SEQ, torch.device("cpu")))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "dim"), [("llama-sp.yaml", "tp"), ("llama-cp.yaml", "cp")])
 def test_traced_dry_run_step_equals_a_real_gloo_step(recipe: str, dim: str) -> None:
     path = str(ROOT / "recipes" / recipe)

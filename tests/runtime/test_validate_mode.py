@@ -71,6 +71,7 @@ def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> 
     assert worst <= SCALED_TOL * scale, f"{what}: max diff {worst:.3e} > {SCALED_TOL} x {scale:.3e}"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize("where", ["boundary", "local_region"])
 @pytest.mark.parametrize("field", sorted(FIELDS))
@@ -86,6 +87,7 @@ def test_a_field_means_the_same_in_both_modes_inside_and_outside_a_local_region(
             _assert_matches(res["grads"][name], g, f"rank {rank} grad {name}")
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_the_cpu_sdpa_rules_are_registered_by_validate_apply_only_and_once() -> None:
     """Importing hyperrecipe and resolving leave DTensor's registry alone (verification runs
     validate mode's apply, which registers them); registering twice keeps the first
@@ -114,6 +116,7 @@ print([op in funcs for op in ops], [funcs[op] is f for op, f in zip(ops, first)]
     assert done.stdout.split("\n")[:2] == ["[False, False]", "[True, True] [True, True]"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_an_op_dtensor_cannot_shard_is_refused_naming_the_boundary_and_the_op() -> None:
     """transformers' ``eager`` experts call ``nonzero`` on routing masks: validate mode refuses
     it through ``apply``'s forward with hyperrecipe's error, not DTensor's bare text."""

@@ -51,6 +51,7 @@ def test_a_moe_block_with_replicated_experts_runs_on_this_ranks_tokens() -> None
     assert SEQUENCE_GROUP not in {n.what for n in t.narrowed}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_mixtral_with_its_experts_on_this_ranks_tokens_passes_check(tmp_path: Path) -> None:
     s = suggest_and_recheck("mixtral", str(ROOT / "recipes/models/tiny-mixtral.json"),
                              tmp_path)
@@ -73,6 +74,7 @@ def test_dense_first_layers_beside_moe_layers_are_taken_layer_by_layer() -> None
     assert rules["model.layers.*.mlp.down_proj"] == {"out_dst": {0: SEQ}}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_glm4_moe_with_dense_and_moe_layers_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
     suggest_and_recheck("glm4_moe", tiny_config("glm4_moe"), tmp_path)
@@ -129,6 +131,7 @@ def test_giving_up_a_gathered_block_gives_up_sequence_parallelism_as_a_whole() -
     assert {r.match for r in kept if not r.deeper} == {r.match for r in t.rules if not r.deeper}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_glm_with_its_mlp_gathered_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
     s = suggest_and_recheck("glm", tiny_config("glm"), tmp_path)
@@ -137,6 +140,7 @@ def test_glm_with_its_mlp_gathered_passes_check_with_sequence_parallelism(
     assert s.narrowed == ()
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", ["bamba", "phi3"])
 def test_gathered_blocks_pass_check_with_sequence_parallelism(family: str,
                                                                tmp_path: Path) -> None:
@@ -211,6 +215,7 @@ def test_a_nested_region_the_block_cannot_gather_for_is_given_up_and_the_block_k
     assert any(r.match == shared for r in kept)  # the region itself stays, replicated in and out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_ernie_moe_runs_its_block_on_this_ranks_tokens_with_its_shared_experts_replicated(
         tmp_path: Path) -> None:
     # ERNIE-4.5-MoE's router bias needs no gradient: validate mode hooked it for its placement

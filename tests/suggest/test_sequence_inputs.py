@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hyperrecipe.models.hf_plans import read_plans
 from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
@@ -64,6 +66,7 @@ def test_a_moe_block_given_the_hidden_states_alone_stays_token_local() -> None:
     assert _fields(t, "model.layers.*.mlp", SEQUENCE_GROUP)["local_region"] is True
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_youtu_with_its_attention_gathered_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
     s = suggest_and_recheck("youtu", tiny_config("youtu"), tmp_path)
@@ -94,6 +97,7 @@ def test_sinks_only_some_layers_hold_are_sharded_in_those_layers() -> None:
     assert not any(n.what.startswith("model.layers.*.self_attn") for n in t.narrowed)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_gpt_oss_with_its_sinks_sharded_passes_check_with_sequence_parallelism(
         tmp_path: Path) -> None:
     s = suggest_and_recheck("gpt_oss", tiny_config("gpt_oss"), tmp_path)

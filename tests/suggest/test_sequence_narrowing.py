@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hyperrecipe.models.hf_plans import read_plans
 from hyperrecipe.models.hf_tiny import tiny_config
 from hyperrecipe.model_tree import build_model, snapshot
@@ -79,6 +81,7 @@ def test_a_region_blamed_under_sequence_parallelism_is_gathered_instead() -> Non
     assert gather_instead(t.rules, loss) is None
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_diffllama_keeps_sequence_parallelism_with_its_attention_gathered(
         tmp_path: Path) -> None:
     s = suggest_and_recheck("diffllama", tiny_config("diffllama"), tmp_path)

@@ -66,6 +66,7 @@ def test_the_packed_parts_become_chunks_of_the_shard() -> None:
     assert any(STRUCTURE_SOURCE in s for s in rule.sources)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", ["stablelm", "persimmon"])
 def test_a_family_without_a_plan_gets_a_verified_recipe_from_its_structure(family: str) -> None:
     s = suggest_recipe(f"hf:{family}", TP2, model_config=tiny_config(family),
@@ -164,6 +165,7 @@ def test_a_projection_stored_in_out_is_sharded_on_its_output_dim_as_the_hand_wri
         "num_heads": "tp", "embed_dim": "tp", "split_size": "tp"}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", ["gpt2", "gpt-sw3", "openai-gpt"])
 def test_a_conv1d_family_gets_a_verified_recipe_and_the_written_file_passes_check(
         family: str, tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ def _recheck(path: Path, model: str, config: str | dict[str, Any]) -> None:
                           for m in report.modes]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_suggest_verifies_the_family_plan_and_the_written_file_passes_check(
         family: str, tmp_path: Path) -> None:
@@ -68,6 +69,7 @@ def test_suggest_verifies_the_family_plan_and_the_written_file_passes_check(
     _recheck(path, f"hf:{family}", config)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_experts_are_sharded_whole_over_ep_from_the_expert_parallel_plan(tmp_path: Path) -> None:
     config = str(ROOT / "recipes/models/tiny-mixtral.json")
     s = suggest_recipe("hf:mixtral", {"ep": 2}, model_config=config)
@@ -85,6 +87,7 @@ def test_experts_are_sharded_whole_over_ep_from_the_expert_parallel_plan(tmp_pat
     assert report.agree
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_experts_called_with_their_own_argument_names_are_sharded_over_ep() -> None:
     # GPT-OSS's experts take (hidden_states, router_indices, routing_weights), biases [E, ...]
     # beside the 3-D weights; they were left replicated for not naming top_k_weights
@@ -112,6 +115,7 @@ def test_the_tensor_parallel_entries_an_expert_parallel_plan_repeats_are_not_giv
     assert fields["model.layers.*.mlp.down_proj"]["style"] == "rowwise"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_an_untranslatable_style_is_narrowed_with_its_reason(tmp_path: Path) -> None:
     # MiniCPM3's multi-head latent attention: transformers' `mla_kv_a_proj` style has no
     # translation, and its plan names a q_proj this (q_lora_rank) config does not build
@@ -183,6 +187,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_cli_unverified_writes_the_translation_marked_not_verified(tmp_path: Path) -> None:
     out = tmp_path / "llama.yaml"
     done = _cli("--model", "hf:llama", "--model-config",
@@ -194,6 +199,7 @@ def test_cli_unverified_writes_the_translation_marked_not_verified(tmp_path: Pat
     assert f"recipe written to {out}" in done.stdout
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_cli_writes_nothing_when_check_never_agreed(tmp_path: Path) -> None:
     # one attempt is not enough for MiniCPM3 (its vocab-parallel embedding fails validate mode)
     out = tmp_path / "m.yaml"

@@ -119,6 +119,7 @@ def test_nested_configs_shrink_by_their_own_family_rules() -> None:
     assert _params("phi4_multimodal", config) < 20_000_000
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", ["ministral", "codegen", "jamba", "dots1"])
 def test_a_family_the_sizes_alone_could_not_shrink_now_gets_a_verified_recipe(family: str) -> None:
     s = suggest_recipe(f"hf:{family}", {"tp": 2}, model_config=tiny_config(family),

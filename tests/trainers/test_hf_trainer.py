@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # trainer runs on launched ranks (docs/benchmarks.md#test-suite)
+
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install '.[trainers]'")
 pytest.importorskip("transformers", reason="pip install '.[hf,trainers]'")
 

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # trainer runs on launched ranks (docs/benchmarks.md#test-suite)
+
 pytest.importorskip("lightning", reason="pip install '.[trainers]' (lightning 2.6)")
 pytest.importorskip("transformers", reason="pip install '.[hf]'")
 

@@ -61,6 +61,7 @@ def test_torchtitans_trainer_order_on_meta_initializes_as_one_process_and_refuse
         assert "hyperrecipe.vocab_parallel_cross_entropy" in got["refused"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_dcp_checkpoint_resumes_at_the_same_and_at_another_tp_size(tmp_path: Path) -> None:
     full = run_ranks(h.checkpoint_run, 2, str(tmp_path / "ckpt"), 3, 6, timeout_s=300)[0]
     at_two = run_ranks(h.checkpoint_run, 2, str(tmp_path / "ckpt"), None, 3, timeout_s=300)

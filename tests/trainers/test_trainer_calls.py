@@ -124,6 +124,7 @@ def _calls_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_torch_clipping_calls_on_shards_do_what_the_table_says(mode: str) -> None:
     ids = llama_batch()
@@ -162,6 +163,7 @@ def _accelerate_worker(rank: int, world: int, mode: str) -> list[tuple[float, fl
     return _loop(model, lambda m: accelerator.clip_grad_norm_(m.parameters(), MAX_NORM))
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_accelerate_clip_grad_norm_on_the_applied_model_clips_like_one_process(
         mode: str) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # trainer runs on launched ranks (docs/benchmarks.md#test-suite)
+
 pytest.importorskip("trl", reason="pip install '.[hf,trainers]'")
 
 from hyperrecipe import apply, compile_recipe  # noqa: E402

@@ -14,6 +14,8 @@ from hyperrecipe.model_tree import build_model
 from tests.support.family_harness import batch, build, recipe_path
 from tests.support.runtime_harness import ROOT, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 
 def _compile_on_every_rank(rank: int, world: int) -> dict[str, Any]:
     plan = compile_recipe(recipe_path("qwen3"), build("qwen3", "meta"), {"tp": world})

@@ -17,11 +17,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 import torch
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import ROOT, llama, llama_batch, mesh_1d
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 RECIPE = str(ROOT / "recipes/llama.yaml")
 # Guards reached through one installed forward's closure, on average over the boundaries.

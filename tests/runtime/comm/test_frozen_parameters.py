@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import (ROOT, assert_close, llama, llama_batch, llama_step,
                                            mesh_1d, reference)
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 RECIPE = str(ROOT / "recipes/llama.yaml")
 FROZEN = "model.layers.0.self_attn.o_proj.weight"

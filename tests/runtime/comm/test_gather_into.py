@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -44,6 +45,7 @@ def _gathers(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_one_mesh_dim_shards_gather_straight_into_the_full_tensor_bit_for_bit() -> None:
     for world in (2, 4):
         for res in run_ranks(_gathers, world, timeout_s=300):
@@ -54,6 +56,7 @@ def test_one_mesh_dim_shards_gather_straight_into_the_full_tensor_bit_for_bit() 
                 assert gathers == parts, f"{text}: one all_gather per fused part"
 
 
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
 def test_two_mesh_dim_shards_take_the_general_path_and_still_gather_exactly() -> None:
     for res in run_ranks(_gathers, 4, timeout_s=300):
         for text in TWO_DIMS:
@@ -83,6 +86,7 @@ def _to_writer(rank: int, world: int, writer: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_one_mesh_dim_shards_reach_the_writer_alone_bit_for_bit() -> None:
     """The writer gets the full tensor; every other rank an empty one (it sent, or on a dp x tp
     mesh, another replica had nothing to send); two-dim layouts are left to the general path

@@ -21,6 +21,8 @@ from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import (ROOT, assert_close, llama, llama_batch, llama_step,
                                            mesh_1d, reference)
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 RECIPE = str(ROOT / "recipes/llama.yaml")
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from hyperrecipe.check.launcher import run_ranks
+
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 
 WIDTH = 4  # one chunk
 SPLITS: dict[str, Callable[[torch.Tensor], Any]] = {

@@ -345,6 +345,7 @@ def _semantics_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_wrap_and_marshal_on_real_dtensors() -> None:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -409,6 +410,7 @@ def _toy_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_toy_helpers_mixing_plain_buffers_run_in_validate_mode_with_adapters() -> None:
     reference = make_positional_toy()
     ref_logits = _toy_step(reference)
@@ -452,6 +454,7 @@ def _llama_step(model: torch.nn.Module) -> torch.Tensor:
     return llama_step(model, llama_batch())
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_llama_rotary_embedding_runs_sequence_parallel_in_validate_mode_with_marshal() -> None:
     """The rotary module multiplies DTensor position_ids by its plain inv_freq buffer; marshal
     runs it on each rank's positions and wraps cos/sin {tp: shard(1)}, like x."""

@@ -58,6 +58,7 @@ def test_cp_recipes_agree_with_one_process_in_both_modes(recipe: str, mesh: str,
     assert "production  agree" in out and "validate    agree" in out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_without_the_wrapper_cp_attention_diverges(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     text = open("recipes/llama-cp.yaml").read()
     text = "\n".join(line for line in text.splitlines()
@@ -88,6 +89,7 @@ def _chain_worker(rank: int, world: int, recipe: str) -> dict[str, Any]:
     return {"rows": rows, "scaling_kept": model.model.layers[0].self_attn.scaling == scaling}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_fallback_chain_skips_the_ineligible_and_rolls_back_the_failed(tmp_path: Any) -> None:
     from hyperrecipe.check.launcher import run_ranks
 
@@ -125,6 +127,7 @@ def _check_json(recipe: str, mesh: str, capsys: pytest.CaptureFixture[str]) -> t
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_ulysses_agrees_with_one_process_in_both_modes(tmp_path: Any,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     # tiny-llama: 4 query heads, 2 key/value heads, so cp=2 leaves whole heads on each rank
@@ -221,6 +224,7 @@ def test_a_wrapper_reference_that_does_not_load_is_refused_at_compile_time(
     assert message in text, text
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_the_documented_custom_wrapper_agrees_with_one_process(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/context-parallel.md's example wrapper, as written there, through ``check``."""
@@ -355,6 +359,7 @@ def _forward_hook_worker(rank: int, world: int, recipe: str, mode: str) -> dict[
     return {"out": out, "grads": inst.full_grads(), "rows": rows}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_a_forward_hook_wrapper_runs_the_compute_on_local_tensors(tmp_path: Any, mode: str) -> None:
     """A ``hook="forward"`` wrapper calls the boundary's compute on local tensors in both modes
@@ -402,6 +407,7 @@ def test_requires_package_reports_a_missing_parent_instead_of_raising(name: str,
         assert reason is not None and reason.startswith(f"{name} is not installed")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_the_built_in_wrappers_require_sdpa(tmp_path: Any, capsys: pytest.CaptureFixture[str]
                                             ) -> None:
     from hyperrecipe.cli import main

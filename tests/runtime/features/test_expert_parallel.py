@@ -83,6 +83,7 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
 # ------------------------------------------------------------------------------ hyperrecipe check
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("recipe", [RECIPE, DISPATCH], ids=["shipped", "dispatch"])
 def test_recipe_passes_check_at_ep2_in_both_modes(recipe: str) -> None:
     report = run_check(CheckOptions(
@@ -131,6 +132,7 @@ def _case_id(recipe: str, mode: str, overrides: dict[str, Any], aux_loss: bool) 
     return f"{name}-{mode}-{impl}" + ("-aux-loss" if aux_loss else "")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "mode", "overrides", "aux_loss"), CASES,
                          ids=[_case_id(*c) for c in CASES])
 def test_expert_parallel_matches_single_process_logits_and_every_gradient(
@@ -256,6 +258,7 @@ def dispatch_worker(rank: int, world: int, impl: str, skew: bool) -> dict[str, A
             "down_proj": local.down_proj.grad}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "all-to-rank-0"])
 def test_dispatch_matches_the_whole_module_even_when_a_rank_receives_nothing(
@@ -471,6 +474,7 @@ def gpt_oss_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     return {"logits": logits, "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_gpt_oss_experts_with_biases_match_one_process_at_ep2(mode: str) -> None:
     """Per-expert biases sharded with their experts: logits and every gradient as one process."""
@@ -532,6 +536,7 @@ def bad_ids_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_an_expert_id_beyond_the_plan_fails_every_rank_without_a_hang() -> None:
     """Only rank 1's router is wrong; both ranks learn it from the count exchange and raise."""
     messages = run_ranks(bad_ids_worker, 2, timeout_s=60)

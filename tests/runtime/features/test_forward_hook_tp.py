@@ -19,6 +19,8 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 RECIPE = """\
 recipe: tp-forward-hook
 version: 1

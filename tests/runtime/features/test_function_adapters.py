@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, recipe: str, bare: str, mode: str) -> dict[st
             "restored": F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_sdpa_called_by_the_model_itself_runs_in_both_modes_with_a_function_adapter(
         tmp_path: Path, mode: str) -> None:

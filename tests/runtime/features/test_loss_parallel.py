@@ -117,6 +117,7 @@ def _llama_worker(rank: int, world: int, recipe: str, mode: str, overrides: dict
             "expected": dict(expected)}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "mode", "overrides"), [
     ("llama-sp-loss", "production", {}),
     ("llama-sp-loss", "validate", {}),
@@ -178,6 +179,7 @@ def _family_worker(rank: int, world: int, family: str, recipe: str, mode: str,
     return _family_step(model, apply(model, plan, mesh_1d(world), mode=mode))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(("family", "recipe"), [
     ("qwen3", "qwen3-sp.yaml"),     # llama-sp plus qwen3's reduce_grads for q_norm/k_norm
@@ -232,6 +234,7 @@ def _softcap_worker(rank: int, world: int, mode: str, overrides: dict[str, Any]
     return {**_softcap_step(model), "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_a_final_logit_soft_capping_runs_on_the_vocab_shards_and_matches_one_process(
         mode: str) -> None:
@@ -327,6 +330,7 @@ def _helper_worker(rank: int, world: int, mode: str, recipe: str) -> list[dict[s
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy_of_one_process(
         mode: str, tmp_path: Path) -> None:
@@ -354,6 +358,7 @@ def _all_ignored_worker(rank: int, world: int, mode: str, recipe: str) -> dict[s
     return {"loss": loss.detach(), "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_a_batch_whose_labels_are_all_ignored_adds_zero_gradients_as_in_one_process(
         mode: str, tmp_path: Path) -> None:
@@ -469,6 +474,7 @@ def _other_loss_worker(rank: int, world: int) -> str:
     return "applied"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_model_whose_loss_is_not_a_causal_lm_cross_entropy_is_refused_at_apply() -> None:
     message = run_ranks(_other_loss_worker, 1, timeout_s=120)[0]
     assert "<root> (LlamaForCausalLM) takes labels=, but its loss_function is ForMaskedLMLoss" \
@@ -503,6 +509,7 @@ def _dtensor_worker(rank: int, world: int) -> dict[str, Any]:
     return {"loss": loss.detach(), "grad": logits.grad.full_tensor()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_dtensor_sharded_on_its_last_dim_takes_the_helper_too() -> None:
     torch.manual_seed(0)
     full = torch.randn(3, 4, 10, requires_grad=True)
@@ -525,6 +532,7 @@ def _compiled_worker(rank: int, world: int) -> dict[str, Any]:
     return {"loss": out.loss.detach(), "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_torch_compile_of_the_model_runs_the_loss_on_shards_eagerly_and_agrees() -> None:
     ref = _llama_reference({}, decode=False)
     for rank, res in enumerate(run_ranks(_compiled_worker, 2, timeout_s=300)):

@@ -166,6 +166,7 @@ def _assert_matches_one_process(results: list[dict[str, Any]],
             assert_close(res["grads"][name], g, f"rank {rank} grad {name}")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_gradients_accumulated_over_two_micro_batches_match_one_process(mode: str) -> None:
     overrides: dict[str, Any] = {}  # the model's defaults (sdpa) in both modes
@@ -178,6 +179,7 @@ def test_gradients_accumulated_over_two_micro_batches_match_one_process(mode: st
         assert res["grad_collectives"] == 1 < res["reduced_params"] == 5
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_several_buckets_with_a_frozen_parameter_launch_in_order_and_match_one_process() -> None:
     plan = _sp_plan()
     cap = 2 * plan.param("model.norm.weight").local_shape[0] * 4
@@ -205,6 +207,7 @@ def _refusal_worker(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_gradients_that_would_escape_their_bucket_are_refused_not_returned_unreduced() -> None:
     for (taken,) in run_ranks(_refusal_worker, 2, timeout_s=300):
         assert "never accumulated into .grad (torch.autograd.grad?)" in taken
@@ -223,6 +226,7 @@ def _unfrozen_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     return {"grads": inst.full_grads(), "frozen_grad": frozen_grad}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_a_parameter_unfrozen_after_apply_is_reduced_like_the_others(mode: str) -> None:
     """A bucketed norm frozen at apply and unfrozen after a step: its gradient over two

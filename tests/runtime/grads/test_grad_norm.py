@@ -90,6 +90,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(("family", "recipe", "dim", "base"), CASES)
 def test_grad_norm_and_clipping_equal_one_process_on_every_rank(
@@ -120,6 +121,7 @@ def test_grad_norm_on_a_two_dim_mesh_equals_one_process(mode: str) -> None:
     _check(results, ref)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_clipping_by_the_inf_norm_equals_one_process() -> None:
     ref = _reference("llama", "production", math.inf)
     assert ref["norm"] > 2 * MAX_NORM
@@ -144,6 +146,7 @@ def _added_after_apply_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_parameter_added_after_apply_is_refused_by_name() -> None:
     """Its layout on the mesh is unknown; leaving it out of the norm would be a wrong norm."""
     msg = run_ranks(_added_after_apply_worker, 2)[0]

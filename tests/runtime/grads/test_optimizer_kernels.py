@@ -28,6 +28,8 @@ from hyperrecipe import MixedParametersError, apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import llama, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 STEPS = 3
 LOSS_ATOL = 1e-5
 WEIGHT_TOL = {"atol": 1e-3, "rtol": 0.0}

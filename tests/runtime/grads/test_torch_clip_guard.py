@@ -28,6 +28,8 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import ShardedGradNormError
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 LLAMA = str(ROOT / "recipes/llama.yaml")
 MAX_NORM = 0.5
 STEPS = 5

@@ -68,6 +68,7 @@ def _load_worker(rank: int, world: int, folder: str, recipe: str, dim: str,
     return {"logits": logits, "grads": inst.full_grads(), "rows": rows}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("recipe", "dim", "mode"), [
     ("mixtral.yaml", "tp", "production"),   # fused gate|up chunked over tp: slices span w1 and w3
     ("mixtral.yaml", "tp", "validate"),
@@ -122,6 +123,7 @@ def _refusal_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"msg": None}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_conversion_that_cannot_be_read_by_slices_is_refused_by_name(
         mixtral_checkpoint: Path) -> None:
     res = run_ranks(_refusal_worker, 1, str(mixtral_checkpoint))[0]

@@ -105,6 +105,7 @@ def _load_weights_worker(rank: int, world: int, source: str) -> dict[str, Any]:
             "unset": [r.error for r in inst.state.status() if r.state == "unset"]}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_forged_chunks_are_refused_by_load_checkpoint_with_the_model_untouched(
         forgery: str, dcp_folder: Path, tmp_path: Path) -> None:
@@ -117,6 +118,7 @@ def test_forged_chunks_are_refused_by_load_checkpoint_with_the_model_untouched(
         assert res["unchanged"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_forged_chunks_are_refused_by_load_weights_with_nothing_written_or_unset(
         forgery: str, dcp_folder: Path, tmp_path: Path) -> None:
@@ -129,6 +131,7 @@ def test_forged_chunks_are_refused_by_load_weights_with_nothing_written_or_unset
         assert res["changed"] == [] and res["unset"] == []
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_dtype_relabelled_to_integers_is_refused_by_both_loads(dcp_folder: Path,
                                                                  tmp_path: Path) -> None:
     bad = _forged(dcp_folder, tmp_path / "bad", _relabelled_as_int32)
@@ -142,6 +145,7 @@ def test_a_dtype_relabelled_to_integers_is_refused_by_both_loads(dcp_folder: Pat
         assert res["changed"] == [] and res["unset"] == []
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_the_unforged_checkpoint_still_loads_through_both(dcp_folder: Path) -> None:
     for res in run_ranks(_load_weights_worker, 2, str(dcp_folder)):
         assert res["error"] is None and res["unset"] == []

@@ -64,6 +64,7 @@ def _assert_is(full: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) ->
         torch.testing.assert_close(value, state[name], atol=0, rtol=0)  # bit for bit
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_committed_folder_with_a_same_size_file_of_a_later_save_is_refused(
         saved: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
     committed, later, _ = saved
@@ -89,6 +90,7 @@ def test_a_committed_folder_with_a_same_size_file_of_a_later_save_is_refused(
     assert run_ranks(_load_weights_error, 2, str(folder)) == [f"dcp: {expected}"] * 2
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_copied_committed_folder_loads_the_committed_state(
         saved: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
     committed, _, state_a = saved
@@ -103,6 +105,7 @@ def test_a_copied_committed_folder_loads_the_committed_state(
     assert run_ranks(_load_weights_error, 1, str(copy)) == [None]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_commit_record_from_before_fingerprints_still_loads(
         saved: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
     committed, _, state_a = saved
@@ -118,6 +121,7 @@ def test_a_commit_record_from_before_fingerprints_still_loads(
     _assert_is(res["full"], state_a)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_commit_record_of_an_unknown_fingerprint_scheme_is_refused(
         saved: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
     committed, _, _ = saved

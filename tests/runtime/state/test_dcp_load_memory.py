@@ -24,6 +24,8 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.model_tree import build_model
 from tests.support.runtime_harness import ROOT, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 LLAMA = str(ROOT / "recipes/llama.yaml")
 CFG = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000,

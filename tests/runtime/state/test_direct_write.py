@@ -77,6 +77,7 @@ def _check_files(folder: Path) -> None:
     verify_manifest(folder)  # the writer's digest covers the bytes its peer wrote
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_ranks_on_one_host_write_their_own_blocks_and_send_none(tmp_path: Path) -> None:
     folder = tmp_path / "export"
     results = run_ranks(_worker, 2, str(folder), "direct")
@@ -86,6 +87,7 @@ def test_ranks_on_one_host_write_their_own_blocks_and_send_none(tmp_path: Path) 
     _check_files(folder)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_peer_on_another_kernel_makes_every_rank_send_its_blocks(tmp_path: Path) -> None:
     folder = tmp_path / "export"
     results = run_ranks(_worker, 2, str(folder), "peer-on-another-kernel")
@@ -99,6 +101,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("world", [2])
 def test_a_peer_that_cannot_write_its_blocks_makes_every_rank_raise(world: int,
                                                                    tmp_path: Path) -> None:

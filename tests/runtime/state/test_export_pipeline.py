@@ -150,6 +150,7 @@ def test_small_tensors_waiting_for_the_hashing_thread_are_bounded_in_bytes(
                                    rtol=0)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_small_tensor_that_cannot_be_written_fails_the_export_and_keeps_the_old_one(
         tmp_path: Path) -> None:
     """A write on the hashing thread that fails (a file size limit just past the first large
@@ -198,6 +199,7 @@ def _load_weights_worker(rank: int, world: int, source: str) -> str | None:
     return None
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_first_format_sha256_manifest_still_verifies_and_refuses(tmp_path: Path) -> None:
     """A folder exported before the digest was named (``hyperrecipe-export/1``, sha256 per
     file) loads, and a changed byte is still refused by name."""
@@ -228,6 +230,7 @@ def _threads_after_export_worker(rank: int, world: int, folder: str) -> list[str
     return [t.name for t in threading.enumerate() if t.is_alive()]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_no_export_thread_outlives_a_finished_save_pretrained(tmp_path: Path) -> None:
     """A script may end right after its last export: a thread of ours still leaving (or in a
     torch call) while the interpreter shuts down is C++ teardown racing it. The gather thread
@@ -280,6 +283,7 @@ def _fault_worker(rank: int, world: int, folder: str, failing: int) -> tuple[str
     return outcome
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("failing", [0, 1], ids=["writer-fails", "peer-fails"])
 def test_a_rank_failing_mid_export_makes_every_rank_raise_within_the_collective_timeout(
         failing: int, tmp_path: Path) -> None:
@@ -317,6 +321,7 @@ def _family_export_worker(rank: int, world: int, family: str, mode: str, folder:
     inst.state.save_pretrained(folder, max_shard_bytes=200_000)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize("family", ["phi3", "gpt2"])
 def test_fused_and_row_parallel_tensors_reach_the_writer_byte_for_byte(
@@ -364,6 +369,7 @@ def _bf16_trained_in_fp32_worker(rank: int, world: int, hub: str, out: str
     return {"weights": weights, "live_dtype": str(model.config.dtype)}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_the_exported_config_names_the_dtype_written_and_the_architecture(
         tmp_path: Path) -> None:
     """``config.json`` as transformers' ``save_pretrained`` writes it: ``dtype`` that of the

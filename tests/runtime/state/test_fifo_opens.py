@@ -21,6 +21,8 @@ import torch
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.checkpoint_harness import save_dcp_worker
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 READERS = ["read_safetensors_header", "open_safetensors", "open_torch_file", "digest_file",
            "sampled_fingerprint", "source_digest", "read_regular_file"]
 

@@ -26,6 +26,8 @@ from hyperrecipe.runtime.state.weights import WeightLoadError
 from hyperrecipe.model_tree import build_model
 from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 TINY_GPT2 = json.loads((ROOT / "recipes/models/tiny-gpt2.json").read_text())
 RECIPES = {"llama": ROOT / "recipes/llama.yaml", "gpt2": ROOT / "recipes/gpt2.yaml"}
 

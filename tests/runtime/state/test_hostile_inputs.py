@@ -69,6 +69,7 @@ def _cap_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
 
 
+@pytest.mark.slow  # starts a fresh interpreter (docs/benchmarks.md#test-suite)
 def test_a_fifo_or_a_device_named_as_recipe_or_plan_is_refused_not_read(tmp_path: Path) -> None:
     fifo_recipe, fifo_plan = tmp_path / "r.yaml", tmp_path / "plan.json"
     os.mkfifo(fifo_recipe)
@@ -312,6 +313,7 @@ def _edited_plan_worker(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_an_edited_plan_naming_what_the_model_lacks_is_refused_before_apply_installs() -> None:
     from hyperrecipe.check.launcher import run_ranks
 
@@ -452,6 +454,7 @@ def _apply_mistakes_worker(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_apply_mistakes_a_new_user_makes_say_what_to_do() -> None:
     from hyperrecipe.check.launcher import run_ranks
 

@@ -101,6 +101,7 @@ def _reload_worker(rank: int, world: int, good: str, bad: str) -> dict[str, Any]
 DAMAGES = ["relabelled-size", "reshaped", "overlap", "gap", "truncated", "relabelled-kind"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("how", DAMAGES)
 def test_a_damaged_safetensors_file_without_a_manifest_is_refused_by_name_before_writing(
         how: str, hf_folder: Path, tmp_path: Path) -> None:
@@ -124,6 +125,7 @@ def test_a_damaged_safetensors_file_without_a_manifest_is_refused_by_name_before
         assert len(error.splitlines()) < 60
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_pytorch_model_bin_with_a_record_cut_short_is_refused_by_name(
         hf_folder: Path, tmp_path: Path) -> None:
     from tests.support.runtime_harness import llama
@@ -152,6 +154,7 @@ def test_a_pytorch_model_bin_with_a_record_cut_short_is_refused_by_name(
         assert res["unchanged"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_header_of_300000_entries_gives_a_short_error_naming_the_file(
         hf_folder: Path, tmp_path: Path) -> None:
     bad = shutil.copytree(hf_folder, tmp_path / "bad")
@@ -204,6 +207,7 @@ def _reload_values_worker(rank: int, world: int, first: str, second: str) -> dic
             "same_storage": ptrs == {n: p.data_ptr() for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_reload_of_another_checkpoint_holds_its_values_in_the_same_tensors(
         hf_folder: Path, tmp_path: Path) -> None:
     """The second load writes in place (an optimizer keeps its parameters) and converts a
@@ -257,6 +261,7 @@ def _faulty_reload_worker(rank: int, world: int, folder: str, fail_at: int) -> d
     return {"error": None}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_fault_while_copying_marks_what_was_written_unset_not_a_silent_mixture(
         hf_folder: Path) -> None:
     for res in run_ranks(_faulty_reload_worker, 2, str(hf_folder), 3):
@@ -269,6 +274,7 @@ def test_a_fault_while_copying_marks_what_was_written_unset_not_a_silent_mixture
         assert res["unset"] and res["unset"][0].startswith("2 tensors have no value yet")
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_tensor_in_two_files_of_a_folder_without_an_index_is_refused(hf_folder: Path,
                                                                         tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file

@@ -28,6 +28,8 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import WeightLoadError
 from tests.support.checkpoint_harness import applied
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:

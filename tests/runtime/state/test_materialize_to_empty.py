@@ -21,6 +21,8 @@ from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import ROOT, assert_close, grads_of, llama, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 LLAMA = str(ROOT / "recipes/llama.yaml")
 
 

@@ -18,6 +18,8 @@ from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from tests.support.runtime_harness import ROOT, llama, llama_batch, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 RECIPE = str(ROOT / "recipes/llama.yaml")
 
 

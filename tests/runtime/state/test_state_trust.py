@@ -26,6 +26,8 @@ from tests.support.checkpoint_harness import (Hostile, applied, resume_worker,
                                               save_dcp_worker)
 from tests.support.runtime_harness import llama
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:

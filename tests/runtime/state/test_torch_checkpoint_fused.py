@@ -24,6 +24,8 @@ from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.model_tree import build_model
 from tests.support.runtime_harness import ROOT, mesh_1d
 
+pytestmark = pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+
 LOSS_ATOL = 1e-5
 FAMILIES = ("gpt2", "phi3")
 

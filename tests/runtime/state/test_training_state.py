@@ -118,6 +118,7 @@ def _file_of(folder: Path, key: str) -> str:
     return str(index["weight_map"][key])
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_truncated_checkpoint_names_the_file_and_leaves_the_model_unset(
         hf_checkpoint: Path, tmp_path: Path) -> None:
     folder = _copy_checkpoint(hf_checkpoint, tmp_path / "ckpt")
@@ -131,6 +132,7 @@ def test_truncated_checkpoint_names_the_file_and_leaves_the_model_unset(
     assert ("weights safetensors", "failed") in res["rows"] or res["rows"][0][1] == "failed"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_missing_and_misshaped_tensors_are_named_together_with_their_files(
         hf_checkpoint: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
@@ -224,6 +226,7 @@ def tp2_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     return ckpt
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("resume_world", [
     1, 2, pytest.param(4, marks=pytest.mark.slow)])  # four ranks (docs/benchmarks.md#test-suite)
 def test_dcp_checkpoint_at_tp2_resumes_at_other_tp_sizes_like_an_uninterrupted_run(
@@ -242,6 +245,7 @@ def _dcp_weights_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {"rows": rows, "full": inst.state.full_state_dict()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_load_weights_reads_a_dcp_folder_saved_on_another_mesh(tp2_checkpoint: str) -> None:
     ckpt = tp2_checkpoint
     trained = run_ranks(_dcp_weights_worker, 2, ckpt)[0]
@@ -264,6 +268,7 @@ def _stale_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_state_dict_refuses_parameters_replaced_after_apply() -> None:
     msg = run_ranks(_stale_worker, 2)[0]
     assert msg.startswith("PlanMismatchError: model.embed_tokens.weight is on the meta device")
@@ -313,6 +318,7 @@ def torch_api_checkpoint(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathF
     return ckpt
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("resume_world", [1, 2])
 def test_get_state_dict_of_a_production_model_is_a_correct_dcp_checkpoint(
         torch_api_checkpoint: str, reference_losses: list[float], resume_world: int) -> None:
@@ -338,6 +344,7 @@ def _export_worker(rank: int, world: int, folder: str, out: str) -> dict[str, An
     return {"full": inst.state.full_state_dict(), "still_applied": still_applied}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_save_pretrained_writes_what_from_pretrained_loads(hf_checkpoint: Path,
                                                            tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -374,6 +381,7 @@ def _one_rank_export_worker(rank: int, world: int, out: str) -> str:
     return "skipped"
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_save_pretrained_on_one_rank_fails_fast_instead_of_hanging(tmp_path: Path) -> None:
     msg = run_ranks(_one_rank_export_worker, 2, str(tmp_path / "x"), timeout_s=60)[0]
     assert msg.startswith("PlanMismatchError: TrainingState.save_pretrained() is a collective: "
@@ -589,6 +597,7 @@ def _gpt2_worker(rank: int, world: int, folder: str, ckpt: str, save: bool,
     return {"full": inst.state.full_state_dict()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_fused_qkv_loads_its_slices_and_reshards_through_dcp(tmp_path: Path, mode: str) -> None:
     """GPT-2's c_attn is shard(1, chunks=3): each rank reads its piece of q, k and v from the
@@ -628,6 +637,7 @@ def _production_reader(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {"full": inst.state.full_state_dict()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_validate_mode_loads_and_checkpoints_like_production(hf_checkpoint: Path,
                                                               tmp_path: Path) -> None:
     ckpt = str(tmp_path / "dcp")
@@ -718,6 +728,7 @@ def _shard_failure_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
             "tied": model.head.weight is model.embed.weight}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_failure_while_sharding_on_one_rank_rolls_every_rank_back_exactly(mode: str) -> None:
     """Originals give up their storage as soon as their shard exists; a rank that fails midway
@@ -737,6 +748,7 @@ def _single_file_worker(rank: int, world: int, path: str) -> dict[str, Any]:
             "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_single_bf16_safetensors_file_loads_converted_to_the_models_dtype(
         tmp_path: Path) -> None:
     """One ``model.safetensors`` in bfloat16 (no index), given as the file itself; the fp32
@@ -768,6 +780,7 @@ def _after_apply_worker(rank: int, world: int, folder: str, how: str) -> dict[st
     return {"loss": loss.detach(), "grads": inst.full_grads()}
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("how", ["checkpointing",
                                  pytest.param("compile", marks=pytest.mark.slow)])
 def test_training_features_after_apply_match_one_process(hf_checkpoint: Path, how: str) -> None:

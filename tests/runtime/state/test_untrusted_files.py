@@ -283,6 +283,7 @@ def test_a_header_at_the_bounds_with_metadata_and_whitespace_is_read(tmp_path: P
 # dtype kinds: complex is its own
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_complex_tensor_into_a_real_parameter_is_refused_by_name(tmp_path: Path) -> None:
     """copy_ from complex64 into float32 keeps the real part and warns; the imaginary part
     would be gone without an error."""
