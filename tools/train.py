@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
+from hyperrecipe.runtime import is_committed
 
 AUTO = "auto"
 DP_SUFFIX = "-dp"
@@ -272,19 +273,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int) -> fl
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _committed(folder: Path) -> bool:
-    """Whether ``inst.state.save_checkpoint`` finished writing ``folder`` (its commit record says so):
-    a save killed halfway leaves ``writing``, and resuming skips it for the one before."""
-    try:
-        record = json.loads((folder / "hyperrecipe.commit.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and record.get("state") == "committed"
-
-
 def newest_checkpoint(out: Path) -> tuple[int, Path] | None:
     steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
-                   if p.name.split("-")[1].isdigit() and _committed(p))
+                   if p.name.split("-")[1].isdigit() and is_committed(p))
     return steps[-1] if steps else None
 
 

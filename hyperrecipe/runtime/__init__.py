@@ -53,12 +53,13 @@ from hyperrecipe.runtime.installation import Installation, data_parallel, leave_
 from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
 from hyperrecipe.runtime.state.dcp_reader import trusted_reader
 from hyperrecipe.runtime.state.front import StatusRow, TrainingState
+from hyperrecipe.runtime.state.integrity import is_committed
 from hyperrecipe.runtime.state.materialize import shards_on_meta
 
 __all__ = [
     # what a trainer uses
     "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "TrainingState",
-    "apply", "as_mode", "data_parallel", "leave_together", "vocab_parallel_cross_entropy",
+    "apply", "as_mode", "data_parallel", "is_committed", "leave_together", "vocab_parallel_cross_entropy",
     "VocabShardedLogits", "trusted_reader",
     # what the tools above the runtime read (check, verify, simulate, the trainers' own
     # initializers): shard math, the mesh dim groups, a boundary's declared values

@@ -109,6 +109,7 @@ def test_torch_distributed_has_exactly_its_three_forward_assignments_and_two_cla
     assert screened.libcst_files <= 10  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # libcst over the ~20 files of torch.distributed that patch (~95 s)
 def test_torch_distributed_with_process_patch_selected_finds_torch_own_patches() -> None:
     """torch patches its own modules (HR005: ``sys.excepthook``, DTensor's dispatcher flags...)
     as is its right; where HR005 is selected those findings go through the screen like the

@@ -44,7 +44,7 @@ from hyperrecipe.errors import ExportError, WeightLoadError
 
 __all__ = ["COMMIT", "DIGESTS", "FINGERPRINT_SCHEME", "FORMATS", "MANIFEST", "MANIFEST_FORMAT",
            "MAX_METADATA_BYTES", "Hasher", "check_commit", "commit_of", "commit_record",
-           "committed_dcp_save", "describe_failure", "digest_file", "fingerprint_share",
+           "committed_dcp_save", "describe_failure", "digest_file", "fingerprint_share", "is_committed",
            "manifest_document", "new_hasher", "parse_manifest", "replace_text",
            "sampled_fingerprint", "source_digest", "sync_folder", "verify_fingerprints",
            "writing_digest"]
@@ -321,6 +321,17 @@ def commit_of(base: Path) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         raise WeightLoadError(f"{path}: malformed (not an object)")
     return record
+
+
+def is_committed(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``save_checkpoint`` finished writing ``folder``: its commit record exists and
+    says ``committed``. A save killed halfway leaves ``writing``; a trainer that resumes from
+    the newest checkpoint skips such a folder for the one before (what ``load_checkpoint``
+    then checks of the files themselves is :func:`check_commit`'s)."""
+    try:
+        return commit_of(Path(folder)) is not None
+    except WeightLoadError:
+        return False
 
 
 def check_commit(base: Path, record: Mapping[str, Any], data: bytes,
