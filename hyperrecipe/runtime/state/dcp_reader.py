@@ -162,6 +162,30 @@ def read_dcp_metadata(folder: str | os.PathLike[str], rank: int | None = None, *
     return metadata
 
 
+def storage_view_problem(folder: str | os.PathLike[str]) -> str | None:
+    """Why this rank does not see the checkpoint ``dcp.save`` just wrote into ``folder`` as
+    the rank that wrote ``.metadata`` does (``None`` when it does): ``.metadata`` missing or
+    unreadable, or a storage file it names missing or shorter than the bytes it places there.
+
+    Each rank writes its own storage files into the folder *it* sees, so with node-local
+    folders (``--out`` on a local disk of each node) ``dcp.save`` returns on every rank and the
+    pieces lie on different machines: no single folder holds a loadable checkpoint.
+    """
+    base = Path(folder)
+    path = _metadata_path(base, None)
+    try:
+        data = read_regular_file(path, limit=MAX_METADATA_BYTES)
+        metadata = _MetadataUnpickler(data, path).load()
+        _check_storage(base, path, metadata)
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    except WeightLoadError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - any malformed pickle is "not DCP metadata"
+        return f"{path}: not DCP metadata ({type(exc).__name__}: {exc!s:.200})"
+    return None
+
+
 def _check_storage(base: Path, path: Path, metadata: Any) -> dict[str, int]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 

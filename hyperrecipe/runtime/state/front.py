@@ -350,12 +350,20 @@ class TrainingState:
         :meth:`load_weights` refuse instead of loading a mix of two saves, and a folder
         written again after its commit by a plain ``dcp.save`` is refused too.
 
+        Every rank must see the folder whole once ``dcp.save`` returns (``.metadata`` and every
+        storage file it names): node-local folders on several nodes hold a checkpoint no
+        single folder can load, and are refused here, uncommitted, on every rank.
+
         Raises:
-            ExportError: ``dcp.save`` failed on a rank.
+            ExportError: ``dcp.save`` failed on a rank, or a rank does not see the checkpoint
+                whole (the message names what it misses: checkpoints need shared storage).
         """
+        from hyperrecipe.runtime.state.dcp_reader import storage_view_problem
+
         self._check_live()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        committed_dcp_save(self.state_dict(optimizer), folder, rank)
+        committed_dcp_save(self.state_dict(optimizer), folder, rank,
+                           view_problem=storage_view_problem)
 
     def load_checkpoint(self, folder: str | os.PathLike[str],
                         optimizer: torch.optim.Optimizer | None = None) -> None:

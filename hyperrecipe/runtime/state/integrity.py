@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -405,16 +405,22 @@ def describe_failure(failure: Any) -> str:
     return text.strip().splitlines()[-1][:300] if text.strip() else type(exc).__name__
 
 
-def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int) -> None:
+def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int, *,
+                       view_problem: Callable[[Path], str | None] | None = None) -> None:
     """``dcp.save(state, checkpoint_id=folder)`` between two commit records: ``writing``
     before any rank writes (rank 0 writes it before entering ``dcp.save``, whose first step
     is a collective), ``committed`` after ``.metadata`` is written, with each storage file's
     sampled fingerprint (each rank computes its share, gathered in one exchange). A save that
-    dies between the two leaves ``writing``, which every reader here refuses.
+    dies between the two leaves ``writing``, which every reader here refuses. ``view_problem``
+    (the reader's :func:`~hyperrecipe.runtime.state.dcp_reader.storage_view_problem`) asks, on
+    every rank in the same exchange, whether the rank sees the checkpoint whole: ``.metadata``
+    and every storage file it names. Node-local folders fail it, and the save is refused on
+    every rank, uncommitted, naming what each rank misses.
 
     Raises:
-        ExportError: ``dcp.save`` failed on a rank, or a rank could not read back its share
-            of the files (the folder stays uncommitted).
+        ExportError: ``dcp.save`` failed on a rank, a rank does not see the checkpoint whole
+            (node-local folders), or a rank could not read back its share of the files (the
+            folder stays uncommitted).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -431,33 +437,45 @@ def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], ra
         raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
                           f"uncommitted and will not load:\n  " + "\n  ".join(
                               lines or [str(exc)])) from None
-    fingerprints = _fingerprints_together(path, rank)
+    fingerprints = _fingerprints_together(path, rank, view_problem)
     if rank == 0:
         replace_text(path / COMMIT, json.dumps(commit_record(path, fingerprints), indent=2,
                                                sort_keys=True) + "\n")
 
 
-def _fingerprints_together(path: Path, rank: int) -> dict[str, str]:
+def _fingerprints_together(path: Path, rank: int,
+                           view_problem: Callable[[Path], str | None] | None = None
+                           ) -> dict[str, str]:
     """Every storage file's sampled fingerprint, each rank reading its share once ``dcp.save``
-    returned (its files written and synced), gathered on every rank.
+    returned (its files written and synced), gathered on every rank, with each rank's view of
+    the folder checked first (:func:`committed_dcp_save`).
 
     Raises:
-        ExportError: a rank could not read its share (the folder stays uncommitted).
+        ExportError: a rank does not see the checkpoint whole, or could not read its share
+            (the folder stays uncommitted).
     """
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     share: dict[str, str] | str
-    try:
-        share = fingerprint_share(path, rank, world)
-    except OSError as exc:
-        share = f"rank {rank}: cannot read {exc.filename}: {exc.strerror or exc}"
+    problem = view_problem(path) if view_problem is not None else None
+    if problem is not None:
+        share = f"rank {rank} does not see the checkpoint whole: {problem}"
+    else:
+        try:
+            share = fingerprint_share(path, rank, world)
+        except OSError as exc:
+            share = f"rank {rank}: cannot read {exc.filename}: {exc.strerror or exc}"
     shares: list[dict[str, str] | str] = [share]
     if world > 1:
         shares = [{} for _ in range(world)]
         dist.all_gather_object(shares, share)
     failures = [s for s in shares if isinstance(s, str)]
     if failures:
+        hint = ("\nEvery rank writes its storage files into the folder it sees, so the "
+                "checkpoint needs a file system every rank shares (docs/multi-node.md): give "
+                "--out / the folder on shared storage"
+                if any("does not see the checkpoint whole" in f for f in failures) else "")
         raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
-                          f"uncommitted and will not load:\n  " + "\n  ".join(failures))
+                          f"uncommitted and will not load:\n  " + "\n  ".join(failures) + hint)
     return {name: value for s in shares if isinstance(s, dict) for name, value in s.items()}
