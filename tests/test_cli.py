@@ -146,6 +146,7 @@ def test_every_subcommand_help_has_a_description(command: str, opening: str,
     assert opening in text
 
 
+@pytest.mark.slow  # builds a default-size model on meta and verifies it (~9 s)
 def test_hf_model_without_a_config_compiles_with_a_note_naming_the_default_and_its_size(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", "recipes/llama.yaml", "--model", "hf:llama", "--mesh", "tp=2"]) == 0

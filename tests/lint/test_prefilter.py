@@ -148,6 +148,7 @@ def test_unselected_process_patch_adds_no_ast_walk_for_a_file_that_only_imports(
     assert parsed == ["imports.py", "patches.py"]
 
 
+@pytest.mark.slow  # screens all of torch.distributed twice (~5 s)
 def test_every_file_the_default_screen_sends_to_libcst_the_process_patch_screen_sends() -> None:
     """Selecting HR005 only widens the screen: on ``torch/distributed``, every file the default
     screen cannot clear is one the wider screen cannot clear either."""
@@ -205,6 +206,7 @@ def _every_node_with_its_path(module: cst.Module) -> list[tuple[cst.CSTNode, Sta
     ],
     ids=["torch-_IR", "crlf", "no-trailing-newline", "header-and-footer", "odd-indents"],
 )
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_locate_gives_exactly_the_positions_of_the_full_provider(source: bytes) -> None:
     module = cst.parse_module(source)
     expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,6 +57,7 @@ def _load_and_resolve(path: Path) -> None:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_top)
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_generated_recipes_load_and_resolve_or_raise_recipe_error(data: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
         y = Path(d) / "r.yaml"
@@ -133,6 +135,7 @@ def _hostile_toml(draw: st.DrawFn) -> str:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.one_of(_hostile_yaml().map(lambda t: (t, ".yaml")),
                  _hostile_toml().map(lambda t: (t, ".toml"))))
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_hostile_recipe_text_raises_only_recipe_error(case: tuple[str, str]) -> None:
     text, suffix = case
     with tempfile.TemporaryDirectory() as d:

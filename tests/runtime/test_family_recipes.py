@@ -209,6 +209,7 @@ def test_compile_cli_resolves_each_shipped_recipe(family: str, in_root: Path,
     assert "collectives per step: " in out
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_qwen2_and_mistral_are_llama_and_qwen3_adds_only_the_norm_reductions(
         in_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def collectives(family: str) -> str:

@@ -100,6 +100,7 @@ LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads"
              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
 
 
+@pytest.mark.slow  # a 70B Llama on meta (~13 s; tools/bench_simulate covers it too)
 def test_dry_run_of_a_70b_llama_at_tp8_holds_an_eighth_of_every_sharded_weight() -> None:
     from hyperrecipe.model_tree import build_model
 

@@ -36,6 +36,7 @@ def _close(actual: list[float], expected: list[float], what: str) -> None:
                                atol=0.0, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow  # torchtitan's model and its own TP (~8 s)
 def test_plan_trains_torchtitans_llama3_as_one_process_and_as_its_own_tensor_parallel() -> None:
     ref = h.one_process(STEPS)
     ours = run_ranks(h.hyperrecipe_run, 2, STEPS, timeout_s=300)

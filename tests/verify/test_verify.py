@@ -138,8 +138,11 @@ def test_an_attention_reading_its_width_off_the_input_is_refused_in_production(
     assert "width or head count read off the input" in text
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")
-                                        if not p.stem.startswith("torchtitan")))
+@pytest.mark.parametrize("name", [
+    # the quick tier keeps three representatives: plain tp, sequence parallel, experts
+    pytest.param(p.stem, marks=() if p.stem in ("llama", "llama-sp", "mixtral")
+                 else (pytest.mark.slow,))
+    for p in sorted((ROOT / "recipes").glob("*.yaml")) if not p.stem.startswith("torchtitan")])
 def test_every_shipped_recipe_verifies(name: str) -> None:
     recipe = hyperrecipe.load_recipe(ROOT / "recipes" / f"{name}.yaml")
     family = name.split("-")[0]

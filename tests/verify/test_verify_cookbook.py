@@ -27,14 +27,19 @@ from tests.check.test_cookbook import (
 )
 
 
+QUICK_REPRESENTATIVES = {"dbrx-chunked-qkv", "olmo2"}
+
+
 def _agreeing(cases: list[Any]) -> list[Any]:
     out = []
     for case in cases:
         values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
         recipe, model, config, modes, agree = values
         if set(modes) == {"production", "validate"} and all(agree):
-            out.append(pytest.param(recipe, model, config, marks=marks,
-                                    id=recipe.rsplit("/", 1)[-1].removesuffix(".yaml")))
+            name = recipe.rsplit("/", 1)[-1].removesuffix(".yaml")
+            # the quick tier keeps two representatives (a chunked fused q|k|v, per-head norms)
+            tier = () if name in QUICK_REPRESENTATIVES else (pytest.mark.slow,)
+            out.append(pytest.param(recipe, model, config, marks=(*marks, *tier), id=name))
     return out
 
 
@@ -50,12 +55,12 @@ def test_a_cookbook_recipe_that_agrees_in_both_modes_compiles_verified(
 @pytest.mark.parametrize(("recipe", "model", "config", "words"), [
     (NAIVE_COPY, "hf:olmo2", f"{MODELS}/tiny-olmo2.json",
      "production mode cannot run one training step"),
-    (NAIVE_ALIBI, "hf:bloom", f"{MODELS}/tiny-bloom.json",
-     "production mode cannot run one training step"),
+    pytest.param(NAIVE_ALIBI, "hf:bloom", f"{MODELS}/tiny-bloom.json",
+                 "production mode cannot run one training step", marks=pytest.mark.slow),
     (NAIVE_BERT, "hf:bert/sequence-classification", f"{MODELS}/tiny-bert.json",
      "whose share of its gradient comes back whole"),
-    (DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json",
-     "whose share of its gradient comes back whole"),
+    pytest.param(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json",
+                 "whose share of its gradient comes back whole", marks=pytest.mark.slow),
 ], ids=["olmo2-naive-qwen3-copy", "bloom-naive-alibi", "bert-naive-attention-residual",
         "bloom-declared-residual"])
 def test_a_naive_cookbook_recipe_check_shows_wrong_is_refused_at_compile(

@@ -385,6 +385,7 @@ def _refusal(tmp_path: Path, recipe: str, old: str, new: str) -> tuple[RecipeErr
     return info.value, tmp_path / "edited.yaml"
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_the_plan_records_the_kernel_the_declared_inputs_call_for() -> None:
     for recipe, kind in ((RECIPE, "partial"), (DISPATCH, "dispatch")):
         plan = compile_recipe(recipe, build("mixtral", "meta"), {"ep": 2})
@@ -419,6 +420,7 @@ def test_an_output_layout_the_kernel_does_not_produce_is_refused_at_compile_time
     assert error.span is not None and error.span.line == _line_of(path, new.split("\n")[0])
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_expert_parallel_is_recorded_only_where_the_experts_are_sharded() -> None:
     ep = compile_recipe(RECIPE, build("mixtral", "meta"), {"ep": 2})
     tp = compile_recipe(str(ROOT / "recipes/mixtral.yaml"), build("mixtral", "meta"), {"tp": 2})
@@ -555,6 +557,7 @@ def test_the_tie_is_exactly_zero_even_when_a_source_overflows() -> None:
     assert big.grad is not None and torch.equal(big.grad, torch.zeros_like(big))
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_explain_reads_the_recorded_kernels() -> None:
     from hyperrecipe.plan_report import explain
 

@@ -94,6 +94,7 @@ def test_parameters_reduced_over_different_dims_or_dtypes_never_share_a_bucket()
         "model.layers.0.input_layernorm.weight"]
 
 
+@pytest.mark.slow  # resolves and dry-runs a context-parallel plan (~14 s)
 def test_context_parallel_manifest_lists_the_buckets_ops() -> None:
     plan = compile_recipe(CP, llama("meta"), {"tp": 2, "cp": 2})
     reduced = [p for p in plan.params if p.grad_reduce]

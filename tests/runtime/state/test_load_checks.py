@@ -177,6 +177,7 @@ def test_a_header_of_300000_entries_gives_a_short_error_naming_the_file(
     assert len(error) < 10_000
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_a_header_at_the_entry_bound_is_parsed_and_its_tensors_checked(
         hf_folder: Path, tmp_path: Path) -> None:
     """The bound counts entries; a header just under it is read as any other (here refused

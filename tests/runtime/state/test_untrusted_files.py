@@ -269,6 +269,7 @@ def test_many_bad_header_entries_give_50_lines_and_a_count(tmp_path: Path) -> No
     assert len(lines) == 52
 
 
+@pytest.mark.slow  # single-process but over 2 s on a quiet machine (docs/benchmarks.md#test-suite)
 def test_a_header_at_the_bounds_with_metadata_and_whitespace_is_read(tmp_path: Path) -> None:
     """The bounds count tensors, not ``__metadata__``; JSON whitespace anywhere is JSON."""
     parts = [f'"t{i}" : {{ "dtype" : "U8" , "shape" : [ 1 , 1 ] , "data_offsets" : [ {i} , '
