@@ -3,7 +3,8 @@
 A plan that resolves can still train wrong: a replicated parameter whose gradient comes back
 partial where the plan reduces none, a sharded parameter that a module outside every boundary
 reads as if it were whole, a declared layout that does not arrive, a shape production mode
-cannot run. Shapes and placements show each of these before the first real step, so
+cannot run, heads split from a shard otherwise than from the whole, a sum over a sharded dim
+production never completes. Shapes and placements show each of these before the first real step, so
 ``compile`` runs one: forward, the model's own loss and backward, in production and in
 validate mode, on a meta copy of the model under torch's fake process group (or, in a job
 that already has a process group, on its own mesh, every rank together). A failure
@@ -20,6 +21,9 @@ Modules:
   outside every boundary, through a tie too);
 - :mod:`~hyperrecipe.verify.step`: one training step of one rank in one mode, and the module
   that was running when it failed;
+- :mod:`~hyperrecipe.verify.trace`: what the model's own code computes in each mode, for the
+  mistakes neither mode fails on (a shard split into heads otherwise than the whole, a partial
+  value summed inside a module where production has no collective);
 - :mod:`~hyperrecipe.verify.findings`: a failure turned into a located ``RecipeError``, or into
   a note when fake tensors cannot run the op (data-dependent);
 - :mod:`~hyperrecipe.verify.attention`: the CPU's attention kernel on the meta device too, so

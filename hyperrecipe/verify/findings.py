@@ -14,12 +14,17 @@ step stops there and the plan notes what was left to ``check``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import attrs
 
 from hyperrecipe.errors import HyperrecipeError, RecipeError, SourceSpan
 from hyperrecipe.plan import Plan, Provenance
+from hyperrecipe.verify.trace import PartialReduced, Reshape
 
-__all__ = ["Failure", "data_dependent", "recipe_error_at", "recipe_error_for"]
+__all__ = ["Failure", "data_dependent", "partial_reduced_error", "recipe_error_at",
+           "recipe_error_for", "reshape_error"]
 
 _NO_VALUES = (
     "cannot be called on meta tensors",
@@ -180,3 +185,53 @@ def recipe_error_for(plan: Plan, failure: Failure) -> RecipeError:
                 "gather its input (`in_dst: replicate`) or compute it whole, or shard what it "
                 "reads (docs/cookbook.md)")
     return recipe_error_at(plan, module, problem, hint=hint)
+
+
+def _site(site: str) -> str:
+    """``file:line``: an installed package's file from its package (``transformers/models/
+    ...``), another relative to the working directory where it lies below it."""
+    filename, _, line = site.rpartition(":")
+    parts = Path(filename).parts
+    if "site-packages" in parts:
+        below = parts[len(parts) - parts[::-1].index("site-packages"):]
+        return f"{Path(*below)}:{line}"
+    try:
+        shown = os.path.relpath(filename)
+    except ValueError:  # another drive
+        shown = filename
+    return f"{shown if not shown.startswith('..') else filename}:{line}"
+
+
+def reshape_error(plan: Plan, made: Reshape, shard: Reshape) -> RecipeError:
+    """Production split a shard where the whole splits otherwise
+    (:mod:`~hyperrecipe.verify.trace`), at the boundary rule around the module."""
+    problem = (f"verification: production mode splits a shard otherwise than the whole in "
+               f"{made.module or 'the model'} ({_site(made.site)}): it reshapes this rank's "
+               f"{list(made.local_in)} into {list(made.local_out)}, where validate mode's "
+               f"DTensor keeps this rank's shard of the whole as {list(shard.local_out)}; each "
+               f"rank would compute parts of every head instead of its own heads, with no "
+               f"error, and train wrong")
+    hint = ("the module splits a sharded width with a count that is not divided by the plan (a "
+            "head count fixed in the module: einops `h=`, `view(B, T, self.n_head, -1)`): "
+            "divide it in production with `head_counts: {ATTR: tp}` on the module's rule where "
+            "it is an integer attribute (`config.NAME` for a config field). A layer that fixes "
+            "it at build (einops' `Rearrange(..., h=8)`) has nothing the plan can divide: split "
+            "the heads with a count kept on the module (`rearrange(t, 'b n (h d) -> b h n d', "
+            "h=self.heads)`) and divide that, or gather the module's input "
+            "(`in_dst: replicate`) and compute it whole (docs/verification.md)")
+    return recipe_error_at(plan, made.module or None, problem, hint=hint)
+
+
+def partial_reduced_error(plan: Plan, reduced: PartialReduced) -> RecipeError:
+    """Validate mode reduced a partial value inside the model's code, which production does not
+    (:mod:`~hyperrecipe.verify.trace`), at the rule that placed what the module computes with."""
+    problem = (f"verification: {reduced.module or 'the model'} ({_site(reduced.site)}) "
+               f"reduces over a dim the plan shards over {reduced.mesh_dim}: validate mode's "
+               f"DTensor sums the ranks' partial values before `{reduced.op}`, production mode "
+               f"has no collective inside the module and computes with this rank's part of the "
+               f"sum, with no error, and trains wrong")
+    hint = ("compute the reduction on the whole: keep what it reduces over whole (replicate "
+            "the module's parameters, or make the module a boundary that gathers its input, "
+            "`in_dst: {x: replicate}`; docs/cookbook.md#qk-norms-over-all-heads-olmo-2), or "
+            "shard only dims the module does not reduce over")
+    return recipe_error_at(plan, reduced.module or None, problem, hint=hint)

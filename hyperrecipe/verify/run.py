@@ -20,8 +20,10 @@ from torch import nn
 
 from hyperrecipe.errors import ModelSpecError
 from hyperrecipe.plan import Plan, PlanVerification
-from hyperrecipe.verify.findings import Failure, data_dependent, recipe_error_for
+from hyperrecipe.verify.findings import (Failure, data_dependent, partial_reduced_error,
+                                        recipe_error_for, reshape_error)
 from hyperrecipe.verify.isolate import verification_world
+from hyperrecipe.verify.trace import StepTrace, diverging
 from hyperrecipe.verify.static import refuse_sharded_outside_boundaries
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,11 +63,11 @@ def needs_verification(plan: Plan, model_digest: str | None = None) -> bool:
 
 
 def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
-           mesh: DeviceMesh | None
+           mesh: DeviceMesh | None, traces: dict[str, StepTrace]
            ) -> tuple[Failure | None, list[Failure | None], tuple[int, ...]]:
-    """One step per mode, the ranks of the plan's mesh that ran them, and, only when a mode met
-    a raw error (not
-    a refusal of ours), the reference step: the model without any plan, in one process."""
+    """One step per mode (each recording what the model's code computes into ``traces``), the ranks of
+    the plan's mesh that ran them, and, only when a mode met a raw error (not a refusal of
+    ours), the reference step: the model without any plan, in one process."""
     import torch.distributed as dist
 
     from hyperrecipe.verify.step import run_reference, run_step
@@ -77,7 +79,8 @@ def _steps(model: nn.Module, plan: Plan, sample: Any, modes: Sequence[str],
         warnings.simplefilter("ignore")
         ran = (0,) if dist.get_backend() == "fake" else tuple(range(world.size()))
         for mode in modes:
-            failure = run_step(model, plan, mode, world, sample)
+            traces[mode] = StepTrace()
+            failure = run_step(model, plan, mode, world, sample, traces[mode])
             # the step's copy holds cycles (hooks, installation): collected now, so the
             # runtime's shared tables keep nothing of it, nor of its process group
             gc.collect()
@@ -139,7 +142,8 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
                                   model_digest=plan.model_digest, modes=(), ranks=(),
                                   inputs="none", notes=(note,))
         return attrs.evolve(plan, verification=record).sealed()
-    reference, results, ranks = _steps(model, plan, sample, tuple(modes), mesh)
+    traces: dict[str, StepTrace] = {}
+    reference, results, ranks = _steps(model, plan, sample, tuple(modes), mesh, traces)
     notes: list[str] = []
     if float_grouped_experts(model):
         notes.append("fused experts ran through experts_implementation='batched_mm' (the same "
@@ -167,6 +171,14 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
             notes.append(f"{mode} mode stopped at an op that needs values{_where(failure)} "
                          f"({failure.phase}: {failure.message[:160]}); what follows it is "
                          f"`check`'s to verify")
+    failed = dict(zip(modes, results, strict=False))
+    if {"production", "validate"} <= traces.keys() and failed.get("production") is None:
+        split = diverging(traces["production"], traces["validate"])
+        if split is not None:
+            raise reshape_error(plan, *split)
+    reduced = traces["validate"].reduced if "validate" in traces else None
+    if reduced is not None:
+        raise partial_reduced_error(plan, reduced)
     loss = "the model's own loss" if uses_own_loss(model, sample) else (
         "mean of squares of the first output")
     record = PlanVerification(torch=torch_version, transformers=transformers,

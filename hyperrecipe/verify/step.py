@@ -12,6 +12,7 @@ stack of modules running, so a raw torch error names the module it came from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -24,6 +25,7 @@ from hyperrecipe.verify.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
 from hyperrecipe.verify.attention import CpuAttentionOnMeta
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
+from hyperrecipe.verify.trace import StepTrace
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -150,7 +152,7 @@ def _loss(model: nn.Module, plan: Plan | None, sample: Sample, own: bool, out: A
 
 
 def _train_step(model: nn.Module, plan: Plan | None, sample: Sample, mode: str,
-                running: _Running) -> Failure | None:
+                running: _Running, trace: StepTrace | None = None) -> Failure | None:
     known = {fqn for fqn, _ in model.named_modules()}
     phase = "forward"
     try:
@@ -159,7 +161,9 @@ def _train_step(model: nn.Module, plan: Plan | None, sample: Sample, mode: str,
         own = uses_own_loss(model, sample)
         if own:
             kwargs["labels"] = kwargs["input_ids"]
-        with CpuAttentionOnMeta():
+        with CpuAttentionOnMeta(), trace if trace is not None else contextlib.nullcontext():
+            if trace is not None:
+                trace.stack = running.stack
             out = model(*sample.args, **kwargs)
         phase = "loss"
         loss = _loss(model, plan, sample, own, out)
@@ -184,12 +188,13 @@ def run_reference(model: nn.Module, sample: Sample) -> Failure | None:
 
 
 def run_step(model: nn.Module, plan: Plan, mode: str, mesh: DeviceMesh,
-             sample: Sample) -> Failure | None:
+             sample: Sample, trace: StepTrace | None = None) -> Failure | None:
     """Apply ``plan`` to a meta copy of ``model`` on ``mesh`` (from
     :func:`~hyperrecipe.verify.isolate.verification_world`) and run one training step.
 
     Returns:
-        ``None`` when the step ran, else how it failed.
+        ``None`` when the step ran, else how it failed. ``trace``, when given, records what
+        the model's code computes in the forward (:mod:`~hyperrecipe.verify.trace`).
     """
     from hyperrecipe.runtime import apply
 
@@ -201,7 +206,7 @@ def run_step(model: nn.Module, plan: Plan, mode: str, mesh: DeviceMesh,
         return _failure(mode, "apply", exc, plan, (), known)
     running = _Running(copied)
     try:
-        return _train_step(copied, plan, sample, mode, running)
+        return _train_step(copied, plan, sample, mode, running, trace)
     finally:
         running.remove()
         installation.restore()

@@ -2,7 +2,9 @@
 
 Each is small and written the way people write them: a nanoGPT-style GPT (fused ``c_attn``,
 ``B, T, C = x.size()``, a tied ``lm_head``), an attention that reads its head width off the
-input, and a model whose attention keeps its heads in an einops-style layer fixed at build.
+input, attentions that split their heads with einops (``rearrange(..., h=self.heads)`` as
+vit-pytorch and x-transformers write it, and a ``Rearrange`` layer fixed at build), and a block
+over ``nn.MultiheadAttention``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,81 @@ class WidthOffInput(nn.Module):
         q, k, v = (p(x).view(b, t, self.n_head, hd).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+class EinopsAttention(nn.Module):
+    """vit-pytorch's attention: a fused ``to_qkv`` chunked in three, each split into heads by
+    ``rearrange`` with the head count kept on the module."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        qkv = self.to_qkv(x).chunk(3, dim=-1)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in qkv)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class RearrangeLayerAttention(nn.Module):
+    """Heads fixed in einops ``Rearrange`` layers at build: no attribute holds the count."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        from einops.layers.torch import Rearrange
+
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+        self.split_heads = Rearrange("b n (h d) -> b h n d", h=heads)
+        self.merge_heads = Rearrange("b h n d -> b n (h d)")
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self.split_heads(p(x)) for p in (self.to_q, self.to_k, self.to_v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(self.merge_heads(out))
+
+
+class RMSNorm(nn.Module):
+    """litgpt's RMSNorm: the mean of squares written out, not ``nn.RMSNorm`` (whose
+    ``normalized_shape`` a shard does not fit, a shape error production mode shows)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+        return x * torch.rsqrt(norm_x + self.eps) * self.weight
+
+
+class WidthNormAttention(nn.Module):
+    """OLMo 2's attention in plain torch: an RMSNorm over the whole q and k width, applied
+    before the split into heads; the head count is an attribute the recipe can divide."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.q_norm = RMSNorm(dim)
+        self.k_norm = RMSNorm(dim)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k = self.q_norm(self.q(x)), self.k_norm(self.k(x))
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -100,6 +177,18 @@ def make_gpt(**kwargs: int) -> GPT:
 
 def make_gpt_width_off_input(**kwargs: int) -> GPT:
     return GPT(attention=WidthOffInput, **kwargs)
+
+
+def make_gpt_width_norm(**kwargs: int) -> GPT:
+    return GPT(attention=WidthNormAttention, **kwargs)
+
+
+def make_gpt_einops(**kwargs: int) -> GPT:
+    return GPT(attention=EinopsAttention, **kwargs)
+
+
+def make_gpt_rearrange_layers(**kwargs: int) -> GPT:
+    return GPT(attention=RearrangeLayerAttention, **kwargs)
 
 
 class TorchMHABlock(nn.Module):

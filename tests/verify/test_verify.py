@@ -205,3 +205,107 @@ def test_a_boundary_on_multihead_attentions_out_proj_is_refused_at_its_rule(
     assert "while blocks.0.attn ran its forward" in text
     assert caught.value.span is not None
     assert caught.value.span.line == _line_of(recipe, "- match: blocks.*.attn.out_proj")
+
+
+GPT_EINOPS = "tests.support.verify_models:make_gpt_einops"
+GPT_REARRANGE = "tests.support.verify_models:make_gpt_rearrange_layers"
+EINOPS_RIGHT = (GPT_RIGHT.replace("c_attn", "to_qkv").replace("c_proj", "to_out")
+                .replace("head_counts: {n_head: tp}", "head_counts: {heads: tp}"))
+
+
+def _refused_silent_split(recipe: Path, model: str, module: str, site: str) -> None:
+    """The recipe compiles nothing: production would split each rank's shard into all the
+    heads (``[2, 4, 8]`` into four heads of width 2) where the whole's shard is two heads of
+    width 4, with no error in either mode."""
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(model), {"tp": 2})
+    text = str(caught.value)
+    assert f"production mode splits a shard otherwise than the whole in {module}" in text
+    models = ROOT / "tests/support/verify_models.py"
+    assert f"verify_models.py:{_line_of(models, site)})" in text
+    assert "reshapes this rank's [2, 4, 8] into [2, 4, 4, 2]" in text
+    assert "shard of the whole as [2, 4, 2, 4]" in text
+    assert "head_counts: {ATTR: tp}" in text
+    assert caught.value.span is not None and caught.value.span.path == str(recipe)
+    assert caught.value.span.line == _line_of(recipe, "- match: h.*.attn")
+
+
+def test_heads_split_by_a_count_fixed_in_the_module_are_refused_where_the_widths_fit(
+        tmp_path: Path) -> None:
+    # nanoGPT's attention with `reshape(b, t, self.n_head, -1)` and no head_counts: the shard's
+    # width 8 splits into the model's 4 heads without error in production
+    body = GPT_RIGHT.replace("        head_counts: {n_head: tp}\n", "")
+    _refused_silent_split(_recipe(tmp_path, body), GPT, "h.0.attn", "z.reshape(b, t, self.n_head")
+
+
+def test_einops_heads_without_head_counts_are_refused_and_with_them_compile(
+        tmp_path: Path) -> None:
+    # vit-pytorch / x-transformers: rearrange(t, 'b n (h d) -> b h n d', h=self.heads)
+    wrong = _recipe(tmp_path, EINOPS_RIGHT.replace("        head_counts: {heads: tp}\n", ""))
+    _refused_silent_split(wrong, GPT_EINOPS, "h.0.attn", 'rearrange(t, "b n (h d)')
+    plan = compile_recipe(_recipe(tmp_path, EINOPS_RIGHT, "right.yaml"), build_model(GPT_EINOPS),
+                          {"tp": 2})
+    assert plan.verification is not None
+    assert plan.verification.modes == ("production", "validate")
+
+
+def test_heads_fixed_in_an_einops_rearrange_layer_are_refused_at_the_attentions_rule(
+        tmp_path: Path) -> None:
+    body = (GPT_RIGHT.replace("        head_counts: {n_head: tp}\n", "")
+            .replace('h.*.attn.c_attn\n        params: {weight: {tp: "shard(0, chunks=3)"}}',
+                     "h.*.attn.{to_q,to_k,to_v}\n        style: colwise")
+            .replace("c_proj", "to_out"))
+    _refused_silent_split(_recipe(tmp_path, body), GPT_REARRANGE, "h.0.attn.split_heads",
+                          "self.split_heads(p(x))")
+    # gathering the attention's input and computing it whole is right, and compiles
+    gathered = (GPT_RIGHT.replace("        head_counts: {n_head: tp}\n", "")
+                .replace('      - match: h.*.attn.c_attn\n        params: {weight: {tp: "shard(0, '
+                         'chunks=3)"}}\n        boundary: false\n', "")
+                .replace("      - match: h.*.attn.c_proj\n        style: rowwise\n", ""))
+    assert "to_" not in gathered and "c_attn" not in gathered
+    plan = compile_recipe(_recipe(tmp_path, gathered, "gathered.yaml"),
+                          build_model(GPT_REARRANGE), {"tp": 2})
+    assert plan.verification is not None
+
+
+GPT_WIDTH_NORM = "tests.support.verify_models:make_gpt_width_norm"
+WIDTH_NORM_BASE = (GPT_RIGHT.replace('h.*.attn.c_attn\n        params: {weight: {tp: "shard(0, '
+                                     'chunks=3)"}}', "h.*.attn.{q,k,v}\n        style: colwise")
+                   .replace("c_proj", "o"))
+
+
+def test_a_norm_over_a_sharded_width_sharded_with_the_heads_is_refused_where_it_sums(
+        tmp_path: Path) -> None:
+    # litgpt-style RMSNorm over the whole q width, its weight "fixed" by sharding it with the
+    # heads: every shape fits, and production would normalize each rank's heads by their own
+    # mean of squares
+    recipe = _recipe(tmp_path, WIDTH_NORM_BASE + textwrap.indent(textwrap.dedent("""
+        - match: h.*.attn.{q_norm,k_norm}
+          params: {weight: {tp: shard(0)}}
+    """).lstrip(), "      "))
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(GPT_WIDTH_NORM), {"tp": 2})
+    text = str(caught.value)
+    models = ROOT / "tests/support/verify_models.py"
+    line = _line_of(models, "return x * torch.rsqrt(norm_x + self.eps) * self.weight")
+    assert (f"verification: h.0.attn.q_norm (tests/support/verify_models.py:{line}) reduces "
+            f"over a dim the plan shards over tp") in text
+    assert "production mode has no collective inside the module" in text
+    assert caught.value.span is not None
+    assert caught.value.span.line == _line_of(recipe, "- match: h.*.attn.{q_norm,k_norm}")
+
+
+def test_a_norm_over_a_sharded_width_gathered_by_a_nested_boundary_compiles(
+        tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, WIDTH_NORM_BASE + textwrap.indent(textwrap.dedent("""
+        - match: h.*.attn.{q_norm,k_norm}
+          boundary: true
+          in_src: {x: {tp: shard(-1)}}
+          in_dst: {x: replicate}
+          out_src: {0: replicate}
+          out_dst: {0: {tp: shard(-1)}}
+          params: {weight: replicate}
+    """).lstrip(), "      "))
+    plan = compile_recipe(recipe, build_model(GPT_WIDTH_NORM), {"tp": 2})
+    assert plan.verification is not None
+    assert plan.verification.modes == ("production", "validate")

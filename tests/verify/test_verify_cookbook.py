@@ -2,9 +2,9 @@
 process in both modes compiles, verified; every naive recipe ``check`` shows wrong and that
 shapes and placements can show is refused at compile, at a line of its own file.
 
-The one naive recipe that is not refused is the norm sharded naively over the heads
-(``olmo2-naive-sharded-norm.yaml``): its shapes fit and only its values are wrong, which is
-``check``'s to find (docs/verification.md).
+The norm sharded naively over the heads (``olmo2-naive-sharded-norm.yaml``) has shapes that fit
+and values that are wrong; it is refused because validate mode sums the ranks' partial means of
+squares inside the norm, where production has no collective (docs/verification.md).
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ def test_a_cookbook_recipe_that_agrees_in_both_modes_compiles_verified(
      "whose share of its gradient comes back whole"),
     pytest.param(DECLARED_RESIDUAL, "hf:bloom", f"{MODELS}/tiny-bloom.json",
                  "whose share of its gradient comes back whole", marks=pytest.mark.slow),
+    ("tests/recipes/cookbook/olmo2-naive-sharded-norm.yaml", "hf:olmo2",
+     f"{MODELS}/tiny-olmo2.json",
+     "model.layers.0.self_attn.q_norm (transformers/models/olmo2/modeling_olmo2.py:"),
 ], ids=["olmo2-naive-qwen3-copy", "bloom-naive-alibi", "bert-naive-attention-residual",
-        "bloom-declared-residual"])
+        "bloom-declared-residual", "olmo2-naive-sharded-norm"])
 def test_a_naive_cookbook_recipe_check_shows_wrong_is_refused_at_compile(
         recipe: str, model: str, config: str, words: str) -> None:
     meta = build_model(model, str(ROOT / config))
