@@ -24,6 +24,7 @@ from hyperrecipe.verify.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
 from hyperrecipe.verify.attention import CpuAttentionOnMeta
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
+from hyperrecipe.verify.known_zeros import KnownZerosOnMeta
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,7 +160,7 @@ def _train_step(model: nn.Module, plan: Plan | None, sample: Sample, mode: str,
         own = uses_own_loss(model, sample)
         if own:
             kwargs["labels"] = kwargs["input_ids"]
-        with CpuAttentionOnMeta():
+        with CpuAttentionOnMeta(), KnownZerosOnMeta():
             out = model(*sample.args, **kwargs)
         phase = "loss"
         loss = _loss(model, plan, sample, own, out)
