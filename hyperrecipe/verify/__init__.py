@@ -28,6 +28,9 @@ Modules:
   a note when fake tensors cannot run the op (data-dependent);
 - :mod:`~hyperrecipe.verify.attention`: the CPU's attention kernel on the meta device too, so
   validate mode checks the ops a CPU run dispatches;
+- :mod:`~hyperrecipe.verify.known_zeros`: zeros known by construction answered on the meta
+  device (``bool(t.any())`` of a tensor made zeros and not written since), so validate mode
+  takes a recurrence's initial state as replicated and runs on through the scan;
 - :mod:`~hyperrecipe.verify.isolate`: the world the step runs in (the fake process group, or
   the job's own);
 - :mod:`~hyperrecipe.verify.run`: :func:`verify_plan`, the order of the above and the record

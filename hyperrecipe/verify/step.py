@@ -25,6 +25,7 @@ from hyperrecipe.verify.sample import Sample, loss_of, make_sample
 from hyperrecipe.plan import Plan
 from hyperrecipe.verify.attention import CpuAttentionOnMeta
 from hyperrecipe.verify.findings import Failure, is_project_error, named_in
+from hyperrecipe.verify.known_zeros import KnownZerosOnMeta
 from hyperrecipe.verify.trace import StepTrace
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -161,7 +162,8 @@ def _train_step(model: nn.Module, plan: Plan | None, sample: Sample, mode: str,
         own = uses_own_loss(model, sample)
         if own:
             kwargs["labels"] = kwargs["input_ids"]
-        with CpuAttentionOnMeta(), trace if trace is not None else contextlib.nullcontext():
+        with (CpuAttentionOnMeta(), KnownZerosOnMeta(),
+              trace if trace is not None else contextlib.nullcontext()):
             if trace is not None:
                 trace.stack = running.stack
             out = model(*sample.args, **kwargs)
