@@ -249,6 +249,7 @@ def test_einops_heads_without_head_counts_are_refused_and_with_them_compile(
     assert plan.verification.modes == ("production", "validate")
 
 
+@pytest.mark.slow  # ~1.5 s: the quick tier keeps einops' rearrange and the norm refused
 def test_heads_fixed_in_an_einops_rearrange_layer_are_refused_at_the_attentions_rule(
         tmp_path: Path) -> None:
     body = (GPT_RIGHT.replace("        head_counts: {n_head: tp}\n", "")
@@ -295,6 +296,7 @@ def test_a_norm_over_a_sharded_width_sharded_with_the_heads_is_refused_where_it_
     assert caught.value.span.line == _line_of(recipe, "- match: h.*.attn.{q_norm,k_norm}")
 
 
+@pytest.mark.slow  # ~1.5 s: the quick tier keeps einops' rearrange and the norm refused
 def test_a_norm_over_a_sharded_width_gathered_by_a_nested_boundary_compiles(
         tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, WIDTH_NORM_BASE + textwrap.indent(textwrap.dedent("""
