@@ -391,7 +391,11 @@ def take_lock(folder: str | os.PathLike[str], what: str) -> HeldLock:
         for _ in range(_TRIES):
             if _link(mine, lock, text):
                 held = HeldLock(path=lock, holder=me, took_over=took_over)
-                held.start_heartbeat()
+                try:
+                    held.start_heartbeat()
+                except BaseException:  # interrupted: the lock must not outlive this call
+                    held.release()
+                    raise
                 return held
             found = _read_lock(lock)
             if found is None:
