@@ -25,6 +25,7 @@ __all__ = [
     "ExplainError",
     "ExportAbortedError",
     "ExportError",
+    "FolderLockedError",
     "ImpossibleTransition",
     "InterpreterLimit",
     "LintUsageError",
@@ -495,3 +496,25 @@ class ExportAbortedError(ExportError):
     longer agree: the rank that failed raises at once, the others within
     ``collective_timeout_s``; nothing in the folder was replaced, and the process group is
     out of step (restart every rank)."""
+
+
+class FolderLockedError(ExportError):
+    """Another writer holds the folder a ``save_checkpoint`` or ``save_pretrained`` was
+    given (its ``hyperrecipe.lock``): every rank of the refused job raises it, with the same
+    message, before any of them wrote there, so the other writer's state is untouched.
+
+    Args:
+        message: the whole message: the folder, the lock file, the holder (host, pid, what
+            it runs and since when) and what to do.
+        folder: the folder refused.
+        lock: the lock file's path.
+        holder: what the lock file says of its holder (``host``, ``pid``, ``what``,
+            ``since``...; empty when it could not be read).
+    """
+
+    def __init__(self, message: str, *, folder: str = "", lock: str = "",
+                 holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.lock = lock
+        self.holder = dict(holder or {})

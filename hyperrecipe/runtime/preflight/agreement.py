@@ -192,12 +192,12 @@ def exchange_rows(row: list[int], what: str, timeout_s: float) -> list[list[int]
 _TEXT_WORDS = 40  # 7 bytes a word: the first 280 bytes of each rank's error
 
 
-def agree_on_failure(error: str | None, what: str,
-                     timeout_s: float | None = None) -> dict[int, str]:
+def agree_on_failure(error: str | None, what: str, timeout_s: float | None = None, *,
+                     max_bytes: int = 7 * _TEXT_WORDS) -> dict[int, str]:
     """Every rank's outcome of one step, in one bounded exchange: ``{rank: the start of its
-    error}`` for each rank that failed (``error`` is this rank's, ``None`` when it
-    succeeded), the same table on every rank, so that every rank can name the failing rank
-    and what it said.
+    error}`` (its first ``max_bytes`` bytes of UTF-8, the same bound on every rank) for each
+    rank that failed (``error`` is this rank's, ``None`` when it succeeded), the same table on
+    every rank, so that every rank can name the failing rank and what it said.
 
     Raises:
         PlanMismatchError: a rank did not arrive within ``timeout_s`` (default
@@ -205,8 +205,9 @@ def agree_on_failure(error: str | None, what: str,
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {} if error is None else {0: error}
-    raw = (error or "").encode("utf-8", "replace")[:7 * _TEXT_WORDS]
-    words = [int.from_bytes(raw[i:i + 7], "little") for i in range(0, 7 * _TEXT_WORDS, 7)]
+    n_words = -(-max_bytes // 7)
+    raw = (error or "").encode("utf-8", "replace")[:7 * n_words]
+    words = [int.from_bytes(raw[i:i + 7], "little") for i in range(0, 7 * n_words, 7)]
     row = [_OK if error is None else _FAILED, len(raw), *words]
     rows = _all_gather_rows(row, what, timeout_s)
     out: dict[int, str] = {}

@@ -11,13 +11,14 @@ against the file's bytes, a ``pytorch_model.bin``'s storages against their zip r
 ``dcp_reader`` (reading DCP folders as data; it only reads), ``integrity`` (the one module for
 digests, commit records, manifests and atomic writes: the export manifest's digest and shape,
 the DCP commit record and its sampled fingerprints, the committed ``dcp.save``, the source
-digest the ranks compare, ``replace_text`` / ``sync_folder``), ``state_hooks`` (the model's and
-optimizer's state-dict hooks for torch's own DCP APIs), ``scoped_hooks`` (torch's global
-optimizer hooks scoped to one installation's optimizers), ``export`` (consolidated safetensors
-for ``from_pretrained``), ``direct_write`` (ranks on the writer's host writing their own blocks
-into its file) and ``materialize`` (allocating the rank's shards after a meta apply, and
-keeping non-persistent buffers' values through a later ``to_empty``). The ranks' agreements
-(entry checks, digests, outcomes) live in :mod:`hyperrecipe.runtime.preflight.agreement`; key
-conversions of third-party checkpoint formats live in :mod:`hyperrecipe.models`. Nothing here
-installs a forward.
+digest the ranks compare, ``replace_text`` / ``sync_folder``), ``folder_lock`` (one writer per
+folder: the lock ``save_checkpoint`` and ``save_pretrained`` hold while they write),
+``state_hooks`` (the model's and optimizer's state-dict hooks for torch's own DCP APIs),
+``scoped_hooks`` (torch's global optimizer hooks scoped to one installation's optimizers),
+``export`` (consolidated safetensors for ``from_pretrained``), ``direct_write`` (ranks on the
+writer's host writing their own blocks into its file) and ``materialize`` (allocating the
+rank's shards after a meta apply, and keeping non-persistent buffers' values through a later
+``to_empty``). The ranks' agreements (entry checks, digests, outcomes) live in
+:mod:`hyperrecipe.runtime.preflight.agreement`; key conversions of third-party checkpoint
+formats live in :mod:`hyperrecipe.models`. Nothing here installs a forward.
 """

@@ -15,8 +15,9 @@ entry check refuses it within ``collective_timeout_s`` instead).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -43,6 +44,7 @@ from hyperrecipe.runtime.state.export import (
     writer_blocks,
     writer_gather,
 )
+from hyperrecipe.runtime.state.folder_lock import one_writer
 from hyperrecipe.runtime.state.integrity import committed_dcp_save, source_digest
 from hyperrecipe.runtime.state.live_params import LiveParams
 from hyperrecipe.runtime.state.weights import (
@@ -93,6 +95,9 @@ class StatusRow:
     error: str | None = None
     note: str | None = None
 
+
+_LOCK_REPORT_BYTES = 4096
+"""The most of the lock holder's report (its refusal, as JSON) every rank receives."""
 
 _DCP_WHY = (" (so are dcp.save and dcp.load of what it returns, which would otherwise wait "
             "for the process group's timeout)")
@@ -354,7 +359,14 @@ class TrainingState:
         storage file it names): node-local folders on several nodes hold a checkpoint no
         single folder can load, and are refused here, uncommitted, on every rank.
 
+        One job writes a folder at a time: rank 0 holds the folder's lock
+        (``hyperrecipe.lock``, :mod:`~hyperrecipe.runtime.state.folder_lock`) while the ranks
+        save, and a second job saving into it meanwhile is refused on every rank before any of
+        them writes there.
+
         Raises:
+            FolderLockedError: another job is writing the folder (the message names its
+                host, pid and since when, and what to do); this job wrote nothing there.
             ExportError: ``dcp.save`` failed on a rank, or a rank does not see the checkpoint
                 whole (the message names what it misses: checkpoints need shared storage).
         """
@@ -362,8 +374,9 @@ class TrainingState:
 
         self._check_live()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        committed_dcp_save(self.state_dict(optimizer), folder, rank,
-                           view_problem=storage_view_problem)
+        state = self.state_dict(optimizer)
+        with self._one_writer(folder, "save_checkpoint", holder=rank == 0):
+            committed_dcp_save(state, folder, rank, view_problem=storage_view_problem)
 
     def load_checkpoint(self, folder: str | os.PathLike[str],
                         optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -410,10 +423,14 @@ class TrainingState:
         written under temporary names and renamed into place once every rank got through, an
         earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
         file's size and digest, xxh3_128 where ``xxhash`` is installed) is written last.
+        ``writer_rank`` holds the folder's lock (``hyperrecipe.lock``) meanwhile: a second
+        job exporting into it is refused on every rank before any of them writes there.
 
         Raises:
             PlanMismatchError: another rank did not call it (within ``collective_timeout_s``),
                 instead of hanging until the process group's watchdog.
+            FolderLockedError: another job is writing the folder (the message names its
+                host, pid and since when, and what to do); this job wrote nothing there.
             ExportError: writing failed on a rank (every rank raises; the folder is unchanged).
             ExportAbortedError: a rank failed or stopped mid-gather: that rank raises at once,
                 the others within ``collective_timeout_s`` (the folder is unchanged).
@@ -428,11 +445,25 @@ class TrainingState:
                                 gather=lambda buf=buf: buf)  # type: ignore[misc]
                      for name, buf in persistent_buffers(self._model))
         rank = dist.get_rank() if dist.is_initialized() else 0
-        write_safetensors(folder, items, writer=rank == writer_rank,
-                          max_shard_bytes=max_shard_bytes, model=self._model,
-                          timeout_s=self._timeout_s())
+        with self._one_writer(folder, "save_pretrained", holder=rank == writer_rank):
+            write_safetensors(folder, items, writer=rank == writer_rank,
+                              max_shard_bytes=max_shard_bytes, model=self._model,
+                              timeout_s=self._timeout_s())
 
     # -- the ranks' agreements (bounded by collective_timeout_s) ----------------------------
+
+    @contextlib.contextmanager
+    def _one_writer(self, folder: str | os.PathLike[str], what: str, *,
+                    holder: bool) -> Iterator[None]:
+        """The folder's lock, held by the ``holder`` rank while the body writes, the ranks
+        agreeing on its outcome within ``collective_timeout_s`` (:func:`one_writer`)."""
+
+        def agree(report: str | None) -> dict[int, str]:
+            return agree_on_failure(report, f"the lock on {os.fspath(folder)!r}",
+                                    self._timeout_s(), max_bytes=_LOCK_REPORT_BYTES)
+
+        with one_writer(folder, what, holder=holder, agree=agree):
+            yield
 
     def _agree(self, error: str | None, what: str) -> dict[int, str]:
         """Every rank's outcome of ``what`` (bounded by ``collective_timeout_s``)."""
