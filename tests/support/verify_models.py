@@ -224,3 +224,62 @@ class MHAEncoder(nn.Module):
 
 def make_mha_encoder(**kwargs: int) -> MHAEncoder:
     return MHAEncoder(**kwargs)
+
+
+class PreNormAttention(nn.Module):
+    """vit-pytorch's and x-transformers' attention: the norm *inside* the block, before a
+    fused ``to_qkv`` that einops splits into ``self.heads`` heads."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        qkv = self.to_qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in qkv)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class PreNormFeedForward(nn.Module):
+    """vit-pytorch's feed-forward: one ``Sequential`` whose first layer is the norm."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                                 nn.Dropout(0.0), nn.Linear(hidden, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class PreNormTransformer(nn.Module):
+    """Token embedding, ``layers`` of ``[attention, feed-forward]`` pairs each added to the
+    stream, a final norm and an output projection: lucidrains' layout."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, dim_head: int = 8,
+                 mlp: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([PreNormAttention(dim, heads, dim_head), PreNormFeedForward(dim, mlp)])
+            for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.to_logits = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for attn, ff in self.layers:  # type: ignore[misc]
+            x = attn(x) + x
+            x = ff(x) + x
+        return self.to_logits(self.norm(x))
+
+
+def make_prenorm_transformer(**kwargs: int) -> PreNormTransformer:
+    return PreNormTransformer(**kwargs)

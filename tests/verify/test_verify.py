@@ -311,3 +311,51 @@ def test_a_norm_over_a_sharded_width_gathered_by_a_nested_boundary_compiles(
     plan = compile_recipe(recipe, build_model(GPT_WIDTH_NORM), {"tp": 2})
     assert plan.verification is not None
     assert plan.verification.modes == ("production", "validate")
+
+
+PRENORM = "tests.support.verify_models:make_prenorm_transformer"
+PRENORM_RECIPE = ROOT / "tests/recipes/prenorm-blocks.yaml"
+
+
+def _without_norm_reductions(tmp_path: Path) -> Path:
+    text = PRENORM_RECIPE.read_text().replace("    reduce_grads: {weight: tp, bias: tp}\n", "")
+    return _recipe(tmp_path, text, "no-norm-reductions.yaml")
+
+
+def test_blocks_with_the_norm_inside_compile_with_the_norms_gradients_reduced() -> None:
+    # the norm before the projections, inside each block's boundary (vit-pytorch,
+    # x-transformers): DTensor sums its partial gradient inside the norm's backward, which is
+    # no residual bypassing the sharded projections
+    plan = compile_recipe(PRENORM_RECIPE, build_model(PRENORM), {"tp": 2})
+    assert plan.verification is not None
+    assert plan.verification.modes == ("production", "validate")
+
+
+def test_blocks_with_the_norm_inside_are_refused_naming_the_norm_without_its_reduction(
+        tmp_path: Path) -> None:
+    recipe = _without_norm_reductions(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        compile_recipe(recipe, build_model(PRENORM), {"tp": 2})
+    text = str(caught.value)
+    assert "layers.1.1.net.0.weight: its gradient is partial over tp in production mode" in text
+    assert "DTensor sums it inside NativeLayerNormBackward0's backward" in text
+    assert "`reduce_grads: {weight: tp}` on layers.1.1.net.0's rule" in text
+    assert caught.value.span is not None
+    assert caught.value.span.line == _line_of(recipe, "- match: layers.*.1")
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_blocks_with_the_norm_inside_agree_with_one_process_and_diverge_without_reductions(
+        tmp_path: Path) -> None:
+    """What verification accepts and refuses is what one process says: the recipe agrees in
+    both modes (every gradient, check's fp32 tolerances), and without the norms' reductions
+    production's norm gradients are each rank's share."""
+    from hyperrecipe.check.run import CheckOptions, run_check
+
+    def check(recipe: Path) -> dict[str, bool]:
+        report = run_check(CheckOptions(recipe=str(recipe), model=PRENORM, model_config=None,
+                                        mesh={"tp": 2}, modes=("production", "validate")))
+        return {m.mode: m.agree for m in report.modes}
+
+    assert check(PRENORM_RECIPE) == {"production": True, "validate": True}
+    assert check(_without_norm_reductions(tmp_path))["production"] is False

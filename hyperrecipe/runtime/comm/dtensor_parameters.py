@@ -71,6 +71,7 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     dt = DTensor.from_local(local, mesh, placements, run_check=False)
     param = nn.Parameter(dt, requires_grad=requires_grad)
     unreduced = _unreduced_dims(p, placements, mesh)
+    _PLANNED[param] = (p, unreduced)
 
     def refuse(grad: Any) -> None:
         if grad.device_mesh == mesh:  # not a mesh another wrapper (FSDP) put it on
@@ -152,6 +153,34 @@ def _refuse_partial_left_by_production(p: ParamPlan, grad: Any,
            f"for a norm on the sequence-sharded stream)")
     raise PlanMismatchError(msg)
 
+
+def unreduced_after_early_sum(param: Any, mesh_dim: int, op: str) -> str | None:
+    """The finding for ``param`` when DTensor summed a partial gradient over ``mesh_dim``
+    inside ``op``'s backward before it reached ``param`` (``native_layer_norm_backward`` takes
+    its gradient whole): validate's gradient then arrives whole, while production's local
+    backward gives each rank its partial share, which the plan must reduce. ``None`` where the
+    plan reduces it there.
+
+    Raises:
+        KeyError: ``param`` is not a DTensor parameter of an applied plan.
+    """
+    p, unreduced = _PLANNED[param]
+    names = [name for i, name in unreduced if i == mesh_dim]
+    if not names:
+        return None
+    dim = names[0]
+    return (f"{p.fqn}: its gradient is partial over {dim} in production mode (the module "
+            f"computes on a gradient that is this rank's partial sum over {dim}; in validate "
+            f"mode DTensor sums it inside {op}'s backward, so it arrives whole there), but the "
+            f"plan reduces no gradient of this replicated parameter over {dim}: production "
+            f"would leave each rank's share unreduced{_placed_by(p)}. Declare the reduction: "
+            f"`reduce_grads: {{{p.name}: {dim}}}` on {p.module}'s rule, or move {p.module} "
+            f"out of the boundary (a boundary on the projections after it)")
+
+
+_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Validate mode's DTensor parameters: their plan and the mesh dims on which production leaves
+their gradient unreduced (:func:`unreduced_after_early_sum`)."""
 
 _KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
 # Placement hooks owed to parameters frozen at install, by the parameter's Python object (which

@@ -15,17 +15,25 @@ after the boundary's compute, the autograd graph it built is walked from its out
 the inputs this boundary made (nodes older than those inputs are never visited, so the walk is
 the boundary's own graph), and each node that consumes such an input gets a hook that looks at
 the gradient it hands back to it. One that comes back whole (``Replicate``) on a mesh dim where
-production reduces raises :class:`~hyperrecipe.errors.PlanMismatchError` naming the boundary,
+production reduces, from a gradient that did not arrive partial there, raises :class:`~hyperrecipe.errors.PlanMismatchError` naming the boundary,
 the input, the op of that use, and the recipe line that declared the boundary.
 
 Inputs are noted by the boundary's input converter (:func:`note_reduced_input`) and taken by
 its compute (:func:`checking_input_uses`) in the same call; a nested boundary's compute takes
 its own, since the outer compute took the outer's before running.
+
+A use whose gradient arrived partial and that DTensor summed inside its backward (a norm
+before the projections, as vit-pytorch and x-transformers put it inside their attention and
+feed-forward blocks) is no bypass: production's local backward keeps it a partial sum, which
+the input's reduction completes. The norm's own parameters then get partial gradients in
+production, which validate mode's early sum hides: each must be reduced by the plan
+(``reduce_grads``), or the plan is refused naming it (:func:`_summed_inside`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +58,9 @@ class ReducedInput:
     name: str
     node: Any  # the autograd node that made it (from_local or redistribute)
     reduced: tuple[tuple[int, Transition], ...]
+    summed_inside: set[int] = attrs.field(factory=set)
+    """Mesh dims on which a use's partial gradient was summed inside its backward by DTensor
+    (:func:`_summed_inside`): the input's whole gradient there is no finding either."""
 
 
 _PENDING: contextvars.ContextVar[list[ReducedInput] | None] = contextvars.ContextVar(
@@ -57,17 +68,19 @@ _PENDING: contextvars.ContextVar[list[ReducedInput] | None] = contextvars.Contex
 
 
 def note_reduced_input(name: str, value: Tensor,
-                       reduced: tuple[tuple[int, Transition], ...]) -> None:
+                       reduced: tuple[tuple[int, Transition], ...]) -> ReducedInput | None:
     """Remember ``value`` (a DTensor the input converter just made) for the compute that
-    runs next in this call."""
+    runs next in this call; the record its uses' checks fill in."""
     node = value.grad_fn
     if node is None:
-        return
+        return None
     pending = _PENDING.get()
     if pending is None:
         pending = []
         _PENDING.set(pending)
-    pending.append(ReducedInput(name=name, node=node, reduced=reduced))
+    noted = ReducedInput(name=name, node=node, reduced=reduced)
+    pending.append(noted)
+    return noted
 
 
 def _declared_at(boundary: BoundaryPlan, name: str) -> str:
@@ -115,6 +128,7 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
     # cycle through C++ that Python's collector cannot see, which kept every graph's nodes (and
     # through their AccumulateGrad, the parameters) alive after the model was dropped
     user = node.name()
+    params = _params_of(node, index)
 
     def check(grad_inputs: Any, grad_outputs: Any) -> None:
         grad = grad_inputs[index] if index < len(grad_inputs) else None
@@ -122,7 +136,9 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
         if placements is None:
             return
         for i, t in noted.reduced:
-            if placements[i].is_replicate():
+            if placements[i].is_replicate() and _summed_inside(grad_outputs, i, params, user):
+                noted.summed_inside.add(i)
+            elif placements[i].is_replicate():
                 name, n = noted.name, mesh_sizes[i]
                 msg = (f"{boundary.fqn}: input {name!r} is used by {user} whose share of "
                        f"its gradient comes back whole (replicate on {t.mesh_dim}), but "
@@ -137,6 +153,53 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
                 raise PlanMismatchError(msg)
 
     return check
+
+
+def _params_of(node: Any, index: int) -> list[weakref.ref[Any]] | None:
+    """The parameters whose gradients ``node`` computes itself, besides the input's at edge
+    ``index`` (its ``AccumulateGrad`` edges, a cast between allowed), weakly; ``None`` where
+    another edge leads elsewhere: what DTensor's early sum hides there is not known."""
+    found: list[weakref.ref[Any]] = []
+    for j, (nxt, _) in enumerate(node.next_functions):
+        if j == index or nxt is None:
+            continue
+        if nxt.name() == "ToCopyBackward0":
+            inner = [n for n, _ in nxt.next_functions if n is not None]
+            nxt = inner[0] if len(inner) == 1 else nxt
+        if not hasattr(nxt, "variable"):  # only AccumulateGrad holds its leaf
+            return None
+        found.append(weakref.ref(nxt.variable))
+    return found
+
+
+def _summed_inside(grad_outputs: Any, mesh_dim: int, params: list[weakref.ref[Any]] | None,
+                   user: str) -> bool:
+    """Whether the use's whole gradient comes from DTensor summing, inside its backward, a
+    gradient that arrived partial on ``mesh_dim`` (a norm before a column-wise projection:
+    ``native_layer_norm_backward`` takes its gradient whole): the use lies on the path
+    through the sharded parameters. A backward is linear in the gradient it is given, so
+    production's local backward of this rank's share, summed where production reduces the
+    input's gradient, is the same sum: no finding about the input. The op's own parameters
+    get that partial share too in production: each must be reduced by the plan, else it is
+    refused by name (:func:`~hyperrecipe.runtime.comm.dtensor_parameters.unreduced_after_early_sum`).
+    A residual's use receives the whole gradient, never a partial one."""
+    from hyperrecipe.runtime.comm.dtensor_parameters import unreduced_after_early_sum
+
+    placed = [getattr(g, "placements", None) for g in grad_outputs if g is not None]
+    if (params is None or not placed
+            or not all(p is not None and p[mesh_dim].is_partial() for p in placed)):
+        return False
+    for ref in params:
+        param = ref()
+        if param is None:
+            continue
+        try:
+            finding = unreduced_after_early_sum(param, mesh_dim, user)
+        except KeyError:
+            return False  # not a parameter the plan placed: judged as before
+        if finding is not None:
+            raise PlanMismatchError(finding)
+    return True
 
 
 def checking_input_uses(compute: Forward, boundary: BoundaryPlan,
