@@ -204,9 +204,13 @@ def replaced_bucket_params(live: LiveParams,
     return (f"{len(gone)} parameter(s) whose gradients the plan reduces over the mesh "
             f"(grad_buckets: {shown}) were replaced after apply (fully_shard?); the reduction "
             f"hooks stay on the objects apply installed, so these gradients are partial and a "
-            f"step would train on them. Not supported yet: a plan with gradient buckets "
-            f"(sequence_parallel norms, reduce_grads) under fully_shard; use a plan without "
-            f"them (e.g. recipes/llama.yaml) under FSDP2 (docs/training.md)")
+            f"step would train on them. Not supported yet: fully_shard over a plan with "
+            f"gradient buckets (sequence_parallel norms, reduce_grads, per-head q/k norms as "
+            f"in Qwen3, OLMo-2, Gemma-3). Do not drop the buckets to get past this: a plan "
+            f"compiled for this model needs them, and another model's recipe would train it "
+            f"wrong. Average over dp with hyperrecipe.runtime.data_parallel(inst, "
+            f"mesh['dp'].get_group()) instead, which leaves these parameters to the plan's "
+            f"buckets (docs/training.md#fsdp2-on-a-dp-dim)")
 
 
 def install_optimizer_hooks(live: LiveParams,

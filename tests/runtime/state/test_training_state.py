@@ -564,6 +564,10 @@ def test_fully_shard_over_gradient_buckets_is_refused_before_a_step_trains_on_pa
             assert res[name].startswith("PlanMismatchError: "), res[name]
             assert "were replaced after apply (fully_shard?)" in res[name]
             assert "model.layers.0.input_layernorm.weight" in res[name] or "..." in res[name]
+            # the way out it names is right for every model (Qwen3's per-head norms need
+            # their buckets): DDP over dp through the buckets, never another recipe
+            assert "hyperrecipe.runtime.data_parallel(inst, mesh['dp'].get_group())" in res[name]
+            assert "recipes/" not in res[name]
 
 
 # -- fused (chunked) shards and validate mode -----------------------------------------------
