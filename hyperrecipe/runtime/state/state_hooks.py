@@ -242,6 +242,7 @@ def install_optimizer_hooks(live: LiveParams,
         ``set_state_dict``, FQNs). Each entry is a copy put in the state dict's place:
         ``Optimizer.state_dict()`` shares its per-parameter dicts with the live optimizer, and
         writing DTensors into those would change the state the next step trains with."""
+        live.reshard_wrappers()  # after an eval forward FSDP2's root holds gathered params
         plans = {id(live.param(p)): p for p in live.own}
         for saved, group in zip(state.get("param_groups", ()), optimizer.param_groups,
                                 strict=False):
