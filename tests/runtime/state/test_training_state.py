@@ -633,7 +633,7 @@ def test_fully_shard_over_gradient_buckets_is_refused_before_a_step_trains_on_pa
     sequence-parallel norms); the bucket hooks stay on the old objects and those gradients
     come out partial. The optimizer's step, full_grads() and clip_grad_norm_() refuse instead
     of training on them (before this check the run trained silently on gradients as large as
-    their error)."""
+    their error), naming fully_shard_data_parallel and DDP over dp, never another recipe."""
     for res in run_ranks(_sp_fsdp_worker, 4, timeout_s=300):
         for name in ("step", "grads", "clip"):
             assert res[name].startswith("PlanMismatchError: "), res[name]
@@ -641,6 +641,7 @@ def test_fully_shard_over_gradient_buckets_is_refused_before_a_step_trains_on_pa
             assert "model.layers.0.input_layernorm.weight" in res[name] or "..." in res[name]
             # the way out it names is right for every model (Qwen3's per-head norms need
             # their buckets): DDP over dp through the buckets, never another recipe
+            assert "hyperrecipe.runtime.fully_shard_data_parallel(inst, mesh['dp']" in res[name]
             assert "hyperrecipe.runtime.data_parallel(inst, mesh['dp'].get_group())" in res[name]
             assert "recipes/" not in res[name]
 
