@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyperrecipe
-from hyperrecipe.runtime import is_committed
+from hyperrecipe.runtime import fully_shard_data_parallel, is_committed
 
 AUTO = "auto"
 DP_SUFFIX = "-dp"
@@ -363,13 +363,11 @@ def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     if resume is None:
         inst.state.load_weights(args.weights)
 
-    # 4. Optional FSDP2 over dp, after apply.
+    # 4. Optional FSDP2 over dp, after apply: per decoder layer and on the root, the
+    # parameters the plan's gradient buckets reduce (sequence-parallel norms, Qwen3's q/k
+    # norms) left to the buckets, which also average them over dp.
     if args.dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard_data_parallel(inst, mesh["dp"], model.model.layers)
 
     # Validate mode keeps replicated parameters outside boundaries plain next to its DTensors,
     # which torch's multi-tensor kernels (the default on CUDA) refuse: one tensor at a time.

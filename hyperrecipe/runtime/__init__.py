@@ -3,7 +3,7 @@
 The top of this package is the seam a trainer sees: ``install`` (``apply``: checks, parameter
 sharding, head counts, boundaries, inner wrappers and adapters, all in one rewriter
 transaction), ``installation`` (the ``Installation`` handle: model, plan, mode, mesh, gradients,
-``restore``, and ``inst.state``, the training state's front; plus ``data_parallel`` and
+``restore``, and ``inst.state``, the training state's front; plus ``data_parallel``, ``fully_shard_data_parallel`` and
 ``leave_together``, the trainer glue that needs an installation) and ``mode`` (the ``Mode`` object ``apply`` chooses once, production or validate).
 Below it, one room per trade; each room's ``__init__`` says what it owns and what it does not:
 
@@ -49,7 +49,12 @@ from hyperrecipe.runtime.features.vocab_loss import (
 )
 from hyperrecipe.runtime.forward.arguments import declared_argument, get_output
 from hyperrecipe.runtime.install import apply
-from hyperrecipe.runtime.installation import Installation, data_parallel, leave_together
+from hyperrecipe.runtime.installation import (
+    Installation,
+    data_parallel,
+    fully_shard_data_parallel,
+    leave_together,
+)
 from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
 from hyperrecipe.runtime.state.dcp_reader import trusted_reader
 from hyperrecipe.runtime.state.front import StatusRow, TrainingState
@@ -59,7 +64,8 @@ from hyperrecipe.runtime.state.materialize import shards_on_meta
 __all__ = [
     # what a trainer uses
     "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "TrainingState",
-    "apply", "as_mode", "data_parallel", "is_committed", "leave_together", "vocab_parallel_cross_entropy",
+    "apply", "as_mode", "data_parallel", "fully_shard_data_parallel", "is_committed",
+    "leave_together", "vocab_parallel_cross_entropy",
     "VocabShardedLogits", "trusted_reader",
     # what the tools above the runtime read (check, verify, simulate, the trainers' own
     # initializers): shard math, the mesh dim groups, a boundary's declared values

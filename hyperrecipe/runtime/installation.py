@@ -9,16 +9,16 @@ this handle stays small.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import PlanMismatchError, UsageError
 from hyperrecipe.plan import Plan
 from hyperrecipe.rewriter import Rewritten
 from hyperrecipe.runtime.features.inner import WrapperChoice
-from hyperrecipe.runtime.grads.data_parallel import wrap_data_parallel
+from hyperrecipe.runtime.grads.data_parallel import shard_data_parallel, wrap_data_parallel
 from hyperrecipe.runtime.grads.ddp_guard import install_ddp_guard
 from hyperrecipe.runtime.grads.grad_norm import (
     clip_grads_by_norm,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
 
-__all__ = ["Installation", "attach", "data_parallel", "leave_together"]
+__all__ = ["Installation", "attach", "data_parallel", "fully_shard_data_parallel", "leave_together"]
 
 
 class Installation:
@@ -187,7 +187,7 @@ class Installation:
 
     def _check_grads(self, what: str) -> None:
         self._check_live()
-        why = replaced_bucket_params(self._live, self._bucketed)
+        why = replaced_bucket_params(self._live, self._bucketed, self._buckets_average)
         if why is not None:
             raise PlanMismatchError(f"{what}(): {why}")
 
@@ -203,6 +203,12 @@ class Installation:
     def restored(self) -> bool:
         """Whether :meth:`restore` ran (the shards are gone)."""
         return self._rewritten.restored
+
+    def _buckets_average(self) -> bool:
+        """Whether the gradient buckets also average over a data dim (the parameters they
+        reduce were left out of DDP or FSDP by ``data_parallel`` /
+        ``fully_shard_data_parallel``)."""
+        return self._grad_reducer is not None and self._grad_reducer.data_parallel is not None
 
     def _check_live(self) -> None:
         if self._rewritten.restored:
@@ -231,7 +237,8 @@ def attach(*, model: nn.Module, plan: Plan, mode: Mode | str, rewritten: Rewritt
                         grad_reducer=grad_reducer, checked_entry=True)
     state = inst.state
     inst._hooks = [*install_state_hooks(model, inst._live, state._mark_loaded, inst._enter),
-                   *install_optimizer_hooks(inst._live, inst._bucketed, inst._enter),
+                   *install_optimizer_hooks(inst._live, inst._bucketed, inst._enter,
+                                            inst._buckets_average),
                    *inst.mode.install_optimizer_checks(inst._live),
                    *inst.mode.keep_hooks_through_moves(model),
                    *inst.mode.watch_outside_boundaries(model, plan, mesh),
@@ -276,6 +283,55 @@ def data_parallel(installation: Installation, group: Any, module: nn.Module | No
     """
     return wrap_data_parallel(installation.model, installation._grad_reducer, group, module,
                               **ddp_kwargs)
+
+
+def fully_shard_data_parallel(installation: Installation, mesh: DeviceMesh,
+                              blocks: Iterable[nn.Module] = (), **fsdp_kwargs: Any) -> nn.Module:
+    """FSDP2 (``fully_shard``) over ``mesh``, the data dim's one-dim mesh (``mesh["dp"]``),
+    on each of ``blocks`` (the decoder layers, usually) and on the applied model, the way
+    this plan's gradients need it. Use it instead of calling ``fully_shard`` yourself when
+    the plan has gradient buckets (production mode: sequence-parallel norms, ``reduce_grads``
+    such as Qwen3's per-head q/k norms); for any other plan it is ``fully_shard`` per block
+    and on the root, as before.
+
+    ``fully_shard`` replaces each parameter it manages with a new object, and the bucket
+    hooks that reduce those gradients over the plan's model-parallel dims stay on the old
+    one (the gradients would stay partial: refused at ``optimizer.step()``). So the bucketed
+    parameters are left out of FSDP (``ignored_params``; they are small: norm weights,
+    replicated over dp), the buckets average them over dp after their own reduction, and
+    their values are broadcast from dp's first rank. Every other gradient is reduced over
+    dp by FSDP's reduce-scatter: each gradient over each dim exactly once.
+
+    Args:
+        mesh: the data-parallel one-dim mesh (``mesh["dp"]``).
+        blocks: modules of the model to shard one by one before the root.
+        fsdp_kwargs: passed to each ``fully_shard`` (``ignored_params`` is added to).
+
+    Returns:
+        The applied model, now an ``FSDPModule``.
+
+    Raises:
+        UsageError: a block is not in the applied model, or ``mesh`` is not the one-dim mesh
+            of a data dim of the plan's mesh (buckets averaging over ``tp`` would be wrong).
+
+    Example::
+
+        inst = hyperrecipe.apply(model, plan, mesh)           # plan's mesh: [dp, tp]
+        inst.state.load_weights(folder)                       # before sharding
+        fully_shard_data_parallel(inst, mesh["dp"], model.model.layers)
+        opt = torch.optim.AdamW(model.parameters())           # after sharding
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    plan = installation.plan
+    if len(names) != 1 or names[0] not in plan.mesh_dims or (
+            names[0] in plan.model_parallel_dims):
+        data = [d for d in plan.mesh_dims if d not in plan.model_parallel_dims]
+        msg = (f"fully_shard_data_parallel: the mesh has dims {list(names)}; pass the one-dim "
+               f"mesh of a data dim of the plan's mesh (data dims: {data}; "
+               f"model-parallel: {list(plan.model_parallel_dims)}), e.g. mesh['dp']")
+        raise UsageError(msg)
+    return shard_data_parallel(installation.model, installation._grad_reducer, mesh, blocks,
+                               **fsdp_kwargs)
 
 
 def leave_together(installation: Installation, what: str) -> None:

@@ -1,13 +1,15 @@
-"""DDP over a data dim of the mesh, the way a plan's gradient buckets need it.
+"""DDP or FSDP2 over a data dim of the mesh, the way a plan's gradient buckets need it.
 
-The body of :func:`hyperrecipe.runtime.installation.data_parallel`, the entry point trainers
-call (its docstring says why bucketed parameters are left out of DDP). It lives with the
+The bodies of :func:`hyperrecipe.runtime.installation.data_parallel` and
+:func:`~hyperrecipe.runtime.installation.fully_shard_data_parallel`, the entry points trainers
+call (their docstrings say why bucketed parameters are left out of the wrapper). It lives with the
 buckets and the DDP guard because it is about who reduces which gradient; the installation
 only hands it the applied model and its bucket reducer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +22,7 @@ from hyperrecipe.errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.grads.grad_buckets import GradBucketReducer
 
-__all__ = ["wrap_data_parallel"]
+__all__ = ["shard_data_parallel", "wrap_data_parallel"]
 
 
 def wrap_data_parallel(model: nn.Module, reducer: GradBucketReducer | None, group: Any,
@@ -55,3 +57,44 @@ def wrap_data_parallel(model: nn.Module, reducer: GradBucketReducer | None, grou
     ddp = DistributedDataParallel(wrapped, process_group=group, **ddp_kwargs)
     ddp._hyperrecipe_data_parallel = True  # type: ignore[assignment]
     return ddp
+
+
+def shard_data_parallel(model: nn.Module, reducer: GradBucketReducer | None, mesh: Any,
+                        blocks: Iterable[nn.Module] = (), **fsdp_kwargs: Any) -> nn.Module:
+    """FSDP2's ``fully_shard`` over ``mesh`` (a one-dim data mesh) on each of ``blocks`` and
+    on ``model``, with the parameters ``reducer``'s buckets reduce left out of FSDP
+    (``ignored_params``): they stay the objects that carry the bucket hooks, replicated over
+    ``mesh``, and the buckets average them over its group after their own reduction (their
+    values broadcast from the group's first rank first). Returns ``model``.
+
+    Raises:
+        UsageError: a block is not inside ``model``, or ``mesh`` is not one-dimensional.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh.ndim != 1:
+        msg = (f"fully_shard_data_parallel: the mesh has dims {mesh.mesh_dim_names}; pass the "
+               f"data dim's one-dim mesh (mesh['dp'])")
+        raise UsageError(msg)
+    inside = {id(m) for m in model.modules()}
+    blocks = list(blocks)
+    for block in blocks:
+        if id(block) not in inside:
+            msg = (f"fully_shard_data_parallel: a block ({type(block).__name__}) is not a "
+                   f"module of the applied model")
+            raise UsageError(msg)
+    ignored: set[nn.Parameter] = set(fsdp_kwargs.pop("ignored_params", None) or ())
+    if reducer is not None and reducer.buckets:
+        ignored |= set(reducer.params)
+        group = mesh.get_group()
+        if mesh.size() > 1:
+            first = dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for param in reducer.params:
+                    dist.broadcast(param.data, src=first, group=group)
+        reducer.average_over(group)  # a no-op at size 1, but says the dim is taken care of
+    for block in blocks:
+        mine = {p for p in block.parameters() if p in ignored}
+        fully_shard(block, mesh=mesh, ignored_params=mine or None, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None, **fsdp_kwargs)
+    return model

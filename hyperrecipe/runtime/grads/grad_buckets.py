@@ -29,10 +29,12 @@ Refused, at the end of the backward: a gradient taken with ``torch.autograd.grad
 ran the tensor hook but never accumulated, so the value returned was not reduced), and the
 gradient of a bucketed parameter without the hooks. A parameter frozen at apply carries them
 (registered while ``requires_grad`` is briefly on), so unfreezing it later is fine.
-Not covered: ``fully_shard`` after apply replaces parameters with new objects that carry none
-of these hooks, so a plan with gradient buckets (sequence parallel norms) under FSDP2 leaves
-those gradients unreduced over ``tp`` (so did the per-parameter hooks before buckets); the
-FSDP2 path is tested with plans that reduce no gradient (docs/training.md).
+``fully_shard`` after apply replaces the parameters it manages with new objects that carry
+none of these hooks, which would leave these gradients unreduced over ``tp``:
+:func:`~hyperrecipe.runtime.installation.fully_shard_data_parallel` leaves the bucketed
+parameters out of FSDP (``ignored_params``) and has the buckets average them over ``dp``
+(:meth:`GradBucketReducer.average_over`), and a plain ``fully_shard`` over them is refused at
+the first step (docs/training.md).
 Reentrant activation checkpointing runs a nested backward whose end launches the buckets
 early; the gradients stay right but the step issues the bucket collectives more than once.
 

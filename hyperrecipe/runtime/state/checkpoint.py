@@ -86,23 +86,50 @@ def differing_ties(plan: Plan, state: Mapping[str, Any], prefix: str = "") -> st
 
 
 def _param_fqns(live: LiveParams) -> dict[int, ParamPlan]:
+    live.reshard_wrappers()  # an eval forward under FSDP2 leaves the root's params gathered
     return {id(live.param(p)): p for p in live.own}
 
 
-def _groups_with_fqns(optimizer: torch.optim.Optimizer,
-                      by_id: Mapping[int, ParamPlan]) -> list[list[ParamPlan]]:
+def _groups_with_fqns(optimizer: torch.optim.Optimizer, by_id: Mapping[int, ParamPlan],
+                      live: LiveParams) -> list[list[ParamPlan]]:
     groups: list[list[ParamPlan]] = []
     for group in optimizer.param_groups:
         names: list[ParamPlan] = []
         for param in group["params"]:
             p = by_id.get(id(param))
             if p is None:
-                msg = ("the optimizer holds a parameter that is not one of the applied model's "
-                       "(create the optimizer after apply, from model.parameters())")
-                raise PlanMismatchError(msg)
+                raise PlanMismatchError(_foreign_param(live, param))
             names.append(p)
         groups.append(names)
     return groups
+
+
+def _foreign_param(live: LiveParams, param: Tensor) -> str:
+    """Why the optimizer's ``param`` is none of the model's current parameters, as far as
+    the model tells: the optimizer was built before apply, or before a data-parallel wrapper
+    (``fully_shard``) replaced the parameters, or over another model."""
+    from torch.distributed.tensor import DTensor
+
+    kind = (f"DTensor on mesh {param.device_mesh.mesh_dim_names}"
+            if isinstance(param, DTensor) else "plain tensor")
+    found = f"a {kind} of shape {list(param.shape)}"
+    wrapped = [p.fqn for p in live.own if _on_wrapper_mesh(live.param(p), live)]
+    if wrapped and not isinstance(param, DTensor):
+        cause = (f"the model's parameters are now a data-parallel wrapper's DTensor pieces "
+                 f"({wrapped[0]}, ...: fully_shard?) and this optimizer still holds the "
+                 f"objects they replaced; create the optimizer after fully_shard, from "
+                 f"model.parameters()")
+    else:
+        cause = ("create the optimizer after apply (and after fully_shard, where the model "
+                 "uses it), from this model's model.parameters()")
+    return (f"the optimizer holds a parameter ({found}) that is not one of the applied "
+            f"model's current parameters; {cause}")
+
+
+def _on_wrapper_mesh(value: Tensor, live: LiveParams) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) and value.device_mesh != live.mesh
 
 
 def optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -111,7 +138,7 @@ def optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer) -> dict[
     optimizer state dict). An optimizer that has not stepped yet is given its state first (one
     step with zero gradients and a zero learning rate), so DCP has somewhere to load into."""
     by_id = _param_fqns(live)
-    groups = _groups_with_fqns(optimizer, by_id)
+    groups = _groups_with_fqns(optimizer, by_id, live)
     _init_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for group, plans in zip(optimizer.param_groups, groups, strict=True):
@@ -161,7 +188,7 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
     from torch.distributed.tensor import DTensor
 
     by_id = _param_fqns(live)
-    groups = _groups_with_fqns(optimizer, by_id)
+    groups = _groups_with_fqns(optimizer, by_id, live)
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups", []), list) \
             or not isinstance(state.get("state", {}), Mapping):
         msg = (f"the optimizer entry is a {type(state).__name__} without 'state' (a mapping) and "

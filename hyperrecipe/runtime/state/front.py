@@ -136,6 +136,9 @@ class TrainingState:
     def _check_live(self) -> None:
         if self._rewritten.restored:
             raise PlanMismatchError("this installation was restored; its shards are gone")
+        # an evaluation forward (no backward) under FSDP2 leaves the root's parameters
+        # gathered: every state path reads FSDP's shards, as the optimizer holds them
+        self._live.reshard_wrappers()
 
     def _enter_collective(self, what: str, why: str = "",
                           advice: str = "only one rank writes") -> None:

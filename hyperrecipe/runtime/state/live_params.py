@@ -65,6 +65,25 @@ class LiveParams:
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.own = tuple(p for p in plan.params if p.tied_to is None)
 
+    def reshard_wrappers(self) -> None:
+        """Put FSDP2's shards back in the modules where a forward left them gathered.
+
+        ``fully_shard`` registers each module's *unsharded* parameters in place of its sharded
+        ones while it computes, and reshards them after backward; after a forward without
+        backward (an evaluation under ``torch.no_grad()``) the modules it does not reshard
+        after forward (the root, by default) keep the gathered, plain ones. Those are not the
+        objects the optimizer holds, nor FSDP's pieces. torch's own ``get_state_dict`` gets
+        past this through FSDP's state-dict pre-hooks, which reshard; every state path here
+        reads the parameters itself, so it calls this first. Resharding is local (it frees
+        the gathered copy and registers the shards again: no collective) and leaves nothing
+        to redo: the next forward gathers again, as it would after a backward.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.modules.values():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def param(self, p: ParamPlan) -> Tensor:
         value: Tensor | None = self.modules[p.module]._parameters.get(p.name)
         if value is None:

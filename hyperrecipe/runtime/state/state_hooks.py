@@ -193,26 +193,48 @@ def _broadcast_refusal(fqn: str) -> str:
 
 
 def replaced_bucket_params(live: LiveParams,
-                           watched: Mapping[str, tuple[ParamPlan, Tensor]]) -> str | None:
-    """Why a step would train on unreduced gradients, or ``None``: a parameter whose gradient
-    the plan reduces in a bucket (``grad_buckets``) that is no longer the object apply
-    installed (``fully_shard`` replaces parameters; the bucket hooks stay on the old one)."""
+                           watched: Mapping[str, tuple[ParamPlan, Tensor]],
+                           averaged: Callable[[], bool] | None = None) -> str | None:
+    """Why a step would train on wrong gradients of the bucketed parameters, or ``None``:
+    a parameter whose gradient the plan reduces in a bucket (``grad_buckets``) that is no
+    longer the object apply installed (``fully_shard`` replaces parameters; the bucket hooks
+    stay on the old one), or, the bucketed parameters left out of a ``fully_shard`` on a
+    data dim, buckets that do not average them over it (``averaged()`` false: each data rank
+    would train its own copy)."""
     gone = [fqn for fqn, (p, param) in watched.items() if live.param(p) is not param]
+    route = ("hyperrecipe.runtime.fully_shard_data_parallel(inst, mesh['dp'], "
+             "model.model.layers) in place of fully_shard (it leaves these parameters to the "
+             "plan's buckets, which also average them over dp), or DDP through "
+             "hyperrecipe.runtime.data_parallel(inst, mesh['dp'].get_group()) "
+             "(docs/training.md#fsdp2-on-a-dp-dim)")
     if not gone:
-        return None
+        if not watched or averaged is None or averaged() or not _under_fully_shard(live):
+            return None
+        shown = ", ".join(list(watched)[:3]) + (", ..." if len(watched) > 3 else "")
+        return (f"the model is under fully_shard with the parameters whose gradients the plan "
+                f"reduces in buckets ({shown}) left out of it, and nothing averages their "
+                f"gradients over the data dim: each data-parallel rank would train its own "
+                f"copy of them. Use {route}")
     shown = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
     return (f"{len(gone)} parameter(s) whose gradients the plan reduces over the mesh "
             f"(grad_buckets: {shown}) were replaced after apply (fully_shard?); the reduction "
             f"hooks stay on the objects apply installed, so these gradients are partial and a "
-            f"step would train on them. Not supported yet: a plan with gradient buckets "
-            f"(sequence_parallel norms, reduce_grads) under fully_shard; use a plan without "
-            f"them (e.g. recipes/llama.yaml) under FSDP2 (docs/training.md)")
+            f"step would train on them. Use {route}. Do not drop the buckets to get past "
+            f"this: a plan compiled for this model needs them (sequence_parallel norms, "
+            f"reduce_grads such as the per-head q/k norms of Qwen3, OLMo-2, Gemma-3), and "
+            f"another model's recipe would train it wrong")
+
+
+def _under_fully_shard(live: LiveParams) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in live.modules.values())
 
 
 def install_optimizer_hooks(live: LiveParams,
                             watched: Mapping[str, tuple[ParamPlan, Tensor]] | None = None,
-                            enter_collective: Callable[[str, str], None] | None = None
-                            ) -> list[Any]:
+                            enter_collective: Callable[[str, str], None] | None = None,
+                            averaged: Callable[[], bool] | None = None) -> list[Any]:
     """Make the state dict of every optimizer over this model's local shards DTensors too
     (production), and its fused parameters' state replicated (both modes; see the module).
 
@@ -238,6 +260,7 @@ def install_optimizer_hooks(live: LiveParams,
         ``set_state_dict``, FQNs). Each entry is a copy put in the state dict's place:
         ``Optimizer.state_dict()`` shares its per-parameter dicts with the live optimizer, and
         writing DTensors into those would change the state the next step trains with."""
+        live.reshard_wrappers()  # after an eval forward FSDP2's root holds gathered params
         plans = {id(live.param(p)): p for p in live.own}
         for saved, group in zip(state.get("param_groups", ()), optimizer.param_groups,
                                 strict=False):
@@ -292,7 +315,7 @@ def install_optimizer_hooks(live: LiveParams,
 
     def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if watched:
-            why = replaced_bucket_params(live, watched)
+            why = replaced_bucket_params(live, watched, averaged)
             if why is not None and holds_plan_params(optimizer):
                 raise PlanMismatchError(f"optimizer.step(): {why}")
         if optimizer in seen:
