@@ -85,14 +85,17 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
     ``DPOTrainer`` plus ``installation=``, refusals as :class:`HyperrecipeTrainerMixin`.
 
     The reference model is ``ref_model=`` given as a plain model (the whole frozen model on
-    every rank; with ``precompute_ref_log_probs=True`` it scores the reference
-    log-probabilities once, before training), or a copy of the policy with the same plan
-    applied, with its installation as ``ref_installation=``: its fused head gets its gathered
-    output weight as the policy's does. That reference holds only its shards, and scores by
-    the policy's own program: at equal weights (step 1) its log-probabilities equal the
-    policy's bit for bit, as in one process, where a whole reference differs by rounding
-    (1e-7), which TRL's ``rewards/accuracies`` (``chosen > rejected``) counts as 0.5 instead of
-    one process's 0.0.
+    every rank), or a copy of the policy with the same plan applied, with its installation as
+    ``ref_installation=``: its fused head gets its gathered output weight as the policy's does.
+    A plain ``ref_model`` with the policy's parameter names and shapes gets the policy's plan
+    applied here, in place (on the policy's mesh, in its mode), so that it too is scored by
+    the policy's own program and holds only its shards: at equal weights (step 1) its
+    log-probabilities equal the policy's bit for bit, as in one process, where a whole
+    reference differs by rounding (1e-7: the row-parallel sums), which TRL's
+    ``rewards/accuracies`` (``chosen > rejected``) counted as 0.5 instead of one process's 0.0.
+    A plain reference of another architecture, and any plain reference with
+    ``precompute_ref_log_probs=True`` (TRL scores it once, before training, over batches split
+    over every rank, which a sharded reference cannot run), stays whole.
 
     Raises:
         TrainerSetupError: ``ref_model`` is a model with an applied plan and no
@@ -141,7 +144,6 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
                    "into the reference's one by one, which is untested on an applied plan (a "
                    "plain reference is whole, the policy's parameters are shards); leave it off")
             raise TrainerSetupError(msg)
-        self.ref_installation = ref_installation
         if ref is None and getattr(config, "precompute_ref_log_probs", False):
             msg = ("HyperrecipeDPOTrainer: precompute_ref_log_probs=True without a ref_model "
                    "scores the reference with the applied policy over batches TRL splits over "
@@ -151,6 +153,12 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
                    "ref_model= a plain copy of the initial model (whole and frozen on every "
                    "rank), with or without precompute_ref_log_probs")
             raise TrainerSetupError(msg)
+        policy = kwargs.get("installation")
+        if (ref_installation is None and isinstance(ref, nn.Module) and policy is not None
+                and not getattr(config, "precompute_ref_log_probs", False)
+                and _fits_plan(ref, policy.plan)):
+            ref_installation = _score_by_the_policy_s_program(ref, policy)
+        self.ref_installation = ref_installation
         super().__init__(*args, **kwargs)
         _count_each_batch_once(self)
 
@@ -171,6 +179,31 @@ class HyperrecipeDPOTrainer(HyperrecipeTrainerMixin, DPOTrainer):  # type: ignor
             return
         with full_output_embeddings(self.ref_installation):
             yield
+
+
+def _fits_plan(ref: nn.Module, plan: Any) -> bool:
+    """Whether ``ref`` has the parameters the policy's plan was compiled for: the same names
+    and shapes (the same architecture and size), so that plan applies to it."""
+    have = {name: tuple(p.shape) for name, p in ref.named_parameters(remove_duplicate=False)}
+    want = {p.fqn: tuple(p.shape) for p in plan.params}
+    return have == want
+
+
+def _score_by_the_policy_s_program(ref: nn.Module, policy: Installation) -> Installation:
+    """Apply the policy's plan to a plain ``ref_model`` (in place, on the policy's mesh and
+    mode) so that the reference is scored by the policy's program. A whole reference is
+    scored by another program than the sharded policy: the row-parallel layers' partial
+    products are summed over ranks, in another order than one matmul sums them, and the
+    hidden states differ by rounding (measured 1.5e-8 after the first tiny-Llama block, 8e-7
+    after the second, at tp=2; the embedding and the column-parallel outputs are equal bit for
+    bit). At equal weights (DPO's step 1) one process's policy and reference log-probabilities
+    are equal bit for bit; with a whole reference at tp=2 they were 1e-7 apart, and TRL's
+    ``rewards/accuracies`` (``chosen > rejected``) counted that rounding as 0.5 for one
+    process's 0.0. Under the same plan they are equal again. Each rank then holds the
+    reference's shards only."""
+    from hyperrecipe.runtime import apply
+
+    return apply(ref, policy.plan, policy.mesh, mode=policy.mode)
 
 
 def _applied(model: nn.Module) -> bool:

@@ -11,6 +11,8 @@ trainer examples run as shown.
   supplies it while the installation lives, ``runtime/grads/torch_clip_guard.py``).
 - ``accelerator.clip_grad_norm_`` (accelerate, the applied model not prepared) in five clipped
   AdamW steps: one process's norms (rtol 1e-5) and losses (rtol 1e-5, atol 1e-6).
+- The trainer examples run under torchrun; the Lightning one's export loads with
+  ``from_pretrained`` and equals its last DCP checkpoint bit for bit.
 - No module outside ``hyperrecipe/trainers/`` imports a trainer library.
 """
 
@@ -29,7 +31,14 @@ import torch
 
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
-from tests.support.runtime_harness import ROOT, assert_close, llama, llama_batch, mesh_1d
+from tests.support.runtime_harness import (
+    ROOT,
+    TINY_LLAMA,
+    assert_close,
+    llama,
+    llama_batch,
+    mesh_1d,
+)
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DOC = ROOT / "docs/training.md"
@@ -222,8 +231,28 @@ def test_the_documented_trainer_examples_run_under_torchrun(
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / checkpoint).is_file()
-    if name == "lightning":  # the export the example ends with loads
-        from transformers import AutoModelForCausalLM
+    if name == "lightning":  # the export the example ends with loads, and is the trained model
+        _assert_lightning_export_is_the_last_checkpoint(tmp_path)
 
-        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out-lightning/final")
-        assert exported.config.vocab_size == 128
+
+def _assert_lightning_export_is_the_last_checkpoint(tmp_path: Path) -> None:
+    """``out-lightning/final`` loads with ``from_pretrained`` and holds the weights of the
+    step-8 checkpoint ``ModelCheckpoint`` wrote after the last step (Lightning's sharded DCP
+    folder, read back whole with DCP's ``dcp_to_torch_save``): every tensor bit for bit, and
+    moved from the initial weights (so the export is the trained model, not the seed's)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out-lightning/final")
+    assert exported.config.vocab_size == 128
+    whole = tmp_path / "step-8.pt"
+    dcp_to_torch_save(tmp_path / "out-lightning/epoch=0-step=8.ckpt", whole)
+    saved = torch.load(whole, weights_only=False)["state_dict"]  # written here, by this test
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # the example's initial weights, built as it builds them
+    initial = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).state_dict()
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, saved[f"model.{key}"]), key
+    moved = [k for k, v in exported.state_dict().items() if not torch.equal(v, initial[k])]
+    assert len(moved) == len(initial), "the export still holds initial weights"

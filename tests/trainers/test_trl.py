@@ -160,8 +160,9 @@ def test_the_bare_mixin_over_sfttrainer_in_production_is_refused_by_name(
 # -- DPO ------------------------------------------------------------------------------------
 # DPOTrainer scores the policy and the reference through TRL's fused head as SFT does. One
 # process: the stock DPOTrainer with a plain copy of the initial model as ref_model; tp=2: the
-# same ref_model whole on each rank. Three steps, max_grad_norm 0.5, against one process:
-# losses to atol 1e-5, logged grad_norm to rtol 1e-5, and DPO's own reward metrics to 1e-5.
+# same plain ref_model, to which the trainer applies the policy's plan. Three steps,
+# max_grad_norm 0.5, against one process: losses to atol 1e-5, logged grad_norm to rtol 1e-5,
+# and DPO's own reward metrics to 1e-5.
 
 
 def _pairs(n: int) -> Any:
@@ -286,27 +287,33 @@ def test_every_number_sft_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
 
 
 def test_every_number_dpo_logs_at_tp2_is_one_process_s(tmp_path: Path) -> None:
-    """Every key of every DPO log line against one process: ``num_tokens`` (measured 190 at
-    tp=2 against 95 before), rewards, margins, log-probabilities, logits, entropy, accuracy.
-    Not compared: ``rewards/accuracies`` at step 1, where policy and reference have the same
-    weights, so one process's rewards are exactly 0 and ``chosen > rejected`` is never true
-    (0.0), while at tp=2 the policy's log-probabilities come from the sharded model and the
-    reference's from the whole one, 1e-7 apart, and ``>`` turns that noise into 0.5
-    (issue #40, left open)."""
+    """Every key of every DPO log line against one process, with the reference passed as a
+    plain whole model: ``num_tokens`` (measured 190 at tp=2 against 95 before), rewards,
+    margins, log-probabilities, logits, entropy, accuracy, ``rewards/accuracies`` at step 1
+    included. There policy and reference have the same weights, so one process's rewards are
+    exactly 0 and ``chosen > rejected`` never holds (0.0); before HyperrecipeDPOTrainer applied
+    the policy's plan to a plain reference, the reference was scored whole and the policy
+    sharded, 1e-7 apart (the row-parallel sums), and ``>`` turned that rounding into 0.5
+    (issue #40). Now its step-1 rewards are exactly 0 on every rank too."""
     ref = run_ranks(_dpo_worker, 1, str(tmp_path / "one"), "one", "production", True,
                     timeout_s=600)[0]
     assert any("num_tokens" in h for h in ref), ref
+    assert ref[0]["rewards/accuracies"] == 0.0 and ref[0]["rewards/chosen"] == 0.0
     for ranks in run_ranks(_dpo_worker, 2, str(tmp_path / "tp2"), "dpo", "production", True,
                            timeout_s=600):
-        assert_same_logs(ranks, ref, not_compared=frozenset({(1, "rewards/accuracies")}))
+        assert ranks[0]["rewards/chosen"] == ranks[0]["rewards/rejected"] == 0.0
+        assert ranks[0]["rewards/accuracies"] == 0.0
+        assert_same_logs(ranks, ref)
 
 
 def test_dpo_with_precomputed_reference_log_probs_at_tp2_logs_one_process_s(
         tmp_path: Path) -> None:
     """``precompute_ref_log_probs=True`` with a plain ``ref_model``: TRL scores the reference
     once over batches it splits over every rank (the whole reference on each: no collective)
-    and gathers them in order; every logged number is one process's (``rewards/accuracies``
-    at step 1 aside, as above). Without a ``ref_model`` it is refused (the refusals test).
+    and gathers them in order; every logged number is one process's but ``rewards/accuracies``
+    at step 1: a precomputed plain reference stays whole (a sharded one cannot run TRL's
+    split batches), its scores 1e-7 from the sharded policy's, and ``>`` counts that as 0.5
+    against one process's 0.0 (issue #40, left open for this route). Without a ``ref_model`` it is refused (the refusals test).
     The pairs are read from disk (a copy per run), where TRL's cache of the scores, written by
     rank 0, is seen by every rank (an in-memory dataset's cache is a per-process temp folder:
     rank 1 then fails to open rank 0's file, loudly, with the stock trainer too)."""
