@@ -71,7 +71,9 @@ def dtensor_parameter(p: ParamPlan, local: Tensor, mesh: DeviceMesh, *,
     dt = DTensor.from_local(local, mesh, placements, run_check=False)
     param = nn.Parameter(dt, requires_grad=requires_grad)
     unreduced = _unreduced_dims(p, placements, mesh)
-    _PLANNED[param] = (p, unreduced)
+    # in the parameter's __dict__, which a module move's swap takes along (a weak reference
+    # to the parameter would make torch.utils.swap_tensors refuse the move)
+    setattr(param, _PLANNED, (p, unreduced))
 
     def refuse(grad: Any) -> None:
         if grad.device_mesh == mesh:  # not a mesh another wrapper (FSDP) put it on
@@ -164,7 +166,10 @@ def unreduced_after_early_sum(param: Any, mesh_dim: int, op: str) -> str | None:
     Raises:
         KeyError: ``param`` is not a DTensor parameter of an applied plan.
     """
-    p, unreduced = _PLANNED[param]
+    planned = getattr(param, _PLANNED, None)
+    if planned is None:
+        raise KeyError(_PLANNED)
+    p, unreduced = planned
     names = [name for i, name in unreduced if i == mesh_dim]
     if not names:
         return None
@@ -178,9 +183,9 @@ def unreduced_after_early_sum(param: Any, mesh_dim: int, op: str) -> str | None:
             f"out of the boundary (a boundary on the projections after it)")
 
 
-_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Validate mode's DTensor parameters: their plan and the mesh dims on which production leaves
-their gradient unreduced (:func:`unreduced_after_early_sum`)."""
+_PLANNED = "_hyperrecipe_planned"
+"""The attribute of validate mode's DTensor parameters holding their plan and the mesh dims on
+which production leaves their gradient unreduced (:func:`unreduced_after_early_sum`)."""
 
 _KEEPS_PLACEMENT = "_hyperrecipe_keeps_placement"
 # Placement hooks owed to parameters frozen at install, by the parameter's Python object (which

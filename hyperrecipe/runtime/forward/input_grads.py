@@ -33,7 +33,6 @@ production, which validate mode's early sum hides: each must be reduced by the p
 from __future__ import annotations
 
 import contextvars
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -155,11 +154,13 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
     return check
 
 
-def _params_of(node: Any, index: int) -> list[weakref.ref[Any]] | None:
+def _params_of(node: Any, index: int) -> list[Any] | None:
     """The parameters whose gradients ``node`` computes itself, besides the input's at edge
-    ``index`` (its ``AccumulateGrad`` edges, a cast between allowed), weakly; ``None`` where
-    another edge leads elsewhere: what DTensor's early sum hides there is not known."""
-    found: list[weakref.ref[Any]] = []
+    ``index`` (its ``AccumulateGrad`` edges, a cast between allowed); ``None`` where another
+    edge leads elsewhere: what DTensor's early sum hides there is not known. Held strongly,
+    as the graph's own ``AccumulateGrad`` nodes hold them, and dropped with the graph (a weak
+    reference would make ``torch.utils.swap_tensors`` refuse a later module move)."""
+    found: list[Any] = []
     for j, (nxt, _) in enumerate(node.next_functions):
         if j == index or nxt is None:
             continue
@@ -168,11 +169,11 @@ def _params_of(node: Any, index: int) -> list[weakref.ref[Any]] | None:
             nxt = inner[0] if len(inner) == 1 else nxt
         if not hasattr(nxt, "variable"):  # only AccumulateGrad holds its leaf
             return None
-        found.append(weakref.ref(nxt.variable))
+        found.append(nxt.variable)
     return found
 
 
-def _summed_inside(grad_outputs: Any, mesh_dim: int, params: list[weakref.ref[Any]] | None,
+def _summed_inside(grad_outputs: Any, mesh_dim: int, params: list[Any] | None,
                    user: str) -> bool:
     """Whether the use's whole gradient comes from DTensor summing, inside its backward, a
     gradient that arrived partial on ``mesh_dim`` (a norm before a column-wise projection:
@@ -189,10 +190,7 @@ def _summed_inside(grad_outputs: Any, mesh_dim: int, params: list[weakref.ref[An
     if (params is None or not placed
             or not all(p is not None and p[mesh_dim].is_partial() for p in placed)):
         return False
-    for ref in params:
-        param = ref()
-        if param is None:
-            continue
+    for param in params:
         try:
             finding = unreduced_after_early_sum(param, mesh_dim, user)
         except KeyError:
