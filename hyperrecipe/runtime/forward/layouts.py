@@ -54,7 +54,6 @@ from hyperrecipe.runtime.forward.grad_layouts import arriving_grad_check
 from hyperrecipe.runtime.forward.handed_back import refuse_refolded_shard, remember_handed_back
 from hyperrecipe.runtime.forward.outside_params import mark_handed_back
 from hyperrecipe.runtime.forward.input_grads import (
-    ReducedInput,
     checking_input_uses,
     note_reduced_input,
     reduce_grad_here,
@@ -291,7 +290,10 @@ class ValidateRedistributor:
                 # only a tensor this boundary made: its gradient is this boundary's alone;
                 # each use of it is checked too (input_grads), before the sum is
                 noted = note_reduced_input(name, d, reduced)
-                d.register_hook(self._grad_check(boundary, name, reduced, noted))
+                # the set alone: the record holds d's own node, and a hook on d reaching it
+                # is a cycle through C++ the collector cannot see (the model never freed)
+                summed = noted.summed_inside if noted is not None else None
+                d.register_hook(self._grad_check(boundary, name, reduced, summed))
             if arriving is not None and fresh and d.requires_grad and is_grad_enabled():
                 d.register_hook(arriving)
             return d
@@ -314,13 +316,15 @@ class ValidateRedistributor:
 
     def _grad_check(self, boundary: BoundaryPlan, name: str,
                     reduced: tuple[tuple[int, Transition], ...],
-                    noted: ReducedInput | None) -> Callable[[Any], None]:
+                    summed_inside: set[int] | None) -> Callable[[Any], None]:
         """A gradient hook: the gradient DTensor computed for a declared input must be partial
         wherever production reduces it. Replicated there means every rank already holds the
         whole gradient (the input bypasses the sharded parameters, e.g. a residual added after
         the reduction), and production's reduction would count it once per rank; unless a use
-        received a partial gradient that DTensor summed inside its backward (``noted``, filled
-        by the checks of each use), which production's local backward leaves partial."""
+        received a partial gradient that DTensor summed inside its backward (the mesh dims in
+        ``summed_inside``, filled by the checks of each use,
+        :attr:`~hyperrecipe.runtime.forward.input_grads.ReducedInput.summed_inside`), which
+        production's local backward leaves partial."""
         mesh = self.mesh
 
         def check(grad: Any) -> None:
@@ -328,8 +332,8 @@ class ValidateRedistributor:
             if placements is None:
                 return
             for i, t in reduced:
-                if placements[i].is_replicate() and (noted is None
-                                                     or i not in noted.summed_inside):
+                if placements[i].is_replicate() and (summed_inside is None
+                                                     or i not in summed_inside):
                     n = mesh.size(i)
                     msg = (f"{boundary.fqn}: the gradient of input {name!r} comes back "
                            f"whole (replicate on {t.mesh_dim}), but production mode "
