@@ -23,6 +23,7 @@ export's files that this one does not write are removed (see :func:`write_safete
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -64,14 +65,17 @@ from hyperrecipe.runtime.state.direct_write import (
     write_runs,
 )
 from hyperrecipe.runtime.preflight.agreement import every_rank_failure
+from hyperrecipe.runtime.state.folder_switch import MARKER, Staging, SwitchIncompleteError
+from hyperrecipe.runtime.state.folder_switch import abandon as abandon_switch
+from hyperrecipe.runtime.state.folder_switch import begin as begin_switch
+from hyperrecipe.runtime.state.folder_switch import commit as commit_switch
 from hyperrecipe.runtime.state.integrity import (
     MANIFEST,
     MANIFEST_FORMAT,
     Hasher,
+    digest_file,
     manifest_document,
     new_hasher,
-    replace_text,
-    sync_folder,
     writing_digest,
 )
 
@@ -214,8 +218,9 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     headers = [_header(group) for group in groups]
-    temps: list[Path] = []
-    fds: list[int] = []  # the writer's temporary files, or a direct peer's handles to them
+    staging: Staging | None = None
+    temps: list[Path] = []  # the files in the staging folder
+    fds: list[int] = []  # the writer's staged files, or a direct peer's handles to them
     mappings: dict[int, mmap.mmap | None] = {}
     failure: str | None = None
     algorithm = digest or writing_digest()
@@ -227,14 +232,15 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
         if writer:
             try:
                 out.mkdir(parents=True, exist_ok=True)
+                staging = begin_switch(out, owned_by_export)
                 for name, header in zip(names, headers, strict=True):
-                    temp = out / f".{name}.tmp-{os.getpid()}"
-                    fds.append(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC
+                    temp = staging.path / name
+                    fds.append(os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL
                                        | getattr(os, "O_CLOEXEC", 0), 0o666))
                     temps.append(temp)
                     _pwrite_all(fds[-1], memoryview(header), 0)
             except OSError as exc:
-                failure = f"writing {temps[-1] if temps else out}: {exc}"
+                failure = f"writing {temps[-1] if temps else staging.path if staging else out}: {exc}"
         on_host = False
         if direct and _distributed():  # the same on every rank: all negotiate, or none
             first = sum(i.nbytes for i in groups[0])
@@ -308,31 +314,18 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
             raise ExportError(f"save_pretrained into {out} failed, so nothing was replaced and "
                               f"the folder holds what it held before:\n  " + "\n  ".join(
                                   f"rank {r}: {f}" for r, f in failures))
-        if not writer:
-            return []
         for fd in fds:
             os.close(fd)
         fds = []
-        for temp, name in zip(temps, names, strict=True):
-            os.replace(temp, out / name)
-        temps = []
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
-                     "weight_map": {i.name: n for n, g in zip(names, groups, strict=True)
-                                    for i in g}}
-            text = json.dumps(index, indent=2) + "\n"
-            replace_text(out / "model.safetensors.index.json", text)
-            index_hash = new_hasher(algorithm)
-            index_hash.update(text.encode())
-            manifest["model.safetensors.index.json"] = (len(text.encode()),
-                                                        index_hash.hexdigest())
-        keep = set(names) | ({"model.safetensors.index.json"} if len(groups) > 1 else set())
-        for stale in sorted(out.iterdir()):
-            if EXPORT_FILES.fullmatch(stale.name) and stale.name not in keep:
-                stale.unlink()
-        document = manifest_document(MANIFEST_FORMAT, algorithm, manifest)
-        replace_text(out / MANIFEST, json.dumps(document, indent=2, sort_keys=True) + "\n")
-        sync_folder(out)
+        switched = None
+        if writer and staging is not None:
+            switched = _switch_in(staging, model, items, manifest, algorithm,
+                                  index=_index(names, groups, items) if len(groups) > 1 else None)
+            staging = None  # switched in, or abandoned by _switch_in
+        # after the agreement: every rank learns the writer's outcome, and all raise alike
+        after = gathers.agree(switched)
+        if after:
+            raise ExportError("\n".join(f"rank {r}: {f}" for r, f in after))
     finally:
         gathers.close()
         hashing.shutdown()
@@ -344,15 +337,87 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                 pass
         for fd in fds:
             os.close(fd)
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-    for attr in ("config", "generation_config"):
-        config = getattr(model, attr, None)
-        if config is not None and callable(getattr(config, "save_pretrained", None)):
-            if attr == "config":
-                config = _as_saved(config, model, items)
-            config.save_pretrained(out)
-    return [out / name for name in names]
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                abandon_switch(staging)
+    return [out / name for name in names] if writer else []
+
+
+OWNED_NAMES = frozenset({MANIFEST, "config.json", "generation_config.json"})
+"""What an export writes besides :data:`EXPORT_FILES`: replaced with it, never carried over."""
+_LEGACY_TEMP = re.compile(r"\.(model.*\.safetensors|model\.safetensors\.index\.json|"
+                          r"hyperrecipe\.manifest\.json)\.tmp-\d+")
+"""Temporaries a writer killed before this version's staging folder left in the folder."""
+
+
+def owned_by_export(name: str) -> bool:
+    """Whether ``name`` in an export folder belongs to the export (replaced by the next one,
+    not carried over; :func:`~hyperrecipe.runtime.state.folder_switch.commit`)."""
+    return (EXPORT_FILES.fullmatch(name) is not None or name in OWNED_NAMES
+            or _LEGACY_TEMP.fullmatch(name) is not None)
+
+
+def _index(names: Sequence[str], groups: Sequence[Sequence[ExportItem]],
+           items: Sequence[ExportItem]) -> str:
+    index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
+             "weight_map": {i.name: n for n, g in zip(names, groups, strict=True) for i in g}}
+    return json.dumps(index, indent=2) + "\n"
+
+
+def _switch_in(staging: Staging, model: nn.Module, items: Sequence[ExportItem],
+               manifest: dict[str, tuple[int, str]], algorithm: str,
+               index: str | None) -> str | None:
+    """Write the rest of the export into the staging folder (the index, the configs, then the
+    manifest listing every file a loader reads) and switch it in for the folder's earlier
+    state: ``None``, or why it failed (the staging folder then removed: the folder holds what
+    it held before, unless the failure came after the switch, which the text says)."""
+    where = staging.path
+    try:
+        if index is not None:
+            _write_synced(where / "model.safetensors.index.json", index.encode())
+        for attr in ("config", "generation_config"):
+            config = getattr(model, attr, None)
+            if config is not None and callable(getattr(config, "save_pretrained", None)):
+                if attr == "config":
+                    config = _as_saved(config, model, items)
+                config.save_pretrained(where)
+        for path in sorted(where.iterdir()):
+            if path.name not in manifest and path.name != MARKER:
+                manifest[path.name] = (path.stat().st_size, digest_file(path, algorithm))
+                _fsync_path(path)
+        document = manifest_document(MANIFEST_FORMAT, algorithm, manifest)
+        _write_synced(where / MANIFEST,
+                      (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+        commit_switch(staging, owned_by_export, last=[MANIFEST])
+    except SwitchIncompleteError as exc:
+        return (f"save_pretrained into {staging.target}: the new export was switched in, but "
+                f"the switch did not finish ({exc!s:.300}); the next save into the folder "
+                f"finishes it")
+    except Exception as exc:  # noqa: BLE001 - every rank raises it, as ExportError
+        with contextlib.suppress(OSError):
+            abandon_switch(staging)
+        return (f"save_pretrained into {staging.target} failed after every rank wrote its "
+                f"part, before the switch, so nothing was replaced and the folder holds what "
+                f"it held before: {type(exc).__name__}: {exc!s:.300}")
+    return None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                 0o666)
+    try:
+        _pwrite_all(fd, memoryview(data), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _as_saved(config: Any, model: nn.Module, items: Sequence[ExportItem]) -> Any:

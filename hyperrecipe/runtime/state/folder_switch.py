@@ -47,7 +47,8 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["MARKER", "STAGING_SUFFIX", "Staging", "abandon", "begin", "commit", "leftovers"]
+__all__ = ["MARKER", "STAGING_SUFFIX", "Staging", "SwitchIncompleteError", "abandon", "begin",
+           "commit", "leftovers"]
 
 STAGING_SUFFIX = ".hyperrecipe-new"
 """The staging folder is ``.<name>`` + this beside the target, or this inside it."""
@@ -62,6 +63,13 @@ _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, err
                 errno.EBUSY, errno.EPERM}
 """``renameat2`` errors that mean "not here" (the file system or kernel has no exchange): the
 per-file switch is used instead."""
+
+
+class SwitchIncompleteError(OSError):
+    """The switch failed after the target changed: the new state is in (whole, after an
+    exchange; in part, in the per-file switch, which the manifest or commit record written
+    last refuses), and what is left to do is in a staging folder the next save finishes.
+    Nothing may remove the staging folder in between: it may hold the user's entries."""
 
 
 @attrs.frozen(kw_only=True)
@@ -201,9 +209,9 @@ def commit(staging: Staging, owned: Callable[[str], bool], last: Sequence[str] =
     others (a record or manifest that vouches for them).
 
     Raises:
+        SwitchIncompleteError: the switch failed after the target changed.
         OSError: the switch failed before the target changed (the exchange, or the first
-            rename of the per-file switch), or moving an entry back failed after it (the
-            entry is in the removed state's staging folder, which the next save moves back).
+            rename of the per-file switch): the staging folder may be abandoned.
     """
     target, path = staging.target, staging.path
     (path / MARKER).unlink()
@@ -212,10 +220,15 @@ def commit(staging: Staging, owned: Callable[[str], bool], last: Sequence[str] =
         linked = _link_foreign(target, path, owned)
         failed = _exchange(path, target)
         if failed == 0:
-            _sync(target.parent)
-            _carry_back(path, target, owned)
-            shutil.rmtree(path)
-            _sync(target)
+            try:
+                _sync(target.parent)
+                _carry_back(path, target, owned)
+                shutil.rmtree(path)
+                _sync(target)
+            except OSError as exc:
+                raise SwitchIncompleteError(exc.errno or errno.EIO, f"{target} holds the new "
+                                            f"state; moving the rest back from {path} failed: "
+                                            f"{exc}") from exc
             return
         if failed not in _NO_EXCHANGE:
             raise OSError(failed, f"cannot switch {path} in for {target}: "
@@ -258,14 +271,22 @@ def _rename_each(path: Path, target: Path, owned: Callable[[str], bool],
     """The per-file switch: every staged file renamed into the target, the earlier state's
     other files removed, then the ``last`` ones."""
     names = sorted(os.listdir(path))
-    for name in [n for n in names if n not in last]:
-        os.replace(path / name, target / name)
-    for entry in os.scandir(target):
-        if owned(entry.name) and entry.name not in names:
-            _remove(target / entry.name)
-    for name in [n for n in last if n in names]:
-        os.replace(path / name, target / name)
-    _sync(target)
-    if path != target / STAGING_SUFFIX:  # a sibling the exchange was refused for
-        _sync(target.parent)
-    shutil.rmtree(path)
+    first = [n for n in names if n not in last]
+    if first:  # until the first rename the target is as it was
+        os.replace(path / first[0], target / first[0])
+    try:
+        for name in first[1:]:
+            os.replace(path / name, target / name)
+        for entry in os.scandir(target):
+            if owned(entry.name) and entry.name not in names:
+                _remove(target / entry.name)
+        for name in [n for n in last if n in names]:
+            os.replace(path / name, target / name)
+        _sync(target)
+        if path != target / STAGING_SUFFIX:  # a sibling the exchange was refused for
+            _sync(target.parent)
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise SwitchIncompleteError(exc.errno or errno.EIO, f"{target} holds part of the new "
+                                    f"state, switched file by file; the rest is in {path}: "
+                                    f"{exc}") from exc

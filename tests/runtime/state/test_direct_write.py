@@ -19,6 +19,7 @@ from torch import nn
 from hyperrecipe import apply, compile_recipe
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import ExportError
+from hyperrecipe.runtime.state.folder_switch import leftovers
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
 
 LLAMA = str(ROOT / "recipes/llama.yaml")
@@ -118,6 +119,7 @@ def test_a_peer_that_cannot_write_its_blocks_makes_every_rank_raise(world: int,
         assert "rank 0:" not in res["error"], res["error"]
     assert _snapshot(folder) == before
     assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
+    assert leftovers(folder) == []
 
 
 def test_hashing_a_range_from_the_pages_or_by_reading_gives_the_bytes_digest(

@@ -28,6 +28,7 @@ from hyperrecipe.runtime.state.export import (
     ExportItem,
     write_safetensors,
 )
+from hyperrecipe.runtime.state.folder_switch import leftovers
 from tests.support.checkpoint_harness import applied
 from tests.support.runtime_harness import ROOT, llama, mesh_1d
 
@@ -48,7 +49,7 @@ def test_the_next_gather_starts_only_once_the_tensor_before_the_last_is_written(
     numel = SMALL_BYTES // 4 + 1024
 
     def gather(i: int) -> torch.Tensor:
-        temps = list(folder.glob(".model.safetensors.tmp-*"))
+        temps = list(folder.parent.glob(f".{folder.name}.hyperrecipe-new/model.safetensors"))
         on_disk.append(temps[0].stat().st_size if temps else 0)
         return torch.full((numel,), float(i))
 
@@ -162,12 +163,14 @@ def test_a_small_tensor_that_cannot_be_written_fails_the_export_and_keeps_the_ol
     limit = header + (SMALL_BYTES + 32) + 100  # inside w1, the first small tensor
     message = run_ranks(_small_write_worker, 1, str(folder), limit)[0]
     assert message is not None, "an export past the file size limit succeeded"
+    staged = f"{folder.parent}/.export.hyperrecipe-new/model.safetensors"
     assert message.startswith(f"save_pretrained into {folder} failed, so nothing was replaced "
                               f"and the folder holds what it held before:\n  rank 0: writing "
-                              f"{folder}/.model.safetensors.tmp-"), message
+                              f"{staged}"), message
     assert "File too large" in message, message
     assert _snapshot(folder) == before
     assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
+    assert leftovers(folder) == []  # the staging folder is gone with the failed export
 
 
 def test_the_manifest_names_its_digest_and_an_unknown_one_is_refused(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import PlanMismatchError, WeightLoadError
+from hyperrecipe.runtime.state.folder_switch import leftovers
 from tests.support.checkpoint_harness import (Hostile, applied, resume_worker,
                                               save_dcp_worker)
 from tests.support.runtime_harness import llama
@@ -333,6 +334,7 @@ def test_exporting_twice_into_one_folder_leaves_only_the_new_weights(order: str,
     else:
         assert "model.safetensors" not in names and "model.safetensors.index.json" in names
     assert not [f for f in folder.iterdir() if ".tmp-" in f.name]
+    assert leftovers(folder) == []  # the staging folder is gone with the failed export
     loaded = run_ranks(_load_full_worker, 1, str(folder))[0]
     hf = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert set(hf) <= set(new)
@@ -410,6 +412,10 @@ def _tamper(folder: Path, how: str) -> str:
     elif how == "relabelled-dtype":  # F32 read as I32: same size, values around 1e9
         raw = data.read_bytes()
         data.write_bytes(raw.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1))
+    elif how == "cut-config":  # a kill while config.json was written, as issue 41 saw it
+        config = folder / "config.json"
+        config.write_bytes(config.read_bytes()[:40])
+        return str(config)
     elif how == "stale-shard":
         save_file(load_file(str(data)), str(folder / "model-00001-of-00002.safetensors"),
                   metadata={"format": "pt"})
@@ -417,13 +423,15 @@ def _tamper(folder: Path, how: str) -> str:
     return str(data)
 
 
-@pytest.mark.parametrize("how", ["truncated", "relabelled-dtype", "stale-shard"])
+@pytest.mark.parametrize("how", ["truncated", "relabelled-dtype", "stale-shard", "cut-config"])
 def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
                                                                    tmp_path: Path) -> None:
     folder = tmp_path / "export"
     run_ranks(_export_worker, 2, str(folder), [1 << 40], None)
     manifest = json.loads((folder / "hyperrecipe.manifest.json").read_text())
-    assert sorted(manifest["files"]) == ["model.safetensors"]
+    # every file a loader reads, transformers' included: the configs too
+    assert sorted(manifest["files"]) == ["config.json", "generation_config.json",
+                                         "model.safetensors"]
     named = _tamper(folder, how)
     results = run_ranks(_load_weights_worker, 2, str(folder))
     errors = [res["error"] for res in results]
@@ -431,6 +439,7 @@ def test_an_export_changed_after_it_was_written_is_refused_by_name(how: str,
     own = [e for e in errors if e.startswith(named)]
     assert own, errors
     expected = {"truncated": "bytes, hyperrecipe.manifest.json says",
+                "cut-config": "40 bytes, hyperrecipe.manifest.json says",
                 "relabelled-dtype": "its xxh3_128 is not the one in hyperrecipe.manifest.json",
                 "stale-shard": "['model-00001-of-00002.safetensors'] are not in"}[how]
     assert expected in own[0]
