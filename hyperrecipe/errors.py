@@ -53,6 +53,7 @@ __all__ = [
     "SourceSpan",
     "StepFailed",
     "SuggestError",
+    "SwitchIncompleteError",
     "WeightLoadError",
     "WrapperDeclarationError",
     "WrapperError",
@@ -288,6 +289,13 @@ class WeightLoadError(HyperrecipeError, ValueError):
 class ExportError(HyperrecipeError, RuntimeError):
     """An export failed on some rank (a full disk, a file-size limit, an unwritable folder);
     every rank raises it, and the folder's previous export is left as it was."""
+
+
+class SwitchIncompleteError(HyperrecipeError, OSError):
+    """The switch failed after the target changed: the new state is in (whole, after an
+    exchange; in part, in the per-file switch, which the manifest or commit record written
+    last refuses), and what is left to do is in a staging folder the next save finishes.
+    Nothing may remove the staging folder in between: it may hold the user's entries."""
 
 
 class BatchMismatchError(PlanMismatchError):

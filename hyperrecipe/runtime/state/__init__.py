@@ -13,6 +13,8 @@ digests, commit records, manifests and atomic writes: the export manifest's dige
 the DCP commit record and its sampled fingerprints, the committed ``dcp.save``, the source
 digest the ranks compare, ``replace_text`` / ``sync_folder``), ``folder_lock`` (one writer per
 folder: the lock ``save_checkpoint`` and ``save_pretrained`` hold while they write),
+``folder_switch`` (a state folder replaced in one step: written into a staging folder, then
+switched in by an atomic exchange; interrupted switches finished by the next save),
 ``state_hooks`` (the model's and optimizer's state-dict hooks for torch's own DCP APIs),
 ``scoped_hooks`` (torch's global optimizer hooks scoped to one installation's optimizers),
 ``export`` (consolidated safetensors for ``from_pretrained``), ``direct_write`` (ranks on the

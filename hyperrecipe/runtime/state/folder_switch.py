@@ -47,6 +47,8 @@ from pathlib import Path
 
 import attrs
 
+from hyperrecipe.errors import SwitchIncompleteError
+
 __all__ = ["MARKER", "STAGING_SUFFIX", "Staging", "SwitchIncompleteError", "abandon", "begin",
            "commit", "leftovers"]
 
@@ -63,13 +65,6 @@ _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, err
                 errno.EBUSY, errno.EPERM}
 """``renameat2`` errors that mean "not here" (the file system or kernel has no exchange): the
 per-file switch is used instead."""
-
-
-class SwitchIncompleteError(OSError):
-    """The switch failed after the target changed: the new state is in (whole, after an
-    exchange; in part, in the per-file switch, which the manifest or commit record written
-    last refuses), and what is left to do is in a staging folder the next save finishes.
-    Nothing may remove the staging folder in between: it may hold the user's entries."""
 
 
 @attrs.frozen(kw_only=True)
