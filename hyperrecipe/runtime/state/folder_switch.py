@@ -41,6 +41,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -180,6 +181,8 @@ def begin(folder: str | os.PathLike[str], owned: Callable[[str], bool]) -> Stagi
                 raise
         else:
             (path / MARKER).touch()
+            with contextlib.suppress(OSError):  # the folder keeps its mode (a group's g+w)
+                os.chmod(path, stat.S_IMODE(os.stat(target).st_mode))
             return Staging(target=target, path=path, exchange=True)
     path = target / STAGING_SUFFIX
     path.mkdir()

@@ -70,6 +70,12 @@ def test_exchange_replaces_the_state_whole_and_keeps_everything_else(target: Pat
     assert sorted(p.name for p in target.parent.iterdir()) == ["export"]
 
 
+def test_the_folder_keeps_its_mode(target: Path) -> None:
+    os.chmod(target, 0o2770)  # a group's shared folder
+    save(target, NEW)
+    assert os.stat(target).st_mode & 0o7777 == 0o2770
+
+
 def test_a_save_that_stops_before_its_switch_leaves_the_old_state(target: Path) -> None:
     before = contents(target)
     staging = fs.begin(target, owned)
