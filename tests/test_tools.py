@@ -55,6 +55,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                                '"bytes_sent_per_rank": 656'),
     "suggest_families.py": (["--only", "llama", "--no-ep", "--family-timeout-s", "500"],
                             "| llama | tp=2 | verified |"),
+    "redteam_state.py": (["--only", "8"], "1/1 held"),
     "bench_export_integrity.py": (["--gib", "0.05", "--repeat", "1"], '"export_over_fsync"'),
     "bench_export.py": (["--hidden", "128", "--layers", "1", "--vocab", "1000", "--rounds", "1"],
                         '"ratio"'),

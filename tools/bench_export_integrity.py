@@ -1,4 +1,4 @@
-"""What the export's integrity costs: temporary files, fsync, renames and the manifest's digest.
+"""What the export's integrity costs: a staging folder, fsync, the switch and the manifest's digest.
 
 First the digests this CPU offers, one core, on a 64 MiB buffer (MiB/s, median of 5): the
 stdlib's ``sha256``, ``sha1``, ``md5``, ``blake2b``, ``zlib.crc32`` and ``zlib.adler32``, and
@@ -10,8 +10,8 @@ rotates each round), into fresh folders on the same file system:
   the header and each tensor's bytes, close;
 - ``plain+fsync``: the same, synced before close (what durability alone costs): the floor;
 - ``export``: :func:`hyperrecipe.runtime.state.export.write_safetensors` as it is now
-  (temporary name, the digest hashed beside the write, early writeback, fsync,
-  ``os.replace``, the manifest) with its default digest (xxh3_128);
+  (a staging folder beside the target, the digest hashed beside the write, early writeback,
+  fsync, the manifest, the exchange that switches it in) with its default digest (xxh3_128);
 - ``export-sha256``: the same with the sha256 digest of the first manifests;
 - ``dcp``: torch's ``dcp.save`` of the same tensors (one process: no process group), its own
   fsync of each file included (``FileSystemWriter(sync_files=True)``, torch's default);
