@@ -213,21 +213,23 @@ def _source_digest(snapshot: Snapshot) -> str:
         if snapshot.is_dir and not _WEIGHT_FILE.fullmatch(name):
             continue
         try:  # not blocking, checked on the descriptor: a FIFO is never waited on
-            fd = snapshot.open_os(name)
+            with snapshot.borrow(name) as fd:
+                _sample(digest, name, fd)
         except OSError as exc:
             if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
                 snapshot.open(name)  # raises, saying why (or that the folder was replaced)
-            digest.update(f"{name}\0not a regular file\0".encode())
-            continue  # loading refuses it by name
-        size = snapshot.size(name)
-        digest.update(f"{name}\0{size}\0".encode())
-        try:
-            for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
-                                  max(0, size - _SAMPLE_BYTES)}):
-                digest.update(os.pread(fd, _SAMPLE_BYTES, offset))
-        except OSError as exc:
-            raise WeightLoadError(f"{snapshot.path(name)}: cannot be read: {exc}") from None
+                raise WeightLoadError(f"{snapshot.path(name)}: cannot be read: {exc}") from None
+            digest.update(f"{name}\0not a regular file\0".encode())  # loading refuses it
     return digest.hexdigest()
+
+
+def _sample(digest: Any, name: str, fd: int) -> None:
+    """Add ``name``'s size and its three sample windows, read from ``fd``, to ``digest``."""
+    size = os.fstat(fd).st_size
+    digest.update(f"{name}\0{size}\0".encode())
+    for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
+                          max(0, size - _SAMPLE_BYTES)}):
+        digest.update(os.pread(fd, _SAMPLE_BYTES, offset))
 
 
 # -- the DCP commit record ------------------------------------------------------------------

@@ -196,6 +196,27 @@ class Snapshot:
         self._fds[name] = fd
         return fd
 
+    @contextlib.contextmanager
+    def borrow(self, name: str) -> Iterator[int]:
+        """A descriptor of ``name`` for one read: the snapshot's own when it holds the file
+        open, else one opened the same way (through the folder's descriptor) and closed after,
+        so a digest of a DCP folder's thousand storage files holds one at a time.
+
+        Raises:
+            OSError, WeightLoadError: as :meth:`open_os`.
+        """
+        if name in self._fds:
+            yield self._fds[name]
+            return
+        fd = open_regular(self.source) if self.dirfd is None else open_regular(
+            name, dir_fd=self.dirfd)
+        try:
+            if self.dirfd is not None:
+                self._check_inside(name, fd)
+            yield fd
+        finally:
+            os.close(fd)
+
     def open_all(self, names: Iterable[str]) -> None:
         """Open each of ``names`` that is a plain entry of the folder now, before any data is
         read, so that the files a load reads are taken from one moment of the folder. A file

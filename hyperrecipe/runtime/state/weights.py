@@ -13,7 +13,10 @@ hidden in it), and the error says which strategy failed and why.
 
 Files are read only when they are regular files inside the folder (a FIFO would block
 forever; an index naming ``../`` or an absolute path, or a symlink leading out of the folder,
-is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed);
+is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed), and
+only through one :class:`~.snapshot.Snapshot` per load (:func:`open_snapshot`): the folder and
+each file opened once, before any data is read; the manifest hashed, and the tensors read,
+from those descriptors; the files checked unchanged after planning and after the copy;
 indexes are read up to :data:`MAX_INDEX_BYTES`; DCP metadata is read without running code
 (:mod:`~hyperrecipe.runtime.state.dcp_reader`).
 
@@ -788,7 +791,11 @@ def open_snapshot(source: str | os.PathLike[str]) -> Snapshot:
                                          RecursionError, AttributeError):
                     listed = set(parse_manifest(json.loads(
                         snapshot.read(MANIFEST, limit=MAX_MANIFEST_BYTES)))[1])
-            snapshot.open_all(sorted(listed | _files_loading_reads(snapshot)))
+            # A DCP folder is read by dcp.load, by name: its storage files are not held here.
+            reads = set() if snapshot.is_file(".metadata") and not any(
+                snapshot.is_file(f.index_name) or f.files(snapshot)
+                for f in (_Safetensors, _TorchPickle)) else _files_loading_reads(snapshot)
+            snapshot.open_all(sorted(listed | reads))
         else:
             snapshot.open_all([snapshot.source.name])
     except BaseException:
