@@ -393,7 +393,7 @@ def test_every_load_during_re_exports_is_one_export_or_a_named_refusal(
                               stop))
     writer.start()
     try:
-        outcomes = run_ranks(_reader_worker, 1, str(folder), 60, fulls, timeout_s=300)[0]
+        outcomes = run_ranks(_reader_worker, 1, str(folder), 150, fulls, timeout_s=400)[0]
     finally:
         stop.set()
         writer.join(60)
