@@ -273,6 +273,59 @@ def test_load_weights_while_its_folder_is_replaced_loads_the_old_export_or_refus
     assert out["in_place_untouched"], "a refused load leaves the model as it was"
 
 
+def _written_mid_copy_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Export, load it back; then load again while another tool rewrites a weight file in
+    place once the copy has begun (after the checks before writing passed)."""
+    import attrs
+
+    from tests.support.checkpoint_harness import applied
+
+    model, inst = applied(world)
+    folder = Path(root) / "export"
+    inst.state.save_pretrained(folder, max_shard_bytes=40_000)
+    _age(folder)
+    victim = sorted(folder.glob("model-*.safetensors"))[-1]
+    plan = weights._Safetensors.plan
+
+    def writing_plan(self: Any, *args: Any) -> Any:
+        reader = plan(self, *args)
+        fill = reader.fill
+        written: list[bool] = []
+
+        def fill_then_write(target: Any, out: Tensor) -> bool:
+            if not written:  # once, as the first tensor is copied: the same bytes again
+                written.append(True)
+                with open(victim, "r+b") as f:
+                    f.write(victim.read_bytes())
+            return bool(fill(target, out))
+
+        return attrs.evolve(reader, fill=fill_then_write)
+
+    weights._Safetensors.plan = writing_plan  # type: ignore[method-assign]
+    try:
+        inst.state.load_weights(folder)
+    except WeightLoadError as exc:
+        unset = [r.error for r in inst.state.status() if r.state == "unset"]
+        return {"error": str(exc), "victim": str(victim), "unset": unset,
+                "nan": any(bool(torch.isnan(p).any()) for p in model.parameters())}
+    finally:
+        weights._Safetensors.plan = plan  # type: ignore[method-assign]
+    return {"error": None}
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_a_file_written_in_place_during_the_copy_is_refused_and_what_was_written_unset(
+        tmp_path: Path) -> None:
+    """The check before writing passed; the write lands while the tensors are copied, so the
+    check after the copy refuses the load through the copy's fault path: the tensors written
+    are marked unset (status() lists them), never left as a silent mix."""
+    res = run_ranks(_written_mid_copy_worker, 1, str(tmp_path))[0]
+    assert res["error"] is not None, "a file written during the copy loaded"
+    assert "reading the checkpoint failed after its checks passed" in res["error"], res["error"]
+    assert f"{res['victim']}: written in place" in res["error"], res["error"]
+    assert res["unset"] and res["nan"], "what was written must be unset"
+
+
 def _two_exports_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank 0 opens the folder, then the folder is exchanged with another export, then rank
     1 opens it: each rank holds a whole export, not the same one."""
