@@ -26,11 +26,14 @@ _KINDS = ((stat.S_ISDIR, errno.EISDIR, "Is a directory"),
           (stat.S_ISSOCK, errno.EINVAL, "not a regular file (a socket)"))
 
 
-def open_regular(path: str | os.PathLike[str]) -> int:
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
     """A read-only descriptor of the regular file ``path``, opened without blocking and checked
     on the descriptor itself (``fstat``), so a file swapped for a FIFO after a caller's
     ``stat`` is refused, not waited on. Read from the descriptor (``os.pread``,
-    ``os.fdopen``), never by the name again; the caller closes it.
+    ``os.fdopen``), never by the name again; the caller closes it. With ``dir_fd`` (a
+    directory's descriptor) a relative ``path`` is opened in that directory, whatever its name
+    is now: a reader that holds a folder open reads that folder, not one renamed into its
+    place.
 
     Raises:
         OSError: as :func:`read_regular_file`, but for size.
@@ -38,7 +41,7 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever. On a
     # regular file it changes nothing (reads of regular files never block), so it stays set.
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(os.fspath(path), flags)
+    fd = os.open(os.fspath(path), flags, dir_fd=dir_fd)
     try:
         mode = os.fstat(fd).st_mode
         for is_kind, code, reason in _KINDS:

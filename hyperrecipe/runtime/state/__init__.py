@@ -8,6 +8,8 @@ stores and their loading, optimizer state included), ``weights`` (loading a chec
 as a chain of strategies, and checking an export's folder against its manifest),
 ``checkpoint_files`` (each weight file checked against its own structure: a safetensors header
 against the file's bytes, a ``pytorch_model.bin``'s storages against their zip records),
+``snapshot`` (the files one load reads, each opened once through the folder's descriptor, read
+only through it, and checked unchanged before the load succeeds),
 ``dcp_reader`` (reading DCP folders as data; it only reads), ``integrity`` (the one module for
 digests, commit records, manifests and atomic writes: the export manifest's digest and shape,
 the DCP commit record and its sampled fingerprints, the committed ``dcp.save``, the source

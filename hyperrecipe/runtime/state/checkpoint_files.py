@@ -131,6 +131,7 @@ def _read_header(path: Path, fd: int) -> dict[str, SafetensorsEntry]:
     try:
         with os.fdopen(os.dup(fd), "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
+            handle.seek(0)  # a shared descriptor may have been read (hashed) before
             head = handle.read(8)
             if len(head) < 8:
                 raise WeightLoadError(f"{path}: {size} bytes, shorter than a safetensors header")
@@ -524,10 +525,14 @@ class _SliceReader:
         return out
 
 
-def open_safetensors(path: Path, staging: Staging | None = None) -> _SafetensorsFile:
+def open_safetensors(path: Path, staging: Staging | None = None, *,
+                     fd: int | None = None) -> _SafetensorsFile:
     """``path`` checked (:func:`read_safetensors_header`) and ready to be read by slices,
     through the descriptor its header was read from (a file replaced after the check is not
-    read in its place). ``staging`` is shared by the files of one load.
+    read in its place). ``staging`` is shared by the files of one load. ``fd``: the file as
+    a load's :class:`~hyperrecipe.runtime.state.snapshot.Snapshot` opened it (read through a
+    duplicate of it, so the tensors come from the very file the manifest was hashed from);
+    without it ``path`` is opened here.
 
     Raises:
         WeightLoadError: as :func:`read_safetensors_header`; on a big-endian host (the format
@@ -535,16 +540,22 @@ def open_safetensors(path: Path, staging: Staging | None = None) -> _Safetensors
     """
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         raise WeightLoadError(f"{path}: safetensors is little-endian; this host is not")
-    try:
-        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
-    except OSError as exc:
-        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    fd = _own_descriptor(path, fd)
     try:
         entries = _read_header(path, fd)
     except BaseException:
         os.close(fd)
         raise
     return _SafetensorsFile(path, entries, fd, staging)
+
+
+def _own_descriptor(path: Path, fd: int | None) -> int:
+    """A descriptor of ``path`` for a reader to own and close: a duplicate of ``fd`` (one
+    file opened once, shared), or ``path`` opened without blocking (a FIFO is refused)."""
+    try:
+        return os.dup(fd) if fd is not None else open_regular(path)
+    except OSError as exc:
+        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
 
 
 MAX_TORCH_RECORDS = MAX_HEADER_ENTRIES + 16
@@ -673,18 +684,20 @@ def _zip64_sizes(extra: bytes, declared: int, stored: int,
     return declared, stored, offset
 
 
-def check_torch_records(path: Path, state: Mapping[str, Tensor]) -> dict[str, int]:
+def check_torch_records(path: Path, state: Mapping[str, Tensor], *,
+                        opened: str | None = None) -> dict[str, int]:
     """Refuse a memory-mapped ``torch.load`` result whose storages do not lie in their zip
     records: each storage's bytes must start where a ``data/<key>`` record starts and fit in
     it. Returns the byte offset in the file of each contiguous tensor's data (which lies
-    inside its storage), for positional reads.
+    inside its storage), for positional reads. ``opened`` is where the records are read
+    (``/proc/self/fd/N`` of the descriptor the load reads; default ``path``).
 
     Raises:
         WeightLoadError: a storage is longer than its record (a record cut short) or lies at
             no record; every such tensor named.
     """
     try:
-        reader: Any = torch._C.PyTorchFileReader(str(path))  # get_record_offset is not typed
+        reader: Any = torch._C.PyTorchFileReader(opened or str(path))  # get_record_offset is not typed
         records = {reader.get_record_offset(n): (n, reader.get_record_size(n))
                    for n in reader.get_all_records() if n.startswith("data/")}
     except (RuntimeError, OSError) as exc:
@@ -770,27 +783,26 @@ class _Mapped:
         return self.tensor[block]
 
 
-def open_torch_file(path: Path, staging: Staging | None = None) -> TorchFile:
+def open_torch_file(path: Path, staging: Staging | None = None, *,
+                    fd: int | None = None) -> TorchFile:
     """``path`` (a ``pytorch_model.bin``) loaded as data (``weights_only``) once its zip
     directory is checked (:func:`check_torch_archive`), its storages checked against their
-    records, ready for positional reads.
+    records, ready for positional reads. ``fd`` as for :func:`open_safetensors`: the load,
+    the record check and the positional reads all go through that file (``/proc/self/fd``).
 
     Raises:
         WeightLoadError: as :func:`check_torch_archive` and :func:`check_torch_records`; not
             a state dict of tensors.
     """
-    try:
-        fd = open_regular(path)  # not blocking: a FIFO swapped in is refused
-    except OSError as exc:
-        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    fd = _own_descriptor(path, fd)
     try:
         check_torch_archive(path, fd)
-        state = torch.load(f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}")
-                           else str(path), map_location="cpu", mmap=True, weights_only=True)
+        opened = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else str(path)
+        state = torch.load(opened, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(state, Mapping) or not all(isinstance(v, Tensor)
                                                      for v in state.values()):
             raise WeightLoadError(f"{path}: cannot be read: not a state dict of tensors")
-        offsets = check_torch_records(path, state)
+        offsets = check_torch_records(path, state, opened=opened)
     except BaseException:
         os.close(fd)
         raise

@@ -51,9 +51,11 @@ from hyperrecipe.runtime.state.weights import (
     LoadAttempt,
     WeightLoadError,
     load_weights,
+    open_snapshot,
     persistent_buffers,
     verify_manifest,
 )
+from hyperrecipe.runtime.state.snapshot import Snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -275,9 +277,14 @@ class TrainingState:
 
         Before any rank reads, the ranks compare a digest of what each is about to read, and
         a folder that ``save_pretrained`` wrote is checked against its manifest (sizes, and
-        sha256, each rank hashing its share): all ranks load, or all raise. The first strategy
-        that can read the source is the only one tried; DCP metadata is read without running
-        code (docs/security.md, "Checkpoints").
+        the digest it records, each rank hashing its share): all ranks load, or all raise.
+        Each rank opens the folder and every file it reads once, before reading data
+        (:mod:`~hyperrecipe.runtime.state.snapshot`): the digest, the manifest check and the
+        tensors all come from those descriptors, a file changed in place meanwhile is
+        refused by name, and a folder replaced while being read (a re-export into it) is
+        refused saying so, never read as a mix of two exports. The first strategy that can
+        read the source is the only one tried; DCP metadata is read without running code
+        (docs/security.md, "Checkpoints").
 
         Raises:
             WeightLoadError: the checkpoint does not fit (every missing, unexpected and
@@ -288,14 +295,27 @@ class TrainingState:
         """
         self._check_live()
         try:
-            self._agree_on_source(source, "load_weights")
-            attempts = load_weights(self._live, self._model, source, self._unloaded,
-                                    tuple(ignore_unexpected), self._agree_on_outcome)
+            with open_snapshot(source) as snapshot:
+                attempts = self._load_snapshot(snapshot, tuple(ignore_unexpected))
         except WeightLoadError as exc:
             self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
                                        detail=str(exc))]
             raise
         self._loads = attempts
+
+    def _load_snapshot(self, snapshot: Snapshot,
+                       ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
+        """:meth:`load_weights` of a source already opened (:func:`open_snapshot`): the ranks'
+        digest, the manifest check and the load all read its descriptors. A refusal while
+        the folder was being replaced says so (the error met is kept in the message)."""
+        try:
+            self._agree_on_source(snapshot, "load_weights")
+            return load_weights(self._live, self._model, snapshot, self._unloaded,
+                                ignore_unexpected, self._agree_on_outcome)
+        except WeightLoadError as exc:
+            if not snapshot.replaced():
+                raise
+            raise WeightLoadError(snapshot.replaced_message(str(exc))) from exc
 
     # -- sharded state dicts and DCP checkpoints --------------------------------------------
 
@@ -477,16 +497,18 @@ class TrainingState:
         the others finished must not leave them training on a model it does not hold."""
         return agree_on_failure(error, "the agreement in load_weights", self._timeout_s())
 
-    def _agree_on_source(self, source: str | os.PathLike[str], what: str) -> None:
+    def _agree_on_source(self, source: str | os.PathLike[str] | Snapshot, what: str) -> None:
         """The ranks compare a digest of what each is about to read, each also checking its
-        share of an export's manifest (:func:`agree_on_source`)."""
+        share of an export's manifest (:func:`agree_on_source`); given a snapshot, both read
+        its descriptors, so ranks that opened different exports of one folder disagree."""
 
         def read_digest(rank: int, world: int) -> str:
             digest = source_digest(source)
             verify_manifest(source, rank, world)  # each rank hashes its share of the files
             return digest
 
-        agree_on_source(source, what, read_digest)
+        agree_on_source(source.source if isinstance(source, Snapshot) else source, what,
+                        read_digest)
 
 
 def _staged(state: Any) -> Any:

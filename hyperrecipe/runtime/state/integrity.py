@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import ExportError, WeightLoadError
+from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
 
 __all__ = ["COMMIT", "DIGESTS", "FINGERPRINT_SCHEME", "FORMATS", "MANIFEST", "MANIFEST_FORMAT",
            "MAX_METADATA_BYTES", "Hasher", "check_commit", "commit_of", "commit_record",
@@ -185,43 +186,50 @@ _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|distcp)|.*\.index\.json|
 _SAMPLE_BYTES = 1 << 16
 
 
-def source_digest(source: str | os.PathLike[str]) -> str:
+def source_digest(source: str | os.PathLike[str] | Snapshot) -> str:
     """A digest of what ``load_weights(source)`` would read, for ranks to compare before they
     load: each weight file's name and size and three 64 KiB windows of its bytes (start,
     middle, end; a file up to 192 KiB whole), the index and DCP metadata included. Another
     checkpoint, another training step of the same one, or a truncated copy differ; a change
     that keeps the size and lies outside the windows does not (it is a sample, not a hash of
     everything: that would read every byte on every rank). Paths are not part of it, so ranks
-    on different hosts may hold their own copies.
+    on different hosts may hold their own copies. Given the load's
+    :class:`~hyperrecipe.runtime.state.snapshot.Snapshot`, the files are read through its
+    descriptors, so two ranks that opened two exports of one folder (one before a re-export
+    swapped it, one after) differ.
 
     Raises:
         WeightLoadError: a file cannot be read.
     """
-    path = Path(source)
+    with borrowed(source) as snapshot:
+        return _source_digest(snapshot)
+
+
+def _source_digest(snapshot: Snapshot) -> str:
     digest = hashlib.sha256()
-    if not path.exists():
+    if not snapshot.exists:
         return digest.hexdigest()  # loading says what is missing
-    try:
-        files = (sorted(f for f in path.iterdir() if _WEIGHT_FILE.fullmatch(f.name))
-                 if path.is_dir() else [path])
-        for f in files:
-            try:  # not blocking, checked on the descriptor: a FIFO is never waited on
-                fd = open_regular(f)
-            except OSError as exc:
-                if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
-                    raise
-                digest.update(f"{f.name}\0not a regular file\0".encode())
-                continue  # loading refuses it by name
-            with os.fdopen(fd, "rb") as handle:
-                size = os.fstat(fd).st_size
-                digest.update(f"{f.name}\0{size}\0".encode())
-                for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
-                                      max(0, size - _SAMPLE_BYTES)}):
-                    handle.seek(offset)
-                    digest.update(handle.read(_SAMPLE_BYTES))
-    except OSError as exc:
-        raise WeightLoadError(f"{source}: cannot be read: {exc}") from None
+    for name in snapshot.names():
+        if snapshot.is_dir and not _WEIGHT_FILE.fullmatch(name):
+            continue
+        try:  # not blocking, checked on the descriptor: a FIFO is never waited on
+            with snapshot.borrow(name) as fd:
+                _sample(digest, name, fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.EINVAL, errno.ENXIO):
+                snapshot.open(name)  # raises, saying why (or that the folder was replaced)
+                raise WeightLoadError(f"{snapshot.path(name)}: cannot be read: {exc}") from None
+            digest.update(f"{name}\0not a regular file\0".encode())  # loading refuses it
     return digest.hexdigest()
+
+
+def _sample(digest: Any, name: str, fd: int) -> None:
+    """Add ``name``'s size and its three sample windows, read from ``fd``, to ``digest``."""
+    size = os.fstat(fd).st_size
+    digest.update(f"{name}\0{size}\0".encode())
+    for offset in sorted({0, max(0, (size - _SAMPLE_BYTES) // 2),
+                          max(0, size - _SAMPLE_BYTES)}):
+        digest.update(os.pread(fd, _SAMPLE_BYTES, offset))
 
 
 # -- the DCP commit record ------------------------------------------------------------------

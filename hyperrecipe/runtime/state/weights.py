@@ -13,7 +13,10 @@ hidden in it), and the error says which strategy failed and why.
 
 Files are read only when they are regular files inside the folder (a FIFO would block
 forever; an index naming ``../`` or an absolute path, or a symlink leading out of the folder,
-is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed);
+is refused; a Hugging Face cache snapshot's symlinks into its ``blobs`` are followed), and
+only through one :class:`~.snapshot.Snapshot` per load (:func:`open_snapshot`): the folder and
+each file opened once, before any data is read; the manifest hashed, and the tensors read,
+from those descriptors; the files checked unchanged after planning and after the copy;
 indexes are read up to :data:`MAX_INDEX_BYTES`; DCP metadata is read without running code
 (:mod:`~hyperrecipe.runtime.state.dcp_reader`).
 
@@ -42,10 +45,10 @@ Strategies:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -54,12 +57,12 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.models import LIBRARY, Composite
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
-from hyperrecipe.runtime.state.integrity import MANIFEST, digest_file, parse_manifest
+from hyperrecipe.runtime.state.integrity import MANIFEST, parse_manifest
+from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
     Staging,
@@ -72,8 +75,8 @@ from hyperrecipe.runtime.state.checkpoint_files import (
 if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.runtime.state.live_params import LiveParams
 
-__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "persistent_buffers",
-           "verify_manifest"]
+__all__ = ["LoadAttempt", "WeightLoadError", "load_weights", "open_snapshot",
+           "persistent_buffers", "verify_manifest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -142,8 +145,10 @@ class _Safetensors:
     single_name = "model.safetensors"
     kind = "*.safetensors"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, snapshot: Snapshot) -> None:
         self.model = model
+        self.snapshot = snapshot
+        """The load's files, each opened once (:mod:`.snapshot`)."""
         self.opened: dict[Path, Any] = {}
         """Each file's handle, opened (and its header checked) once per load."""
         self.staging = Staging()
@@ -158,32 +163,35 @@ class _Safetensors:
         """A handle with ``keys()``, ``dtype(key)`` and ``get_slice(key)`` (``get_shape()``,
         ``[block]``), its header checked against the file (:mod:`.checkpoint_files`)."""
         if path not in self.opened:
-            self.opened[path] = open_safetensors(path, self.staging)
+            fd = self.snapshot.open(self.snapshot.name_of(path))
+            self.opened[path] = open_safetensors(path, self.staging, fd=fd)
         return self.opened[path]
 
     @classmethod
-    def files(cls, folder: Path) -> list[Path]:
+    def files(cls, snapshot: Snapshot) -> list[Path]:
         """The weight files of a folder without an index, as ``from_pretrained`` picks them:
         ``model.safetensors`` alone when it is there (a folder may also hold another tool's
-        files, such as Mistral's ``consolidated.safetensors``), else every file of the kind."""
-        single = folder / cls.single_name
-        if single.is_file():
-            return [single]
-        return sorted(f for suffix in cls.suffixes for f in folder.glob(f"*{suffix}"))
+        files, such as Mistral's ``consolidated.safetensors``), else every file of the kind
+        (as ``glob("*.safetensors")``: hidden names are not read)."""
+        if snapshot.is_file(cls.single_name):
+            return [snapshot.path(cls.single_name)]
+        return [snapshot.path(n) for n in snapshot.names()
+                if n.endswith(cls.suffixes) and not n.startswith(".")]
 
     def ineligible(self, source: Path) -> str | None:
-        if source.is_file():
+        snapshot = self.snapshot
+        if snapshot.exists and not snapshot.is_dir:
             return None if source.suffix in self.suffixes else (
                 f"{source} is not a {' or '.join(self.suffixes)} file")
-        if source.is_dir():
-            if (source / self.index_name).is_file() or self.files(source):
+        if snapshot.is_dir:
+            if snapshot.is_file(self.index_name) or self.files(snapshot):
                 return None
             return f"{source} holds no {self.kind} file"
         return f"{source} does not exist"
 
     def plan(self, source: Path, targets: Sequence[_Target],
              ignore: Callable[[str], bool]) -> _Reader:
-        where = _key_files(self, source)
+        where = _key_files(self, self.snapshot)
         handles: dict[Path, Any] = {}
         problems: list[str] = []
         for path in sorted(set(where.values())):
@@ -295,13 +303,16 @@ class _TorchPickle(_Safetensors):
     kind = "pytorch_model*.bin"
 
     @classmethod
-    def files(cls, folder: Path) -> list[Path]:
-        single = folder / cls.single_name
-        return [single] if single.is_file() else sorted(folder.glob("pytorch_model*.bin"))
+    def files(cls, snapshot: Snapshot) -> list[Path]:
+        if snapshot.is_file(cls.single_name):
+            return [snapshot.path(cls.single_name)]
+        return [snapshot.path(n) for n in snapshot.names()
+                if re.fullmatch(r"pytorch_model.*\.bin", n, re.DOTALL)]
 
     def open(self, path: Path) -> Any:
         if path not in self.opened:
-            self.opened[path] = open_torch_file(path, self.staging)
+            fd = self.snapshot.open(self.snapshot.name_of(path))
+            self.opened[path] = open_torch_file(path, self.staging, fd=fd)
         return self.opened[path]
 
 
@@ -309,74 +320,46 @@ MAX_INDEX_BYTES = 64 << 20
 """The largest ``*.index.json`` read (DeepSeek-V3's, 91,000 tensors, is under 9 MiB)."""
 
 
-def _roots(folder: Path) -> tuple[Path, ...]:
-    """Where a checkpoint folder's files may lie once symlinks are followed: the folder, and
-    for a Hugging Face cache snapshot (``.../snapshots/<rev>``, whose files are symlinks into
-    ``../../blobs``) its ``blobs`` folder."""
-    root = folder.resolve()
-    if root.parent.name == "snapshots":
-        return root, root.parent.parent / "blobs"
-    return (root,)
-
-
-def regular_file(path: Path, folder: Path | None = None) -> Path:
-    """``path`` when it is a regular file (after symlinks) that lies in ``folder`` (see
-    :func:`_roots`); opening a FIFO would block forever, and a folder handed over reads only
-    its own files.
-
-    Raises:
-        WeightLoadError: it is missing, not a regular file, or lies outside ``folder``.
-    """
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                else "a device or socket")
-        raise WeightLoadError(f"{path}: not a regular file ({kind}); checkpoints are read only "
-                              f"from regular files")
-    if folder is not None:
-        real = path.resolve()
-        if not any(real.is_relative_to(root) for root in _roots(folder)):
-            raise WeightLoadError(f"{path}: leads to {real}, outside the checkpoint folder "
-                                  f"{folder}; a checkpoint reads only its own files")
-    return path
-
-
-def _index_file(folder: Path, index: Path, name: str) -> Path:
-    """The file an index names, refused unless it is a relative name inside the folder."""
+def _index_file(snapshot: Snapshot, index: Path, name: str) -> Path:
+    """The file an index names, refused unless it is a relative name inside the folder (and,
+    once opened, lies there: :meth:`.Snapshot.open`)."""
+    folder = snapshot.source
     parts = Path(name).parts
     if not name or "\0" in name or Path(name).is_absolute() or ".." in parts:
         raise WeightLoadError(f"{index}: names {name!r:.200}, which is not a file name inside "
                               f"{folder}; an index may name only the folder's own files")
-    return regular_file(folder / name, folder)
+    snapshot.open(name)
+    return folder / name
 
 
-def _key_files(fmt: _Safetensors, source: Path) -> dict[str, Path]:
-    """Checkpoint key → the file holding it (an index's weight map, or each file's keys)."""
-    if not source.is_dir():
-        files = [regular_file(source)]
+def _key_files(fmt: _Safetensors, snapshot: Snapshot) -> dict[str, Path]:
+    """Checkpoint key → the file holding it (an index's weight map, or each file's keys),
+    every file read through the load's snapshot."""
+    source = snapshot.source
+    if not snapshot.is_dir:
+        snapshot.open(source.name)  # a FIFO given as the file itself: refused, not opened
+        files = [source]
     else:
         index = source / fmt.index_name
-        if index.is_file():
+        if snapshot.is_file(fmt.index_name):
+            text = snapshot.read(fmt.index_name, limit=MAX_INDEX_BYTES)
             try:
-                text = read_regular_file(index, limit=MAX_INDEX_BYTES)
                 weight_map = json.loads(text.decode("utf-8"))["weight_map"]
-            except OSError as exc:
-                raise WeightLoadError(f"{index}: cannot be read: {exc.strerror or exc}") from None
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise WeightLoadError(f"{index}: not a {fmt.name} index ({exc!r:.200})") from None
             if not (isinstance(weight_map, dict) and all(
                     isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items())):
                 raise WeightLoadError(f"{index}: not a {fmt.name} index (weight_map must map "
                                       f"tensor names to file names)")
-            missing = sorted({f for f in weight_map.values() if not (source / f).exists()})
+            missing = sorted({f for f in weight_map.values() if not snapshot.holds(f)})
             if missing:
                 raise WeightLoadError(f"{index} names files that are not there: {missing}")
-            checked = {f: _index_file(source, index, f) for f in sorted(set(weight_map.values()))}
+            checked = {f: _index_file(snapshot, index, f)
+                       for f in sorted(set(weight_map.values()))}
             return {k: checked[f] for k, f in weight_map.items()}
-        files = [regular_file(f, source) for f in fmt.files(source)]
+        files = fmt.files(snapshot)
+        for f in files:
+            snapshot.open(snapshot.name_of(f))
     out: dict[str, Path] = {}
     for path in files:
         try:
@@ -708,28 +691,34 @@ def _same(a: Tensor, b: Tensor) -> bool:
 MAX_MANIFEST_BYTES = 64 << 20
 
 
-def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 1) -> None:
+def verify_manifest(source: str | os.PathLike[str] | Snapshot, rank: int = 0,
+                    world: int = 1) -> None:
     """Check a folder an export wrote against its manifest (``hyperrecipe.manifest.json``,
     written last by ``save_pretrained``): the export's files are exactly the ones it lists,
     each of its size, and the files of this rank's share (every ``world``-th, from ``rank``)
     hash to the digest it records (sha256 or xxh3_128, as it names), so the ranks together
     read every byte once. Nothing to do without a manifest (a checkpoint from another tool).
+    Given the load's :class:`~.snapshot.Snapshot`, every file is hashed from the descriptor
+    the tensors are then read from: what was checked is what is loaded.
 
     Raises:
         WeightLoadError: the manifest is malformed, a file is missing, extra (a later write by
             another tool, or an earlier export), of another size, or of other contents.
     """
+    with borrowed(source) as snapshot:
+        _verify_manifest(snapshot, rank, world)
+
+
+def _verify_manifest(snapshot: Snapshot, rank: int, world: int) -> None:
     from hyperrecipe.runtime.state.export import EXPORT_FILES
 
-    folder = Path(source)
+    folder = snapshot.source
     path = folder / MANIFEST
-    if not folder.is_dir() or not os.path.lexists(path):
+    if not snapshot.is_dir or MANIFEST not in snapshot.names():
         return
     try:
-        manifest = json.loads(read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8"))
-        algorithm, files = parse_manifest(manifest)
-    except OSError as exc:
-        raise WeightLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+        text = snapshot.read(MANIFEST, limit=MAX_MANIFEST_BYTES)
+        algorithm, files = parse_manifest(json.loads(text.decode("utf-8")))
     except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:
         raise WeightLoadError(f"{path}: malformed ({exc!s:.200})") from None
     again = (f"; the folder no longer holds what its export wrote: export again, or remove "
@@ -737,46 +726,82 @@ def verify_manifest(source: str | os.PathLike[str], rank: int = 0, world: int = 
     if not files:  # a manifest that binds nothing would pass every folder unchecked
         raise WeightLoadError(f"{path}: lists no files, while an export lists every file it "
                               f"wrote; it vouches for nothing{again}")
-    extra = sorted({f.name for f in folder.iterdir() if EXPORT_FILES.fullmatch(f.name)}
-                   .union(_files_loading_reads(folder)) - set(files))
+    extra = sorted({n for n in snapshot.names() if EXPORT_FILES.fullmatch(n)}
+                   .union(_files_loading_reads(snapshot)) - set(files))
     if extra:
         raise WeightLoadError(f"{folder}: {extra} are not in {MANIFEST}{again}")
     for i, (name, entry) in enumerate(sorted(files.items())):
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise WeightLoadError(f"{path}: names {name!r:.200}, not a file of the folder")
-        file = regular_file(folder / name, folder)
-        size = os.stat(file).st_size
+        size = snapshot.size(name)
         if size != entry[0]:
-            raise WeightLoadError(f"{file}: {size} bytes, {MANIFEST} says {entry[0]}{again}")
+            raise WeightLoadError(f"{folder / name}: {size} bytes, {MANIFEST} says "
+                                  f"{entry[0]}{again}")
         if i % world != rank:
             continue
-        if digest_file(file, algorithm) != entry[1]:
-            raise WeightLoadError(f"{file}: its {algorithm} is not the one in {MANIFEST} (same "
-                                  f"size, other bytes: a relabelled header, overwritten data)"
-                                  f"{again}")
+        if snapshot.digest(name, algorithm) != entry[1]:
+            raise WeightLoadError(f"{folder / name}: its {algorithm} is not the one in "
+                                  f"{MANIFEST} (same size, other bytes: a relabelled header, "
+                                  f"overwritten data){again}")
 
 
-def _files_loading_reads(folder: Path) -> set[str]:
-    """The names of the files ``load_weights`` reads from ``folder``, through the first format
-    that can read it (an index and the files it names, else the files ``files()`` picks;
-    a DCP folder's ``.metadata`` and storage files): all of them must be in a manifest that
-    is there, or the manifest would vouch for a folder whose weights it never saw."""
+def _files_loading_reads(snapshot: Snapshot) -> set[str]:
+    """The names of the files ``load_weights`` reads from the folder, through the first
+    format that can read it (an index and the files it names, else the files ``files()``
+    picks; a DCP folder's ``.metadata`` and storage files): all of them must be in a manifest
+    that is there, or the manifest would vouch for a folder whose weights it never saw."""
     for fmt in (_Safetensors, _TorchPickle):
-        index = folder / fmt.index_name
-        if index.is_file():
+        if snapshot.is_file(fmt.index_name):
             try:
-                weight_map = json.loads(read_regular_file(index, limit=MAX_INDEX_BYTES))[
+                weight_map = json.loads(snapshot.read(fmt.index_name, limit=MAX_INDEX_BYTES))[
                     "weight_map"]
                 named = {v for v in weight_map.values() if isinstance(v, str)}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            except (WeightLoadError, ValueError, KeyError, TypeError, AttributeError,
+                    RecursionError):
                 named = set()  # loading names what is wrong with the index
             return {fmt.index_name, *named}
-        found = fmt.files(folder)
+        found = fmt.files(snapshot)
         if found:
             return {f.name for f in found}
-    if (folder / ".metadata").is_file():
-        return {".metadata", *(f.name for f in folder.glob("*.distcp"))}
+    if snapshot.is_file(".metadata"):
+        return {".metadata", *(n for n in snapshot.names() if n.endswith(".distcp")
+                               and not n.startswith("."))}
     return set()
+
+
+def open_snapshot(source: str | os.PathLike[str]) -> Snapshot:
+    """A :class:`~.snapshot.Snapshot` of ``source`` with every file a load of it reads
+    already open: the manifest, each file the manifest lists, the index and the files it
+    names (or the weight files :meth:`_Safetensors.files` picks). All are opened before any
+    byte of data is read, so the load reads one moment of the folder; a folder exchanged
+    after this is not read (its files are already open), and one exchanged during it is
+    refused when a file is then missing. What cannot be opened here is opened again, and
+    refused by name, where it is read.
+
+    Raises:
+        WeightLoadError: the folder cannot be opened.
+    """
+    snapshot = Snapshot(source)
+    try:
+        if snapshot.is_dir:
+            snapshot.open_all([MANIFEST])
+            listed: set[str] = set()
+            if MANIFEST in snapshot.names():
+                with contextlib.suppress(WeightLoadError, ValueError, KeyError, TypeError,
+                                         RecursionError, AttributeError):
+                    listed = set(parse_manifest(json.loads(
+                        snapshot.read(MANIFEST, limit=MAX_MANIFEST_BYTES)))[1])
+            # A DCP folder is read by dcp.load, by name: its storage files are not held here.
+            reads = set() if snapshot.is_file(".metadata") and not any(
+                snapshot.is_file(f.index_name) or f.files(snapshot)
+                for f in (_Safetensors, _TorchPickle)) else _files_loading_reads(snapshot)
+            snapshot.open_all(sorted(listed | reads))
+        else:
+            snapshot.open_all([snapshot.source.name])
+    except BaseException:
+        snapshot.close()
+        raise
+    return snapshot
 
 
 Agree = Callable[[str | None], Mapping[int, str]]
@@ -789,8 +814,9 @@ def _alone(error: str | None) -> Mapping[int, str]:
     return {} if error is None else {0: error}
 
 
-def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[str],
-                 unloaded: set[str], ignore_unexpected: Sequence[str] = (),
+def load_weights(live: LiveParams, model: nn.Module,
+                 source: str | os.PathLike[str] | Snapshot, unloaded: set[str],
+                 ignore_unexpected: Sequence[str] = (),
                  agree: Agree = _alone) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
     what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land;
@@ -798,19 +824,36 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
     ``agree`` is called on every rank once the load is planned (before any write) and once
     after the copy, so that every rank loads or every rank raises (see :func:`_write_all`).
 
+    ``source`` may be the load's :class:`~.snapshot.Snapshot` (:func:`open_snapshot`), so
+    that the manifest check and the source digest that ran before read the same files;
+    a path is opened as one here. The safetensors and torch strategies read only through
+    it, and its files are checked unchanged (:meth:`~.snapshot.Snapshot.verify`) once the
+    load is planned, before anything is written, and again after the copy (a change found
+    then marks what was written unset, as any fault while copying does).
+
     Raises:
         WeightLoadError: no strategy could read the source, or the one that could found the
             checkpoint does not fit (every problem listed) or failed while writing (rolled
-            back); the message names each strategy's outcome.
+            back), or a file it read changed meanwhile; the message names each strategy's
+            outcome.
     """
-    path = Path(source)
-    safetensors = _Safetensors(model)
-    strategies: list[_Strategy] = [safetensors, _TorchPickle(model), _DCP(live)]
+    if isinstance(source, Snapshot):
+        return _load_snapshot(live, model, source, unloaded, ignore_unexpected, agree)
+    with open_snapshot(source) as snapshot:
+        return _load_snapshot(live, model, snapshot, unloaded, ignore_unexpected, agree)
+
+
+def _load_snapshot(live: LiveParams, model: nn.Module, snapshot: Snapshot,
+                   unloaded: set[str], ignore_unexpected: Sequence[str],
+                   agree: Agree) -> list[LoadAttempt]:
+    path = snapshot.source
+    safetensors = _Safetensors(model, snapshot)
+    strategies: list[_Strategy] = [safetensors, _TorchPickle(model, snapshot), _DCP(live)]
     attempts: list[LoadAttempt] = []
     targets = _targets(live, model)
     ignore = _ignore_patterns(model, ignore_unexpected)
-    if path.exists() and not path.is_dir():
-        regular_file(path)  # a FIFO given as the file itself: refused, not opened
+    if snapshot.exists and not snapshot.is_dir:
+        snapshot.open(path.name)  # a FIFO given as the file itself: refused, not opened
     for i, strategy in enumerate(strategies):
         why = strategy.ineligible(path)
         if why is not None:
@@ -820,12 +863,13 @@ def load_weights(live: LiveParams, model: nn.Module, source: str | os.PathLike[s
         try:
             try:
                 reader = strategy.plan(path, targets, ignore)
+                snapshot.verify()  # a file written into while planned: nothing written yet
             except WeightLoadError as exc:
                 _agree_or_raise(agree, str(exc))
                 raise
             _agree_or_raise(agree, None)
             _refuse_differing_ties(targets, reader, live.mesh)
-            _write_all(targets, reader, unloaded, agree)
+            _write_all(targets, reader, unloaded, agree, verify=snapshot.verify)
         except WeightLoadError as exc:
             # The first strategy that can read the source is the format it declares; trying
             # the next would read other files of the folder (a stale export, a .metadata
@@ -876,7 +920,7 @@ def _agree_or_raise(agree: Agree, error: str | None) -> None:
 
 
 def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str],
-               agree: Agree = _alone) -> None:
+               agree: Agree = _alone, verify: Callable[[], None] | None = None) -> None:
     """Copy every target in, each read straight into its shard where the reader can
     (``fill``), with no copy of the model's previous values.
 
@@ -887,6 +931,10 @@ def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str],
     cannot hold), so the tensors written so far, and the one being written, are marked unset
     instead (NaN, and :meth:`TrainingState.status` lists them): the model is never a silent
     mixture of two checkpoints, and a load that fails its checks changes nothing.
+
+    Once the copy is done, ``verify`` (the snapshot's check that no file it read changed
+    meanwhile) runs as part of it: a file written into while it was read is a fault of the
+    copy, with the same outcome.
 
     After the copy the ranks agree (``agree``, bounded): when any rank failed (or did not
     arrive), every rank marks what it wrote unset and raises naming the failing rank and its
@@ -910,10 +958,13 @@ def _write_all(targets: Sequence[_Target], reader: _Reader, unloaded: set[str],
                 written.append(t)
                 t.local.copy_(value)
                 del value
+            current = None
+            if verify is not None:
+                verify()
     except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
         error = exc
-    name = current.fqn if current is not None else "the checkpoint"
-    head = (f"reading {name!r} failed after its checks passed (the file changed or could not "
+    name = repr(current.fqn) if current is not None else "the checkpoint"
+    head = (f"reading {name} failed after its checks passed (the file changed or could not "
             f"be read while loading)")
     text = None if error is None else f"{head}: {type(error).__name__}: {error}"
     try:
