@@ -54,7 +54,7 @@ CASES = (
          (S + "test_state_trust.py::test_an_export_changed_after_it_was_written_is_refused_"
               "by_name",)),
     Case("3", "a reader during a re-export reads a mix",
-         (S + "test_load_snapshot.py",)),
+         (S + "test_snapshot_reads.py",)),
     Case("4", "two jobs saving into one folder both report success",
          (S + "test_one_writer.py", S + "test_folder_lock.py")),
     Case("5", "a hung peer inside save_checkpoint or load_checkpoint waits 30 min",
