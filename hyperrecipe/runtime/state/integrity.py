@@ -232,7 +232,8 @@ def source_digest(source: str | os.PathLike[str]) -> str:
 
 
 COMMIT = "hyperrecipe.commit.json"
-"""Written by ``TrainingState.save_checkpoint``: ``{"state": "writing"}`` before ``dcp.save``,
+"""Written by ``TrainingState.save_checkpoint`` into its staging folder (which is switched in
+for the target only once it holds ``committed``): ``{"state": "writing"}`` before ``dcp.save``,
 then ``committed`` with the ``.metadata``'s sha256, each storage file's size (``files``) and,
 since records carry ``"fingerprint": FINGERPRINT_SCHEME``, each storage file's sampled
 fingerprint (``fingerprints``). A record without ``fingerprint`` (written before it existed)
