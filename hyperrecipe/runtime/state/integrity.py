@@ -613,6 +613,11 @@ def _switch(save: _Save, staging: folder_switch.Staging,
                         sort_keys=True) + "\n"
     try:
         replace_text(staging.path / COMMIT, record)
+    except OSError as exc:
+        folder_switch.abandon(staging)
+        return {"error": f"rank 0: cannot write {staging.path / COMMIT}: "
+                         f"{exc.strerror or exc}; {_KEPT}"}
+    try:
         folder_switch.commit(staging, checkpoint_owns, last=(COMMIT,))
     except OSError as exc:
         switched = _reads(save.target / COMMIT) == record

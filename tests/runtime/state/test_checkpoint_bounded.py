@@ -152,6 +152,15 @@ def _faulty_save(rank: int, world: int, folder: str, victim: int, fault: str) ->
             return staging
 
         folder_switch.begin = begin_on_a_full_disk  # type: ignore[assignment]
+    if rank == victim and fault == "full-disk-at-commit":
+        real_finish = FileSystemWriter.finish
+
+        def finish_then_fill_the_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+            done = real_finish(self, *args, **kwargs)  # .metadata written: the record is next
+            (Path(self.path) / f".{COMMIT}.tmp-{os.getpid()}").symlink_to("/dev/full")
+            return done
+
+        FileSystemWriter.finish = finish_then_fill_the_disk  # type: ignore[method-assign]
     inst.state.save_checkpoint(folder)
     return "saved"
 
@@ -248,6 +257,26 @@ def test_a_full_disk_under_rank_0s_first_record_raises_the_same_error_on_every_r
         f"ExportError: save_checkpoint into {folder} failed; the folder holds what it held "
         f"before (the new checkpoint was never switched in):\n  rank 0: cannot write "
         f"{staging / COMMIT}: No space left on device"), results[0][1]
+    assert folder_switch.leftovers(folder) == []
+    _assert_kept(folder, before, full)
+
+
+def test_a_full_disk_under_the_committed_record_raises_the_same_error_on_every_rank(
+        tmp_path: Path) -> None:
+    """After ``dcp.save`` returned everywhere: rank 0's failure reaches every rank in the last
+    exchange, as the same error."""
+    folder, before, full = _committed(tmp_path)
+    results = _launch(_faulty_save, 2, {0, 1}, str(folder), 0, "full-disk-at-commit")
+    kinds = {r: k for r, (k, _, _) in results.items()}
+    assert kinds == {0: "raised", 1: "raised"}, results
+    assert results[0][1] == results[1][1], "every rank raises the same error"
+    staging = folder.resolve().parent / f".ckpt{folder_switch.STAGING_SUFFIX}"
+    assert results[0][1] == (
+        f"ExportError: save_checkpoint into {folder} failed; the folder holds the old "
+        f"checkpoint or the new one (a loader refuses anything in between by its commit "
+        f"record):\n  rank 0: cannot write {staging / COMMIT}: No space left on device; the "
+        f"folder holds what it held before (the new checkpoint was never switched in)"), \
+        results[0][1]
     assert folder_switch.leftovers(folder) == []
     _assert_kept(folder, before, full)
 
