@@ -13,6 +13,8 @@ digests, commit records, manifests and atomic writes: the export manifest's dige
 the DCP commit record and its sampled fingerprints, the committed ``dcp.save``, the source
 digest the ranks compare, ``replace_text`` / ``sync_folder``), ``folder_lock`` (one writer per
 folder: the lock ``save_checkpoint`` and ``save_pretrained`` hold while they write),
+``folder_switch`` (a new state written into a staging folder and switched in for the old one
+in one step, so a failed or killed save leaves the old state whole),
 ``state_hooks`` (the model's and optimizer's state-dict hooks for torch's own DCP APIs),
 ``scoped_hooks`` (torch's global optimizer hooks scoped to one installation's optimizers),
 ``export`` (consolidated safetensors for ``from_pretrained``), ``direct_write`` (ranks on the
