@@ -43,9 +43,13 @@ class Case:
 CASES = (
     Case("1", "DCP chunk gaps, overlaps and relabels load silently",
          (S + "test_dcp_chunks.py",)),
-    Case("2a", "a writer killed before its switch destroys the old export",
+    Case("2a", "a writer killed before its switch destroys the old export or checkpoint",
          (S + "test_export_crash.py::test_a_writer_killed_before_its_switch_leaves_the_old_"
-              "export_byte_for_byte",)),
+              "export_byte_for_byte",
+          S + "test_checkpoint_bounded.py::test_a_save_killed_before_its_switch_keeps_the_old_"
+              "checkpoint_and_the_next_save_cleans_up",
+          S + "test_checkpoint_bounded.py::test_saving_again_into_a_committed_folder_switches_"
+              "the_new_checkpoint_in")),
     Case("2b", "a writer killed mid-switch lets from_pretrained load a mix",
          (S + "test_export_crash.py::test_a_writer_killed_right_after_its_switch_leaves_the_"
               "new_export_whole",
@@ -58,10 +62,17 @@ CASES = (
     Case("4", "two jobs saving into one folder both report success",
          (S + "test_one_writer.py", S + "test_folder_lock.py")),
     Case("5", "a hung peer inside save_checkpoint or load_checkpoint waits 30 min",
-         (S + "test_checkpoint_bounded.py",)),
+         (S + "test_checkpoint_bounded.py::test_a_rank_stopped_or_killed_in_dcp_save_makes_the_"
+              "other_raise_export_error_naming_it",
+          S + "test_checkpoint_bounded.py::test_a_rank_stopped_in_dcp_load_makes_the_other_"
+              "raise_weight_load_error_naming_it",
+          S + "test_checkpoint_bounded.py::test_a_full_disk_under_rank_0s_first_record_raises_"
+              "the_same_error_on_every_rank")),
     Case("6", "errors after the agreement reach one rank only",
          (S + "test_export_crash.py::test_an_error_at_the_switch_reaches_every_rank_as_the_"
-              "same_export_error",)),
+              "same_export_error",
+          S + "test_checkpoint_bounded.py::test_a_full_disk_under_the_committed_record_raises_"
+              "the_same_error_on_every_rank")),
     Case("7", "a FIFO swapped in after the check hangs load_weights",
          (S + "test_fifo_opens.py",)),
     Case("8", "a long string where a plan wants a list costs 3 KB per character",

@@ -18,7 +18,9 @@ The training state's collectives agree here too, so that every rank-agreement me
 one module: the entry check of a gathering call (:class:`EntryCheck`, through the store:
 :func:`every_rank_entered`), the digest of a checkpoint every rank is about to read
 (:func:`agree_on_source`), every rank's outcome of a step (:func:`agree_on_failure`,
-:func:`every_rank_failure`) and the meeting at a training loop's end (:func:`leave_together`).
+:func:`every_rank_failure`, and :func:`every_rank_outcome` through the store, which names the
+ranks that did not arrive and leaves the process group usable) and the meeting at a training
+loop's end (:func:`leave_together`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["TIMEOUT_ENV", "EntryCheck", "agree_before_apply", "agree_on_digest",
            "agree_on_failure", "agree_on_source", "agreement_timeout", "every_rank_entered",
-           "every_rank_failure", "exchange_rows", "leave_together", "vote"]
+           "every_rank_failure", "every_rank_outcome", "exchange_rows", "leave_together", "vote"]
 
 TIMEOUT_ENV = "HYPERRECIPE_AGREEMENT_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 30.0
@@ -286,6 +288,67 @@ def every_rank_entered(store: Any, label: str, rank: int, world: int,
         listed = ", ".join(f"rank {r} {c}()" for r, c in sorted(others.items()))
         return f"other ranks entered another collective at this point: {listed}"
     return None
+
+
+class _Outcomes:
+    """How many outcome exchanges this process took part in (as :class:`_Entered`, but a rank
+    that gives up counts the exchange too: it leaves a mark there instead of removing its
+    entry, so a late rank reads that it gave up rather than waiting on a stale key)."""
+
+    calls = 0
+
+
+_GAVE_UP = "\0gave up"
+
+
+def every_rank_outcome(outcome: str, what: str, timeout_s: float
+                       ) -> tuple[dict[int, str], list[int]]:
+    """Every rank's ``outcome`` of one step (any text: a message, a path, JSON), whole, in
+    one exchange through the process group's store that waits at most ``timeout_s``:
+    ``({rank: its outcome}, ranks that did not arrive)``. Every rank that arrived in time
+    reads the same table.
+
+    Why the store and not a collective (as :func:`agree_on_failure`): a collective that
+    times out leaves the group out of step for every later call, a row of fixed size cuts a
+    message short, and only the store can say *which* ranks did not arrive, which is what a
+    user needs to find a stopped or killed rank. A rank that gives up overwrites its entry
+    with a mark (never removes it: a peer reading it would block on the store's own
+    timeout), so a peer that arrives late counts it as missing too; both count the exchange,
+    and the next one meets under fresh keys. The waits poll (``check``), as in
+    :func:`every_rank_entered`. ``what`` names the step for the caller's message only.
+    """
+    del what  # the caller says what did not arrive, with its own context
+    if not _store_group():
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return {r: outcome for r in range(world)}, []
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _Outcomes.calls += 1
+    key = f"hyperrecipe/outcome/{_Outcomes.calls}"
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.set(keys[rank], "=" + outcome)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if missing:
+                store.set(keys[rank], _GAVE_UP)
+                store.add(f"{key}/left", 1)
+                return {rank: outcome}, missing
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    values = {r: bytes(store.get(k)).decode("utf-8", "replace") for r, k in enumerate(keys)}
+    if store.add(f"{key}/left", 1) == world:  # every rank has read (or given up)
+        for k in (*keys, f"{key}/left"):
+            store.delete_key(k)
+    missing = [r for r, v in values.items() if v == _GAVE_UP]
+    return {r: v[1:] for r, v in values.items() if r not in missing}, missing
 
 
 def _store_group() -> bool:

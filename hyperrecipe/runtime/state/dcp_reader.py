@@ -528,12 +528,13 @@ def _verify_fingerprints_together(folder: str | os.PathLike[str], metadata: Any,
                                   ) -> None:
     """:func:`verify_fingerprints` with the files split over the world's ranks and the outcome
     agreed through ``agree``; where a rank failed, every rank checks every file, so that all
-    raise the same error. Under another ``process_group``, or without ``agree``, every rank
-    checks every file (no exchange)."""
+    raise the same error. Under a ``process_group`` smaller than the world, or without
+    ``agree``, every rank checks every file (no exchange)."""
     import torch.distributed as dist
 
-    if agree is None or process_group is not None or not dist.is_initialized() \
-            or dist.get_world_size() == 1:
+    if agree is None or not dist.is_initialized() or dist.get_world_size() == 1 or (
+            process_group is not None
+            and dist.get_world_size(process_group) != dist.get_world_size()):
         verify_fingerprints(folder, metadata)
         return
     rank, world = dist.get_rank(), dist.get_world_size()

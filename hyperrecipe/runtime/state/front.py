@@ -16,6 +16,7 @@ entry check refuses it within ``collective_timeout_s`` instead).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,13 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.errors import ExportError, HyperrecipeError, PlanMismatchError
 from hyperrecipe.plan import ParamPlan, Plan
 from hyperrecipe.runtime.comm.sharding import local_shard
 from hyperrecipe.runtime.preflight.agreement import (
     EntryCheck,
     agree_on_failure,
     agree_on_source,
+    every_rank_outcome,
 )
 from hyperrecipe.runtime.state.checkpoint import (
     differing_ties,
@@ -129,6 +131,8 @@ class TrainingState:
         self._loads: list[LoadAttempt] = []
         self._enter = enter
         self._timeout_s = timeout_s
+        self._dcp_group: Any = None
+        self._dcp_group_timeout = 0.0
 
     def _mark_loaded(self, fqns: set[str]) -> None:
         """``model.load_state_dict`` wrote these FQNs (a tied name counts for its owner)."""
@@ -387,11 +391,23 @@ class TrainingState:
         save, and a second job saving into it meanwhile is refused on every rank before any of
         them writes there.
 
+        The new checkpoint is written into a staging folder beside ``folder`` and switched in
+        whole once every rank's files are written and fingerprinted
+        (:func:`~hyperrecipe.runtime.state.integrity.committed_dcp_save`): until then
+        ``folder`` holds, byte for byte, what it held (a committed checkpoint there still
+        loads), and a save killed before the switch leaves a staging folder that the next save
+        removes. Every wait (DCP's collectives, on a gloo group of their own, and the ranks'
+        exchanges) is bounded by ``collective_timeout_s``: a stopped or killed rank makes the
+        others raise, naming it, instead of waiting for the process group's timeout.
+
         Raises:
             FolderLockedError: another job is writing the folder (the message names its
                 host, pid and since when, and what to do); this job wrote nothing there.
-            ExportError: ``dcp.save`` failed on a rank, or a rank does not see the checkpoint
-                whole (the message names what it misses: checkpoints need shared storage).
+            ExportError: on every rank that arrived, with the same message: ``dcp.save``
+                failed on a rank, a rank does not see the checkpoint whole (the message names
+                what it misses: checkpoints need shared storage), the staging folder could not
+                be written, a rank did not arrive within ``collective_timeout_s`` (named), or
+                the switch failed (the message says what the folder holds).
         """
         from hyperrecipe.runtime.state.dcp_reader import storage_view_problem
 
@@ -399,7 +415,14 @@ class TrainingState:
         rank = dist.get_rank() if dist.is_initialized() else 0
         state = self.state_dict(optimizer)
         with self._one_writer(folder, "save_checkpoint", holder=rank == 0):
-            committed_dcp_save(state, folder, rank, view_problem=storage_view_problem)
+            group = self._bounded_group(ExportError, f"save_checkpoint into {folder}")
+            try:
+                committed_dcp_save(state, folder, rank, view_problem=storage_view_problem,
+                                   process_group=group, meet=self._meet,
+                                   timeout_s=self._timeout_s())
+            except ExportError:
+                self._dcp_group = None  # may hold an unfinished collective: never reused
+                raise
 
     def load_checkpoint(self, folder: str | os.PathLike[str],
                         optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -414,11 +437,16 @@ class TrainingState:
         gets the same by passing ``storage_reader=hyperrecipe.runtime.state.dcp_reader.
         trusted_reader(folder)``.
 
+        ``dcp.load``'s collectives run on the gloo group :meth:`save_checkpoint` uses, with
+        ``collective_timeout_s`` as its timeout, and the ranks report their outcome in one
+        bounded exchange after it: a stopped or killed rank makes the others raise, naming
+        it.
+
         Raises:
             WeightLoadError: the folder is refused (a global outside DCP's metadata classes,
                 non-tensor entries that are not plain data, storage files missing, truncated,
-                not regular or outside the folder) or a rank failed reading it; nothing was
-                written.
+                not regular or outside the folder), a rank failed reading it, or a rank did
+                not arrive within ``collective_timeout_s`` (named); nothing was written.
             PlanMismatchError: see :meth:`load_state_dict`.
         """
         from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
@@ -427,7 +455,13 @@ class TrainingState:
         self._agree_on_source(folder, "load_checkpoint")
         state = self.state_dict(optimizer)
         staged = _staged(state)
-        trusted_dcp_load(staged, folder, agree=self._agree)
+        group = self._bounded_group(WeightLoadError, f"load_checkpoint({os.fspath(folder)!r})")
+        error: str | None = None
+        try:
+            trusted_dcp_load(staged, folder, process_group=group, agree=self._agree)
+        except (WeightLoadError, PlanMismatchError) as exc:
+            error = str(exc)
+        self._loaded_together(folder, error)
         load_training_state(self._live, staged, optimizer, self._unloaded)
 
     # -- export -----------------------------------------------------------------------------
@@ -487,6 +521,79 @@ class TrainingState:
 
         with one_writer(folder, what, holder=holder, agree=agree):
             yield
+
+    def _bounded_group(self, error: type[HyperrecipeError], what: str) -> Any:
+        """The process group DCP's collectives run on: gloo over the world, its timeout this
+        installation's ``collective_timeout_s`` (the default group's is torch's 30 minutes,
+        and an NCCL group's cannot bound a rank stopped on the host). Made on first use,
+        after the callers' entry check and lock agreement saw every rank arrive (making it is
+        itself a collective, bounded by the same timeout), and again after a failure or a
+        change of the timeout. ``None`` (the default group) without peers, on torch's fake
+        group, or without gloo.
+
+        Raises:
+            ``error``: the group could not be made (a rank left meanwhile).
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1 \
+                or dist.get_backend() == "fake" or not dist.is_gloo_available():
+            return None
+        timeout = self._timeout_s()
+        if self._dcp_group is not None and self._dcp_group_timeout == timeout:
+            return self._dcp_group
+        try:
+            group = dist.new_group(backend="gloo",
+                                   timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # noqa: BLE001 - a peer gone: said with the call
+            msg = (f"{what}: rank {dist.get_rank()} could not set up the gloo group DCP runs "
+                   f"on within {timeout:g} s (collective_timeout_s): "
+                   f"{type(exc).__name__}: {exc!s:.300}; a rank stopped or left: restart "
+                   f"every rank")
+            raise error(msg) from None
+        self._dcp_group, self._dcp_group_timeout = group, timeout
+        return group
+
+    def _meet(self, outcome: str, what: str, broken: bool = False
+              ) -> tuple[dict[int, str], list[int]]:
+        """Every rank's ``outcome`` of a step of a save or load, within
+        ``collective_timeout_s``: gathered on the gloo group of :meth:`_bounded_group` while
+        it works (nothing is written to the store on the way of a save that succeeds: a
+        ``FileStore`` is a file, and grows with every key), through the store
+        (:func:`every_rank_outcome`, which names the ranks that did not arrive) once a
+        collective failed on this rank (``broken``) or this gather does."""
+        group = self._dcp_group
+        if group is not None and not broken:
+            everyone: list[Any] = [None] * dist.get_world_size()
+            try:
+                dist.all_gather_object(everyone, outcome, group=group)
+            except Exception:  # noqa: BLE001 - a peer stopped or died: asked through the store
+                self._dcp_group = None
+            else:
+                return dict(enumerate(everyone)), []
+        return every_rank_outcome(outcome, what, self._timeout_s())
+
+    def _loaded_together(self, folder: str | os.PathLike[str], error: str | None) -> None:
+        """Every rank's outcome of ``dcp.load``, so that all raise or all go on: a rank that
+        timed out in DCP's collectives (a peer stopped) names the peer that did not arrive.
+
+        Raises:
+            WeightLoadError: this or another rank failed, or a rank did not arrive.
+        """
+        outcomes, missing = self._meet(error or "", "the end of dcp.load", error is not None)
+        errors: list[str] = []
+        for _, text in sorted(outcomes.items()):
+            if text and text not in errors:
+                errors.append(text)
+        if errors or missing:
+            self._dcp_group = None  # may hold an unfinished collective: never reused
+        if not missing and len(errors) == 1:
+            raise WeightLoadError(errors[0])  # the same on every rank (DCP gathers failures)
+        if missing:
+            errors.append(f"rank(s) {missing} did not reach the end of dcp.load within "
+                          f"{self._timeout_s():g} s (collective_timeout_s): stopped, hung or "
+                          f"killed; restart every rank")
+        if errors:
+            raise WeightLoadError(f"load_checkpoint({os.fspath(folder)!r}) failed; nothing "
+                                  f"was loaded:\n  " + "\n  ".join(errors))
 
     def _agree(self, error: str | None, what: str) -> dict[int, str]:
         """Every rank's outcome of ``what`` (bounded by ``collective_timeout_s``)."""

@@ -35,17 +35,22 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import attrs
+
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import ExportError, WeightLoadError
+from hyperrecipe.runtime.state import folder_switch
 from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
 
-__all__ = ["COMMIT", "DIGESTS", "FINGERPRINT_SCHEME", "FORMATS", "MANIFEST", "MANIFEST_FORMAT",
-           "MAX_METADATA_BYTES", "Hasher", "check_commit", "commit_of", "commit_record",
-           "committed_dcp_save", "describe_failure", "digest_file", "fingerprint_share", "is_committed",
+__all__ = ["CHECKPOINT_FILES", "COMMIT", "DIGESTS", "FINGERPRINT_SCHEME", "FORMATS", "MANIFEST",
+           "MANIFEST_FORMAT", "MAX_METADATA_BYTES", "Hasher", "Meet", "check_commit",
+           "checkpoint_owns", "commit_of", "commit_record", "committed_dcp_save",
+           "describe_failure", "digest_file", "fingerprint_share", "is_committed",
            "manifest_document", "new_hasher", "parse_manifest", "replace_text",
            "sampled_fingerprint", "source_digest", "sync_folder", "verify_fingerprints",
            "writing_digest"]
@@ -236,7 +241,8 @@ def _sample(digest: Any, name: str, fd: int) -> None:
 
 
 COMMIT = "hyperrecipe.commit.json"
-"""Written by ``TrainingState.save_checkpoint``: ``{"state": "writing"}`` before ``dcp.save``,
+"""Written by ``TrainingState.save_checkpoint`` into its staging folder (which is switched in
+for the target only once it holds ``committed``): ``{"state": "writing"}`` before ``dcp.save``,
 then ``committed`` with the ``.metadata``'s sha256, each storage file's size (``files``) and,
 since records carry ``"fingerprint": FINGERPRINT_SCHEME``, each storage file's sampled
 fingerprint (``fingerprints``). A record without ``fingerprint`` (written before it existed)
@@ -413,77 +419,229 @@ def describe_failure(failure: Any) -> str:
     return text.strip().splitlines()[-1][:300] if text.strip() else type(exc).__name__
 
 
+CHECKPOINT_FILES = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|"
+                              + re.escape(COMMIT) + r"|\." + re.escape(COMMIT) + r"\.tmp-\d+")
+"""What a checkpoint's state is made of: what torch's ``FileSystemWriter`` writes (``.metadata``,
+rank-local ``__<rank>.metadata``, their ``.tmp`` while written, ``*.distcp``) and the commit
+record (with its temporary file). The next save replaces them; anything else in the folder is
+the user's, carried over by the switch."""
+
+
+def checkpoint_owns(name: str) -> bool:
+    """Whether an entry of a checkpoint folder belongs to the saved state (the ``owned`` of
+    :func:`~hyperrecipe.runtime.state.folder_switch.commit`)."""
+    return CHECKPOINT_FILES.fullmatch(name) is not None
+
+
+Meet = Callable[[str, str, bool], tuple[dict[int, str], list[int]]]
+"""Every rank's outcome of a step, in one bounded exchange: ``meet(outcome, what, broken)``
+returns ``({rank: outcome}, ranks that did not arrive)``; ``broken``: this rank's collectives
+failed (a peer stopped or died), so the exchange must not be one
+(``TrainingState._meet``)."""
+
+
+def _alone(outcome: str, what: str, broken: bool) -> tuple[dict[int, str], list[int]]:
+    del what, broken
+    return {0: outcome}, []
+
+
+@attrs.frozen(kw_only=True)
+class _Save:
+    """What every rank of one checkpoint save reports and raises with."""
+
+    target: Path
+    rank: int
+    meet: Meet
+    timeout_s: float
+
+    def together(self, outcome: dict[str, Any], what: str, head: str,
+                 broken: bool = False) -> dict[int, Any]:
+        """Every rank's ``outcome`` of ``what``; the same :class:`ExportError` on every rank
+        that arrived when a rank failed or did not arrive (``head`` says what became of the
+        folder)."""
+        texts, missing = self.meet(json.dumps(outcome, sort_keys=True), what, broken)
+        outcomes = {r: json.loads(t) for r, t in texts.items()}
+        errors: list[str] = []
+        for r, o in sorted(outcomes.items()):
+            error = o.get("error")
+            if isinstance(error, str) and error not in errors:
+                errors.append(error)
+        if missing:
+            errors.append(f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} "
+                          f"s (collective_timeout_s): stopped, hung or killed; restart every "
+                          f"rank")
+        if errors:
+            hint = ("\nEvery rank writes its storage files into the folder it sees, so the "
+                    "checkpoint needs a file system every rank shares (docs/multi-node.md): "
+                    "give --out / the folder on shared storage"
+                    if any("does not see the checkpoint whole" in e for e in errors) else "")
+            raise ExportError(f"save_checkpoint into {self.target} failed; {head}:\n  "
+                              + "\n  ".join(errors) + hint)
+        return outcomes
+
+
+_KEPT = "the folder holds what it held before (the new checkpoint was never switched in)"
+
+
 def committed_dcp_save(state: dict[str, Any], folder: str | os.PathLike[str], rank: int, *,
-                       view_problem: Callable[[Path], str | None] | None = None) -> None:
-    """``dcp.save(state, checkpoint_id=folder)`` between two commit records: ``writing``
-    before any rank writes (rank 0 writes it before entering ``dcp.save``, whose first step
-    is a collective), ``committed`` after ``.metadata`` is written, with each storage file's
-    sampled fingerprint (each rank computes its share, gathered in one exchange). A save that
-    dies between the two leaves ``writing``, which every reader here refuses. ``view_problem``
-    (the reader's :func:`~hyperrecipe.runtime.state.dcp_reader.storage_view_problem`) asks, on
-    every rank in the same exchange, whether the rank sees the checkpoint whole: ``.metadata``
-    and every storage file it names. Node-local folders fail it, and the save is refused on
-    every rank, uncommitted, naming what each rank misses.
+                       view_problem: Callable[[Path], str | None] | None = None,
+                       process_group: Any = None, meet: Meet | None = None,
+                       timeout_s: float = 0.0) -> None:
+    """``dcp.save(state)`` committed like a database's transaction: into a staging folder
+    (:mod:`~hyperrecipe.runtime.state.folder_switch`), fingerprinted and given its commit
+    record there, then switched in for ``folder`` in one step. A save that fails or is killed
+    at any point before the switch leaves ``folder`` byte for byte as it was (a committed
+    checkpoint there still loads), and its staging folder is removed by this save or the
+    next.
+
+    Three bounded exchanges (``meet``, :data:`Meet`), so that every rank that arrives raises
+    the same :class:`ExportError`, naming the failing rank, its file and what did not
+    arrive, or every rank returns:
+
+    1. rank 0 (which holds the folder's lock) makes the staging folder and writes a
+       ``writing`` record into it, and tells every rank where it is, *before* any rank enters
+       ``dcp.save``: a full disk there used to leave rank 0 raising while its peers waited in
+       DCP's first collective;
+    2. after ``dcp.save`` (its collectives on ``process_group``, bounded by its timeout),
+       every rank reports its outcome, whether it sees the checkpoint whole (``view_problem``,
+       the reader's :func:`~hyperrecipe.runtime.state.dcp_reader.storage_view_problem`:
+       node-local folders fail it) and the sampled fingerprints of its share of the storage
+       files;
+    3. rank 0 writes the committed record and switches the folder in, and reports that.
 
     Raises:
-        ExportError: ``dcp.save`` failed on a rank, a rank does not see the checkpoint whole
-            (node-local folders), or a rank could not read back its share of the files (the
-            folder stays uncommitted).
+        ExportError: a rank failed or did not arrive at one of the steps (the message says
+            whether the folder holds its old state, which it does unless the switch was
+            reached).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    path = Path(folder)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        replace_text(path / COMMIT, json.dumps({"state": "writing"}) + "\n")
+    save = _Save(target=Path(folder), rank=rank, meet=meet or _alone, timeout_s=timeout_s)
+    staging: folder_switch.Staging | None = None
+    switching = False
     try:
-        dcp_save(state, checkpoint_id=str(path))
-    except CheckpointException as exc:
-        failures = getattr(exc, "failures", {}) or {}
-        lines = [f"rank {r}: {describe_failure(e)}" for r, e in sorted(failures.items())]
-        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
-                          f"uncommitted and will not load:\n  " + "\n  ".join(
-                              lines or [str(exc)])) from None
-    fingerprints = _fingerprints_together(path, rank, view_problem)
-    if rank == 0:
-        replace_text(path / COMMIT, json.dumps(commit_record(path, fingerprints), indent=2,
-                                               sort_keys=True) + "\n")
+        mine: dict[str, Any] = {}
+        if rank == 0:
+            staging, mine = _prepare(save.target)
+        where = save.together(mine, "the start of the save", _KEPT)
+        path = staging.path if staging is not None else _staging_of(save.target,
+                                                                    where[0]["staging"])
+        outcome: dict[str, Any]
+        broken = False
+        try:
+            dcp_save(state, checkpoint_id=str(path), process_group=process_group)
+        except CheckpointException as exc:
+            failures = getattr(exc, "failures", {}) or {}
+            lines = [f"rank {r}: dcp.save failed: {describe_failure(e)}"
+                     for r, e in sorted(failures.items())]
+            outcome = {"error": "\n  ".join(lines or [f"dcp.save failed: {exc}"])}
+        except Exception as exc:  # noqa: BLE001 - a timed-out or broken collective: reported
+            outcome = {"error": f"rank {rank}: dcp.save stopped: {describe_failure(exc)}"}
+            broken = True
+        else:
+            outcome = _fingerprint_outcome(path, rank, view_problem)
+        shares = save.together(outcome, "the end of dcp.save", _KEPT, broken)
+        switching = True
+        if staging is not None:
+            fingerprints = {n: v for o in shares.values() for n, v in
+                            o.get("fingerprints", {}).items()}
+            outcome = _switch(save, staging, fingerprints)
+        else:
+            outcome = {}
+        save.together(outcome, "the switch", "the folder holds the old checkpoint or the new "
+                      "one (a loader refuses anything in between by its commit record)")
+    except BaseException:
+        if staging is not None and not switching:
+            folder_switch.abandon(staging)
+        elif rank != 0 and not switching:
+            _forget_own_view(save.target)
+        raise
 
 
-def _fingerprints_together(path: Path, rank: int,
-                           view_problem: Callable[[Path], str | None] | None = None
-                           ) -> dict[str, str]:
-    """Every storage file's sampled fingerprint, each rank reading its share once ``dcp.save``
-    returned (its files written and synced), gathered on every rank, with each rank's view of
-    the folder checked first (:func:`committed_dcp_save`).
+def _prepare(target: Path) -> tuple[folder_switch.Staging | None, dict[str, Any]]:
+    """Rank 0's staging folder with its ``writing`` record, and what it tells the other ranks
+    in the first exchange: where the folder is, or why it could not be made."""
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        staging = folder_switch.begin(target, checkpoint_owns)
+    except OSError as exc:
+        return None, {"error": f"rank 0: cannot make the staging folder for {target} at "
+                               f"{exc.filename or target}: {exc.strerror or exc}"}
+    record = staging.path / COMMIT
+    try:
+        replace_text(record, json.dumps({"state": "writing"}) + "\n")
+    except OSError as exc:
+        folder_switch.abandon(staging)
+        return None, {"error": f"rank 0: cannot write {record}: {exc.strerror or exc}"}
+    return staging, {"staging": [staging.exchange, staging.path.name]}
 
-    Raises:
-        ExportError: a rank does not see the checkpoint whole, or could not read its share
-            (the folder stays uncommitted).
-    """
+
+def _staging_of(target: Path, where: Any) -> Path:
+    """This rank's view of the staging folder rank 0 made (``[exchange, name]``): the
+    target's sibling of that name, or the folder inside it."""
+    exchange, name = where
+    if exchange:
+        return target.resolve().parent / str(name)
+    return target / folder_switch.STAGING_SUFFIX
+
+
+def _forget_own_view(target: Path) -> None:
+    """On a rank other than 0 whose save failed: remove the staging folder it sees when rank
+    0 did not make it (no record in it: node-local folders, where DCP made it on this node);
+    rank 0 removes the one it made, or the next save does."""
+    for path in (target.resolve().parent / f".{target.resolve().name}"
+                                           f"{folder_switch.STAGING_SUFFIX}",
+                 target / folder_switch.STAGING_SUFFIX):
+        if path.is_dir() and not path.is_symlink() and not os.path.lexists(path / COMMIT):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fingerprint_outcome(path: Path, rank: int,
+                         view_problem: Callable[[Path], str | None] | None) -> dict[str, Any]:
+    """This rank's report after ``dcp.save`` returned (its files written and synced): whether
+    it sees the checkpoint whole, then its share of the storage files' sampled
+    fingerprints."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    share: dict[str, str] | str
     problem = view_problem(path) if view_problem is not None else None
     if problem is not None:
-        share = f"rank {rank} does not see the checkpoint whole: {problem}"
-    else:
-        try:
-            share = fingerprint_share(path, rank, world)
-        except OSError as exc:
-            share = f"rank {rank}: cannot read {exc.filename}: {exc.strerror or exc}"
-    shares: list[dict[str, str] | str] = [share]
-    if world > 1:
-        shares = [{} for _ in range(world)]
-        dist.all_gather_object(shares, share)
-    failures = [s for s in shares if isinstance(s, str)]
-    if failures:
-        hint = ("\nEvery rank writes its storage files into the folder it sees, so the "
-                "checkpoint needs a file system every rank shares (docs/multi-node.md): give "
-                "--out / the folder on shared storage"
-                if any("does not see the checkpoint whole" in f for f in failures) else "")
-        raise ExportError(f"save_checkpoint into {path} failed; the folder is marked "
-                          f"uncommitted and will not load:\n  " + "\n  ".join(failures) + hint)
-    return {name: value for s in shares if isinstance(s, dict) for name, value in s.items()}
+        return {"error": f"rank {rank} does not see the checkpoint whole: {problem}"}
+    try:
+        return {"fingerprints": fingerprint_share(path, rank, world)}
+    except OSError as exc:
+        return {"error": f"rank {rank}: cannot read {exc.filename}: {exc.strerror or exc}"}
+
+
+def _switch(save: _Save, staging: folder_switch.Staging,
+            fingerprints: Mapping[str, str]) -> dict[str, Any]:
+    """Rank 0: the committed record into the staging folder, then the switch. Its outcome,
+    saying which checkpoint the folder holds when it failed."""
+    record = json.dumps(commit_record(staging.path, fingerprints), indent=2,
+                        sort_keys=True) + "\n"
+    try:
+        replace_text(staging.path / COMMIT, record)
+    except OSError as exc:
+        folder_switch.abandon(staging)
+        return {"error": f"rank 0: cannot write {staging.path / COMMIT}: "
+                         f"{exc.strerror or exc}; {_KEPT}"}
+    try:
+        folder_switch.commit(staging, checkpoint_owns, last=(COMMIT,))
+    except OSError as exc:
+        switched = _reads(save.target / COMMIT) == record
+        if not switched:
+            folder_switch.abandon(staging)
+        state = ("the new checkpoint is committed there; the next save finishes moving "
+                 f"back what {folder_switch.leftovers(save.target)} holds" if switched else
+                 "the folder holds its old checkpoint, or a mix its commit record refuses")
+        return {"error": f"rank 0: the switch failed at {exc.filename or save.target}: "
+                         f"{exc.strerror or exc}; {state}"}
+    return {}
+
+
+def _reads(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None

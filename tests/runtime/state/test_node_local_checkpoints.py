@@ -21,6 +21,7 @@ import torch
 
 from hyperrecipe.check.launcher import run_ranks
 from hyperrecipe.errors import ExportError
+from hyperrecipe.runtime.state import folder_switch
 from hyperrecipe.runtime.state.integrity import COMMIT
 from tests.support.checkpoint_harness import applied
 
@@ -56,16 +57,22 @@ def test_node_local_folders_are_refused_on_every_rank_naming_what_each_misses(
     assert errors[0] == errors[1]  # the same refusal on every rank
     message = errors[0]
     assert message is not None
-    assert "failed; the folder is marked uncommitted and will not load" in message
-    # rank 0's folder has .metadata, which names rank 1's file it does not hold
-    assert "rank 0 does not see the checkpoint whole" in message
-    assert "__1_0.distcp: named by .metadata but cannot be read" in message
-    # rank 1's folder has no .metadata at all
-    assert "rank 1 does not see the checkpoint whole: cannot read ckpt/.metadata" in message
+    assert message.startswith("save_checkpoint into ckpt failed; the folder holds what it held "
+                               "before (the new checkpoint was never switched in)"), message
+    # each rank wrote into the staging folder beside the "ckpt" it sees; rank 0's has
+    # .metadata, which names rank 1's file it does not hold
+    staged = [r / f".ckpt{folder_switch.STAGING_SUFFIX}" for r in roots]
+    assert (f"rank 0 does not see the checkpoint whole: {staged[0]}/__1_0.distcp: named by "
+            f".metadata but cannot be read") in message, message
+    # rank 1's has no .metadata at all
+    assert (f"rank 1 does not see the checkpoint whole: cannot read {staged[1]}/.metadata"
+            in message), message
     assert "needs a file system every rank shares" in message
-    # neither folder is committed: the record rank 0 wrote first still says "writing"
-    assert json.loads((roots[0] / "ckpt" / COMMIT).read_text()) == {"state": "writing"}
-    assert not (roots[1] / "ckpt" / COMMIT).exists()
+    # neither folder holds a checkpoint, nor a staging folder: rank 0 removed the one it made,
+    # rank 1 the one DCP made on its "node"
+    assert list((roots[0] / "ckpt").iterdir()) == []
+    assert not (roots[1] / "ckpt").exists()
+    assert not staged[0].exists() and not staged[1].exists()
 
 
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)

@@ -519,20 +519,30 @@ def _resume_error(rank: int, world: int, folder: str) -> str | None:
     return resume_worker(rank, world, folder)["error"]
 
 
-@pytest.mark.parametrize("how", ["limited", "plain"])
-def test_a_checkpoint_written_again_without_a_commit_is_refused(how: str, tmp_path: Path) -> None:
+def test_a_checkpoint_written_again_by_a_plain_dcp_save_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    results = run_ranks(_save_checkpoint_worker, 2, str(folder), how)
-    if how == "limited":
-        for res in results:
-            assert res["error"].startswith(f"ExportError: save_checkpoint into {folder} failed;"
-                                           f" the folder is marked uncommitted"), res["error"]
-        expected = f"{folder}: not committed (hyperrecipe.commit.json says 'writing')"
-    else:
-        expected = f"{folder}: written again after it was committed"
+    run_ranks(_save_checkpoint_worker, 2, str(folder), "plain")
+    expected = f"{folder}: written again after it was committed"
     for error in run_ranks(_resume_error, 2, str(folder)):
         assert error is not None and expected in error, error
     assert expected in run_ranks(_load_weights_worker, 1, str(folder))[0]["error"]
+
+
+def test_a_failed_save_checkpoint_leaves_the_committed_one_that_loads(tmp_path: Path) -> None:
+    """A save that fails (rank 1 under ``ulimit -f``) over a committed checkpoint used to leave
+    the folder ``writing``, the committed one gone; it is written beside the folder now, and
+    switched in only when complete (tests/runtime/state/test_checkpoint_bounded.py has the
+    kills and stopped ranks)."""
+    folder = tmp_path / "ckpt"
+    results = run_ranks(_save_checkpoint_worker, 2, str(folder), "limited")
+    for res in results:
+        assert res["error"].startswith(f"ExportError: save_checkpoint into {folder} failed; "
+                                       f"the folder holds what it held before (the new "
+                                       f"checkpoint was never switched in):\n  rank 1: "
+                                       f"dcp.save failed: "), res["error"]
+    assert json.loads((folder / "hyperrecipe.commit.json").read_text())["state"] == "committed"
+    assert run_ranks(_resume_error, 2, str(folder)) == [None, None]
+    assert run_ranks(_load_weights_worker, 1, str(folder))[0]["error"] is None
 
 
 def test_save_checkpoint_then_load_checkpoint_resumes(tmp_path: Path) -> None:
