@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import attrs
 
 from hyperrecipe._files import open_regular, read_regular_file
-from hyperrecipe.errors import ExportError, WeightLoadError
+from hyperrecipe.errors import ExportError, SwitchIncompleteError, WeightLoadError
 from hyperrecipe.runtime.state import folder_switch
 from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
 
@@ -630,8 +630,8 @@ def _switch(save: _Save, staging: folder_switch.Staging,
         folder_switch.commit(staging, checkpoint_owns, last=(COMMIT,))
     except OSError as exc:
         switched = _reads(save.target / COMMIT) == record
-        if not switched:
-            folder_switch.abandon(staging)
+        if not switched and not isinstance(exc, SwitchIncompleteError):
+            folder_switch.abandon(staging)  # the target never changed: nothing else in it
         state = ("the new checkpoint is committed there; the next save finishes moving "
                  f"back what {folder_switch.leftovers(save.target)} holds" if switched else
                  "the folder holds its old checkpoint, or a mix its commit record refuses")
