@@ -310,3 +310,22 @@ def test_saving_again_into_a_committed_folder_switches_the_new_checkpoint_in(
     assert folder_switch.leftovers(folder) == []
     assert is_committed(folder)
     _assert_loads(folder, newer)
+
+
+def _save_from_inside(rank: int, world: int, folder: str, scale: float) -> dict[str, Any]:
+    os.chdir(folder)  # a folder that is the process's working folder is never exchanged away
+    full = _save_worker(rank, world, folder, scale)
+    return {"full": full, "left": [str(p) for p in folder_switch.leftovers(folder)]}
+
+
+def test_where_no_exchange_is_possible_the_checkpoint_is_switched_file_by_file(
+        tmp_path: Path) -> None:
+    """The per-file switch (storage files and ``.metadata`` renamed into place, the commit
+    record last): the new checkpoint loads, the user's file is kept, nothing is left over."""
+    folder, before, _ = _committed(tmp_path)
+    res = run_ranks(_save_from_inside, 2, str(folder), 2.0)
+    assert res[0]["left"] == [] and folder_switch.leftovers(folder) == []
+    after = _snapshot(folder)
+    assert set(after) == set(before) and after["notes.txt"] == before["notes.txt"]
+    assert after != before and is_committed(folder)
+    _assert_loads(folder, res[0]["full"])

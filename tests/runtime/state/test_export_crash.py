@@ -179,3 +179,20 @@ def test_an_error_at_the_switch_reaches_every_rank_as_the_same_export_error(
     assert "Input/output error" in errors[0]
     assert _snapshot(folder) == before and leftovers(folder) == []
     _assert_holds(folder, old)
+
+
+def _export_from_inside(rank: int, world: int, folder: str, scale: float) -> dict[str, Any]:
+    os.chdir(folder)  # a folder that is the process's working folder is never exchanged away
+    return _export(rank, world, folder, scale, None)
+
+
+def test_where_no_exchange_is_possible_the_export_is_switched_file_by_file(
+        exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """The per-file switch (weights, index and configs renamed into place, the earlier
+    export's other shards removed, the manifest last) leaves one export both loaders read."""
+    folder, old = exported
+    res = run_ranks(_export_from_inside, 1, str(folder), 3.0)[0]
+    assert res["error"] is None and leftovers(folder) == []
+    _assert_holds(folder, _scaled(old, 3.0))
+    assert (folder / "tokenizer.json").read_text() == '{"tok": 1}'
+    assert (folder / "runs" / "notes.txt").read_text() == "mine"
