@@ -23,7 +23,7 @@ rotates each round), into fresh folders on the same file system:
 Each write starts with no dirty pages (``os.sync()`` outside the timing): ``plain`` leaves 1 GiB
 for the kernel to write back, which the next write's ``fsync`` paid for before. Figures are
 medians over ``--repeat`` rounds; ratios are to ``plain+fsync``, and ``dcp+commit``
-to ``dcp``. Run::
+to ``dcp``. First, the switch alone (:func:`switch_ms`). Run::
 
     python tools/bench_export_integrity.py --gib 1 --repeat 5 [--json OUT]
 """
@@ -108,6 +108,36 @@ def hash_speeds(repeat: int = 5) -> dict[str, int]:
     return speeds
 
 
+def switch_ms(root: Path, repeat: int = 30) -> dict[str, float]:
+    """The switch alone (:mod:`hyperrecipe.runtime.state.folder_switch`), in ms, median of
+    ``repeat``: ``begin`` (finish leftovers, make the staging folder) and ``commit`` (carry the
+    folder's other entries over, exchange, remove the earlier state) of a sharded export's six
+    small files into a folder that also holds 20 files and a subfolder of the user's."""
+    from hyperrecipe.runtime.state import folder_switch
+    from hyperrecipe.runtime.state.export import owned_by_export
+
+    target = root / "switch"
+    target.mkdir()
+    for i in range(20):
+        (target / f"user-{i}.txt").write_text("mine")
+    (target / "runs").mkdir()
+    names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)] + [
+        "model.safetensors.index.json", "config.json", "hyperrecipe.manifest.json"]
+    begin, commit = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        staging = folder_switch.begin(target, owned_by_export)
+        begin.append(time.perf_counter() - start)
+        for name in names:
+            (staging.path / name).write_bytes(b"0" * 1024)
+        start = time.perf_counter()
+        folder_switch.commit(staging, owned_by_export, last=["hyperrecipe.manifest.json"])
+        commit.append(time.perf_counter() - start)
+    return {"begin": round(statistics.median(begin) * 1e3, 2),
+            "commit": round(statistics.median(commit) * 1e3, 2),
+            "exchange": float(staging.exchange)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
@@ -123,6 +153,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-export-", dir=args.dir))
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     try:
+        switch = switch_ms(root)
+        print(f"switch ({'exchange' if switch['exchange'] else 'file by file'}), median of 30: "
+              f"begin {switch['begin']:.2f} ms, commit {switch['commit']:.2f} ms")
         for r in range(args.repeat):
             for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
                 folder = root / f"{kind}-{r}"
@@ -154,7 +187,7 @@ def main() -> None:
                                "export_over_fsync": ratios["export"],
                                "export_sha256_over_fsync": ratios["export-sha256"],
                                "dcp_commit_over_dcp": round(med["dcp+commit"] / med["dcp"], 3),
-                               "times": times}
+                               "switch_ms": switch, "times": times}
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
