@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -47,7 +47,12 @@ class SuggestOptions:
         timeout_s: per check step, as ``hyperrecipe check --timeout``.
         check_config: the config the check builds; default: the given config when it is small,
             the shipped tiny config of the family, or one derived from the given config with
-            every size shrunk (:func:`hyperrecipe.models.hf_tiny.tiny_config`).
+            every size shrunk (:func:`hyperrecipe.models.hf_tiny.tiny_config`). A
+            ``pkg.module:factory`` model is checked on the given config as it is (give a small
+            one here where it is not).
+        inputs: ``pkg.module:make_inputs`` for a model the check makes no batch for, as
+            ``hyperrecipe check --inputs`` takes it (``make_inputs(model, batch=, seq=,
+            generator=) -> (args, kwargs)``; images for a vision model of your own).
     """
 
     translate: TranslateOptions = TranslateOptions()
@@ -55,6 +60,7 @@ class SuggestOptions:
     max_attempts: int = 6
     timeout_s: float = 300.0
     check_config: str | Mapping[str, Any] | None = None
+    inputs: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -190,7 +196,9 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     """Suggest a recipe for ``model`` on ``mesh`` and verify it (see the package doc).
 
     Args:
-        model: ``hf:<model_type>``.
+        model: ``hf:<model_type>``, or ``pkg.module:factory`` for a model of your own (called
+            with the config fields as keyword arguments on the meta device, as ``compile`` and
+            ``check`` call it; docs/bring-your-own-model.md).
         mesh: mesh dim -> size, e.g. ``{"tp": 2}``.
         model_config: the model's config (JSON file, inline JSON or mapping); the recipe is
             written for it, and checked on a tiny config of the same structure.
@@ -213,7 +221,8 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
     from hyperrecipe.suggest.render import render_recipe
-    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+    from hyperrecipe.suggest.structure import (blocks_the_plan_leaves_out, read_structure,
+                                               structural_entries)
     from hyperrecipe.suggest.translate import translate
     from hyperrecipe.suggest.verify import verify_rules
 
@@ -238,20 +247,17 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         if extra:
             entries = (*entries, *extra)
             source += " and, for the blocks it leaves out, the model's structure"
+    left_out: tuple[Narrowed, ...] = ()
     if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
-        entries = structural_entries(small) if dim in mesh else ()
+        entries, left_out = read_structure(small) if dim in mesh else ((), ())
         source = "the model's structure (it declares no parallel plan)"
         if not entries:
-            msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
-                   f"(transformers' base_model_tp_plan / _tp_plan), and its structure shows no "
-                   f"block of column-wise projections from the hidden size and a row-wise one "
-                   f"back to it: write the recipe by hand (docs/guide.md)")
-            raise SuggestError(msg)
+            raise SuggestError(_nothing_to_shard(model, small, left_out))
     progress(f"read {len(entries)} plan entries from {source} of {type(small).__name__}")
     translation = translate(entries, snapshot(small), mesh, opts.translate)
     progress(f"translated into {len(translation.rules)} rules "
              f"({len(translation.narrowed)} entries left replicated)")
-    name = f"{model.removeprefix('hf:')}-suggested"
+    name = f"{_model_name(model)}-suggested"
     kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert")) if d in mesh)
     mesh_dims = list(mesh)
 
@@ -259,12 +265,12 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         return render_recipe(name, mesh_dims, rules, header=header or [],
                              description=f"Suggested {kinds} parallel {model}")
 
-    narrowed = list(translation.narrowed)
+    narrowed = [*left_out, *translation.narrowed]
     if opts.verify:
         outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
                                mesh=mesh, max_attempts=opts.max_attempts,
                                timeout_s=opts.timeout_s, progress=progress,
-                               modules=snapshot(small).modules)
+                               modules=snapshot(small).modules, inputs=opts.inputs)
         rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
                                           outcome.reason)
         narrowed += outcome.narrowed
@@ -288,6 +294,29 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
                                  source))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
+
+
+def _model_name(model: str) -> str:
+    """The recipe's name stem: ``llama`` for ``hf:llama``, the factory for ``pkg.mod:make_gpt``."""
+    return model.removeprefix("hf:").rpartition(":")[2] or model
+
+
+def _nothing_to_shard(model: str, meta: Any, left_out: Sequence[Narrowed]) -> str:
+    """The refusal where neither a plan nor the structure gives a rule: what was read, and
+    what was left out and why (so that the user knows what to change in the forward)."""
+    from hyperrecipe.suggest.structure import WIDTH_FIELDS, hidden_size
+
+    hidden = hidden_size(meta)
+    read = (f"the blocks read a hidden size of {hidden}" if hidden is not None else
+            f"no hidden size could be read (no projection width that most projections inside "
+            f"repeated blocks read, nor an nn.Embedding or a config field "
+            f"({', '.join(WIDTH_FIELDS)}) to break a tie)")
+    msg = (f"{model} ({type(meta).__name__}) declares no tensor-parallel plan (transformers' "
+           f"base_model_tp_plan / _tp_plan), and its structure shows no block of column-wise "
+           f"projections from the hidden size and a row-wise one back to it ({read})")
+    for n in left_out:
+        msg += f"; {n.what} was left out: {n.why}"
+    return msg + ": write the recipe by hand (docs/guide.md, docs/bring-your-own-model.md)"
 
 
 MAX_CHECK_PARAMETERS = 20_000_000

@@ -89,6 +89,12 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
         cmp = mode.comparison
         if cmp is None or cmp.agree:
             continue
+        if cmp.first is not None and cmp.first.fqn.startswith("<") and cmp.first.fqn != "<output>":
+            # raised outside a boundary (``<backward>``): the message names the module
+            for token in _FQN.findall(str(cmp.first.detail)):
+                if _owner(token, rules)[0] is not None:
+                    return token, (f"{mode.mode} mode raised in {cmp.first.fqn}: "
+                                   f"{cmp.first.detail}")
         if cmp.first is not None and cmp.first.fqn not in ("", "<output>"):
             return cmp.first.fqn, (f"{mode.mode} mode diverged at {cmp.first.fqn} "
                                    f"({cmp.first.what}): {cmp.first.detail}")
@@ -183,7 +189,8 @@ def _outermost(groups: Sequence[str]) -> list[str]:
     return [g for g in groups if not any(g.startswith(h + ":") for h in groups if h != g)]
 
 
-def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
+def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int],
+                        inputs: str | None = None) -> None:
     """Compile the attempt as ``hyperrecipe compile`` will, verification included. Run after
     ``check`` agreed (a divergence narrows by what ``check`` measured, which knows more ways
     out, such as gathering a region instead of giving it up): a suggestion ``compile`` refuses
@@ -194,14 +201,14 @@ def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
     """
     from hyperrecipe.api import compile_recipe
 
-    compile_recipe(path, meta, dict(mesh))
+    compile_recipe(path, meta, dict(mesh), inputs=inputs)
 
 
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
                  *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
                  max_attempts: int, timeout_s: float,
                  progress: Callable[[str], None],
-                 modules: Sequence[ModuleInfo] = ()) -> Verified:
+                 modules: Sequence[ModuleInfo] = (), inputs: str | None = None) -> Verified:
     """Check ``rules`` and narrow them until ``check`` agrees, at most ``max_attempts`` times.
 
     Args:
@@ -215,6 +222,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
         progress: one line per step.
         modules: the checked model's modules (parents first): a module no rule places that
             the check names is then taken into sequence parallelism (:mod:`.unplaced`).
+        inputs: ``pkg.module:make_inputs`` for the check's batch (``check --inputs``).
     """
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.model_tree import build_model
@@ -252,11 +260,11 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
             progress(f"check {attempt}/{max_attempts}: {len(current)} rules, both modes")
             t0 = time.perf_counter()
             options = CheckOptions(recipe=path, model=model, model_config=dict(check_config),
-                                   mesh=dict(mesh), timeout_s=timeout_s)
+                                   mesh=dict(mesh), timeout_s=timeout_s, inputs=inputs)
             try:
                 report = run_check(options)
                 if report.agree:  # what check agrees on must also compile as compile will
-                    _refused_at_compile(path, meta, mesh)
+                    _refused_at_compile(path, meta, mesh, inputs)
             except RecipeError as exc:
                 seconds = time.perf_counter() - t0
                 if exc.rule_index is None or not 0 <= exc.rule_index < len(merge_rules(current)):
