@@ -327,31 +327,43 @@ def _width_read_off_the_input(block: nn.Module) -> str | None:
         if bound is None or bound.group(1) == "_":
             continue
         width = bound.group(1)
-        if re.search(rf"\b{re.escape(width)}\b", source[bound.end():]):
+        # a comment, an attribute (`.dim()`) or a keyword (`dim=-1`) of the same name is no use
+        after = re.sub(r"#.*", "", source[bound.end():])
+        if re.search(rf"(?<![\w.]){re.escape(width)}\b(?!\s*=(?!=))", after):
             line = " ".join(bound.group(0).split())
             return (f"its forward reads the width off its input ({line}) and shapes its heads by "
                     f"it")
     return None
 
 
-_EINOPS_HEADS = re.compile(r"\b(?:rearrange|repeat|reduce)\([^()]*\(\w+ \w+\)[^()]*,\s*\w+\s*=")
+_EINOPS_CALL = re.compile(r"\b(?:rearrange|repeat|reduce)\(\s*(?:[^,()]|\([^()]*\))+,\s*"
+                          r"(['\"])(.+?)\1"
+                          r"((?:\s*,\s*\w+\s*=\s*[^,()]+(?:\([^()]*\))?)*)\s*\)")
+
+
+def _fixes_heads(pattern: str, axes: Sequence[str]) -> bool:
+    """Whether an einops ``pattern`` fixes the count of a split axis (``h`` in ``(h d)`` given
+    as ``h=``): fixing the per-head size instead (``d=``) holds on a shard."""
+    return any(first in axes for first, _ in re.findall(r"\((\w+)\s+(\w+)\)", pattern))
 
 
 def _heads_fixed_in_einops(block: nn.Module) -> str | None:
     """Why ``block``'s heads cannot be divided, where an einops pattern fixes their count
     (``Rearrange('b n (h d) -> b h n d', h=heads)`` as a child, or ``rearrange(t, ..., h=
-    self.heads)`` in its forward): a rank holding half the heads still splits its width into
-    all of them, each half as wide."""
+    self.heads)`` in its forward): a rank holding half the width still splits it into all the
+    heads, each half as wide, and computes the wrong attention without a shape error."""
     for name, child in block.named_children():
         lengths = getattr(child, "axes_lengths", None)
-        if type(child).__module__.startswith("einops") and lengths:
-            return (f"its {name} ({type(child).__name__} {getattr(child, 'pattern', '')!r}, "
-                    f"{dict(lengths)}) fixes the head count in an einops pattern")
+        pattern = getattr(child, "pattern", None)
+        if (type(child).__module__.startswith("einops") and isinstance(pattern, str)
+                and lengths and _fixes_heads(pattern, list(dict(lengths)))):
+            return (f"its {name} ({type(child).__name__} {pattern!r}, {dict(lengths)}) fixes "
+                    f"the head count in an einops pattern")
     source, _ = _forward_source(block)
-    found = _EINOPS_HEADS.search(source)
-    if found is not None:
-        return (f"its forward fixes the head count in an einops pattern "
-                f"({' '.join(found.group(0).split())} ...)")
+    for call in _EINOPS_CALL.finditer(source):
+        if _fixes_heads(call.group(2), re.findall(r"(\w+)\s*=", call.group(3))):
+            return (f"its forward fixes the head count in an einops pattern "
+                    f"({' '.join(call.group(0).split())})")
     return None
 
 

@@ -147,6 +147,53 @@ def test_heads_fixed_in_an_einops_layer_leave_the_attention_replicated() -> None
     assert "fixes the head count in an einops pattern" in left_out[0].why
 
 
+def rearrange(t: torch.Tensor, pattern: str, **axes: int) -> torch.Tensor:
+    """Stands in for ``einops.rearrange`` on ``b n (h d) -> b h n d`` (what the structure reads
+    is the call in the forward's source)."""
+    b, n, _ = t.shape
+    heads = axes.get("h")
+    return t.view(b, n, heads if heads else -1, axes.get("d", -1)).transpose(1, 2)
+
+
+class _EinopsInForward(_EinopsAttention):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.split_heads  # the pattern is in the forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(f(x), "b n (h d) -> b h n d", h=self.heads)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.to_out(y.transpose(1, 2).flatten(2))
+
+
+class _EinopsHeadSize(_EinopsAttention):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.split_heads  # the pattern is in the forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(f(x), "b n (h d) -> b h n d", d=4)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.to_out(y.transpose(1, 2).flatten(2))
+
+
+def test_heads_fixed_in_an_einops_call_leave_the_attention_replicated_a_head_size_does_not(
+        ) -> None:
+    with torch.device("meta"):
+        model = _EinopsModel()
+        model.layers = nn.ModuleList([_EinopsInForward(), _EinopsInForward()])
+        _, left_out = read_structure(model)
+        assert [n.why.split(":")[0] for n in left_out] == [
+            "its forward fixes the head count in an einops pattern (rearrange(f(x), "
+            "\"b n (h d) -> b h n d\", h=self.heads))"]
+        model.layers = nn.ModuleList([_EinopsHeadSize(), _EinopsHeadSize()])
+        entries, left_out = read_structure(model)
+    assert left_out == ()
+    assert "layers.*.to_out" in {e.pattern for e in entries}
+
+
 class _OnlyMHA(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -216,6 +263,16 @@ def test_a_nanogpt_gets_a_verified_recipe_of_its_mlps(tmp_path: Path) -> None:
     assert {"transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"} <= sharded
     assert not any(".attn" in m for m in sharded)
     assert "transformer.h.*.attn (CausalSelfAttention)" in narrowed
+
+
+@pytest.mark.slow
+def test_a_nanogpt_that_fixes_its_head_size_gets_its_attention_sharded_too(tmp_path: Path) -> None:
+    # the forward the docs ask for: self.head_dim, reshape(B, T, -1); n_embd (the split size)
+    # is divided with the heads
+    sharded, narrowed = _suggest_and_recheck("make_gpt_head_size", {}, None, tmp_path)
+    assert {"transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+            "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"} <= sharded
+    assert not any(".attn" in n for n in narrowed)
 
 
 @pytest.mark.slow

@@ -85,6 +85,30 @@ def make_gpt(vocab_size: int = 64, block_size: int = 16, n_layer: int = 2, n_hea
     return GPT(vocab_size, block_size, n_layer, n_head, n_embd)
 
 
+class HeadSizeAttention(CausalSelfAttention):
+    """nanoGPT's attention written as docs/bring-your-own-model.md says: the per-head size is
+    fixed and the output takes the width it holds, so its heads divide between ranks."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__(n_embd, n_head)
+        self.head_dim = n_embd // n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def make_gpt_head_size(**fields: int) -> GPT:
+    """:func:`make_gpt` with :class:`HeadSizeAttention`."""
+    model = make_gpt(**fields)
+    for block in model.transformer.h:  # type: ignore[union-attr]
+        block.attn = HeadSizeAttention(block.attn.n_embd, block.attn.n_head)
+    return model
+
+
 # --- litgpt-like: a config object, separate q/k/v, SwiGLU ---------------------------------------
 
 @dataclass
