@@ -4,8 +4,9 @@ Each attempt writes the rules as a recipe file and runs :func:`hyperrecipe.check
 on it (the same code as ``hyperrecipe check``: the recipe compiled against the model, then
 production and validate mode on local ranks, compared with one process). When it does not
 agree, the failure is attributed to one rule: a compile error names its rule index; a divergent
-boundary, a rank's error message or a divergent gradient names a module, and the rule that
-places that module — or the innermost region around it — is blamed. A blamed rule that goes
+boundary, a rank's error message or a divergent gradient names a module (and, where nothing
+beyond the plan is left to give up, the message of an error raised in backward does), and the
+rule that places that module — or the innermost region around it — is blamed. A blamed rule that goes
 beyond the source plan is given up alone; otherwise its whole group (a region and its
 projections, an embedding and its tied ``lm_head``) is, so that module stays replicated. What
 was given up, and why, is recorded. Nothing here decides a placement of its own.
@@ -89,12 +90,6 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
         cmp = mode.comparison
         if cmp is None or cmp.agree:
             continue
-        if cmp.first is not None and cmp.first.fqn.startswith("<") and cmp.first.fqn != "<output>":
-            # raised outside a boundary (``<backward>``): the message names the module
-            for token in _FQN.findall(str(cmp.first.detail)):
-                if _owner(token, rules)[0] is not None:
-                    return token, (f"{mode.mode} mode raised in {cmp.first.fqn}: "
-                                   f"{cmp.first.detail}")
         if cmp.first is not None and cmp.first.fqn not in ("", "<output>"):
             return cmp.first.fqn, (f"{mode.mode} mode diverged at {cmp.first.fqn} "
                                    f"({cmp.first.what}): {cmp.first.detail}")
@@ -106,6 +101,21 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
             last = (placed or bad)[-1]
             return last.name, (f"{mode.mode} mode: the gradient of {last.name} differs from one "
                                f"process (max abs {last.diff.max_abs})")
+    return None
+
+
+def _blame_named(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | None:
+    """``(fqn, why)`` for a failure raised outside every boundary (``<backward>``: validate
+    mode's gradient check) whose message names a module a rule places. Asked only where
+    :func:`_blame` found nothing and no addition beyond the plan is left to give up: the
+    module named is then narrowed instead of refusing the whole suggestion."""
+    for mode in report.modes:
+        cmp = mode.comparison
+        if cmp is None or cmp.agree or cmp.first is None or not cmp.first.fqn.startswith("<"):
+            continue
+        for token in _FQN.findall(str(cmp.first.detail)):
+            if _owner(token, rules)[0] is not None:
+                return token, f"{mode.mode} mode raised in {cmp.first.fqn}: {cmp.first.detail}"
     return None
 
 
@@ -290,6 +300,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                 attempts=tuple(attempts))
             blamed = _blame(report, current)
             culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
+            if culprit is None and not any(r.deeper for r in current):
+                blamed = _blame_named(report, current) or blamed
+                culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
             added = (token_local_unplaced(blamed[0], current, modules)
                      if blamed is not None and culprit is None else None)
             if blamed is not None and added is not None and added.match not in {
