@@ -226,7 +226,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     from hyperrecipe.suggest.translate import translate
     from hyperrecipe.suggest.verify import verify_rules
 
-    opts = options or SuggestOptions()
+    opts = _for_the_model(model, options or SuggestOptions())
     progress = on_progress or _ignore
     t0 = time.perf_counter()
     dim = opts.translate.dim
@@ -294,6 +294,15 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
                                  source))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
+
+
+def _for_the_model(model: str, opts: SuggestOptions) -> SuggestOptions:
+    """No loss on vocab shards for a model of one's own: its forward hands the logits to its
+    caller (there is no ``labels=`` loss of its own to run on the shards), and the caller's loss
+    would get this rank's slice of the vocab."""
+    if model.startswith("hf:") or not opts.translate.loss_parallel:
+        return opts
+    return attrs.evolve(opts, translate=attrs.evolve(opts.translate, loss_parallel=False))
 
 
 def _model_name(model: str) -> str:

@@ -410,14 +410,29 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
             notes.append(Narrowed(what=f"{folded} ({type(block).__name__})", why=why))
             continue
         out.extend(entries)
-    head = _called(model, "get_output_embeddings")
-    if out and isinstance(head, nn.Linear):
-        name = next((n for n, m in model.named_modules() if m is head), None)
-        if name is not None:
-            out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",
-                                 source=f"{STRUCTURE_SOURCE}: the output embedding",
-                                 head=True))
+    name = _output_head(model, hidden) if out else None
+    if name is not None:
+        out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",
+                             source=f"{STRUCTURE_SOURCE}: the output embedding", head=True))
     return tuple(out), tuple(notes)
+
+
+def _output_head(model: nn.Module, hidden: int) -> str | None:
+    """The output embedding's name: a transformers model's ``get_output_embeddings()``; for any
+    other module the one ``nn.Linear`` outside the blocks from the hidden size to the vocabulary
+    of an ``nn.Embedding`` of the hidden size (nanoGPT's and litgpt's ``lm_head``, tied to the
+    token embedding or not). A classifier head (a ViT's, to its classes) is none: it stays
+    replicated."""
+    if callable(getattr(type(model), "get_output_embeddings", None)):
+        head = _called(model, "get_output_embeddings")
+        return next((n for n, m in model.named_modules() if m is head), None) if isinstance(
+            head, nn.Linear) else None
+    vocab = {int(m.num_embeddings) for m in model.modules()
+             if isinstance(m, nn.Embedding) and m.embedding_dim == hidden}
+    found = [n for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and "*" not in _fold(n) and m.in_features == hidden
+             and m.out_features in vocab]
+    return found[0] if len(found) == 1 else None
 
 
 def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:

@@ -78,7 +78,7 @@ def test_a_tie_between_widths_is_broken_by_the_width_the_model_names() -> None:
 def test_an_attention_that_reads_its_width_off_the_input_is_left_replicated_and_says_why() -> None:
     styles, left_out = _read("make_gpt")
     assert styles == {"transformer.h.*.mlp.c_fc": "colwise",
-                      "transformer.h.*.mlp.c_proj": "rowwise"}
+                      "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather_output"}
     why = left_out["transformer.h.*.attn (CausalSelfAttention)"]
     assert why.startswith("its forward reads the width off its input (B, T, C = x.size()) and "
                           "shapes its heads by it: its heads cannot be divided between ranks")
@@ -88,8 +88,15 @@ def test_an_attention_that_takes_its_heads_from_its_config_is_sharded() -> None:
     styles, left_out = _read("make_litgpt")
     assert styles == {**{f"h.*.attn.{p}": "colwise" for p in "qkv"}, "h.*.attn.proj": "rowwise",
                       "h.*.mlp.fc_1": "colwise", "h.*.mlp.fc_2": "colwise",
-                      "h.*.mlp.proj": "rowwise"}
+                      "h.*.mlp.proj": "rowwise", "lm_head": "colwise_gather_output"}
     assert left_out == {}
+
+
+def test_the_output_head_is_the_linear_outside_the_blocks_to_the_vocabulary() -> None:
+    # nanoGPT's lm_head reads the hidden size and writes the 64 entries of wte (wpe, 16
+    # positions, is an embedding of the hidden size too); a ViT's head writes its classes
+    assert _read("make_gpt", tie=True)[0]["lm_head"] == "colwise_gather_output"
+    assert "head" not in _read("make_vit")[0]
 
 
 def test_nn_multihead_attention_is_left_replicated_and_the_mlp_beside_it_is_sharded() -> None:
@@ -243,7 +250,8 @@ def _suggest_and_recheck(factory: str, config: dict[str, object], inputs: str | 
     assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
                           for m in report.modes]
     sharded = {m for r in s.rules
-               if dict(r.fields).get("style") in ("colwise", "rowwise", "vocab_parallel")
+               if dict(r.fields).get("style") in ("colwise", "rowwise", "vocab_parallel",
+                                                  "colwise_gather_output")
                or "shard" in str(dict(r.fields).get("params")) for m in _expand(r.match)}
     return sharded, [n.what for n in s.narrowed]
 
@@ -258,9 +266,13 @@ def _expand(match: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_nanogpt_gets_a_verified_recipe_of_its_mlps(tmp_path: Path) -> None:
-    sharded, narrowed = _suggest_and_recheck("make_gpt", {}, None, tmp_path)
-    assert {"transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"} <= sharded
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_nanogpt_gets_a_verified_recipe_of_its_mlps_embedding_and_head(tie: bool,
+                                                                        tmp_path: Path) -> None:
+    # nanoGPT ties lm_head to wte: the two are one group, sharded on the vocab together
+    sharded, narrowed = _suggest_and_recheck("make_gpt", {"tie": tie}, None, tmp_path)
+    assert {"transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "transformer.wte",
+            "lm_head"} <= sharded
     assert not any(".attn" in m for m in sharded)
     assert "transformer.h.*.attn (CausalSelfAttention)" in narrowed
 

@@ -62,7 +62,7 @@ class GPTBlock(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
-                 n_embd: int) -> None:
+                 n_embd: int, tie: bool = False) -> None:
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
@@ -70,6 +70,8 @@ class GPT(nn.Module):
             h=nn.ModuleList(GPTBlock(n_embd, n_head) for _ in range(n_layer)),
             ln_f=nn.LayerNorm(n_embd)))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        if tie:  # nanoGPT ties them (weight tying)
+            self.transformer.wte.weight = self.lm_head.weight  # type: ignore[union-attr]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)
@@ -81,8 +83,8 @@ class GPT(nn.Module):
 
 
 def make_gpt(vocab_size: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 4,
-             n_embd: int = 32) -> GPT:
-    return GPT(vocab_size, block_size, n_layer, n_head, n_embd)
+             n_embd: int = 32, tie: bool = False) -> GPT:
+    return GPT(vocab_size, block_size, n_layer, n_head, n_embd, tie)
 
 
 class HeadSizeAttention(CausalSelfAttention):
