@@ -7,7 +7,8 @@ and keeping only what ``check`` verified in both modes against one process, narr
 rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the whole flow;
 ``hyperrecipe suggest`` is a thin layer over it. Beside those: ``rules`` (what a suggestion is
 made of: the rules, and what was given up or corrected), ``structure`` (plan entries read off
-the structure for a family that declares no plan), ``sequence`` (sequence parallelism on top of
+the structure for a family that declares no plan, and for any ``nn.Module`` given as
+``pkg.module:factory``), ``sequence`` (sequence parallelism on top of
 the translated regions), ``gathered`` (a region that fails under sequence parallelism computed
 whole on the gathered sequence) and ``unplaced`` (a module no rule places, blamed under sequence
 parallelism, run on this rank's tokens). What does not: any placement decision of its

@@ -23,9 +23,17 @@ column-wise weight dim is 1, the row-wise one 0), name the integer attributes ho
 output width (``nf``) and, for a packed one, the block's attributes its forward splits the
 output by (GPT-2's ``split_size``), which each rank then holds its share of.
 
+The hidden size is a transformers model's input embedding width, or for any other
+``nn.Module`` the width most projections inside its blocks read (:func:`hidden_size`), so that a
+model of one's own (nanoGPT, litgpt, a ViT on patch embeddings) is read the same way; its output
+head is the one ``nn.Linear`` outside the blocks to an embedding's vocabulary.
+
 A block that does not fit (a projection of another shape, a nested block with weights of its
-own) is left out; whatever is proposed goes through ``check`` like a declared plan, and a rule it
-rejects is narrowed, never written unverified.
+own) is left out. So is one that fits but whose heads cannot be divided, and that is reported
+with the reason (:func:`read_structure`): an attention whose forward reads the width off its
+input (nanoGPT's ``C // self.n_head``), one whose einops pattern fixes the head count, and
+``nn.MultiheadAttention``. Whatever is proposed goes through ``check`` like a declared plan, and
+a rule it rejects is narrowed, never written unverified.
 """
 
 from __future__ import annotations
