@@ -312,3 +312,19 @@ def test_an_encoder_on_nn_multihead_attention_gets_its_mlps_sharded(tmp_path: Pa
     assert {"layers.*.mlp.linear_1", "layers.*.mlp.linear_2"} <= sharded
     assert not any("self_attention" in m for m in sharded)
     assert "layers.*.self_attention (nn.MultiheadAttention)" in narrowed
+
+
+@pytest.mark.slow
+def test_the_suggest_command_takes_a_factory_and_inputs_as_check_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hyperrecipe.cli import main
+
+    out = tmp_path / "vit.yaml"
+    code = main(["suggest", "--model", f"{BYO}:make_vit", "--model-config",
+                 '{"conv_patches": false}', "--inputs", PIXELS, "--mesh", "tp=2", "-q",
+                 "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert out.read_text().startswith("# yaml-language-server")
+    assert "recipe: make_vit-suggested" in out.read_text()
+    assert main(["check", str(out), "--model", f"{BYO}:make_vit", "--model-config",
+                 '{"conv_patches": false}', "--inputs", PIXELS, "--mesh", "tp=2", "-q"]) == 0
