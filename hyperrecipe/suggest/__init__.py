@@ -178,11 +178,14 @@ def _fractions(text: str, model: Any, mesh: Mapping[str, int]
 
 def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
             check_config: Mapping[str, Any], lines: list[str],
-            source: str = "the model's own parallel plan") -> list[str]:
+            source: str = "the model's own parallel plan", inputs: str | None = None
+            ) -> list[str]:
     import json
     import shlex
 
     given = f" --model-config {shlex.quote(model_config)}" if isinstance(model_config, str) else ""
+    if inputs is not None:  # check needs it too: the written recipe is checked with it
+        given += f" --inputs {shlex.quote(inputs)}"
     return [f"Suggested by `hyperrecipe suggest --model {model}{given} --mesh "
             f"{_mesh_text(mesh)}` from {source}; the comment above each "
             f"rule says where it came from.",
@@ -293,7 +296,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                        sharded_fraction=fractions, collectives=collectives, reason=reason,
                        seconds=time.perf_counter() - t0)
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
-                                 source))
+                                 source, opts.inputs))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
 
 

@@ -326,5 +326,6 @@ def test_the_suggest_command_takes_a_factory_and_inputs_as_check_does(
     assert code == 0, capsys.readouterr().err
     assert out.read_text().startswith("# yaml-language-server")
     assert "recipe: make_vit-suggested" in out.read_text()
+    assert f"--inputs {PIXELS} --mesh tp=2`" in out.read_text()
     assert main(["check", str(out), "--model", f"{BYO}:make_vit", "--model-config",
                  '{"conv_patches": false}', "--inputs", PIXELS, "--mesh", "tp=2", "-q"]) == 0
