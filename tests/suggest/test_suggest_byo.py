@@ -329,3 +329,23 @@ def test_the_suggest_command_takes_a_factory_and_inputs_as_check_does(
     assert f"--inputs {PIXELS} --mesh tp=2`" in out.read_text()
     assert main(["check", str(out), "--model", f"{BYO}:make_vit", "--model-config",
                  '{"conv_patches": false}', "--inputs", PIXELS, "--mesh", "tp=2", "-q"]) == 0
+
+
+def test_an_mlp_written_as_nn_sequential_is_not_read_as_a_block() -> None:
+    # its numbered children would read as layer indices in a pattern
+    with pytest.raises(SuggestError, match="its structure shows no block"):
+        suggest_recipe(f"{BYO}:make_sequential_mlp", TP2, options=SuggestOptions(verify=False))
+
+
+@pytest.mark.slow
+def test_the_hand_written_rules_for_an_nn_sequential_mlp_agree_in_both_modes(
+        tmp_path: Path) -> None:
+    # the snippet of docs/bring-your-own-model.md#an-mlp-written-as-nnsequential
+    path = tmp_path / "seq.yaml"
+    path.write_text("recipe: seq\nversion: 1\nmesh: [tp]\nrules:\n"
+                    "  - match: blocks.*.mlp.0\n    style: colwise\n"
+                    "  - match: blocks.*.mlp.2\n    style: rowwise\n")
+    report = run_check(CheckOptions(recipe=str(path), model=f"{BYO}:make_sequential_mlp",
+                                    mesh=TP2, timeout_s=120))
+    assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
+                          for m in report.modes]

@@ -322,3 +322,33 @@ class MHAEncoder(nn.Module):
 def make_mha_encoder(vocab_size: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64,
                      layers: int = 2) -> MHAEncoder:
     return MHAEncoder(vocab_size, dim, heads, hidden, layers)
+
+
+# --- an MLP written as nn.Sequential (numbered children) ---------------------------------------
+
+class SequentialMLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class SequentialMLPModel(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(SequentialMLPBlock(dim) for _ in range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def make_sequential_mlp(vocab_size: int = 32, dim: int = 16, layers: int = 2
+                        ) -> SequentialMLPModel:
+    return SequentialMLPModel(vocab_size, dim, layers)
