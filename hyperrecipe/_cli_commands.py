@@ -159,7 +159,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 _SUGGEST_DESCRIPTION = (
     "Propose a recipe for a transformers model from its own tensor-parallel plan "
-    "(base_model_tp_plan) or, where it declares none, from its structure (column-wise "
+    "(base_model_tp_plan) or, where it declares none (and for any nn.Module given as "
+    "pkg.module:factory), from its structure (column-wise "
     "projections from the hidden size and a row-wise one back, in each repeated block), with "
     "the regions, vocab-parallel embedding and gradient reductions "
     "our format needs, and prove it: the recipe is checked in production and validate mode "
@@ -174,7 +175,9 @@ _SUGGEST_DESCRIPTION = (
 def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser("suggest", help="suggest a recipe from the model's own plan, verified",
                        description=_SUGGEST_DESCRIPTION)
-    s.add_argument("--model", required=True, help="hf:<model_type>")
+    s.add_argument("--model", required=True,
+                   help="hf:<model_type>, or pkg.module:factory for a model of your own "
+                        "(docs/bring-your-own-model.md)")
     s.add_argument("--model-config",
                    help="JSON file or inline JSON of config fields (the model the recipe is for)")
     s.add_argument("--mesh", required=True, type=parse_mesh, help="e.g. tp=2")
@@ -198,6 +201,9 @@ def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         "the plan names nothing of")
     s.add_argument("--no-loss-parallel", action="store_true",
                    help="do not keep the logits sharded on the vocab for the model's own loss")
+    s.add_argument("--inputs", metavar="PKG.MOD:FN",
+                   help="make_inputs(model, batch=, seq=, generator=) -> (args, kwargs), for "
+                        "models the check makes no batch for (as check --inputs)")
     s.add_argument("--max-attempts", type=_positive, default=6, metavar="N",
                    help="check runs at most, each narrowing one failing rule (default 6)")
     s.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
@@ -510,7 +516,7 @@ def _suggest(args: argparse.Namespace, started: float) -> int:
                                    sequence_parallel=not args.no_sequence_parallel,
                                    structure=not args.no_structure),
         verify=not args.unverified, max_attempts=args.max_attempts, timeout_s=args.timeout,
-        check_config=args.check_config)
+        check_config=args.check_config, inputs=args.inputs)
     result = suggest_recipe(args.model, args.mesh, model_config=args.model_config,
                             options=options, on_progress=say)
     if options.verify and not result.verified:

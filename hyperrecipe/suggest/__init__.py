@@ -7,7 +7,8 @@ and keeping only what ``check`` verified in both modes against one process, narr
 rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the whole flow;
 ``hyperrecipe suggest`` is a thin layer over it. Beside those: ``rules`` (what a suggestion is
 made of: the rules, and what was given up or corrected), ``structure`` (plan entries read off
-the structure for a family that declares no plan), ``sequence`` (sequence parallelism on top of
+the structure for a family that declares no plan, and for any ``nn.Module`` given as
+``pkg.module:factory``), ``sequence`` (sequence parallelism on top of
 the translated regions), ``gathered`` (a region that fails under sequence parallelism computed
 whole on the gathered sequence) and ``unplaced`` (a module no rule places, blamed under sequence
 parallelism, run on this rank's tokens). What does not: any placement decision of its
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -47,7 +48,12 @@ class SuggestOptions:
         timeout_s: per check step, as ``hyperrecipe check --timeout``.
         check_config: the config the check builds; default: the given config when it is small,
             the shipped tiny config of the family, or one derived from the given config with
-            every size shrunk (:func:`hyperrecipe.models.hf_tiny.tiny_config`).
+            every size shrunk (:func:`hyperrecipe.models.hf_tiny.tiny_config`). A
+            ``pkg.module:factory`` model is checked on the given config as it is (give a small
+            one here where it is not).
+        inputs: ``pkg.module:make_inputs`` for a model the check makes no batch for, as
+            ``hyperrecipe check --inputs`` takes it (``make_inputs(model, batch=, seq=,
+            generator=) -> (args, kwargs)``; images for a vision model of your own).
     """
 
     translate: TranslateOptions = TranslateOptions()
@@ -55,6 +61,7 @@ class SuggestOptions:
     max_attempts: int = 6
     timeout_s: float = 300.0
     check_config: str | Mapping[str, Any] | None = None
+    inputs: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -171,11 +178,14 @@ def _fractions(text: str, model: Any, mesh: Mapping[str, int]
 
 def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
             check_config: Mapping[str, Any], lines: list[str],
-            source: str = "the model's own parallel plan") -> list[str]:
+            source: str = "the model's own parallel plan", inputs: str | None = None
+            ) -> list[str]:
     import json
     import shlex
 
     given = f" --model-config {shlex.quote(model_config)}" if isinstance(model_config, str) else ""
+    if inputs is not None:  # check needs it too: the written recipe is checked with it
+        given += f" --inputs {shlex.quote(inputs)}"
     return [f"Suggested by `hyperrecipe suggest --model {model}{given} --mesh "
             f"{_mesh_text(mesh)}` from {source}; the comment above each "
             f"rule says where it came from.",
@@ -190,7 +200,9 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     """Suggest a recipe for ``model`` on ``mesh`` and verify it (see the package doc).
 
     Args:
-        model: ``hf:<model_type>``.
+        model: ``hf:<model_type>``, or ``pkg.module:factory`` for a model of your own (called
+            with the config fields as keyword arguments on the meta device, as ``compile`` and
+            ``check`` call it; docs/bring-your-own-model.md).
         mesh: mesh dim -> size, e.g. ``{"tp": 2}``.
         model_config: the model's config (JSON file, inline JSON or mapping); the recipe is
             written for it, and checked on a tiny config of the same structure.
@@ -213,11 +225,12 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
     from hyperrecipe.suggest.render import render_recipe
-    from hyperrecipe.suggest.structure import blocks_the_plan_leaves_out, structural_entries
+    from hyperrecipe.suggest.structure import (blocks_the_plan_leaves_out, read_structure,
+                                               structural_entries)
     from hyperrecipe.suggest.translate import translate
     from hyperrecipe.suggest.verify import verify_rules
 
-    opts = options or SuggestOptions()
+    opts = _for_the_model(model, options or SuggestOptions())
     progress = on_progress or _ignore
     t0 = time.perf_counter()
     dim = opts.translate.dim
@@ -238,20 +251,17 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         if extra:
             entries = (*entries, *extra)
             source += " and, for the blocks it leaves out, the model's structure"
+    left_out: tuple[Narrowed, ...] = ()
     if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
-        entries = structural_entries(small) if dim in mesh else ()
+        entries, left_out = read_structure(small) if dim in mesh else ((), ())
         source = "the model's structure (it declares no parallel plan)"
         if not entries:
-            msg = (f"{model} ({type(small).__name__}) declares no tensor-parallel plan "
-                   f"(transformers' base_model_tp_plan / _tp_plan), and its structure shows no "
-                   f"block of column-wise projections from the hidden size and a row-wise one "
-                   f"back to it: write the recipe by hand (docs/guide.md)")
-            raise SuggestError(msg)
+            raise SuggestError(_nothing_to_shard(model, small, left_out))
     progress(f"read {len(entries)} plan entries from {source} of {type(small).__name__}")
     translation = translate(entries, snapshot(small), mesh, opts.translate)
     progress(f"translated into {len(translation.rules)} rules "
              f"({len(translation.narrowed)} entries left replicated)")
-    name = f"{model.removeprefix('hf:')}-suggested"
+    name = f"{_model_name(model)}-suggested"
     kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert")) if d in mesh)
     mesh_dims = list(mesh)
 
@@ -259,12 +269,12 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         return render_recipe(name, mesh_dims, rules, header=header or [],
                              description=f"Suggested {kinds} parallel {model}")
 
-    narrowed = list(translation.narrowed)
+    narrowed = [*left_out, *translation.narrowed]
     if opts.verify:
         outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
                                mesh=mesh, max_attempts=opts.max_attempts,
                                timeout_s=opts.timeout_s, progress=progress,
-                               modules=snapshot(small).modules)
+                               modules=snapshot(small).modules, inputs=opts.inputs)
         rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
                                           outcome.reason)
         narrowed += outcome.narrowed
@@ -286,8 +296,40 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                        sharded_fraction=fractions, collectives=collectives, reason=reason,
                        seconds=time.perf_counter() - t0)
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
-                                 source))
+                                 source, opts.inputs))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)
+
+
+def _for_the_model(model: str, opts: SuggestOptions) -> SuggestOptions:
+    """No loss on vocab shards for a model of one's own: its forward hands the logits to its
+    caller (there is no ``labels=`` loss of its own to run on the shards), and the caller's loss
+    would get this rank's slice of the vocab."""
+    if model.startswith("hf:") or not opts.translate.loss_parallel:
+        return opts
+    return attrs.evolve(opts, translate=attrs.evolve(opts.translate, loss_parallel=False))
+
+
+def _model_name(model: str) -> str:
+    """The recipe's name stem: ``llama`` for ``hf:llama``, the factory for ``pkg.mod:make_gpt``."""
+    return model.removeprefix("hf:").rpartition(":")[2] or model
+
+
+def _nothing_to_shard(model: str, meta: Any, left_out: Sequence[Narrowed]) -> str:
+    """The refusal where neither a plan nor the structure gives a rule: what was read, and
+    what was left out and why (so that the user knows what to change in the forward)."""
+    from hyperrecipe.suggest.structure import WIDTH_FIELDS, hidden_size
+
+    hidden = hidden_size(meta)
+    read = (f"the blocks read a hidden size of {hidden}" if hidden is not None else
+            f"no hidden size could be read (no projection width that most projections inside "
+            f"repeated blocks read, nor an nn.Embedding or a config field "
+            f"({', '.join(WIDTH_FIELDS)}) to break a tie)")
+    msg = (f"{model} ({type(meta).__name__}) declares no tensor-parallel plan (transformers' "
+           f"base_model_tp_plan / _tp_plan), and its structure shows no block of column-wise "
+           f"projections from the hidden size and a row-wise one back to it ({read})")
+    for n in left_out:
+        msg += f"; {n.what} was left out: {n.why}"
+    return msg + ": write the recipe by hand (docs/guide.md, docs/bring-your-own-model.md)"
 
 
 MAX_CHECK_PARAMETERS = 20_000_000

@@ -23,15 +23,24 @@ column-wise weight dim is 1, the row-wise one 0), name the integer attributes ho
 output width (``nf``) and, for a packed one, the block's attributes its forward splits the
 output by (GPT-2's ``split_size``), which each rank then holds its share of.
 
+The hidden size is a transformers model's input embedding width, or for any other
+``nn.Module`` the width most projections inside its blocks read (:func:`hidden_size`), so that a
+model of one's own (nanoGPT, litgpt, a ViT on patch embeddings) is read the same way; its output
+head is the one ``nn.Linear`` outside the blocks to an embedding's vocabulary.
+
 A block that does not fit (a projection of another shape, a nested block with weights of its
-own) is left out; whatever is proposed goes through ``check`` like a declared plan, and a rule it
-rejects is narrowed, never written unverified.
+own) is left out. So is one that fits but whose heads cannot be divided, and that is reported
+with the reason (:func:`read_structure`): an attention whose forward reads the width off its
+input (nanoGPT's ``C // self.n_head``), one whose einops pattern fixes the head count, and
+``nn.MultiheadAttention``. Whatever is proposed goes through ``check`` like a declared plan, and
+a rule it rejects is narrowed, never written unverified.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from collections import Counter
 from collections.abc import Sequence
 
 import attrs
@@ -39,9 +48,10 @@ import torch
 from torch import nn
 
 from hyperrecipe.models.hf_plans import PlanEntry
-from hyperrecipe.suggest.rules import STRUCTURE_SOURCE
+from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Narrowed
 
-__all__ = ["STRUCTURE_SOURCE", "blocks_the_plan_leaves_out", "structural_entries"]
+__all__ = ["STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_leaves_out", "hidden_size",
+           "read_structure", "structural_entries"]
 
 
 _SPLITS = re.compile(r"\.(split|chunk|unbind)\(|torch\.(split|chunk)\(")
@@ -56,13 +66,6 @@ def _called(model: nn.Module, method: str) -> object:
     """``model.<method>()`` of a transformers model (``None`` for any other module)."""
     fn = getattr(type(model), method, None)
     return fn(model) if callable(fn) else None
-
-
-def _hidden_size(model: nn.Module) -> int | None:
-    embed = _called(model, "get_input_embeddings")
-    if isinstance(embed, nn.Embedding):
-        return int(embed.embedding_dim)
-    return None
 
 
 def _splits_its_output(block: nn.Module) -> bool:
@@ -157,6 +160,66 @@ def _projections(block: nn.Module, transposed: frozenset[type[nn.Module]]) -> li
     return out
 
 
+WIDTH_FIELDS = ("hidden_size", "n_embd", "dim", "d_model", "embed_dim")
+"""Integer fields (of the model's ``config``, or of the model itself) that name the hidden size:
+used only to break a tie between the widths the blocks read (:func:`hidden_size`)."""
+
+
+def _block_projections(model: nn.Module, transposed: frozenset[type[nn.Module]]
+                       ) -> list[_Projection]:
+    """Every projection inside a repeated block: under a list of layers (its folded name has a
+    ``*``), where the blocks are."""
+    out: list[_Projection] = []
+    for fqn, block in model.named_modules():
+        if "*" in _fold(fqn):
+            out += _projections(block, transposed)
+    return out
+
+
+def _declared_widths(model: nn.Module) -> set[int]:
+    """Widths the model names for its hidden size: its embeddings' widths and the
+    :data:`WIDTH_FIELDS` of its ``config`` and of itself."""
+    found = {int(m.embedding_dim) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for holder in (getattr(model, "config", None), model):
+        for name in WIDTH_FIELDS:
+            value = getattr(holder, name, None)
+            if type(value) is int and value > 0:
+                found.add(value)
+    return found
+
+
+def hidden_size(model: nn.Module,
+                transposed: frozenset[type[nn.Module]] | None = None) -> int | None:
+    """The width the model's blocks read and write back, read off its structure; ``None`` where
+    the structure does not say.
+
+    A transformers model says it: its ``get_input_embeddings()`` width. Any other module is
+    read by its blocks: the hidden size is the ``in_features`` most projections inside repeated
+    blocks (modules under a list of layers) have, because every projection of a transformer
+    block but the one(s) back to the residual stream reads it (q, k, v or a fused qkv, gate and
+    up; only the attention's output and the MLP's down projection read another width, and
+    the attention's output reads the hidden size too where the heads fill it). This needs no
+    embedding (a ViT's patches come from a convolution) and no config. Where two widths are
+    read equally often (a block of just an MLP), the one the model also names is taken: an
+    ``nn.Embedding``'s width or a :data:`WIDTH_FIELDS` field of its ``config`` or of itself;
+    where that does not decide either, ``None``.
+    """
+    embed = _called(model, "get_input_embeddings")
+    if isinstance(embed, nn.Embedding):
+        return int(embed.embedding_dim)
+    if transposed is None:
+        transposed = transposed_classes(model)
+    votes = Counter(p.in_features for p in _block_projections(model, transposed))
+    if not votes:
+        return None
+    most = max(votes.values())
+    tied = sorted(w for w, n in votes.items() if n == most)
+    if len(tied) == 1:
+        return tied[0]
+    named = [w for w in tied if w in _declared_widths(model)]
+    return named[0] if len(named) == 1 else None
+
+
 def _output_sizes(p: _Projection) -> tuple[str, ...]:
     """Integer attributes of a transposed projection equal to its output width (``nf``): its
     forward shapes the output with them."""
@@ -238,31 +301,151 @@ def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
             if p.dim() == 1 and p.shape[0] in counts and p.shape[0] != row_in]
 
 
-def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
-    """Tensor-parallel plan entries from ``model``'s module tree (see the module doc); ``()``
-    where nothing fits."""
-    hidden = _hidden_size(model)
-    if hidden is None:
-        return ()
+_HEAD_COUNTS = (*_COUNTS, "heads")
+"""Integer attributes that count an attention's heads (``heads``: lucidrains' models)."""
+
+_UNPACKED_WIDTH = r"^\s*(?:[\w\s,]*,\s*)?(\w+)\s*=\s*{arg}\.(?:size\(\)|shape)\s*$"
+_LAST_WIDTH = r"^\s*(\w+)\s*=\s*{arg}\.(?:size\(-1\)|shape\[-1\])\s*$"
+
+
+def _forward_source(block: nn.Module) -> tuple[str, list[str]]:
+    """The source of ``block``'s ``forward`` and its parameter names (``("", [])`` where there
+    is no source to read: a builtin, a class defined in a REPL)."""
+    try:
+        return (inspect.getsource(type(block).forward),
+                list(inspect.signature(type(block).forward).parameters))
+    except (OSError, TypeError, ValueError):
+        return "", []
+
+
+def _width_read_off_the_input(block: nn.Module) -> str | None:
+    """Why ``block``'s heads cannot be divided, where its ``forward`` reads the width off its
+    input and shapes by it (nanoGPT: ``B, T, C = x.size()`` ... ``C // self.n_head``): the
+    input is the whole hidden size on every rank, so a rank holding half the heads views its
+    half of q, k, v by the whole width, and its view fails. Only for a block that counts heads
+    (an attention); ``None`` for every other."""
+    if not any(type(getattr(block, k, None)) is int for k in _HEAD_COUNTS):
+        return None
+    source, params = _forward_source(block)
+    if len(params) < 2:
+        return None
+    arg = re.escape(params[1])
+    for pattern in (_UNPACKED_WIDTH, _LAST_WIDTH):
+        bound = re.search(pattern.format(arg=arg), source, re.MULTILINE)
+        if bound is None or bound.group(1) == "_":
+            continue
+        width = bound.group(1)
+        # a comment, an attribute (`.dim()`) or a keyword (`dim=-1`) of the same name is no use
+        after = re.sub(r"#.*", "", source[bound.end():])
+        if re.search(rf"(?<![\w.]){re.escape(width)}\b(?!\s*=(?!=))", after):
+            line = " ".join(bound.group(0).split())
+            return (f"its forward reads the width off its input ({line}) and shapes its heads by "
+                    f"it")
+    return None
+
+
+_EINOPS_CALL = re.compile(r"\b(?:rearrange|repeat|reduce)\(\s*(?:[^,()]|\([^()]*\))+,\s*"
+                          r"(['\"])(.+?)\1"
+                          r"((?:\s*,\s*\w+\s*=\s*[^,()]+(?:\([^()]*\))?)*)\s*\)")
+
+
+def _fixes_heads(pattern: str, axes: Sequence[str]) -> bool:
+    """Whether an einops ``pattern`` fixes the count of a split axis (``h`` in ``(h d)`` given
+    as ``h=``): fixing the per-head size instead (``d=``) holds on a shard."""
+    return any(first in axes for first, _ in re.findall(r"\((\w+)\s+(\w+)\)", pattern))
+
+
+def _heads_fixed_in_einops(block: nn.Module) -> str | None:
+    """Why ``block``'s heads cannot be divided, where an einops pattern fixes their count
+    (``Rearrange('b n (h d) -> b h n d', h=heads)`` as a child, or ``rearrange(t, ..., h=
+    self.heads)`` in its forward): a rank holding half the width still splits it into all the
+    heads, each half as wide, and computes the wrong attention without a shape error."""
+    for name, child in block.named_children():
+        lengths = getattr(child, "axes_lengths", None)
+        pattern = getattr(child, "pattern", None)
+        if (type(child).__module__.startswith("einops") and isinstance(pattern, str)
+                and lengths and _fixes_heads(pattern, list(dict(lengths)))):
+            return (f"its {name} ({type(child).__name__} {pattern!r}, {dict(lengths)}) fixes "
+                    f"the head count in an einops pattern")
+    source, _ = _forward_source(block)
+    for call in _EINOPS_CALL.finditer(source):
+        if _fixes_heads(call.group(2), re.findall(r"(\w+)\s*=", call.group(3))):
+            return (f"its forward fixes the head count in an einops pattern "
+                    f"({' '.join(call.group(0).split())})")
+    return None
+
+
+_MHA_WHY = ("its q, k and v are one in_proj_weight of its own, and its forward reads head_dim "
+            "off the input's width and never calls out_proj: left replicated "
+            "(docs/bring-your-own-model.md)")
+
+
+def _left_out(block: nn.Module) -> str | None:
+    """Why a block that fits the projection pair is left replicated all the same (see the
+    module doc), or ``None``."""
+    hazard = _width_read_off_the_input(block) or _heads_fixed_in_einops(block)
+    if hazard is None:
+        return None
+    return (f"{hazard}: its heads cannot be divided between ranks, so it is left replicated "
+            f"(docs/bring-your-own-model.md)")
+
+
+def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narrowed, ...]]:
+    """Tensor-parallel plan entries from ``model``'s module tree (see the module doc), and the
+    blocks left replicated for a reason the user should read (a width read off the input, heads
+    fixed in einops, ``nn.MultiheadAttention``). ``((), ())`` where the hidden size cannot be
+    read (:func:`hidden_size`)."""
     transposed = transposed_classes(model)
+    hidden = hidden_size(model, transposed)
+    if hidden is None:
+        return (), ()
     out: list[PlanEntry] = []
+    notes: list[Narrowed] = []
     seen: set[str] = set()
     for fqn, block in model.named_modules():
         folded = _fold(fqn)
         if "*" not in folded or folded in seen:
             continue
         seen.add(folded)
+        if isinstance(block, nn.MultiheadAttention):
+            notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=_MHA_WHY))
+            continue
         entries = _block_entries(fqn, block, hidden, transposed)
-        if entries:
-            out.extend(entries)
-    head = _called(model, "get_output_embeddings")
-    if out and isinstance(head, nn.Linear):
-        name = next((n for n, m in model.named_modules() if m is head), None)
-        if name is not None:
-            out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",
-                                 source=f"{STRUCTURE_SOURCE}: the output embedding",
-                                 head=True))
-    return tuple(out)
+        if not entries:
+            continue
+        why = _left_out(block)
+        if why is not None:
+            notes.append(Narrowed(what=f"{folded} ({type(block).__name__})", why=why))
+            continue
+        out.extend(entries)
+    name = _output_head(model, hidden) if out else None
+    if name is not None:
+        out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",
+                             source=f"{STRUCTURE_SOURCE}: the output embedding", head=True))
+    return tuple(out), tuple(notes)
+
+
+def _output_head(model: nn.Module, hidden: int) -> str | None:
+    """The output embedding's name: a transformers model's ``get_output_embeddings()``; for any
+    other module the one ``nn.Linear`` outside the blocks from the hidden size to the vocabulary
+    of an ``nn.Embedding`` of the hidden size (nanoGPT's and litgpt's ``lm_head``, tied to the
+    token embedding or not). A classifier head (a ViT's, to its classes) is none: it stays
+    replicated."""
+    if callable(getattr(type(model), "get_output_embeddings", None)):
+        head = _called(model, "get_output_embeddings")
+        return next((n for n, m in model.named_modules() if m is head), None) if isinstance(
+            head, nn.Linear) else None
+    vocab = {int(m.num_embeddings) for m in model.modules()
+             if isinstance(m, nn.Embedding) and m.embedding_dim == hidden}
+    found = [n for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and "*" not in _fold(n) and m.in_features == hidden
+             and m.out_features in vocab]
+    return found[0] if len(found) == 1 else None
+
+
+def structural_entries(model: nn.Module) -> tuple[PlanEntry, ...]:
+    """The plan entries of :func:`read_structure`; ``()`` where nothing fits."""
+    return read_structure(model)[0]
 
 
 def blocks_the_plan_leaves_out(plan: Sequence[PlanEntry], structural: Sequence[PlanEntry]

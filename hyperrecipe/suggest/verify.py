@@ -4,8 +4,9 @@ Each attempt writes the rules as a recipe file and runs :func:`hyperrecipe.check
 on it (the same code as ``hyperrecipe check``: the recipe compiled against the model, then
 production and validate mode on local ranks, compared with one process). When it does not
 agree, the failure is attributed to one rule: a compile error names its rule index; a divergent
-boundary, a rank's error message or a divergent gradient names a module, and the rule that
-places that module — or the innermost region around it — is blamed. A blamed rule that goes
+boundary, a rank's error message or a divergent gradient names a module (and, where nothing
+beyond the plan is left to give up, the message of an error raised in backward does), and the
+rule that places that module — or the innermost region around it — is blamed. A blamed rule that goes
 beyond the source plan is given up alone; otherwise its whole group (a region and its
 projections, an embedding and its tied ``lm_head``) is, so that module stays replicated. What
 was given up, and why, is recorded. Nothing here decides a placement of its own.
@@ -103,6 +104,21 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
     return None
 
 
+def _blame_named(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | None:
+    """``(fqn, why)`` for a failure raised outside every boundary (``<backward>``: validate
+    mode's gradient check) whose message names a module a rule places. Asked only where
+    :func:`_blame` found nothing and no addition beyond the plan is left to give up: the
+    module named is then narrowed instead of refusing the whole suggestion."""
+    for mode in report.modes:
+        cmp = mode.comparison
+        if cmp is None or cmp.agree or cmp.first is None or not cmp.first.fqn.startswith("<"):
+            continue
+        for token in _FQN.findall(str(cmp.first.detail)):
+            if _owner(token, rules)[0] is not None:
+                return token, f"{mode.mode} mode raised in {cmp.first.fqn}: {cmp.first.detail}"
+    return None
+
+
 def _orphan(rule: SuggestedRule) -> SuggestedRule | None:
     """A refinement (sequence parallelism, the loss) whose base rule was given up, so the module
     is replicated now. The head's sequence gather becomes a boundary of its own around the
@@ -183,7 +199,8 @@ def _outermost(groups: Sequence[str]) -> list[str]:
     return [g for g in groups if not any(g.startswith(h + ":") for h in groups if h != g)]
 
 
-def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
+def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int],
+                        inputs: str | None = None) -> None:
     """Compile the attempt as ``hyperrecipe compile`` will, verification included. Run after
     ``check`` agreed (a divergence narrows by what ``check`` measured, which knows more ways
     out, such as gathering a region instead of giving it up): a suggestion ``compile`` refuses
@@ -194,14 +211,14 @@ def _refused_at_compile(path: str, meta: Any, mesh: Mapping[str, int]) -> None:
     """
     from hyperrecipe.api import compile_recipe
 
-    compile_recipe(path, meta, dict(mesh))
+    compile_recipe(path, meta, dict(mesh), inputs=inputs)
 
 
 def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[SuggestedRule]], str],
                  *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
                  max_attempts: int, timeout_s: float,
                  progress: Callable[[str], None],
-                 modules: Sequence[ModuleInfo] = ()) -> Verified:
+                 modules: Sequence[ModuleInfo] = (), inputs: str | None = None) -> Verified:
     """Check ``rules`` and narrow them until ``check`` agrees, at most ``max_attempts`` times.
 
     Args:
@@ -215,6 +232,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
         progress: one line per step.
         modules: the checked model's modules (parents first): a module no rule places that
             the check names is then taken into sequence parallelism (:mod:`.unplaced`).
+        inputs: ``pkg.module:make_inputs`` for the check's batch (``check --inputs``).
     """
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.model_tree import build_model
@@ -252,11 +270,11 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
             progress(f"check {attempt}/{max_attempts}: {len(current)} rules, both modes")
             t0 = time.perf_counter()
             options = CheckOptions(recipe=path, model=model, model_config=dict(check_config),
-                                   mesh=dict(mesh), timeout_s=timeout_s)
+                                   mesh=dict(mesh), timeout_s=timeout_s, inputs=inputs)
             try:
                 report = run_check(options)
                 if report.agree:  # what check agrees on must also compile as compile will
-                    _refused_at_compile(path, meta, mesh)
+                    _refused_at_compile(path, meta, mesh, inputs)
             except RecipeError as exc:
                 seconds = time.perf_counter() - t0
                 if exc.rule_index is None or not 0 <= exc.rule_index < len(merge_rules(current)):
@@ -282,6 +300,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                                 attempts=tuple(attempts))
             blamed = _blame(report, current)
             culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
+            if culprit is None and not any(r.deeper for r in current):
+                blamed = _blame_named(report, current) or blamed
+                culprit, exact = _owner(blamed[0], current) if blamed else (None, False)
             added = (token_local_unplaced(blamed[0], current, modules)
                      if blamed is not None and culprit is None else None)
             if blamed is not None and added is not None and added.match not in {
