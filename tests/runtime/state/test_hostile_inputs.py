@@ -524,12 +524,12 @@ def test_a_safetensors_index_of_the_wrong_shape_is_a_weight_load_error(
     # the index reader behind load_weights
     from torch import nn
 
-    from hyperrecipe.runtime.state.weights import _key_files, _Safetensors
+    from hyperrecipe.runtime.state.weights import _key_files, _Safetensors, open_snapshot
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(f'{{"weight_map": {weight_map}}}', encoding="utf-8")
-    with pytest.raises(WeightLoadError) as err:
-        _key_files(_Safetensors(nn.Module()), tmp_path)
+    with open_snapshot(tmp_path) as snapshot, pytest.raises(WeightLoadError) as err:
+        _key_files(_Safetensors(nn.Module(), snapshot), snapshot)
     assert str(err.value) == (f"{index}: not a safetensors index (weight_map must map tensor "
                               f"names to file names)")
 
