@@ -38,14 +38,14 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from hyperrecipe._files import open_regular, read_regular_file
 from hyperrecipe.errors import ExportError, SwitchIncompleteError, WeightLoadError
 from hyperrecipe.runtime.state import folder_switch
-from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
+from hyperrecipe.runtime.state.snapshot import Hasher, Snapshot, borrowed
 
 __all__ = ["CHECKPOINT_FILES", "COMMIT", "DIGESTS", "FINGERPRINT_SCHEME", "FORMATS", "MANIFEST",
            "MANIFEST_FORMAT", "MAX_METADATA_BYTES", "Hasher", "Meet", "check_commit",
@@ -65,12 +65,6 @@ FORMATS = ("hyperrecipe-export/1", "hyperrecipe-export/2")
 """Manifest formats that loads accept: ``/1`` is sha256 only, ``/2`` names its digest."""
 DIGESTS = ("xxh3_128", "sha256")
 """Algorithms a ``/2`` manifest may name, fastest first."""
-
-
-class Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
-
-    def hexdigest(self) -> str: ...
 
 
 def _xxhash_available() -> bool:

@@ -31,11 +31,20 @@ import os
 import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 from hyperrecipe._files import open_regular
 from hyperrecipe.errors import WeightLoadError
 
-__all__ = ["Snapshot", "borrowed"]
+__all__ = ["Hasher", "Snapshot", "borrowed"]
+
+
+class Hasher(Protocol):
+    """What :meth:`Snapshot.digest` feeds (hashlib's and xxhash's objects alike)."""
+
+    def update(self, data: Any, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 _DIGEST_CHUNK = 8 << 20
 _NOT_REGULAR = (errno.EISDIR, errno.EINVAL, errno.ENXIO)
@@ -277,13 +286,11 @@ class Snapshot:
                                   f"{limit} bytes")
         return b"".join(chunks)
 
-    def digest(self, name: str, algorithm: str) -> str:
-        """The hex digest (``algorithm``, as :func:`~.integrity.new_hasher` takes it) of
-        ``name``'s bytes, read by position from the descriptor the load reads."""
-        from hyperrecipe.runtime.state.integrity import new_hasher
-
+    def digest(self, name: str, hasher: Hasher) -> str:
+        """The hex digest of ``name``'s bytes by ``hasher`` (a fresh one, of
+        :func:`~.integrity.new_hasher`: integrity reads through snapshots, so this module does
+        not import it), read by position from the descriptor the load reads."""
         fd = self.open(name)
-        hasher = new_hasher(algorithm)
         view = memoryview(bytearray(_DIGEST_CHUNK))
         at = 0
         try:

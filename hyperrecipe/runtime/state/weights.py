@@ -61,7 +61,7 @@ from hyperrecipe.errors import WeightLoadError
 from hyperrecipe.plan import ParamPlan
 from hyperrecipe.models import LIBRARY, Composite
 from hyperrecipe.runtime.comm.sharding import Ranges, read_ranges, shard_ranges
-from hyperrecipe.runtime.state.integrity import MANIFEST, parse_manifest
+from hyperrecipe.runtime.state.integrity import MANIFEST, new_hasher, parse_manifest
 from hyperrecipe.runtime.state.snapshot import Snapshot, borrowed
 from hyperrecipe.runtime.state.checkpoint_files import (
     MAX_LISTED,
@@ -739,7 +739,7 @@ def _verify_manifest(snapshot: Snapshot, rank: int, world: int) -> None:
                                   f"{entry[0]}{again}")
         if i % world != rank:
             continue
-        if snapshot.digest(name, algorithm) != entry[1]:
+        if snapshot.digest(name, new_hasher(algorithm)) != entry[1]:
             raise WeightLoadError(f"{folder / name}: its {algorithm} is not the one in "
                                   f"{MANIFEST} (same size, other bytes: a relabelled header, "
                                   f"overwritten data){again}")
