@@ -121,7 +121,8 @@ def test_grad_norm_under_the_strategy_gives_one_process_s_per_parameter_norms(
         tmp_path: Path) -> None:
     """``hyperrecipe.trainers.lightning.grad_norm(self, 2)`` in
     ``on_before_optimizer_step`` at tp=2 gives one process's every key (each parameter's norm
-    and the total) at every step, to rtol 1e-5. Lightning's own ``grad_norm`` there reads each
+    and the total) at every step, to rtol 1e-5 at the first step and 1e-4 after (the weights'
+    rounding drift through AdamW). Lightning's own ``grad_norm`` there reads each
     rank's shards (its total at step 1 measured 2.938 and 2.509 on the two ranks where one process has 3.864); in one
     process both agree exactly."""
     ref = run_ranks(_worker, 1, str(tmp_path / "one"), False, None, True, False, 1, 2, True,
@@ -134,8 +135,12 @@ def test_grad_norm_under_the_strategy_gives_one_process_s_per_parameter_norms(
             [v for _, v in ref["losses"]], abs=LOSS_ATOL)
         for step, (got, want) in enumerate(zip(ranks["norms"], ref["norms"], strict=True)):
             assert sorted(got) == sorted(want), step
+            # step 0: the same weights, only the sum's order differs; later steps also carry
+            # the weights' rounding drift, which AdamW's normalised updates amplify (measured
+            # 1.1e-5 relative on one norm at step 4, torch 2.13 CPU)
+            rel = 1e-5 if step == 0 else 1e-4
             for key, value in want.items():
-                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+                assert got[key] == pytest.approx(value, rel=rel, abs=1e-6), (step, key)
         # Lightning's own reads the shards: the test would see it (and it is why ours exists)
         assert ranks["stock"][0][total] != pytest.approx(ref["norms"][0][total], rel=1e-2)
 
