@@ -16,9 +16,12 @@ Ranks on the writer's host write their own blocks of each sharded tensor straigh
 writer's file instead of sending them (:mod:`~hyperrecipe.runtime.state.direct_write`); the
 writer then hashes those tensors from the file, so the manifest is the same either way.
 
-An export replaces the previous one in the folder whole or not at all: files are written
-under temporary names and renamed into place once every rank got through, and an earlier
-export's files that this one does not write are removed (see :func:`write_safetensors`).
+An export replaces the previous one in the folder whole or not at all: every file a loader
+reads (weights, index, configs, manifest) is written into a staging folder beside it and
+switched in by one atomic exchange once every rank got through
+(:mod:`~hyperrecipe.runtime.state.folder_switch`), so neither our loader nor transformers'
+ever sees a mix of two exports, and a failure after the agreement reaches every rank (see
+:func:`write_safetensors`).
 """
 
 from __future__ import annotations
@@ -185,11 +188,13 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
     most :data:`SMALL_BYTES` is copied and left to the hashing thread to hash and write, so
     the writer waits behind the hashes queued before it only past :data:`SMALL_QUEUE_BYTES`
     of such copies. Each file is
-    written under a temporary name in ``folder`` and synced; only
-    when every rank got through (the ranks agree after the last gather) are the files renamed
-    into place (``os.replace``, atomic per file) and what an earlier export left under the
-    names an export writes (``model.safetensors``, ``model-*-of-*.safetensors``, the index)
-    removed, so both ``load_weights`` and ``from_pretrained`` read the new weights. A failed
+    written into the writer's staging folder (:func:`~.folder_switch.begin`) and synced; only
+    when every rank got through (the ranks agree after the last gather) does the writer add the
+    index, the configs and the manifest there and switch the folder in whole
+    (:func:`_switch_in`): what an earlier export left under the names an export owns
+    (:func:`owned_by_export`) is gone with it, everything else in the folder is kept, and both
+    ``load_weights`` and ``from_pretrained`` read the new export; a second exchange tells every
+    rank how the switch went, so all raise the same ``ExportError`` or none does. A failed
     write (a full disk, ``ulimit -f``) stops writing but not gathering, so the other ranks are
     not left waiting in a collective; every rank then raises, and the previous export is as it
     was. A gather that fails on a rank (or a rank that stops) cannot be gathered past: that

@@ -477,9 +477,10 @@ class TrainingState:
         name, as ``save_pretrained`` does.
 
         The files replace an earlier export in ``folder`` whole or not at all: they are
-        written under temporary names and renamed into place once every rank got through, an
-        earlier export's other files are removed, and ``hyperrecipe.manifest.json`` (each
-        file's size and digest, xxh3_128 where ``xxhash`` is installed) is written last.
+        written into a staging folder beside it, with ``config.json`` and
+        ``hyperrecipe.manifest.json`` (each file's size and digest, xxh3_128 where ``xxhash``
+        is installed), and switched in by one atomic exchange once every rank got through
+        (:mod:`~hyperrecipe.runtime.state.folder_switch`); the folder's other files are kept.
         ``writer_rank`` holds the folder's lock (``hyperrecipe.lock``) meanwhile: a second
         job exporting into it is refused on every rank before any of them writes there.
 
