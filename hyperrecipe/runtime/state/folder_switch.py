@@ -57,8 +57,9 @@ STAGING_SUFFIX = ".hyperrecipe-new"
 """The staging folder is ``.<name>`` + this beside the target, or this inside it."""
 
 MARKER = ".hyperrecipe-staging"
-"""A file in a staging folder still being written (removed just before the switch), so that
-``leftovers`` and a reader can tell an unfinished one."""
+"""A file in a staging folder that may be removed whole (:func:`abandon`): there from
+:func:`begin` until its switch begins, and again where the switch failed before the target
+changed."""
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -192,7 +193,11 @@ def begin(folder: str | os.PathLike[str], owned: Callable[[str], bool]) -> Stagi
 
 def abandon(staging: Staging) -> None:
     """Remove a staging folder that will not be switched in (the save failed); the target is
-    as it was."""
+    as it was. One whose :data:`MARKER` is gone is left alone: its switch began, so it may be
+    the previous state holding entries of the user's (an interruption during the switch), which
+    the next save's :func:`begin` moves back before removing it."""
+    if not os.path.lexists(staging.path / MARKER):
+        return
     with contextlib.suppress(FileNotFoundError):
         _remove(staging.path)
 
@@ -229,6 +234,7 @@ def commit(staging: Staging, owned: Callable[[str], bool], last: Sequence[str] =
                                             f"{exc}") from exc
             return
         if failed not in _NO_EXCHANGE:
+            (path / MARKER).touch()  # the target never changed: the folder may be abandoned
             raise OSError(failed, f"cannot switch {path} in for {target}: "
                                   f"{os.strerror(failed)}", str(target))
         for name in linked:  # the links would overwrite the foreign files with themselves
@@ -271,7 +277,11 @@ def _rename_each(path: Path, target: Path, owned: Callable[[str], bool],
     names = sorted(os.listdir(path))
     first = [n for n in names if n not in last]
     if first:  # until the first rename the target is as it was
-        os.replace(path / first[0], target / first[0])
+        try:
+            os.replace(path / first[0], target / first[0])
+        except OSError:
+            (path / MARKER).touch()  # nothing switched: the folder may be abandoned
+            raise
     try:
         for name in first[1:]:
             os.replace(path / name, target / name)

@@ -134,3 +134,18 @@ def test_the_first_state_of_a_new_folder(tmp_path: Path) -> None:
     folder.mkdir()
     save(folder, NEW)
     assert contents(folder) == NEW
+
+
+def test_a_staging_folder_whose_switch_began_is_never_abandoned(target: Path) -> None:
+    """An interruption after the exchange (a KeyboardInterrupt in the carry-back) leaves the
+    previous state, with the user's subfolder, under the staging name: ``abandon`` (what a
+    failing save's cleanup calls) must not remove it; the next save moves the subfolder back."""
+    staging = fs.begin(target, owned)
+    write_state(staging.path, NEW)
+    (staging.path / fs.MARKER).unlink()  # what commit does first
+    fs._link_foreign(target, staging.path, owned)
+    assert fs._exchange(staging.path, target) == 0
+    fs.abandon(staging)
+    assert (staging.path / "runs" / "log.txt").read_text() == "log"
+    fs.begin(target, owned)
+    assert (target / "runs" / "log.txt").read_text() == "log"
