@@ -328,7 +328,14 @@ def write_safetensors(folder: str | os.PathLike[str], items: Sequence[ExportItem
                                   index=_index(names, groups, items) if len(groups) > 1 else None)
             staging = None  # switched in, or abandoned by _switch_in
         # after the agreement: every rank learns the writer's outcome, and all raise alike
-        after = gathers.agree(switched)
+        try:
+            after = gathers.agree(switched)
+        except ExportAbortedError as exc:
+            if not writer or switched is not None:
+                raise
+            raise ExportAbortedError(  # the generic text says nothing was replaced: not so
+                f"save_pretrained into {out}: the new export was switched in whole, but a rank "
+                f"did not confirm it afterwards ({exc!s:.300})") from exc
         if after:
             raise ExportError("\n".join(f"rank {r}: {f}" for r, f in after))
     finally:
