@@ -8,7 +8,8 @@ without blocking, refuses anything that is not a regular file, and reads at most
 bytes; :func:`open_regular` is the same open and check, handing back the descriptor, for
 readers that read a file in pieces (checkpoints, digests). Their refusals are :class:`OSError`
 with ``strerror`` set, so callers that already turn an unreadable file into their own located
-error need no new branch. Nothing here imports torch.
+error need no new branch. :func:`sync_folder` is the one way a writer makes its renames
+durable (the export's and checkpoint's folder switch). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import errno
 import os
 import stat
 
-__all__ = ["open_regular", "read_regular_file"]
+__all__ = ["open_regular", "read_regular_file", "sync_folder"]
 
 _KINDS = ((stat.S_ISDIR, errno.EISDIR, "Is a directory"),
           (stat.S_ISFIFO, errno.EINVAL, "not a regular file (a FIFO)"),
@@ -84,5 +85,20 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int) -> bytes:
         if total > limit:
             raise OSError(errno.EFBIG, f"the file is more than {limit} bytes", os.fspath(path))
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make the renames in ``folder`` durable (a folder's entries are synced through the folder
+    itself); a file system that cannot sync a folder is left as it is."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)

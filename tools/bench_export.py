@@ -82,7 +82,7 @@ PHASES = {"every_rank_entered": "enter", "_negotiate": "negotiate", "write_runs"
           "send": "report_written", "wait_written": "wait_written", "_write": "write",
           "_hash_and_write": "small_write", "hash_range": "hash_range",
           "start_writeback": "start_writeback", "fsync": "fsync", "every_rank_failure": "agree",
-          "replace_text": "replace_text", "next": "wait_next"}
+          "replace_text": "replace_text", "commit_switch": "switch", "next": "wait_next"}
 
 
 class _Patched:
@@ -131,7 +131,12 @@ def _patch_way(patched: _Patched, way: str) -> None:
     if way == "hyperrecipe-nosync":
         patched.set(export, "os", _os_with(fsync=lambda fd: None))
         patched.set(export, "start_writeback", lambda fd, offset, nbytes: None)
-        patched.set(export, "sync_folder", lambda folder: None)
+        if hasattr(export, "sync_folder"):  # an older tree (--baseline)
+            patched.set(export, "sync_folder", lambda folder: None)
+        else:
+            import hyperrecipe.runtime.state.folder_switch as folder_switch
+
+            patched.set(folder_switch, "sync_folder", lambda folder: None)
     elif way == "hyperrecipe-nohash":
         patched.set(export, "new_hasher", lambda algorithm: _NoHash())
         patched.set(export, "hash_range", lambda hasher, fd, mapping, start, end: None)

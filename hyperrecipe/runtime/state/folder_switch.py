@@ -48,6 +48,7 @@ from pathlib import Path
 
 import attrs
 
+from hyperrecipe._files import sync_folder
 from hyperrecipe.errors import SwitchIncompleteError
 
 __all__ = ["MARKER", "STAGING_SUFFIX", "Staging", "SwitchIncompleteError", "abandon", "begin",
@@ -121,15 +122,6 @@ def _can_exchange(target: Path) -> bool:
         return False
     # a process's working folder moved away under it would leave it in the removed old state
     return target != cwd and target not in cwd.parents
-
-
-def _sync(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _remove(path: Path) -> None:
@@ -218,16 +210,16 @@ def commit(staging: Staging, owned: Callable[[str], bool], last: Sequence[str] =
     """
     target, path = staging.target, staging.path
     (path / MARKER).unlink()
-    _sync(path)
+    sync_folder(path)
     if staging.exchange:
         linked = _link_foreign(target, path, owned)
         failed = _exchange(path, target)
         if failed == 0:
             try:
-                _sync(target.parent)
+                sync_folder(target.parent)
                 _carry_back(path, target, owned)
                 shutil.rmtree(path)
-                _sync(target)
+                sync_folder(target)
             except OSError as exc:
                 raise SwitchIncompleteError(exc.errno or errno.EIO, f"{target} holds the new "
                                             f"state; moving the rest back from {path} failed: "
@@ -290,9 +282,9 @@ def _rename_each(path: Path, target: Path, owned: Callable[[str], bool],
                 _remove(target / entry.name)
         for name in [n for n in last if n in names]:
             os.replace(path / name, target / name)
-        _sync(target)
+        sync_folder(target)
         if path != target / STAGING_SUFFIX:  # a sibling the exchange was refused for
-            _sync(target.parent)
+            sync_folder(target.parent)
         shutil.rmtree(path)
     except OSError as exc:
         raise SwitchIncompleteError(exc.errno or errno.EIO, f"{target} holds part of the new "

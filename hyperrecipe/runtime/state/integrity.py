@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 
 from hyperrecipe._files import open_regular, read_regular_file
+from hyperrecipe._files import sync_folder
 from hyperrecipe.errors import ExportError, SwitchIncompleteError, WeightLoadError
 from hyperrecipe.runtime.state import folder_switch
 from hyperrecipe.runtime.state.snapshot import Hasher, Snapshot, borrowed
@@ -162,20 +163,6 @@ def replace_text(path: Path, text: str) -> None:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
-
-
-def sync_folder(folder: Path) -> None:
-    """Make the renames durable (a folder's entries are synced through the folder itself)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- the source digest the ranks compare before loading -------------------------------------
