@@ -159,6 +159,14 @@ class WrapperDeclaration:
     inner_out_src: tuple[tuple[int, NamedPlacement], ...] = ()
     factory: str
     summary: str = ""
+    #: parameters (relative to the boundary module) the wrapper computes with, and the
+    #: placement each must have: a wrapper that reads a fused weight chunk by chunk computes
+    #: silently wrong on any other shard, so the resolver refuses the recipe at its line.
+    params: tuple[tuple[str, NamedPlacement], ...] = ()
+    #: submodules (relative names) the wrapper calls as modules and that must be boundaries
+    #: nested in the wrapped one (a row-wise output projection that reduces its partial
+    #: output): the resolver refuses the recipe when one is not.
+    boundaries: tuple[str, ...] = ()
 
 
 BUILTIN_WRAPPERS: Mapping[str, WrapperDeclaration] = {
@@ -170,6 +178,18 @@ BUILTIN_WRAPPERS: Mapping[str, WrapperDeclaration] = {
             summary="context parallel attention: K/V all-gathered along the sequence, "
                     "offset-aware causal mask"),
         WrapperDeclaration(
+            name="mha_heads", hook="forward", mesh_dims=("tp",),
+            inner_out_src=((0, parse_named_placement("replicate")),
+                           (1, parse_named_placement({"tp": "partial"}))),
+            factory="hyperrecipe.runtime.features.multihead_attention:mha_heads",
+            summary="torch.nn.MultiheadAttention on each rank's heads: in_proj "
+                    "shard(0, chunks=3), out_proj a nested rowwise boundary",
+            params=(("in_proj_weight", parse_named_placement({"tp": "shard(0, chunks=3)"})),
+                    ("in_proj_bias", parse_named_placement({"tp": "shard(0, chunks=3)"})),
+                    ("out_proj.weight", parse_named_placement({"tp": "shard(1)"})),
+                    ("out_proj.bias", parse_named_placement("replicate"))),
+            boundaries=("out_proj",)),
+        WrapperDeclaration(
             name="ulysses", hook="attention", mesh_dims=("cp",),
             inner_out_src=((0, parse_named_placement({"cp": "shard(1)"})),),
             factory="hyperrecipe.runtime.features.context_parallel:ulysses",
@@ -177,9 +197,11 @@ BUILTIN_WRAPPERS: Mapping[str, WrapperDeclaration] = {
                     "(Ulysses)"),
     )
 }
-"""The built-in inner wrappers by registry name: their declarations (the attention output
-``[batch, seq, heads, head_dim]`` comes back sharded on the sequence over ``cp``); the
-factories are in :mod:`hyperrecipe.runtime.features.context_parallel`."""
+"""The built-in inner wrappers by registry name: their declarations. The context-parallel
+ones (the attention output ``[batch, seq, heads, head_dim]`` comes back sharded on the sequence
+over ``cp``) have their factories in :mod:`hyperrecipe.runtime.features.context_parallel`;
+``mha_heads`` (``torch.nn.MultiheadAttention`` sharded by heads over ``tp``, its averaged
+attention weights a partial sum) in :mod:`hyperrecipe.runtime.features.multihead_attention`."""
 
 
 @attrs.frozen(kw_only=True)
@@ -192,11 +214,14 @@ class WrapperSpec:
     requires: tuple[Requirement, ...]
     inner_out_src: tuple[tuple[int, NamedPlacement], ...] = ()
     factory: Callable[[WrapperContext], Callable[..., Any]] = attrs.field(eq=False)
+    params: tuple[tuple[str, NamedPlacement], ...] = ()
+    boundaries: tuple[str, ...] = ()
 
     def declaration(self, ref: str) -> WrapperDeclaration:
         """The data part of this spec, for the factory found at ``ref``."""
         return WrapperDeclaration(name=self.name, hook=self.hook, mesh_dims=self.mesh_dims,
-                                  inner_out_src=self.inner_out_src, factory=ref)
+                                  inner_out_src=self.inner_out_src, factory=ref,
+                                  params=self.params, boundaries=self.boundaries)
 
 
 _SPEC_ATTRIBUTE = "__hyperrecipe_wrapper__"
@@ -246,7 +271,7 @@ def builtin_wrapper(name: str, *, requires: Sequence[Requirement] = ()) -> Calla
     def mark(factory: F) -> F:
         spec = WrapperSpec(name=d.name, hook=d.hook, mesh_dims=d.mesh_dims,
                            requires=tuple(requires), inner_out_src=d.inner_out_src,
-                           factory=factory)
+                           factory=factory, params=d.params, boundaries=d.boundaries)
         setattr(factory, _SPEC_ATTRIBUTE, spec)
         return factory
 

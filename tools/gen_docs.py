@@ -109,12 +109,21 @@ def _field_table(specs: Sequence[FieldSpec]) -> list[str]:
     return rows
 
 
+def _flow(value: object) -> str:
+    """A placement in YAML flow syntax: one with a comma (``shard(0, chunks=3)``) quoted, as a
+    recipe must write it inside ``{...}``."""
+    if not isinstance(value, NamedPlacement) or value.is_replicate:
+        return str(value)
+    parts = (f'"{q}"' if "," in str(q) else str(q) for _, q in value.dims)
+    return "{" + ", ".join(f"{k}: {q}" for (k, _), q in zip(value.dims, parts, strict=True)) + "}"
+
+
 def _value(name: str, value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if name in MAPPING_FIELDS:
         assert isinstance(value, tuple)
-        items = ", ".join(f"{k}: {v}" for k, v in value)
+        items = ", ".join(f"{k}: {_flow(v)}" for k, v in value)
         return "{" + items + "}"
     if isinstance(value, tuple):
         return "[" + ", ".join(str(v) for v in value) + "]"

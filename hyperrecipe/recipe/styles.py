@@ -19,6 +19,7 @@ _TP_ROW = NamedPlacement.of({"tp": Shard(dim=1)})
 _TP_LAST = NamedPlacement.of({"tp": Shard(dim=-1)})
 _TP_SEQ = NamedPlacement.of({"tp": Shard(dim=1)})
 _TP_PARTIAL = NamedPlacement.of({"tp": Partial()})
+_TP_FUSED_QKV = NamedPlacement.of({"tp": Shard(dim=0, chunks=3)})
 
 _COLWISE = RuleFields(
     params=(("weight", _TP_COL), ("bias", _TP_COL)),
@@ -102,6 +103,27 @@ BUILTIN_STYLES: dict[str, StyleDef] = {
                 in_dst=((0, REPLICATED),),
                 out_src=((0, _TP_PARTIAL),),
                 out_dst=((0, REPLICATED),),
+            ),
+        ),
+        StyleDef(
+            name="multihead_attention",
+            builtin=True,
+            doc=(
+                "`torch.nn.MultiheadAttention` sharded by heads: `in_proj_weight` and "
+                "`in_proj_bias` sharded in 3 chunks (each rank holds whole heads of q, k and v), "
+                "the attention run on each rank's heads by the built-in inner wrapper "
+                "`mha_heads`, the averaged attention weights (output 1) a partial sum reduced "
+                "on the way out. Its `out_proj` needs a rule of its own with `style: rowwise` "
+                "(docs/adapters.md#torchnnmultiheadattention-by-heads)."
+            ),
+            fields=RuleFields(
+                params=(("in_proj_weight", _TP_FUSED_QKV), ("in_proj_bias", _TP_FUSED_QKV)),
+                boundary=True,
+                in_src=(("query", REPLICATED), ("key", REPLICATED), ("value", REPLICATED)),
+                out_names=("attn_output", "attn_weights"),
+                out_src=((0, REPLICATED), (1, _TP_PARTIAL)),
+                out_dst=((0, REPLICATED), (1, REPLICATED)),
+                inner_wrapper=("mha_heads",),
             ),
         ),
         StyleDef(

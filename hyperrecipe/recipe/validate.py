@@ -141,8 +141,8 @@ RULE_FIELD_SPECS: tuple[FieldSpec, ...] = (
                   "`{0: {cp: shard(1)}}` for attention output `[batch, seq, heads, head_dim]`; "
                   "validate mode wraps the wrapper's local results with it. Outputs it does not "
                   "name are replicated. Default: the layout the wrappers declare "
-                  "(`@inner_wrapper(inner_out_src=...)`; the built-ins declare "
-                  "`{0: {cp: shard(1)}}`), refused when candidates disagree or the boundary is "
+                  "(`@inner_wrapper(inner_out_src=...)`; the context-parallel built-ins declare "
+                  "`{0: {cp: shard(1)}}`, `mha_heads` `{0: replicate, 1: {tp: partial}}`), refused when candidates disagree or the boundary is "
                   "also sharded on a dim the declaration does not name."),
     FieldSpec(name="local_region", kind="bool",
               doc="Run the module's forward on local tensors in both modes (data-dependent code "

@@ -22,7 +22,7 @@ from hyperrecipe.resolve.context import Claim, ResolveInput, provenance, provena
 from hyperrecipe.resolve.kernels import expert_parallel, vocab_parallel
 from hyperrecipe.resolve.layouts import DeclaredLayouts, declared_layouts
 from hyperrecipe.resolve.transitions import lower_boundary
-from hyperrecipe.resolve.wrappers import check_wrappers, declared_inner_out
+from hyperrecipe.resolve.wrappers import check_wrapper_needs, check_wrappers, declared_inner_out
 
 __all__ = ["BoundaryTree", "BuiltBoundaries", "build_boundaries", "find_boundaries"]
 
@@ -165,6 +165,7 @@ def _build_one(inp: ResolveInput, claims: ClaimTable, tree: BoundaryTree,
     wrapper = claims.get(fqn, "inner_wrapper")
     if wrapper is not None:
         specs = check_wrappers(inp, fqn, wrapper)
+        check_wrapper_needs(inp, claims, tree.names, fqn, wrapper, specs)
         if not inner_out:
             inner_out = declared_inner_out(inp, fqn, wrapper, specs, layouts.out_names,
                                            sharded_params | sharded_inputs)

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 
 from hyperrecipe.errors import RecipeError
 from hyperrecipe.plan import ArgLayout
+from hyperrecipe.placement import REPLICATED
+from hyperrecipe.resolve.claims import ClaimTable
 from hyperrecipe.resolve.context import Claim, ResolveInput, span_of
+from hyperrecipe.recipe.patterns import generalize_fqn as generalize
 from hyperrecipe.resolve.layouts import output_name
 from hyperrecipe.wrappers import WrapperDeclaration, declared_wrapper
 
-__all__ = ["check_wrappers", "declared_inner_out"]
+__all__ = ["check_wrapper_needs", "check_wrappers", "declared_inner_out"]
 
 
 def check_wrappers(inp: ResolveInput, fqn: str, claim: Claim) -> list[WrapperDeclaration]:
@@ -108,3 +111,57 @@ def declared_inner_out(inp: ResolveInput, fqn: str, claim: Claim,
         out.append(ArgLayout(name=output_name(pos, out_names), position=pos, src=placed,
                              dst=placed))
     return out
+
+
+def check_wrapper_needs(inp: ResolveInput, claims: ClaimTable, boundaries: Sequence[str],
+                        fqn: str, claim: Claim, specs: Sequence[WrapperDeclaration]) -> None:
+    """The parameter placements and nested boundaries a wrapper declares it computes with
+    (``WrapperDeclaration.params`` / ``.boundaries``) are what the recipe gives.
+
+    A wrapper that reads a fused weight chunk by chunk (``mha_heads``: q, k and v rows of
+    ``in_proj_weight``) computes silently wrong on any other shard of the same shape, and one
+    that calls an output projection as a module needs that projection's boundary to reduce;
+    so either is refused here, at the rule's line, naming the rule to write.
+
+    Raises:
+        RecipeError: a declared parameter is missing from the module or placed otherwise, or a
+            declared submodule is not a boundary.
+    """
+    span, path = span_of(claim, "inner_wrapper")
+    rule = claim.rule
+    for ref, spec in zip(claim.value, specs, strict=True):
+        for rel, required in spec.params:
+            owner, _, name = f"{fqn}.{rel}".rpartition(".")
+            info = inp.tree.get(owner)
+            param = info.param(name) if info is not None else None
+            if param is None:
+                if name.endswith("bias") and info is not None:
+                    continue  # a bias-free projection: nothing to place
+                separate = inp.tree.module(fqn).param("q_proj_weight") is not None
+                why = (" (its kdim or vdim differs from embed_dim, so q, k and v are separate "
+                       "q_proj_weight, k_proj_weight and v_proj_weight)" if separate else "")
+                raise RecipeError(
+                    f"inner wrapper {ref!r} of {fqn!r} computes with parameter {rel!r}, which "
+                    f"{fqn!r} ({inp.tree.module(fqn).cls}) does not have{why}", span=span,
+                    path=path, rule_index=rule.index,
+                    hint=(f"{spec.name} needs {', '.join(r for r, _ in spec.params)}; leave "
+                          f"this module replicated (no rule on it) or rewrite it with "
+                          f"nn.Linear projections"))
+            placed = claims.get(param.tied_to or param.fqn, "params")
+            actual = placed.value if placed is not None else REPLICATED
+            dims = sorted(set(actual.mesh_dims) | set(required.mesh_dims))
+            if any(actual.get(d) != required.get(d) for d in dims if inp.size(d) > 1):
+                raise RecipeError(
+                    f"inner wrapper {ref!r} of {fqn!r} computes with {rel} placed {required}, "
+                    f"but the recipe places {param.fqn} {actual}", span=span, path=path,
+                    rule_index=rule.index,
+                    hint=("it reads the parameter chunk by chunk (each rank's whole heads), so "
+                          "any other placement is wrong without a shape error; declare: "
+                          + "; ".join(f"{r}: {p}" for r, p in spec.params)))
+        for rel in spec.boundaries:
+            if f"{fqn}.{rel}" not in boundaries:
+                raise RecipeError(
+                    f"inner wrapper {ref!r} of {fqn!r} calls {fqn}.{rel} as a module and needs "
+                    f"it to be a boundary nested in {fqn!r}, which reduces its output",
+                    span=span, path=path, rule_index=rule.index,
+                    hint=f"add a rule `match: {generalize(fqn)}.{rel}` with `style: rowwise`")

@@ -14,7 +14,7 @@ from hyperrecipe.resolve import resolve_recipe
 from tests.support.recipe_text import locate, write_both
 from tests.support.toy_models import Toy
 
-STYLES = "colwise, colwise_gather_output, replicate, rowwise, sequence_parallel, vocab_parallel"
+STYLES = "colwise, colwise_gather_output, multihead_attention, replicate, rowwise, sequence_parallel, vocab_parallel"
 RULE_KEYS = ("match, when, style, params, boundary, in_src, in_dst, out_src, out_dst, in_grad, "
              "out_grad, out_names, "
              "defer_bias, head_counts, reduce_grads, inner_wrapper, inner_out_src, local_region, no_grad, "
@@ -58,7 +58,7 @@ LOAD_CASES = [
      "in_src has no effect with boundary: false @ $.rules[0].in_src"),
     ("unknown-wrapper", base({"match": "embed", "inner_wrapper": "ulyses"}), "ulyses", '"ulyses"',
      "unknown inner wrapper 'ulyses'; did you mean 'ulysses'? @ $.rules[0].inner_wrapper; expected "
-     "one of cp_allgather_kv, ulysses or `pkg.mod:callable`"),
+     "one of cp_allgather_kv, mha_heads, ulysses or `pkg.mod:callable`"),
     ("grad-layout-shard", base({"match": "layers.*.mlp", "boundary": True,
                                 "in_src": {"x": "replicate"}, "in_grad": {"x": {"tp": "shard(1)"}}}),
      "shard(1)", '"shard(1)"',

@@ -2,7 +2,8 @@
 
 Owns ``adapters`` (method and function adapters for third-party code), ``inner`` (inner
 wrappers: fallback chains, hooks, the local-tensor edge), ``context_parallel`` (the built-in
-attention wrappers), ``local_region`` (boundaries that compute on local tensors in both modes),
+context-parallel attention wrappers), ``multihead_attention`` (the built-in ``mha_heads``:
+``torch.nn.MultiheadAttention`` on each rank's heads), ``local_region`` (boundaries that compute on local tensors in both modes),
 ``experts``, ``token_dispatch`` and ``reach`` (expert parallelism and keeping every rank's
 backward in step) ``vocab_loss`` (the loss on vocab shards) and ``router_loss`` (a mixture-of-experts router
 loss counted once under a plan that sums the routers' gradients). Features build on
