@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["STRUCTURE_SOURCE", "Correction", "Narrowed", "SuggestedRule"]
+__all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "Correction", "Narrowed", "SuggestedRule"]
 
 
 @attrs.frozen(kw_only=True)
@@ -53,3 +53,7 @@ class Correction:
 STRUCTURE_SOURCE = "the model's structure"
 """Where an entry read off the model's structure says it came from (the rule's comment;
 :mod:`hyperrecipe.suggest.structure`)."""
+
+MHA_STYLE = "multihead_attention"
+"""The style of an entry read off an ``nn.MultiheadAttention``: the built-in recipe style of that
+name (its heads run by the ``mha_heads`` inner wrapper), with its ``out_proj`` row-wise."""

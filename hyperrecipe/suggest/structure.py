@@ -31,8 +31,12 @@ head is the one ``nn.Linear`` outside the blocks to an embedding's vocabulary.
 A block that does not fit (a projection of another shape, a nested block with weights of its
 own) is left out. So is one that fits but whose heads cannot be divided, and that is reported
 with the reason (:func:`read_structure`): an attention whose forward reads the width off its
-input (nanoGPT's ``C // self.n_head``), one whose einops pattern fixes the head count, and
-``nn.MultiheadAttention``. Whatever is proposed goes through ``check`` like a declared plan, and
+input (nanoGPT's ``C // self.n_head``) and one whose einops pattern fixes the head count.
+An ``nn.MultiheadAttention`` (whose q, k and v are one ``in_proj_weight`` of its own, and whose
+forward never calls ``out_proj``) is proposed whole, in the recipe's own vocabulary: style
+``multihead_attention`` (the ``mha_heads`` inner wrapper on each rank's heads) and its
+``out_proj`` row-wise; one with separate q/k/v weights, ``add_bias_kv`` or ``add_zero_attn`` is
+left replicated with the reason. Whatever is proposed goes through ``check`` like a declared plan, and
 a rule it rejects is narrowed, never written unverified.
 """
 
@@ -48,9 +52,9 @@ import torch
 from torch import nn
 
 from hyperrecipe.models.hf_plans import PlanEntry
-from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Narrowed
+from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Narrowed
 
-__all__ = ["STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_leaves_out", "hidden_size",
+__all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_leaves_out", "hidden_size",
            "read_structure", "structural_entries"]
 
 
@@ -375,9 +379,21 @@ def _heads_fixed_in_einops(block: nn.Module) -> str | None:
     return None
 
 
-_MHA_WHY = ("its q, k and v are one in_proj_weight of its own, and its forward reads head_dim "
-            "off the input's width and never calls out_proj: left replicated "
-            "(docs/bring-your-own-model.md)")
+def _mha_refusal(block: nn.MultiheadAttention) -> str | None:
+    """Why ``mha_heads`` cannot shard ``block`` (it refuses the same at compile time), or
+    ``None``."""
+    if getattr(block, "in_proj_weight", None) is None:
+        why = (f"its kdim ({block.kdim}) or vdim ({block.vdim}) differs from embed_dim "
+               f"({block.embed_dim}), so q, k and v are separate q_proj_weight, k_proj_weight "
+               f"and v_proj_weight")
+    elif block.bias_k is not None:
+        why = "add_bias_kv=True appends one learned key/value over every head"
+    elif block.add_zero_attn:
+        why = "add_zero_attn=True appends a zero key/value over every head"
+    else:
+        return None
+    return (f"{why}, which the multihead_attention style (mha_heads) does not shard: left "
+            f"replicated (docs/bring-your-own-model.md)")
 
 
 def _left_out(block: nn.Module) -> str | None:
@@ -393,7 +409,7 @@ def _left_out(block: nn.Module) -> str | None:
 def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narrowed, ...]]:
     """Tensor-parallel plan entries from ``model``'s module tree (see the module doc), and the
     blocks left replicated for a reason the user should read (a width read off the input, heads
-    fixed in einops, ``nn.MultiheadAttention``). ``((), ())`` where the hidden size cannot be
+    fixed in einops, an ``nn.MultiheadAttention`` that ``mha_heads`` cannot shard). ``((), ())`` where the hidden size cannot be
     read (:func:`hidden_size`)."""
     transposed = transposed_classes(model)
     hidden = hidden_size(model, transposed)
@@ -408,7 +424,13 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
             continue
         seen.add(folded)
         if isinstance(block, nn.MultiheadAttention):
-            notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=_MHA_WHY))
+            refusal = _mha_refusal(block)
+            if refusal is not None:
+                notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=refusal))
+            else:
+                out.append(PlanEntry(pattern=folded, style=MHA_STYLE, plan="tp",
+                                     source=f"{STRUCTURE_SOURCE}: nn.MultiheadAttention at "
+                                            f"{folded}"))
             continue
         entries = _block_entries(fqn, block, hidden, transposed)
         if not entries:

@@ -23,7 +23,7 @@ import attrs
 
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
-from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
+from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
 __all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "fold", "translate"]
@@ -300,6 +300,18 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
 _TRANSPOSED = " (weight stored [in, out]: its output dim is 1)"
 
 
+def _multihead_attention(b: _Builder, fqn: str, entry: PlanEntry) -> None:
+    """An ``nn.MultiheadAttention`` by heads: the built-in ``multihead_attention`` style on it
+    (``in_proj`` in 3 chunks, the ``mha_heads`` inner wrapper) and its ``out_proj`` row-wise,
+    which that wrapper calls as a nested boundary. One group: given up together."""
+    b.add(fqn, {"style": MHA_STYLE}, [_entry_text(entry) + " (in_proj in 3 chunks, each "
+                                      "rank's heads run by the mha_heads inner wrapper)"],
+          fqn, fqn)
+    b.add(f"{fqn}.out_proj", {"style": "rowwise"},
+          [_entry_text(entry) + " (out_proj: row-wise, reduced once)"], fqn, fqn)
+    b.claimed.update((fqn, f"{fqn}.out_proj"))
+
+
 def _column_fields(b: _Builder, fqn: str, entry: PlanEntry, parts: int) -> dict[str, Any]:
     """The parameters of a column-wise projection without the ``colwise`` style: packed in
     ``parts`` chunks, or stored ``[in, out]`` (then the weight's output dim is 1 and the
@@ -499,6 +511,8 @@ def translate(entries: Sequence[PlanEntry], tree: ModelTree, mesh: Mapping[str, 
                 vocab[fqn] = entry
             elif style in ("replicated_with_grad_allreduce", "replicate"):
                 planned[fqn] = entry
+            elif style == MHA_STYLE:
+                _multihead_attention(b, fqn, entry)
             elif style == "local_params":
                 local[fqn] = entry  # fine where its per-head parameters go with a region
             else:

@@ -99,11 +99,36 @@ def test_the_output_head_is_the_linear_outside_the_blocks_to_the_vocabulary() ->
     assert "head" not in _read("make_vit")[0]
 
 
-def test_nn_multihead_attention_is_left_replicated_and_the_mlp_beside_it_is_sharded() -> None:
+def test_nn_multihead_attention_is_sharded_by_heads_with_the_mlp_beside_it() -> None:
     styles, left_out = _read("make_mha_encoder")
-    assert styles == {"layers.*.mlp.linear_1": "colwise", "layers.*.mlp.linear_2": "rowwise"}
-    assert left_out["layers.*.self_attention (nn.MultiheadAttention)"].startswith(
-        "its q, k and v are one in_proj_weight of its own")
+    assert styles == {"layers.*.self_attention": "multihead_attention",
+                      "layers.*.mlp.linear_1": "colwise", "layers.*.mlp.linear_2": "rowwise"}
+    assert left_out == {}
+
+
+class _MHAOptions(nn.Module):
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.MultiheadAttention(16, 4, batch_first=True, **options)  # type: ignore[arg-type]
+                                    for _ in range(2))
+        self.mlps = nn.ModuleList(_Mlp(16, 32) for _ in range(2))
+
+
+@pytest.mark.parametrize(("options", "why"), [
+    ({"kdim": 8, "vdim": 8}, "its kdim (8) or vdim (8) differs from embed_dim (16), so q, k and v "
+                             "are separate q_proj_weight, k_proj_weight and v_proj_weight"),
+    ({"add_bias_kv": True}, "add_bias_kv=True appends one learned key/value over every head"),
+    ({"add_zero_attn": True}, "add_zero_attn=True appends a zero key/value over every head")])
+def test_an_nn_multihead_attention_mha_heads_cannot_shard_is_left_replicated_and_says_why(
+        options: dict[str, object], why: str) -> None:
+    with torch.device("meta"):
+        entries, left_out = read_structure(_MHAOptions(**options))
+    assert {e.pattern for e in entries} == {"mlps.*.up", "mlps.*.down"}
+    assert [(n.what, n.why) for n in left_out] == [(
+        "layers.* (nn.MultiheadAttention)",
+        f"{why}, which the multihead_attention style (mha_heads) does not shard: left "
+        f"replicated (docs/bring-your-own-model.md)")]
 
 
 class _Rearrange(nn.Module):
@@ -205,7 +230,7 @@ class _OnlyMHA(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(nn.MultiheadAttention(16, 4, batch_first=True)
+        self.layers = nn.ModuleList(nn.MultiheadAttention(16, 4, batch_first=True, kdim=8, vdim=8)
                                     for _ in range(2))
 
 
@@ -222,7 +247,7 @@ def test_a_refusal_says_what_was_read_and_what_was_left_out_and_why() -> None:
         "plan (transformers' base_model_tp_plan / _tp_plan), and its structure shows no block "
         "of column-wise projections from the hidden size and a row-wise one back to it (the "
         "blocks read a hidden size of 16); layers.* (nn.MultiheadAttention) was left out: its "
-        "q, k and v are one in_proj_weight of its own")
+        "kdim (8) or vdim (8) differs from embed_dim (16)")
 
 
 def test_a_factory_model_gets_an_unverified_recipe_named_by_its_factory() -> None:
@@ -251,7 +276,7 @@ def _suggest_and_recheck(factory: str, config: dict[str, object], inputs: str | 
                           for m in report.modes]
     sharded = {m for r in s.rules
                if dict(r.fields).get("style") in ("colwise", "rowwise", "vocab_parallel",
-                                                  "colwise_gather_output")
+                                                  "colwise_gather_output", "multihead_attention")
                or "shard" in str(dict(r.fields).get("params")) for m in _expand(r.match)}
     return sharded, [n.what for n in s.narrowed]
 
@@ -307,11 +332,14 @@ def test_a_vit_on_patch_embeddings_gets_its_mlps_sharded(conv_patches: bool,
 
 
 @pytest.mark.slow
-def test_an_encoder_on_nn_multihead_attention_gets_its_mlps_sharded(tmp_path: Path) -> None:
+def test_an_encoder_on_nn_multihead_attention_gets_its_attention_and_mlps_sharded(
+        tmp_path: Path) -> None:
+    # the multihead_attention style: in_proj in 3 chunks, mha_heads on each rank's heads, and
+    # out_proj row-wise; checked in both modes by suggest and again from the written file
     sharded, narrowed = _suggest_and_recheck("make_mha_encoder", {}, None, tmp_path)
-    assert {"layers.*.mlp.linear_1", "layers.*.mlp.linear_2"} <= sharded
-    assert not any("self_attention" in m for m in sharded)
-    assert "layers.*.self_attention (nn.MultiheadAttention)" in narrowed
+    assert {"layers.*.self_attention", "layers.*.self_attention.out_proj",
+            "layers.*.mlp.linear_1", "layers.*.mlp.linear_2"} <= sharded
+    assert not any("self_attention" in n for n in narrowed)
 
 
 @pytest.mark.slow
