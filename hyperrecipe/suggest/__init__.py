@@ -8,7 +8,8 @@ rule to replicated and saying why (``verify``). :func:`suggest_recipe` is the wh
 ``hyperrecipe suggest`` is a thin layer over it. Beside those: ``rules`` (what a suggestion is
 made of: the rules, and what was given up or corrected), ``structure`` (plan entries read off
 the structure for a family that declares no plan, and for any ``nn.Module`` given as
-``pkg.module:factory``), ``sequence`` (sequence parallelism on top of
+``pkg.module:factory``), ``folding`` (which segments of a module's name are repetition
+indices: ``0``, ``encoder_layer_3``, but not a ``Sequential``'s ``mlp.0``), ``sequence`` (sequence parallelism on top of
 the translated regions), ``gathered`` (a region that fails under sequence parallelism computed
 whole on the gathered sequence) and ``unplaced`` (a module no rule places, blamed under sequence
 parallelism, run on this rank's tokens). What does not: any placement decision of its

@@ -60,6 +60,7 @@ from typing import Any
 
 from hyperrecipe.model_tree import ModuleInfo
 from hyperrecipe.recipe.patterns import compile_pattern
+from hyperrecipe.suggest.folding import Folding
 from hyperrecipe.suggest.rules import SuggestedRule
 
 __all__ = ["GATHERED_GROUP", "SEQUENCE_GROUP", "nested_group", "nested_region", "sequence_parallel_rules"]
@@ -121,10 +122,6 @@ def _first_arg(m: ModuleInfo) -> str | int:
     return m.signature[0].name if m.signature and m.signature[0].kind != "var_keyword" else 0
 
 
-def _fold(fqn: str) -> str:
-    return ".".join("*" if seg.isdigit() else seg for seg in fqn.split("."))
-
-
 def _under(fqn: str, root: str) -> bool:
     return fqn == root or fqn.startswith(root + ".")
 
@@ -159,9 +156,10 @@ def _only_reduces(rule: SuggestedRule) -> bool:
     return {k for k, _ in rule.fields} <= {"reduce_grads"}
 
 
-def _pattern(fqns: Sequence[str], instances: Mapping[str, Sequence[ModuleInfo]]) -> str:
+def _pattern(fqns: Sequence[str], instances: Mapping[str, Sequence[ModuleInfo]],
+             fold: Folding) -> str:
     """``a.*.b`` when ``fqns`` are all instances of their folded name, else the list."""
-    folded = {_fold(f) for f in fqns}
+    folded = {fold(f) for f in fqns}
     if len(folded) == 1:
         key = folded.pop()
         if {m.fqn for m in instances.get(key, ())} == set(fqns):
@@ -176,8 +174,9 @@ class _Tree:
         self.by_fqn = {m.fqn: m for m in modules}
         self.order = [m.fqn for m in modules]
         self.instances: dict[str, list[ModuleInfo]] = {}
+        self.fold = Folding.of_tree(modules)
         for m in modules:
-            self.instances.setdefault(_fold(m.fqn), []).append(m)
+            self.instances.setdefault(self.fold(m.fqn), []).append(m)
         self.rules = rules
 
     def matched(self, rule: SuggestedRule) -> list[str]:
@@ -286,7 +285,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     for block in _token_local_groups(kinds, tree):
         first = tree.by_fqn[block[0]]
         block_arg = _first_arg(first)
-        match = _pattern(block, tree.instances)
+        match = _pattern(block, tree.instances, tree.fold)
         out.append(_rule(match, {"boundary": True, "local_region": True,
                                  "in_src": {block_arg: seq}, "in_dst": {block_arg: seq},
                                  "out_src": {0: seq}},
@@ -296,7 +295,7 @@ def sequence_parallel_rules(rules: Sequence[SuggestedRule], modules: Sequence[Mo
     for block in _grouped(kinds, tree, "gathered"):
         first = tree.by_fqn[block[0]]
         block_arg = _first_arg(first)
-        match = _pattern(block, tree.instances)
+        match = _pattern(block, tree.instances, tree.fold)
         block_fields: dict[str, object] = {"boundary": True, "in_src": {block_arg: seq},
                                            "in_dst": {block_arg: "replicate"},
                                            "out_src": {0: "replicate"}, "out_dst": {0: seq}}
@@ -376,11 +375,11 @@ def _layer_list(tree: _Tree, regions: Mapping[str, SuggestedRule],
     norm over all heads), from the projections it places inside the layers: each block holding
     them is then a gathered replicated block."""
     if regions:
-        lists = {_fold(f).split(".*.", 1)[0] for f in regions if ".*." in _fold(f)}
-        if len(lists) != 1 or any(".*." not in _fold(f) for f in regions):
+        lists = {tree.fold(f).split(".*.", 1)[0] for f in regions if ".*." in tree.fold(f)}
+        if len(lists) != 1 or any(".*." not in tree.fold(f) for f in regions):
             return "", "the regions are not all under one list of decoder layers"
         return lists.pop(), ""
-    placed = [_fold(f) for r in rules if not _only_reduces(r) for f in tree.matched(r)]
+    placed = [tree.fold(f) for r in rules if not _only_reduces(r) for f in tree.matched(r)]
     lists = {f.split(".*.", 1)[0] for f in placed if ".*." in f}
     if not lists:
         return "", "no region to build it around, nor a projection the plan places in a layer"
@@ -403,7 +402,7 @@ def _folded(fqns: Sequence[str], tree: _Tree) -> list[str]:
     out: list[str] = []
     chosen = set(fqns)
     for f in fqns:
-        key = _fold(f)
+        key = tree.fold(f)
         whole = {m.fqn for m in tree.instances.get(key, ())} <= chosen
         name = key if whole else f
         if name not in out:
@@ -421,6 +420,6 @@ def _grouped(kinds: Mapping[str, str], tree: _Tree, kind: str) -> list[list[str]
     groups: dict[tuple[str, str, Any], list[str]] = {}
     for f, k in kinds.items():
         if k.startswith(kind):
-            groups.setdefault((_fold(f), k, _first_arg(tree.by_fqn[f])), []).append(f)
+            groups.setdefault((tree.fold(f), k, _first_arg(tree.by_fqn[f])), []).append(f)
     return list(groups.values())
 

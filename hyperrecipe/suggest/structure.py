@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from hyperrecipe.models.hf_plans import PlanEntry
+from hyperrecipe.suggest.folding import Folding
 from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Narrowed
 
 __all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_leaves_out", "hidden_size",
@@ -60,10 +61,6 @@ __all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_lea
 
 _SPLITS = re.compile(r"\.(split|chunk|unbind)\(|torch\.(split|chunk)\(")
 _SPLIT_BY = re.compile(r"\.split\(\s*self\.(\w+)|torch\.split\([^,()]+,\s*self\.(\w+)")
-
-
-def _fold(fqn: str) -> str:
-    return ".".join("*" if seg.isdigit() else seg for seg in fqn.split("."))
 
 
 def _called(model: nn.Module, method: str) -> object:
@@ -174,8 +171,9 @@ def _block_projections(model: nn.Module, transposed: frozenset[type[nn.Module]]
     """Every projection inside a repeated block: under a list of layers (its folded name has a
     ``*``), where the blocks are."""
     out: list[_Projection] = []
+    fold = Folding.of_module(model)
     for fqn, block in model.named_modules():
-        if "*" in _fold(fqn):
+        if "*" in fold(fqn):
             out += _projections(block, transposed)
     return out
 
@@ -246,10 +244,13 @@ def _split_sizes(block: nn.Module, part: int) -> tuple[str, ...]:
 
 
 def _block_entries(fqn: str, block: nn.Module, hidden: int,
-                   transposed: frozenset[type[nn.Module]]) -> list[PlanEntry] | None:
+                   transposed: frozenset[type[nn.Module]], fold: Folding) -> list[PlanEntry] | None:
     linears = _projections(block, transposed)
-    if len(linears) < 2 or any(p.name.isdigit() for p in linears):
-        return None  # a Sequential's numbered children read as layer indices in a pattern
+    if len(linears) < 2 or any(fold(f"{fqn}.{p.name}").endswith(".*") for p in linears):
+        # numbered projections that fold to one pattern (a Sequential of Linears only) cannot
+        # be told apart; numbered steps of mixed modules (Linear, GELU, ..., Linear) keep
+        # their numbers (hyperrecipe.suggest.folding)
+        return None
     names = {p.name for p in linears}
     for name, child in block.named_children():
         if name in names:
@@ -268,21 +269,22 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
     if len(cols) == 1 and cols[0].out_features % row_in:
         return None  # fused parts of unequal widths (one key/value head beside the queries)
     cls = type(block).__name__
-    src = f"{STRUCTURE_SOURCE}: {cls} at {_fold(fqn)}"
+    folded = fold(fqn)
+    src = f"{STRUCTURE_SOURCE}: {cls} at {folded}"
     out: list[PlanEntry] = []
     for p in cols:
         chunks = p.out_features // row_in if p.out_features % row_in == 0 else 1
         style = ("packed_colwise" if len(cols) == 1 and chunks > 1 and _splits_its_output(block)
                  else "colwise")
         packed = style == "packed_colwise"
-        out.append(PlanEntry(pattern=f"{_fold(fqn)}.{p.name}", style=style, plan="tp",
+        out.append(PlanEntry(pattern=f"{folded}.{p.name}", style=style, plan="tp",
                              source=src, chunks=chunks if packed else 0,
                              transposed=p.transposed, sizes=_output_sizes(p),
                              split_sizes=_split_sizes(block, row_in) if packed else ()))
     last = linears[row]
-    out.append(PlanEntry(pattern=f"{_fold(fqn)}.{last.name}", style="rowwise", plan="tp",
+    out.append(PlanEntry(pattern=f"{folded}.{last.name}", style="rowwise", plan="tp",
                          source=src, transposed=last.transposed))
-    out += [PlanEntry(pattern=f"{_fold(fqn)}.{name}", style="colwise", plan="tp",
+    out += [PlanEntry(pattern=f"{folded}.{name}", style="colwise", plan="tp",
                       source=f"{src} (a parameter per head)")
             for name in _per_head_params(block, row_in)]
     return out
@@ -418,8 +420,9 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
     out: list[PlanEntry] = []
     notes: list[Narrowed] = []
     seen: set[str] = set()
+    fold = Folding.of_module(model)
     for fqn, block in model.named_modules():
-        folded = _fold(fqn)
+        folded = fold(fqn)
         if "*" not in folded or folded in seen:
             continue
         seen.add(folded)
@@ -432,7 +435,7 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
                                      source=f"{STRUCTURE_SOURCE}: nn.MultiheadAttention at "
                                             f"{folded}"))
             continue
-        entries = _block_entries(fqn, block, hidden, transposed)
+        entries = _block_entries(fqn, block, hidden, transposed, fold)
         if not entries:
             continue
         why = _left_out(block)
@@ -459,8 +462,9 @@ def _output_head(model: nn.Module, hidden: int) -> str | None:
             head, nn.Linear) else None
     vocab = {int(m.num_embeddings) for m in model.modules()
              if isinstance(m, nn.Embedding) and m.embedding_dim == hidden}
+    fold = Folding.of_module(model)
     found = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and "*" not in _fold(n) and m.in_features == hidden
+             if isinstance(m, nn.Linear) and "*" not in fold(n) and m.in_features == hidden
              and m.out_features in vocab]
     return found[0] if len(found) == 1 else None
 

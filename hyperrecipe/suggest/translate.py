@@ -23,10 +23,11 @@ import attrs
 
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
+from hyperrecipe.suggest.folding import Folding
 from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
-__all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "fold", "translate"]
+__all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "translate"]
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -87,11 +88,6 @@ class Translation:
     corrections: tuple[Correction, ...]
 
 
-def fold(fqn: str) -> str:
-    """Layer indices folded to ``*``: ``model.layers.0.mlp`` -> ``model.layers.*.mlp``."""
-    return ".".join("*" if seg.isdigit() else seg for seg in fqn.split("."))
-
-
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("\\.".join("[^.]+" if seg == "*" else re.escape(seg)
                                  for seg in pattern.split(".")))
@@ -125,8 +121,9 @@ class _Builder:
         self.modules: dict[str, ModuleInfo] = {}
         self.order: dict[str, int] = {}
         self.instances: dict[str, list[ModuleInfo]] = {}
+        self.fold = Folding.of_tree(tree.modules)
         for i, m in enumerate(tree.modules):
-            key = fold(m.fqn)
+            key = self.fold(m.fqn)
             self.instances.setdefault(key, []).append(m)
             if key not in self.modules:
                 self.modules[key] = m

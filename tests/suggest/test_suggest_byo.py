@@ -33,7 +33,7 @@ def _read(factory: str, **config: object) -> tuple[dict[str, str], dict[str, str
 
 
 @pytest.mark.parametrize(("factory", "config"), [
-    ("make_gpt", {}), ("make_litgpt", {}), ("make_mha_encoder", {}),
+    ("make_gpt", {}), ("make_litgpt", {}), ("make_mha_encoder", {}), ("make_torchvision_vit", {}),
     ("make_vit", {"conv_patches": True}), ("make_vit", {"conv_patches": False})])
 def test_the_hidden_size_is_the_width_most_block_projections_read(
         factory: str, config: dict[str, object]) -> None:
@@ -104,6 +104,32 @@ def test_nn_multihead_attention_is_sharded_by_heads_with_the_mlp_beside_it() -> 
     assert styles == {"layers.*.self_attention": "multihead_attention",
                       "layers.*.mlp.linear_1": "colwise", "layers.*.mlp.linear_2": "rowwise"}
     assert left_out == {}
+
+
+def test_torchvision_vit_blocks_named_encoder_layer_n_are_read_as_repeated_blocks() -> None:
+    # encoder.layers.encoder_layer_0, _1: siblings of one class whose names differ by a
+    # trailing integer; mlp.0 and mlp.3 (MLPBlock, an nn.Sequential of Linear, GELU, Dropout,
+    # Linear, Dropout) keep their numbers
+    styles, left_out = _read("make_torchvision_vit")
+    assert styles == {"encoder.layers.*.self_attention": "multihead_attention",
+                      "encoder.layers.*.mlp.0": "colwise", "encoder.layers.*.mlp.3": "rowwise"}
+    assert left_out == {}
+
+
+def test_the_fold_reads_repeated_blocks_not_numbered_names() -> None:
+    from hyperrecipe.suggest.folding import Folding
+
+    with torch.device("meta"):
+        fold = Folding.of_module(build_model(f"{BYO}:make_torchvision_vit", {}))
+        assert fold("encoder.layers.encoder_layer_1.mlp.3") == "encoder.layers.*.mlp.3"
+        assert fold("heads.head") == "heads.head"
+        # fc1 / fc2 are two projections of one block, not two layers
+        mlp = nn.Module()
+        mlp.fc1, mlp.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+        assert Folding.of_module(mlp)("fc2") == "fc2"
+        # a list of layers of two kinds (Jamba's attention and Mamba layers) still folds
+        mixed = nn.ModuleList([_Mlp(4, 8), _MlpStack(4)])
+        assert Folding.of_module(mixed)("1.blocks.0.up") == "*.blocks.*.up"
 
 
 class _MHAOptions(nn.Module):
@@ -359,10 +385,36 @@ def test_the_suggest_command_takes_a_factory_and_inputs_as_check_does(
                  '{"conv_patches": false}', "--inputs", PIXELS, "--mesh", "tp=2", "-q"]) == 0
 
 
-def test_an_mlp_written_as_nn_sequential_is_not_read_as_a_block() -> None:
-    # its numbered children would read as layer indices in a pattern
-    with pytest.raises(SuggestError, match="its structure shows no block"):
-        suggest_recipe(f"{BYO}:make_sequential_mlp", TP2, options=SuggestOptions(verify=False))
+def test_an_mlp_written_as_nn_sequential_keeps_its_step_numbers_in_the_patterns() -> None:
+    # numbered steps of mixed modules (Linear, GELU, Linear) are no list of layers: mlp.0 and
+    # mlp.2 are two patterns, one column-wise and one row-wise
+    styles, left_out = _read("make_sequential_mlp")
+    assert styles == {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    assert left_out == {}
+
+
+def test_numbered_linears_of_one_class_still_fold_and_are_not_read_as_a_block() -> None:
+    # a Sequential of Linears only: its numbers read as a list, so the two are one pattern
+    with torch.device("meta"):
+        model = _MlpStack()
+        for block in model.blocks:
+            block.seq = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+        entries, _ = read_structure(model)
+    assert not any(".seq." in e.pattern for e in entries)
+
+
+@pytest.mark.slow
+def test_a_torchvision_vit_gets_its_attention_and_mlps_sharded(tmp_path: Path) -> None:
+    sharded, narrowed = _suggest_and_recheck("make_torchvision_vit", {}, PIXELS, tmp_path)
+    assert {"encoder.layers.*.self_attention", "encoder.layers.*.self_attention.out_proj",
+            "encoder.layers.*.mlp.0", "encoder.layers.*.mlp.3"} <= sharded
+    assert not any("encoder_layer" in n for n in narrowed)
+
+
+@pytest.mark.slow
+def test_an_nn_sequential_mlp_gets_a_verified_recipe(tmp_path: Path) -> None:
+    sharded, narrowed = _suggest_and_recheck("make_sequential_mlp", {}, None, tmp_path)
+    assert {"blocks.*.mlp.0", "blocks.*.mlp.2"} <= sharded
 
 
 @pytest.mark.slow

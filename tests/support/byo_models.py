@@ -7,6 +7,7 @@ ones take their images from :func:`make_pixels` (``--inputs``)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,3 +353,129 @@ class SequentialMLPModel(nn.Module):
 def make_sequential_mlp(vocab_size: int = 32, dim: int = 16, layers: int = 2
                         ) -> SequentialMLPModel:
     return SequentialMLPModel(vocab_size, dim, layers)
+
+
+# --- torchvision's ViT (vit_b_16's module names and classes) ------------------------------------
+# A copy of torchvision.models.vision_transformer (torchvision is not a dependency of the tests):
+# the same classes (MLP as torchvision.ops.misc.MLP, an nn.Sequential; MLPBlock, EncoderBlock,
+# Encoder, VisionTransformer) and the same names: conv_proj, class_token,
+# encoder.pos_embedding, encoder.layers.encoder_layer_N.{ln_1, self_attention, ln_2, mlp.0 ...
+# mlp.4}, encoder.ln, heads.head. Blocks named encoder_layer_N (an nn.Sequential built from an
+# OrderedDict) and an MLP whose linears are mlp.0 and mlp.3 are what suggest must read.
+
+class MLP(nn.Sequential):
+    """torchvision.ops.misc.MLP: Linear, activation, Dropout per hidden layer, then Linear,
+    Dropout."""
+
+    def __init__(self, in_channels: int, hidden_channels: list[int],
+                 activation_layer: type[nn.Module] = nn.ReLU, dropout: float = 0.0) -> None:
+        layers: list[nn.Module] = []
+        in_dim = in_channels
+        for hidden_dim in hidden_channels[:-1]:
+            layers += [nn.Linear(in_dim, hidden_dim), activation_layer(), nn.Dropout(dropout)]
+            in_dim = hidden_dim
+        layers += [nn.Linear(in_dim, hidden_channels[-1]), nn.Dropout(dropout)]
+        super().__init__(*layers)
+
+
+class MLPBlock(MLP):
+    """torchvision's transformer MLP block: mlp.0 Linear, mlp.1 GELU, mlp.2 Dropout, mlp.3
+    Linear, mlp.4 Dropout."""
+
+    def __init__(self, in_dim: int, mlp_dim: int, dropout: float) -> None:
+        super().__init__(in_dim, [mlp_dim, in_dim], activation_layer=nn.GELU, dropout=dropout)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.normal_(m.bias, std=1e-6)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, num_heads: int, hidden_dim: int, mlp_dim: int, dropout: float,
+                 attention_dropout: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln_1 = nn.LayerNorm(hidden_dim, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(hidden_dim, num_heads,
+                                                    dropout=attention_dropout, batch_first=True)
+        self.dropout = nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(hidden_dim, eps=1e-6)
+        self.mlp = MLPBlock(hidden_dim, mlp_dim, dropout)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        torch._assert(input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got "
+                                        f"{input.shape}")
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = self.dropout(x)
+        x = x + input
+        y = self.ln_2(x)
+        y = self.mlp(y)
+        return x + y
+
+
+class Encoder(nn.Module):
+    def __init__(self, seq_length: int, num_layers: int, num_heads: int, hidden_dim: int,
+                 mlp_dim: int, dropout: float, attention_dropout: float) -> None:
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.empty(1, seq_length, hidden_dim).normal_(std=0.02))
+        self.dropout = nn.Dropout(dropout)
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for i in range(num_layers):
+            layers[f"encoder_layer_{i}"] = EncoderBlock(num_heads, hidden_dim, mlp_dim, dropout,
+                                                        attention_dropout)
+        self.layers = nn.Sequential(layers)
+        self.ln = nn.LayerNorm(hidden_dim, eps=1e-6)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input = input + self.pos_embedding
+        out: torch.Tensor = self.ln(self.layers(self.dropout(input)))
+        return out
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, image_size: int, patch_size: int, num_layers: int, num_heads: int,
+                 hidden_dim: int, mlp_dim: int, dropout: float = 0.0,
+                 attention_dropout: float = 0.0, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.hidden_dim = hidden_dim
+        self.mlp_dim = mlp_dim
+        self.conv_proj = nn.Conv2d(3, hidden_dim, kernel_size=patch_size, stride=patch_size)
+        seq_length = (image_size // patch_size) ** 2
+        self.class_token = nn.Parameter(torch.zeros(1, 1, hidden_dim))
+        seq_length += 1
+        self.encoder = Encoder(seq_length, num_layers, num_heads, hidden_dim, mlp_dim, dropout,
+                               attention_dropout)
+        self.seq_length = seq_length
+        heads_layers: OrderedDict[str, nn.Module] = OrderedDict()
+        heads_layers["head"] = nn.Linear(hidden_dim, num_classes)
+        self.heads = nn.Sequential(heads_layers)
+
+    def _process_input(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        p = self.patch_size
+        x = self.conv_proj(x)
+        x = x.reshape(n, self.hidden_dim, (h // p) * (w // p))
+        return x.permute(0, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._process_input(x)
+        n = x.shape[0]
+        batch_class_token = self.class_token.expand(n, -1, -1)
+        x = torch.cat([batch_class_token, x], dim=1)
+        x = self.encoder(x)
+        x = x[:, 0]
+        out: torch.Tensor = self.heads(x)
+        return out
+
+
+def make_torchvision_vit(image_size: int = 8, patch_size: int = 4, num_layers: int = 2,
+                         num_heads: int = 4, hidden_dim: int = 32, mlp_dim: int = 64,
+                         num_classes: int = 10) -> VisionTransformer:
+    """torchvision's ``vit_b_16`` structure at a tiny size (``vit_b_16`` is ``patch_size=16,
+    num_layers=12, num_heads=12, hidden_dim=768, mlp_dim=3072``); images from
+    :func:`make_pixels`."""
+    return VisionTransformer(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim,
+                             num_classes=num_classes)
