@@ -230,8 +230,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
                   mesh_dims: Sequence[str] = (), requires: Sequence[Requirement] = (),
-                  inner_out_src: Mapping[int, str | Mapping[str, str]] | None = None
-                  ) -> Callable[[F], F]:
+                  inner_out_src: Mapping[int, str | Mapping[str, str]] | None = None,
+                  params: Mapping[str, str | Mapping[str, str]] | None = None,
+                  boundaries: Sequence[str] = ()) -> Callable[[F], F]:
     """Declare a factory as an inner wrapper (see the module docstring).
 
     Args:
@@ -241,6 +242,12 @@ def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
         requires: install-time checks; the wrapper is skipped in a chain when one fails.
         inner_out_src: output position → placement in recipe syntax (``"replicate"`` or
             ``{"cp": "shard(1)"}``) over ``mesh_dims``; the default of the recipe's field.
+        params: parameter (relative to the boundary module, ``"out_proj.weight"``) →
+            the placement the wrapper computes with, in recipe syntax; the resolver refuses a
+            recipe that places one otherwise (a wrapper reading a fused weight chunk by chunk
+            is silently wrong on any other shard of the same shape).
+        boundaries: submodules (relative names) the wrapper calls as modules and that must be
+            boundaries nested in the wrapped one (an output projection that reduces).
 
     Returns:
         The factory itself, marked with its :class:`WrapperSpec`.
@@ -253,10 +260,17 @@ def inner_wrapper(*, name: str | None = None, hook: Hook = "attention",
     if hook not in ("attention", "forward"):
         raise WrapperDeclarationError(f"hook must be 'attention' or 'forward', not {hook!r}")
     declared = _declared_layout(inner_out_src or {}, tuple(mesh_dims))
+    placed: list[tuple[str, NamedPlacement]] = []
+    for param, text in (params or {}).items():
+        try:
+            placed.append((param, parse_named_placement(text)))
+        except PlacementSyntaxError as exc:
+            raise WrapperDeclarationError(f"params[{param!r}]: {exc}") from None
 
     def mark(factory: F) -> F:
         spec = WrapperSpec(name=name or factory.__name__, hook=hook, mesh_dims=tuple(mesh_dims),
-                           requires=tuple(requires), inner_out_src=declared, factory=factory)
+                           requires=tuple(requires), inner_out_src=declared, factory=factory,
+                           params=tuple(placed), boundaries=tuple(boundaries))
         setattr(factory, _SPEC_ATTRIBUTE, spec)
         return factory
 

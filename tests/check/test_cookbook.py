@@ -83,6 +83,9 @@ NAIVE_ALIBI = "tests/recipes/cookbook/bloom-naive-alibi.yaml"
 """Checked by its own test below: production's likely cause points at the ALiBi input."""
 
 
+TORCHVISION_VIT = "tests/recipes/cookbook/torchvision-vit.yaml"
+"""Checked by its own test below: a factory model with images (``--inputs``)."""
+
 NAIVE_BERT = "tests/recipes/cookbook/bert-naive-attention-residual.yaml"
 """Checked by its own test below: production names a gradient reduced wrongly, validate mode
 the residual's use."""
@@ -201,11 +204,33 @@ def test_bert_with_llamas_attention_boundary_counts_the_residual_twice_and_valid
                      failure.error), failure.error
 
 
+def test_the_cookbooks_multihead_attention_rules_are_the_checked_file() -> None:
+    """The rules docs/cookbook.md shows for torchvision's ViT are the file the test below runs."""
+    text = COOKBOOK.read_text(encoding="utf-8")
+    section = text.split("## nn.MultiheadAttention (torchvision's ViT)", 1)[1]
+    shown = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert shown in (ROOT / TORCHVISION_VIT).read_text(encoding="utf-8")
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_torchvision_vit_with_multihead_attention_by_heads_agrees_in_both_modes() -> None:
+    report = run_check(CheckOptions(
+        recipe=str(ROOT / TORCHVISION_VIT), model="tests.support.byo_models:make_torchvision_vit",
+        inputs="tests.support.byo_models:make_pixels", mesh={"tp": 2}, modes=BOTH))
+    assert [m.mode for m in report.modes] == list(BOTH)
+    for m in report.modes:
+        assert m.error is None, (m.mode, m.error)
+        assert m.agree, (m.mode, m.comparison and m.comparison.first)
+        assert m.comparison is not None and not m.comparison.diverged_gradients
+        assert len(m.comparison.gradients) == 32
+    assert report.exit_code == 0
+
+
 def test_cookbook_names_every_recipe_the_suite_checks_and_nothing_else() -> None:
     text = COOKBOOK.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tests/)?recipes/[\w./-]+\.yaml)`", text))
     checked = {_recipe_of(c) for c in CASES} | {NAIVE_COPY, DECLARED_RESIDUAL, NAIVE_ALIBI,
-                                                NAIVE_BERT}
+                                                NAIVE_BERT, TORCHVISION_VIT}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests/recipes/cookbook").glob("*.yaml")}
     assert on_disk <= checked, on_disk - checked
     assert checked <= named, checked - named
