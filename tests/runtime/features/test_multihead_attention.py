@@ -124,3 +124,22 @@ def test_multihead_attention_by_heads_agrees_with_one_process_in_both_modes() ->
     assert [m.mode for m in report.modes] == ["production", "validate"]
     assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
                           for m in report.modes]
+
+
+def test_a_custom_wrapper_declares_the_placements_and_boundaries_it_computes_with() -> None:
+    from hyperrecipe.errors import WrapperDeclarationError
+    from hyperrecipe.wrappers import inner_wrapper, load_wrapper
+
+    @inner_wrapper(hook="forward", mesh_dims=("tp",), params={"w": {"tp": "shard(0, chunks=3)"}},
+                   boundaries=("out",), inner_out_src={0: "replicate"})
+    def fused(ctx: object) -> object:
+        return lambda original, *a, **k: original(*a, **k)
+
+    spec = getattr(fused, "__hyperrecipe_wrapper__")
+    assert [(p, str(q)) for p, q in spec.declaration("m:fused").params] == [
+        ("w", "{tp: shard(0, chunks=3)}")]
+    assert spec.declaration("m:fused").boundaries == ("out",)
+    with pytest.raises(WrapperDeclarationError, match=r"params\['w'\]: unknown placement"):
+        inner_wrapper(params={"w": {"tp": "shard(x)"}})
+    # the built-in's factory declares what the registry says
+    assert load_wrapper("mha_heads").boundaries == ("out_proj",)
