@@ -32,7 +32,8 @@ A block that does not fit (a projection of another shape, a nested block with we
 own) is left out. So is one that fits but whose heads cannot be divided, and that is reported
 with the reason (:func:`read_structure`): an attention whose forward reads the width off its
 input (nanoGPT's ``C // self.n_head``), one whose einops pattern fixes the head count, and
-``nn.MultiheadAttention``. Whatever is proposed goes through ``check`` like a declared plan, and
+``nn.MultiheadAttention`` (told by :mod:`hyperrecipe.forward_hazards`, which ``check`` reads too
+to name them at a divergence). Whatever is proposed goes through ``check`` like a declared plan, and
 a rule it rejects is narrowed, never written unverified.
 """
 
@@ -47,6 +48,8 @@ import attrs
 import torch
 from torch import nn
 
+from hyperrecipe.forward_hazards import (forward_hazard, heads_fixed_in_einops,
+                                         width_read_off_the_input)
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.suggest.rules import STRUCTURE_SOURCE, Narrowed
 
@@ -301,92 +304,13 @@ def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
             if p.dim() == 1 and p.shape[0] in counts and p.shape[0] != row_in]
 
 
-_HEAD_COUNTS = (*_COUNTS, "heads")
-"""Integer attributes that count an attention's heads (``heads``: lucidrains' models)."""
-
-_UNPACKED_WIDTH = r"^\s*(?:[\w\s,]*,\s*)?(\w+)\s*=\s*{arg}\.(?:size\(\)|shape)\s*$"
-_LAST_WIDTH = r"^\s*(\w+)\s*=\s*{arg}\.(?:size\(-1\)|shape\[-1\])\s*$"
-
-
-def _forward_source(block: nn.Module) -> tuple[str, list[str]]:
-    """The source of ``block``'s ``forward`` and its parameter names (``("", [])`` where there
-    is no source to read: a builtin, a class defined in a REPL)."""
-    try:
-        return (inspect.getsource(type(block).forward),
-                list(inspect.signature(type(block).forward).parameters))
-    except (OSError, TypeError, ValueError):
-        return "", []
-
-
-def _width_read_off_the_input(block: nn.Module) -> str | None:
-    """Why ``block``'s heads cannot be divided, where its ``forward`` reads the width off its
-    input and shapes by it (nanoGPT: ``B, T, C = x.size()`` ... ``C // self.n_head``): the
-    input is the whole hidden size on every rank, so a rank holding half the heads views its
-    half of q, k, v by the whole width, and its view fails. Only for a block that counts heads
-    (an attention); ``None`` for every other."""
-    if not any(type(getattr(block, k, None)) is int for k in _HEAD_COUNTS):
-        return None
-    source, params = _forward_source(block)
-    if len(params) < 2:
-        return None
-    arg = re.escape(params[1])
-    for pattern in (_UNPACKED_WIDTH, _LAST_WIDTH):
-        bound = re.search(pattern.format(arg=arg), source, re.MULTILINE)
-        if bound is None or bound.group(1) == "_":
-            continue
-        width = bound.group(1)
-        # a comment, an attribute (`.dim()`) or a keyword (`dim=-1`) of the same name is no use
-        after = re.sub(r"#.*", "", source[bound.end():])
-        if re.search(rf"(?<![\w.]){re.escape(width)}\b(?!\s*=(?!=))", after):
-            line = " ".join(bound.group(0).split())
-            return (f"its forward reads the width off its input ({line}) and shapes its heads by "
-                    f"it")
-    return None
-
-
-_EINOPS_CALL = re.compile(r"\b(?:rearrange|repeat|reduce)\(\s*(?:[^,()]|\([^()]*\))+,\s*"
-                          r"(['\"])(.+?)\1"
-                          r"((?:\s*,\s*\w+\s*=\s*[^,()]+(?:\([^()]*\))?)*)\s*\)")
-
-
-def _fixes_heads(pattern: str, axes: Sequence[str]) -> bool:
-    """Whether an einops ``pattern`` fixes the count of a split axis (``h`` in ``(h d)`` given
-    as ``h=``): fixing the per-head size instead (``d=``) holds on a shard."""
-    return any(first in axes for first, _ in re.findall(r"\((\w+)\s+(\w+)\)", pattern))
-
-
-def _heads_fixed_in_einops(block: nn.Module) -> str | None:
-    """Why ``block``'s heads cannot be divided, where an einops pattern fixes their count
-    (``Rearrange('b n (h d) -> b h n d', h=heads)`` as a child, or ``rearrange(t, ..., h=
-    self.heads)`` in its forward): a rank holding half the width still splits it into all the
-    heads, each half as wide, and computes the wrong attention without a shape error."""
-    for name, child in block.named_children():
-        lengths = getattr(child, "axes_lengths", None)
-        pattern = getattr(child, "pattern", None)
-        if (type(child).__module__.startswith("einops") and isinstance(pattern, str)
-                and lengths and _fixes_heads(pattern, list(dict(lengths)))):
-            return (f"its {name} ({type(child).__name__} {pattern!r}, {dict(lengths)}) fixes "
-                    f"the head count in an einops pattern")
-    source, _ = _forward_source(block)
-    for call in _EINOPS_CALL.finditer(source):
-        if _fixes_heads(call.group(2), re.findall(r"(\w+)\s*=", call.group(3))):
-            return (f"its forward fixes the head count in an einops pattern "
-                    f"({' '.join(call.group(0).split())})")
-    return None
-
-
-_MHA_WHY = ("its q, k and v are one in_proj_weight of its own, and its forward reads head_dim "
-            "off the input's width and never calls out_proj: left replicated "
-            "(docs/bring-your-own-model.md)")
-
-
 def _left_out(block: nn.Module) -> str | None:
     """Why a block that fits the projection pair is left replicated all the same (see the
     module doc), or ``None``."""
-    hazard = _width_read_off_the_input(block) or _heads_fixed_in_einops(block)
+    hazard = width_read_off_the_input(block) or heads_fixed_in_einops(block)
     if hazard is None:
         return None
-    return (f"{hazard}: its heads cannot be divided between ranks, so it is left replicated "
+    return (f"{hazard.why}: its heads cannot be divided between ranks, so it is left replicated "
             f"(docs/bring-your-own-model.md)")
 
 
@@ -407,8 +331,10 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
         if "*" not in folded or folded in seen:
             continue
         seen.add(folded)
-        if isinstance(block, nn.MultiheadAttention):
-            notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=_MHA_WHY))
+        mha = forward_hazard(block) if isinstance(block, nn.MultiheadAttention) else None
+        if mha is not None:
+            notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=(
+                f"{mha.why}: left replicated (docs/bring-your-own-model.md)")))
             continue
         entries = _block_entries(fqn, block, hidden, transposed)
         if not entries:
