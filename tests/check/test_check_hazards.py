@@ -249,3 +249,29 @@ def test_the_16_bit_cause_needs_a_16_bit_reference_and_an_error_16_bit_rounding_
     found = suggest(cmp, reference, ranks, _ctx(plan, tree, half_precision=half),
                     atol=1e-5, rtol=1e-4)
     assert (found.cause if found else None) == expected
+
+
+def _sample(*args: Any) -> Any:
+    from hyperrecipe.verify.sample import Sample
+
+    return Sample(args=args, kwargs={}, description="by hand")
+
+
+def test_torchtitans_grouped_experts_are_seen_computing_in_bfloat16() -> None:
+    """torchtitan's ``GroupedExperts`` keeps float32 weights and casts to bfloat16 for
+    ``_grouped_mm`` inside its forward: the re-run reference sees those ops, where it sees none
+    in a float32 model that stays float32."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from hyperrecipe.check.precision import half_precision_seen
+    from tests.support.byo_models import make_gpt
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(GroupedExperts.Config(dim=16, hidden_dim=32, num_experts=4))
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    seen = half_precision_seen(experts, _sample(torch.randn(8, 16), torch.tensor([2, 2, 2, 2])))
+    assert seen is not None and seen.params_dtype == "float32"
+    assert seen.dtypes == ("bfloat16",) and "aten._grouped_mm" in seen.op_names
+    assert half_precision_seen(make_gpt(), _sample(torch.randint(0, 64, (2, 8)))) is None
