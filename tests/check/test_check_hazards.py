@@ -21,6 +21,7 @@ import torch
 from hyperrecipe.check.compare import compare_mode
 from hyperrecipe.check.diagnose import (
     BIAS_COUNTED_TP_TIMES,
+    HEAD_COUNT_UNDIVIDED,
     HEADS_FIXED_IN_EINOPS,
     MHA_READS_ITS_OWN_WEIGHTS,
     REFERENCE_COMPUTES_IN_16_BIT,
@@ -275,3 +276,36 @@ def test_torchtitans_grouped_experts_are_seen_computing_in_bfloat16() -> None:
     assert seen is not None and seen.params_dtype == "float32"
     assert seen.dtypes == ("bfloat16",) and "aten._grouped_mm" in seen.op_names
     assert half_precision_seen(make_gpt(), _sample(torch.randint(0, 64, (2, 8)))) is None
+
+
+def test_a_width_read_off_the_input_is_named_before_an_undivided_head_count(
+        tmp_path: Path) -> None:
+    """Without ``head_counts`` the old cause (a head count left undivided) also holds, but
+    dividing ``n_head`` would not fix nanoGPT's forward: the width read off the input ranks
+    first, and says so."""
+    from hyperrecipe.check.compare import Divergence, ModeComparison
+    from hyperrecipe.check.record import Failure
+    from tests.support.byo_models import make_gpt
+
+    text = (ROOT / "tests/recipes/hazard-nanogpt-width.yaml").read_text(encoding="utf-8")
+    recipe = tmp_path / "undivided.yaml"
+    recipe.write_text("\n".join(line for line in text.splitlines() if "head_counts" not in line),
+                      encoding="utf-8")
+    model = make_gpt()
+    plan, tree = _plan(str(recipe), model)
+    assert plan.head_counts == ()
+    failure = Failure(phase="forward", error="ValueError: not enough values to unpack",
+                      boundary="transformer.h.0.attn", module="transformer.h.0.attn")
+    empty = Trace(events=(), output=None, loss=None, grads={}, params_after=None)
+    cmp = ModeComparison(
+        mode="production", agree=False, events_compared=0, event_diffs=(), output=None,
+        gradients=(), params_after=(), failure=failure, failure_rank=0,
+        first=Divergence(fqn="transformer.h.0.attn", what="raised in forward", rank=0,
+                         max_abs=None, max_rel=None, detail=failure.error))
+    for hazards, expected in (({}, HEAD_COUNT_UNDIVIDED),
+                              (forward_hazards(model), WIDTH_READ_OFF_INPUT)):
+        found = suggest(cmp, empty, [empty], _ctx(plan, tree, hazards=hazards), atol=1e-5,
+                        rtol=1e-4)
+        assert found is not None and found.cause == expected
+    assert ("dividing n_head = 4 (head_counts) does not change the width read off the input"
+            in found.evidence)
