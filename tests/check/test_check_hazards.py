@@ -58,6 +58,7 @@ def test_an_attention_reading_its_width_off_the_input_is_named_not_its_head_coun
     report = check("tests/recipes/hazard-nanogpt-width.yaml", f"{BYO}:make_gpt")
     assert report.exit_code == 1
     prod = mode(report, "production")
+    assert prod.comparison is not None
     first = prod.comparison.first
     assert first is not None and (first.fqn, first.what) == ("transformer.h.0.attn",
                                                              "raised in forward")
@@ -79,7 +80,7 @@ def test_heads_fixed_in_an_einops_layer_are_named_with_the_pattern() -> None:
     report = check("tests/recipes/hazard-einops.yaml", f"{HAZARDS}:make_einops_layer")
     assert report.exit_code == 1
     prod = mode(report, "production")
-    assert prod.comparison.first is not None
+    assert prod.comparison is not None and prod.comparison.first is not None
     assert prod.comparison.first.fqn == "layers.0.attn"
     assert prod.comparison.failure is None, "no error: the values are wrong"
     assert prod.suggestion is not None and prod.suggestion.cause == HEADS_FIXED_IN_EINOPS
@@ -224,8 +225,9 @@ BF16 = HalfPrecision(params_dtype="float32", dtypes=("bfloat16",), ops=4,
 def _toy() -> tuple[Any, Any]:
     from hyperrecipe.model_tree import build_model
 
-    return _plan(str(ROOT / "tests/recipes/toy-attn.yaml"),
-                 build_model("tests.support.check_models:make_attn_toy"))
+    plan, tree = _plan(str(ROOT / "tests/recipes/toy-attn.yaml"),
+                       build_model("tests.support.check_models:make_attn_toy"))
+    return plan, tree
 
 
 def _trace(value: torch.Tensor) -> Trace:
@@ -307,5 +309,6 @@ def test_a_width_read_off_the_input_is_named_before_an_undivided_head_count(
         found = suggest(cmp, empty, [empty], _ctx(plan, tree, hazards=hazards), atol=1e-5,
                         rtol=1e-4)
         assert found is not None and found.cause == expected
+    assert found is not None
     assert ("dividing n_head = 4 (head_counts) does not change the width read off the input"
             in found.evidence)
