@@ -264,20 +264,25 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
             or _reads_the_input(block, linears[row].name)):
         return None
     row_in = linears[row].in_features
-    if len(cols) == 1 and cols[0].out_features % row_in:
-        return None  # fused parts of unequal widths (one key/value head beside the queries)
+    parts = _grouped_parts(block, cols[0].out_features, row_in) if len(cols) == 1 else ()
+    if len(cols) == 1 and not parts and cols[0].out_features % row_in:
+        return None  # fused parts of unequal widths its head counts do not explain
     cls = type(block).__name__
     src = f"{STRUCTURE_SOURCE}: {cls} at {_fold(fqn)}"
     out: list[PlanEntry] = []
     for p in cols:
-        chunks = p.out_features // row_in if p.out_features % row_in == 0 else 1
+        chunks = len(parts) if parts else (
+            p.out_features // row_in if p.out_features % row_in == 0 else 1)
         style = ("packed_colwise" if len(cols) == 1 and chunks > 1 and _splits_its_output(block)
                  else "colwise")
+        if parts and style != "packed_colwise":
+            return None  # q, k and v of unequal widths that the forward does not split
         packed = style == "packed_colwise"
         out.append(PlanEntry(pattern=f"{_fold(fqn)}.{p.name}", style=style, plan="tp",
                              source=src, chunks=chunks if packed else 0,
                              transposed=p.transposed, sizes=_output_sizes(p),
-                             split_sizes=_split_sizes(block, row_in) if packed else ()))
+                             split_sizes=_split_sizes(block, row_in) if packed else (),
+                             chunk_sizes=parts))
     last = linears[row]
     out.append(PlanEntry(pattern=f"{_fold(fqn)}.{last.name}", style="rowwise", plan="tp",
                          source=src, transposed=last.transposed))
@@ -288,6 +293,35 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
 
 
 _COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_query_groups")
+_HEAD_SIZES = ("head_dim", "head_size")
+
+
+def _count(block: nn.Module, names: Sequence[str]) -> int | None:
+    """The first of ``names`` that is a positive integer on ``block``, else on its
+    ``config`` (litgpt's attention reads ``self.config.n_head``)."""
+    for holder in (block, getattr(block, "config", None)):
+        for name in names:
+            value = getattr(holder, name, None)
+            if type(value) is int and value > 0:
+                return value
+    return None
+
+
+def _grouped_parts(block: nn.Module, fused: int, row_in: int) -> tuple[int, ...]:
+    """The widths of a fused q, k, v with fewer key/value heads than query heads but more than
+    one (grouped-query attention, stored ``[q | k | v]``): ``(heads * size, groups * size, groups *
+    size)`` where the block's (or its config's) counts say so and they add up to the fused
+    width, the queries alone filling the row-wise projection's input. ``()`` otherwise. A
+    layout the counts fit but the forward reads otherwise (q, k, v interleaved per group) is
+    caught by ``check`` and narrowed, never written unverified."""
+    heads, groups = _count(block, _COUNTS), _count(block, _KV_COUNTS)
+    if heads is None or groups is None or not 1 < groups < heads or row_in % heads:
+        return ()  # one key/value head (multi-query) cannot be divided between ranks
+    size = _count(block, _HEAD_SIZES) or row_in // heads
+    if heads * size != row_in or fused != (heads + 2 * groups) * size:
+        return ()
+    return (heads * size, groups * size, groups * size)
 
 
 def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
