@@ -3,7 +3,9 @@
 This namespace is the trainer API and nothing else: load and compile recipes, load plans, apply
 them, and the errors all of that raises. Everything else lives in subpackages and modules, in the
 order data flows (``docs/architecture.md``): ``errors`` and ``placement``; ``recipe`` and
-``shipped``; ``wrappers`` (the torch-free wrapper registry); ``model_tree``; ``resolve``;
+``shipped``; ``wrappers`` (the torch-free wrapper registry); ``model_tree`` and
+``forward_hazards`` (attentions whose heads cannot be divided, read off a live model for
+``suggest`` and ``check`` alike); ``resolve``;
 ``plan``; ``collective`` (the collectives a plan stores); ``refs`` (``pkg.mod:attr``
 references and which code may be imported) and ``_files`` (reading files someone else named, in
 bounded time and memory); ``models`` (what the runtime asks of a model library, below it);

@@ -25,7 +25,7 @@ import hyperrecipe
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 
-SHARED_MODULES = {"peak_rss.py"}
+SHARED_MODULES = {"peak_rss.py", "library_models.py"}
 """Modules the tools import from each other, not scripts a user runs."""
 
 COVERED_ELSEWHERE = {
@@ -44,6 +44,8 @@ def _torch_pipelining() -> str:
 # tool -> (its smallest arguments, a line fragment its output must hold)
 SMOKE: dict[str, tuple[list[str], str]] = {
     "gen_docs.py": (["--check"], ""),
+    # the libraries are no dependency: where one is missing its row says so
+    "suggest_libraries.py": (["--only", "litgpt_llama"], "| litgpt_llama |"),
     "bench_verify.py": (["--only", "llama", "--skip-70b", "--repeat", "1", "--json"],
                         '"verify_s"'),
     "bench_cli.py": (["--runs", "1", "--quiet"], "code 0"),

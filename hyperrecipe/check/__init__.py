@@ -12,6 +12,8 @@ diverges. One responsibility per module:
 - :mod:`~hyperrecipe.check.gather`: whole tensors from a rank's local shards or DTensors;
 - :mod:`~hyperrecipe.check.worker`: what each rank runs;
 - :mod:`~hyperrecipe.check.compare`: tolerances, and the first divergent boundary;
+- :mod:`~hyperrecipe.check.precision`: where the reference itself computes in 16 bits inside a
+  float32 model (re-run under a dispatch mode at a divergence);
 - :mod:`~hyperrecipe.check.diagnose`: likely causes, only where a known pattern is measured
   (the causes, then the patterns by topic: values, structure, gradients);
 - :mod:`~hyperrecipe.check.run`: ``run_check``, the whole check; :mod:`~hyperrecipe.check.report`

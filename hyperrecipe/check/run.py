@@ -35,6 +35,7 @@ from torch import nn
 from hyperrecipe.check.compare import ModeComparison, compare_mode
 from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
 from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ranks
+from hyperrecipe.check.precision import HALF_TOLERANCE, HalfPrecision, half_precision_seen
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.verify.sample import (
     build_seeded_noting,
@@ -43,6 +44,7 @@ from hyperrecipe.verify.sample import (
 )
 from hyperrecipe.check.worker import RankJob, check_rank, side_file
 from hyperrecipe.errors import CheckError, DeadlinePassed, HyperrecipeError, ModelSpecError
+from hyperrecipe.forward_hazards import ForwardHazard, forward_hazards
 from hyperrecipe.model_tree import load_model_config, snapshot
 from hyperrecipe.plan import Plan
 from hyperrecipe.runtime import ModeName
@@ -56,7 +58,6 @@ SGD_LR = 1e-2
 """Learning rate of the SGD steps (``--steps``); fixed so that runs are comparable."""
 
 FP32_TOLERANCE = (1e-5, 1e-4)
-HALF_TOLERANCE = (1e-2, 1e-2)
 
 
 @attrs.frozen(kw_only=True)
@@ -332,6 +333,9 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
              f"({time.perf_counter() - t_build:.2f} s); compiling the recipe")
     plan = resolve_recipe(recipe, tree, options.mesh)
     finding: list[str | None] = []  # computed once, at the first divergence
+    # read off the model once, at the first divergence: attentions whose heads cannot be
+    # divided, and the 16-bit computation the reference does (it re-runs the forward)
+    seen: list[tuple[dict[str, ForwardHazard], HalfPrecision | None]] = []
     if "validate" in options.modes and "experts_implementation" not in config:
         note = _run_experts_batched(model, plan, config)
         if note is not None:
@@ -410,9 +414,13 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         cmp = compare_mode(mode, reference, traces, atol=atol, rtol=rtol, rank_ids=rank_ids)
         if not cmp.agree and not finding:
             finding.append(_verification_finding(model, plan, options.inputs))
+            with parent_deadline(options.timeout_s, "re-running the reference forward", slow_step):
+                seen.append((forward_hazards(model), half_precision_seen(model, sample)))
         ctx = DiagnosisContext(plan=plan, tree=tree, reference_params=reference_params,
                                mode=mode, rank_ids=rank_ids,
-                               verification=finding[0] if finding else None)
+                               verification=finding[0] if finding else None,
+                               hazards=seen[0][0] if seen else {},
+                               half_precision=seen[0][1] if seen else None)
         suggestion = None if cmp.agree else suggest(cmp, reference, traces, ctx,
                                                    atol=atol, rtol=rtol)
         t2 = time.perf_counter()

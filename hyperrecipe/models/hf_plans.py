@@ -41,6 +41,10 @@ class PlanEntry:
             holds its share.
         split_sizes: integer attributes of the enclosing block that its forward splits this
             (packed) projection's output by (GPT-2's ``split_size``): each rank holds its share.
+        chunk_sizes: for a ``packed_colwise`` entry read off the structure whose parts differ
+            in width (grouped-query q, k, v: ``n_head`` query heads beside ``n_query_groups``
+            key and value heads), each part's global width, in order; ``()``: ``chunks``
+            equal parts.
     """
 
     pattern: str
@@ -52,6 +56,7 @@ class PlanEntry:
     transposed: bool = False
     sizes: tuple[str, ...] = ()
     split_sizes: tuple[str, ...] = ()
+    chunk_sizes: tuple[int, ...] = ()
 
 
 def _as_plan(value: object) -> dict[str, str]:

@@ -31,7 +31,8 @@ head is the one ``nn.Linear`` outside the blocks to an embedding's vocabulary.
 A block that does not fit (a projection of another shape, a nested block with weights of its
 own) is left out. So is one that fits but whose heads cannot be divided, and that is reported
 with the reason (:func:`read_structure`): an attention whose forward reads the width off its
-input (nanoGPT's ``C // self.n_head``) and one whose einops pattern fixes the head count.
+input (nanoGPT's ``C // self.n_head``) and one whose einops pattern fixes the head count (told
+by :mod:`hyperrecipe.forward_hazards`, which ``check`` reads too to name them at a divergence).
 An ``nn.MultiheadAttention`` (whose q, k and v are one ``in_proj_weight`` of its own, and whose
 forward never calls ``out_proj``) is proposed whole, in the recipe's own vocabulary: style
 ``multihead_attention`` (the ``mha_heads`` inner wrapper on each rank's heads) and its
@@ -51,6 +52,7 @@ import attrs
 import torch
 from torch import nn
 
+from hyperrecipe.forward_hazards import heads_fixed_in_einops, width_read_off_the_input
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.suggest.folding import Folding
 from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Narrowed
@@ -266,21 +268,26 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
             or _reads_the_input(block, linears[row].name)):
         return None
     row_in = linears[row].in_features
-    if len(cols) == 1 and cols[0].out_features % row_in:
-        return None  # fused parts of unequal widths (one key/value head beside the queries)
+    parts = _grouped_parts(block, cols[0].out_features, row_in) if len(cols) == 1 else ()
+    if len(cols) == 1 and not parts and cols[0].out_features % row_in:
+        return None  # fused parts of unequal widths its head counts do not explain
     cls = type(block).__name__
     folded = fold(fqn)
     src = f"{STRUCTURE_SOURCE}: {cls} at {folded}"
     out: list[PlanEntry] = []
     for p in cols:
-        chunks = p.out_features // row_in if p.out_features % row_in == 0 else 1
+        chunks = len(parts) if parts else (
+            p.out_features // row_in if p.out_features % row_in == 0 else 1)
         style = ("packed_colwise" if len(cols) == 1 and chunks > 1 and _splits_its_output(block)
                  else "colwise")
+        if parts and style != "packed_colwise":
+            return None  # q, k and v of unequal widths that the forward does not split
         packed = style == "packed_colwise"
         out.append(PlanEntry(pattern=f"{folded}.{p.name}", style=style, plan="tp",
                              source=src, chunks=chunks if packed else 0,
                              transposed=p.transposed, sizes=_output_sizes(p),
-                             split_sizes=_split_sizes(block, row_in) if packed else ()))
+                             split_sizes=_split_sizes(block, row_in) if packed else (),
+                             chunk_sizes=parts))
     last = linears[row]
     out.append(PlanEntry(pattern=f"{folded}.{last.name}", style="rowwise", plan="tp",
                          source=src, transposed=last.transposed))
@@ -291,6 +298,35 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
 
 
 _COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_query_groups")
+_HEAD_SIZES = ("head_dim", "head_size")
+
+
+def _count(block: nn.Module, names: Sequence[str]) -> int | None:
+    """The first of ``names`` that is a positive integer on ``block``, else on its
+    ``config`` (litgpt's attention reads ``self.config.n_head``)."""
+    for holder in (block, getattr(block, "config", None)):
+        for name in names:
+            value = getattr(holder, name, None)
+            if type(value) is int and value > 0:
+                return value
+    return None
+
+
+def _grouped_parts(block: nn.Module, fused: int, row_in: int) -> tuple[int, ...]:
+    """The widths of a fused q, k, v with fewer key/value heads than query heads but more than
+    one (grouped-query attention, stored ``[q | k | v]``): ``(heads * size, groups * size, groups *
+    size)`` where the block's (or its config's) counts say so and they add up to the fused
+    width, the queries alone filling the row-wise projection's input. ``()`` otherwise. A
+    layout the counts fit but the forward reads otherwise (q, k, v interleaved per group) is
+    caught by ``check`` and narrowed, never written unverified."""
+    heads, groups = _count(block, _COUNTS), _count(block, _KV_COUNTS)
+    if heads is None or groups is None or not 1 < groups < heads or row_in % heads:
+        return ()  # one key/value head (multi-query) cannot be divided between ranks
+    size = _count(block, _HEAD_SIZES) or row_in // heads
+    if heads * size != row_in or fused != (heads + 2 * groups) * size:
+        return ()
+    return (heads * size, groups * size, groups * size)
 
 
 def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
@@ -305,80 +341,6 @@ def _per_head_params(block: nn.Module, row_in: int) -> list[str]:
         counts.add(row_in // head_dim)
     return [name for name, p in block.named_parameters(recurse=False)
             if p.dim() == 1 and p.shape[0] in counts and p.shape[0] != row_in]
-
-
-_HEAD_COUNTS = (*_COUNTS, "heads")
-"""Integer attributes that count an attention's heads (``heads``: lucidrains' models)."""
-
-_UNPACKED_WIDTH = r"^\s*(?:[\w\s,]*,\s*)?(\w+)\s*=\s*{arg}\.(?:size\(\)|shape)\s*$"
-_LAST_WIDTH = r"^\s*(\w+)\s*=\s*{arg}\.(?:size\(-1\)|shape\[-1\])\s*$"
-
-
-def _forward_source(block: nn.Module) -> tuple[str, list[str]]:
-    """The source of ``block``'s ``forward`` and its parameter names (``("", [])`` where there
-    is no source to read: a builtin, a class defined in a REPL)."""
-    try:
-        return (inspect.getsource(type(block).forward),
-                list(inspect.signature(type(block).forward).parameters))
-    except (OSError, TypeError, ValueError):
-        return "", []
-
-
-def _width_read_off_the_input(block: nn.Module) -> str | None:
-    """Why ``block``'s heads cannot be divided, where its ``forward`` reads the width off its
-    input and shapes by it (nanoGPT: ``B, T, C = x.size()`` ... ``C // self.n_head``): the
-    input is the whole hidden size on every rank, so a rank holding half the heads views its
-    half of q, k, v by the whole width, and its view fails. Only for a block that counts heads
-    (an attention); ``None`` for every other."""
-    if not any(type(getattr(block, k, None)) is int for k in _HEAD_COUNTS):
-        return None
-    source, params = _forward_source(block)
-    if len(params) < 2:
-        return None
-    arg = re.escape(params[1])
-    for pattern in (_UNPACKED_WIDTH, _LAST_WIDTH):
-        bound = re.search(pattern.format(arg=arg), source, re.MULTILINE)
-        if bound is None or bound.group(1) == "_":
-            continue
-        width = bound.group(1)
-        # a comment, an attribute (`.dim()`) or a keyword (`dim=-1`) of the same name is no use
-        after = re.sub(r"#.*", "", source[bound.end():])
-        if re.search(rf"(?<![\w.]){re.escape(width)}\b(?!\s*=(?!=))", after):
-            line = " ".join(bound.group(0).split())
-            return (f"its forward reads the width off its input ({line}) and shapes its heads by "
-                    f"it")
-    return None
-
-
-_EINOPS_CALL = re.compile(r"\b(?:rearrange|repeat|reduce)\(\s*(?:[^,()]|\([^()]*\))+,\s*"
-                          r"(['\"])(.+?)\1"
-                          r"((?:\s*,\s*\w+\s*=\s*[^,()]+(?:\([^()]*\))?)*)\s*\)")
-
-
-def _fixes_heads(pattern: str, axes: Sequence[str]) -> bool:
-    """Whether an einops ``pattern`` fixes the count of a split axis (``h`` in ``(h d)`` given
-    as ``h=``): fixing the per-head size instead (``d=``) holds on a shard."""
-    return any(first in axes for first, _ in re.findall(r"\((\w+)\s+(\w+)\)", pattern))
-
-
-def _heads_fixed_in_einops(block: nn.Module) -> str | None:
-    """Why ``block``'s heads cannot be divided, where an einops pattern fixes their count
-    (``Rearrange('b n (h d) -> b h n d', h=heads)`` as a child, or ``rearrange(t, ..., h=
-    self.heads)`` in its forward): a rank holding half the width still splits it into all the
-    heads, each half as wide, and computes the wrong attention without a shape error."""
-    for name, child in block.named_children():
-        lengths = getattr(child, "axes_lengths", None)
-        pattern = getattr(child, "pattern", None)
-        if (type(child).__module__.startswith("einops") and isinstance(pattern, str)
-                and lengths and _fixes_heads(pattern, list(dict(lengths)))):
-            return (f"its {name} ({type(child).__name__} {pattern!r}, {dict(lengths)}) fixes "
-                    f"the head count in an einops pattern")
-    source, _ = _forward_source(block)
-    for call in _EINOPS_CALL.finditer(source):
-        if _fixes_heads(call.group(2), re.findall(r"(\w+)\s*=", call.group(3))):
-            return (f"its forward fixes the head count in an einops pattern "
-                    f"({' '.join(call.group(0).split())})")
-    return None
 
 
 def _mha_refusal(block: nn.MultiheadAttention) -> str | None:
@@ -401,10 +363,10 @@ def _mha_refusal(block: nn.MultiheadAttention) -> str | None:
 def _left_out(block: nn.Module) -> str | None:
     """Why a block that fits the projection pair is left replicated all the same (see the
     module doc), or ``None``."""
-    hazard = _width_read_off_the_input(block) or _heads_fixed_in_einops(block)
+    hazard = width_read_off_the_input(block) or heads_fixed_in_einops(block)
     if hazard is None:
         return None
-    return (f"{hazard}: its heads cannot be divided between ranks, so it is left replicated "
+    return (f"{hazard.why}: its heads cannot be divided between ranks, so it is left replicated "
             f"(docs/bring-your-own-model.md)")
 
 

@@ -50,10 +50,11 @@ _UNTRANSLATED = {
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
                "n_heads", "n_kv_heads")
 """Integer attributes of an attention module that count heads: each rank has its share."""
-_STRUCTURE_HEAD_ATTRS = (*_HEAD_ATTRS, "n_head")
+_STRUCTURE_HEAD_ATTRS = (*_HEAD_ATTRS, "n_head", "n_query_groups")
 """The same for a region read off the structure, which also takes OpenAI-GPT's ``n_head`` (its
-``split_heads`` views the local width as ``n_head`` heads). Not for plan families: a field is
-added there only with a family that needs it, since some read counts as global sizes."""
+``split_heads`` views the local width as ``n_head`` heads) and litgpt's ``n_query_groups``.
+Not for plan families: a field is added there only with a family that needs it, since some
+read counts as global sizes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -194,6 +195,11 @@ def _region_fields(m: ModuleInfo, dim: str, *, widths: bool = False) -> dict[str
         # the local tensors, and one that reads embed_dim (CodeGen) cuts its fused projection
         # into groups by the global width.
         heads["embed_dim"] = dim
+    if widths and not heads:
+        # counts its forward reads off a config object of its own (litgpt's attention:
+        # self.config.n_head): divided on the module's copy of it (head_counts' config.)
+        heads = {f"config.{name}": dim for name, _ in m.config_ints
+                 if name in _STRUCTURE_HEAD_ATTRS}
     if heads:
         fields["head_counts"] = heads
     return fields
@@ -275,7 +281,7 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
               [_entry_text(e) for _, e in plain], parent, plain[0][0])
     for fqn, entry in cols:
         if entry.style == "packed_colwise":
-            parts = entry.chunks or 2
+            parts = len(entry.chunk_sizes) or entry.chunks or 2
             b.add(fqn, _column_fields(b, fqn, entry, parts),
                   [_entry_text(entry) + f" ({parts} packed parts, each sharded: "
                                         f"chunks={parts})"],
@@ -315,6 +321,8 @@ def _column_fields(b: _Builder, fqn: str, entry: PlanEntry, parts: int) -> dict[
     integer attributes holding its output width are divided too)."""
     dim = b.options.dim
     chunks = f", chunks={parts}" if parts else ""
+    if entry.chunk_sizes:
+        chunks = f", chunks=[{', '.join(map(str, entry.chunk_sizes))}]"
     out_dim = 1 if entry.transposed else 0
     params: dict[str, Any] = {"weight": _placement(dim, f"shard({out_dim}{chunks})")}
     if b.modules[fqn].param("bias") is not None:

@@ -15,6 +15,19 @@ no pattern holds, the finding is the likely cause (:data:`VERIFICATION_FINDING`)
 
 Patterns, in the order they are tried at the first divergence:
 
+- **16-bit rounding of a 16-bit reference** (any divergence): the reference itself computed in
+  bfloat16 or float16 while every parameter is float32 (its forward re-run under a dispatch
+  mode: :mod:`hyperrecipe.check.precision`), and compared again at check's tolerances for a
+  16-bit model (atol 1e-2, rtol 1e-2) every value, gradient and parameter agrees →
+  :data:`REFERENCE_COMPUTES_IN_16_BIT`.
+- **an attention whose heads cannot be divided** (a value or a failure): the blamed boundary is,
+  holds or is inside a module :mod:`hyperrecipe.forward_hazards` reads as one (the width read
+  off its input, heads fixed in an einops pattern, ``nn.MultiheadAttention``), and a parameter
+  there is sharded and reaches its forward as a shard (not through a boundary that hands out
+  whole values; any sharded one for ``nn.MultiheadAttention``, whose boundaries inside never
+  run, as the evidence says); an einops call whose ``h=self.<attr>`` the plan divides is
+  no such case → :data:`WIDTH_READ_OFF_INPUT`, :data:`HEADS_FIXED_IN_EINOPS`,
+  :data:`MHA_READS_ITS_OWN_WEIGHTS`.
 - **bias counted n times**: the error is the same vector at every position and equals an integer
   multiple ``k`` of a bias inside the blamed boundary (``k + 1`` = a mesh dim size is stated), or
   the whole output is ``n`` x the reference for a mesh dim of size ``n`` →
@@ -66,17 +79,22 @@ from hyperrecipe.check.diagnose.causes import (
     GRADIENT_REDUCTION_MISSING,
     GRADIENT_REDUCTION_WRONG,
     HEAD_COUNT_UNDIVIDED,
+    HEADS_FIXED_IN_EINOPS,
     HEADS_NOT_WHOLE,
+    MHA_READS_ITS_OWN_WEIGHTS,
     OUTPUT_LEFT_SHARDED,
     PARAMS_UNUSED_ON_RANKS,
     PLAIN_TENSOR_MEETS_DTENSOR,
+    REFERENCE_COMPUTES_IN_16_BIT,
     VERIFICATION_FINDING,
     WHOLE_PARAM_ON_SHARD,
+    WIDTH_READ_OFF_INPUT,
     DiagnosisContext,
     Suggestion,
 )
 from hyperrecipe.check.diagnose.gradients import gradient_evidence
 from hyperrecipe.check.diagnose.structure import (
+    forward_hazard_in,
     heads_cut,
     swapped_from_placement,
     swapped_from_shapes,
@@ -87,6 +105,7 @@ from hyperrecipe.check.diagnose.values import (
     after_all_reduce,
     after_transpose,
     bias_offset,
+    rounding_in_16_bit,
     scaled,
 )
 from hyperrecipe.check.record import Trace
@@ -98,12 +117,16 @@ __all__ = [
     "GRADIENT_REDUCTION_MISSING",
     "GRADIENT_REDUCTION_WRONG",
     "HEAD_COUNT_UNDIVIDED",
+    "HEADS_FIXED_IN_EINOPS",
     "HEADS_NOT_WHOLE",
+    "MHA_READS_ITS_OWN_WEIGHTS",
     "OUTPUT_LEFT_SHARDED",
     "PARAMS_UNUSED_ON_RANKS",
     "PLAIN_TENSOR_MEETS_DTENSOR",
+    "REFERENCE_COMPUTES_IN_16_BIT",
     "VERIFICATION_FINDING",
     "WHOLE_PARAM_ON_SHARD",
+    "WIDTH_READ_OFF_INPUT",
     "Suggestion",
     "suggest",
 ]
@@ -136,6 +159,9 @@ def suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace], ctx: 
 
 def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],
              ctx: DiagnosisContext, *, atol: float, rtol: float) -> Suggestion | None:
+    found = rounding_in_16_bit(cmp, reference, ranks, ctx, atol, rtol)
+    if found is not None:
+        return found
     first = cmp.first
     if first is None:
         if cmp.forward_agrees and cmp.diverged_gradients:
@@ -147,6 +173,9 @@ def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],
         assert b is not None
         values = _event_values(ranks, ctx, event.key)
         a = values.get(first.rank)
+        hazard = forward_hazard_in(first.fqn, None, reference, ctx)
+        if hazard is not None:
+            return hazard
         if a is not None and a.shape == b.shape:
             for found in (bias_offset(a, b, first.fqn, ctx) if event.kind == "output" else None,
                           scaled(a, b, event.fqn, ctx),
@@ -176,6 +205,9 @@ def _suggest(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],
     failure = cmp.failure
     if failure is None:
         return None
+    found = forward_hazard_in(first.fqn, failure, reference, ctx)
+    if found is not None:
+        return found
     found = swapped_from_placement(failure, ctx)
     if found is not None:
         return found

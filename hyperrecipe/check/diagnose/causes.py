@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import attrs
 from torch import Tensor
 
+from hyperrecipe.check.precision import HalfPrecision
+from hyperrecipe.forward_hazards import ForwardHazard
 from hyperrecipe.model_tree import ModelTree
 from hyperrecipe.plan import Plan
 
@@ -18,11 +20,15 @@ __all__ = [
     "GRADIENT_REDUCTION_MISSING",
     "GRADIENT_REDUCTION_WRONG",
     "HEAD_COUNT_UNDIVIDED",
+    "HEADS_FIXED_IN_EINOPS",
     "HEADS_NOT_WHOLE",
+    "MHA_READS_ITS_OWN_WEIGHTS",
     "OUTPUT_LEFT_SHARDED",
     "PARAMS_UNUSED_ON_RANKS",
     "PLAIN_TENSOR_MEETS_DTENSOR",
+    "REFERENCE_COMPUTES_IN_16_BIT",
     "WHOLE_PARAM_ON_SHARD",
+    "WIDTH_READ_OFF_INPUT",
     "Suggestion",
     "fmt_number",
     "within",
@@ -51,6 +57,25 @@ PLAIN_TENSOR_MEETS_DTENSOR = ("a plain tensor of the model's own (a buffer, a fr
                               "`local_region: true` boundary, or add an adapter "
                               "(docs/adapters.md)")
 
+WIDTH_READ_OFF_INPUT = ("the attention reads its width off its input, so its heads cannot be "
+                        "divided (head_counts does not reach a width read off the input): shape "
+                        "the heads by a head size from the config (docs/bring-your-own-model.md"
+                        "#the-width-read-off-the-input), or leave the attention replicated "
+                        "(gather its projection)")
+HEADS_FIXED_IN_EINOPS = ("an einops pattern fixes the head count (h=): fix the head size (d=) "
+                         "instead, dividing any head count the forward reads with head_counts "
+                         "(docs/bring-your-own-model.md#heads-fixed-in-einops), or leave the "
+                         "attention replicated (gather its projection)")
+MHA_READS_ITS_OWN_WEIGHTS = ("nn.MultiheadAttention computes in F.multi_head_attention_forward, "
+                             "which reads in_proj_weight and out_proj.weight itself and never "
+                             "calls out_proj: shard it with style: multihead_attention and "
+                             "out_proj row-wise (docs/cookbook.md#nnmultiheadattention-"
+                             "torchvisions-vit), or leave it replicated")
+REFERENCE_COMPUTES_IN_16_BIT = ("the reference itself computes in 16 bits inside a float32 "
+                                "model, and the ranks differ by 16-bit rounding: compare with "
+                                "16-bit tolerances (--atol 1e-2 --rtol 1e-2), or run the model's "
+                                "float32 path")
+
 
 @attrs.frozen(kw_only=True)
 class Suggestion:
@@ -76,6 +101,10 @@ class DiagnosisContext:
         verification: what the verification step at compile refused of this plan (a
             ``RecipeError``'s text), or ``None``: when there is one, it is the likely cause,
             before any pattern (it was seen on shapes and placements, not guessed from values).
+        hazards: the model's attentions whose heads cannot be divided, by FQN
+            (:func:`hyperrecipe.forward_hazards.forward_hazards`, read off the live model).
+        half_precision: the 16-bit computation the reference did inside a float32 model
+            (:func:`hyperrecipe.check.precision.half_precision_seen`), or ``None``.
     """
 
     plan: Plan
@@ -84,6 +113,8 @@ class DiagnosisContext:
     mode: str
     rank_ids: tuple[int, ...]
     verification: str | None = None
+    hazards: Mapping[str, ForwardHazard] = attrs.field(factory=dict)
+    half_precision: HalfPrecision | None = None
 
     @property
     def sizes(self) -> dict[str, int]:

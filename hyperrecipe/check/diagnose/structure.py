@@ -1,5 +1,6 @@
 """Patterns in the plan and the model tree behind a failure: head counts left undivided, heads
-cut between ranks, whole parameters on shards, column-/row-wise layers swapped."""
+cut between ranks, attentions whose heads cannot be divided at all, whole parameters on shards,
+column-/row-wise layers swapped."""
 
 from __future__ import annotations
 
@@ -8,19 +9,24 @@ from collections.abc import Sequence
 
 from hyperrecipe.check.diagnose.causes import (
     COLWISE_ROWWISE_SWAPPED,
+    HEADS_FIXED_IN_EINOPS,
     HEADS_NOT_WHOLE,
+    MHA_READS_ITS_OWN_WEIGHTS,
     WHOLE_PARAM_ON_SHARD,
+    WIDTH_READ_OFF_INPUT,
     DiagnosisContext,
     Suggestion,
     within,
 )
-from hyperrecipe.check.record import Failure
+from hyperrecipe.check.record import Failure, Trace
+from hyperrecipe.forward_hazards import HEAD_COUNT_NAMES, ForwardHazard
 from hyperrecipe.placement import Shard
+from hyperrecipe.plan import ParamPlan
 from hyperrecipe.resolve.head_counts import HEAD_SIZE_ATTRS
 from hyperrecipe.runtime import runs_on_local_tensors
 from hyperrecipe.runtime import as_mode
 
-__all__ = ["heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
+__all__ = ["forward_hazard_in", "heads_cut", "swapped_from_placement", "swapped_from_shapes", "undivided_heads",
            "whole_param_on_shard"]
 
 
@@ -229,3 +235,89 @@ def swapped_from_placement(failure: Failure, ctx: DiagnosisContext) -> Suggestio
         f"unreduced; {', '.join(unreduced)} {'is' if len(unreduced) == 1 else 'are'} sharded on "
         f"input features (row-wise) inside {scope or '<root>'} with no boundary to reduce the "
         f"output"))
+
+
+def _reaches_forward_sharded(fqn: str, hazard: ForwardHazard, ctx: DiagnosisContext
+                             ) -> list[tuple[ParamPlan, str, int]]:
+    """The parameters inside ``fqn`` sharded on a mesh dim of size > 1 whose values reach its
+    forward as one rank's piece, with that dim and its size.
+
+    ``nn.MultiheadAttention`` reads every weight itself, so any sharded one counts; in another
+    attention a projection that is a boundary handing out only whole values (gathered,
+    ``colwise_gather_output``, or reduced, ``rowwise``) computes as the forward expects, and
+    does not count: that is the recipe docs/bring-your-own-model.md gives for these hazards."""
+    gathered = {b.fqn for b in ctx.plan.boundaries
+                if b.fqn != fqn and b.outputs and all(o.dst.is_replicate for o in b.outputs)}
+    out: list[tuple[ParamPlan, str, int]] = []
+    for p in ctx.plan.params:
+        if not within(p.module, fqn) or (hazard.kind != "mha" and p.module in gathered):
+            continue
+        for dim, q in p.placement.dims:
+            if isinstance(q, Shard) and ctx.sizes.get(dim, 1) > 1:
+                out.append((p, dim, ctx.sizes[dim]))
+                break
+    return out
+
+
+def _never_ran(fqn: str, reference: Trace, ctx: DiagnosisContext) -> list[str]:
+    """Boundaries strictly inside ``fqn`` that recorded no event in the reference."""
+    ran = {e.fqn for e in reference.events}
+    return [b.fqn for b in ctx.plan.boundaries
+            if b.fqn != fqn and within(b.fqn, fqn) and b.fqn not in ran]
+
+
+def forward_hazard_in(fqn: str, failure: Failure | None, reference: Trace,
+                      ctx: DiagnosisContext) -> Suggestion | None:
+    """An attention whose heads cannot be divided (:mod:`hyperrecipe.forward_hazards`) is in
+    the blamed boundary ``fqn`` (or holds it, or raised) and the plan hands its forward a
+    sharded projection: no head count division fixes that, only another forward or leaving it
+    replicated. For heads fixed by ``h=self.<attr>`` in an einops call that the plan already
+    divides (``head_counts``) the pattern holds on a shard, and this is not the cause."""
+    raised = failure.module if failure is not None else None
+    for where, hazard in ctx.hazards.items():
+        if not (within(where, fqn) or within(fqn, where)
+                or (raised is not None and within(raised, where))):
+            continue
+        divided = {h.attr: h.mesh_dim for h in ctx.plan.head_counts if h.module == where}
+        if hazard.kind == "einops" and hazard.count_attr in divided:
+            continue
+        sharded = _reaches_forward_sharded(where, hazard, ctx)
+        if not sharded:
+            continue
+        p, dim, n = sharded[0]
+        name = where or "<root>"
+        info = ctx.tree.get(where)
+        cls = info.cls.rpartition(".")[2] if info is not None else "its class"
+        piece = (f"{p.fqn} is sharded {p.placement} (local {list(p.local_shape)} of "
+                 f"{list(p.shape)})")
+        error = f" ({failure.error})" if failure is not None else ""
+        if hazard.kind == "width":
+            counts = ", ".join(f"{a} = {v}" for a, v in (info.int_attrs if info else ())
+                               if a in HEAD_COUNT_NAMES)
+            already = (f"; the plan divides {', '.join(sorted(divided))} (head_counts), and the "
+                       f"width is still read whole" if divided else
+                       f"; dividing {counts or 'its head count'} (head_counts) does not change "
+                       f"the width read off the input")
+            return Suggestion(cause=WIDTH_READ_OFF_INPUT, evidence=(
+                f"{name} ({cls}): {hazard.why}, while {piece}: each rank's q, k and v hold 1/{n} "
+                f"of that width ({dim} = {n}){already}; shape the heads by a head size "
+                f"(self.head_dim) and reshape(B, T, -1), or leave {name} replicated{error}"))
+        if hazard.kind == "einops":
+            attr = hazard.count_attr
+            fix = (f"; h=self.{attr} reads an attribute the plan can divide: add head_counts: "
+                   f"{{{attr}: {dim}}} to the rule for {name}, or fix d= instead" if attr else
+                   f"; the plan divides {', '.join(sorted(divided))} (head_counts), which the "
+                   f"pattern, built with its count, never reads; fix the head size (d=) "
+                   f"instead, or leave {name} replicated" if divided else
+                   f"; fix the head size (d=) instead, or leave {name} replicated")
+            return Suggestion(cause=HEADS_FIXED_IN_EINOPS, evidence=(
+                f"{name} ({cls}): {hazard.why}, while {piece}: a rank splits its 1/{n} of the "
+                f"width into all the heads, each 1/{n} as wide ({dim} = {n}){fix}{error}"))
+        silent = _never_ran(where, reference, ctx)
+        idle = (f"; the boundar{'y' if len(silent) == 1 else 'ies'} {', '.join(silent)} "
+                f"recorded nothing in the reference: never called" if silent else "")
+        return Suggestion(cause=MHA_READS_ITS_OWN_WEIGHTS, evidence=(
+            f"{name} is nn.MultiheadAttention: {hazard.seen} reads {name}.in_proj_weight and "
+            f"{name}.out_proj.weight itself and takes head_dim from the input's width, never "
+            f"calling {name}.out_proj, while {piece} ({dim} = {n}){idle}{error}"))
+    return None

@@ -1,25 +1,30 @@
 """Patterns in the numbers: a value off by a bias, scaled by a mesh size, summing to the
-reference over a mesh dim, or transposed."""
+reference over a mesh dim, or transposed; or every difference within 16-bit rounding where the
+reference itself computed in 16 bits."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from hyperrecipe.check.compare import diff_tensors
+from hyperrecipe.check.compare import ModeComparison, compare_mode, diff_tensors
 from hyperrecipe.check.diagnose.causes import (
     BIAS_COUNTED_TP_TIMES,
     COLWISE_ROWWISE_SWAPPED,
+    REFERENCE_COMPUTES_IN_16_BIT,
     DiagnosisContext,
     Suggestion,
     fmt_number,
     within,
 )
+from hyperrecipe.check.precision import HALF_TOLERANCE
+from hyperrecipe.check.record import Trace
 from hyperrecipe.plan import Plan
 
-__all__ = ["after_all_reduce", "after_transpose", "bias_offset", "scaled", "sums_to_reference"]
+__all__ = ["after_all_reduce", "after_transpose", "bias_offset", "rounding_in_16_bit", "scaled",
+           "sums_to_reference"]
 
 
 
@@ -135,3 +140,41 @@ def after_transpose(a: Tensor, b: Tensor, fqn: str, atol: float, rtol: float
         return None
     return Suggestion(cause=COLWISE_ROWWISE_SWAPPED, evidence=(
         f"{fqn}'s value transposed matches the reference (max abs error {fmt_number(d.max_abs or 0)})"))
+
+
+def rounding_in_16_bit(cmp: ModeComparison, reference: Trace, ranks: Sequence[Trace],
+                       ctx: DiagnosisContext, atol: float, rtol: float) -> Suggestion | None:
+    """The reference itself computed in 16 bits inside a float32 model
+    (``ctx.half_precision``), and at check's tolerances for a 16-bit model every value, gradient
+    and parameter the mode compared agrees: the ranks differ from the reference by 16-bit
+    rounding (a shard's partial matmul rounds differently from the whole one), not by the
+    plan. A divergence 16-bit rounding does not explain (a shape error, a bias counted twice)
+    still fails the re-comparison and goes to the other patterns."""
+    seen = ctx.half_precision
+    half_atol, half_rtol = HALF_TOLERANCE
+    if seen is None or (atol >= half_atol and rtol >= half_rtol):
+        return None
+    again = compare_mode(cmp.mode, reference, ranks, atol=half_atol, rtol=half_rtol,
+                         rank_ids=ctx.rank_ids)
+    if not again.agree:
+        return None
+    if cmp.first is not None:
+        worst = (f"the first divergence, {cmp.first.fqn or '<root>'} ({cmp.first.what}), is off "
+                 f"by {fmt_number(cmp.first.max_abs or 0.0)} at most")
+    else:
+        grad = cmp.worst_gradient
+        worst = (f"the worst gradient, {grad.name}, is off by "
+                 f"{fmt_number(grad.diff.max_abs or 0.0)} at most" if grad is not None else
+                 "only the parameters after the SGD steps differ")
+    tol_a, tol_r = _short(half_atol), _short(half_rtol)
+    return Suggestion(cause=REFERENCE_COMPUTES_IN_16_BIT, evidence=(
+        f"the reference (one process, no plan) computed {seen.describe()} while the model's "
+        f"parameters are {seen.params_dtype}; re-compared at atol {tol_a}, rtol {tol_r} "
+        f"(check's tolerances for a 16-bit model) every value agrees, and {worst}: pass "
+        f"--atol {tol_a} --rtol {tol_r}, or check the model's float32 path"))
+
+
+def _short(x: float) -> str:
+    """``1e-2`` for 0.01, as the flag would be typed."""
+    mantissa, _, exponent = f"{x:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"

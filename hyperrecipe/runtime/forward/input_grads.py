@@ -58,8 +58,10 @@ class ReducedInput:
     node: Any  # the autograd node that made it (from_local or redistribute)
     reduced: tuple[tuple[int, Transition], ...]
     summed_inside: set[int] = attrs.field(factory=set)
-    """Mesh dims on which a use's partial gradient was summed inside its backward by DTensor
-    (:func:`_summed_inside`): the input's whole gradient there is no finding either."""
+    """Mesh dims on which a use's whole gradient is DTensor's doing, not a bypass: a partial
+    gradient it summed inside the use's backward (:func:`_summed_inside`), or a product with a
+    sharded parameter it gathered (:func:`_sharded_operands`). The input's whole gradient
+    there is no finding either."""
 
 
 _PENDING: contextvars.ContextVar[list[ReducedInput] | None] = contextvars.ContextVar(
@@ -95,14 +97,25 @@ def _declared_at(boundary: BoundaryPlan, name: str) -> str:
     return f" ({name!r} is declared at {p.file}:{p.line}:{p.column})"
 
 
-def _consumers(outputs: Any, inputs: list[ReducedInput]
-               ) -> list[tuple[Any, int, ReducedInput]]:
-    """``(node, edge index, input)`` for each edge of the graph built since the inputs were
-    made that leads straight to one of them."""
+@attrs.frozen(kw_only=True)
+class _Use:
+    """One use of a noted input: the autograd node consuming it at edge ``index``, and the
+    mesh dims of the sharded parameters that use multiplies it by (:func:`_sharded_operands`)."""
+
+    node: Any
+    index: int
+    noted: ReducedInput
+    through: frozenset[int]
+
+
+def _consumers(outputs: Any, inputs: list[ReducedInput]) -> list[_Use]:
+    """Each edge of the graph built since the inputs were made that leads straight to one of
+    them, as a :class:`_Use`."""
     by_node = {id(i.node): i for i in inputs}
     oldest = min(i.node._sequence_nr() for i in inputs)
     roots = grad_roots(outputs)
     seen: set[int] = set()
+    parents: dict[int, list[Any]] = {}
     found: list[tuple[Any, int, ReducedInput]] = []
     stack = [n for n in roots if id(n) not in by_node]
     while stack:
@@ -116,18 +129,71 @@ def _consumers(outputs: Any, inputs: list[ReducedInput]
             hit = by_node.get(id(nxt))
             if hit is not None:
                 found.append((node, index, hit))
-            elif id(nxt) not in seen and nxt._sequence_nr() > oldest:
-                stack.append(nxt)
-    return found
+            elif nxt._sequence_nr() > oldest:
+                parents.setdefault(id(nxt), []).append(node)
+                if id(nxt) not in seen:
+                    stack.append(nxt)
+    return [_Use(node=node, index=index, noted=hit,
+                 through=_sharded_operands(node, index, parents))
+            for node, index, hit in found]
 
 
-def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, index: int,
-               noted: ReducedInput) -> Callable[[Any, Any], None]:
+_RESHAPES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
+    "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "ToCopyBackward0",
+    "CloneBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "UnsqueezeBackward0", "AliasBackward0"})
+"""Autograd nodes that move a value's elements without combining them (a view, a transpose, a
+cast): looked through, on either side of a product."""
+
+_PRODUCTS = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0",
+                       "MatmulBackward0", "LinearBackward0"})
+"""Autograd nodes of a matrix product: a use that multiplies the input by a sharded weight."""
+
+
+def _sharded_operands(node: Any, index: int, parents: dict[int, list[Any]]) -> frozenset[int]:
+    """The mesh dims on which the use of an input at ``node``'s edge ``index`` multiplies it,
+    after views and transposes only, by a parameter sharded there (through views and casts).
+
+    Such a use reaches the sharded parameters, whatever DTensor does with them: where its
+    sharding rules have no strategy for the weight's layout (a fused projection stored in
+    ``chunks``, a ``_StridedShard``), it gathers the weight and computes the product whole,
+    so the input's gradient comes back whole although every rank in production computes a
+    partial sum with its shard, which the plan's reduction completes. A residual's use adds
+    the input to something and is never a product with a parameter: still a finding."""
+    came_from, current = index, node
+    while current.name() in _RESHAPES:
+        above = parents.get(id(current), [])
+        if len(above) != 1:
+            return frozenset()
+        parent = above[0]
+        edges = [i for i, (n, _) in enumerate(parent.next_functions) if n is current]
+        if len(edges) != 1:
+            return frozenset()
+        came_from, current = edges[0], parent
+    if current.name() not in _PRODUCTS:
+        return frozenset()
+    dims: set[int] = set()
+    for i, (operand, _) in enumerate(current.next_functions):
+        while operand is not None and i != came_from and operand.name() in _RESHAPES:
+            inner = [n for n, _ in operand.next_functions if n is not None]
+            operand = inner[0] if len(inner) == 1 else None
+        placements = getattr(getattr(operand, "variable", None), "placements", None)
+        if i == came_from or placements is None:
+            continue
+        # a _StridedShard (a chunked weight) is neither a Shard nor replicated nor partial
+        dims.update(d for d, p in enumerate(placements)
+                    if not (p.is_replicate() or p.is_partial()))
+    return frozenset(dims)
+
+
+def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], use: _Use
+               ) -> Callable[[Any, Any], None]:
     # the node's name, not the node: a hook that refers to the node it is registered on is a
     # cycle through C++ that Python's collector cannot see, which kept every graph's nodes (and
     # through their AccumulateGrad, the parameters) alive after the model was dropped
-    user = node.name()
-    params = _params_of(node, index)
+    user, index, noted, through = use.node.name(), use.index, use.noted, use.through
+    params = _params_of(use.node, index)
 
     def check(grad_inputs: Any, grad_outputs: Any) -> None:
         grad = grad_inputs[index] if index < len(grad_inputs) else None
@@ -135,7 +201,8 @@ def _use_check(boundary: BoundaryPlan, mesh_sizes: tuple[int, ...], node: Any, i
         if placements is None:
             return
         for i, t in noted.reduced:
-            if placements[i].is_replicate() and _summed_inside(grad_outputs, i, params, user):
+            if placements[i].is_replicate() and (
+                    i in through or _summed_inside(grad_outputs, i, params, user)):
                 noted.summed_inside.add(i)
             elif placements[i].is_replicate():
                 name, n = noted.name, mesh_sizes[i]
@@ -216,8 +283,8 @@ def checking_input_uses(compute: Forward, boundary: BoundaryPlan,
             out = compute(*args, **kwargs)
         finally:
             _PENDING.reset(token)
-        for node, index, hit in _consumers(out, inputs):
-            node.register_hook(_use_check(boundary, mesh_sizes, node, index, hit))
+        for use in _consumers(out, inputs):
+            use.node.register_hook(_use_check(boundary, mesh_sizes, use))
         return out
 
     return run
