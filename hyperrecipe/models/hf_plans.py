@@ -45,6 +45,9 @@ class PlanEntry:
             in width (grouped-query q, k, v: ``n_head`` query heads beside ``n_query_groups``
             key and value heads), each part's global width, in order; ``()``: ``chunks``
             equal parts.
+        region: for an entry read off the structure, the block (pattern) whose boundary holds
+            the projection, where it is not the projection's parent (a Linear inside the
+            block's plain ``nn.Sequential``: ``ff.0.0``); ``""``: the parent.
     """
 
     pattern: str
@@ -57,6 +60,7 @@ class PlanEntry:
     sizes: tuple[str, ...] = ()
     split_sizes: tuple[str, ...] = ()
     chunk_sizes: tuple[int, ...] = ()
+    region: str = ""
 
 
 def _as_plan(value: object) -> dict[str, str]:

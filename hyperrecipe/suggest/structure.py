@@ -149,9 +149,16 @@ def transposed_classes(model: nn.Module) -> frozenset[type[nn.Module]]:
     return frozenset(c for c, yes in judged.items() if yes)
 
 
-def _projections(block: nn.Module, transposed: frozenset[type[nn.Module]]) -> list[_Projection]:
+def _projections(block: nn.Module, transposed: frozenset[type[nn.Module]],
+                 prefix: str = "") -> list[_Projection]:
+    """The block's projections in registration order: its children, and the children of a
+    plain ``nn.Sequential`` or ``nn.ModuleList`` child holding no parameter of its own, named
+    by their path from the block (``ff.0.0``, ``net.1``: x-transformers and vit-pytorch keep
+    their MLPs' Linears in one). A subclass of ``nn.Sequential`` (torchvision's ``MLPBlock``)
+    is a block of its own, read where it is."""
     out: list[_Projection] = []
-    for name, m in block.named_children():
+    for child, m in block.named_children():
+        name = f"{prefix}{child}"
         if isinstance(m, nn.Linear):
             out.append(_Projection(name=name, module=m, in_features=m.in_features,
                                    out_features=m.out_features, transposed=False))
@@ -160,6 +167,9 @@ def _projections(block: nn.Module, transposed: frozenset[type[nn.Module]]) -> li
             if weight is not None:
                 out.append(_Projection(name=name, module=m, in_features=int(weight.shape[0]),
                                        out_features=int(weight.shape[1]), transposed=True))
+        elif type(m) in (nn.Sequential, nn.ModuleList) and not any(
+                True for _ in m.parameters(recurse=False)):
+            out += _projections(m, transposed, f"{name}.")
     return out
 
 
@@ -172,12 +182,14 @@ def _block_projections(model: nn.Module, transposed: frozenset[type[nn.Module]]
                        ) -> list[_Projection]:
     """Every projection inside a repeated block: under a list of layers (its folded name has a
     ``*``), where the blocks are."""
-    out: list[_Projection] = []
+    out: dict[int, _Projection] = {}
     fold = Folding.of_module(model)
     for fqn, block in model.named_modules():
         if "*" in fold(fqn):
-            out += _projections(block, transposed)
-    return out
+            # a Linear in a plain Sequential is seen from the block and from the Sequential
+            out.update((id(p.module), p) for p in _projections(block, transposed)
+                       if id(p.module) not in out)
+    return list(out.values())
 
 
 def _declared_widths(model: nn.Module) -> set[int]:
@@ -248,17 +260,17 @@ def _split_sizes(block: nn.Module, part: int) -> tuple[str, ...]:
 def _block_entries(fqn: str, block: nn.Module, hidden: int,
                    transposed: frozenset[type[nn.Module]], fold: Folding) -> list[PlanEntry] | None:
     linears = _projections(block, transposed)
-    if len(linears) < 2 or any(fold(f"{fqn}.{p.name}").endswith(".*") for p in linears):
+    folded = fold(fqn)
+    if len(linears) < 2 or any(
+            "*" in fold(f"{fqn}.{p.name}")[len(folded) + 1:].split(".") for p in linears):
         # numbered projections that fold to one pattern (a Sequential of Linears only) cannot
         # be told apart; numbered steps of mixed modules (Linear, GELU, ..., Linear) keep
         # their numbers (hyperrecipe.suggest.folding)
         return None
-    names = {p.name for p in linears}
-    for name, child in block.named_children():
-        if name in names:
-            continue
-        if any(p.dim() > 1 for p in child.parameters()):
-            return None  # a nested block with weights of its own: not one region
+    held = {id(w) for p in linears for w in p.module.parameters()}
+    if any(w.dim() > 1 and id(w) not in held for child in block.children()
+           for w in child.parameters()):
+        return None  # a nested block with weights of its own: not one region
     rows = [i for i, p in enumerate(linears) if p.out_features == hidden]
     if not rows:
         return None
@@ -272,7 +284,6 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
     if len(cols) == 1 and not parts and cols[0].out_features % row_in:
         return None  # fused parts of unequal widths its head counts do not explain
     cls = type(block).__name__
-    folded = fold(fqn)
     src = f"{STRUCTURE_SOURCE}: {cls} at {folded}"
     out: list[PlanEntry] = []
     for p in cols:
@@ -287,12 +298,12 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
                              source=src, chunks=chunks if packed else 0,
                              transposed=p.transposed, sizes=_output_sizes(p),
                              split_sizes=_split_sizes(block, row_in) if packed else (),
-                             chunk_sizes=parts))
+                             chunk_sizes=parts, region=folded))
     last = linears[row]
     out.append(PlanEntry(pattern=f"{folded}.{last.name}", style="rowwise", plan="tp",
-                         source=src, transposed=last.transposed))
+                         source=src, transposed=last.transposed, region=folded))
     out += [PlanEntry(pattern=f"{folded}.{name}", style="colwise", plan="tp",
-                      source=f"{src} (a parameter per head)")
+                      source=f"{src} (a parameter per head)", region=folded)
             for name in _per_head_params(block, row_in)]
     return out
 
@@ -379,8 +390,7 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
     hidden = hidden_size(model, transposed)
     if hidden is None:
         return (), ()
-    out: list[PlanEntry] = []
-    notes: list[Narrowed] = []
+    found: list[tuple[frozenset[int], list[PlanEntry], Narrowed | None]] = []
     seen: set[str] = set()
     fold = Folding.of_module(model)
     for fqn, block in model.named_modules():
@@ -390,21 +400,30 @@ def read_structure(model: nn.Module) -> tuple[tuple[PlanEntry, ...], tuple[Narro
         seen.add(folded)
         if isinstance(block, nn.MultiheadAttention):
             refusal = _mha_refusal(block)
-            if refusal is not None:
-                notes.append(Narrowed(what=f"{folded} (nn.MultiheadAttention)", why=refusal))
-            else:
-                out.append(PlanEntry(pattern=folded, style=MHA_STYLE, plan="tp",
-                                     source=f"{STRUCTURE_SOURCE}: nn.MultiheadAttention at "
-                                            f"{folded}"))
+            found.append((frozenset({id(block)}), [] if refusal is not None else [PlanEntry(
+                pattern=folded, style=MHA_STYLE, plan="tp",
+                source=f"{STRUCTURE_SOURCE}: nn.MultiheadAttention at {folded}")],
+                None if refusal is None else Narrowed(
+                    what=f"{folded} (nn.MultiheadAttention)", why=refusal)))
             continue
         entries = _block_entries(fqn, block, hidden, transposed, fold)
         if not entries:
             continue
+        ids = frozenset(id(p.module) for p in _projections(block, transposed))
         why = _left_out(block)
-        if why is not None:
-            notes.append(Narrowed(what=f"{folded} ({type(block).__name__})", why=why))
+        found.append((ids, [] if why else entries, None if why is None else Narrowed(
+            what=f"{folded} ({type(block).__name__})", why=why)))
+    # the innermost block holding a projection pair is the region: a plain Sequential MLP
+    # rather than the layer that also adds its residual (modules come parents first)
+    claimed: set[int] = set()
+    kept: list[tuple[list[PlanEntry], Narrowed | None]] = []
+    for ids, entries, note in reversed(found):
+        if ids & claimed:
             continue
-        out.extend(entries)
+        claimed |= ids
+        kept.append((entries, note))
+    out = [e for entries, _ in reversed(kept) for e in entries]
+    notes = [note for _, note in reversed(kept) if note is not None]
     name = _output_head(model, hidden) if out else None
     if name is not None:
         out.append(PlanEntry(pattern=name, style="colwise_gather_output", plan="tp",

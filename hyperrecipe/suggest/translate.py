@@ -106,10 +106,15 @@ def _under(fqn: str, root: str) -> bool:
     return not root or fqn == root or fqn.startswith(root + ".")
 
 
+def _rel(fqn: str, parent: str) -> str:
+    """``fqn``'s path below ``parent`` (``ff.0.0`` for a Linear in a block's Sequential)."""
+    return fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else _leaf(fqn)
+
+
 def _alternatives(parent: str, fqns: Sequence[str]) -> str:
     if len(fqns) == 1:
         return fqns[0]
-    return f"{parent}.{{{','.join(_leaf(f) for f in fqns)}}}"
+    return f"{parent}.{{{','.join(_rel(f, parent) for f in fqns)}}}"
 
 
 def _placement(dim: str, text: str) -> dict[str, str]:
@@ -209,7 +214,8 @@ def _translate_regions(b: _Builder, linear: dict[str, tuple[str, PlanEntry]]) ->
     dim = b.options.dim
     by_parent: dict[str, dict[str, list[tuple[str, PlanEntry]]]] = {}
     for fqn, (kind, entry) in linear.items():
-        by_parent.setdefault(_parent(fqn), {}).setdefault(kind, []).append((fqn, entry))
+        by_parent.setdefault(entry.region or _parent(fqn), {}).setdefault(kind, []).append(
+            (fqn, entry))
     for parent, kinds in sorted(by_parent.items(), key=lambda kv: b.order.get(kv[0], 0)):
         cols, rows = kinds.get("col", []), kinds.get("row", [])
         if cols and rows and parent in b.modules:
@@ -236,7 +242,7 @@ def _translate_regions(b: _Builder, linear: dict[str, tuple[str, PlanEntry]]) ->
 def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
                 rows: list[tuple[str, PlanEntry]]) -> None:
     dim = b.options.dim
-    leaves = [_leaf(f) for f, _ in (*cols, *rows)]
+    leaves = [_rel(f, parent) for f, _ in (*cols, *rows)]
     holding = [m for m in b.instances[parent]
                if all(f"{m.fqn}.{leaf}" in b.fqns for leaf in leaves)]
     region = holding[0] if holding else b.modules[parent]
@@ -245,8 +251,8 @@ def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     b.region_instances[parent] = [m.fqn for m in holding] or [region.fqn]
     match = parent if len(holding) == len(b.instances[parent]) else (
         holding[0].fqn if len(holding) == 1 else "{" + ",".join(m.fqn for m in holding) + "}")
-    names = ", ".join(_leaf(f) for f, _ in cols)
-    outs = ", ".join(_leaf(f) for f, _ in rows)
+    names = ", ".join(_rel(f, parent) for f, _ in cols)
+    outs = ", ".join(_rel(f, parent) for f, _ in rows)
     fields = _region_fields(region, dim,
                             widths=cols[0][1].source.startswith(STRUCTURE_SOURCE))
     split = {s: dim for _, e in cols for s in e.split_sizes if region.int_attr(s) is not None}

@@ -1,0 +1,60 @@
+"""`suggest` on MLPs whose Linears sit in a plain ``nn.Sequential`` inside the block, in layers
+that are ``nn.ModuleList``s of parts (tests/support/byo_nested.py: x-transformers' and
+vit-pytorch's layouts). Before, neither model had a block suggest could read (the projections
+were not children of one module) and both were refused. Each recipe is verified by ``check`` in
+both modes against one process, then checked again from the written file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperrecipe.check.run import CheckOptions, run_check
+from hyperrecipe.model_tree import build_model
+from hyperrecipe.suggest import SuggestOptions, suggest_recipe
+from hyperrecipe.suggest.structure import read_structure
+
+TP2 = {"tp": 2}
+NESTED = "tests.support.byo_nested"
+
+
+def _read(factory: str) -> tuple[dict[str, str], dict[str, str]]:
+    entries, notes = read_structure(build_model(f"{NESTED}:{factory}", {}))
+    return {e.pattern: e.style for e in entries}, {n.what: n.why for n in notes}
+
+
+def test_a_feed_forward_in_nested_sequentials_is_one_block() -> None:
+    styles, notes = _read("make_x_transformer")
+    # the innermost module holding the pair is the region: the Sequential, not the layer
+    assert styles == {"attn_layers.layers.*.1.ff.0.0": "colwise",
+                      "attn_layers.layers.*.1.ff.2": "rowwise",
+                      "to_logits": "colwise_gather_output"}
+    assert "einops" in notes["attn_layers.layers.*.1 (XAttention)"]
+
+
+def test_a_layer_of_two_kinds_under_one_pattern_keeps_both() -> None:
+    # transformer.layers.N is [Attention, FeedForward]: both fold to transformer.layers.*.*
+    styles, notes = _read("make_vit_pytorch")
+    assert styles == {"transformer.layers.*.*.net.1": "colwise",
+                      "transformer.layers.*.*.net.4": "rowwise"}
+    assert "einops" in notes["transformer.layers.*.* (PAttention)"]
+
+
+@pytest.mark.slow  # suggest's check and the recheck launch ranks
+@pytest.mark.parametrize(("factory", "inputs"), [
+    ("make_x_transformer", None), ("make_vit_pytorch", f"{NESTED}:make_pixels")])
+def test_suggest_shards_the_nested_mlps_and_check_agrees(factory: str, inputs: str | None,
+                                                         tmp_path: Path) -> None:
+    model = f"{NESTED}:{factory}"
+    s = suggest_recipe(model, TP2, options=SuggestOptions(timeout_s=120, inputs=inputs))
+    assert s.verified, s.summary()
+    assert s.sharded_fraction["tp"] > 0.15, s.summary()
+    assert ".ff.0.0" in s.text or ".net.1" in s.text
+    path = tmp_path / "nested.yaml"
+    path.write_text(s.text)
+    report = run_check(CheckOptions(recipe=str(path), model=model, mesh=TP2, inputs=inputs,
+                                    timeout_s=120))
+    assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
+                          for m in report.modes]

@@ -1,0 +1,165 @@
+"""Models laid out as x-transformers (2.x) and vit-pytorch lay theirs out, for
+tests/suggest/test_suggest_nested.py: the MLP's Linears sit in a plain ``nn.Sequential`` inside
+the block (``ff.0.0`` / ``ff.2``, ``net.1`` / ``net.4``), and each layer is an
+``nn.ModuleList`` of parts of several classes rather than a module with named children. Their
+attentions fix the head count in an einops pattern, as both libraries do, so ``suggest`` leaves
+them replicated and shards the MLPs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from einops.layers.torch import Rearrange
+from torch import nn
+
+
+class XAttention(nn.Module):
+    """x-transformers' ``Attention``: separate q/k/v, heads split by einops layers."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.split_q_heads = Rearrange("b n (h d) -> b h n d", h=heads)
+        self.split_k_heads = Rearrange("b n (h d) -> b h n d", h=heads)
+        self.split_v_heads = Rearrange("b n (h d) -> b h n d", h=heads)
+        self.merge_heads = Rearrange("b h n d -> b n (h d)")
+        self.to_out = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.split_q_heads(self.to_q(x))
+        k = self.split_k_heads(self.to_k(x))
+        v = self.split_v_heads(self.to_v(x))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(self.merge_heads(out))
+
+
+class XFeedForward(nn.Module):
+    """x-transformers' ``FeedForward``: ``Sequential(Sequential(Linear, GELU), Dropout,
+    Linear)``."""
+
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, dim * mult), nn.GELU()),
+                                nn.Dropout(0.0), nn.Linear(dim * mult, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class XResidual(nn.Module):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return x + residual
+
+
+class XDecoder(nn.Module):
+    """Layers alternate attention and feed-forward: ``layers.N`` is
+    ``ModuleList([ModuleList([norm]), block, residual])``, the block's kind set by N."""
+
+    def __init__(self, dim: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(depth):
+            for block in (XAttention(dim, heads, dim // heads), XFeedForward(dim, 4)):
+                self.layers.append(nn.ModuleList([nn.ModuleList([nn.LayerNorm(dim)]), block,
+                                                  XResidual()]))
+        self.final_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norms, block, residual in self.layers:  # type: ignore[misc]
+            x = residual(block(norms[0](x)), x)
+        return self.final_norm(x)
+
+
+class XTransformer(nn.Module):
+    def __init__(self, num_tokens: int, dim: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.token_emb = nn.Embedding(num_tokens, dim)
+        self.attn_layers = XDecoder(dim, depth, heads)
+        self.to_logits = nn.Linear(dim, num_tokens, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.to_logits(self.attn_layers(self.token_emb(ids)))
+
+
+def make_x_transformer(num_tokens: int = 64, dim: int = 32, depth: int = 2, heads: int = 4
+                       ) -> XTransformer:
+    return XTransformer(num_tokens, dim, depth, heads)
+
+
+class PAttention(nn.Module):
+    """vit-pytorch's ``Attention``: its own norm, one fused ``to_qkv`` chunked in 3,
+    ``rearrange(..., h=self.heads)``, ``to_out = Sequential(Linear, Dropout)``."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.to_qkv = nn.Linear(dim, inner * 3, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.to_qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in qkv)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class PFeedForward(nn.Module):
+    """vit-pytorch's ``FeedForward``: ``net = Sequential(LayerNorm, Linear, GELU, Dropout,
+    Linear, Dropout)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                                 nn.Dropout(0.0), nn.Linear(hidden, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class PViT(nn.Module):
+    """vit-pytorch's ``ViT``: ``transformer.layers.N`` is ``ModuleList([Attention,
+    FeedForward])``; patches through a Linear, a class token, a classifier head."""
+
+    def __init__(self, image_size: int, patch_size: int, dim: int, depth: int, heads: int,
+                 mlp_dim: int, num_classes: int) -> None:
+        super().__init__()
+        patches = (image_size // patch_size) ** 2
+        self.to_patch_embedding = nn.Sequential(
+            Rearrange("b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=patch_size, p2=patch_size),
+            nn.Linear(3 * patch_size * patch_size, dim))
+        self.pos_embedding = nn.Parameter(torch.randn(1, patches + 1, dim))
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.transformer = nn.Module()
+        self.transformer.layers = nn.ModuleList(
+            nn.ModuleList([PAttention(dim, heads, dim // heads), PFeedForward(dim, mlp_dim)])
+            for _ in range(depth))
+        self.transformer.norm = nn.LayerNorm(dim)
+        self.mlp_head = nn.Linear(dim, num_classes)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = self.to_patch_embedding(img)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = x + self.pos_embedding
+        for attn, ff in self.transformer.layers:  # type: ignore[union-attr]
+            x = attn(x) + x
+            x = ff(x) + x
+        return self.mlp_head(self.transformer.norm(x)[:, 0])  # type: ignore[operator]
+
+
+def make_vit_pytorch(image_size: int = 8, patch_size: int = 4, dim: int = 32, depth: int = 2,
+                     heads: int = 4, mlp_dim: int = 64, num_classes: int = 10) -> PViT:
+    return PViT(image_size, patch_size, dim, depth, heads, mlp_dim, num_classes)
+
+
+def make_pixels(model: nn.Module, *, batch: int, seq: int, generator: torch.Generator
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """8 x 8 RGB images for :func:`make_vit_pytorch`."""
+    return (torch.randn(batch, 3, 8, 8, generator=generator),), {}
