@@ -184,7 +184,27 @@ def recipe_error_for(plan: Plan, failure: Failure) -> RecipeError:
                 "off the input or fixed in a layer (einops `h=`), not divided by the plan; "
                 "gather its input (`in_dst: replicate`) or compute it whole, or shard what it "
                 "reads (docs/cookbook.md)")
+        if failure.modules and _mha_out_proj(plan, failure.modules[0]):
+            hint = (f"{failure.modules[0]} is a torch.nn.MultiheadAttention: its forward uses "
+                    f"out_proj.weight without calling out_proj, so a rule on out_proj alone "
+                    f"cannot shard it; give the attention `style: multihead_attention` and "
+                    f"keep out_proj `style: rowwise` (docs/adapters.md#torchnnmultiheadattention"
+                    f"-by-heads), or leave both replicated")
     return recipe_error_at(plan, module, problem, hint=hint)
+
+
+_MHA_OUT_PROJ = "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"
+"""The class of ``nn.MultiheadAttention``'s ``out_proj`` (torch uses it nowhere else)."""
+
+
+def _mha_out_proj(plan: Plan, fqn: str) -> bool:
+    """Whether ``fqn`` is an ``nn.MultiheadAttention`` whose ``out_proj`` is a boundary of the
+    plan while the attention itself runs no inner wrapper (its forward would never call it)."""
+    classes = {b.fqn: b for b in plan.boundaries}
+    inner = classes.get(f"{fqn}.out_proj")
+    outer = classes.get(fqn)
+    return (inner is not None and inner.module_class == _MHA_OUT_PROJ
+            and (outer is None or not outer.inner_wrapper))
 
 
 def _site(site: str) -> str:

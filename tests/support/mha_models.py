@@ -3,9 +3,9 @@
 :class:`MHAProbe` calls its attentions every way a user does: the default call (``need_weights``
 left at ``True``, the averaged attention weights used in the output so their gradient counts),
 ``batch_first=False`` with a key padding mask, a per-head boolean ``attn_mask`` of shape
-``[batch * heads, L, S]`` and per-head weights, and a cross attention whose key and value are not
-its query and that has no biases. Every returned tensor reaches the output, so a wrong shard of any of them shows in the
-forward or in a gradient.
+``[batch * heads, L, S]`` and per-head weights, an unbatched ``[L, E]`` call, and a cross
+attention whose key and value are not its query and that has no biases. Every returned tensor
+reaches the output, so a wrong shard of any of them shows in the forward or in a gradient.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class MHAProbe(nn.Module):
         self.first = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.second = nn.MultiheadAttention(dim, heads)  # batch_first=False: [L, B, E]
         self.cross = nn.MultiheadAttention(dim, heads, batch_first=True, bias=False)
+        self.single = nn.MultiheadAttention(dim, heads)  # called on one unbatched [L, E]
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,9 @@ class MHAProbe(nn.Module):
         out2, per_head_weights = self.second(t, t, t, key_padding_mask=pad, attn_mask=per_head,
                                              average_attn_weights=False)
         x = x + out2.transpose(0, 1) + torch.einsum("bhls,bsd->bld", per_head_weights, x)
+        first_row = x[0]
+        out4, row_weights = self.single(first_row, first_row, first_row)  # [L, E], [L, L]
+        x = x + out4 + row_weights @ first_row
         memory = self.norm(x)
         out3, _ = self.cross(x, memory, memory, need_weights=False)
         return x + out3

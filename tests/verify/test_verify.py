@@ -203,6 +203,9 @@ def test_a_boundary_on_multihead_attentions_out_proj_is_refused_at_its_rule(
     text = str(caught.value)
     assert "production mode cannot run one training step" in text
     assert "while blocks.0.attn ran its forward" in text
+    assert ("blocks.0.attn is a torch.nn.MultiheadAttention: its forward uses out_proj.weight "
+            "without calling out_proj, so a rule on out_proj alone cannot shard it; give the "
+            "attention `style: multihead_attention`") in text
     assert caught.value.span is not None
     assert caught.value.span.line == _line_of(recipe, "- match: blocks.*.attn.out_proj")
 

@@ -4,8 +4,8 @@ built-in inner wrapper ``mha_heads`` (issue 39).
 The fast tests compile on the meta device: the style's expansion, and each refusal at the
 recipe line (a plain ``shard(0)`` of the fused ``in_proj_weight``, an ``out_proj`` that is no
 row-wise boundary, separate q/k/v weights) or by name at compile time's verification
-(``add_bias_kv``, ``add_zero_attn``). The slow test runs ``hyperrecipe check`` on two gloo ranks in
-both modes against one process — the output, every boundary value and every gradient within
+(``add_bias_kv``, ``add_zero_attn``). The slow test runs ``hyperrecipe check`` on gloo ranks in
+both modes against one process (tp=2 and tp=4) — the output, every boundary value and every gradient within
 check's default atol 1e-5 / rtol 1e-4 (fp32) — on ``tests.support.mha_models:make_mha_probe``,
 whose attentions are called every way users call them (default ``need_weights``, averaged and
 per-head weights, ``batch_first`` False, key padding and per-head masks, cross attention, no
@@ -118,8 +118,9 @@ def test_a_bias_free_attention_compiles(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_multihead_attention_by_heads_agrees_with_one_process_in_both_modes() -> None:
-    report = run_check(CheckOptions(recipe=str(RECIPE), model=PROBE, mesh={"tp": 2},
+@pytest.mark.parametrize("tp", [2, 4])  # at tp=4 the per-head mask's head 1 is on rank 1
+def test_multihead_attention_by_heads_agrees_with_one_process_in_both_modes(tp: int) -> None:
+    report = run_check(CheckOptions(recipe=str(RECIPE), model=PROBE, mesh={"tp": tp},
                                     timeout_s=120))
     assert [m.mode for m in report.modes] == ["production", "validate"]
     assert report.agree, [(m.mode, m.error, m.comparison and m.comparison.first)
