@@ -1,16 +1,15 @@
 """torchtitan's own model code, built as its flavors build it: the model library side of
 torchtitan (its parallelize step, a trainer, is :mod:`hyperrecipe.trainers.torchtitan`).
 
-torchtitan is imported only when :func:`build_llama3` runs (``build_model``'s
-``hyperrecipe.models.torchtitan:build_llama3`` factory); nothing of hyperrecipe imports this
-module otherwise.
+torchtitan is imported only when a builder here runs (``build_model``'s
+``hyperrecipe.models.torchtitan:build_llama3`` or ``:build_qwen3`` factory); nothing of hyperrecipe imports this module otherwise.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["build_llama3"]
+__all__ = ["build_llama3", "build_qwen3"]
 
 
 def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
@@ -65,3 +64,61 @@ def build_llama3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_hea
         layers=layers)
     model: nn.Module = config.build()
     return model
+
+
+def build_qwen3(*, dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                head_dim: int = 32, hidden_dim: int = 128, vocab_size: int = 256,
+                max_seq_len: int = 64, enable_weight_tying: bool = True,
+                fuse_qkv: bool = True) -> nn.Module:
+    """torchtitan's dense ``Qwen3Model`` at the given size, as its ``debugmodel`` flavor builds it.
+
+    The layers are torchtitan's own (``Qwen3TransformerBlock``, ``GQAttention`` with its fused
+    ``qkv_linear.wqkv`` and the per-head ``q_norm``/``k_norm`` over ``head_dim``, ``CosSinRoPE``,
+    ``FeedForward``, ``RMSNorm`` with eps 1e-6) with the same initializers and, by default, the
+    same tied ``tok_embeddings``/``lm_head`` weight as its flavors. ``head_dim * n_heads`` need
+    not equal ``dim`` (it does not in Qwen3's flavors: 16 heads of 128 on dim 256 or 1024). The
+    inner attention is torchtitan's ``ScaledDotProductAttention`` (causal) for the reason given
+    in :func:`build_llama3`; the module names, and so the recipe, are the same as with its
+    FlexAttention.
+    """
+    from functools import partial
+
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.param_init import skip_param_init
+    from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+
+    linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+
+    def norm(size: int) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=size, eps=1e-6,
+                              param_init={"weight": nn.init.ones_})
+
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=norm(dim), ffn_norm=norm(dim),
+            attention=make_gqa_config(
+                dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                wqkv_param_init=linear_init, wo_param_init=linear_init,
+                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=fuse_qkv,
+                rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len,
+                                       theta=1000000.0),
+                qk_norm=norm(head_dim)),
+            feed_forward=make_ffn_config(dim=dim, hidden_dim=hidden_dim,
+                                         w1_param_init=linear_init,
+                                         w2w3_param_init=linear_init))
+        for _ in range(n_layers)]
+    config = Qwen3Model.Config(
+        dim=dim, vocab_size=vocab_size, norm=norm(dim), enable_weight_tying=enable_weight_tying,
+        # tied: the embedding skips its init and takes lm_head's, as torchtitan's flavors do
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim,
+            param_init={"weight": skip_param_init if enable_weight_tying
+                        else partial(nn.init.normal_, std=0.02)}),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=linear_init),
+        layers=layers)
+    model: nn.Module = config.build()
+    return model
+

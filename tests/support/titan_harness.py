@@ -28,10 +28,12 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def materialized() -> nn.Module:
-    from hyperrecipe.models.torchtitan import build_llama3
+def materialized(model_name: str = "llama3") -> nn.Module:
+    """``model_name``'s tiny torchtitan model (``llama3``, ``qwen3``: its builder in
+    hyperrecipe.models.torchtitan) with the weights one process draws."""
+    from hyperrecipe.models import torchtitan as builders
 
-    model = build_llama3(vocab_size=VOCAB)
+    model: nn.Module = getattr(builders, f"build_{model_name}")(vocab_size=VOCAB)
     torch.manual_seed(SEED)
     model.init_states()  # type: ignore[operator]
     return model
@@ -60,9 +62,9 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tor
     return cross_entropy_loss(model(tokens), labels) / labels.numel()
 
 
-def one_process(steps: int) -> dict[str, Any]:
+def one_process(steps: int, model_name: str = "llama3") -> dict[str, Any]:
     """Losses of ``steps`` AdamW steps with clipping, and the first step's gradients."""
-    model = materialized()
+    model = materialized(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = batch()
     losses, grads = [], {}
@@ -79,20 +81,20 @@ def one_process(steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation"
-                    ) -> dict[str, Any]:
+def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation",
+                    model_name: str = "llama3") -> dict[str, Any]:
     """The plan as torchtitan's parallelize step; losses and the first step's full grads.
     ``clip``: ``installation`` (``inst.clip_grad_norm_``) or ``torchtitan`` (its Trainer's
     ``dist_utils.clip_grad_norm_``, torch's norm underneath)."""
-    from hyperrecipe.trainers.torchtitan import installation_of, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize
 
     training = None
     if clip == "torchtitan":
         from torchtitan.config import TrainingConfig
 
         training = TrainingConfig()  # its default max_norm, 1.0
-    model = parallelize_llama(materialized(), parallel_dims=parallel_dims(world),
-                              training=training)
+    model = parallelize(materialized(model_name), parallel_dims=parallel_dims(world),
+                        training=training)
     inst = installation_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = batch()

@@ -94,35 +94,80 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
 
 
 def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
-    """torchtitan's Qwen3 (its debugmodel, on meta) compiles under the Llama 3 recipe (their
-    module names overlap) and trained wrong with it; without ``recipe=`` the step now refuses
-    it, naming the class and the classes it has recipes for. Its own Llama 3 still gets
-    torchtitan-llama3 (the tests above)."""
+    """A recipe for one model compiles on another that shares its module names and trains it
+    wrong (torchtitan-llama3 on torchtitan's Qwen3 leaves the q_norm/k_norm gradients partial),
+    so without ``recipe=`` the step refuses a class it has no recipe for (DeepSeek-V3's
+    ``Decoder``, which the Llama 3 recipe's patterns also reach), naming the class and the
+    classes it has recipes for, and picks the recipe by class for the others."""
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.qwen3 import qwen3_configs
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
 
     from hyperrecipe import compile_recipe
-    from hyperrecipe.models.torchtitan import build_llama3
+    from hyperrecipe.models.torchtitan import build_llama3, build_qwen3
     from hyperrecipe.trainers.torchtitan import (
         RECIPE,
+        parallelize,
         parallelize_llama,
         shipped_recipe_for,
     )
 
     with torch.device("meta"):
-        qwen3 = qwen3_configs["debugmodel"](attn_backend="flex").build()
+        deepseek = deepseekv3_configs["debugmodel"](attn_backend="flex",
+                                                    moe_comm_backend="standard").build()
+        qwen3 = build_qwen3()
         llama3 = build_llama3()
     assert compile_recipe(RECIPE, qwen3, {"tp": 2}).params  # what made it silent
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
     with pytest.raises(PlanMismatchError) as exc:
-        parallelize_llama(qwen3, parallel_dims=dims)
+        parallelize(deepseek, parallel_dims=dims)
     assert str(exc.value).startswith(
-        "hyperrecipe's torchtitan parallelize_llama has no shipped recipe for Qwen3Model "
-        "(torchtitan.models.qwen3.model.Qwen3Model); shipped: Llama3Model (torchtitan-llama3, "
-        "torchtitan-llama3-dp-tp).")
+        "hyperrecipe's torchtitan parallelize has no shipped recipe for DeepSeekV3Model "
+        "(torchtitan.models.deepseek_v3.model.DeepSeekV3Model); shipped: Llama3Model "
+        "(torchtitan-llama3, torchtitan-llama3-dp-tp), Qwen3Model (torchtitan-qwen3).")
     assert "pass recipe=" in str(exc.value)
+    assert parallelize_llama is parallelize
     assert shipped_recipe_for(llama3, fsdp=False) == "torchtitan-llama3"
     assert shipped_recipe_for(llama3, fsdp=True) == "torchtitan-llama3-dp-tp"
+    assert shipped_recipe_for(qwen3, fsdp=False) == "torchtitan-qwen3"
+
+
+@pytest.mark.slow  # launches ranks (~8 s)
+def test_plan_trains_torchtitans_qwen3_with_its_per_head_norms_as_one_process() -> None:
+    """torchtitan's dense Qwen3 (tied embedding, per-head q_norm/k_norm, head_dim * n_heads !=
+    dim) through ``parallelize`` at tp=2 with the recipe it picks by class
+    (torchtitan-qwen3): losses of AdamW steps with clipping to rtol 1e-5 and every first-step
+    gradient to atol 2e-6 / rtol 1e-5, as for Llama 3 (measured: losses within 5e-6 relative,
+    gradients within 1.2e-7). The q/k norm gradients are the ones the Llama 3 recipe left
+    partial; the tied ``lm_head.weight`` reports the embedding's gradient."""
+    ref = h.one_process(STEPS, "qwen3")
+    ours = run_ranks(h.hyperrecipe_run, 2, STEPS, "installation", "qwen3", timeout_s=300)
+    for rank in range(2):
+        _close(ours[rank]["losses"], ref["losses"], f"hyperrecipe qwen3 rank {rank}")
+    assert set(ours[0]["grads"]) == set(ref["grads"]) | {"lm_head.weight"}
+    expected = {**ref["grads"], "lm_head.weight": ref["grads"]["tok_embeddings.weight"]}
+    for name, grad in expected.items():
+        torch.testing.assert_close(ours[0]["grads"][name], grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"qwen3 grad {n}: {m}")
+
+
+def test_qwen3_under_fsdp2_is_refused_naming_why_and_what_to_run() -> None:
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.models.torchtitan import build_qwen3
+    from hyperrecipe.trainers.torchtitan import parallelize
+
+    with torch.device("meta"):
+        model = build_qwen3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    with pytest.raises(PlanMismatchError) as exc:
+        parallelize(model, parallel_dims=dims, parallelism=ParallelismConfig(
+            tensor_parallel_degree=2, data_parallel_shard_degree=2,
+            enable_sequence_parallel=False))
+    assert str(exc.value).startswith(
+        "hyperrecipe's torchtitan parallelize has no dp x tp recipe for Qwen3Model: its "
+        "shipped torchtitan-qwen3 reduces gradients over tp through hooks")
+    assert "Run it with dp_shard=1" in str(exc.value)
 
 
 def test_torchtitans_own_clip_on_the_plans_shards_trains_as_one_process() -> None:
