@@ -1,4 +1,5 @@
-"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3 and Qwen3.
+"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3, Qwen3 and
+DeepSeek-V3.
 
 torchtitan (0.3) builds its model on the meta device and hands it to the model spec's
 ``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from hyperrecipe.plan import ParamPlan, Plan
     from hyperrecipe.runtime import Installation
 
-__all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DP_TP", "RECIPE_QWEN3", "cross_entropy_loss",
+__all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DEEPSEEK_V3", "RECIPE_DP_TP", "RECIPE_QWEN3", "cross_entropy_loss",
            "installation_of", "parallelize", "parallelize_llama", "shipped_recipe_for"]
 
 #: The shipped recipe :func:`parallelize` compiles for ``Llama3Model`` when given none (tp only).
@@ -56,6 +57,10 @@ RECIPE_DP_TP = "torchtitan-llama3-dp-tp"
 #: ``fully_shard`` would leave behind, so there is no dp x tp variant and ``dp_shard > 1`` is
 #: refused for it by name).
 RECIPE_QWEN3 = "torchtitan-qwen3"
+#: ... for torchtitan's ``DeepSeekV3Model`` (MLA by heads, routed experts tensor parallel along
+#: their hidden dim; tp only, for the same reason as Qwen3: its shared low-rank projections and
+#: router reduce their gradients through those hooks).
+RECIPE_DEEPSEEK_V3 = "torchtitan-deepseek-v3"
 
 #: The shipped recipes by torchtitan model class (module and qualified name, the exact
 #: class): (tp only, with ``dp_shard > 1`` or ``None`` where none composes with FSDP2). A recipe
@@ -66,6 +71,7 @@ RECIPE_QWEN3 = "torchtitan-qwen3"
 RECIPES_BY_MODEL: dict[str, tuple[str, str | None]] = {
     "torchtitan.models.llama3.model.Llama3Model": (RECIPE, RECIPE_DP_TP),
     "torchtitan.models.qwen3.model.Qwen3Model": (RECIPE_QWEN3, None),
+    "torchtitan.models.deepseek_v3.model.DeepSeekV3Model": (RECIPE_DEEPSEEK_V3, None),
 }
 
 IGNORE_INDEX = -100
@@ -108,13 +114,15 @@ def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
 def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
                 parallelism: Any = None, compile_config: Any = None, ac_config: Any = None,
                 dump_folder: str = "", recipe: str | None = None) -> nn.Module:
-    """torchtitan's ``parallelize_fn`` for its ``Llama3Model`` and ``Qwen3Model``, from a
-    hyperrecipe plan chosen by the model's class (:func:`parallelize_llama` is the same
-    function, under the name torchtitan's Llama 3 spec uses).
+    """torchtitan's ``parallelize_fn`` for its ``Llama3Model``, ``Qwen3Model`` and
+    ``DeepSeekV3Model``, from a hyperrecipe plan chosen by the model's class
+    (:func:`parallelize_llama` is the same function, under the name torchtitan's Llama 3 spec
+    uses).
 
     Args:
-        model: torchtitan's ``Llama3Model`` or dense ``Qwen3Model`` (on meta, as torchtitan's trainer builds it, or
-            materialized: each rank then keeps only its shards of the given weights).
+        model: torchtitan's ``Llama3Model``, dense ``Qwen3Model`` or ``DeepSeekV3Model`` (on
+            meta, as torchtitan's trainer builds it, or materialized: each rank then keeps only
+            its shards of the given weights).
         parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` and
             ``dp_shard`` may exceed 1.
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
@@ -125,7 +133,8 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
             ``Llama3Model`` :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or,
             with ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is
             applied over ``fsdp`` after the plan, per block and on the root); for
-            ``Qwen3Model`` :data:`RECIPE_QWEN3` (tp only).
+            ``Qwen3Model`` :data:`RECIPE_QWEN3`, for ``DeepSeekV3Model``
+            :data:`RECIPE_DEEPSEEK_V3` (tp only).
 
     Returns:
         ``model``, applied in production mode; :func:`installation_of` gives its installation
@@ -143,6 +152,14 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
 
     fsdp = int(parallel_dims.dp_shard) > 1
     chosen = recipe if recipe is not None else shipped_recipe_for(model, fsdp=fsdp)
+    if recipe is None and getattr(model, "mtp_layers", None) is not None:
+        msg = (f"hyperrecipe's torchtitan parallelize: {type(model).__qualname__} has "
+               f"multi-token-prediction layers (mtp_layers), which the shipped {chosen} has no "
+               f"rules for (nothing says how they compose with its shards; it is tested without "
+               f"them). "
+               f"Build it with num_mtp_layers=0, pass recipe= with rules for mtp_layers, or "
+               f"use torchtitan's own parallelize_deepseekv3")
+        raise PlanMismatchError(msg)
     if fsdp:
         mesh = parallel_dims.get_mesh(["fsdp", "tp"])
         shape = {"fsdp": mesh["fsdp"].size(), "tp": mesh["tp"].size()}
@@ -196,7 +213,8 @@ def shipped_recipe_for(model: nn.Module, *, fsdp: bool) -> str:
     if recipes[1] is None:
         msg = (f"hyperrecipe's torchtitan parallelize has no dp x tp recipe for "
                f"{cls.__qualname__}: its shipped {recipes[0]} reduces gradients over tp "
-               f"through hooks (per-head q_norm/k_norm, sequence-parallel norms) that FSDP2's "
+               f"through hooks (replicated weights applied to this rank's heads or experts, "
+               f"such as per-head q/k norms, and sequence-parallel norms) that FSDP2's "
                f"fully_shard would leave behind, so it does not compose with dp_shard > 1. "
                f"Run it with dp_shard=1, or use torchtitan's own parallelize function for "
                f"{cls.__qualname__} (docs/training.md#torchtitan)")

@@ -28,12 +28,23 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+#: Tiny torchtitan models by name: the builder in hyperrecipe.models.torchtitan and its
+#: arguments besides the vocabulary.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("build_llama3", {}),
+    "qwen3": ("build_qwen3", {}),
+    "deepseek_v3": ("build_deepseek_v3", {}),  # q_lora_rank=0: wq, as its debugmodel
+    "deepseek_v3_q_lora": ("build_deepseek_v3", {"q_lora_rank": 16}),  # wq_a, q_norm, wq_b
+}
+
+
 def materialized(model_name: str = "llama3") -> nn.Module:
-    """``model_name``'s tiny torchtitan model (``llama3``, ``qwen3``: its builder in
-    hyperrecipe.models.torchtitan) with the weights one process draws."""
+    """``model_name``'s tiny torchtitan model (:data:`MODELS`) with the weights one process
+    draws."""
     from hyperrecipe.models import torchtitan as builders
 
-    model: nn.Module = getattr(builders, f"build_{model_name}")(vocab_size=VOCAB)
+    builder, kwargs = MODELS[model_name]
+    model: nn.Module = getattr(builders, builder)(vocab_size=VOCAB, **kwargs)
     torch.manual_seed(SEED)
     model.init_states()  # type: ignore[operator]
     return model

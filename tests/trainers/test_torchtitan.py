@@ -96,14 +96,13 @@ def test_what_this_parallelize_step_does_not_do_is_refused_by_name(
 def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
     """A recipe for one model compiles on another that shares its module names and trains it
     wrong (torchtitan-llama3 on torchtitan's Qwen3 leaves the q_norm/k_norm gradients partial),
-    so without ``recipe=`` the step refuses a class it has no recipe for (DeepSeek-V3's
-    ``Decoder``, which the Llama 3 recipe's patterns also reach), naming the class and the
-    classes it has recipes for, and picks the recipe by class for the others."""
+    so without ``recipe=`` the step refuses a class it has no recipe for (gpt-oss), naming the
+    class and the classes it has recipes for, and picks the recipe by class for the others."""
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    from torchtitan.models.gpt_oss import gptoss_configs
 
     from hyperrecipe import compile_recipe
-    from hyperrecipe.models.torchtitan import build_llama3, build_qwen3
+    from hyperrecipe.models.torchtitan import build_deepseek_v3, build_llama3, build_qwen3
     from hyperrecipe.trainers.torchtitan import (
         RECIPE,
         parallelize,
@@ -112,23 +111,25 @@ def test_a_model_class_without_a_shipped_recipe_is_refused_by_name() -> None:
     )
 
     with torch.device("meta"):
-        deepseek = deepseekv3_configs["debugmodel"](attn_backend="flex",
-                                                    moe_comm_backend="standard").build()
+        gpt_oss = gptoss_configs["debugmodel"](moe_comm_backend="standard").build()
+        deepseek = build_deepseek_v3()
         qwen3 = build_qwen3()
         llama3 = build_llama3()
     assert compile_recipe(RECIPE, qwen3, {"tp": 2}).params  # what made it silent
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
     with pytest.raises(PlanMismatchError) as exc:
-        parallelize(deepseek, parallel_dims=dims)
+        parallelize(gpt_oss, parallel_dims=dims)
     assert str(exc.value).startswith(
-        "hyperrecipe's torchtitan parallelize has no shipped recipe for DeepSeekV3Model "
-        "(torchtitan.models.deepseek_v3.model.DeepSeekV3Model); shipped: Llama3Model "
-        "(torchtitan-llama3, torchtitan-llama3-dp-tp), Qwen3Model (torchtitan-qwen3).")
+        "hyperrecipe's torchtitan parallelize has no shipped recipe for GptOssModel "
+        "(torchtitan.models.gpt_oss.model.GptOssModel); shipped: Llama3Model "
+        "(torchtitan-llama3, torchtitan-llama3-dp-tp), Qwen3Model (torchtitan-qwen3), "
+        "DeepSeekV3Model (torchtitan-deepseek-v3).")
     assert "pass recipe=" in str(exc.value)
     assert parallelize_llama is parallelize
     assert shipped_recipe_for(llama3, fsdp=False) == "torchtitan-llama3"
     assert shipped_recipe_for(llama3, fsdp=True) == "torchtitan-llama3-dp-tp"
     assert shipped_recipe_for(qwen3, fsdp=False) == "torchtitan-qwen3"
+    assert shipped_recipe_for(deepseek, fsdp=False) == "torchtitan-deepseek-v3"
 
 
 @pytest.mark.slow  # launches ranks (~8 s)
@@ -150,23 +151,87 @@ def test_plan_trains_torchtitans_qwen3_with_its_per_head_norms_as_one_process() 
                                    msg=lambda m, n=name: f"qwen3 grad {n}: {m}")
 
 
-def test_qwen3_under_fsdp2_is_refused_naming_why_and_what_to_run() -> None:
-    from torchtitan.config import ParallelismConfig
+def test_deepseek_v3_with_multi_token_prediction_layers_is_refused_by_name() -> None:
+    """Its flavors' ``num_mtp_layers`` adds ``mtp_layers``, for which the shipped recipe has no
+    rules; without ``recipe=`` the step refuses the model instead of leaving them unplanned."""
     from torchtitan.distributed import ParallelDims
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
 
-    from hyperrecipe.models.torchtitan import build_qwen3
     from hyperrecipe.trainers.torchtitan import parallelize
 
     with torch.device("meta"):
-        model = build_qwen3()
+        model = deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard",
+                                                 num_mtp_layers=1).build()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    with pytest.raises(PlanMismatchError) as exc:
+        parallelize(model, parallel_dims=dims)
+    assert str(exc.value).startswith(
+        "hyperrecipe's torchtitan parallelize: DeepSeekV3Model has multi-token-prediction layers "
+        "(mtp_layers), which the shipped torchtitan-deepseek-v3 has no rules for")
+    assert "Build it with num_mtp_layers=0" in str(exc.value)
+
+
+#: DeepSeek-V3's tolerances, relative to each gradient's largest entry (max |ours - one process|
+#: <= tol * max |one process|). torchtitan's GroupedExperts compute in bf16 inside the fp32 model
+#: (its forward casts input and weights; there is no fp32 path), so at tp=2 each rank rounds its
+#: partial routed output (half the hidden dim F) to bf16 before the sum, where one process rounds
+#: the full sum once: bf16's unit roundoff is 2**-8 = 3.9e-3. The parameters inside a MoE block
+#: and the ffn_norm that feeds it get BF16_TOL, 2.5x that (measured <= 2.9e-3, on the router's
+#: gate); every other gradient FP32_TOL (measured <= 1.3e-6: the bf16 differences reach them
+#: only through the residual stream, where the MoE output is a small part). Losses: the first
+#: step's forward to RTOL (measured 8e-8), the steps after AdamW updates from those gradients to
+#: 1e-3 (measured <= 1.7e-4).
+BF16_TOL = 1e-2
+FP32_TOL = 1e-5
+DEEPSEEK_LOSS_RTOL = 1e-3
+
+
+@pytest.mark.slow  # launches ranks (~12 s each)
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_q_lora"])
+def test_plan_trains_torchtitans_deepseek_v3_mla_and_moe_as_one_process(variant: str) -> None:
+    """torchtitan's DeepSeek-V3 (a dense layer, then MLA + MoE with shared experts) through
+    ``parallelize`` at tp=2 with torchtitan-deepseek-v3: MLA by heads with its low-rank
+    projections and norms replicated (``wq`` as in its debugmodel, or ``wq_a``/``q_norm``/
+    ``wq_b`` with ``q_lora_rank > 0``), routed experts tensor parallel along their hidden dim,
+    every first-step gradient and five clipped AdamW losses against one process, with the
+    bf16 tolerances stated at :data:`BF16_TOL`."""
+    ref = h.one_process(STEPS, variant)
+    ours = run_ranks(h.hyperrecipe_run, 2, STEPS, "installation", variant, timeout_s=300)
+    for rank in range(2):
+        assert ours[rank]["losses"][0] == pytest.approx(ref["losses"][0], rel=RTOL)
+        torch.testing.assert_close(torch.tensor(ours[rank]["losses"]),
+                                   torch.tensor(ref["losses"]), rtol=DEEPSEEK_LOSS_RTOL, atol=0.0)
+    assert set(ours[0]["grads"]) == set(ref["grads"])
+    moe_layers = {name.split(".moe.")[0] for name in ref["grads"] if ".moe." in name}
+    assert moe_layers == {"layers.1"}
+    for name, grad in ref["grads"].items():
+        in_bf16 = ".moe." in name or name == "layers.1.ffn_norm.weight"
+        tol = BF16_TOL if in_bf16 else FP32_TOL
+        worst = (ours[0]["grads"][name] - grad).abs().max().item()
+        assert worst <= tol * grad.abs().max().item(), (name, worst, grad.abs().max().item())
+
+
+@pytest.mark.parametrize(("builder", "cls", "recipe"), [
+    ("build_qwen3", "Qwen3Model", "torchtitan-qwen3"),
+    ("build_deepseek_v3", "DeepSeekV3Model", "torchtitan-deepseek-v3")])
+def test_models_without_a_dp_tp_recipe_are_refused_under_fsdp2_naming_why_and_what_to_run(
+        builder: str, cls: str, recipe: str) -> None:
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.models import torchtitan as builders
+    from hyperrecipe.trainers.torchtitan import parallelize
+
+    with torch.device("meta"):
+        model = getattr(builders, builder)()
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
     with pytest.raises(PlanMismatchError) as exc:
         parallelize(model, parallel_dims=dims, parallelism=ParallelismConfig(
             tensor_parallel_degree=2, data_parallel_shard_degree=2,
             enable_sequence_parallel=False))
     assert str(exc.value).startswith(
-        "hyperrecipe's torchtitan parallelize has no dp x tp recipe for Qwen3Model: its "
-        "shipped torchtitan-qwen3 reduces gradients over tp through hooks")
+        f"hyperrecipe's torchtitan parallelize has no dp x tp recipe for {cls}: its "
+        f"shipped {recipe} reduces gradients over tp through hooks")
     assert "Run it with dp_shard=1" in str(exc.value)
 
 
