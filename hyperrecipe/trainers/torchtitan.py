@@ -20,6 +20,10 @@ vocab-sharded logits refuse: docs/training.md#torchtitan).
 What torchtitan's parallelize step also does and this one does not (each refused loudly, never
 skipped): replicated data parallel (HSDP), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
+At ``dp_shard > 1`` the FSDP2 route needs torchtitan's ``spmd_backend="partial_dtensor"``
+(its 0.3 default ``"spmd_types"`` builds no ``fsdp`` mesh dim) and refuses the others by name;
+tensor parallel alone runs under either backend (the plan uses none of torchtitan's DTensor
+helpers).
 torchtitan's Trainer clips with ``dist_utils.clip_grad_norm_``, which takes its norm from
 torch's ``get_total_norm``: while the installation lives that gives the full norm on every rank
 (:mod:`hyperrecipe.runtime.grads.torch_clip_guard`), so ``training.max_norm`` clips as one
@@ -97,6 +101,15 @@ def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
     if fsdp and parallelism is not None and sp:
         asked.append(f"enable_sequence_parallel=True at dp_shard={parallel_dims.dp_shard} (the "
                      f"dp x tp recipe is not: set it False)")
+    backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
+    if fsdp and backend != "partial_dtensor":
+        # torchtitan 0.3's default ("spmd_types") and "full_dtensor" build no 'fsdp' mesh dim
+        # (their data-parallel storage axis is 'dp_shard'): refused here, before any mesh
+        # lookup fails with torchtitan's bare "Invalid mesh dim: 'fsdp'"
+        asked.append(f"spmd_backend={backend!r} at dp_shard={parallel_dims.dp_shard} (its mesh "
+                     f"has no 'fsdp' dim: set spmd_backend=\"partial_dtensor\" in "
+                     f"ParallelismConfig, or in ParallelDims and with "
+                     f"torchtitan.distributed.utils.set_spmd_backend)")
     param_dtype = getattr(training, "mixed_precision_param", "float32")
     if fsdp and param_dtype != "float32":
         asked.append(f"mixed_precision_param={param_dtype!r} under FSDP2 (tested in fp32 only: "
@@ -142,9 +155,10 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
 
     Raises:
         PlanMismatchError: no ``recipe`` is given and no shipped recipe is for the model's
-            class (or, at ``dp_shard > 1``, none that composes with FSDP2); the job asks for replicated data, context or pipeline parallel,
-            sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
-            (see the module docstring).
+            class (or, at ``dp_shard > 1``, none that composes with FSDP2); the job asks for
+            replicated data, context or pipeline parallel, sequence parallel under FSDP2 (or
+            not without it), non-fp32 FSDP2, FSDP2 under an ``spmd_backend`` other than
+            ``"partial_dtensor"``, or compile (see the module docstring).
         RecipeError: the recipe does not fit the model or the tp size.
     """
     _refuse_unsupported(parallel_dims, training, parallelism, compile_config)

@@ -224,11 +224,12 @@ def test_models_without_a_dp_tp_recipe_are_refused_under_fsdp2_naming_why_and_wh
 
     with torch.device("meta"):
         model = getattr(builders, builder)()
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
     with pytest.raises(PlanMismatchError) as exc:
         parallelize(model, parallel_dims=dims, parallelism=ParallelismConfig(
             tensor_parallel_degree=2, data_parallel_shard_degree=2,
-            enable_sequence_parallel=False))
+            enable_sequence_parallel=False, spmd_backend="partial_dtensor"))
     assert str(exc.value).startswith(
         f"hyperrecipe's torchtitan parallelize has no dp x tp recipe for {cls}: its "
         f"shipped {recipe} reduces gradients over tp through hooks")
@@ -314,3 +315,26 @@ def test_sequence_parallel_under_fsdp2_is_refused_naming_the_setting() -> None:
                                                 r"\(the dp x tp recipe is not: set it False\)"):
         parallelize_llama(model, parallel_dims=dims, parallelism=ParallelismConfig(
             tensor_parallel_degree=2, data_parallel_shard_degree=2))
+
+
+def test_torchtitans_default_spmd_backend_under_fsdp2_is_refused_naming_the_setting() -> None:
+    """torchtitan 0.3's default ``spmd_backend="spmd_types"`` builds no ``fsdp`` mesh dim; the
+    step refuses it before any mesh lookup (which failed with torchtitan's bare ``Invalid mesh
+    dim: 'fsdp'``), naming the setting. Tensor parallel alone runs under it: the documented
+    example (above) builds its ``ParallelDims`` with the default."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hyperrecipe.models.torchtitan import build_llama3
+    from hyperrecipe.trainers.torchtitan import parallelize
+
+    with torch.device("meta"):
+        model = build_llama3()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    assert dims.spmd_backend == "spmd_types"  # torchtitan's default
+    with pytest.raises(PlanMismatchError) as exc:
+        parallelize(model, parallel_dims=dims, parallelism=ParallelismConfig(
+            tensor_parallel_degree=2, data_parallel_shard_degree=2,
+            enable_sequence_parallel=False))
+    assert ("the job asks for spmd_backend='spmd_types' at dp_shard=2 (its mesh has no 'fsdp' "
+            "dim: set spmd_backend=\"partial_dtensor\" in ParallelismConfig") in str(exc.value)
