@@ -292,3 +292,20 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
 
         dcp.save(inst.state.state_dict(opt), checkpoint_id=save_to)
     return {"losses": losses, "grads": grads}
+
+
+def validate_mode_forward(rank: int, world: int) -> str:
+    """torchtitan's Llama 3 under its shipped recipe applied in validate mode, one forward;
+    what it raised (type and message), or ``"ran"``."""
+    from hyperrecipe import apply, compile_recipe
+
+    model = materialized()
+    dims = parallel_dims(world)
+    mesh = dims.get_optional_mesh("tp", include_singleton_axes=True)
+    apply(model, compile_recipe("torchtitan-llama3", model, {"tp": world}), mesh, mode="validate")
+    tokens, _ = batch()
+    try:
+        model(tokens)
+    except Exception as exc:  # noqa: BLE001  (the test asserts which)
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"

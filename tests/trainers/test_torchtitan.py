@@ -338,3 +338,18 @@ def test_torchtitans_default_spmd_backend_under_fsdp2_is_refused_naming_the_sett
             enable_sequence_parallel=False))
     assert ("the job asks for spmd_backend='spmd_types' at dp_shard=2 (its mesh has no 'fsdp' "
             "dim: set spmd_backend=\"partial_dtensor\" in ParallelismConfig") in str(exc.value)
+
+
+@pytest.mark.slow  # launches ranks
+def test_validate_mode_refuses_torchtitans_embedding_that_unwraps_its_sharded_weight() -> None:
+    """torchtitan's ``Embedding.forward`` calls ``self.weight.to_local()`` and looks the global
+    ids up in this rank's vocab rows; in validate mode that was a bare ``IndexError`` from
+    ``F.embedding`` (and, with ids inside the shard, would have been wrong rows). Validate mode
+    now refuses the unwrapped shard, naming the boundary, the op, the parameter and the route."""
+    for got in run_ranks(h.validate_mode_forward, 2, timeout_s=300):
+        assert got.startswith(
+            "ValidateShardingError: tok_embeddings: validate mode: embedding got this rank's "
+            "shard of parameter 'tok_embeddings.weight' (placed {tp: shard(0)}) as a plain "
+            "tensor beside DTensors: the module's forward unwrapped the DTensor parameter "
+            "itself (to_local())"), got
+        assert 'check this model in production mode (apply(..., mode="production")' in got
