@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from hyperrecipe.runtime import Installation
 
 __all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DEEPSEEK_V3", "RECIPE_DP_TP", "RECIPE_QWEN3", "cross_entropy_loss",
-           "installation_of", "parallelize", "parallelize_llama", "shipped_recipe_for"]
+           "hf_state_dict", "installation_of", "parallelize", "parallelize_llama",
+           "shipped_recipe_for"]
 
 #: The shipped recipe :func:`parallelize` compiles for ``Llama3Model`` when given none (tp only).
 RECIPE = "torchtitan-llama3"
@@ -322,6 +323,37 @@ def installation_of(model: nn.Module) -> Installation:
                f"hyperrecipe.trainers.torchtitan.parallelize; no installation")
         raise PlanMismatchError(msg)
     return inst
+
+
+def hf_state_dict(model: nn.Module, adapter: Any) -> dict[str, Tensor]:
+    """The model's full weights in Hugging Face names, through torchtitan's own state-dict
+    adapter (``Qwen3StateDictAdapter``, ``DeepSeekV3StateDictAdapter``, ...: its ``to_hf``).
+
+    A collective: every rank must call it (each gets the whole). The full tensors come from the
+    installation (:meth:`~hyperrecipe.runtime.state.front.StateFront.full_state_dict`), under
+    the plan's names, which are torchtitan's module names; torchtitan's own ``model.state_dict()``
+    splits a fused ``qkv_linear.wqkv`` into ``wq``/``wk``/``wv`` in a state-dict hook before its
+    adapter sees it (the adapter maps only the split names and skips the rest without a word),
+    so the same split (the module's own ``_split_qkv_on_save``) is applied here first, and the
+    non-persistent buffers (RoPE caches), which ``state_dict()`` leaves out, are left out.
+
+    Args:
+        model: a model :func:`parallelize` applied a plan to.
+        adapter: torchtitan's state-dict adapter for the model's config, e.g.
+            ``Qwen3StateDictAdapter(model.config, None)``.
+
+    Raises:
+        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize`.
+    """
+    full = installation_of(model).state.full_state_dict()
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:  # noqa: SLF001  (not in state_dict())
+            full.pop(f"{prefix}.{name}" if prefix else name, None)
+        split = getattr(type(module), "_split_qkv_on_save", None)
+        if callable(split):
+            split(module, full, f"{prefix}." if prefix else "", None)
+    converted: dict[str, Tensor] = adapter.to_hf(full)
+    return converted
 
 
 def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:

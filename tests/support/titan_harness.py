@@ -309,3 +309,29 @@ def validate_mode_forward(rank: int, world: int) -> str:
     except Exception as exc:  # noqa: BLE001  (the test asserts which)
         return f"{type(exc).__name__}: {exc}"
     return "ran"
+
+
+def _adapter(model_name: str, config: Any) -> Any:
+    if model_name == "qwen3":
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+        return Qwen3StateDictAdapter(config, None)
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    return DeepSeekV3StateDictAdapter(config, None)
+
+
+def one_process_hf_state_dict(model_name: str) -> dict[str, torch.Tensor]:
+    """torchtitan's own route on one process: ``model.state_dict()`` then its adapter."""
+    model = materialized(model_name)
+    converted: dict[str, torch.Tensor] = _adapter(model_name, model.config).to_hf(
+        model.state_dict())
+    return converted
+
+
+def hf_export_run(rank: int, world: int, model_name: str) -> dict[str, torch.Tensor]:
+    """``hf_state_dict`` of the model under its shipped recipe at ``world`` ranks."""
+    from hyperrecipe.trainers.torchtitan import hf_state_dict, parallelize
+
+    model = parallelize(materialized(model_name), parallel_dims=parallel_dims(world))
+    return hf_state_dict(model, _adapter(model_name, model.config))

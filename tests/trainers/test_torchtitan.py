@@ -353,3 +353,20 @@ def test_validate_mode_refuses_torchtitans_embedding_that_unwraps_its_sharded_we
             "tensor beside DTensors: the module's forward unwrapped the DTensor parameter "
             "itself (to_local())"), got
         assert 'check this model in production mode (apply(..., mode="production")' in got
+
+
+@pytest.mark.slow  # launches ranks
+@pytest.mark.parametrize("model_name", ["qwen3", "deepseek_v3"])
+def test_hf_export_through_torchtitans_adapter_equals_its_one_process_export(
+        model_name: str) -> None:
+    """``hf_state_dict`` at tp=2 gives, key for key and bit for bit, what torchtitan's own
+    adapter gives from one process's ``model.state_dict()`` (fused ``wqkv`` split into the
+    q/k/v projections as torchtitan's state-dict hook splits it; tied ``lm_head`` left to the
+    embedding as its adapter does)."""
+    expected = h.one_process_hf_state_dict(model_name)
+    for rank, got in enumerate(run_ranks(h.hf_export_run, 2, model_name, timeout_s=300)):
+        assert sorted(got) == sorted(expected), f"rank {rank}"
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), f"rank {rank}: {key}"
+    if model_name == "qwen3":
+        assert "model.layers.0.self_attn.k_proj.weight" in expected
