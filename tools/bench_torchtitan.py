@@ -125,6 +125,13 @@ def _models(args: argparse.Namespace, world: int, device: Any) -> dict[str, Any]
         parallelism=ParallelismConfig(tensor_parallel_degree=world,
                                       spmd_backend="partial_dtensor"),
         compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    if getattr(config, "enable_weight_tying", False):
+        # torchtitan's TP distributes tok_embeddings.weight and lm_head.weight one by one,
+        # which unties them; its Trainer ties them again in init_states (after to_empty), which
+        # this bench, loading weights before the parallelize step, does not call: tie them as
+        # init_states does (measured: left untied, each gets its part of the gradient and its
+        # own AdamW update, and the losses leave one process's from the second step)
+        theirs.tok_embeddings.weight = theirs.lm_head.weight
     return {
         "hyperrecipe": (ours, lambda: inst.clip_grad_norm_(1.0)),
         "torchtitan": (theirs, lambda: torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)),
