@@ -192,21 +192,20 @@ def checkpoint_run(rank: int, world: int, folder: str, save_after: int | None,
     return losses
 
 
-def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
+def meta_trainer_order(rank: int, world: int, steps: int, model_name: str = "llama3"
+                       ) -> dict[str, Any]:
     """torchtitan's Trainer's order: build on meta, parallelize, ``to_empty``,
     ``init_weights`` (seeded as one process seeds its ``init_states``), then train."""
     from torchtitan.components.loss import cross_entropy_loss as stock_loss
 
     from hyperrecipe.errors import LossParallelError
-    from hyperrecipe.models.torchtitan import build_llama3
-    from hyperrecipe.trainers.torchtitan import (
-        installation_of,
-        parallelize_llama,
-    )
+    from hyperrecipe.models import torchtitan as builders
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize
 
+    builder, kwargs = MODELS[model_name]
     with torch.device("meta"):
-        model = build_llama3(vocab_size=VOCAB)
-    model = parallelize_llama(model, parallel_dims=parallel_dims(world))
+        model = getattr(builders, builder)(vocab_size=VOCAB, **kwargs)
+    model = parallelize(model, parallel_dims=parallel_dims(world))
     inst = installation_of(model)
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)

@@ -370,3 +370,23 @@ def test_hf_export_through_torchtitans_adapter_equals_its_one_process_export(
             assert torch.equal(got[key], value), f"rank {rank}: {key}"
     if model_name == "qwen3":
         assert "model.layers.0.self_attn.k_proj.weight" in expected
+
+
+@pytest.mark.slow  # launches ranks
+@pytest.mark.parametrize(("model_name", "rtol"), [("qwen3", RTOL),
+                                                  ("deepseek_v3", DEEPSEEK_LOSS_RTOL)])
+def test_qwen3_and_deepseek_v3_in_torchtitans_trainer_order_on_meta_train_as_one_process(
+        model_name: str, rtol: float) -> None:
+    """Built on meta, ``parallelize``, ``to_empty``, ``init_weights``: the weights each rank
+    keeps are its shards of what one process draws (Qwen3's tied embedding, which its
+    ``init_states`` ties again and initializes through ``lm_head``; DeepSeek-V3's MoE buffers,
+    computed before apply), so three clipped steps' losses equal one process's (DeepSeek-V3's
+    to the bf16 tolerance stated at :data:`DEEPSEEK_LOSS_RTOL`; measured: 7.7e-7 / 5e-7)."""
+    ref = h.one_process(3, model_name)
+    for rank, got in enumerate(run_ranks(h.meta_trainer_order, 2, 3, model_name,
+                                         timeout_s=300)):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=rtol, atol=0.0,
+                                   msg=lambda m, r=rank: f"{model_name} rank {r}: {m}")
+        assert got["unset"] == []
+        assert "flatten() on the logits of 'lm_head'" in got["refused"]
