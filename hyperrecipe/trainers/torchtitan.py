@@ -5,13 +5,14 @@ torchtitan (0.3) builds its model on the meta device and hands it to the model s
 ``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
 dump_folder)``. :func:`parallelize` (also named :func:`parallelize_llama`) has that signature:
 it compiles a recipe written for torchtitan's module names (by default the shipped one for the
-model's class, :data:`RECIPES_BY_MODEL`) against the model and the ``tp`` mesh torchtitan built, and applies it in production mode (plain local shards, every
-collective lowered at compile time). The logits leave ``lm_head`` on vocab shards, so the
+model's class, :data:`RECIPES_BY_MODEL`) against the model and the ``tp`` mesh torchtitan
+built, and applies it in production mode (plain local shards, every collective lowered at
+compile time). The logits leave ``lm_head`` on vocab shards, so the
 trainer's loss must be :func:`cross_entropy_loss` (torchtitan's signature and reduction); the
 stock one is refused on them by name.
 
-With ``dp_shard > 1`` (Llama 3 only) it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for torchtitan's
-``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
+With ``dp_shard > 1`` (Llama 3 only) it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for
+torchtitan's ``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
 that recipe is neither sequence parallel nor loss-on-shards, because FSDP2 composes with
 neither yet (the sequence-parallel norms reduce their gradients through hooks that
 ``fully_shard`` would leave behind, and FSDP2's root hook touches the output, which
@@ -28,6 +29,8 @@ torchtitan's Trainer clips with ``dist_utils.clip_grad_norm_``, which takes its 
 torch's ``get_total_norm``: while the installation lives that gives the full norm on every rank
 (:mod:`hyperrecipe.runtime.grads.torch_clip_guard`), so ``training.max_norm`` clips as one
 process clips.
+:func:`hf_state_dict` exports the full weights in Hugging Face names through torchtitan's own
+state-dict adapters.
 torchtitan is imported only when one of these functions runs; nothing of hyperrecipe imports
 this module. ``restore()`` puts the forwards and parameters back but leaves the modules' own
 initializer tables (:func:`_initialize_through_the_plan`) in place.
