@@ -44,7 +44,8 @@ for path in sorted((root / "recipes").glob("*.yaml")):
         if importlib.util.find_spec("torchtitan") is None:
             skipped.append(path.stem)
             continue
-        model = build_model("hyperrecipe.models.torchtitan:build_llama3")
+        builder = path.stem.removeprefix("torchtitan-").removesuffix("-dp-tp").replace("-", "_")
+        model = build_model(f"hyperrecipe.models.torchtitan:build_{builder}")
     else:
         model = build_model(f"hf:{family}", str(root / "recipes/models" / f"tiny-{family}.json"))
     plan = compile_recipe(recipe, model, {d: 2 for d in recipe.mesh}, verify=False)

@@ -30,6 +30,7 @@ from hyperrecipe.runtime.preflight.agreement import agree_before_apply, vote
 from hyperrecipe.runtime.forward.boundary import make_boundary_forward
 from hyperrecipe.runtime.comm.collectives import group_for
 from hyperrecipe.runtime.forward.compute import bias_free_forward, class_forward
+from hyperrecipe.runtime.forward.unwrapped_params import remember_sharded_param
 from hyperrecipe.runtime.state.export import model_save_pretrained
 from hyperrecipe.runtime.features.inner import InnerWrapperInstaller
 from hyperrecipe.runtime.features.router_loss import install_router_loss_scale
@@ -215,6 +216,10 @@ class _Applier:
         param = self.mode.make_parameter(p, self._local(p, full), self.mesh,
                                          requires_grad=full.requires_grad)
         self._mark_local_region_grad(p, param)
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):  # validate mode: refuse a forward that unwraps it
+            remember_sharded_param(param, p.fqn, str(p.placement))
         return param
 
     def _mark_local_region_grad(self, p: ParamPlan, param: nn.Parameter) -> None:

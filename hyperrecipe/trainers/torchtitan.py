@@ -1,16 +1,18 @@
-"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3 code.
+"""A hyperrecipe plan as torchtitan's parallelize step, for torchtitan's own Llama 3, Qwen3 and
+DeepSeek-V3.
 
 torchtitan (0.3) builds its model on the meta device and hands it to the model spec's
 ``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
-dump_folder)``. :func:`parallelize_llama` has that signature: it compiles a recipe written for
-torchtitan's module names (``recipes/torchtitan-llama3.yaml`` by default) against the model and
-the ``tp`` mesh torchtitan built, and applies it in production mode (plain local shards, every
-collective lowered at compile time). The logits leave ``lm_head`` on vocab shards, so the
+dump_folder)``. :func:`parallelize` (also named :func:`parallelize_llama`) has that signature:
+it compiles a recipe written for torchtitan's module names (by default the shipped one for the
+model's class, :data:`RECIPES_BY_MODEL`) against the model and the ``tp`` mesh torchtitan
+built, and applies it in production mode (plain local shards, every collective lowered at
+compile time). The logits leave ``lm_head`` on vocab shards, so the
 trainer's loss must be :func:`cross_entropy_loss` (torchtitan's signature and reduction); the
 stock one is refused on them by name.
 
-With ``dp_shard > 1`` it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for torchtitan's
-``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
+With ``dp_shard > 1`` (Llama 3 only) it compiles ``recipes/torchtitan-llama3-dp-tp.yaml`` for
+torchtitan's ``[fsdp, tp]`` mesh instead and applies FSDP2 (``fully_shard``) over ``fsdp`` after the plan:
 that recipe is neither sequence parallel nor loss-on-shards, because FSDP2 composes with
 neither yet (the sequence-parallel norms reduce their gradients through hooks that
 ``fully_shard`` would leave behind, and FSDP2's root hook touches the output, which
@@ -19,10 +21,16 @@ vocab-sharded logits refuse: docs/training.md#torchtitan).
 What torchtitan's parallelize step also does and this one does not (each refused loudly, never
 skipped): replicated data parallel (HSDP), context and pipeline parallel, and ``torch.compile``
 (activation checkpointing is applied after the plan, as torchtitan applies it after its TP).
+At ``dp_shard > 1`` the FSDP2 route needs torchtitan's ``spmd_backend="partial_dtensor"``
+(its 0.3 default ``"spmd_types"`` builds no ``fsdp`` mesh dim) and refuses the others by name;
+tensor parallel alone runs under either backend (the plan uses none of torchtitan's DTensor
+helpers).
 torchtitan's Trainer clips with ``dist_utils.clip_grad_norm_``, which takes its norm from
 torch's ``get_total_norm``: while the installation lives that gives the full norm on every rank
 (:mod:`hyperrecipe.runtime.grads.torch_clip_guard`), so ``training.max_norm`` clips as one
 process clips.
+:func:`hf_state_dict` exports the full weights in Hugging Face names through torchtitan's own
+state-dict adapters.
 torchtitan is imported only when one of these functions runs; nothing of hyperrecipe imports
 this module. ``restore()`` puts the forwards and parameters back but leaves the modules' own
 initializer tables (:func:`_initialize_through_the_plan`) in place.
@@ -44,21 +52,34 @@ if TYPE_CHECKING:
     from hyperrecipe.plan import ParamPlan, Plan
     from hyperrecipe.runtime import Installation
 
-__all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DP_TP", "cross_entropy_loss",
-           "installation_of", "parallelize_llama", "shipped_recipe_for"]
+__all__ = ["RECIPE", "RECIPES_BY_MODEL", "RECIPE_DEEPSEEK_V3", "RECIPE_DP_TP", "RECIPE_QWEN3", "cross_entropy_loss",
+           "hf_state_dict", "installation_of", "parallelize", "parallelize_llama",
+           "shipped_recipe_for"]
 
-#: The shipped recipe :func:`parallelize_llama` compiles when given none (tp only).
+#: The shipped recipe :func:`parallelize` compiles for ``Llama3Model`` when given none (tp only).
 RECIPE = "torchtitan-llama3"
 #: ... and with a data-parallel shard dim (``dp_shard > 1``: FSDP2 over torchtitan's ``fsdp``).
 RECIPE_DP_TP = "torchtitan-llama3-dp-tp"
+#: ... for torchtitan's dense ``Qwen3Model`` (tp only: its per-head ``q_norm``/``k_norm``
+#: reduce their gradients through the same hooks as sequence-parallel norms, which FSDP2's
+#: ``fully_shard`` would leave behind, so there is no dp x tp variant and ``dp_shard > 1`` is
+#: refused for it by name).
+RECIPE_QWEN3 = "torchtitan-qwen3"
+#: ... for torchtitan's ``DeepSeekV3Model`` (MLA by heads, routed experts tensor parallel along
+#: their hidden dim; tp only, for the same reason as Qwen3: its shared low-rank projections and
+#: router reduce their gradients through those hooks).
+RECIPE_DEEPSEEK_V3 = "torchtitan-deepseek-v3"
 
 #: The shipped recipes by torchtitan model class (module and qualified name, the exact
-#: class): (tp only, with ``dp_shard > 1``). A recipe for one model often compiles on another
-#: whose module names it shares and trains it wrong (torchtitan-llama3 compiles on torchtitan's
-#: ``Qwen3Model``, whose per-head ``q_norm``/``k_norm`` gradients it leaves partial), so
-#: :func:`parallelize_llama` without ``recipe=`` refuses any other class.
-RECIPES_BY_MODEL: dict[str, tuple[str, str]] = {
+#: class): (tp only, with ``dp_shard > 1`` or ``None`` where none composes with FSDP2). A recipe
+#: for one model often compiles on another whose module names it shares and trains it wrong
+#: (torchtitan-llama3 compiles on torchtitan's ``Qwen3Model``, whose per-head
+#: ``q_norm``/``k_norm`` gradients it leaves partial), so :func:`parallelize` without
+#: ``recipe=`` refuses any other class.
+RECIPES_BY_MODEL: dict[str, tuple[str, str | None]] = {
     "torchtitan.models.llama3.model.Llama3Model": (RECIPE, RECIPE_DP_TP),
+    "torchtitan.models.qwen3.model.Qwen3Model": (RECIPE_QWEN3, None),
+    "torchtitan.models.deepseek_v3.model.DeepSeekV3Model": (RECIPE_DEEPSEEK_V3, None),
 }
 
 IGNORE_INDEX = -100
@@ -84,29 +105,41 @@ def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
     if fsdp and parallelism is not None and sp:
         asked.append(f"enable_sequence_parallel=True at dp_shard={parallel_dims.dp_shard} (the "
                      f"dp x tp recipe is not: set it False)")
+    backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
+    if fsdp and backend != "partial_dtensor":
+        # torchtitan 0.3's default ("spmd_types") and "full_dtensor" build no 'fsdp' mesh dim
+        # (their data-parallel storage axis is 'dp_shard'): refused here, before any mesh
+        # lookup fails with torchtitan's bare "Invalid mesh dim: 'fsdp'"
+        asked.append(f"spmd_backend={backend!r} at dp_shard={parallel_dims.dp_shard} (its mesh "
+                     f"has no 'fsdp' dim: set spmd_backend=\"partial_dtensor\" in "
+                     f"ParallelismConfig, or in ParallelDims and with "
+                     f"torchtitan.distributed.utils.set_spmd_backend)")
     param_dtype = getattr(training, "mixed_precision_param", "float32")
     if fsdp and param_dtype != "float32":
         asked.append(f"mixed_precision_param={param_dtype!r} under FSDP2 (tested in fp32 only: "
                      f"set 'float32')")
     if asked:
-        msg = (f"hyperrecipe's torchtitan parallelize_llama applies tensor parallel, with "
+        msg = (f"hyperrecipe's torchtitan parallelize applies tensor parallel, with "
                f"sequence parallel at dp_shard=1 or FSDP2 on dp_shard > 1; the job asks for "
                f"{', '.join(asked)}. Declared: tp={getattr(parallel_dims, 'tp', '?')}, "
                f"dp_shard={getattr(parallel_dims, 'dp_shard', '?')}; supported: tp, dp_shard, "
-               f"activation checkpointing, compile off. Use torchtitan's own parallelize_llama "
+               f"activation checkpointing, compile off. Use torchtitan's own parallelize function "
                f"for the others (docs/training.md#torchtitan).")
         raise PlanMismatchError(msg)
 
 
-def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = None,
-                      parallelism: Any = None, compile_config: Any = None,
-                      ac_config: Any = None, dump_folder: str = "",
-                      recipe: str | None = None) -> nn.Module:
-    """torchtitan's ``parallelize_fn`` for ``Llama3Model``, from a hyperrecipe plan.
+def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
+                parallelism: Any = None, compile_config: Any = None, ac_config: Any = None,
+                dump_folder: str = "", recipe: str | None = None) -> nn.Module:
+    """torchtitan's ``parallelize_fn`` for its ``Llama3Model``, ``Qwen3Model`` and
+    ``DeepSeekV3Model``, from a hyperrecipe plan chosen by the model's class
+    (:func:`parallelize_llama` is the same function, under the name torchtitan's Llama 3 spec
+    uses).
 
     Args:
-        model: torchtitan's ``Llama3Model`` (on meta, as torchtitan's trainer builds it, or
-            materialized: each rank then keeps only its shards of the given weights).
+        model: torchtitan's ``Llama3Model``, dense ``Qwen3Model`` or ``DeepSeekV3Model`` (on
+            meta, as torchtitan's trainer builds it, or materialized: each rank then keeps only
+            its shards of the given weights).
         parallel_dims: torchtitan's ``ParallelDims`` with its mesh built; only ``tp`` and
             ``dp_shard`` may exceed 1.
         training, parallelism, compile_config, dump_folder: torchtitan's; read only to refuse
@@ -116,7 +149,9 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
             the shipped one for the model's class (:data:`RECIPES_BY_MODEL`): for
             ``Llama3Model`` :data:`RECIPE` (tp, sequence parallel, loss on vocab shards) or,
             with ``dp_shard > 1``, :data:`RECIPE_DP_TP` (its mesh is ``[fsdp, tp]``; FSDP2 is
-            applied over ``fsdp`` after the plan, per block and on the root).
+            applied over ``fsdp`` after the plan, per block and on the root); for
+            ``Qwen3Model`` :data:`RECIPE_QWEN3`, for ``DeepSeekV3Model``
+            :data:`RECIPE_DEEPSEEK_V3` (tp only).
 
     Returns:
         ``model``, applied in production mode; :func:`installation_of` gives its installation
@@ -124,9 +159,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
 
     Raises:
         PlanMismatchError: no ``recipe`` is given and no shipped recipe is for the model's
-            class; the job asks for replicated data, context or pipeline parallel,
-            sequence parallel under FSDP2 (or not without it), non-fp32 FSDP2, or compile
-            (see the module docstring).
+            class (or, at ``dp_shard > 1``, none that composes with FSDP2); the job asks for
+            replicated data, context or pipeline parallel, sequence parallel under FSDP2 (or
+            not without it), non-fp32 FSDP2, FSDP2 under an ``spmd_backend`` other than
+            ``"partial_dtensor"``, or compile (see the module docstring).
         RecipeError: the recipe does not fit the model or the tp size.
     """
     _refuse_unsupported(parallel_dims, training, parallelism, compile_config)
@@ -134,6 +170,14 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
 
     fsdp = int(parallel_dims.dp_shard) > 1
     chosen = recipe if recipe is not None else shipped_recipe_for(model, fsdp=fsdp)
+    if recipe is None and getattr(model, "mtp_layers", None) is not None:
+        msg = (f"hyperrecipe's torchtitan parallelize: {type(model).__qualname__} has "
+               f"multi-token-prediction layers (mtp_layers), which the shipped {chosen} has no "
+               f"rules for (nothing says how they compose with its shards; it is tested without "
+               f"them). "
+               f"Build it with num_mtp_layers=0, pass recipe= with rules for mtp_layers, or "
+               f"use torchtitan's own parallelize_deepseekv3")
+        raise PlanMismatchError(msg)
     if fsdp:
         mesh = parallel_dims.get_mesh(["fsdp", "tp"])
         shape = {"fsdp": mesh["fsdp"].size(), "tp": mesh["tp"].size()}
@@ -158,28 +202,42 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: Any, training: Any = N
     return model
 
 
+parallelize_llama = parallelize
+
+
 def shipped_recipe_for(model: nn.Module, *, fsdp: bool) -> str:
     """The shipped recipe for ``model``'s class (:data:`RECIPES_BY_MODEL`), with or without
     FSDP2 on ``fsdp``.
 
     Raises:
-        PlanMismatchError: no shipped recipe is for that class (the message names the
-            classes there are recipes for and what to do).
+        PlanMismatchError: no shipped recipe is for that class, or none with FSDP2 (the
+            message names the classes there are recipes for and what to do).
     """
     cls = type(model)
     name = f"{cls.__module__}.{cls.__qualname__}"
     recipes = RECIPES_BY_MODEL.get(name)
     if recipes is None:
-        covered = ", ".join(f"{k.rsplit('.', 1)[1]} ({', '.join(v)})"
+        covered = ", ".join(f"{k.rsplit('.', 1)[1]} ({', '.join(r for r in v if r)})"
                             for k, v in RECIPES_BY_MODEL.items())
-        msg = (f"hyperrecipe's torchtitan parallelize_llama has no shipped recipe for "
+        msg = (f"hyperrecipe's torchtitan parallelize has no shipped recipe for "
                f"{cls.__qualname__} ({name}); shipped: {covered}. A recipe for another model "
                f"compiles on one that shares its module names and trains it wrong (Llama's on "
                f"torchtitan's Qwen3 leaves the q_norm/k_norm gradients partial), so none is "
                f"guessed: write a recipe for {cls.__qualname__}'s module names and pass "
                f"recipe=, or use torchtitan's own parallelize function for it")
         raise PlanMismatchError(msg)
-    return recipes[1] if fsdp else recipes[0]
+    if not fsdp:
+        return recipes[0]
+    if recipes[1] is None:
+        msg = (f"hyperrecipe's torchtitan parallelize has no dp x tp recipe for "
+               f"{cls.__qualname__}: its shipped {recipes[0]} reduces gradients over tp "
+               f"through hooks (replicated weights applied to this rank's heads or experts, "
+               f"such as per-head q/k norms, and sequence-parallel norms) that FSDP2's "
+               f"fully_shard would leave behind, so it does not compose with dp_shard > 1. "
+               f"Run it with dp_shard=1, or use torchtitan's own parallelize function for "
+               f"{cls.__qualname__} (docs/training.md#torchtitan)")
+        raise PlanMismatchError(msg)
+    return recipes[1]
 
 
 def _compute_meta_buffers(model: nn.Module, device_type: str) -> None:
@@ -257,17 +315,48 @@ def _full_then_shard(root: nn.Module, param_plan: ParamPlan, mesh_dims: tuple[st
 
 
 def installation_of(model: nn.Module) -> Installation:
-    """The installation :func:`parallelize_llama` made on ``model``.
+    """The installation :func:`parallelize` made on ``model``.
 
     Raises:
-        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize_llama`.
+        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize`.
     """
     inst = _INSTALLATIONS.get(model)
     if inst is None:
         msg = (f"{type(model).__name__} was not parallelized by "
-               f"hyperrecipe.trainers.torchtitan.parallelize_llama; no installation")
+               f"hyperrecipe.trainers.torchtitan.parallelize; no installation")
         raise PlanMismatchError(msg)
     return inst
+
+
+def hf_state_dict(model: nn.Module, adapter: Any) -> dict[str, Tensor]:
+    """The model's full weights in Hugging Face names, through torchtitan's own state-dict
+    adapter (``Qwen3StateDictAdapter``, ``DeepSeekV3StateDictAdapter``, ...: its ``to_hf``).
+
+    A collective: every rank must call it (each gets the whole). The full tensors come from the
+    installation (:meth:`~hyperrecipe.runtime.state.front.StateFront.full_state_dict`), under
+    the plan's names, which are torchtitan's module names; torchtitan's own ``model.state_dict()``
+    splits a fused ``qkv_linear.wqkv`` into ``wq``/``wk``/``wv`` in a state-dict hook before its
+    adapter sees it (the adapter maps only the split names and skips the rest without a word),
+    so the same split (the module's own ``_split_qkv_on_save``) is applied here first, and the
+    non-persistent buffers (RoPE caches), which ``state_dict()`` leaves out, are left out.
+
+    Args:
+        model: a model :func:`parallelize` applied a plan to.
+        adapter: torchtitan's state-dict adapter for the model's config, e.g.
+            ``Qwen3StateDictAdapter(model.config, None)``.
+
+    Raises:
+        PlanMismatchError: ``model`` was not parallelized by :func:`parallelize`.
+    """
+    full = installation_of(model).state.full_state_dict()
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:  # noqa: SLF001  (not in state_dict())
+            full.pop(f"{prefix}.{name}" if prefix else name, None)
+        split = getattr(type(module), "_split_qkv_on_save", None)
+        if callable(split):
+            split(module, full, f"{prefix}." if prefix else "", None)
+    converted: dict[str, Tensor] = adapter.to_hf(full)
+    return converted
 
 
 def cross_entropy_loss(pred: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:

@@ -28,10 +28,23 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def materialized() -> nn.Module:
-    from hyperrecipe.models.torchtitan import build_llama3
+#: Tiny torchtitan models by name: the builder in hyperrecipe.models.torchtitan and its
+#: arguments besides the vocabulary.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("build_llama3", {}),
+    "qwen3": ("build_qwen3", {}),
+    "deepseek_v3": ("build_deepseek_v3", {}),  # q_lora_rank=0: wq, as its debugmodel
+    "deepseek_v3_q_lora": ("build_deepseek_v3", {"q_lora_rank": 16}),  # wq_a, q_norm, wq_b
+}
 
-    model = build_llama3(vocab_size=VOCAB)
+
+def materialized(model_name: str = "llama3") -> nn.Module:
+    """``model_name``'s tiny torchtitan model (:data:`MODELS`) with the weights one process
+    draws."""
+    from hyperrecipe.models import torchtitan as builders
+
+    builder, kwargs = MODELS[model_name]
+    model: nn.Module = getattr(builders, builder)(vocab_size=VOCAB, **kwargs)
     torch.manual_seed(SEED)
     model.init_states()  # type: ignore[operator]
     return model
@@ -60,9 +73,9 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tor
     return cross_entropy_loss(model(tokens), labels) / labels.numel()
 
 
-def one_process(steps: int) -> dict[str, Any]:
+def one_process(steps: int, model_name: str = "llama3") -> dict[str, Any]:
     """Losses of ``steps`` AdamW steps with clipping, and the first step's gradients."""
-    model = materialized()
+    model = materialized(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = batch()
     losses, grads = [], {}
@@ -79,20 +92,20 @@ def one_process(steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation"
-                    ) -> dict[str, Any]:
+def hyperrecipe_run(rank: int, world: int, steps: int, clip: str = "installation",
+                    model_name: str = "llama3") -> dict[str, Any]:
     """The plan as torchtitan's parallelize step; losses and the first step's full grads.
     ``clip``: ``installation`` (``inst.clip_grad_norm_``) or ``torchtitan`` (its Trainer's
     ``dist_utils.clip_grad_norm_``, torch's norm underneath)."""
-    from hyperrecipe.trainers.torchtitan import installation_of, parallelize_llama
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize
 
     training = None
     if clip == "torchtitan":
         from torchtitan.config import TrainingConfig
 
         training = TrainingConfig()  # its default max_norm, 1.0
-    model = parallelize_llama(materialized(), parallel_dims=parallel_dims(world),
-                              training=training)
+    model = parallelize(materialized(model_name), parallel_dims=parallel_dims(world),
+                        training=training)
     inst = installation_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = batch()
@@ -179,21 +192,20 @@ def checkpoint_run(rank: int, world: int, folder: str, save_after: int | None,
     return losses
 
 
-def meta_trainer_order(rank: int, world: int, steps: int) -> dict[str, Any]:
+def meta_trainer_order(rank: int, world: int, steps: int, model_name: str = "llama3"
+                       ) -> dict[str, Any]:
     """torchtitan's Trainer's order: build on meta, parallelize, ``to_empty``,
     ``init_weights`` (seeded as one process seeds its ``init_states``), then train."""
     from torchtitan.components.loss import cross_entropy_loss as stock_loss
 
     from hyperrecipe.errors import LossParallelError
-    from hyperrecipe.models.torchtitan import build_llama3
-    from hyperrecipe.trainers.torchtitan import (
-        installation_of,
-        parallelize_llama,
-    )
+    from hyperrecipe.models import torchtitan as builders
+    from hyperrecipe.trainers.torchtitan import installation_of, parallelize
 
+    builder, kwargs = MODELS[model_name]
     with torch.device("meta"):
-        model = build_llama3(vocab_size=VOCAB)
-    model = parallelize_llama(model, parallel_dims=parallel_dims(world))
+        model = getattr(builders, builder)(vocab_size=VOCAB, **kwargs)
+    model = parallelize(model, parallel_dims=parallel_dims(world))
     inst = installation_of(model)
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)
@@ -279,3 +291,46 @@ def dp_tp_run(rank: int, world: int, steps: int, on_meta: bool = False,
 
         dcp.save(inst.state.state_dict(opt), checkpoint_id=save_to)
     return {"losses": losses, "grads": grads}
+
+
+def validate_mode_forward(rank: int, world: int) -> str:
+    """torchtitan's Llama 3 under its shipped recipe applied in validate mode, one forward;
+    what it raised (type and message), or ``"ran"``."""
+    from hyperrecipe import apply, compile_recipe
+
+    model = materialized()
+    dims = parallel_dims(world)
+    mesh = dims.get_optional_mesh("tp", include_singleton_axes=True)
+    apply(model, compile_recipe("torchtitan-llama3", model, {"tp": world}), mesh, mode="validate")
+    tokens, _ = batch()
+    try:
+        model(tokens)
+    except Exception as exc:  # noqa: BLE001  (the test asserts which)
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
+
+
+def _adapter(model_name: str, config: Any) -> Any:
+    if model_name == "qwen3":
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+        return Qwen3StateDictAdapter(config, None)
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    return DeepSeekV3StateDictAdapter(config, None)
+
+
+def one_process_hf_state_dict(model_name: str) -> dict[str, torch.Tensor]:
+    """torchtitan's own route on one process: ``model.state_dict()`` then its adapter."""
+    model = materialized(model_name)
+    converted: dict[str, torch.Tensor] = _adapter(model_name, model.config).to_hf(
+        model.state_dict())
+    return converted
+
+
+def hf_export_run(rank: int, world: int, model_name: str) -> dict[str, torch.Tensor]:
+    """``hf_state_dict`` of the model under its shipped recipe at ``world`` ranks."""
+    from hyperrecipe.trainers.torchtitan import hf_state_dict, parallelize
+
+    model = parallelize(materialized(model_name), parallel_dims=parallel_dims(world))
+    return hf_state_dict(model, _adapter(model_name, model.config))

@@ -8,7 +8,9 @@ arrives at a declared input or output against the plan's backward collective), `
 needs), and validate mode's checks along the way: ``backward_scope`` (naming the boundary whose
 backward meets an op DTensor cannot shard), ``handed_back`` (the sharded local tensors handed
 back to the model's own code), ``input_grads`` (a declared replicated input's gradient, use by
-use), ``outside_params`` (replicated parameters outside every boundary) and ``plain_tensors``
-(plain tensors the model makes inside a boundary, where they meet DTensors). It does not assign ``forward`` (the
-rewriter does) and does not know features such as experts or the vocab loss.
+use), ``outside_params`` (replicated parameters outside every boundary), ``plain_tensors``
+(plain tensors the model makes inside a boundary, where they meet DTensors) and
+``unwrapped_params`` (a forward that unwraps a sharded DTensor parameter itself). It does not
+assign ``forward`` (the rewriter does) and does not know features such as experts or the vocab
+loss.
 """

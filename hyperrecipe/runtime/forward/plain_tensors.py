@@ -39,7 +39,7 @@ from torch import Tensor
 
 from hyperrecipe.runtime.forward.handed_back import is_handed_back_shard
 
-__all__ = ["MIXED_TENSORS", "explicit_causal_mask", "replicate_broadcast_plain"]
+__all__ = ["MIXED_TENSORS", "explicit_causal_mask", "plain_operands", "replicate_broadcast_plain"]
 
 MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
 """The text of DTensor's refusal of a plain tensor beside a DTensor."""
@@ -54,6 +54,13 @@ def _operands(args: Any, kwargs: dict[str, Any]) -> list[Any]:
         elif isinstance(v, (list, tuple)):
             out.extend(t for t in v if isinstance(t, Tensor))
     return out
+
+
+def plain_operands(args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
+    """The plain (not DTensor) tensors an op was given (see :func:`_operands`)."""
+    from torch.distributed.tensor import DTensor
+
+    return [t for t in _operands(args, kwargs) if not isinstance(t, DTensor)]
 
 
 def _broadcasts_over_shards(plain: Tensor, dtensors: list[Any]) -> bool:

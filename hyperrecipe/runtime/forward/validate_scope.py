@@ -61,8 +61,10 @@ from hyperrecipe.runtime.comm.strided import (
 from hyperrecipe.runtime.forward.plain_tensors import (
     MIXED_TENSORS,
     explicit_causal_mask,
+    plain_operands,
     replicate_broadcast_plain,
 )
+from hyperrecipe.runtime.forward.unwrapped_params import refuse_unwrapped_param
 
 __all__ = ["caller_is_local", "refuse_unsupported_op", "running_local_code", "validate_compute"]
 
@@ -87,7 +89,13 @@ def _legacy_empty(t: Any) -> bool:
 
 class _ValidateComputeMode(TorchFunctionMode):
     """``torch.cat`` of DTensors and legacy empty plain tensors: the empty ones dropped; a split
-    of a chunk-sharded DTensor on its chunk boundaries: done locally."""
+    of a chunk-sharded DTensor on its chunk boundaries: done locally; a plain operand that is a
+    sharded parameter's unwrapped shard: refused naming ``fqn``, the boundary
+    (:mod:`~hyperrecipe.runtime.forward.unwrapped_params`)."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -128,6 +136,7 @@ class _ValidateComputeMode(TorchFunctionMode):
         except RuntimeError as exc:
             if MIXED_TENSORS not in str(exc):
                 raise
+            refuse_unwrapped_param(func, plain_operands(args, kwargs), self.fqn)
             converted = (replicate_broadcast_plain(args, kwargs)
                          or explicit_causal_mask(func, args, kwargs))
             if converted is None:
@@ -196,7 +205,7 @@ def validate_compute(compute: Forward, fqn: str = "<compute>") -> Forward:
                 return compute(*args, **kwargs)
             scoped = _SCOPED.set(True)
             try:
-                with _ValidateComputeMode():
+                with _ValidateComputeMode(fqn):
                     return compute(*args, **kwargs)
             finally:
                 _SCOPED.reset(scoped)
