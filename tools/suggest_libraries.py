@@ -63,7 +63,8 @@ def run_one(name: str, out: Path) -> dict[str, object]:
     path.write_text(s.text)
     again = run_check(CheckOptions(recipe=str(path), model=model, mesh={"tp": 2},
                                    inputs=inputs))
-    sharded = sorted({r.match for r in s.rules if r.fields.get("style") or r.fields.get("params")})
+    sharded = sorted({r.match for r in s.rules
+                      if dict(r.fields).get("style") or dict(r.fields).get("params")})
     return {"model": name, "verdict": "sharded" if s.verified and again.agree else "not verified",
             "share": s.sharded_fraction.get("tp", 0.0), "sharded": sharded,
             "narrowed": [f"{n.what}: {n.why}" for n in s.narrowed],
