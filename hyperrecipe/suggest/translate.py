@@ -218,6 +218,9 @@ def _translate_regions(b: _Builder, linear: dict[str, tuple[str, PlanEntry]]) ->
             (fqn, entry))
     for parent, kinds in sorted(by_parent.items(), key=lambda kv: b.order.get(kv[0], 0)):
         cols, rows = kinds.get("col", []), kinds.get("row", [])
+        if cols and rows and parent in b.modules and _never_called(b.modules[parent]):
+            _add_pair(b, parent, cols, rows)
+            continue
         if cols and rows and parent in b.modules:
             _add_region(b, parent, cols, rows)
             continue
@@ -237,6 +240,35 @@ def _translate_regions(b: _Builder, linear: dict[str, tuple[str, PlanEntry]]) ->
                                  f"with no column-wise projection under {parent or 'the model'} "
                                  f"to shard it; its input is split locally instead"))
     del dim
+
+
+_CONTAINERS = frozenset({"torch.nn.modules.container.ModuleDict",
+                         "torch.nn.modules.container.ModuleList"})
+
+
+def _never_called(m: ModuleInfo) -> bool:
+    """A container whose forward is never called (minGPT's MLP, an ``nn.ModuleDict`` its block
+    calls through a lambda over the children): no boundary can sit on it."""
+    return m.cls in _CONTAINERS
+
+
+def _add_pair(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
+              rows: list[tuple[str, PlanEntry]]) -> None:
+    """The column-wise and row-wise projections of a block no boundary can sit on, each with
+    its own (``colwise``: replicated in, sharded out; ``rowwise``: sharded in, reduced out),
+    as one group that narrowing gives up together. A packed or transposed projection needs the
+    enclosing region; it is not proposed here."""
+    plain = all(e.style == "colwise" and not e.transposed for _, e in cols) and not any(
+        e.transposed for _, e in rows)
+    if not plain:
+        return
+    note = f" (its block {parent} is a container its forward never calls: no region)"
+    for fqn, entry in cols:
+        b.add(fqn, {"style": "colwise"}, [_entry_text(entry) + note], parent, fqn)
+    for fqn, entry in rows:
+        b.add(fqn, {"style": "rowwise"}, [_entry_text(entry) + note], parent, fqn)
+    b.claimed.update(f for f, _ in cols)
+    b.claimed.update(f for f, _ in rows)
 
 
 def _add_region(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],

@@ -42,16 +42,33 @@ def test_a_layer_of_two_kinds_under_one_pattern_keeps_both() -> None:
     assert "einops" in notes["transformer.layers.*.* (PAttention)"]
 
 
+def test_an_mlp_in_a_module_dict_gets_no_region_of_its_own() -> None:
+    # minGPT calls its ModuleDict MLP's children through a lambda: no boundary on the dict,
+    # each projection with its own (colwise, then rowwise)
+    from hyperrecipe.suggest.translate import TranslateOptions, translate
+    from hyperrecipe.model_tree import snapshot
+
+    model = build_model(f"{NESTED}:make_mingpt", {})
+    entries, _ = read_structure(model)
+    rules: dict[str, dict[str, object]] = {}
+    for r in translate(entries, snapshot(model), TP2, TranslateOptions()).rules:
+        rules.setdefault(r.match, dict(r.fields))  # the first: sequence parallel rules follow
+    assert rules["transformer.h.*.mlp.c_fc"]["style"] == "colwise"
+    assert rules["transformer.h.*.mlp.c_proj"]["style"] == "rowwise"
+    assert "transformer.h.*.mlp" not in rules
+
+
 @pytest.mark.slow  # suggest's check and the recheck launch ranks
 @pytest.mark.parametrize(("factory", "inputs"), [
-    ("make_x_transformer", None), ("make_vit_pytorch", f"{NESTED}:make_pixels")])
+    ("make_x_transformer", None), ("make_vit_pytorch", f"{NESTED}:make_pixels"),
+    ("make_mingpt", None)])
 def test_suggest_shards_the_nested_mlps_and_check_agrees(factory: str, inputs: str | None,
                                                          tmp_path: Path) -> None:
     model = f"{NESTED}:{factory}"
     s = suggest_recipe(model, TP2, options=SuggestOptions(timeout_s=120, inputs=inputs))
     assert s.verified, s.summary()
     assert s.sharded_fraction["tp"] > 0.15, s.summary()
-    assert ".ff.0.0" in s.text or ".net.1" in s.text
+    assert any(m in s.text for m in (".ff.0.0", ".net.1", ".mlp.c_fc"))
     path = tmp_path / "nested.yaml"
     path.write_text(s.text)
     report = run_check(CheckOptions(recipe=str(path), model=model, mesh=TP2, inputs=inputs,

@@ -163,3 +163,59 @@ def make_pixels(model: nn.Module, *, batch: int, seq: int, generator: torch.Gene
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """8 x 8 RGB images for :func:`make_vit_pytorch`."""
     return (torch.randn(batch, 3, 8, 8, generator=generator),), {}
+
+
+class MinBlock(nn.Module):
+    """minGPT's ``Block``: its MLP an ``nn.ModuleDict`` of ``c_fc``, ``c_proj``, ``act`` and
+    ``dropout``, called through a lambda over the children (the dict's own forward never runs);
+    its attention nanoGPT's, reading the width off its input."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = MinAttention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(dim, 4 * dim), c_proj=nn.Linear(4 * dim, dim),
+                                      act=nn.GELU(), dropout=nn.Dropout(0.0)))
+        m = self.mlp
+        self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlpf(self.ln_2(x))  # type: ignore[no-any-return]
+
+
+class MinAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.n_head = heads
+        self.n_embd = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MinGPT(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, dim),
+            h=nn.ModuleList(MinBlock(dim, heads) for _ in range(depth)),
+            ln_f=nn.LayerNorm(dim)))
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)  # type: ignore[operator]
+        for block in self.transformer.h:  # type: ignore[union-attr]
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # type: ignore[operator]
+
+
+def make_mingpt(vocab_size: int = 64, dim: int = 32, depth: int = 2, heads: int = 4) -> MinGPT:
+    return MinGPT(vocab_size, dim, depth, heads)
