@@ -33,8 +33,9 @@ from typing import Literal
 import attrs
 from torch import nn
 
-__all__ = ["HEAD_COUNT_NAMES", "HazardKind", "ForwardHazard", "forward_hazard",
-           "forward_hazards", "heads_fixed_in_einops", "width_read_off_the_input"]
+__all__ = ["HEAD_COUNT_NAMES", "HazardKind", "ForwardHazard", "einops_count_attrs",
+           "forward_hazard", "forward_hazards", "heads_fixed_in_einops",
+           "width_read_off_the_input"]
 
 HazardKind = Literal["width", "einops", "mha"]
 
@@ -135,6 +136,30 @@ def heads_fixed_in_einops(block: nn.Module) -> ForwardHazard | None:
                                  why=f"its forward fixes the head count in an einops pattern "
                                      f"({seen})")
     return None
+
+
+def einops_count_attrs(block: nn.Module) -> frozenset[str] | None:
+    """The attributes every head count fixed in ``block``'s einops patterns is read from, where
+    each is ``h=self.<attr>`` in a call in its ``forward`` (vit-pytorch's ``rearrange(t, 'b n
+    (h d) -> b h n d', h=self.heads)``): dividing those (``head_counts``) makes the pattern
+    split what the rank holds. ``None`` where some count is fixed otherwise (a literal, a
+    local, an einops layer built with it), which no recipe can divide."""
+    for child in block.children():
+        lengths = getattr(child, "axes_lengths", None)
+        pattern = getattr(child, "pattern", None)
+        if (type(child).__module__.startswith("einops") and isinstance(pattern, str)
+                and lengths and _fixed_counts(pattern, list(dict(lengths)))):
+            return None
+    source, _ = _forward_source(block)
+    found: set[str] = set()
+    for call in _EINOPS_CALL.finditer(source):
+        given = dict(re.findall(r"(\w+)\s*=\s*([^,()]+)", call.group(3)))
+        for axis in _fixed_counts(call.group(2), list(given)):
+            attr = re.fullmatch(r"\s*self\.(\w+)\s*", given[axis])
+            if attr is None or type(getattr(block, attr.group(1), None)) is not int:
+                return None
+            found.add(attr.group(1))
+    return frozenset(found)
 
 
 _MHA_SEEN = "F.multi_head_attention_forward"

@@ -6,7 +6,14 @@ from typing import Any
 
 import attrs
 
-__all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "Correction", "Narrowed", "SuggestedRule"]
+__all__ = ["DIVIDED_COUNTS", "MHA_STYLE", "STRUCTURE_SOURCE", "Correction", "Narrowed",
+           "SuggestedRule"]
+
+DIVIDED_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+                  "n_heads", "n_kv_heads", "n_head", "n_query_groups", "heads")
+"""The integer attributes of a block read off the structure that its region divides by the tp
+size (``head_counts``): the structure reader counts on them (an einops ``h=self.heads`` is no
+hazard) and the translation writes them."""
 
 
 @attrs.frozen(kw_only=True)

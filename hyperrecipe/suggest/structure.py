@@ -52,10 +52,11 @@ import attrs
 import torch
 from torch import nn
 
-from hyperrecipe.forward_hazards import heads_fixed_in_einops, width_read_off_the_input
+from hyperrecipe.forward_hazards import (einops_count_attrs, heads_fixed_in_einops,
+                                         width_read_off_the_input)
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.suggest.folding import Folding
-from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Narrowed
+from hyperrecipe.suggest.rules import DIVIDED_COUNTS, MHA_STYLE, STRUCTURE_SOURCE, Narrowed
 
 __all__ = ["MHA_STYLE", "STRUCTURE_SOURCE", "WIDTH_FIELDS", "blocks_the_plan_leaves_out", "hidden_size",
            "read_structure", "structural_entries"]
@@ -373,8 +374,13 @@ def _mha_refusal(block: nn.MultiheadAttention) -> str | None:
 
 def _left_out(block: nn.Module) -> str | None:
     """Why a block that fits the projection pair is left replicated all the same (see the
-    module doc), or ``None``."""
+    module doc), or ``None``. Heads fixed in an einops call by ``h=self.<count>`` are no reason:
+    the region divides that count (vit-pytorch's ``h=self.heads``)."""
     hazard = width_read_off_the_input(block) or heads_fixed_in_einops(block)
+    if hazard is not None and hazard.kind == "einops":
+        counts = einops_count_attrs(block)
+        if counts and counts <= set(DIVIDED_COUNTS):
+            return None
     if hazard is None:
         return None
     return (f"{hazard.why}: its heads cannot be divided between ranks, so it is left replicated "

@@ -24,7 +24,8 @@ import attrs
 from hyperrecipe.models.hf_plans import PlanEntry
 from hyperrecipe.model_tree import ModelTree, ModuleInfo
 from hyperrecipe.suggest.folding import Folding
-from hyperrecipe.suggest.rules import MHA_STYLE, STRUCTURE_SOURCE, Correction, Narrowed, SuggestedRule
+from hyperrecipe.suggest.rules import (DIVIDED_COUNTS, MHA_STYLE, STRUCTURE_SOURCE, Correction,
+                                      Narrowed, SuggestedRule)
 from hyperrecipe.suggest.sequence import SEQUENCE_GROUP, sequence_parallel_rules
 
 __all__ = ["EP_DIM", "LOSS_GROUP", "is_region", "Translation", "TranslateOptions", "translate"]
@@ -50,9 +51,10 @@ _UNTRANSLATED = {
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
                "n_heads", "n_kv_heads")
 """Integer attributes of an attention module that count heads: each rank has its share."""
-_STRUCTURE_HEAD_ATTRS = (*_HEAD_ATTRS, "n_head", "n_query_groups")
+_STRUCTURE_HEAD_ATTRS = DIVIDED_COUNTS
 """The same for a region read off the structure, which also takes OpenAI-GPT's ``n_head`` (its
-``split_heads`` views the local width as ``n_head`` heads) and litgpt's ``n_query_groups``.
+``split_heads`` views the local width as ``n_head`` heads), litgpt's ``n_query_groups`` and
+lucidrains' ``heads`` (``rearrange(..., h=self.heads)``).
 Not for plan families: a field is added there only with a family that needs it, since some
 read counts as global sizes."""
 

@@ -237,19 +237,33 @@ class _EinopsHeadSize(_EinopsAttention):
         return self.to_out(y.transpose(1, 2).flatten(2))
 
 
-def test_heads_fixed_in_an_einops_call_leave_the_attention_replicated_a_head_size_does_not(
-        ) -> None:
+class _EinopsLiteral(_EinopsAttention):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.split_heads  # the pattern is in the forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(f(x), "b n (h d) -> b h n d", h=4)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.to_out(y.transpose(1, 2).flatten(2))
+
+
+def test_heads_fixed_in_an_einops_call_by_a_literal_leave_the_attention_replicated() -> None:
+    # h=4 in the call: no recipe can divide it. h=self.heads (vit-pytorch) is divided by the
+    # region (head_counts), and a head size (d=) holds on a shard: both are read
     with torch.device("meta"):
         model = _EinopsModel()
-        model.layers = nn.ModuleList([_EinopsInForward(), _EinopsInForward()])
+        model.layers = nn.ModuleList([_EinopsLiteral(), _EinopsLiteral()])
         _, left_out = read_structure(model)
         assert [n.why.split(":")[0] for n in left_out] == [
             "its forward fixes the head count in an einops pattern (rearrange(f(x), "
-            "\"b n (h d) -> b h n d\", h=self.heads))"]
-        model.layers = nn.ModuleList([_EinopsHeadSize(), _EinopsHeadSize()])
-        entries, left_out = read_structure(model)
-    assert left_out == ()
-    assert "layers.*.to_out" in {e.pattern for e in entries}
+            "\"b n (h d) -> b h n d\", h=4))"]
+        for cls in (_EinopsInForward, _EinopsHeadSize):
+            model.layers = nn.ModuleList([cls(), cls()])
+            entries, left_out = read_structure(model)
+            assert left_out == (), cls
+            assert "layers.*.to_out" in {e.pattern for e in entries}, cls
 
 
 class _OnlyMHA(nn.Module):

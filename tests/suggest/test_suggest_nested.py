@@ -1,6 +1,6 @@
 """`suggest` on MLPs whose Linears sit in a plain ``nn.Sequential`` inside the block, in layers
-that are ``nn.ModuleList``s of parts (tests/support/byo_nested.py: x-transformers' and
-vit-pytorch's layouts). Before, neither model had a block suggest could read (the projections
+that are ``nn.ModuleList``s of parts (tests/support/byo_nested.py: x-transformers',
+vit-pytorch's and minGPT's layouts). Before, neither model had a block suggest could read (the projections
 were not children of one module) and both were refused. Each recipe is verified by ``check`` in
 both modes against one process, then checked again from the written file.
 """
@@ -35,11 +35,14 @@ def test_a_feed_forward_in_nested_sequentials_is_one_block() -> None:
 
 
 def test_a_layer_of_two_kinds_under_one_pattern_keeps_both() -> None:
-    # transformer.layers.N is [Attention, FeedForward]: both fold to transformer.layers.*.*
+    # transformer.layers.N is [Attention, FeedForward]: both fold to transformer.layers.*.*;
+    # the attention's rearrange(..., h=self.heads) is divided by its region (head_counts)
     styles, notes = _read("make_vit_pytorch")
-    assert styles == {"transformer.layers.*.*.net.1": "colwise",
+    assert styles == {"transformer.layers.*.*.to_qkv": "packed_colwise",
+                      "transformer.layers.*.*.to_out.0": "rowwise",
+                      "transformer.layers.*.*.net.1": "colwise",
                       "transformer.layers.*.*.net.4": "rowwise"}
-    assert "einops" in notes["transformer.layers.*.* (PAttention)"]
+    assert notes == {}
 
 
 def test_an_mlp_in_a_module_dict_gets_no_region_of_its_own() -> None:
@@ -68,6 +71,8 @@ def test_suggest_shards_the_nested_mlps_and_check_agrees(factory: str, inputs: s
     s = suggest_recipe(model, TP2, options=SuggestOptions(timeout_s=120, inputs=inputs))
     assert s.verified, s.summary()
     assert s.sharded_fraction["tp"] > 0.15, s.summary()
+    if factory == "make_vit_pytorch":  # its attention too, heads=self.heads divided
+        assert "heads: tp" in s.text and ".to_out.0" in s.text, s.text
     assert any(m in s.text for m in (".ff.0.0", ".net.1", ".mlp.c_fc"))
     path = tmp_path / "nested.yaml"
     path.write_text(s.text)

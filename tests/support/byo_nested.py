@@ -1,9 +1,11 @@
 """Models laid out as x-transformers (2.x) and vit-pytorch lay theirs out, for
 tests/suggest/test_suggest_nested.py: the MLP's Linears sit in a plain ``nn.Sequential`` inside
 the block (``ff.0.0`` / ``ff.2``, ``net.1`` / ``net.4``), and each layer is an
-``nn.ModuleList`` of parts of several classes rather than a module with named children. Their
-attentions fix the head count in an einops pattern, as both libraries do, so ``suggest`` leaves
-them replicated and shards the MLPs.
+``nn.ModuleList`` of parts of several classes rather than a module with named children. Both
+attentions fix the head count in an einops pattern: x-transformers' in ``Rearrange`` layers
+built with the count (no recipe divides it: ``suggest`` leaves it replicated), vit-pytorch's in
+a ``rearrange(..., h=self.heads)`` call (its region divides ``heads``). minGPT's MLP is an
+``nn.ModuleDict`` called through a lambda.
 """
 
 from __future__ import annotations
