@@ -10,10 +10,12 @@ __all__ = ["DIVIDED_COUNTS", "MHA_STYLE", "STRUCTURE_SOURCE", "Correction", "Nar
            "SuggestedRule"]
 
 DIVIDED_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
-                  "n_heads", "n_kv_heads", "n_head", "n_query_groups", "heads")
+                  "n_heads", "n_kv_heads", "n_head", "n_query_groups", "heads",
+                  "n_local_heads", "n_local_kv_heads")
 """The integer attributes of a block read off the structure that its region divides by the tp
 size (``head_counts``): the structure reader counts on them (an einops ``h=self.heads`` is no
-hazard) and the translation writes them."""
+hazard) and the translation writes them. ``n_local_heads`` / ``n_local_kv_heads``: Meta's
+reference Llama, whose counts are per rank already (``n_heads // model_parallel_size``)."""
 
 
 @attrs.frozen(kw_only=True)

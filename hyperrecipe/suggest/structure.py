@@ -276,6 +276,13 @@ def _block_entries(fqn: str, block: nn.Module, hidden: int,
     if not rows:
         return None
     row = rows[-1]
+    back = [i for i in rows if linears[i].in_features != hidden]
+    if len(rows) == 1 and back and all(p.in_features == hidden
+                                       for i, p in enumerate(linears) if i != row):
+        # the one projection back from another width, wherever it is registered (Meta's
+        # Llama and torchtitan register w1, w2, w3: w2 is the row-wise one)
+        linears = [p for i, p in enumerate(linears) if i != row] + [linears[row]]
+        row = len(linears) - 1
     cols = linears[:row]
     if (not cols or row != len(linears) - 1 or any(p.in_features != hidden for p in cols)
             or _reads_the_input(block, linears[row].name)):

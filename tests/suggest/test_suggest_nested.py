@@ -1,6 +1,6 @@
 """`suggest` on MLPs whose Linears sit in a plain ``nn.Sequential`` inside the block, in layers
 that are ``nn.ModuleList``s of parts (tests/support/byo_nested.py: x-transformers',
-vit-pytorch's and minGPT's layouts). Before, neither model had a block suggest could read (the projections
+vit-pytorch's and minGPT's layouts, and Meta's reference Llama). Before, neither model had a block suggest could read (the projections
 were not children of one module) and both were refused. Each recipe is verified by ``check`` in
 both modes against one process, then checked again from the written file.
 """
@@ -45,6 +45,16 @@ def test_a_layer_of_two_kinds_under_one_pattern_keeps_both() -> None:
     assert notes == {}
 
 
+def test_the_row_wise_projection_is_found_wherever_it_is_registered() -> None:
+    # Meta's reference Llama registers w1, w2, w3: the one projection back to the hidden size
+    # from another width is the row-wise one; its attention's n_local_heads are divided
+    styles, notes = _read("make_meta_llama")
+    assert {k: v for k, v in styles.items() if ".feed_forward." in k} == {
+        "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise"}
+    assert styles["layers.*.attention.wo"] == "rowwise" and notes == {}
+
+
 def test_an_mlp_in_a_module_dict_gets_no_region_of_its_own() -> None:
     # minGPT calls its ModuleDict MLP's children through a lambda: no boundary on the dict,
     # each projection with its own (colwise, then rowwise)
@@ -64,7 +74,7 @@ def test_an_mlp_in_a_module_dict_gets_no_region_of_its_own() -> None:
 @pytest.mark.slow  # suggest's check and the recheck launch ranks
 @pytest.mark.parametrize(("factory", "inputs"), [
     ("make_x_transformer", None), ("make_vit_pytorch", f"{NESTED}:make_pixels"),
-    ("make_mingpt", None)])
+    ("make_mingpt", None), ("make_meta_llama", None)])
 def test_suggest_shards_the_nested_mlps_and_check_agrees(factory: str, inputs: str | None,
                                                          tmp_path: Path) -> None:
     model = f"{NESTED}:{factory}"
@@ -73,7 +83,9 @@ def test_suggest_shards_the_nested_mlps_and_check_agrees(factory: str, inputs: s
     assert s.sharded_fraction["tp"] > 0.15, s.summary()
     if factory == "make_vit_pytorch":  # its attention too, heads=self.heads divided
         assert "heads: tp" in s.text and ".to_out.0" in s.text, s.text
-    assert any(m in s.text for m in (".ff.0.0", ".net.1", ".mlp.c_fc"))
+    assert any(m in s.text for m in (".ff.0.0", ".net.1", ".mlp.c_fc", ".feed_forward.w2"))
+    if factory == "make_meta_llama":  # 11.7% before: w2 between w1 and w3, counts undivided
+        assert s.sharded_fraction["tp"] > 0.95 and "n_local_heads: tp" in s.text, s.summary()
     path = tmp_path / "nested.yaml"
     path.write_text(s.text)
     report = run_check(CheckOptions(recipe=str(path), model=model, mesh=TP2, inputs=inputs,

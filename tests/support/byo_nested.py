@@ -221,3 +221,77 @@ class MinGPT(nn.Module):
 
 def make_mingpt(vocab_size: int = 64, dim: int = 32, depth: int = 2, heads: int = 4) -> MinGPT:
     return MinGPT(vocab_size, dim, depth, heads)
+
+
+class MetaAttention(nn.Module):
+    """Meta's reference Llama attention (its fairscale parallel Linears as ``nn.Linear``): the
+    counts it shapes by are ``n_local_heads`` and ``n_local_kv_heads``."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_local_heads = n_heads
+        self.n_local_kv_heads = n_kv_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
+        xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim).transpose(1, 2)
+        xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim).transpose(1, 2)
+        xk = xk.repeat_interleave(self.n_rep, dim=1)
+        xv = xv.repeat_interleave(self.n_rep, dim=1)
+        out = nn.functional.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
+
+
+class MetaFeedForward(nn.Module):
+    """Meta's reference Llama MLP: ``w1``, ``w2``, ``w3`` registered in that order, so the
+    row-wise ``w2`` sits between the two column-wise projections."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class MetaBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention = MetaAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = MetaFeedForward(dim, 4 * dim)
+        self.attention_norm = nn.RMSNorm(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MetaLlama(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int,
+                 n_kv_heads: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(MetaBlock(dim, n_heads, n_kv_heads) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def make_meta_llama(vocab_size: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4,
+                    n_kv_heads: int = 2) -> MetaLlama:
+    return MetaLlama(vocab_size, dim, n_layers, n_heads, n_kv_heads)
