@@ -263,6 +263,9 @@ def _add_pair(b: _Builder, parent: str, cols: list[tuple[str, PlanEntry]],
     plain = all(e.style == "colwise" and not e.transposed for _, e in cols) and not any(
         e.transposed for _, e in rows)
     if not plain:
+        b.corrections.append(Correction(what=parent, detail=(
+            f"{parent} is a container its forward never calls, so no boundary can hold its "
+            f"packed or transposed projections: they are left replicated")))
         return
     note = f" (its block {parent} is a container its forward never calls: no region)"
     for fqn, entry in cols:
