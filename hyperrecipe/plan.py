@@ -47,9 +47,12 @@ __all__ = [
     "ParamPlan",
     "Plan",
     "PLAN_FORMAT",
+    "PipelinePlan",
+    "PipelineStagePlan",
     "PlanVerification",
     "Provenance",
     "RuleRef",
+    "TiedAcrossStages",
     "Transition",
     "compute_fingerprint",
     "converter",
@@ -362,6 +365,71 @@ class PlanVerification:
 
 
 @attrs.frozen(kw_only=True)
+class PipelineStagePlan:
+    """One pipeline stage: the layers and modules it owns and the rank that runs it.
+
+    A stage owns ``layers[start:stop]`` of the split list plus, on the first stage, the
+    parameter-holding modules before the list (``PipelinePlan.first``) and, on the last stage,
+    those after it (``PipelinePlan.last``). Modules without parameters (rotary tables,
+    dropout) run on every stage, so masks and positions are recomputed from the model's own
+    inputs instead of being sent.
+    """
+
+    index: int
+    """The global stage index (0 = takes the model's inputs; ``stages - 1`` = computes the loss)."""
+    rank: int
+    """The coordinate on the pipeline mesh dim of the rank that runs this stage."""
+    start: int
+    stop: int
+    """``layers[start:stop]`` of :attr:`PipelinePlan.layers` belong to this stage."""
+    modules: tuple[str, ...]
+    """FQNs of the parameter-holding modules outside the split list this stage owns."""
+    params: tuple[str, ...]
+    """Every parameter FQN this stage owns (a tied parameter is listed on each stage using it)."""
+    param_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class TiedAcrossStages:
+    """Parameter FQNs that share one tensor but are used on different stages (GPT-2's ``wte``
+    and ``lm_head``): each stage holds a copy, and their gradients are summed over the ranks
+    of ``stages`` after every step so the copies stay equal."""
+
+    params: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class PipelinePlan:
+    """Pipeline parallelism over one mesh dim: the split, the schedule, what crosses stages."""
+
+    mesh_dim: str
+    schedule: str
+    """A :mod:`torch.distributed.pipelining` schedule, by its name (``GPipe``, ``1F1B``,
+    ``Interleaved1F1B``, ...; :data:`hyperrecipe.pipeline.schedule.SCHEDULES`)."""
+    microbatches: int
+    stages_per_rank: int
+    layers: str
+    """FQN of the ``nn.ModuleList`` of repeated blocks the stages split."""
+    num_layers: int
+    first: tuple[str, ...]
+    """Parameter-holding modules registered before :attr:`layers`: owned by stage 0."""
+    last: tuple[str, ...]
+    """Parameter-holding modules registered after :attr:`layers`: owned by the last stage."""
+    stages: tuple[PipelineStagePlan, ...]
+    tied: tuple[TiedAcrossStages, ...] = ()
+    sends: str = ""
+    """What crosses each stage boundary, in words (the hidden states into the next stage's first
+    layer; the model's inputs are given to every stage and its masks recomputed there)."""
+    split: str = ""
+    """How the split was decided (``balanced by parameter bytes``, ``recipe: [2, 4]``)."""
+    provenance: Provenance
+
+    def stages_of_rank(self, rank: int) -> tuple[PipelineStagePlan, ...]:
+        return tuple(s for s in self.stages if s.rank == rank)
+
+
+@attrs.frozen(kw_only=True)
 class Plan:
     """A compiled recipe for one model structure and one mesh shape."""
 
@@ -386,6 +454,9 @@ class Plan:
     """Set when the plan was verified at compile (:class:`PlanVerification`); ``None`` for a
     plan resolved only (``compile --no-verify``, ``verify=False``): ``apply`` verifies it first.
     Left out of the JSON when ``None``, so an unverified plan's bytes are the resolver's."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline parallelism (:class:`PipelinePlan`) when the recipe has a ``pipeline`` section and
+    its mesh dim is larger than 1; left out of the JSON when ``None``."""
     checksum: str = ""
     """sha256 of the plan's JSON with this field empty: catches hand edits of decisions, which
     the fingerprint (over what the plan was compiled *from*) cannot."""
@@ -424,6 +495,8 @@ class Plan:
                 used.add(b.expert_parallel.mesh_dim)
         if self.loss_parallel is not None:
             used.add(self.loss_parallel.mesh_dim)
+        if self.pipeline is not None:
+            used.add(self.pipeline.mesh_dim)
         return tuple(d for d in self.mesh_dims if d in used)
 
     def param(self, fqn: str) -> ParamPlan:
@@ -700,7 +773,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook(ArgLayout, make_dict_unstructure_fn(
         ArgLayout, conv, grad=override(omit_if_default=True)))
     conv.register_unstructure_hook(Plan, make_dict_unstructure_fn(
-        Plan, conv, verification=override(omit_if_default=True)))
+        Plan, conv, verification=override(omit_if_default=True),
+        pipeline=override(omit_if_default=True)))
     return conv
 
 
