@@ -5,7 +5,8 @@ them, and the errors all of that raises. Everything else lives in subpackages an
 order data flows (``docs/architecture.md``): ``errors`` and ``placement``; ``recipe`` and
 ``shipped``; ``wrappers`` (the torch-free wrapper registry); ``model_tree`` and
 ``forward_hazards`` (attentions whose heads cannot be divided, read off a live model for
-``suggest`` and ``check`` alike); ``resolve``;
+``suggest`` and ``check`` alike); ``pipeline`` (the torch-free description of pipeline
+schedules: placement, order, bubble); ``resolve``;
 ``plan``; ``collective`` (the collectives a plan stores); ``refs`` (``pkg.mod:attr``
 references and which code may be imported) and ``_files`` (reading files someone else named, in
 bounded time and memory); ``models`` (what the runtime asks of a model library, below it);
