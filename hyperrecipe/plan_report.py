@@ -13,10 +13,18 @@ import attrs
 
 from hyperrecipe.errors import ExplainError, closest
 from hyperrecipe.placement import Shard, parse_dtensor
-from hyperrecipe.plan import AdapterPlan, ArgLayout, BoundaryPlan, LossParallel, ParamPlan, Plan
+from hyperrecipe.plan import (
+    AdapterPlan,
+    ArgLayout,
+    BoundaryPlan,
+    LossParallel,
+    ParamPlan,
+    PipelinePlan,
+    Plan,
+)
 from hyperrecipe.recipe.patterns import compile_pattern, generalize_fqn
 
-__all__ = ["PlanTotals", "explain", "plan_totals", "summary"]
+__all__ = ["PlanTotals", "explain", "pipeline_lines", "plan_totals", "summary"]
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -165,11 +173,30 @@ def summary(plan: Plan) -> str:
     if loss is not None:
         lines.append(f"loss on vocab shards: {loss.boundary} over {loss.mesh_dim} ({loss.vocab} "
                      f"-> {loss.local_vocab} per rank); {_loss_text(loss)}")
+    if plan.pipeline is not None:
+        lines.extend(pipeline_lines(plan.pipeline))
     uncounted = _uncounted(plan)
     if uncounted:
         lines.append(f"not counted (issued by the wrapped code itself, not by layouts): "
                      f"{uncounted}")
     return "\n".join(lines) + "\n"
+
+
+def pipeline_lines(pipe: PipelinePlan) -> list[str]:
+    """The pipeline's split, one line per stage, for the compile summary and ``explain``."""
+    lines = [f"pipeline over {pipe.mesh_dim}: {pipe.schedule}, {pipe.microbatches} microbatches, "
+             f"{len(pipe.stages)} stages ({pipe.stages_per_rank} per rank) of {pipe.layers} "
+             f"[{pipe.num_layers} layers]; split {pipe.split}"]
+    for st in pipe.stages:
+        extra = f" + {', '.join(st.modules)}" if st.modules else ""
+        lines.append(f"  stage {st.index} on {pipe.mesh_dim} rank {st.rank}: "
+                     f"{pipe.layers}[{st.start}:{st.stop}]{extra}; {len(st.params)} tensors, "
+                     f"{_mb(st.param_bytes)}")
+    for tie in pipe.tied:
+        lines.append(f"  tied across stages {list(tie.stages)}: {', '.join(tie.params)} (a copy "
+                     f"on each; gradients summed over those ranks)")
+    lines.append(f"  sends: {pipe.sends}")
+    return lines
 
 
 def _buckets_text(plan: Plan) -> str:
@@ -237,6 +264,18 @@ def explain(plan: Plan, pattern: str) -> str:
                        else f"replicated, but sees only this rank's slice of the data on "
                             f"{op.mesh_dim}")
                 out.append(f"  gradient: {op} in backward ({why}, so its gradient is partial)")
+    pipe = plan.pipeline
+    if pipe is not None:
+        if rx.fullmatch(pipe.layers) or rx.fullmatch(pipe.mesh_dim):
+            out.extend(pipeline_lines(pipe))
+            out.append(f"  {pipe.provenance}")
+        else:
+            for st in pipe.stages:
+                owned = [f for f in st.params if rx.fullmatch(f) or rx.fullmatch(
+                    f.rpartition(".")[0])]
+                if owned:
+                    out.append(f"pipeline stage {st.index} (rank {st.rank} on {pipe.mesh_dim}) "
+                               f"owns {', '.join(owned)}")
     for h in plan.head_counts:
         if rx.fullmatch(h.module) or rx.fullmatch(f"{h.module}.{h.attr}"):
             out.append(f"{h.module}.{h.attr}: {h.global_value} -> {h.local_value} in production "

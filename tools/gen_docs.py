@@ -30,6 +30,7 @@ from hyperrecipe import placement as placement_module
 from hyperrecipe.placement import PLACEMENT_FORMS, NamedPlacement
 from hyperrecipe.recipe import patterns as patterns_module
 from hyperrecipe.recipe.jsonschema import recipe_json_schema
+from hyperrecipe.recipe.pipeline import PIPELINE_FIELD_SPECS
 from hyperrecipe.recipe.schema import MAPPING_FIELDS, RULE_FIELD_NAMES, RuleFields, StyleDef
 from hyperrecipe.recipe.styles import BUILTIN_STYLES
 from hyperrecipe.recipe.validate import (
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "docs" / "recipe-reference.md"
 
 KIND_SYNTAX: dict[str, str] = {
+    "pipeline": "mapping (see [Pipeline section](#pipeline-section))",
     "pattern": "string: a module FQN pattern (see [Match patterns](#match-patterns))",
     "conditions": 'mapping: mesh dim → `">N"`, `">=N"`, `"<N"`, `"<=N"`, `"==N"`, `"!=N"`, or an '
                   "integer `N` (same as `==N`)",
@@ -164,6 +166,17 @@ def render_reference() -> str:
         "## Top-level fields",
         "",
         *_field_table(TOP_LEVEL_SPECS),
+        "",
+        "## Pipeline section",
+        "",
+        "The keys of `pipeline`. The resolver decides which modules each stage owns and records "
+        "it in the plan (`compile --explain` prints it); the schedules and their bubbles are in "
+        "[pipeline.md](pipeline.md).",
+        "",
+        "| field | required | meaning |",
+        "|---|---|---|",
+        *[f"| `{name}` | {'yes' if required else ''} | {_cell(doc)} |"
+          for name, _, required, doc in PIPELINE_FIELD_SPECS],
         "",
         "## Rule fields",
         "",

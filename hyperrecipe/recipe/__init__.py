@@ -4,7 +4,8 @@ What lives here: the schema (attrs classes in ``schema``), YAML/TOML reading wit
 positions, bounded against hostile files (``source``), validation of one document
 (``validate``), built-in styles (``styles``), ``match`` patterns (``patterns``) and the
 non-backtracking automaton they compile to (``automaton``), ``extends`` and shipped recipes
-(``loader``) and the JSON Schema export (``jsonschema``). What does not: anything about a model
+(``loader``), the ``pipeline`` section (``pipeline``) and the JSON Schema export
+(``jsonschema``). What does not: anything about a model
 or torch — this package must stay importable by the lint, which never imports torch —, where the
 shipped files are (:mod:`hyperrecipe.shipped`), the built-in inner wrappers (their names and
 declarations are read from the registry in :mod:`hyperrecipe.wrappers`), and importing code a

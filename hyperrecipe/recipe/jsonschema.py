@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyperrecipe.recipe.pipeline import pipeline_json_schema
 from hyperrecipe.recipe.styles import BUILTIN_STYLES
 from hyperrecipe.recipe.validate import INNER_WRAPPERS, RULE_FIELD_SPECS, TOP_LEVEL_SPECS
 
@@ -66,6 +67,7 @@ def _kind(kind: str) -> dict[str, Any]:
         "unclaimed": {"enum": ["replicate", "error"]},
         "styles": {"type": "object", "additionalProperties": {"$ref": "#/$defs/style"}},
         "rules": {"type": "array", "items": {"$ref": "#/$defs/rule"}},
+        "pipeline": pipeline_json_schema(),
         "adapters": {"type": "array", "items": {
             "type": "object", "additionalProperties": False, "required": ["target"],
             "properties": {"target": {"type": "string", "pattern": r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"},

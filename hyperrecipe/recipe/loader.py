@@ -176,6 +176,7 @@ def _load(path: Path, display: str, chain: tuple[Path, ...]) -> Recipe:
         rules=rules, unclaimed=unclaimed,  # type: ignore[arg-type]
         adapters=(*(base.adapters if base else ()), *content.adapters),
         digest=digest, description=content.description, positions=doc.positions,
+        pipeline=content.pipeline or (base.pipeline if base else None),
     )
 
 

@@ -13,6 +13,7 @@ import attrs
 
 from hyperrecipe.errors import SourceSpan
 from hyperrecipe.placement import NamedPlacement
+from hyperrecipe.recipe.pipeline import PipelineSpec
 from hyperrecipe.recipe.source import PathKey, Positions
 
 __all__ = [
@@ -188,6 +189,8 @@ class Recipe:
     adapters: tuple[AdapterSpec, ...]
     digest: str
     description: str = ""
+    pipeline: PipelineSpec | None = None
+    """The ``pipeline`` section (this file's, else the one it extends)."""
     positions: Positions = attrs.field(eq=False, repr=False)
 
     def span(self, *path: str | int, key: bool = False) -> SourceSpan:

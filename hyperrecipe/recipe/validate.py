@@ -32,6 +32,14 @@ from hyperrecipe.recipe.schema import (
     RuleFields,
     StyleDef,
 )
+from hyperrecipe.recipe.pipeline import (
+    MAX_MICROBATCHES,
+    MAX_STAGES_PER_RANK,
+    PIPELINE_FIELD_SPECS,
+    PIPELINE_KEYS,
+    PipelineSpec,
+    SplitSpec,
+)
 from hyperrecipe.recipe.source import Document, PathKey, Positions, format_path
 from hyperrecipe.wrappers import BUILTIN_WRAPPERS
 
@@ -191,6 +199,12 @@ TOP_LEVEL_SPECS: tuple[FieldSpec, ...] = (
                   "tensor outputs with `out_src` (default: the first DTensor argument's "
                   "placements). Without DTensor arguments (production mode) both run the method "
                   "untouched. See docs/adapters.md."),
+    FieldSpec(name="pipeline", kind="pipeline",
+              doc="Pipeline parallelism: which `nn.ModuleList` the stages split (`layers`), "
+                  "the `schedule` and its `microbatches`, and optionally `mesh_dim` (default "
+                  "`pp`), `stages_per_rank`, `split`, `first`, `last`. Active when the mesh dim "
+                  "is larger than 1. See [Pipeline section](#pipeline-section) and "
+                  "docs/pipeline.md."),
 )
 
 ADAPTER_KEYS = ("target", "mode", "out_src", "within")
@@ -260,6 +274,7 @@ class FileContent:
     raw_styles: Mapping[str, Any]
     raw_rules: list[Any]
     adapters: tuple[AdapterSpec, ...]
+    pipeline: PipelineSpec | None = None
 
 
 def validate_document(doc: Document) -> FileContent:
@@ -302,9 +317,81 @@ def validate_document(doc: Document) -> FileContent:
     ctx.want(styles, dict, ("styles",), "a mapping of style name to fields")
     rules = ctx.want(data["rules"], list, ("rules",), "a list of rules")
     adapters = _validate_adapters(ctx, data.get("adapters", []), tuple(mesh))
+    pipeline = (_validate_pipeline(ctx, data["pipeline"], tuple(mesh))
+                if "pipeline" in data else None)
     return FileContent(name=name, version=1, mesh=tuple(mesh), description=description,
                        extends=extends, unclaimed=unclaimed, raw_styles=styles, raw_rules=rules,
-                       adapters=adapters)
+                       adapters=adapters, pipeline=pipeline)
+
+
+def _validate_pipeline(ctx: _Ctx, raw: Any, mesh: tuple[str, ...]) -> PipelineSpec:
+    path: PathKey = ("pipeline",)
+    file = ctx.positions.span(path).path
+    ctx.want(raw, dict, path, "a mapping (layers, schedule, microbatches, ...)")
+    ctx.check_keys(raw, PIPELINE_KEYS, path, "pipeline")
+    for name, _, required, doc in PIPELINE_FIELD_SPECS:
+        if required and name not in raw:
+            raise ctx.fail(f"pipeline: required field missing: {name!r}", path, hint=doc)
+    layers = ctx.want(raw["layers"], str, (*path, "layers"), "a module FQN (`model.layers`)")
+    schedule = ctx.want(raw["schedule"], str, (*path, "schedule"), "a schedule name")
+    microbatches = _bounded_int(ctx, raw["microbatches"], (*path, "microbatches"),
+                                MAX_MICROBATCHES)
+    mesh_dim = ctx.want(raw.get("mesh_dim", "pp"), str, (*path, "mesh_dim"), "a mesh dim name")
+    if mesh_dim not in mesh:
+        near = did_you_mean(mesh_dim, mesh) if "mesh_dim" in raw else ""
+        raise ctx.fail(f"pipeline mesh dim {mesh_dim!r} is not declared in mesh{near}",
+                       (*path, "mesh_dim") if "mesh_dim" in raw else path,
+                       hint=f"declared: [{', '.join(mesh)}]; add {mesh_dim!r} to mesh")
+    stages_per_rank = None
+    if "stages_per_rank" in raw:
+        stages_per_rank = _bounded_int(ctx, raw["stages_per_rank"], (*path, "stages_per_rank"),
+                                       MAX_STAGES_PER_RANK)
+    split: SplitSpec = "balanced"
+    if "split" in raw:
+        value = raw["split"]
+        if isinstance(value, str):
+            if value not in ("balanced", "even"):
+                raise ctx.fail(f"pipeline split must be 'balanced', 'even' or a list of layer "
+                               f"indices, found {_describe(value)}"
+                               f"{did_you_mean(value, ('balanced', 'even'))}", (*path, "split"))
+            split = "balanced" if value == "balanced" else "even"
+        else:
+            ctx.want(value, list, (*path, "split"),
+                     "'balanced', 'even' or a list of layer indices")
+            if not value:
+                raise ctx.fail("pipeline split is an empty list; give the index where each "
+                               "stage after the first starts", (*path, "split"))
+            starts = [_bounded_int(ctx, v, (*path, "split", i), 1 << 20)
+                      for i, v in enumerate(value)]
+            for i in range(1, len(starts)):
+                if starts[i] <= starts[i - 1]:
+                    raise ctx.fail(f"pipeline split must increase: {starts[i]} after "
+                                   f"{starts[i - 1]}", (*path, "split", i))
+            split = tuple(starts)
+    first = _fqn_list(ctx, raw, path, "first")
+    last = _fqn_list(ctx, raw, path, "last")
+    return PipelineSpec(mesh_dim=mesh_dim, layers=layers, schedule=schedule,
+                        microbatches=microbatches, stages_per_rank=stages_per_rank, split=split,
+                        first=first, last=last, file=file, positions=ctx.positions, path=path)
+
+
+def _bounded_int(ctx: _Ctx, value: Any, path: PathKey, limit: int) -> int:
+    ctx.want(value, int, path, "an integer")
+    if not 1 <= value <= limit:
+        raise ctx.fail(f"expected an integer from 1 to {limit}, found {value}", path)
+    return int(value)
+
+
+def _fqn_list(ctx: _Ctx, raw: Mapping[str, Any], path: PathKey, key: str
+              ) -> tuple[str, ...] | None:
+    if key not in raw:
+        return None
+    items = ctx.want(raw[key], list, (*path, key), "a list of module FQNs")
+    for i, item in enumerate(items):
+        ctx.want(item, str, (*path, key, i), "a module FQN")
+        if item in items[:i]:
+            raise ctx.fail(f"module {item!r} listed twice", (*path, key, i))
+    return tuple(items)
 
 
 def _validate_adapters(ctx: _Ctx, raw: Any, mesh: tuple[str, ...]) -> tuple[AdapterSpec, ...]:

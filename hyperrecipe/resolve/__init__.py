@@ -9,7 +9,7 @@ declarations) and ``kernels`` (the vocab-parallel lookup and the expert-parallel
 ``params`` (placements, divisibility, local shapes, DTensor placements, gradient reductions),
 ``grad_buckets`` (those reductions grouped into buckets, one collective each),
 ``head_counts``, ``loss`` (the loss on vocab shards), ``manifest`` (the expected
-collectives) and ``adapters``. Every decision the
+collectives), ``adapters`` and ``pipeline`` (the pipeline stages, their owners and schedule). Every decision the
 runtime needs is made here and recorded in the plan, and every refusal is a
 :class:`~hyperrecipe.errors.RecipeError` at a recipe line.
 

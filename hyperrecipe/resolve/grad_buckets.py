@@ -19,13 +19,18 @@ from collections.abc import Sequence
 from hyperrecipe.collective import CollectiveOp
 from hyperrecipe.plan import GradBucket, ParamPlan
 
-__all__ = ["GRAD_BUCKET_CAP_BYTES", "plan_grad_buckets"]
+__all__ = ["GRAD_BUCKET_CAP_BYTES", "dtype_itemsize", "plan_grad_buckets"]
 
 GRAD_BUCKET_CAP_BYTES = 25 * 2**20
 """The size at which a bucket is closed (local gradient bytes): DDP's default ``bucket_cap_mb``."""
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
              "float8_e5m2": 1}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a plan dtype name (``float32``), without importing torch."""
+    return _ITEMSIZE.get(dtype.removeprefix("torch."), 4)
 
 
 def plan_grad_buckets(params: Sequence[ParamPlan], *,

@@ -17,7 +17,8 @@ the ones before it:
 5. :func:`~hyperrecipe.resolve.head_counts.divide_head_counts`,
    :func:`~hyperrecipe.resolve.loss.plan_loss_parallel` (the loss on vocab shards),
    :func:`~hyperrecipe.resolve.manifest.list_collectives`,
-   :func:`~hyperrecipe.resolve.adapters.plan_adapters`.
+   :func:`~hyperrecipe.resolve.adapters.plan_adapters`,
+   :func:`~hyperrecipe.resolve.pipeline.plan_pipeline` (the pipeline stages and schedule).
 
 Same inputs give the same plan, byte for byte.
 """
@@ -38,6 +39,7 @@ from hyperrecipe.resolve.head_counts import check_whole_heads, divide_head_count
 from hyperrecipe.resolve.loss import loss_manifest, plan_loss_parallel
 from hyperrecipe.resolve.manifest import list_collectives
 from hyperrecipe.resolve.params import settle_params
+from hyperrecipe.resolve.pipeline import plan_pipeline
 
 __all__ = ["resolve_recipe"]
 
@@ -69,6 +71,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
                 + loss_manifest(loss))
     adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
+    pipeline = plan_pipeline(inp, params)
     model_digest = tree.digest()
     return Plan(
         format=PLAN_FORMAT, recipe=recipe.name, recipe_files=recipe.files,
@@ -76,5 +79,5 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
         fingerprint=compute_fingerprint(recipe.digest, model_digest, inp.mesh),
         rules=claims.rules, params=params, boundaries=boundaries.plans,
         head_counts=head_counts, manifest=manifest, adapters=adapters, loss_parallel=loss,
-        grad_buckets=grad_buckets,
+        grad_buckets=grad_buckets, pipeline=pipeline,
     ).sealed()

@@ -48,7 +48,7 @@ LOAD_CASES = [
      "@ $.rules[0].match"),
     ("unknown-top-key", {**base({"match": "embed"}), "rulez": []}, "rulez", "rulez",
      "unknown key 'rulez' in the recipe; did you mean 'rules'? @ $.rulez; expected one of: recipe, "
-     "version, mesh, description, extends, unclaimed, styles, rules, adapters"),
+     "version, mesh, description, extends, unclaimed, styles, rules, adapters, pipeline"),
     ("bad-version", {**base({"match": "embed"}), "version": 2}, "2", "2",
      "unsupported recipe version 2; expected 1 @ $.version"),
     ("bad-when", base({"match": "embed", "when": {"tp": "big"}}), "big", '"big"',
