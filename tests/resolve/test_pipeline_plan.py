@@ -179,3 +179,27 @@ def test_pipeline_mesh_dim_must_be_declared(tmp_path: Path) -> None:
     assert str(err.value) == (
         f"{path}:5:3: pipeline mesh dim 'pp' is not declared in mesh @ $.pipeline; declared: "
         "[tp]; add 'pp' to mesh")
+
+
+def test_the_pipeline_page_shows_the_shipped_recipe_and_what_compile_prints(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    import yaml
+
+    from hyperrecipe.cli import main
+
+    page = (ROOT / "docs/pipeline.md").read_text(encoding="utf-8")
+    shown = re.search(r"```yaml\n# shipped as recipes/llama-pp.yaml\n(.*?)```", page, re.S)
+    assert shown is not None
+    shipped = yaml.safe_load((ROOT / "recipes/llama-pp.yaml").read_text(encoding="utf-8"))
+    assert yaml.safe_load(shown.group(1)) == shipped
+    code = main(["compile", "llama-pp", "--model", "hf:llama", "--model-config",
+                 str(ROOT / "recipes/models/tiny-llama.json"), "--mesh", "pp=2",
+                 "-o", str(tmp_path / "plan.json")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    text = re.search(r"```text\n(pipeline over .*?)```", page, re.S)
+    assert text is not None
+    for line in text.group(1).splitlines():
+        assert line in printed.splitlines(), line
