@@ -50,6 +50,18 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
+def _bytes_per_rank(plan: Plan) -> int:
+    """The local parameter bytes of the fullest rank: with a pipeline, a rank holds only its
+    stages' parameters (a tie across stages is a copy on each)."""
+    local = {p.fqn: _numel(p.local_shape) * _ITEMSIZE.get(p.dtype, 4) for p in plan.params}
+    if plan.pipeline is None:
+        return sum(local[p.fqn] for p in plan.params if p.tied_to is None)
+    ranks: dict[int, set[str]] = {}
+    for st in plan.pipeline.stages:
+        ranks.setdefault(st.rank, set()).update(st.params)
+    return max(sum(local[f] for f in fqns) for fqns in ranks.values())
+
+
 def plan_totals(plan: Plan) -> PlanTotals:
     """Counts over a plan's own parameters (tied aliases counted once) and manifest."""
     owned = [p for p in plan.params if p.tied_to is None]
@@ -61,7 +73,7 @@ def plan_totals(plan: Plan) -> PlanTotals:
         replicated=sum(1 for p in owned if p.placement.is_replicate),
         unclaimed=sum(1 for p in owned if p.provenance and p.provenance[-1].rule_index < 0),
         bytes_total=sum(_numel(p.shape) * size[p.fqn] for p in owned),
-        bytes_per_rank=sum(_numel(p.local_shape) * size[p.fqn] for p in owned),
+        bytes_per_rank=_bytes_per_rank(plan),
         forward_collectives=sum(1 for e in plan.manifest if e.direction == "forward"),
         backward_collectives=sum(1 for e in plan.manifest if e.direction == "backward"),
         ops=tuple(sorted(ops.items())),
@@ -174,7 +186,7 @@ def summary(plan: Plan) -> str:
         lines.append(f"loss on vocab shards: {loss.boundary} over {loss.mesh_dim} ({loss.vocab} "
                      f"-> {loss.local_vocab} per rank); {_loss_text(loss)}")
     if plan.pipeline is not None:
-        lines.extend(pipeline_lines(plan.pipeline))
+        lines.extend(pipeline_lines(plan.pipeline, plan))
     uncounted = _uncounted(plan)
     if uncounted:
         lines.append(f"not counted (issued by the wrapped code itself, not by layouts): "
@@ -182,8 +194,10 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pipeline_lines(pipe: PipelinePlan) -> list[str]:
+def pipeline_lines(pipe: PipelinePlan, plan: Plan) -> list[str]:
     """The pipeline's split, one line per stage, for the compile summary and ``explain``."""
+    sizes = {p.fqn: _numel(p.local_shape) * _ITEMSIZE.get(p.dtype, 4) for p in plan.params}
+    local = {st.index: sum(sizes[f] for f in st.params) for st in pipe.stages}
     lines = [f"pipeline over {pipe.mesh_dim}: {pipe.schedule}, {pipe.microbatches} microbatches, "
              f"{len(pipe.stages)} stages ({pipe.stages_per_rank} per rank) of {pipe.layers} "
              f"[{pipe.num_layers} layers]; split {pipe.split}"]
@@ -191,7 +205,8 @@ def pipeline_lines(pipe: PipelinePlan) -> list[str]:
         extra = f" + {', '.join(st.modules)}" if st.modules else ""
         lines.append(f"  stage {st.index} on {pipe.mesh_dim} rank {st.rank}: "
                      f"{pipe.layers}[{st.start}:{st.stop}]{extra}; {len(st.params)} tensors, "
-                     f"{_mb(st.param_bytes)}")
+                     f"{_mb(st.param_bytes)}" + (f" ({_mb(local[st.index])} per rank)"
+                                                 if local[st.index] != st.param_bytes else ""))
     for tie in pipe.tied:
         lines.append(f"  tied across stages {list(tie.stages)}: {', '.join(tie.params)} (a copy "
                      f"on each; gradients summed over those ranks)")
@@ -267,7 +282,7 @@ def explain(plan: Plan, pattern: str) -> str:
     pipe = plan.pipeline
     if pipe is not None:
         if rx.fullmatch(pipe.layers) or rx.fullmatch(pipe.mesh_dim):
-            out.extend(pipeline_lines(pipe))
+            out.extend(pipeline_lines(pipe, plan))
             out.append(f"  {pipe.provenance}")
         else:
             for st in pipe.stages:

@@ -32,7 +32,8 @@ __all__ = ["plan_pipeline"]
 _MODULE_LIST = "torch.nn.modules.container.ModuleList"
 
 
-def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...]) -> PipelinePlan | None:
+def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...],
+                  boundaries: Iterable[str] = ()) -> PipelinePlan | None:
     """The plan's pipeline, or ``None`` when the recipe has none or its mesh dim has size 1.
 
     Raises:
@@ -40,7 +41,8 @@ def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...]) -> PipelineP
             ``nn.ModuleList`` of the model, an unknown schedule, stages per rank the schedule
             cannot run, more stages than layers, a split that does not fit, a ``first``/``last``
             module that is not a unit outside the blocks, microbatches the schedule cannot run
-            with, or another model-parallel mesh dim beside the pipeline (not supported yet).
+            with, a boundary across stages, or a data-parallel mesh dim beside the pipeline (not
+            supported yet).
     """
     spec = inp.recipe.pipeline
     if spec is None:
@@ -67,6 +69,7 @@ def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...]) -> PipelineP
         raise RecipeError(f"pipeline: {problem}", span=spec.span("microbatches"),
                           path=spec.json_path("microbatches"))
     first, last = _outer_units(spec, tree, layers)
+    _refuse_boundaries_across_units(spec, boundaries, layers.fqn, (*first, *last))
     layer_bytes = [_subtree_bytes(tree, child) for child in layers.children]
     first_bytes = sum(_subtree_bytes(tree, tree.module(u)) for u in first)
     last_bytes = sum(_subtree_bytes(tree, tree.module(u)) for u in last)
@@ -105,21 +108,40 @@ def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...]) -> PipelineP
 
 def _refuse_other_parallel_dims(spec: PipelineSpec, inp: ResolveInput,
                                 params: tuple[ParamPlan, ...]) -> None:
-    others = sorted({d for p in params for d in p.placement.mesh_dims})
-    if spec.mesh_dim in others:
+    placed = {d for p in params for d in p.placement.mesh_dims}
+    if spec.mesh_dim in placed:
         raise RecipeError(
             f"pipeline mesh dim {spec.mesh_dim!r} also places parameters; a pipeline dim holds "
             f"whole stages, so rules may not shard or replicate over it",
             span=spec.span("mesh_dim") if spec.mesh_dim != "pp" else spec.span(),
             path=spec.json_path("mesh_dim"))
-    busy = [f"{d.name}={d.size}" for d in inp.mesh if d.name != spec.mesh_dim and d.size > 1]
-    if busy:
+    data = [f"{d.name}={d.size}" for d in inp.mesh
+            if d.name != spec.mesh_dim and d.size > 1 and d.name not in placed]
+    if data:
         raise RecipeError(
-            f"pipeline over {spec.mesh_dim} beside {', '.join(busy)} is not supported yet: "
-            f"the pipeline runtime runs whole stages on one rank each",
+            f"pipeline over {spec.mesh_dim} beside the data-parallel dim(s) {', '.join(data)} "
+            f"is not supported yet: the pipeline runtime does not reduce stage gradients over "
+            f"data-parallel ranks",
             span=spec.span(), path=spec.json_path(),
-            hint=f"compile with only {spec.mesh_dim} larger than 1, or without the pipeline "
-                 f"section for {', '.join(busy)}")
+            hint=f"compile with {', '.join(d.split('=')[0] + '=1' for d in data)}; pipeline "
+                 f"beside tensor parallel (dims the rules place parameters over) is supported")
+
+
+def _refuse_boundaries_across_units(spec: PipelineSpec, boundaries: Iterable[str],
+                                    layers: str, units: Iterable[str]) -> None:
+    """Every boundary must lie inside one layer or one outer unit: a stage applies only the
+    boundaries of what it owns."""
+    units = tuple(units)
+    for fqn in boundaries:
+        inside = fqn.startswith(layers + ".") or any(fqn == u or fqn.startswith(u + ".")
+                                                     for u in units)
+        if not inside:
+            raise RecipeError(
+                f"pipeline: boundary {fqn!r} spans modules of several stages (it is not inside "
+                f"one layer of {layers} or one module outside it), so no stage can run it",
+                span=spec.span("layers"), path=spec.json_path("layers"),
+                hint="declare boundaries on modules inside the layers (attention, MLP) or on "
+                     "the modules before and after them")
 
 
 def _layers_module(spec: PipelineSpec, tree: ModelTree) -> ModuleInfo:

@@ -71,7 +71,7 @@ def resolve_recipe(recipe: Recipe, tree: ModelTree, mesh_shape: Mapping[str, int
                 + loss_manifest(loss))
     adapters = plan_adapters(recipe, tree)
     head_counts = divide_head_counts(inp, claims)
-    pipeline = plan_pipeline(inp, params)
+    pipeline = plan_pipeline(inp, params, (b.fqn for b in boundaries.plans))
     model_digest = tree.digest()
     return Plan(
         format=PLAN_FORMAT, recipe=recipe.name, recipe_files=recipe.files,

@@ -163,11 +163,36 @@ def test_unknown_schedule_suggests_the_nearest(tmp_path: Path) -> None:
     assert "schedules: GPipe, 1F1B, Interleaved1F1B, LoopedBFS" in message
 
 
-def test_pipeline_beside_tensor_parallel_is_refused_by_name_until_the_runtime_supports_it(
+def test_pipeline_beside_tensor_parallel_compiles_and_counts_a_rank_s_stage_shards(
         tmp_path: Path) -> None:
-    path = recipe(tmp_path, LLAMA, mesh="[pp, tp]")
-    message = refusal(path, tiny("llama"), {"pp": 2, "tp": 2})
-    assert "pipeline over pp beside tp=2 is not supported yet" in message
+    path = tmp_path / "pp-tp.yaml"
+    path.write_text("recipe: pp-tp\nversion: 1\nmesh: [pp, tp]\nextends: llama\npipeline:\n"
+                    + LLAMA + "rules: []\n", encoding="utf-8")
+    plan = resolve_only(str(path), tiny("llama", num_hidden_layers=4), {"pp": 2, "tp": 2})
+    assert plan.pipeline is not None and plan.model_parallel_dims == ("pp", "tp")
+    text = summary(plan)
+    stage0 = plan.pipeline.stages[0]
+    local = sum(p.local_shape[0] * (p.local_shape[1] if len(p.local_shape) > 1 else 1) * 4
+                for p in plan.params if p.fqn in stage0.params)
+    assert f"({local / 1024:.1f} KiB per rank)" in text
+
+
+def test_pipeline_beside_a_data_parallel_dim_is_refused_by_name(tmp_path: Path) -> None:
+    path = recipe(tmp_path, LLAMA, mesh="[dp, pp]")
+    message = refusal(path, tiny("llama"), {"pp": 2, "dp": 2})
+    assert message == (
+        f"{path}:5:3: pipeline over pp beside the data-parallel dim(s) dp=2 is not supported "
+        "yet: the pipeline runtime does not reduce stage gradients over data-parallel ranks @ "
+        "$.pipeline; compile with dp=1; pipeline beside tensor parallel (dims the rules place "
+        "parameters over) is supported")
+
+
+def test_a_boundary_around_the_whole_list_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pp.yaml"
+    path.write_text("recipe: pp\nversion: 1\nmesh: [pp, tp]\npipeline:\n" + LLAMA
+                    + "rules:\n  - match: model\n    boundary: true\n", encoding="utf-8")
+    message = refusal(path, tiny("llama"), {"pp": 2, "tp": 1})
+    assert "pipeline: boundary 'model' spans modules of several stages" in message
     assert message.startswith(f"{path}:5:")
 
 
