@@ -13,7 +13,7 @@ bounded time and memory); ``models`` (what the runtime asks of a model library, 
 ``rewriter`` and ``signature``, with ``process_patches`` (the rewriter's process-wide half:
 every patch of torch the package makes, declared in one table and held by reference count); ``runtime``; ``verify`` (one step on fake tensors at compile);
 ``api`` (the functions this namespace re-exports); ``check`` and ``plan_report``; ``simulate``
-(a dry run at real scale); ``suggest``; ``trainers`` (one module per trainer, above the
+(a dry run at real scale) and ``simulate_pipeline`` (its report of a pipelined plan); ``suggest``; ``trainers`` (one module per trainer, above the
 runtime); ``lint``; ``cli`` and ``_cli_commands`` (the command line). Names resolve lazily (PEP 562) so that ``hyperrecipe lint``, the recipe loader and
 compiling never import the runtime.
 """

@@ -313,8 +313,10 @@ _SIMULATE_DESCRIPTION = (
     "communication, no memory), then report what each rank holds (parameter, gradient and AdamW "
     "optimizer bytes) and the collectives of one training step from the plan's manifest; with "
     "--seq-len, also one traced step of that many tokens: activation bytes per token and every "
-    "collective with its bytes, inner wrappers' included. Exit "
-    "0, or 2 on errors (the recipe, the model, or an apply that would fail on the cluster).")
+    "collective with its bytes, inner wrappers' included. A pipelined plan is not applied: "
+    "it is reported per stage and per pipeline rank (parameters, gradients, AdamW state, the "
+    "activations its schedule keeps in flight, measured with --seq-len, and each rank's "
+    "bubble). Exit 0, or 2 on errors (the recipe, the model, or an apply that would fail on the cluster).")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -331,7 +333,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                    help="simulate only these ranks (default every rank)")
     s.add_argument("--seq-len", type=int, metavar="N",
                    help="trace one training step of one N-token sequence: activation bytes per "
-                        "token and each collective's bytes")
+                        "token and each collective's bytes; for a pipelined plan, the sequence "
+                        "length of each microbatch whose activations are measured")
+    s.add_argument("--batch", type=int, metavar="N",
+                   help="pipelined plans only: the global batch in sequences, split into the "
+                        "plan's microbatches (default one sequence per microbatch)")
     s.add_argument("--format", choices=("text", "json"), default="text",
                    help="a table (default) or a JSON object on stdout")
     _add_trust(s)
@@ -495,7 +501,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     model = build_model(args.model, args.model_config)
     plan = compile_recipe(args.recipe, model, args.mesh)
-    sim = simulate(model, plan, ranks=args.ranks, mode=args.mode, seq_len=args.seq_len)
+    sim = simulate(model, plan, ranks=args.ranks, mode=args.mode, seq_len=args.seq_len,
+                   batch=args.batch)
     if args.format == "json":
         print(json.dumps(sim.to_json(), indent=2))
     else:

@@ -36,14 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperrecipe.errors import UsageError
 from hyperrecipe.plan import Plan
+from hyperrecipe.simulate_pipeline import ADAMW_STATE_BYTES, PipelineSimulation, simulate_pipeline
 
 __all__ = ["ADAMW_STATE_BYTES", "BoundaryActivation", "MeasuredCollective", "RankMemory",
            "Simulation", "StepCollective", "StepTrace", "render_table", "simulate", "trace_step"]
-
-ADAMW_STATE_BYTES = 8
-"""Optimizer bytes per trainable element: AdamW's two moments (``exp_avg``, ``exp_avg_sq``)
-kept in fp32, as mixed-precision training keeps them whatever the parameters' dtype."""
-
 
 @attrs.frozen(kw_only=True)
 class BoundaryActivation:
@@ -134,8 +130,12 @@ class Simulation:
     grad_bucket_bytes: int
     """Bytes each rank reduces in gradient buckets per step (the plan's buckets' elements)."""
     seconds: float
+    pipeline: PipelineSimulation | None = None
+    """A pipelined plan's report (:mod:`hyperrecipe.simulate_pipeline`); its ``ranks`` are
+    then empty: the plan is not applied."""
 
     def to_json(self) -> dict[str, Any]:
+        extra = {} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}
         return {
             "recipe": self.recipe, "mesh": dict(self.mesh), "mode": self.mode,
             "ranks": [{"rank": r.rank, "coords": dict(r.coords), "parameter_bytes": r.parameters,
@@ -145,6 +145,7 @@ class Simulation:
             "collectives_per_step": [attrs.asdict(c) for c in self.collectives],
             "grad_bucket_bytes_per_step": self.grad_bucket_bytes,
             "seconds": round(self.seconds, 3),
+            **extra,
         }
 
 
@@ -159,7 +160,8 @@ def _step_json(step: StepTrace | None) -> dict[str, Any]:
 
 
 def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None,
-             mode: str = "production", seq_len: int | None = None) -> Simulation:
+             mode: str = "production", seq_len: int | None = None,
+             batch: int | None = None) -> Simulation:
     """Apply ``plan`` to a copy of the meta-built ``model`` as each rank would, under a fake
     process group of the plan's world size, and report what each rank holds.
 
@@ -172,6 +174,12 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
         seq_len: also trace one training step of one sequence of this many tokens on each
             rank (:func:`trace_step`): activation bytes per token and every collective with
             its bytes. The model's forward must take ``input_ids`` and ``labels``.
+        batch: a pipelined plan's global batch in sequences (default one per microbatch).
+
+    A plan with a ``pipeline`` is not applied: :func:`~hyperrecipe.simulate_pipeline.
+    simulate_pipeline` reports it per stage and per pipeline rank (``Simulation.pipeline``),
+    with ``ranks`` and ``seq_len`` meaning pipeline ranks and the microbatches' sequence
+    length.
 
     Returns:
         The :class:`Simulation`.
@@ -196,15 +204,21 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
                f"{model.get_parameter(real[0]).device}: build it with "
                f"hyperrecipe.model_tree.build_model(...) or under `with torch.device('meta')`")
         raise UsageError(msg)
+    if seq_len is not None and seq_len <= 0:
+        msg = f"simulate(): seq_len must be a positive number of tokens, not {seq_len}"
+        raise UsageError(msg)
+    if plan.pipeline is not None:
+        return _simulate_pipelined(model, plan, ranks, mode, seq_len, batch)
+    if batch is not None:
+        msg = ("simulate(batch=...) sizes a pipelined plan's microbatches; this plan has no "
+               "pipeline section: drop batch (or --batch)")
+        raise UsageError(msg)
     shape = plan.mesh_shape
     world = math.prod(shape.values())
     chosen = list(range(world)) if ranks is None else sorted(set(ranks))
     outside = [r for r in chosen if not 0 <= r < world]
     if outside:
         msg = f"simulate(): rank(s) {outside} are outside the mesh of {world} ranks"
-        raise UsageError(msg)
-    if seq_len is not None and seq_len <= 0:
-        msg = f"simulate(): seq_len must be a positive number of tokens, not {seq_len}"
         raise UsageError(msg)
     if seq_len is not None and mode != "production":
         msg = (f"simulate(seq_len=...) traces production mode only, not {mode!r}: validate "
@@ -219,6 +233,18 @@ def simulate(model: nn.Module, plan: Plan, *, ranks: Iterable[int] | None = None
                       grad_bucket_bytes=sum(b.numel * _itemsize(b.dtype) * len(b.ops)
                                             for b in plan.grad_buckets),
                       seconds=time.perf_counter() - started)
+
+
+def _simulate_pipelined(model: nn.Module, plan: Plan, ranks: Iterable[int] | None, mode: str,
+                        seq_len: int | None, batch: int | None) -> Simulation:
+    started = time.perf_counter()
+    report = simulate_pipeline(model, plan, ranks=None if ranks is None else list(ranks),
+                               seq_len=seq_len, batch=batch)
+    return Simulation(recipe=plan.recipe, mesh=tuple(plan.mesh_shape.items()), mode=mode,
+                      ranks=(), collectives=_step_collectives(plan),
+                      grad_bucket_bytes=sum(b.numel * _itemsize(b.dtype) * len(b.ops)
+                                            for b in plan.grad_buckets),
+                      seconds=time.perf_counter() - started, pipeline=report)
 
 
 def _simulate_rank(model: nn.Module, plan: Plan, shape: Mapping[str, int], rank: int,
@@ -378,7 +404,10 @@ def _human(n: int) -> str:
 
 def render_table(sim: Simulation) -> str:
     """The report as text: a row per group of ranks holding the same bytes, then the
-    collectives of one step (and, when a step was traced, what it measured)."""
+    collectives of one step (and, when a step was traced, what it measured); a pipelined
+    plan's report per stage and pipeline rank instead."""
+    if sim.pipeline is not None:
+        return _render_pipeline_table(sim.pipeline, recipe=sim.recipe, seconds=sim.seconds)
     mesh = ",".join(f"{k}={v}" for k, v in sim.mesh)
     traced = [r.step for r in sim.ranks if r.step is not None]
     seq = f"; one step of {traced[0].seq_len} tokens traced" if traced else ""
@@ -426,3 +455,34 @@ def _rank_span(ranks: list[int]) -> str:
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks"
+
+
+def _render_pipeline_table(pipe: PipelineSimulation, *, recipe: str, seconds: float) -> str:
+    """The pipelined report as text: a row per stage, a row per pipeline rank, the bubble."""
+    seq = (f"; activations of one microbatch of {pipe.microbatch_size} x {pipe.seq_len} tokens "
+           f"measured on meta" if pipe.seq_len is not None else "")
+    lines = [f"dry run of {recipe} pipelined over {pipe.mesh_dim}={len({s.rank for s in pipe.stages})}: "
+             f"{pipe.schedule}, {pipe.microbatches} microbatches, {pipe.stages_per_rank} "
+             f"stage(s) per rank (not applied; {seconds:.2f} s{seq})", "",
+             f"{'stage':<6} {'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
+             f"{'act/microbatch':>15}  layers"]
+    for s in pipe.stages:
+        act = "-" if s.activations_per_microbatch is None else _human(s.activations_per_microbatch)
+        lines.append(f"{s.index:<6} {s.rank:>4} {_human(s.parameters):>12} "
+                     f"{_human(s.gradients):>12} {_human(s.optimizer):>12} {act:>15}  {s.layers}")
+    lines += ["", f"{'rank':<6} {'stages':>8} {'parameters':>12} {'gradients':>12} "
+                  f"{'optimizer':>12} {'in flight':>9} {'activations':>12} {'total':>12} "
+                  f"{'bubble':>7}"]
+    for r in pipe.ranks:
+        act = "-" if r.activations is None else _human(r.activations)
+        lines.append(f"{r.rank:<6} {','.join(map(str, r.stages)):>8} {_human(r.parameters):>12} "
+                     f"{_human(r.gradients):>12} {_human(r.optimizer):>12} "
+                     f"{r.peak_in_flight:>9} {act:>12} {_human(r.total):>12} "
+                     f"{r.bubble:>6.1%}")
+    activations = ("activations: the rank's peak of microbatch stage chunks in flight, each its "
+                   "stage's saved-for-backward bytes" if pipe.seq_len is not None
+                   else "activations not included (--seq-len)")
+    lines += ["", f"mean bubble {pipe.mean_bubble:.1%} (forward 1, backward 2, no send delay)",
+              f"optimizer: AdamW, {ADAMW_STATE_BYTES} bytes (two fp32 moments) per trainable "
+              f"element; {activations}"]
+    return "\n".join(lines) + "\n"
