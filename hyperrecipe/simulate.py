@@ -485,4 +485,6 @@ def _render_pipeline_table(pipe: PipelineSimulation, *, recipe: str, seconds: fl
     lines += ["", f"mean bubble {pipe.mean_bubble:.1%} (forward 1, backward 2, no send delay)",
               f"optimizer: AdamW, {ADAMW_STATE_BYTES} bytes (two fp32 moments) per trainable "
               f"element; {activations}"]
+    if pipe.activation_note:
+        lines.append(pipe.activation_note)
     return "\n".join(lines) + "\n"

@@ -15,6 +15,8 @@ and sits above it), the schedules themselves (:mod:`hyperrecipe.pipeline`).
 
 from __future__ import annotations
 
+import math
+
 import functools
 from typing import Any
 
@@ -87,6 +89,9 @@ class PipelineSimulation:
     stages: tuple[StageMemory, ...]
     ranks: tuple[PipelineRankMemory, ...]
     mean_bubble: float
+    activation_note: str = ""
+    """Set beside another model-parallel dim: the activations were measured on the whole
+    model, so they bound a rank's from above instead of measuring them."""
 
     def to_json(self) -> dict[str, Any]:
         return {"mesh_dim": self.mesh_dim, "schedule": self.schedule,
@@ -95,7 +100,7 @@ class PipelineSimulation:
                 "stages": [attrs.asdict(s) for s in self.stages],
                 "ranks": [{**attrs.asdict(r), "stages": list(r.stages), "total_bytes": r.total}
                           for r in self.ranks],
-                "mean_bubble": self.mean_bubble}
+                "mean_bubble": self.mean_bubble, "activation_note": self.activation_note}
 
 
 def simulate_pipeline(model: nn.Module, plan: Plan, *, ranks: list[int] | None = None,
@@ -136,7 +141,7 @@ def simulate_pipeline(model: nn.Module, plan: Plan, *, ranks: list[int] | None =
     micro = global_batch // pipe.microbatches
     per_micro = (measure_stage_activations(model, pipe, batch=micro, seq_len=seq_len)
                  if seq_len is not None else None)
-    stages = tuple(_stage_memory(model, pipe, s.index, per_micro) for s in pipe.stages)
+    stages = tuple(_stage_memory(model, plan, s.index, per_micro) for s in pipe.stages)
     actions = schedule_actions(pipe.schedule, pp, pipe.microbatches, pipe.stages_per_rank)
     timeline = simulate_timeline(actions)
     rows = []
@@ -153,26 +158,42 @@ def simulate_pipeline(model: nn.Module, plan: Plan, *, ranks: list[int] | None =
                               microbatches=pipe.microbatches,
                               stages_per_rank=pipe.stages_per_rank, seq_len=seq_len,
                               microbatch_size=micro if seq_len is not None else None,
-                              stages=stages, ranks=tuple(rows), mean_bubble=timeline.mean_bubble)
+                              stages=stages, ranks=tuple(rows), mean_bubble=timeline.mean_bubble,
+                              activation_note=_activation_note(plan, seq_len))
 
 
-def _stage_memory(model: nn.Module, pipe: PipelinePlan, index: int,
+def _activation_note(plan: Plan, seq_len: int | None) -> str:
+    pipe = plan.pipeline
+    assert pipe is not None
+    others = [f"{d.name}={d.size}" for d in plan.mesh
+              if d.name != pipe.mesh_dim and d.size > 1 and d.name in plan.model_parallel_dims]
+    if seq_len is None or not others:
+        return ""
+    return (f"activations measured on the whole model, without the sharding over "
+            f"{', '.join(others)}: an upper bound per rank")
+
+
+def _stage_memory(model: nn.Module, plan: Plan, index: int,
                   per_micro: tuple[int, ...] | None) -> StageMemory:
+    """A stage's bytes on one of its ranks: the plan's local shards (beside tensor parallel a
+    rank holds its share of each of the stage's parameters)."""
+    pipe = plan.pipeline
+    assert pipe is not None
     stage = pipe.stages[index]
+    local = {p.fqn: math.prod(p.local_shape) for p in plan.params}
     trainable = [fqn for fqn in stage.params if model.get_parameter(fqn).requires_grad]
     outer = f" + {', '.join(stage.modules)}" if stage.modules else ""
+
+    def size(fqn: str) -> int:
+        return local[fqn] * model.get_parameter(fqn).element_size()
+
     return StageMemory(
         index=stage.index, rank=stage.rank,
         layers=f"{pipe.layers}[{stage.start}:{stage.stop}]{outer}",
-        parameters=stage.param_bytes,
-        gradients=sum(_param_bytes(model, fqn) for fqn in trainable),
-        optimizer=sum(model.get_parameter(f).numel() for f in trainable) * ADAMW_STATE_BYTES,
+        parameters=sum(size(f) for f in stage.params),
+        gradients=sum(size(f) for f in trainable),
+        optimizer=sum(local[f] for f in trainable) * ADAMW_STATE_BYTES,
         activations_per_microbatch=None if per_micro is None else per_micro[stage.index])
-
-
-def _param_bytes(model: nn.Module, fqn: str) -> int:
-    p = model.get_parameter(fqn)
-    return p.numel() * p.element_size()
 
 
 def _peak_bytes(actions: tuple[Action, ...], per_micro: tuple[int, ...]) -> int:

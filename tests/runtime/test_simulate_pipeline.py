@@ -9,6 +9,7 @@ the same measurement finds on a real CPU model.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,27 @@ def test_a_70b_llama_at_pp8_with_32_microbatches(tmp_path: Path) -> None:
                     for p in model.parameters())  # nothing tied in Llama 70B
         assert sum(r.parameters for r in report.ranks) == total
         assert f"mean bubble {bubble}" in render_table(sim)
+
+
+@pytest.mark.slow  # a 70B Llama on meta and one 80-layer forward of 4096 tokens (~10 s)
+def test_a_70b_llama_at_pp8_tp8_counts_each_ranks_shards_of_its_stages(tmp_path: Path) -> None:
+    """The done-when of issue 38: simulate of a 70B-shaped Llama at pp=8, tp=8 reports the
+    bubble; each rank holds a tp-th of its stage, and the activations say they are unsharded."""
+    from hyperrecipe.model_tree import build_model
+
+    model = build_model("hf:llama", LLAMA_70B)
+    recipe = tmp_path / "llama-70b-pp-tp.yaml"
+    recipe.write_text("recipe: llama-70b-pp-tp\nversion: 1\nmesh: [pp, tp]\nextends: llama\n"
+                      "pipeline:\n  layers: model.layers\n  schedule: 1F1B\n  microbatches: 32\n"
+                      "rules: []\n")
+    plan = compile_recipe(str(recipe), model, {"pp": 8, "tp": 8})
+    sim = simulate(model, plan, seq_len=4096)
+    report = sim.pipeline
+    assert report is not None
+    assert f"{report.mean_bubble:.1%}" == "17.9%"
+    local = {p.fqn: math.prod(p.local_shape) * 2 for p in plan.params}  # bf16
+    assert plan.pipeline is not None
+    for stage, row in zip(plan.pipeline.stages, report.stages, strict=True):
+        assert row.parameters == sum(local[f] for f in stage.params)
+        assert row.parameters * 7 < stage.param_bytes  # a tp-th of the stage (replicated norms)
+    assert "without the sharding over tp=8: an upper bound per rank" in render_table(sim)
