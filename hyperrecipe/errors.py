@@ -35,6 +35,8 @@ __all__ = [
     "ModeError",
     "ModelSpecError",
     "PatternError",
+    "PipelineError",
+    "PipelineUnsupportedError",
     "PatternSyntaxError",
     "PlacementError",
     "PlacementMismatchError",
@@ -51,6 +53,7 @@ __all__ = [
     "RewriteError",
     "SelectorError",
     "SourceSpan",
+    "StageBoundaryError",
     "StepFailed",
     "SuggestError",
     "SwitchIncompleteError",
@@ -273,6 +276,23 @@ class ValidateShardingError(HyperrecipeError, RuntimeError):
         self.fqn = fqn
         self.op = op
         super().__init__(message)
+
+
+class PipelineError(HyperrecipeError, RuntimeError):
+    """A pipeline could not be built from its plan, or a step broke the stage contract (a
+    stage that never reached its last layer, a plan whose stage ranks differ from the
+    schedule's)."""
+
+
+class PipelineUnsupportedError(PipelineError, NotImplementedError):
+    """The plan asks for a pipeline combination the runtime does not run yet (pipeline
+    together with parameters split over another mesh dim)."""
+
+
+class StageBoundaryError(PipelineError):
+    """A module was used on the wrong side of a pipeline stage split: another stage's module
+    was called where its output would matter. The message names the module, the stage and
+    the recipe field (``pipeline.first`` / ``pipeline.last``) that would fix it."""
 
 
 class ModeError(HyperrecipeError, ValueError):

@@ -1,0 +1,92 @@
+"""Tiny causal LMs and worker bodies for the pipeline runtime tests: each rank builds the model
+from one seed, pipelines it, steps, and compares the loss and every gradient it holds with a
+single-process run of the same model on the same batch (computed in the rank itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperrecipe.runtime.pipeline import build_pipeline
+from tests.support.pipeline_plans import pipeline_plan
+
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+    "qwen3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, head_dim=8,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+    "mixtral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # GPT-2's dropout (0.1 by default) draws different numbers per process; 0 makes the
+    # comparison exact. Everything else is the model's default (the tied embedding included).
+    "gpt2": dict(n_embd=32, n_layer=4, n_head=4, n_positions=32, vocab_size=128,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                 eos_token_id=0),
+}
+LAYERS = {"gpt2": "transformer.h"}
+BATCH, SEQ = 4, 16
+RTOL = 1e-5
+"""Per gradient: max |pipelined - reference| <= RTOL * max |reference| (fp32)."""
+
+
+def tiny(family: str, layers: int = 4) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY[family])
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **cfg))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored tokens make the microbatch counts differ
+    return ids, labels
+
+
+def mesh(pp: int = 2) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = max(expected.abs().max().item(), 1e-12)
+    return (actual - expected).abs().max().item() / scale
+
+
+def reference(family: str, layers: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model = tiny(family, layers)
+    ids, labels = batch()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+def one_step(family: str, schedule: str, stages_per_rank: int = 1,
+             layers: int = 4) -> dict[str, Any]:
+    """Loss error and the worst relative gradient error over this rank's parameters."""
+    ref_loss, ref_grads = reference(family, layers)
+    model = tiny(family, layers)
+    plan = pipeline_plan(model, layers=LAYERS.get(family, "model.layers"), schedule=schedule,
+                         stages_per_rank=stages_per_rank)
+    pipe = build_pipeline(model, plan, mesh())
+    ids, labels = batch()
+    loss = pipe.step(input_ids=ids, labels=labels)
+    named = dict(pipe.named_parameters())
+    errs = {fqn: rel_err(p.grad, ref_grads[fqn]) for fqn, p in named.items()}
+    return {"loss_err": abs(loss.item() - ref_loss), "grad_err": max(errs.values()),
+            "params": sorted(named), "stages": [s.index for s in pipe.stages],
+            "no_grad": [f for f, p in named.items() if p.grad is None]}
+
+
+def schedules_worker(rank: int, world: int, family: str,
+                     cases: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    return [one_step(family, s, spr, layers) for s, spr, layers in cases]
