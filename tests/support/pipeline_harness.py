@@ -65,7 +65,7 @@ def reference(family: str, layers: int) -> tuple[float, dict[str, torch.Tensor]]
     ids, labels = batch()
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
                          if p.grad is not None}
 
 
@@ -82,7 +82,10 @@ def one_step(family: str, schedule: str, stages_per_rank: int = 1,
     named = dict(pipe.named_parameters())
     errs = {fqn: rel_err(p.grad, ref_grads[fqn]) for fqn, p in named.items()}
     return {"loss_err": abs(loss.item() - ref_loss), "grad_err": max(errs.values()),
-            "params": sorted(named), "stages": [s.index for s in pipe.stages],
+            "params": sorted(named),
+            "aliases": sorted(n for m in pipe.modules
+                              for n, _ in m.named_parameters(remove_duplicate=False)),
+            "stages": [s.index for s in pipe.stages],
             "no_grad": [f for f, p in named.items() if p.grad is None]}
 
 

@@ -18,7 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from hyperrecipe.errors import PipelineError, PipelineUnsupportedError, UsageError
+from hyperrecipe.errors import (
+    HyperrecipeError,
+    PipelineError,
+    PipelineUnsupportedError,
+    UsageError,
+)
 from hyperrecipe.plan import PipelineStagePlan, Plan
 from hyperrecipe.rewriter import Rewrite, Rewritten
 from hyperrecipe.runtime.pipeline.grads import (
@@ -56,6 +61,19 @@ def _refuse_other_splits(plan: Plan, pp_dim: str) -> None:
                f"{pp_dim!r} (e.g. {split[0][0]}); pipeline x tensor parallel (pp x tp) is not "
                f"supported yet: compile the recipe for pipeline parallelism alone")
         raise PipelineUnsupportedError(msg)
+
+
+def _our_cause(exc: BaseException) -> HyperrecipeError | None:
+    """Our error under torch's wrapping (a stage forward's failure arrives as a RuntimeError
+    ``from`` it), so the caller catches the class and reads the message it was raised with."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, HyperrecipeError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 class Pipeline:
@@ -135,7 +153,13 @@ class Pipeline:
         schedule = self._schedule_for(kwargs)
         stashed = stash_tied(self._ties)
         losses: list[torch.Tensor] = []
-        schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        try:
+            schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        except RuntimeError as exc:
+            ours = _our_cause(exc)
+            if ours is None:
+                raise
+            raise ours from exc
         sum_tied(self._ties, stashed)
         loss = (torch.stack([x.detach() for x in losses]).sum() if losses
                 else torch.zeros((), dtype=torch.float32, device=self._device))
@@ -169,6 +193,7 @@ class Pipeline:
         loss_example = torch.zeros((), dtype=torch.float32, device=self._device)
         return PipelineStage(
             module, module.index, n, self._device,
+            # The first stage takes the model's inputs as keywords only: no positional example.
             input_args=None if module.index == 0 else torch.empty_like(example),
             output_args=loss_example if module.is_last else torch.empty_like(example),
             group=self._group,
