@@ -93,3 +93,54 @@ def schedules_worker(rank: int, world: int, family: str,
                      cases: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     return [one_step(family, s, spr, layers) for s, spr, layers in cases]
+
+
+def batch_of(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + k)
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[k % BATCH, : 2 + k % 5] = -100
+    return ids, labels
+
+
+EPS = 1e-6
+"""AdamW's eps: a gradient that is zero in exact arithmetic (GPT-2's key bias: softmax ignores
+it) is float noise of ~1e-9 in both runs, and at the default 1e-8 Adam turns each run's noise into
+a full +-lr step of its own sign."""
+
+
+def training_worker(rank: int, world: int, family: str, schedule: str, stages_per_rank: int,
+                    steps: int = 5, accumulate: int = 2, max_norm: float = 0.5,
+                    lr: float = 1e-3) -> dict[str, Any]:
+    """``steps`` AdamW steps, each over ``accumulate`` batches and clipped, pipelined and on one
+    process; the norms and losses of every step and the worst final parameter error."""
+    torch.set_num_threads(1)
+    ref = tiny(family)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=EPS)
+    model = tiny(family)
+    plan = pipeline_plan(model, layers=LAYERS.get(family, "model.layers"), schedule=schedule,
+                         stages_per_rank=stages_per_rank)
+    pipe = build_pipeline(model, plan, mesh())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=lr, eps=EPS)
+    out: dict[str, Any] = {"norms": [], "ref_norms": [], "losses": [], "ref_losses": []}
+    for step in range(steps):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for micro in range(accumulate):
+            ids, labels = batch_of(step * accumulate + micro)
+            ref_loss = ref(input_ids=ids, labels=labels).loss
+            ref_loss.backward()
+            out["ref_losses"].append(ref_loss.item())
+            out["losses"].append(pipe.step(input_ids=ids, labels=labels).item())
+        out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
+        out["norms"].append(pipe.clip_grad_norm_(max_norm).item())
+        ref_opt.step()
+        opt.step()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    # Adam moves an element by about lr per step at most: the error is measured against that
+    # bound (a parameter that starts at zero has no scale of its own).
+    errs = {n: (p.detach() - ref_params[n].detach()).abs().max().item() / (lr * steps)
+            for n, p in pipe.named_parameters()}
+    out["param_err"] = max(errs.values())
+    out["worst"] = max(errs, key=lambda n: errs[n])
+    return out
