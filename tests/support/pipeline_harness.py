@@ -144,3 +144,147 @@ def training_worker(rank: int, world: int, family: str, schedule: str, stages_pe
     out["param_err"] = max(errs.values())
     out["worst"] = max(errs, key=lambda n: errs[n])
     return out
+
+
+class ToyBlock(nn.Module):
+    """A residual block; returns ``(hidden, bias)``: the bias it was given, or its own when
+    ``makes_bias`` (T5's position bias: computed by the first layer, passed to the rest)."""
+
+    def __init__(self, hidden: int, makes_bias: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+        self.makes_bias = makes_bias
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if self.makes_bias:
+            bias = torch.tanh(self.lin.bias) + torch.zeros_like(x)
+        y = x + torch.tanh(self.lin(x))
+        return y if bias is None else y + bias, bias
+
+
+class Toy(nn.Module):
+    """embed -> 4 blocks -> head, returning logits; ``misuse`` breaks the stage contract:
+    ``head_early`` (a last module before the layers), ``embed_late`` (a first module inside
+    the layers), ``bias`` (the first layer's bias handed to every later layer)."""
+
+    def __init__(self, misuse: str = "", hidden: int = 32, vocab: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(ToyBlock(hidden, misuse == "bias" and i == 0)
+                                    for i in range(4))
+        self.head = nn.Linear(hidden, vocab)
+        self.misuse = misuse
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.misuse == "head_early":
+            h = h + self.head(h)[..., : h.shape[-1]]
+        bias = None
+        for i, layer in enumerate(self.layers):
+            if self.misuse == "embed_late" and i == 3:
+                h = h + self.embed(input_ids)
+            h, bias = layer(h, bias=bias)
+        logits: torch.Tensor = self.head(h)
+        return logits
+
+
+def toy_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def toy(misuse: str = "", device: str = "cpu") -> Toy:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Toy(misuse)
+
+
+def misuse_worker(rank: int, world: int, misuse: str) -> None:
+    torch.set_num_threads(1)
+    model = toy(misuse)
+    pipe = build_pipeline(model, pipeline_plan(model, layers="layers"), mesh(),
+                          loss_fn=toy_loss)
+    ids, _ = batch()
+    pipe.step(input_ids=ids, target=ids)
+
+
+def _untouched(model: nn.Module, before: dict[str, int]) -> bool:
+    from hyperrecipe.runtime.pipeline.placeholder import StagePlaceholder
+
+    now = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    return (now == before and not any(isinstance(m, StagePlaceholder) for m in model.modules())
+            and not any("forward" in vars(m) for m in model.modules()))
+
+
+def contract_worker(rank: int, world: int) -> dict[str, Any]:
+    """The checks that leave the group usable, on one group: refusals at build time (and the
+    model left as it was), the loss_fn route, a model built on meta."""
+    import attrs
+
+    from hyperrecipe.errors import PipelineError, PipelineUnsupportedError
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    dev_mesh = mesh()
+    model = tiny("llama")
+    before = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    plan = pipeline_plan(model, tp_split="model.layers.0.mlp.up_proj.weight")
+    try:
+        build_pipeline(model, plan, dev_mesh)
+    except PipelineUnsupportedError as exc:
+        out["pp_tp"] = str(exc)
+    out["pp_tp_untouched"] = _untouched(model, before)
+    plan = pipeline_plan(model)
+    assert plan.pipeline is not None
+    loose = attrs.evolve(plan, pipeline=attrs.evolve(plan.pipeline, last=("lm_head",)))
+    try:  # model.norm is in no list: refused on every rank before anything changes
+        build_pipeline(model, loose, dev_mesh)
+    except PipelineError as exc:
+        out["loose"] = str(exc)
+    out["loose_untouched"] = _untouched(model, before)
+    stages = list(plan.pipeline.stages)
+    stages[0] = attrs.evolve(stages[0], params=stages[0].params[1:])
+    wrong = attrs.evolve(plan, pipeline=attrs.evolve(plan.pipeline, stages=tuple(stages)))
+    if rank == 0:  # stage 0's parameters differ: found after the placeholders went in
+        try:
+            build_pipeline(model, wrong, dev_mesh)
+        except PipelineError as exc:
+            out["rollback"] = str(exc)
+        out["rollback_untouched"] = _untouched(model, before)
+
+    # loss_fn: a model without labels; equal microbatches, so the mean of means is exact
+    ref = toy()
+    ids, _ = batch()
+    ref_loss = toy_loss(ref(ids), ids)
+    ref_loss.backward()
+    model_t = toy()
+    pipe = build_pipeline(model_t, pipeline_plan(model_t, layers="layers"), dev_mesh,
+                          loss_fn=toy_loss)
+    loss = pipe.step(input_ids=ids, target=ids)
+    ref_grads = dict(ref.named_parameters())
+    out["loss_fn_loss_err"] = abs(loss.item() - ref_loss.item())
+    out["loss_fn_grad_err"] = max(rel_err(p.grad, ref_grads[n].grad)
+                                  for n, p in pipe.named_parameters())
+
+    # a model on meta: the rank's own parameters and buffers get storage, the caller loads them
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama",
+                                                                          **TINY["llama"]))
+    pipe = build_pipeline(meta_model, pipeline_plan(meta_model), dev_mesh)
+    out["meta_on_cpu"] = all(not p.is_meta for p in pipe.parameters())
+    ref_model = tiny("llama")
+    ref_params = dict(ref_model.named_parameters())
+    ref_buffers = dict(ref_model.named_buffers())
+    with torch.no_grad():
+        for n, p in pipe.named_parameters():
+            p.copy_(ref_params[n])
+        for module in pipe.modules:
+            for n, b in module.named_buffers():
+                b.copy_(ref_buffers[n])
+    ids, labels = batch()
+    loss = pipe.step(input_ids=ids, labels=labels)
+    ref_loss2, ref_grads2 = reference("llama", 4)
+    out["meta_loss_err"] = abs(loss.item() - ref_loss2)
+    out["meta_grad_err"] = max(rel_err(p.grad, ref_grads2[n]) for n, p in pipe.named_parameters())
+    return out

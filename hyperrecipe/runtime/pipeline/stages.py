@@ -165,6 +165,20 @@ def _owned_param_ids(model: nn.Module, pipeline: PipelinePlan,
     return {id(named[fqn]) for fqn in stage.params}
 
 
+def _check_coverage(model: nn.Module, pipeline: PipelinePlan) -> None:
+    """Every parameter lives in the split list or in a ``first``/``last`` module: one outside
+    them would run on every stage with a copy per rank, and train as several weights."""
+    owners = (f"{pipeline.layers}.", *(f"{m}." for m in (*pipeline.first, *pipeline.last)))
+    loose = [n for n, _ in model.named_parameters(remove_duplicate=False)
+             if not n.startswith(owners)]
+    if loose:
+        msg = (f"parameters {loose[:5]} are outside the pipeline's split list "
+               f"{pipeline.layers!r} and in no module of pipeline.first "
+               f"{list(pipeline.first)} or pipeline.last {list(pipeline.last)}: declare their "
+               f"module in one of them")
+        raise PipelineError(msg)
+
+
 def _check_ownership(module: nn.Module, stage: PipelineStagePlan) -> None:
     """After placeholders went in, the stage holds exactly the parameters the plan gives it."""
     held = {n for n, _ in module.named_parameters(remove_duplicate=False)}
@@ -220,6 +234,7 @@ def build_stage_modules(tx: Rewrite, model: nn.Module, pipeline: PipelinePlan, p
     _layer_list(model, pipeline)
     for fqn in (*pipeline.first, *pipeline.last):
         _submodule(model, fqn, "module")
+    _check_coverage(model, pipeline)
     meta = meta_copy(model)
     owned = [_owned_param_ids(model, pipeline, s) for s in local]
     # Copies first, while the live model is whole; the first stage keeps the live model.
