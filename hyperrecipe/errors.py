@@ -53,6 +53,7 @@ __all__ = [
     "RewriteError",
     "SelectorError",
     "SourceSpan",
+    "StageDone",
     "StageBoundaryError",
     "StepFailed",
     "SuggestError",
@@ -412,6 +413,20 @@ class RankFailedError(HyperrecipeError, RuntimeError):
         self.rank_traceback = rank_traceback
         self.unfinished = unfinished
         super().__init__(message)
+
+
+class StageDone(BaseException):  # noqa: N818 - control flow, not an error
+    """A pipeline stage's last layer ran: the stage's exit raises this to end the model's own
+    forward there, carrying the hidden states to send (``output``). The stage module catches
+    it; it never reaches a caller.
+
+    Deliberately outside :class:`HyperrecipeError` and ``Exception``: it passes through the
+    model's forward, whose own ``except Exception`` must not swallow it.
+    """
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline stage finished")
+        self.output = output
 
 
 class DeadlinePassed(BaseException):

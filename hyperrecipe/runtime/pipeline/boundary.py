@@ -3,7 +3,7 @@
 The entry is the first owned layer's forward: it swaps the hidden states received from the
 previous stage in for the placeholder zeros the model computed, refuses a placeholder's zeros in
 any other argument, and marks the stage as inside its layers. The exit is the last owned layer's
-forward: it runs the layer and stops the model's forward with :class:`StageDone`, carrying the
+forward: it runs the layer and stops the model's forward with :class:`~hyperrecipe.errors.StageDone`, carrying the
 hidden states to send. Both are one replacement forward per layer, installed by the rewriter
 (a stage of one layer is entry and exit at once); nothing here assigns ``forward`` itself.
 """
@@ -17,19 +17,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hyperrecipe.errors import PipelineError, StageBoundaryError
+from hyperrecipe.errors import PipelineError, StageBoundaryError, StageDone
 from hyperrecipe.runtime.pipeline.placeholder import StageRun
 
-__all__ = ["StageDone", "edge_forward", "hidden_states_of"]
-
-
-class StageDone(Exception):  # noqa: N818 - control flow, not an error
-    """Raised by the exit to end the model's forward after the stage's last layer; the stage
-    module catches it. Private to the pipeline: it never reaches a caller."""
-
-    def __init__(self, output: torch.Tensor) -> None:
-        super().__init__("pipeline stage finished")
-        self.output = output
+__all__ = ["edge_forward", "hidden_states_of"]
 
 
 def hidden_states_of(output: Any, fqn: str) -> torch.Tensor:

@@ -17,10 +17,10 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from hyperrecipe.errors import PipelineError, did_you_mean
+from hyperrecipe.errors import PipelineError, StageDone, did_you_mean
 from hyperrecipe.plan import PipelinePlan, PipelineStagePlan
 from hyperrecipe.rewriter import Rewrite
-from hyperrecipe.runtime.pipeline.boundary import StageDone, edge_forward
+from hyperrecipe.runtime.pipeline.boundary import edge_forward
 from hyperrecipe.runtime.pipeline.placeholder import Side, StagePlaceholder, StageRun
 
 __all__ = ["LOSS_KEYS", "TARGET_KEY", "LossFn", "StageModule", "build_stage_modules"]
@@ -79,7 +79,8 @@ class StageModule(nn.Module):
         try:
             out = self.model(**inputs)
         except StageDone as done:
-            return done.output
+            hidden: torch.Tensor = done.output
+            return hidden
         finally:
             run.end()
         if not self.is_last or run.probing:
