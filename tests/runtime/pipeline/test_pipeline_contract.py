@@ -19,6 +19,7 @@ def contract() -> list[dict[str, Any]]:
     return run_ranks(contract_worker, 2, timeout_s=180)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_pipeline_with_tensor_parallel_is_refused_by_name(contract: list[dict[str, Any]]) -> None:
     for r in contract:
         assert r["pp_tp"] == (
@@ -28,6 +29,7 @@ def test_pipeline_with_tensor_parallel_is_refused_by_name(contract: list[dict[st
         assert r["pp_tp_untouched"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_parameter_outside_the_split_and_the_lists_is_refused_on_every_rank(
         contract: list[dict[str, Any]]) -> None:
     for r in contract:
@@ -38,6 +40,7 @@ def test_a_parameter_outside_the_split_and_the_lists_is_refused_on_every_rank(
         assert r["loose_untouched"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_build_failing_midway_leaves_the_model_as_it_was(
         contract: list[dict[str, Any]]) -> None:
     assert contract[0]["rollback"].startswith(
@@ -46,6 +49,7 @@ def test_a_build_failing_midway_leaves_the_model_as_it_was(
     assert contract[0]["rollback_untouched"]
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_loss_fn_for_a_model_without_labels_gives_the_full_batch_mean(
         contract: list[dict[str, Any]]) -> None:
     for r in contract:
@@ -53,6 +57,7 @@ def test_a_loss_fn_for_a_model_without_labels_gives_the_full_batch_mean(
         assert r["loss_fn_grad_err"] <= RTOL
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_model_built_on_meta_gets_storage_for_its_own_stage_only(
         contract: list[dict[str, Any]]) -> None:
     for r in contract:
@@ -67,6 +72,7 @@ def _failure(misuse: str) -> str:
     return str(info.value)
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_last_module_called_before_the_layers_names_module_and_stage() -> None:
     msg = _failure("head_early")
     assert ("StageBoundaryError: head belongs to a later pipeline stage but was called on "
@@ -74,6 +80,7 @@ def test_a_last_module_called_before_the_layers_names_module_and_stage() -> None
     assert "declare it in the recipe's pipeline.first" in msg
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_first_module_called_inside_the_stage_names_module_and_stage() -> None:
     msg = _failure("embed_late")
     assert ("StageBoundaryError: embed belongs to an earlier pipeline stage but was called on "
@@ -81,6 +88,7 @@ def test_a_first_module_called_inside_the_stage_names_module_and_stage() -> None
     assert "declare it in the recipe's pipeline.last" in msg
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_placeholder_output_reaching_the_first_layer_besides_hidden_states_is_refused() -> None:
     msg = _failure("bias")
     assert ("StageBoundaryError: layers.2, the first layer of pipeline stage 1, got an argument "

@@ -27,6 +27,7 @@ CASES: dict[str, list[tuple[str, int, int]]] = {
 }
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_pipelined_loss_and_every_gradient_match_one_process(family: str) -> None:
     cases = CASES[family]
@@ -44,6 +45,7 @@ def test_pipelined_loss_and_every_gradient_match_one_process(family: str) -> Non
             assert r["grad_err"] <= RTOL, (what, r["grad_err"])
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_tied_embedding_lives_on_both_ends_and_is_counted_in_one_place() -> None:
     # GPT-2 ties transformer.wte.weight to lm_head.weight: stage 0 holds the one, the last
     # stage the other (GPipe: ranks 0 and 1; ZBV: both on rank 0, one shared tensor).

@@ -17,6 +17,7 @@ from hyperrecipe.check.launcher import run_ranks
 from tests.support.pipeline_harness import training_worker
 
 
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 @pytest.mark.parametrize(("family", "schedule", "per_rank"),
                          [("gpt2", "1F1B", 1), ("gpt2", "ZBVZeroBubble", 2),
                           ("llama", "Interleaved1F1B", 2)])
