@@ -164,7 +164,8 @@ class ToyBlock(nn.Module):
 
 class Toy(nn.Module):
     """embed -> 4 blocks -> head, returning logits; ``misuse`` breaks the stage contract:
-    ``head_early`` (a last module before the layers), ``embed_late`` (a first module inside
+    ``head_early`` (a last module before the layers), ``layer_early`` (the last layer before
+    the others), ``embed_late`` (a first module inside
     the layers), ``bias`` (the first layer's bias handed to every later layer)."""
 
     def __init__(self, misuse: str = "", hidden: int = 32, vocab: int = 128) -> None:
@@ -179,6 +180,8 @@ class Toy(nn.Module):
         h = self.embed(input_ids)
         if self.misuse == "head_early":
             h = h + self.head(h)[..., : h.shape[-1]]
+        if self.misuse == "layer_early":
+            h = self.layers[3](h)[0]
         bias = None
         for i, layer in enumerate(self.layers):
             if self.misuse == "embed_late" and i == 3:

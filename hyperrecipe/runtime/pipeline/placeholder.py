@@ -64,11 +64,6 @@ class StageRun:
         return bool(tensor.numel()) and tensor.untyped_storage().data_ptr() in self.produced
 
 
-def _fallback_hint(side: Side) -> str:
-    field = "pipeline.first" if side == "before" else "pipeline.last"
-    return f"declare it in the recipe's {field}, or move the split"
-
-
 class StagePlaceholder(nn.Module):
     """Stands in for ``fqn``, a module of another stage, on stage ``run.stage``.
 
@@ -78,23 +73,25 @@ class StagePlaceholder(nn.Module):
             tied parameter with an owned module). Held outside ``_modules`` so it is neither a
             submodule nor moved by ``.to``/``to_empty``.
         side: where the module runs relative to the stage (:data:`Side`).
+        owner: the stage that owns it, in words (``"stage 1 (pipeline.last)"``), for messages.
         run: the stage's call state.
         like_input: when the meta copy cannot run (an op without a meta kernel), return zeros
             shaped like the first tensor argument: true for layers of the split list, whose
             contract is hidden states in, hidden states of the same shape out.
     """
 
-    def __init__(self, fqn: str, meta: nn.Module, side: Side, run: StageRun, *,
+    def __init__(self, fqn: str, meta: nn.Module, side: Side, owner: str, run: StageRun, *,
                  like_input: bool) -> None:
         super().__init__()
         self.fqn = fqn
         self.side: Side = side
+        self.owner = owner
         self.like_input = like_input
         object.__setattr__(self, "_hr_meta", meta)
         object.__setattr__(self, "_hr_run", run)
 
     def extra_repr(self) -> str:
-        return f"{self.fqn!r}, runs {self.side} stage {self._run.stage}"
+        return f"{self.fqn!r} of {self.owner}, runs {self.side} stage {self._run.stage}"
 
     @property
     def _run(self) -> StageRun:
@@ -104,15 +101,17 @@ class StagePlaceholder(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._run
         if self.side == "after":
-            msg = (f"{self.fqn} belongs to a later pipeline stage but was called on stage "
-                   f"{run.stage}, which stops after its last layer; a module the model calls "
-                   f"before or inside this stage's layers must live on this stage: "
-                   f"{_fallback_hint('before')}")
+            msg = (f"{self.fqn} belongs to pipeline {self.owner} but was called on stage "
+                   f"{run.stage}, which stops after its last layer: the model uses it before "
+                   f"or inside this stage's layers, so it cannot live on a later stage; "
+                   f"declare it in the recipe's pipeline.first (stage 0 owns those), or move "
+                   f"the split")
             raise StageBoundaryError(msg)
         if run.phase == "inside":
-            msg = (f"{self.fqn} belongs to an earlier pipeline stage but was called on stage "
-                   f"{run.stage} after its first layer started: the model uses it on the wrong "
-                   f"side of the split; {_fallback_hint('after')}")
+            msg = (f"{self.fqn} belongs to pipeline {self.owner} but was called on stage "
+                   f"{run.stage} after that stage's first layer started: the model uses it on "
+                   f"the wrong side of the split, where its output would matter; declare it in "
+                   f"the recipe's pipeline.last (the last stage owns those), or move the split")
             raise StageBoundaryError(msg)
         out = self._shape_of(args, kwargs)
         for leaf in pytree.tree_leaves(out):

@@ -161,7 +161,7 @@ class Pipeline:
                 raise
             raise ours from exc
         sum_tied(self._ties, stashed)
-        loss = (torch.stack([x.detach() for x in losses]).sum() if losses
+        loss = (torch.stack([x.detach().float() for x in losses]).sum() if losses
                 else torch.zeros((), dtype=torch.float32, device=self._device))
         dist.broadcast(loss, src=self._loss_src, group=self._group)
         return loss

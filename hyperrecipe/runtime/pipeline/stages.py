@@ -143,15 +143,19 @@ def _layer_list(model: nn.Module, pipeline: PipelinePlan) -> nn.ModuleList:
     return layers
 
 
-def _elsewhere(pipeline: PipelinePlan, stage: PipelineStagePlan) -> list[tuple[str, Side, bool]]:
-    """(FQN, side, is a layer) of every module this stage does not own."""
-    out: list[tuple[str, Side, bool]] = []
+def _elsewhere(pipeline: PipelinePlan,
+               stage: PipelineStagePlan) -> list[tuple[str, Side, str, bool]]:
+    """(FQN, side, owning stage in words, is a layer) of every module this stage does not own."""
+    last = len(pipeline.stages) - 1
+    owner_of = {i: s.index for s in pipeline.stages for i in range(s.start, s.stop)}
+    out: list[tuple[str, Side, str, bool]] = []
     if stage.index != 0:
-        out += [(fqn, "before", False) for fqn in pipeline.first]
-    out += [(f"{pipeline.layers}.{i}", "before" if i < stage.start else "after", True)
+        out += [(fqn, "before", "stage 0 (pipeline.first)", False) for fqn in pipeline.first]
+    out += [(f"{pipeline.layers}.{i}", "before" if i < stage.start else "after",
+             f"stage {owner_of.get(i, '?')}", True)
             for i in range(pipeline.num_layers) if not stage.start <= i < stage.stop]
-    if stage.index != len(pipeline.stages) - 1:
-        out += [(fqn, "after", False) for fqn in pipeline.last]
+    if stage.index != last:
+        out += [(fqn, "after", f"stage {last} (pipeline.last)", False) for fqn in pipeline.last]
     return out
 
 
@@ -249,10 +253,11 @@ def _install_stage(tx: Rewrite, target: nn.Module, meta: nn.Module, pipeline: Pi
                    loss_fn: LossFn | None) -> StageModule:
     label = f"stage {stage.index}: "
     run = StageRun(stage.index)
-    for fqn, side, is_layer in _elsewhere(pipeline, stage):
+    for fqn, side, owner, is_layer in _elsewhere(pipeline, stage):
         parent_fqn, _, name = fqn.rpartition(".")
         parent = target.get_submodule(parent_fqn)
-        holder = StagePlaceholder(fqn, meta.get_submodule(fqn), side, run, like_input=is_layer)
+        holder = StagePlaceholder(fqn, meta.get_submodule(fqn), side, owner, run,
+                                  like_input=is_layer)
         tx.set_item(parent._modules, name, holder, fqn=f"{label}{fqn}")
     _check_ownership(target, stage)
     is_last = stage.index == len(pipeline.stages) - 1

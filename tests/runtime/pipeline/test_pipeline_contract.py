@@ -75,17 +75,19 @@ def _failure(misuse: str) -> str:
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_last_module_called_before_the_layers_names_module_and_stage() -> None:
     msg = _failure("head_early")
-    assert ("StageBoundaryError: head belongs to a later pipeline stage but was called on "
-            "stage 0, which stops after its last layer") in msg
-    assert "declare it in the recipe's pipeline.first" in msg
+    assert ("StageBoundaryError: head belongs to pipeline stage 1 (pipeline.last) but was "
+            "called on stage 0, which stops after its last layer: the model uses it before or "
+            "inside this stage's layers, so it cannot live on a later stage; declare it in the "
+            "recipe's pipeline.first (stage 0 owns those), or move the split") in msg
 
 
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_first_module_called_inside_the_stage_names_module_and_stage() -> None:
     msg = _failure("embed_late")
-    assert ("StageBoundaryError: embed belongs to an earlier pipeline stage but was called on "
-            "stage 1 after its first layer started") in msg
-    assert "declare it in the recipe's pipeline.last" in msg
+    assert ("StageBoundaryError: embed belongs to pipeline stage 0 (pipeline.first) but was "
+            "called on stage 1 after that stage's first layer started: the model uses it on the "
+            "wrong side of the split, where its output would matter; declare it in the recipe's "
+            "pipeline.last (the last stage owns those), or move the split") in msg
 
 
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
@@ -94,3 +96,10 @@ def test_a_placeholder_output_reaching_the_first_layer_besides_hidden_states_is_
     assert ("StageBoundaryError: layers.2, the first layer of pipeline stage 1, got an argument "
             "computed by another stage's module") in msg
     assert "pipeline.first" in msg
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_a_later_stages_layer_called_early_names_module_and_stage() -> None:
+    msg = _failure("layer_early")
+    assert ("StageBoundaryError: layers.3 belongs to pipeline stage 1 but was called on stage 0, "
+            "which stops after its last layer") in msg
