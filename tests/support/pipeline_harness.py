@@ -275,7 +275,15 @@ def contract_worker(rank: int, world: int) -> dict[str, Any]:
         meta_model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama",
                                                                           **TINY["llama"]))
     pipe = build_pipeline(meta_model, pipeline_plan(meta_model), dev_mesh)
+    from hyperrecipe.runtime.pipeline.placeholder import StagePlaceholder
+
     out["meta_on_cpu"] = all(not p.is_meta for p in pipe.parameters())
+    holders = [m for module in pipe.modules for m in module.modules()
+               if isinstance(m, StagePlaceholder)]
+    out["placeholders_hold_no_storage"] = bool(holders) and all(
+        t.is_meta for h in holders for t in h.__dict__["_hr_meta"].parameters())
+    mine = {f for s in pipe.stages for f in s.params}
+    out["holds_only_its_stage"] = {n for n, _ in pipe.named_parameters()} == mine
     ref_model = tiny("llama")
     ref_params = dict(ref_model.named_parameters())
     ref_buffers = dict(ref_model.named_buffers())

@@ -62,6 +62,8 @@ def test_a_model_built_on_meta_gets_storage_for_its_own_stage_only(
         contract: list[dict[str, Any]]) -> None:
     for r in contract:
         assert r["meta_on_cpu"]
+        assert r["placeholders_hold_no_storage"]
+        assert r["holds_only_its_stage"]
         assert r["meta_loss_err"] <= 1e-5
         assert r["meta_grad_err"] <= RTOL
 
