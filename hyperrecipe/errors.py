@@ -35,6 +35,8 @@ __all__ = [
     "ModeError",
     "ModelSpecError",
     "PatternError",
+    "PipelineError",
+    "PipelineUnsupportedError",
     "PatternSyntaxError",
     "PlacementError",
     "PlacementMismatchError",
@@ -51,6 +53,8 @@ __all__ = [
     "RewriteError",
     "SelectorError",
     "SourceSpan",
+    "StageDone",
+    "StageBoundaryError",
     "StepFailed",
     "SuggestError",
     "SwitchIncompleteError",
@@ -275,6 +279,23 @@ class ValidateShardingError(HyperrecipeError, RuntimeError):
         super().__init__(message)
 
 
+class PipelineError(HyperrecipeError, RuntimeError):
+    """A pipeline could not be built from its plan, or a step broke the stage contract (a
+    stage that never reached its last layer, a plan whose stage ranks differ from the
+    schedule's)."""
+
+
+class PipelineUnsupportedError(PipelineError, NotImplementedError):
+    """The plan asks for a pipeline combination the runtime does not run yet (pipeline
+    together with parameters split over another mesh dim)."""
+
+
+class StageBoundaryError(PipelineError):
+    """A module was used on the wrong side of a pipeline stage split: another stage's module
+    was called where its output would matter. The message names the module, the stage and
+    the recipe field (``pipeline.first`` / ``pipeline.last``) that would fix it."""
+
+
 class ModeError(HyperrecipeError, ValueError):
     """``apply`` was given a mode that is neither ``"production"`` nor ``"validate"``."""
 
@@ -392,6 +413,20 @@ class RankFailedError(HyperrecipeError, RuntimeError):
         self.rank_traceback = rank_traceback
         self.unfinished = unfinished
         super().__init__(message)
+
+
+class StageDone(BaseException):  # noqa: N818 - control flow, not an error
+    """A pipeline stage's last layer ran: the stage's exit raises this to end the model's own
+    forward there, carrying the hidden states to send (``output``). The stage module catches
+    it; it never reaches a caller.
+
+    Deliberately outside :class:`HyperrecipeError` and ``Exception``: it passes through the
+    model's forward, whose own ``except Exception`` must not swallow it.
+    """
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline stage finished")
+        self.output = output
 
 
 class DeadlinePassed(BaseException):

@@ -108,6 +108,8 @@ def test_apply_refuses_an_unknown_mode_before_touching_the_model() -> None:
 OUTSIDE_THE_ROOT = {
     "DeadlinePassed": "check's SIGALRM deadline is raised inside user code and must get past "
                       "its `except Exception`; parent_deadline turns it into a CheckError",
+    "StageDone": "a pipeline stage's exit ends the model's own forward with it; the model's "
+                 "`except Exception` must not swallow it, and the stage module catches it",
 }
 """Exceptions in errors.py that derive from ``BaseException`` but not ``HyperrecipeError`` (nor
 ``Exception``), each with its reason. Nothing else may."""
@@ -192,6 +194,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
     "state": {"comm", "preflight"},
+    "pipeline": set(),
 }
 
 

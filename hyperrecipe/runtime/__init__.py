@@ -18,6 +18,8 @@ Below it, one room per trade; each room's ``__init__`` says what it owns and wha
   the loss on vocab shards.
 - ``grads/``: gradient buckets, the norm of the full gradients and clipping, the DDP guard,
   validate mode's optimizer-kernel refusal.
+- ``pipeline/``: pipeline parallelism, one rank's stages of a plan's ``pipeline`` section run by
+  a torch schedule (``build_pipeline``, ``Pipeline``); it imports no other room.
 - ``state/``: the front ``inst.state`` (``TrainingState``), live parameters, loading weights,
   DCP state dicts and hooks, export, the integrity records of state files, materializing
   after a meta apply.
@@ -56,6 +58,7 @@ from hyperrecipe.runtime.installation import (
     leave_together,
 )
 from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
+from hyperrecipe.runtime.pipeline import Pipeline, build_pipeline
 from hyperrecipe.runtime.state.dcp_reader import trusted_reader
 from hyperrecipe.runtime.state.front import StatusRow, TrainingState
 from hyperrecipe.runtime.state.integrity import is_committed
@@ -65,7 +68,7 @@ __all__ = [
     # what a trainer uses
     "PRODUCTION", "VALIDATE", "Installation", "Mode", "ModeName", "StatusRow", "TrainingState",
     "apply", "as_mode", "data_parallel", "fully_shard_data_parallel", "is_committed",
-    "leave_together", "vocab_parallel_cross_entropy",
+    "leave_together", "vocab_parallel_cross_entropy", "Pipeline", "build_pipeline",
     "VocabShardedLogits", "trusted_reader",
     # what the tools above the runtime read (check, verify, simulate, the trainers' own
     # initializers): shard math, the mesh dim groups, a boundary's declared values

@@ -1,0 +1,22 @@
+"""Pipeline parallelism at run time: one rank's stages of a plan's ``pipeline`` section, run by
+a :mod:`torch.distributed.pipelining` schedule.
+
+- ``run``: the trainer's seam, :func:`build_pipeline` and the :class:`Pipeline` handle (step,
+  parameters, the global gradient norm, restore).
+- ``stages``: which modules a stage owns, the skeleton copies for a rank's further stages, the
+  stage module torch runs.
+- ``placeholder``: another stage's module as this stage sees it (meta shapes, zeros, loud
+  misuse); ``boundary``: the entry and exit forwards of a stage's first and last layer.
+- ``schedule``: the plan's schedule name as a torch schedule; ``grads``: ties across stages and
+  the norm.
+
+What does not live here: deciding the split or the stage ranks (the resolver writes them into
+the plan; this package reads them, never recomputes them), the torch-free schedule simulator
+(:mod:`hyperrecipe.pipeline.schedule`), and any direct ``forward`` assignment (the rewriter
+installs the stage edges and the placeholders). Pipeline together with tensor parallelism is
+refused by name for now. This room imports no other room of the runtime.
+"""
+
+from hyperrecipe.runtime.pipeline.run import Pipeline, build_pipeline
+
+__all__ = ["Pipeline", "build_pipeline"]

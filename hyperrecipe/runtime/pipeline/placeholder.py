@@ -1,0 +1,143 @@
+"""Another stage's module, as this stage sees it: a shape, never a weight.
+
+Each rank runs the model's own top-level forward, so the code between layers (masks, positions,
+the loop over the split list) is the model's and needs no porting. The modules that belong to
+other stages still get called by that forward; :class:`StagePlaceholder` stands in for them. It
+runs a meta copy of the module (no storage) to learn the output's structure and shapes and returns
+zeros of that structure on the stage's device. The zeros are never used as data: the stage entry
+swaps the received hidden states in, and :class:`StageRun` makes every other use loud.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hyperrecipe.errors import StageBoundaryError
+
+__all__ = ["Side", "StagePlaceholder", "StageRun"]
+
+Side = Literal["before", "after"]
+"""Where a placeholder's module runs relative to the stage: ``before`` its first owned layer
+(``pipeline.first`` modules, earlier layers) or ``after`` its last one (``pipeline.last``
+modules, later layers)."""
+
+Phase = Literal["idle", "before", "inside"]
+
+
+class StageRun:
+    """The state of one stage's forward call, shared by its placeholders and its entry/exit.
+
+    ``phase`` moves ``before`` -> ``inside`` when the first owned layer starts; ``produced``
+    holds the storages of every placeholder output of this call, so the entry can tell a
+    placeholder's zeros that reach it through an argument other than the hidden states.
+    """
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.phase: Phase = "idle"
+        self.received: torch.Tensor | None = None
+        self.produced: set[int] = set()
+        self.probing = False
+        """A probe call stops at the first owned layer and returns its hidden states, whose
+        shape is what crosses every stage boundary (the static example for torch's stages)."""
+
+    def begin(self, received: torch.Tensor | None) -> None:
+        self.phase = "before"
+        self.received = received
+        self.produced = set()
+
+    def end(self) -> None:
+        self.phase = "idle"
+        self.received = None
+        self.produced = set()
+
+    def note(self, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            self.produced.add(tensor.untyped_storage().data_ptr())
+
+    def made_here(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.numel()) and tensor.untyped_storage().data_ptr() in self.produced
+
+
+class StagePlaceholder(nn.Module):
+    """Stands in for ``fqn``, a module of another stage, on stage ``run.stage``.
+
+    Args:
+        fqn: the module's FQN in the original model.
+        meta: a meta-device copy of the module (never the live one: a live module may share a
+            tied parameter with an owned module). Held outside ``_modules`` so it is neither a
+            submodule nor moved by ``.to``/``to_empty``.
+        side: where the module runs relative to the stage (:data:`Side`).
+        owner: the stage that owns it, in words (``"stage 1 (pipeline.last)"``), for messages.
+        run: the stage's call state.
+        like_input: when the meta copy cannot run (an op without a meta kernel), return zeros
+            shaped like the first tensor argument: true for layers of the split list, whose
+            contract is hidden states in, hidden states of the same shape out.
+    """
+
+    def __init__(self, fqn: str, meta: nn.Module, side: Side, owner: str, run: StageRun, *,
+                 like_input: bool) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.side: Side = side
+        self.owner = owner
+        self.like_input = like_input
+        object.__setattr__(self, "_hr_meta", meta)
+        object.__setattr__(self, "_hr_run", run)
+
+    def extra_repr(self) -> str:
+        return f"{self.fqn!r} of {self.owner}, runs {self.side} stage {self._run.stage}"
+
+    @property
+    def _run(self) -> StageRun:
+        run: StageRun = self.__dict__["_hr_run"]
+        return run
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run = self._run
+        if self.side == "after":
+            msg = (f"{self.fqn} belongs to pipeline {self.owner} but was called on stage "
+                   f"{run.stage}, which stops after its last layer: the model uses it before "
+                   f"or inside this stage's layers, so it cannot live on a later stage; "
+                   f"declare it in the recipe's pipeline.first (stage 0 owns those), or move "
+                   f"the split")
+            raise StageBoundaryError(msg)
+        if run.phase == "inside":
+            msg = (f"{self.fqn} belongs to pipeline {self.owner} but was called on stage "
+                   f"{run.stage} after that stage's first layer started: the model uses it on "
+                   f"the wrong side of the split, where its output would matter; declare it in "
+                   f"the recipe's pipeline.last (the last stage owns those), or move the split")
+            raise StageBoundaryError(msg)
+        out = self._shape_of(args, kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                run.note(leaf)
+        return out
+
+    def _shape_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        device = next((x.device for x in pytree.tree_leaves((args, kwargs))
+                       if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        meta: Callable[..., Any] = self.__dict__["_hr_meta"]
+        to_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"),
+                                       (args, kwargs))
+        try:
+            with torch.no_grad():
+                out = meta(*to_meta[0], **to_meta[1])
+        except (RuntimeError, NotImplementedError):
+            if not self.like_input:
+                raise
+            first = next((x for x in pytree.tree_leaves((args, kwargs))
+                          if isinstance(x, torch.Tensor)), None)
+            if first is None:
+                raise
+            out = first.to("meta")
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device),
+            out,
+        )
