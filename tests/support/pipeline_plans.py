@@ -1,6 +1,6 @@
-"""A pipeline plan for tests, made from a model's registration order until the resolver writes
-one from a recipe: parameter-holding modules before the split list go to stage 0, those after it
-to the last stage, layers split evenly, stage ``i`` on rank ``i % pp`` (or V-shaped)."""
+"""Pipeline plans for the runtime tests: compiled from a recipe's ``pipeline`` section, as a
+user's are (:func:`pipeline_plan`); and one made by hand that also shards a parameter over a
+``tp`` dim the runtime has no tensor-parallel model for (:func:`_handmade_plan`)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,29 @@ def _holders(model: nn.Module, layers: str) -> tuple[list[str], list[str]]:
 def pipeline_plan(model: nn.Module, *, layers: str = "model.layers", pp: int = 2,
                   schedule: str = "GPipe", stages_per_rank: int = 1, microbatches: int = 4,
                   tp_split: str | None = None) -> Plan:
-    """A plan whose ``pipeline`` splits ``model``; ``tp_split`` names a parameter the plan also
-    shards over a ``tp`` mesh dim (for the refusal test)."""
+    """The plan ``hyperrecipe compile`` makes of a recipe whose only section is ``pipeline``
+    (the split balanced by parameter bytes, the resolver's default); ``tp_split`` names a
+    parameter a hand-made plan also shards over ``tp`` (for a refusal test)."""
+    if tp_split is not None:
+        return _handmade_plan(model, layers=layers, pp=pp, schedule=schedule,
+                              stages_per_rank=stages_per_rank, microbatches=microbatches,
+                              tp_split=tp_split)
+    import tempfile
+    from pathlib import Path
+
+    from tests.support.recipe_text import resolve_only
+
+    per_rank = f"  stages_per_rank: {stages_per_rank}\n" if stages_per_rank > 1 else ""
+    text = (f"recipe: test-pp\nversion: 1\nmesh: [pp]\npipeline:\n  layers: {layers}\n"
+            f"  schedule: {schedule}\n  microbatches: {microbatches}\n{per_rank}rules: []\n")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "pp.yaml"
+        path.write_text(text, encoding="utf-8")
+        return resolve_only(str(path), model, {"pp": pp})
+
+
+def _handmade_plan(model: nn.Module, *, layers: str, pp: int, schedule: str,
+                   stages_per_rank: int, microbatches: int, tp_split: str) -> Plan:
     num_layers = len(model.get_submodule(layers))  # type: ignore[arg-type]
     first, last = _holders(model, layers)
     n = pp * stages_per_rank
