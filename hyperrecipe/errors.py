@@ -415,13 +415,15 @@ class RankFailedError(HyperrecipeError, RuntimeError):
         super().__init__(message)
 
 
-class StageDone(BaseException):  # noqa: N818 - control flow, not an error
+class StageDone(HyperrecipeError, RuntimeError):  # noqa: N818 - control flow, not an error
     """A pipeline stage's last layer ran: the stage's exit raises this to end the model's own
     forward there, carrying the hidden states to send (``output``). The stage module catches
     it; it never reaches a caller.
 
-    Deliberately outside :class:`HyperrecipeError` and ``Exception``: it passes through the
-    model's forward, whose own ``except Exception`` must not swallow it.
+    An ``Exception``, so that torch runs the forward hooks registered ``always_call`` as it
+    unwinds the model's forward (the rewriter's function swaps scoped to a module's forward
+    put the function back there). A model whose own ``except Exception`` swallowed it would
+    run on past the stage's last layer into placeholders of later layers, which raise.
     """
 
     def __init__(self, output: Any) -> None:

@@ -108,8 +108,6 @@ def test_apply_refuses_an_unknown_mode_before_touching_the_model() -> None:
 OUTSIDE_THE_ROOT = {
     "DeadlinePassed": "check's SIGALRM deadline is raised inside user code and must get past "
                       "its `except Exception`; parent_deadline turns it into a CheckError",
-    "StageDone": "a pipeline stage's exit ends the model's own forward with it; the model's "
-                 "`except Exception` must not swallow it, and the stage module catches it",
 }
 """Exceptions in errors.py that derive from ``BaseException`` but not ``HyperrecipeError`` (nor
 ``Exception``), each with its reason. Nothing else may."""
@@ -194,7 +192,9 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
     "state": {"comm", "preflight"},
-    "pipeline": set(),
+    # the pipeline composes apply: beside tensor parallel each stage model is applied like any
+    # model (runtime/pipeline/beside.py), so it sits above the seam
+    "pipeline": {"install", "installation", "preflight"},
 }
 
 

@@ -16,6 +16,7 @@ import attrs
 from hyperrecipe.plan import (
     GradBucket,
     ManifestEntry,
+    ParamPlan,
     Plan,
     compute_fingerprint,
 )
@@ -61,8 +62,16 @@ def stage_view(plan: Plan, stages: Iterable[int], *, model_digest: str) -> Plan:
     owned = {f for st in pipe.stages if st.index in stages for f in st.params}
     # a tie to a parameter another stage owns is that stage's copy (the pipeline sums their
     # gradients): here the parameter stands alone
-    params = tuple(p if p.tied_to is None or p.tied_to in owned else attrs.evolve(p, tied_to=None)
-                   for p in plan.params if p.fqn in owned)
+    # and a parameter's DTensor placements, one per mesh dim, lose the pipeline dim's entry
+    at = plan.mesh_dims.index(pipe.mesh_dim)
+
+    def own(p: ParamPlan) -> ParamPlan:
+        dtensor = p.dtensor[:at] + p.dtensor[at + 1:] if len(p.dtensor) == len(plan.mesh) \
+            else p.dtensor
+        tied_to = p.tied_to if p.tied_to is None or p.tied_to in owned else None
+        return attrs.evolve(p, dtensor=dtensor, tied_to=tied_to)
+
+    params = tuple(own(p) for p in plan.params if p.fqn in owned)
     boundaries = tuple(b for b in plan.boundaries if _inside(b.fqn, units))
     kept = {b.fqn for b in boundaries}
     sizes = {p.fqn: _numel(p.local_shape) for p in params}

@@ -51,6 +51,7 @@ def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...],
     if pp == 1:
         return None
     _refuse_other_parallel_dims(spec, inp, params)
+    boundaries = tuple(boundaries)
     tree = inp.tree
     layers = _layers_module(spec, tree)
     num_layers = len(layers.children)
@@ -89,6 +90,7 @@ def plan_pipeline(inp: ResolveInput, params: tuple[ParamPlan, ...],
             index=index, rank=ranks[index], start=lo, stop=hi,
             modules=tuple(u for u in owned if u not in layers.children), params=fqns,
             param_bytes=sum(_param_bytes(tree, f) for f in fqns)))
+    _refuse_boundaries_on_stage_edges(spec, boundaries, layers.fqn, stage_plans)
     tied = _tied_across_stages(tree, stage_plans)
     width = _hidden_width(tree, layers)
     return PipelinePlan(
@@ -142,6 +144,24 @@ def _refuse_boundaries_across_units(spec: PipelineSpec, boundaries: Iterable[str
                 span=spec.span("layers"), path=spec.json_path("layers"),
                 hint="declare boundaries on modules inside the layers (attention, MLP) or on "
                      "the modules before and after them")
+
+
+def _refuse_boundaries_on_stage_edges(spec: PipelineSpec, boundaries: Iterable[str],
+                                      layers: str, stages: list[PipelineStagePlan]) -> None:
+    """A stage's first layer takes the hidden states received from the stage before and its
+    last hands them on: the pipeline installs those edges on the layers themselves, so neither
+    may be a boundary (sequence parallel's entry on ``layers.0`` is one)."""
+    edges = {f"{layers}.{s.start}": s.index for s in stages if s.index > 0}
+    edges.update({f"{layers}.{s.stop - 1}": s.index for s in stages[:-1]})
+    for fqn in boundaries:
+        if fqn in edges:
+            raise RecipeError(
+                f"pipeline: boundary {fqn!r} is where stage {edges[fqn]} receives or sends the "
+                f"hidden states; a stage edge cannot be a boundary yet",
+                span=spec.span("split") if isinstance(spec.split, tuple) else spec.span(),
+                path=spec.json_path("split"),
+                hint="move the boundary inside the layer (its attention or MLP), or choose a "
+                     "split (pipeline.split) whose stages do not start or end at it")
 
 
 def _layers_module(spec: PipelineSpec, tree: ModelTree) -> ModuleInfo:

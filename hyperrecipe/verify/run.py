@@ -111,6 +111,28 @@ def _own_lookup(plan: Plan, failure: Failure) -> str | None:
     return failure.named if failure.named in lookups else None
 
 
+def _verify_pipelined(model: nn.Module, plan: Plan, *, inputs: str | None,
+                      modes: Sequence[str], mesh: DeviceMesh | None) -> Plan:
+    """A pipelined plan's step is verified as its stages apply it: every stage's share at
+    once (the whole model), over the mesh without the pipeline dim. The split itself runs
+    nothing shapes could show wrong; ``check`` compares the pipelined step with one process."""
+    from hyperrecipe.pipeline.view import stage_view
+
+    pipe = plan.pipeline
+    assert pipe is not None
+    whole = stage_view(plan, (s.index for s in pipe.stages), model_digest=plan.model_digest)
+    dims = whole.mesh_dims
+    sub = None if mesh is None or not dims else (mesh[dims] if len(dims) > 1 else mesh[dims[0]])
+    verified = verify_plan(model, whole, inputs=inputs, modes=modes, mesh=sub)
+    assert verified.verification is not None
+    note = (f"verified as the pipeline's stages apply it: the whole model over "
+            f"{'x'.join(f'{d.name}={d.size}' for d in whole.mesh) or 'one rank'}, without "
+            f"the {pipe.mesh_dim} dim")
+    record = attrs.evolve(verified.verification,
+                          notes=(*verified.verification.notes, note))
+    return attrs.evolve(plan, verification=record).sealed()
+
+
 def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
                 modes: Sequence[str] = MODES, mesh: DeviceMesh | None = None) -> Plan:
     """Run one training step of ``plan`` on fake tensors in each of ``modes`` and return the
@@ -131,6 +153,8 @@ def verify_plan(model: nn.Module, plan: Plan, *, inputs: str | None = None,
     """
     from hyperrecipe.verify.step import float_grouped_experts, step_sample, uses_own_loss
 
+    if plan.pipeline is not None:
+        return _verify_pipelined(model, plan, inputs=inputs, modes=modes, mesh=mesh)
     refuse_sharded_outside_boundaries(plan)
     torch_version, transformers = library_versions()
     try:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from hyperrecipe.plan import PipelinePlan
 
-__all__ = ["TiedGrads", "clip_grad_norm", "stash_tied", "sum_tied", "tie_groups", "tied_grads"]
+__all__ = ["TiedGrads", "grad_norm", "local_grad", "scale_grads", "stash_tied", "sum_tied",
+           "tie_groups", "tied_grads"]
 
 
 @attrs.frozen(kw_only=True)
@@ -34,17 +35,31 @@ class TiedGrads:
     counted: bool
 
 
-def tie_groups(pipeline: PipelinePlan,
-               pp_global_ranks: Sequence[int]) -> tuple[dist.ProcessGroup | None, ...]:
-    """One process group per tie of the plan, over exactly the ranks holding a copy (``None``
-    when one rank holds them all). ``new_group`` is a collective over the default group: every
-    rank calls this, in plan order, before anything that could fail on one rank only."""
+def tie_groups(pipeline: PipelinePlan, columns: Sequence[Sequence[int]],
+               pp_group: dist.ProcessGroup) -> tuple[dist.ProcessGroup | None, ...]:
+    """One process group per tie of the plan, over exactly the ranks of this rank's pipeline
+    column holding a copy (``None`` when one rank holds them all).
+
+    ``columns`` lists the global ranks of every pipeline column of the mesh (one column without
+    another model-parallel dim; one per tensor-parallel coordinate beside it), each in pipeline
+    order. ``new_group`` is a collective over the default group, so every rank creates every
+    column's group, in plan order, before anything that could fail on one rank only; a tie
+    held by every rank of the column reuses ``pp_group``."""
     rank_of = {s.index: s.rank for s in pipeline.stages}
+    mine = dist.get_rank()
+    pp = len(columns[0])
     groups: list[dist.ProcessGroup | None] = []
     for tie in pipeline.tied:
         holders = sorted({rank_of[s] for s in tie.stages})
-        ranks = [pp_global_ranks[r] for r in holders]
-        groups.append(dist.new_group(ranks) if len(holders) > 1 else None)
+        chosen: dist.ProcessGroup | None = None
+        if len(holders) == pp and pp > 1:
+            chosen = pp_group
+        elif len(holders) > 1:
+            for column in columns:
+                group = dist.new_group([column[r] for r in holders])
+                if mine in column:
+                    chosen = group
+        groups.append(chosen)
     return tuple(groups)
 
 
@@ -81,22 +96,25 @@ def sum_tied(ties: Sequence[TiedGrads], stashed: Sequence[torch.Tensor | None]) 
             continue
         if tie.param.grad is None:
             tie.param.grad = torch.zeros_like(tie.param)
-        dist.all_reduce(tie.param.grad, group=tie.group)
+        dist.all_reduce(local_grad(tie.param.grad), group=tie.group)
         if old is not None:
             tie.param.grad.add_(old)
 
 
-def clip_grad_norm(params: Sequence[torch.nn.Parameter], uncounted: set[int], max_norm: float,
-                   group: dist.ProcessGroup) -> torch.Tensor:
-    """Clip this rank's gradients by the norm of the whole model's gradient.
+def local_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The tensor a collective works on: a DTensor gradient's (validate mode beside tensor
+    parallel) local shard, in place; a plain gradient itself. The copies of a tied weight on
+    two stages have the same placement, so their shards sum shard by shard."""
+    from torch.distributed.tensor import DTensor
 
-    The squares of every gradient are summed over the pipeline ranks (a tied weight only on the
-    rank that counts it: ``uncounted`` holds the ids of the others), and every local gradient
-    is scaled as :func:`torch.nn.utils.clip_grad_norm_` would scale the full model's.
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
-    Returns:
-        The total (pre-clip) norm, the same on every rank.
-    """
+
+def grad_norm(params: Sequence[torch.nn.Parameter], uncounted: set[int],
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient from this rank's whole (unsharded) gradients:
+    squares summed over the pipeline ranks, a tied weight only on the rank that counts it
+    (``uncounted`` holds the ids of the others). The same float32 scalar on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -104,8 +122,15 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], uncounted: set[int], ma
         if p.grad is not None and id(p) not in uncounted:
             total += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=group)
-    norm = total.sqrt().float()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
-    return norm
+    return total.sqrt().float()
+
+
+def scale_grads(params: Sequence[torch.nn.Parameter], norm: torch.Tensor,
+                max_norm: float) -> None:
+    """Scale every gradient as :func:`torch.nn.utils.clip_grad_norm_` scales the full model's
+    for ``norm``: by ``max_norm / (norm + 1e-6)`` when that is below 1 (shards and DTensors
+    alike: the coefficient is one number on every rank)."""
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef)

@@ -26,9 +26,13 @@ from hyperrecipe.errors import (
 )
 from hyperrecipe.plan import PipelineStagePlan, Plan
 from hyperrecipe.rewriter import Rewrite, Rewritten
+from hyperrecipe.runtime.installation import Installation
+from hyperrecipe.runtime.mode import ModeName
+from hyperrecipe.runtime.pipeline.beside import StageApplier, pp_columns, stage_grad_norm
 from hyperrecipe.runtime.pipeline.grads import (
     TiedGrads,
-    clip_grad_norm,
+    grad_norm,
+    scale_grads,
     stash_tied,
     sum_tied,
     tie_groups,
@@ -52,17 +56,6 @@ def _rank_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, backend.current_device())
 
 
-def _refuse_other_splits(plan: Plan, pp_dim: str) -> None:
-    split = sorted({(p.fqn, dim) for p in plan.params for dim in p.placement.mesh_dims
-                    if dim != pp_dim})
-    if split:
-        dims = sorted({dim for _, dim in split})
-        msg = (f"the plan splits parameters over mesh dim(s) {dims} as well as pipelining over "
-               f"{pp_dim!r} (e.g. {split[0][0]}); pipeline x tensor parallel (pp x tp) is not "
-               f"supported yet: compile the recipe for pipeline parallelism alone")
-        raise PipelineUnsupportedError(msg)
-
-
 def _our_cause(exc: BaseException) -> HyperrecipeError | None:
     """Our error under torch's wrapping (a stage forward's failure arrives as a RuntimeError
     ``from`` it), so the caller catches the class and reads the message it was raised with."""
@@ -84,8 +77,9 @@ class Pipeline:
     """
 
     def __init__(self, *, plan: Plan, modules: list[StageModule], rewritten: Rewritten,
-                 group: dist.ProcessGroup, pp_rank: int, device: torch.device, ties: tuple[TiedGrads, ...],
-                 loss_fn: LossFn | None) -> None:
+                 group: dist.ProcessGroup, pp_rank: int, device: torch.device,
+                 ties: tuple[TiedGrads, ...], loss_fn: LossFn | None,
+                 installations: tuple[Installation, ...] = ()) -> None:
         assert plan.pipeline is not None
         self._pipeline = plan.pipeline
         self._modules = modules
@@ -95,6 +89,7 @@ class Pipeline:
         self._device = device
         self._ties = ties
         self._loss_fn = loss_fn
+        self._installations = installations
         self._schedule: Any = None
         self._shapes: object = None
         last = self._pipeline.stages[-1]
@@ -166,15 +161,45 @@ class Pipeline:
         dist.broadcast(loss, src=self._loss_src, group=self._group)
         return loss
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient (summed over the pipeline ranks, a
-        tied weight counted once), as ``torch.nn.utils.clip_grad_norm_`` on one process.
-        A collective: every pipeline rank calls it. Returns the total norm."""
+    @property
+    def installations(self) -> tuple[Installation, ...]:
+        """Beside tensor parallel, each stage model's :class:`Installation` (in stage order);
+        empty for pipeline parallelism alone."""
+        return self._installations
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """FQN -> full (unsharded) gradient of every parameter this rank's stages hold; a tied
+        weight's gradient is already summed over the stages holding it."""
+        if not self._installations:
+            return {fqn: p.grad.detach().clone() for fqn, p in self.named_parameters()
+                    if p.grad is not None}
+        grads: dict[str, torch.Tensor] = {}
+        for inst in self._installations:
+            grads.update(inst.full_grads())
+        return grads
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, as one process computes it (a tied weight
+        counted once), on every rank. A collective over every rank of the mesh."""
         uncounted = {id(t.param) for t in self._ties if t.param is not None and not t.counted}
-        return clip_grad_norm(list(self.parameters()), uncounted, max_norm, self._group)
+        if not self._installations:
+            return grad_norm(list(self.parameters()), uncounted, self._group)
+        return stage_grad_norm(self._installations, self._ties, self._group)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (:meth:`grad_norm`), as
+        ``torch.nn.utils.clip_grad_norm_`` on one process. A collective: every rank calls it.
+        Returns the total norm."""
+        norm = self.grad_norm()
+        scale_grads(list(self.parameters()), norm, max_norm)
+        return norm
 
     def restore(self) -> None:
-        """Put the live model back as it was before :func:`build_pipeline`."""
+        """Put the live model back as it was before :func:`build_pipeline` (beside tensor
+        parallel a collective over each stage's tensor-parallel ranks, as ``restore`` of an
+        installation is)."""
+        for inst in reversed(self._installations):
+            inst.restore()
         self._rewritten.restore()
 
     def _schedule_for(self, kwargs: dict[str, Any]) -> Any:
@@ -201,7 +226,7 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
-                   loss_fn: LossFn | None = None) -> Pipeline:
+                   mode: ModeName = "production", loss_fn: LossFn | None = None) -> Pipeline:
     """Make ``model`` this rank's share of the plan's pipeline.
 
     Every other stage's parameter-holding module is replaced by a placeholder that never holds
@@ -213,7 +238,10 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     Args:
         model: the whole model, built the same way on every rank.
         plan: a plan with a ``pipeline`` section.
-        mesh: a device mesh whose dim ``plan.pipeline.mesh_dim`` is the pipeline dim.
+        mesh: a device mesh with the plan's dims, ``plan.pipeline.mesh_dim`` among them.
+        mode: beside tensor parallel, the mode each stage model's share of the plan is applied
+            in (``"production"`` or ``"validate"``; :func:`hyperrecipe.runtime.apply`).
+            Pipeline parallelism alone runs the same code in both.
         loss_fn: for a model whose forward takes no labels: ``loss_fn(output, target)`` on one
             microbatch's output and target (``target`` split like the inputs, along dim 0). It
             must return that microbatch's mean loss; the pipeline divides it by the number of
@@ -227,7 +255,8 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
 
     Raises:
         PipelineError: no pipeline in the plan, or the plan does not fit the model.
-        PipelineUnsupportedError: the plan splits parameters over another mesh dim as well.
+        PlanMismatchError, and anything ``apply`` raises: beside tensor parallel, applying a
+            stage's share of the plan failed (every stage model is left as it was).
     """
     pipeline = plan.pipeline
     if pipeline is None:
@@ -237,16 +266,23 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         msg = (f"the plan pipelines over mesh dim {pipeline.mesh_dim!r}; the mesh has "
                f"{list(mesh.mesh_dim_names or ())}")
         raise PipelineError(msg)
-    _refuse_other_splits(plan, pipeline.mesh_dim)
     group = mesh.get_group(pipeline.mesh_dim)
     pp_rank = mesh.get_local_rank(pipeline.mesh_dim)
     device = _rank_device(mesh)
-    groups = tie_groups(pipeline, dist.get_process_group_ranks(group))
-    with Rewrite(label="pipeline") as tx:
-        modules = build_stage_modules(tx, model, pipeline, pp_rank, device, loss_fn=loss_fn)
+    groups = tie_groups(pipeline, pp_columns(mesh, pipeline.mesh_dim), group)
+    beside = StageApplier.for_plan(plan, mesh, mode)
+    try:
+        with Rewrite(label="pipeline") as tx:
+            modules = build_stage_modules(tx, model, pipeline, pp_rank, device, loss_fn=loss_fn,
+                                          apply_stage=None if beside is None else beside.apply)
+    except BaseException:
+        if beside is not None:
+            beside.restore()
+        raise
     named: dict[str, nn.Parameter] = {}
     for module in modules:
         named.update(module.model.named_parameters(remove_duplicate=False))
     ties = tied_grads(pipeline, pp_rank, named, groups)
     return Pipeline(plan=plan, modules=modules, rewritten=tx.result, group=group, pp_rank=pp_rank,
-                    device=device, ties=ties, loss_fn=loss_fn)
+                    device=device, ties=ties, loss_fn=loss_fn,
+                    installations=() if beside is None else tuple(beside.installations))

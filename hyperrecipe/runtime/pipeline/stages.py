@@ -215,8 +215,14 @@ def _materialize(tx: Rewrite, model: nn.Module, device: torch.device, label: str
                             fqn=f"{label}{mod_fqn}.{name}")
 
 
+StageApply = Callable[[nn.Module, PipelineStagePlan], None]
+"""Called on each stage model once its placeholders are in and before its entry and exit are:
+where a pipeline beside tensor parallel applies the stage's share of the plan."""
+
+
 def build_stage_modules(tx: Rewrite, model: nn.Module, pipeline: PipelinePlan, pp_rank: int,
-                        device: torch.device, *, loss_fn: LossFn | None) -> list[StageModule]:
+                        device: torch.device, *, loss_fn: LossFn | None,
+                        apply_stage: StageApply | None = None) -> list[StageModule]:
     """This rank's stages (``pipeline.stages`` whose ``rank`` is ``pp_rank``), in stage order.
 
     Args:
@@ -226,6 +232,8 @@ def build_stage_modules(tx: Rewrite, model: nn.Module, pipeline: PipelinePlan, p
         pp_rank: this rank's coordinate on the pipeline mesh dim.
         device: where owned parameters of a meta model are given storage.
         loss_fn: the last stage's loss, or ``None`` for the model's own (``labels``).
+        apply_stage: see :data:`StageApply`; it also gives a meta model's owned parameters
+            their storage (``apply`` allocates only the rank's shards).
 
     Raises:
         PipelineError: the plan names modules the model lacks, gives this rank no stage, or a
@@ -244,13 +252,13 @@ def build_stage_modules(tx: Rewrite, model: nn.Module, pipeline: PipelinePlan, p
     owned = [_owned_param_ids(model, pipeline, s) for s in local]
     # Copies first, while the live model is whole; the first stage keeps the live model.
     targets = [model, *(_skeleton(model, ids) for ids in owned[1:])]
-    return [_install_stage(tx, target, meta, pipeline, stage, device, loss_fn)
+    return [_install_stage(tx, target, meta, pipeline, stage, device, loss_fn, apply_stage)
             for target, stage in zip(targets, local, strict=True)]
 
 
 def _install_stage(tx: Rewrite, target: nn.Module, meta: nn.Module, pipeline: PipelinePlan,
                    stage: PipelineStagePlan, device: torch.device,
-                   loss_fn: LossFn | None) -> StageModule:
+                   loss_fn: LossFn | None, apply_stage: StageApply | None) -> StageModule:
     label = f"stage {stage.index}: "
     run = StageRun(stage.index)
     for fqn, side, owner, is_layer in _elsewhere(pipeline, stage):
@@ -260,6 +268,8 @@ def _install_stage(tx: Rewrite, target: nn.Module, meta: nn.Module, pipeline: Pi
                                   like_input=is_layer)
         tx.set_item(parent._modules, name, holder, fqn=f"{label}{fqn}")
     _check_ownership(target, stage)
+    if apply_stage is not None:
+        apply_stage(target, stage)
     is_last = stage.index == len(pipeline.stages) - 1
     layers = _layer_list(target, pipeline)
     for i in sorted({stage.start, stage.stop - 1}):
@@ -269,7 +279,7 @@ def _install_stage(tx: Rewrite, target: nn.Module, meta: nn.Module, pipeline: Pi
             replacement = edge_forward(layers[i], fqn, run, swap=first and stage.index != 0,
                                        exit_=exit_)
             tx.install_forward(layers[i], replacement, fqn=f"{label}{fqn}")
-    if any(t.is_meta for t in _tensors(target)):
+    if apply_stage is None and any(t.is_meta for t in _tensors(target)):
         _materialize(tx, target, device, label)
     return StageModule(target, stage, run, is_last=is_last,
                        last_layer=f"{pipeline.layers}.{stage.stop - 1}", loss_fn=loss_fn,

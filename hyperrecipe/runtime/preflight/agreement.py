@@ -25,11 +25,13 @@ loop's end (:func:`leave_together`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import hashlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -42,7 +44,7 @@ from hyperrecipe.plan import Plan
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TIMEOUT_ENV", "EntryCheck", "agree_before_apply", "agree_on_digest",
+__all__ = ["TIMEOUT_ENV", "EntryCheck", "agree_before_apply", "agree_on_digest", "agreement_scope", "current_scope",
            "agree_on_failure", "agree_on_source", "agreement_timeout", "every_rank_entered",
            "every_rank_failure", "every_rank_outcome", "exchange_rows", "leave_together", "vote"]
 
@@ -51,6 +53,25 @@ _DEFAULT_TIMEOUT_S = 30.0
 _MAX_TIMEOUT_S = 1e6  # about 11 days: longer is unbounded in all but name
 _WORDS = 4  # 4 x 60 bits of a sha256 digest
 _OK, _FAILED = 0, 1
+_SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("hyperrecipe_agreement_scope",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def agreement_scope(group: Any) -> Iterator[None]:
+    """Agree (before apply, and the vote after it) among the ranks of ``group`` instead of
+    every rank: a pipeline stage's tensor-parallel ranks apply their stage's view of the plan,
+    which the other stages' ranks do not hold. Rank numbers in messages stay global."""
+    token = _SCOPE.set(group)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def _global_ranks(indices: list[int]) -> list[int]:
+    group = _SCOPE.get()
+    return indices if group is None else [dist.get_global_rank(group, i) for i in indices]
 
 
 def agreement_timeout() -> float:
@@ -93,13 +114,14 @@ def _all_gather_rows(row: list[int], what: str,
     Raises:
         PlanMismatchError: a rank did not arrive in time.
     """
-    world = dist.get_world_size()
-    device = _device_for(None)
+    group = _SCOPE.get()
+    world = dist.get_world_size(group)
+    device = _device_for(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed
     timeout = agreement_timeout() if timeout_s is None else timeout_s
-    work = gather(everyone, mine, async_op=True)
+    work = gather(everyone, mine, group=group, async_op=True)
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # gloo: "Operation timed out!"
@@ -146,12 +168,12 @@ def agree_before_apply(plan: Plan, mesh: DeviceMesh, *local_checks: Callable[[],
     if error is not None:
         raise error
     rank = dist.get_rank()
-    failed = [r for r, other in enumerate(rows) if other[-1] != _OK]
+    failed = _global_ranks([r for r, other in enumerate(rows) if other[-1] != _OK])
     if failed:
         msg = (f"rank {rank}: the plan does not fit the model or mesh on rank(s) {failed} "
                f"(see their errors); no rank applied it")
         raise PlanMismatchError(msg)
-    differ = [r for r, other in enumerate(rows) if other[:-1] != row[:-1]]
+    differ = _global_ranks([r for r, other in enumerate(rows) if other[:-1] != row[:-1]])
     if differ:
         msg = (f"ranks hold different plans or meshes: this rank (rank {rank}) has plan "
                f"{plan.recipe!r} with fingerprint {plan.fingerprint[:12]} on mesh "
@@ -179,16 +201,28 @@ def agree_on_digest(digest: str | None, what: str) -> tuple[list[int], list[int]
     return failed, differ
 
 
-def exchange_rows(row: list[int], what: str, timeout_s: float) -> list[list[int]]:
+def exchange_rows(row: list[int], what: str, timeout_s: float, *,
+                  scope: Any = None) -> dict[int, list[int]]:
     """Every rank's ``row`` of non-negative integers below 2**63 (the same length on every
-    rank), by global rank, in one all-gather over the world that waits at most ``timeout_s``:
-    for a check whose verdict every rank must reach from the same table (the first training
-    forward's, :mod:`~hyperrecipe.runtime.preflight.first_forward`).
+    rank), by global rank, in one all-gather over the world (or over the ranks of ``scope``,
+    a group that :func:`agreement_scope` named while the check was installed) that waits at
+    most ``timeout_s``: for a check whose verdict every rank must reach from the same table
+    (the first training forward's, :mod:`~hyperrecipe.runtime.preflight.first_forward`).
 
     Raises:
         PlanMismatchError: a rank did not arrive within ``timeout_s``.
     """
-    return _all_gather_rows(row, what, timeout_s)
+    token = _SCOPE.set(scope)
+    try:
+        rows = _all_gather_rows(row, what, timeout_s)
+        return dict(zip(_global_ranks(list(range(len(rows)))), rows, strict=True))
+    finally:
+        _SCOPE.reset(token)
+
+
+def current_scope() -> Any:
+    """The group :func:`agreement_scope` names now (``None``: every rank)."""
+    return _SCOPE.get()
 
 
 _TEXT_WORDS = 40  # 7 bytes a word: the first 280 bytes of each rank's error
@@ -233,7 +267,7 @@ def vote(ok: bool) -> list[int]:
         return [] if ok else [0]
     _all_gather_rows([_OK], "the vote after installing")
     rows = _all_gather_rows([_OK if ok else _FAILED], "the vote after installing")
-    return [r for r, (flag,) in enumerate(rows) if flag != _OK]
+    return _global_ranks([r for r, (flag,) in enumerate(rows) if flag != _OK])
 
 
 def _mesh_text(mesh: DeviceMesh) -> str:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperrecipe.errors import BatchMismatchError, PlanMismatchError
-from hyperrecipe.runtime.preflight.agreement import exchange_rows
+from hyperrecipe.runtime.preflight.agreement import current_scope, exchange_rows
 from hyperrecipe.runtime.preflight.batches import (
     batch_refusal,
     group_differences,
@@ -119,7 +119,7 @@ def _groups(mesh: DeviceMesh, dims: Sequence[str]) -> list[tuple[str, list[int]]
     return out
 
 
-def _judge(table: Sequence[Sequence[int]], groups: Sequence[tuple[str, list[int]]],
+def _judge(table: Mapping[int, Sequence[int]], groups: Sequence[tuple[str, list[int]]],
            settings: Sequence[str], fix: str) -> PlanMismatchError | None:
     """The refusal every rank raises for ``table`` (every rank's row), or ``None``."""
     batches: list[tuple[str, Sequence[int], Sequence[tuple[str, str]]]] = []
@@ -164,6 +164,9 @@ def install_first_forward_checks(model: nn.Module, mesh: DeviceMesh,
         return None
     groups = _groups(mesh, dims)
     fix = sampler_fix(mesh, model_parallel)
+    # a pipeline stage's model is applied among its stage's ranks only: the check exchanges
+    # among them (the other stages' first forwards wait for this one's output)
+    scope = current_scope()
 
     def check_first_training_forward(module: nn.Module, args: tuple[Any, ...],
                                      kwargs: dict[str, Any]) -> None:
@@ -178,7 +181,7 @@ def install_first_forward_checks(model: nn.Module, mesh: DeviceMesh,
         row = [*generator, *_slots(input_digests(module, args, kwargs))]
         wait = timeout_s()
         try:
-            table = exchange_rows(row, "the first training forward's check", wait)
+            table = exchange_rows(row, "the first training forward's check", wait, scope=scope)
         except PlanMismatchError as exc:
             handle.remove()  # the group may hold an unfinished exchange: nothing to retry
             msg = (f"rank {dist.get_rank()}: not every rank reached the check at the first "
