@@ -11,6 +11,8 @@ diverges. One responsibility per module:
   execution order, and the recorded step (gradients, SGD steps);
 - :mod:`~hyperrecipe.check.gather`: whole tensors from a rank's local shards or DTensors;
 - :mod:`~hyperrecipe.check.worker`: what each rank runs;
+- :mod:`~hyperrecipe.check.pipeline`: a plan with a ``pipeline`` section: the reference and
+  the rank body that record stage boundary values, the loss and the gradients each rank holds;
 - :mod:`~hyperrecipe.check.compare`: tolerances, and the first divergent boundary;
 - :mod:`~hyperrecipe.check.precision`: where the reference itself computes in 16 bits inside a
   float32 model (re-run under a dispatch mode at a divergence);

@@ -166,15 +166,18 @@ class ModeComparison:
 
 
 def _worst_named(reference: Mapping[str, Tensor], ranks: Sequence[Mapping[str, Tensor] | None],
-                 rank_ids: Sequence[int], atol: float, rtol: float) -> tuple[NamedDiff, ...]:
+                 rank_ids: Sequence[int], atol: float, rtol: float, *,
+                 held_in_part: bool = False) -> tuple[NamedDiff, ...]:
     out: list[NamedDiff] = []
     for name, expected in reference.items():
         worst: NamedDiff | None = None
-        for r, values in zip(rank_ids, ranks):
-            if values is None:
+        holders = [values is not None and name in values for values in ranks]
+        for r, values, holds in zip(rank_ids, ranks, holders):
+            if values is None or (held_in_part and not holds and any(holders)):
                 continue
+            missing = "no rank holds it" if held_in_part else "no gradient"
             d = diff_tensors(values.get(name), expected, atol=atol, rtol=rtol,
-                             note="no gradient" if name not in values else "")
+                             note=missing if name not in values else "")
             if worst is None or (worst.diff.ok and not d.ok) or (
                     worst.diff.ok == d.ok and d.badness > worst.diff.badness):
                 worst = NamedDiff(name=name, rank=r, diff=d)
@@ -196,6 +199,8 @@ def _event_divergence(index: int, event: Event, rank: int, diff: TensorDiff,
                       reference: Trace, by_rank: Sequence[dict[tuple[str, int, str, str], Event]],
                       rank_ids: Sequence[int], atol: float, rtol: float) -> Divergence:
     why = diff.problem or "values differ"
+    if event.kind in ("send", "receive"):
+        return _stage_divergence(index, event, rank, diff, why)
     if event.kind == "output":
         what = _what("output", event.name)
         return Divergence(fqn=event.fqn, what=what, rank=rank,
@@ -232,6 +237,29 @@ def _event_divergence(index: int, event: Event, rank: int, diff: TensorDiff,
                               f"{hint}"))
 
 
+def _stage_divergence(index: int, event: Event, rank: int, diff: TensorDiff,
+                      why: str) -> Divergence:
+    """A pipeline stage boundary (:mod:`hyperrecipe.check.pipeline`): what a stage sent, or
+    what the next one received, for one microbatch."""
+    sender = event.fqn.removeprefix("stage ").split(" ")[0]
+    if event.kind == "send":
+        what = f"{event.name} output, microbatch {event.call}"
+        detail = (f"stage {sender} sends hidden states that differ from {event.name}'s output "
+                  f"in one process ({why}); every earlier stage boundary agreed, so stage "
+                  f"{sender} computed them: its layers give other values on a microbatch than "
+                  f"on the whole batch (a layer that mixes the batch's rows), or on what it "
+                  f"received")
+    else:
+        what = f"{event.name} input, microbatch {event.call}"
+        detail = (f"the hidden states {event.name} starts the next stage from differ from its "
+                  f"input in one process ({why}), though the sent ones agreed: the model's code "
+                  f"between the layers changes the hidden states (a value added or scaled "
+                  f"outside the layers), which a pipeline does not run; only the last layer's "
+                  f"output crosses a stage boundary")
+    return Divergence(fqn=event.fqn, what=what, rank=rank, max_abs=diff.max_abs,
+                      max_rel=diff.max_rel, event_index=index, detail=detail)
+
+
 def _refolded_hint(actual: Tensor | None, expected: Tensor | None, previous: str | None) -> str:
     """Same elements, another shape: the model's own code reshaped a value that was still
     sharded with the whole tensor's shape (GPT2Model's ``view(output_shape)`` of a
@@ -245,7 +273,8 @@ def _refolded_hint(actual: Tensor | None, expected: Tensor | None, previous: str
 
 
 def compare_mode(mode: str, reference: Trace, ranks: Sequence[Trace], *, atol: float,
-                 rtol: float, rank_ids: Sequence[int] | None = None) -> ModeComparison:
+                 rtol: float, rank_ids: Sequence[int] | None = None,
+                 held_in_part: bool = False) -> ModeComparison:
     """Compare the traces of one mode's ranks with the reference.
 
     Args:
@@ -255,6 +284,8 @@ def compare_mode(mode: str, reference: Trace, ranks: Sequence[Trace], *, atol: f
             partial trace).
         atol, rtol: tolerances (see :func:`diff_tensors`).
         rank_ids: the rank of each trace (default ``0, 1, ...``).
+        held_in_part: each rank holds some of the parameters (pipeline stages): a gradient or
+            parameter is compared on the ranks that hold it, and missing when none does.
     """
     ids = list(rank_ids) if rank_ids is not None else list(range(len(ranks)))
     by_rank = [{e.key: e for e in t.events} for t in ranks]
@@ -308,11 +339,11 @@ def compare_mode(mode: str, reference: Trace, ranks: Sequence[Trace], *, atol: f
     complete = [t for t in ranks if t.failure is None]
     complete_ids = [r for r, t in zip(ids, ranks) if t.failure is None]
     gradients = _worst_named(reference.grads, [t.grads for t in complete], complete_ids,
-                             atol, rtol) if complete else ()
+                             atol, rtol, held_in_part=held_in_part) if complete else ()
     params: tuple[NamedDiff, ...] = ()
     if reference.params_after is not None and complete:
         params = _worst_named(reference.params_after, [t.params_after for t in complete],
-                              complete_ids, atol, rtol)
+                              complete_ids, atol, rtol, held_in_part=held_in_part)
     agree = (first is None and failure is None and all(g.diff.ok for g in gradients)
              and all(p.diff.ok for p in params) and len(complete) == len(ranks) and bool(ranks))
     return ModeComparison(mode=mode, agree=agree, first=first, events_compared=compared,

@@ -41,7 +41,10 @@ from hyperrecipe.runtime import plain_vocab_slice
 
 __all__ = ["Event", "Failure", "StepFailed", "Trace", "Tracer", "Viewer", "run_step"]
 
-EventKind = Literal["input", "output"]
+EventKind = Literal["input", "output", "send", "receive"]
+"""``input``/``output`` of a boundary; ``send``/``receive`` of a pipeline stage boundary
+(:mod:`hyperrecipe.check.pipeline`: ``fqn`` is ``"stage 0 -> 1"``, ``call`` the microbatch,
+``name`` the exit or entry layer)."""
 Viewer = Callable[[Tensor, NamedPlacement], "tuple[Tensor | None, str]"]
 """(value, its declared layout) → (whole tensor or None, why None)."""
 

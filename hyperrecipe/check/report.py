@@ -137,7 +137,7 @@ def _wrapper_text(m: ModeResult) -> str | None:
     return "inner wrappers: " + "; ".join(parts)
 
 
-def _mode_text(m: ModeResult, width: int) -> list[str]:
+def _mode_text(m: ModeResult, width: int, pipelined: bool = False) -> list[str]:
     c = m.comparison
     pad = " " * (width + 2)
     head = f"{m.mode:<{width}}  "
@@ -150,13 +150,15 @@ def _mode_text(m: ModeResult, width: int) -> list[str]:
              if worst is not None else "no gradients compared")
     seconds = f"{m.timings.get('launch_s', 0.0):.1f} s"
     if m.agree:
-        out = (f", output max abs {_g(c.output.diff.max_abs)}" if c.output is not None else "")
+        output = "loss" if pipelined else "output"
+        out = (f", {output} max abs {_g(c.output.diff.max_abs)}" if c.output is not None else "")
         params = ""
         if c.params_after:
             wp = c.worst_param
             params = (f", {len(c.params_after)} parameters after the steps"
                       + (f" (worst max abs {_g(wp.diff.max_abs)})" if wp is not None else ""))
-        agreed = [f"{head}agree  {c.events_compared} boundary values{out}, {grads}{params}; "
+        values = "stage boundary values" if pipelined else "boundary values"
+        agreed = [f"{head}agree  {c.events_compared} {values}{out}, {grads}{params}; "
                   f"{seconds}"]
         wrappers = _wrapper_text(m)
         return agreed + ([f"{pad}{wrappers}"] if wrappers else [])
@@ -217,7 +219,7 @@ def render_text(report: CheckReport) -> str:
     lines += [f"note: {n}" for n in report.notes]
     width = max((len(m.mode) for m in report.modes), default=0)
     for m in report.modes:
-        lines += _mode_text(m, width)
+        lines += _mode_text(m, width, report.pipelined)
     total = report.timings.get("total_s", 0.0)
     if report.agree:
         lines.append(f"all modes agree with the single-process reference ({total:.1f} s)")

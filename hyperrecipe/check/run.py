@@ -7,6 +7,9 @@
 :func:`~hyperrecipe.check.launcher.run_ranks` (gloo on CPU, NCCL when there is a GPU per rank),
 compares their traces with the reference (:mod:`hyperrecipe.check.compare`) and looks for a
 known cause (:mod:`hyperrecipe.check.diagnose`). Rendering is :mod:`hyperrecipe.check.report`.
+A plan with a ``pipeline`` section is recorded by :mod:`hyperrecipe.check.pipeline` instead
+(stage boundary values, the loss, the gradients each rank holds) and compared the same way;
+its sample batch is rounded up to a multiple of the microbatch count.
 
 A rank whose step *raised* (a shape error inside a boundary, a ``PlacementMismatchError`` in
 validate mode) is a finding of that mode, attributed to the boundary it raised in. A rank that
@@ -35,6 +38,7 @@ from torch import nn
 from hyperrecipe.check.compare import ModeComparison, compare_mode
 from hyperrecipe.check.diagnose import DiagnosisContext, Suggestion, suggest
 from hyperrecipe.check.launcher import RankFailedError, default_backend, run_ranks
+from hyperrecipe.check.pipeline import pipeline_batch, pipeline_rank, pipeline_reference
 from hyperrecipe.check.precision import HALF_TOLERANCE, HalfPrecision, half_precision_seen
 from hyperrecipe.check.record import StepFailed, Trace, Tracer, run_step
 from hyperrecipe.verify.sample import (
@@ -135,6 +139,9 @@ class CheckReport:
     modes: tuple[ModeResult, ...]
     timings: dict[str, float]
     notes: tuple[str, ...] = ()
+    #: the plan pipelines the model: the boundary values are stage boundaries' hidden states
+    #: and the output is the loss (:mod:`hyperrecipe.check.pipeline`)
+    pipelined: bool = False
 
     @property
     def agree(self) -> bool:
@@ -343,9 +350,14 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     world = 1
     for d in plan.mesh:
         world *= d.size
+    batch = options.batch
+    if plan.pipeline is not None:
+        batch, batch_note = pipeline_batch(batch, plan.pipeline.microbatches)
+        if batch_note is not None:
+            notes.append(batch_note)
     with parent_deadline(options.timeout_s, "making the sample batch",
                          "--inputs hangs or is too slow for this check"):
-        sample = make_sample(model, options.model, batch=options.batch, seq=options.seq,
+        sample = make_sample(model, options.model, batch=batch, seq=options.seq,
                              seed=options.seed, inputs=options.inputs)
     atol, rtol = _tolerances(model, options)
     reference_params = {n: p.detach().clone()
@@ -361,23 +373,30 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
     slow_step = "the model's forward or backward hangs or is too slow for this check"
     try:
         with parent_deadline(options.timeout_s, "the reference step", slow_step):
-            reference = run_step(
-                model, sample, tracer, steps=options.steps, lr=SGD_LR,
-                full_grads=lambda: {n: p.grad.detach().clone()
-                                    for n, p in model.named_parameters(remove_duplicate=False)
-                                    if p.grad is not None},
-                full_params=lambda: {n: p.detach().clone()
-                                     for n, p in model.named_parameters(remove_duplicate=False)},
-                view_output=lambda t: t.detach().clone())
+            if plan.pipeline is not None:
+                reference = pipeline_reference(model, plan, sample, steps=options.steps,
+                                               lr=SGD_LR)
+            else:
+                reference = run_step(
+                    model, sample, tracer, steps=options.steps, lr=SGD_LR,
+                    full_grads=lambda: {n: p.grad.detach().clone()
+                                        for n, p in model.named_parameters(remove_duplicate=False)
+                                        if p.grad is not None},
+                    full_params=lambda: {n: p.detach().clone()
+                                         for n, p in model.named_parameters(remove_duplicate=False)},
+                    view_output=lambda t: t.detach().clone())
     except StepFailed as failed:
         msg = (f"{options.model} fails in a single process, without any plan "
                f"({failed.trace.failure.phase if failed.trace.failure else 'step'}): {failed}")
         raise CheckError(msg) from None
     t_ref = time.perf_counter()
-    progress(f"reference: {len(reference.events)} boundary values recorded, loss "
+    values = "stage boundary values" if plan.pipeline is not None else "boundary values"
+    progress(f"reference: {len(reference.events)} {values} recorded, loss "
              f"{reference.loss:.6g} ({t_ref - t_built:.2f} s)")
 
     backend = options.backend or default_backend(world)
+    pipelined = plan.pipeline is not None
+    rank_body = pipeline_rank if pipelined else check_rank
     results: list[ModeResult] = []
     for mode in options.modes:
         progress(f"mode {mode}: launching {world} ranks ({backend})")
@@ -387,7 +406,7 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                       lr=SGD_LR, fingerprint=fingerprint, side_dir=side_dir)
         t0 = time.perf_counter()
         try:
-            payloads = run_ranks(check_rank, world, job, backend=backend,
+            payloads = run_ranks(rank_body, world, job, backend=backend,
                                  timeout_s=options.timeout_s,
                                  on_progress=_launch_progress(mode, world, progress))
             traces = [Trace.from_payload(p) for p in payloads]
@@ -411,8 +430,9 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
             shutil.rmtree(side_dir, ignore_errors=True)
         t1 = time.perf_counter()
         progress(f"mode {mode}: comparing with the reference")
-        cmp = compare_mode(mode, reference, traces, atol=atol, rtol=rtol, rank_ids=rank_ids)
-        if not cmp.agree and not finding:
+        cmp = compare_mode(mode, reference, traces, atol=atol, rtol=rtol, rank_ids=rank_ids,
+                           held_in_part=pipelined)
+        if not cmp.agree and not finding and not pipelined:
             finding.append(_verification_finding(model, plan, options.inputs))
             with parent_deadline(options.timeout_s, "re-running the reference forward", slow_step):
                 seen.append((forward_hazards(model), half_precision_seen(model, sample)))
@@ -421,7 +441,7 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
                                verification=finding[0] if finding else None,
                                hazards=seen[0][0] if seen else {},
                                half_precision=seen[0][1] if seen else None)
-        suggestion = None if cmp.agree else suggest(cmp, reference, traces, ctx,
+        suggestion = None if cmp.agree or pipelined else suggest(cmp, reference, traces, ctx,
                                                    atol=atol, rtol=rtol)
         t2 = time.perf_counter()
         timings = {"launch_s": t1 - t0, "compare_s": t2 - t1}
@@ -439,4 +459,4 @@ def run_check(options: CheckOptions, on_progress: Callable[[str], None] | None =
         loss=reference.loss, boundaries=len(plan.boundaries), modes=tuple(results),
         timings={"build_s": t_built - t_start, "reference_s": t_ref - t_built,
                  "total_s": t_end - t_start},
-        notes=tuple(notes))
+        notes=tuple(notes), pipelined=pipelined)

@@ -101,6 +101,16 @@ class Pipeline:
         return tuple(s for s in self._pipeline.stages if s.rank == self._pp_rank)
 
     @property
+    def stage_modules(self) -> tuple[StageModule, ...]:
+        """The modules torch's ``PipelineStage`` runs, one per local stage in stage order. Each
+        call is one microbatch's forward: a forward pre-hook sees the hidden states received
+        (the first positional argument; none on stage 0), a forward hook the hidden states the
+        stage sends (its output; the microbatch's loss on the last stage). The shape probe
+        before the first step calls them too, under ``torch.no_grad``. For observers such as
+        ``hyperrecipe check``; the stages' forwards are not to be changed."""
+        return tuple(self._modules)
+
+    @property
     def modules(self) -> tuple[nn.Module, ...]:
         """The stage modules (the live model first; skeleton copies for further stages)."""
         return tuple(m.model for m in self._modules)
