@@ -194,7 +194,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
     "state": {"comm", "preflight"},
-    "pipeline": set(),
+    "pipeline": {"state", "preflight"},  # pipe.state: the stages' fronts, shared DCP/export code
 }
 
 
