@@ -364,6 +364,7 @@ class PipelineState:
     def _gather(value: Tensor | None, owner: int, writer: int, rank: int, involved: bool,
                 meta: tuple[str, tuple[int, ...]]) -> Callable[[], Tensor]:
         dtype = getattr(torch, meta[0].split(".")[-1])
+        device = value.device if value is not None else _device()
 
         def gather() -> Tensor:
             if not involved or rank not in (owner, writer):
@@ -375,7 +376,7 @@ class PipelineState:
                 assert value is not None
                 dist.send(value.contiguous(), dst=writer)
                 return torch.empty(0, dtype=dtype)
-            out = torch.empty(meta[1], dtype=dtype)
+            out = torch.empty(meta[1], dtype=dtype, device=device)
             dist.recv(out, src=owner)
             return out
 
@@ -386,3 +387,10 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
     from hyperrecipe.runtime.state.checkpoint import init_optimizer_state
 
     init_optimizer_state(optimizer)
+
+
+def _device() -> torch.device:
+    """Where a receiving rank puts a tensor it is sent (NCCL needs it on the rank's GPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

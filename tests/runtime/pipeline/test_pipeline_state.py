@@ -176,11 +176,8 @@ def weights_worker(rank: int, world: int, family: str, root: str) -> dict[str, A
     _train_pipe(pipe, opt, 0, 2)
     exported = os.path.join(root, "export")
     pipe.state.save_pretrained(exported)
-    if rank == 0:
-        # the whole trained model: gathered by a pp=1 load of the pipeline's own checkpoint
-        pipe.state.save_checkpoint(os.path.join(root, "ck"))
-    else:
-        pipe.state.save_checkpoint(os.path.join(root, "ck"))
+    # the whole trained model, for the logits: a pp=1 load of the pipeline's own checkpoint
+    pipe.state.save_checkpoint(os.path.join(root, "ck"))
     back = AutoModelForCausalLM.from_pretrained(exported)
     ids, _ = batch_of(7)
     one = tiny(family)
