@@ -193,8 +193,9 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "grads": {"comm", "state"},
     "state": {"comm", "preflight"},
     # the pipeline composes apply: beside tensor parallel each stage model is applied like any
-    # model (runtime/pipeline/beside.py), so it sits above the seam
-    "pipeline": {"install", "installation", "preflight"},
+    # model (runtime/pipeline/beside.py), so it sits above the seam; pipe.state is the stages'
+    # state fronts over the state room's shared DCP/export code
+    "pipeline": {"install", "installation", "preflight", "state"},
 }
 
 

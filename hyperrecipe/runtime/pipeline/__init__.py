@@ -14,7 +14,7 @@ What does not live here: deciding the split or the stage ranks (the resolver wri
 the plan; this package reads them, never recomputes them), the torch-free schedule simulator
 (:mod:`hyperrecipe.pipeline.schedule`), and any direct ``forward`` assignment (the rewriter
 installs the stage edges and the placeholders). Pipeline together with tensor parallelism is
-refused by name for now. This room imports no other room of the runtime.
+refused by name for now. ``state``: ``pipe.state``, the union of the stage models' state fronts (the only module here that imports another room: ``state`` and ``preflight``).
 """
 
 from hyperrecipe.runtime.pipeline.run import Pipeline, build_pipeline

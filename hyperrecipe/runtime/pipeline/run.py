@@ -39,6 +39,7 @@ from hyperrecipe.runtime.pipeline.grads import (
     tied_grads,
 )
 from hyperrecipe.runtime.pipeline.schedule import build_schedule
+from hyperrecipe.runtime.pipeline.state import PipelineState
 from hyperrecipe.runtime.pipeline.stages import (
     TARGET_KEY,
     LossFn,
@@ -82,6 +83,7 @@ class Pipeline:
                  installations: tuple[Installation, ...] = ()) -> None:
         assert plan.pipeline is not None
         self._pipeline = plan.pipeline
+        self._plan = plan
         self._modules = modules
         self._rewritten = rewritten
         self._group = group
@@ -114,6 +116,12 @@ class Pipeline:
     def modules(self) -> tuple[nn.Module, ...]:
         """The stage modules (the live model first; skeleton copies for further stages)."""
         return tuple(m.model for m in self._modules)
+
+    @property
+    def state(self) -> PipelineState:
+        """This rank's state front (:mod:`hyperrecipe.runtime.pipeline.state`), made once."""
+        return PipelineState.of(self, plan=self._plan, modules=self._modules,
+                                group=self._group, device=self._device, rewritten=self._rewritten)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under their FQNs in the original model; a weight shared by

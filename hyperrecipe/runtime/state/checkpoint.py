@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "differing_ties",
+    "init_optimizer_state",
     "load_optimizer_state",
     "load_training_state",
     "optimizer_state",
@@ -139,7 +140,7 @@ def optimizer_state(live: LiveParams, optimizer: torch.optim.Optimizer) -> dict[
     step with zero gradients and a zero learning rate), so DCP has somewhere to load into."""
     by_id = _param_fqns(live)
     groups = _groups_with_fqns(optimizer, by_id, live)
-    _init_state(optimizer)
+    init_optimizer_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for group, plans in zip(optimizer.param_groups, groups, strict=True):
         for param, p in zip(group["params"], plans, strict=True):
@@ -310,7 +311,9 @@ def load_training_state(live: LiveParams, state: Mapping[str, Any],
         optimizer.load_state_dict(to_load)
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state (one step with zero gradients and a
+    zero learning rate), so DCP has somewhere to load into."""
     if optimizer.state:
         return
     params = [q for g in optimizer.param_groups for q in g["params"]]

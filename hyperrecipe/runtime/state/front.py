@@ -409,11 +409,17 @@ class TrainingState:
                 be written, a rank did not arrive within ``collective_timeout_s`` (named), or
                 the switch failed (the message says what the folder holds).
         """
+        self._check_live()
+        self.committed_save(self.state_dict(optimizer), folder)
+
+    def committed_save(self, state: dict[str, Any], folder: str | os.PathLike[str]) -> None:
+        """The body of :meth:`save_checkpoint` for a state dict already made: ``dcp.save`` into
+        a staging folder under rank 0's lock, committed and switched in (call on every rank).
+        For a front that spans several of these (a pipelined rank's stages: one state dict,
+        one folder)."""
         from hyperrecipe.runtime.state.dcp_reader import storage_view_problem
 
-        self._check_live()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        state = self.state_dict(optimizer)
         with self._one_writer(folder, "save_checkpoint", holder=rank == 0):
             group = self._bounded_group(ExportError, f"save_checkpoint into {folder}")
             try:
@@ -449,11 +455,18 @@ class TrainingState:
                 not arrive within ``collective_timeout_s`` (named); nothing was written.
             PlanMismatchError: see :meth:`load_state_dict`.
         """
+        self._check_live()
+        staged = self.trusted_load(self.state_dict(optimizer), folder)
+        load_training_state(self._live, staged, optimizer, self._unloaded)
+
+    def trusted_load(self, state: Any, folder: str | os.PathLike[str]) -> Any:
+        """The read of :meth:`load_checkpoint`: the ranks agree on the folder, then
+        ``dcp.load`` into a copy of ``state`` through the allow-list reader, every rank's
+        outcome exchanged (call on every rank). Returns the copy; nothing live is written.
+        For a front that spans several of these (a pipelined rank's stages)."""
         from hyperrecipe.runtime.state.dcp_reader import trusted_dcp_load
 
-        self._check_live()
         self._agree_on_source(folder, "load_checkpoint")
-        state = self.state_dict(optimizer)
         staged = _staged(state)
         group = self._bounded_group(WeightLoadError, f"load_checkpoint({os.fspath(folder)!r})")
         error: str | None = None
@@ -462,7 +475,19 @@ class TrainingState:
         except (WeightLoadError, PlanMismatchError) as exc:
             error = str(exc)
         self._loaded_together(folder, error)
-        load_training_state(self._live, staged, optimizer, self._unloaded)
+        return staged
+
+    def enter_collective(self, what: str) -> None:
+        """The entry check of a collective call ``what`` made by a front spanning several of
+        these: refuses within ``collective_timeout_s`` where a rank did not call it."""
+        self._check_live()
+        self._enter_collective(what)
+
+    def one_writer(self, folder: str | os.PathLike[str], what: str, *,
+                   holder: bool) -> contextlib.AbstractContextManager[None]:
+        """The folder's lock held by the ``holder`` rank while the body writes (see
+        :meth:`save_pretrained`), for a front spanning several of these."""
+        return self._one_writer(folder, what, holder=holder)
 
     # -- export -----------------------------------------------------------------------------
 
