@@ -243,19 +243,6 @@ def pipeline_reference(model: nn.Module, plan: Plan, sample: Sample, *, steps: i
                  timings={"forward_s": t1 - t0, "backward_s": t2 - t1})
 
 
-def _build(model: nn.Module, plan: Plan, mesh: Any, *, mode: str,
-           loss_fn: Callable[[Any, Any], Tensor] | None) -> Any:
-    """``build_pipeline`` in ``mode`` where it takes one (pipeline x tensor parallel); with
-    the pipeline alone both modes run the same pipeline. Remove the shim once ``mode=`` lands:
-    ``build_pipeline(model, plan, mesh, loss_fn=loss_fn, mode=mode)``."""
-    from hyperrecipe.runtime.pipeline import build_pipeline
-
-    extra: dict[str, Any] = {}
-    if "mode" in inspect.signature(build_pipeline).parameters:
-        extra["mode"] = mode
-    return build_pipeline(model, plan, mesh, loss_fn=loss_fn, **extra)
-
-
 def _named(modules: tuple[nn.Module, ...], what: Callable[[nn.Parameter], Tensor | None]
            ) -> dict[str, Tensor]:
     """``what`` of every parameter this rank holds, under each FQN it has in its stages (a
@@ -269,12 +256,24 @@ def _named(modules: tuple[nn.Module, ...], what: Callable[[nn.Parameter], Tensor
     return out
 
 
+def _full_params(pipe: Any) -> dict[str, Tensor]:
+    """Every parameter of this rank's stages, whole (each stage's installation gathers its
+    shards over the stage's tensor-parallel ranks)."""
+    out: dict[str, Tensor] = {}
+    for inst in pipe.installations:
+        names = {p.fqn for p in inst.plan.params}
+        out.update({k: v for k, v in inst.state.full_state_dict().items() if k in names})
+    return out
+
+
 def pipeline_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     """One rank of a pipeline check: build, pipeline, one recorded step (and ``job.steps`` SGD
     steps); returns the trace as a payload. A step that raises leaves its partial trace in the
     side file, blamed on the stage that was running, before the exception propagates."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrecipe.runtime.pipeline import build_pipeline
 
     t0 = time.perf_counter()
     nccl = dist.get_backend() == "nccl"
@@ -290,7 +289,8 @@ def pipeline_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     inputs = step_inputs(model, job.sample.to(device))
     loss_fn = None if inputs.labels is not None else _check_loss()
     t1 = time.perf_counter()
-    pipe = _build(model, plan, mesh, mode=job.mode, loss_fn=loss_fn)
+    pipe = build_pipeline(model, plan, mesh, mode=job.mode,  # type: ignore[arg-type]
+                          loss_fn=loss_fn)
     t2 = time.perf_counter()
 
     sends: dict[int, list[Tensor]] = {}
@@ -336,12 +336,15 @@ def pipeline_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
         loss_value = float(loss.item())
         timings["step_s"] = time.perf_counter() - t3
         phase = "gradients"
-        grads = _named(pipe.modules, lambda p: p.grad)
+        # beside tensor parallel a stage's installation gathers its shards whole
+        grads = (pipe.full_grads() if pipe.installations
+                 else _named(pipe.modules, lambda p: p.grad))
         params_after = None
         if job.steps > 0:
             phase = "SGD steps"
             _sgd_steps(list(pipe.parameters()), job.steps, job.lr, step)
-            params_after = _named(pipe.modules, lambda p: p)
+            params_after = (_full_params(pipe) if pipe.installations
+                            else _named(pipe.modules, lambda p: p))
     except Exception as exc:
         where = f"stage {running[-1]}" if running else None
         failure = Failure(phase=phase, error=f"{type(exc).__name__}: {exc}", boundary=where,

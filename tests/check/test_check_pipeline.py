@@ -133,3 +133,27 @@ def test_a_layer_mixing_the_batch_rows_is_named_at_the_stage_that_sends(tmp_path
     assert first is not None
     assert (first.fqn, first.what, first.rank) == ("stage 0 -> 1", "layers.0 output, microbatch 0", 0)
     assert "a layer that mixes the batch's rows" in text
+
+
+@pytest.mark.slow  # four ranks, both modes (docs/benchmarks.md#test-suite)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pp2_tp2_agrees_with_one_process_in_both_modes_with_sgd_steps(
+        tmp_path: Path, family: str) -> None:
+    """The shipped tensor-parallel recipe extended with a pipeline: each stage's boundary, the
+    loss, every full gradient and the parameters after a step, at pp=2 x tp=2."""
+    path = tmp_path / f"{family}-pp-tp.yaml"
+    path.write_text(to_yaml({"recipe": f"{family}-pp-tp", "version": 1, "mesh": ["pp", "tp"],
+                             "extends": str(ROOT / f"recipes/{family}.yaml"),
+                             "pipeline": {"layers": LAYERS.get(family, "model.layers"),
+                                          "schedule": "1F1B", "microbatches": 4},
+                             "rules": []}))
+    report = run_check(CheckOptions(recipe=str(path), model=f"hf:{family}",
+                                    model_config=str(ROOT / f"recipes/models/tiny-{family}.json"),
+                                    mesh={"pp": 2, "tp": 2}, steps=1))
+    text = render_text(report)
+    assert report.exit_code == 0, text
+    assert [m.mode for m in report.modes] == ["production", "validate"], text
+    for m in report.modes:
+        c = m.comparison
+        assert c is not None and c.events_compared == 8, worst(report)
+        assert c.params_after, text

@@ -121,7 +121,8 @@ class Pipeline:
     def state(self) -> PipelineState:
         """This rank's state front (:mod:`hyperrecipe.runtime.pipeline.state`), made once."""
         return PipelineState.of(self, plan=self._plan, modules=self._modules,
-                                group=self._group, device=self._device, rewritten=self._rewritten)
+                                group=self._group, device=self._device, rewritten=self._rewritten,
+                                installations=self._installations)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under their FQNs in the original model; a weight shared by

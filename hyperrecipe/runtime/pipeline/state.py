@@ -123,10 +123,11 @@ class PipelineState:
 
     @classmethod
     def of(cls, pipe: object, *, plan: Plan, modules: Sequence[Any], group: Any,
-           device: torch.device, rewritten: Rewritten) -> PipelineState:
+           device: torch.device, rewritten: Rewritten,
+           installations: Sequence[Any] = ()) -> PipelineState:
         """``pipe``'s front, made on first use. ``modules`` are its stage modules (``.model``,
-        ``.index``); a stage module's ``installation`` attribute (pp x tp: the Installation of
-        ``apply`` on that stage model), where set, is the stage's front."""
+        ``.index``); ``installations`` (pipeline beside tensor parallel: the Installation of
+        ``apply`` on each stage model, in the same order) are the stages' fronts."""
         front = _FRONTS.get(pipe)
         if front is None:
             from torch.distributed.device_mesh import DeviceMesh
@@ -137,7 +138,7 @@ class PipelineState:
             front = cls(models=[m.model for m in modules],
                         stage_params=[pipeline.stages[m.index].params for m in modules],
                         plan=plan, mesh=mesh, group=group, rewritten=rewritten,
-                        installations=[getattr(m, "installation", None) for m in modules])
+                        installations=list(installations))
             _FRONTS[pipe] = front
         return front
 

@@ -20,16 +20,6 @@ def contract() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
-def test_pipeline_with_tensor_parallel_is_refused_by_name(contract: list[dict[str, Any]]) -> None:
-    for r in contract:
-        assert r["pp_tp"] == (
-            "the plan splits parameters over mesh dim(s) ['tp'] as well as pipelining over "
-            "'pp' (e.g. model.layers.0.mlp.up_proj.weight); pipeline x tensor parallel "
-            "(pp x tp) is not supported yet: compile the recipe for pipeline parallelism alone")
-        assert r["pp_tp_untouched"]
-
-
-@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
 def test_a_parameter_outside_the_split_and_the_lists_is_refused_on_every_rank(
         contract: list[dict[str, Any]]) -> None:
     for r in contract:

@@ -95,3 +95,37 @@ def test_pp2_tp2_matches_one_process_in_both_modes(family: str) -> None:
             assert r["grad_err"] <= RTOL, (case, r["grad_err"])
             assert r["norm_err"] <= 1e-5, (case, r["norm_err"])
             assert r["local"] < 0.75 * r["whole"], case  # a tp-th of the sharded weights
+
+
+def _v_tie_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrecipe.errors import PipelineUnsupportedError
+    from hyperrecipe.runtime.pipeline import build_pipeline
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = tiny("gpt2", 4)
+    before = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    plan = _plan("gpt2", "ZBVZeroBubble", 2, model)
+    try:
+        build_pipeline(model, plan, mesh)
+    except PipelineUnsupportedError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    after = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"message": message, "untouched": after == before}
+
+
+@pytest.mark.slow  # four ranks (docs/benchmarks.md#test-suite)
+def test_a_tie_across_two_stages_of_one_rank_beside_tp_is_refused_before_anything_changes(
+        ) -> None:
+    # ZBV puts GPT-2's first and last stage (wte and lm_head, one tied weight) on pp rank 0
+    for r in run_ranks(_v_tie_worker, 4, timeout_s=120):
+        assert r["message"] == (
+            "pipeline ZBVZeroBubble puts stages [0, 3], which share the tied weight "
+            "transformer.wte.weight, on one rank; beside tensor parallel each stage holds its "
+            "own shard of it, which is not supported yet: use a loop-placed schedule (1F1B, "
+            "Interleaved1F1B) for this model, or untie the weights")
+        assert r["untouched"]
