@@ -192,10 +192,10 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "features": {"forward", "comm"},
     "grads": {"comm", "state"},
     "state": {"comm", "preflight"},
-    # the pipeline composes apply: beside tensor parallel each stage model is applied like any
-    # model (runtime/pipeline/beside.py), so it sits above the seam; pipe.state is the stages'
-    # state fronts over the state room's shared DCP/export code
-    "pipeline": {"install", "installation", "preflight", "state"},
+    # beside tensor parallel each stage model is applied like any model, with apply handed in
+    # by the front (runtime/pipeline/beside.py; Installation for the type checker only);
+    # pipe.state is the stages' state fronts over the state room's shared DCP/export code
+    "pipeline": {"installation", "preflight", "state"},
 }
 
 

@@ -273,7 +273,7 @@ def pipeline_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     t0 = time.perf_counter()
     nccl = dist.get_backend() == "nccl"

@@ -7,4 +7,7 @@ which combinations of pipeline ranks, microbatches and stages per rank torch wil
 each rank holds in flight (``simulate_timeline``, ``bubble_fraction``). Nothing here imports
 torch, so compiling a recipe and the dry run can reason about a schedule without it; the runtime
 that builds torch's schedule objects and runs them lives elsewhere.
+
+``view`` restricts a pipelined plan to the stages one model object holds (``stage_view``): what
+the runtime applies to a stage model beside tensor parallel. It filters, it decides nothing.
 """

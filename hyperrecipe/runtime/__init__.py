@@ -19,7 +19,9 @@ Below it, one room per trade; each room's ``__init__`` says what it owns and wha
 - ``grads/``: gradient buckets, the norm of the full gradients and clipping, the DDP guard,
   validate mode's optimizer-kernel refusal.
 - ``pipeline/``: pipeline parallelism, one rank's stages of a plan's ``pipeline`` section run by
-  a torch schedule (``build_pipeline``, ``Pipeline``); it imports no other room.
+  a torch schedule (``build_pipeline``, ``Pipeline``); beside tensor parallel each stage model
+  is applied, with ``apply`` handed in by this front's ``build_pipeline`` (the room imports
+  ``preflight`` and ``state`` only, so it never imports the top back).
 - ``state/``: the front ``inst.state`` (``TrainingState``), live parameters, loading weights,
   DCP state dicts and hooks, export, the integrity records of state files, materializing
   after a meta apply.
@@ -41,6 +43,13 @@ in :mod:`hyperrecipe.wrappers`), and any direct assignment of ``forward`` (only
 :mod:`hyperrecipe.rewriter` does that). Compiling a recipe imports no module of this package.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from hyperrecipe.plan import Plan
 from hyperrecipe.runtime.comm.collectives import count_collectives, group_for
 from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
 from hyperrecipe.runtime.features.local_region import runs_on_local_tensors
@@ -58,11 +67,26 @@ from hyperrecipe.runtime.installation import (
     leave_together,
 )
 from hyperrecipe.runtime.mode import PRODUCTION, VALIDATE, Mode, ModeName, as_mode
-from hyperrecipe.runtime.pipeline import Pipeline, build_pipeline
+from hyperrecipe.runtime.pipeline import LossFn, Pipeline
+from hyperrecipe.runtime.pipeline import build_pipeline as _build_pipeline
 from hyperrecipe.runtime.state.dcp_reader import trusted_reader
 from hyperrecipe.runtime.state.front import StatusRow, TrainingState
 from hyperrecipe.runtime.state.integrity import is_committed
 from hyperrecipe.runtime.state.materialize import shards_on_meta
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+
+def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
+                   mode: ModeName = "production", loss_fn: LossFn | None = None) -> Pipeline:
+    """Make ``model`` this rank's share of the plan's pipeline; beside tensor parallel each stage
+    model is applied with its share of the plan in ``mode``. See
+    :func:`hyperrecipe.runtime.pipeline.build_pipeline` for the arguments, what it returns and
+    raises; this is that function with :func:`apply` handed in."""
+    return _build_pipeline(model, plan, mesh, mode=mode, loss_fn=loss_fn, apply_fn=apply)
+
 
 __all__ = [
     # what a trainer uses

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import nn
 
-from hyperrecipe.errors import ModelSpecError
-from hyperrecipe.plan import Plan, PlanVerification
+from hyperrecipe.errors import ModelSpecError, UsageError
+from hyperrecipe.plan import Plan, PlanVerification, compute_fingerprint
 from hyperrecipe.verify.findings import (Failure, data_dependent, partial_reduced_error,
                                         recipe_error_for, reshape_error)
 from hyperrecipe.verify.isolate import verification_world
@@ -114,20 +114,24 @@ def _own_lookup(plan: Plan, failure: Failure) -> str | None:
 def _verify_pipelined(model: nn.Module, plan: Plan, *, inputs: str | None,
                       modes: Sequence[str], mesh: DeviceMesh | None) -> Plan:
     """A pipelined plan's step is verified as its stages apply it: every stage's share at
-    once (the whole model), over the mesh without the pipeline dim. The split itself runs
-    nothing shapes could show wrong; ``check`` compares the pipelined step with one process."""
-    from hyperrecipe.pipeline.view import stage_view
-
+    once (the whole model), with the pipeline dim at size 1 (it shards nothing). The split
+    itself runs nothing shapes could show wrong; ``check`` compares the pipelined step with
+    one process."""
     pipe = plan.pipeline
     assert pipe is not None
-    whole = stage_view(plan, (s.index for s in pipe.stages), model_digest=plan.model_digest)
-    dims = whole.mesh_dims
-    sub = None if mesh is None or not dims else (mesh[dims] if len(dims) > 1 else mesh[dims[0]])
-    verified = verify_plan(model, whole, inputs=inputs, modes=modes, mesh=sub)
+    flat = tuple(attrs.evolve(d, size=1) if d.name == pipe.mesh_dim else d for d in plan.mesh)
+    whole = attrs.evolve(plan, pipeline=None, mesh=flat,
+                         fingerprint=compute_fingerprint(plan.recipe_digest, plan.model_digest,
+                                                         flat)).sealed()
+    if mesh is not None:
+        msg = ("verify a pipelined plan at compile (hyperrecipe.compile_recipe), not in a job: "
+               "its stages run on different ranks")
+        raise UsageError(msg)
+    verified = verify_plan(model, whole, inputs=inputs, modes=modes)
     assert verified.verification is not None
-    note = (f"verified as the pipeline's stages apply it: the whole model over "
-            f"{'x'.join(f'{d.name}={d.size}' for d in whole.mesh) or 'one rank'}, without "
-            f"the {pipe.mesh_dim} dim")
+    others = "x".join(f"{d.name}={d.size}" for d in flat if d.name != pipe.mesh_dim)
+    note = (f"verified as the pipeline's stages apply it: the whole model"
+            f"{' over ' + others if others else ''}, the {pipe.mesh_dim} dim at size 1")
     record = attrs.evolve(verified.verification,
                           notes=(*verified.verification.notes, note))
     return attrs.evolve(plan, verification=record).sealed()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyperrecipe.runtime.pipeline import build_pipeline
+from hyperrecipe.runtime import build_pipeline
 from tests.support.pipeline_plans import pipeline_plan
 
 TINY: dict[str, dict[str, Any]] = {

@@ -9,14 +9,20 @@ a :mod:`torch.distributed.pipelining` schedule.
   misuse); ``boundary``: the entry and exit forwards of a stage's first and last layer.
 - ``schedule``: the plan's schedule name as a torch schedule; ``grads``: ties across stages and
   the norm.
+- ``beside``: pipeline beside tensor parallel, each stage model applied with the plan's stage
+  view (``apply`` handed in by the runtime's front) and its agreement scoped to the stage's
+  ranks.
+- ``state``: ``pipe.state``, the union of the stage models' state fronts.
 
-What does not live here: deciding the split or the stage ranks (the resolver writes them into
-the plan; this package reads them, never recomputes them), the torch-free schedule simulator
-(:mod:`hyperrecipe.pipeline.schedule`), and any direct ``forward`` assignment (the rewriter
-installs the stage edges and the placeholders). Pipeline together with tensor parallelism is
-refused by name for now. ``state``: ``pipe.state``, the union of the stage models' state fronts (the only module here that imports another room: ``state`` and ``preflight``).
+This room imports ``preflight`` (the agreement scope) and ``state`` (shared DCP and export
+code), never the runtime's top. What does not live here: deciding the split or the stage ranks
+(the resolver writes them into the plan; this package reads them, never recomputes them), the
+torch-free schedule simulator (:mod:`hyperrecipe.pipeline.schedule`) and stage view
+(:mod:`hyperrecipe.pipeline.view`), and any direct ``forward`` assignment (the rewriter installs
+the stage edges and the placeholders).
 """
 
 from hyperrecipe.runtime.pipeline.run import Pipeline, build_pipeline
+from hyperrecipe.runtime.pipeline.stages import LossFn
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["LossFn", "Pipeline", "build_pipeline"]

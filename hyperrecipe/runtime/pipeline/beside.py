@@ -10,7 +10,8 @@ stage model keeps its own :class:`~hyperrecipe.runtime.installation.Installation
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,20 +22,27 @@ from hyperrecipe.errors import PipelineUnsupportedError
 from hyperrecipe.model_tree import snapshot
 from hyperrecipe.pipeline.view import stage_view
 from hyperrecipe.plan import PipelineStagePlan, Plan
-from hyperrecipe.runtime.install import apply
-from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.mode import ModeName
 from hyperrecipe.runtime.pipeline.grads import TiedGrads
 from hyperrecipe.runtime.preflight.agreement import agreement_scope
 
-__all__ = ["StageApplier", "pp_columns", "stage_grad_norm"]
+if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.runtime.installation import Installation
+
+__all__ = ["ApplyFn", "StageApplier", "pp_columns", "stage_grad_norm"]
+
+ApplyFn = Callable[..., "Installation"]
+""":func:`hyperrecipe.runtime.apply`, handed in by the runtime's front
+(``hyperrecipe.runtime.build_pipeline``): this room sits below the runtime's top, so it is given
+apply instead of importing it."""
 
 
 class StageApplier:
     """Applies each stage model's view of the plan; remembers the installations, in order."""
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, mode: ModeName,
-                 slab: dist.ProcessGroup) -> None:
+                 slab: dist.ProcessGroup, apply_fn: ApplyFn) -> None:
+        self.apply_fn = apply_fn
         self.plan = plan
         self.mesh = mesh
         self.mode = mode
@@ -42,22 +50,32 @@ class StageApplier:
         self.installations: list[Installation] = []
 
     @classmethod
-    def for_plan(cls, plan: Plan, mesh: DeviceMesh, mode: ModeName) -> StageApplier | None:
+    def for_plan(cls, plan: Plan, mesh: DeviceMesh, mode: ModeName,
+                 apply_fn: ApplyFn | None) -> StageApplier | None:
         """The applier beside tensor parallel; ``None`` when every other dim has size 1 (the
-        stage models then run as they are)."""
+        stage models then run as they are).
+
+        Raises:
+            PipelineUnsupportedError: a tie across two stages of one rank; no ``apply_fn``
+                (this room's ``build_pipeline`` called directly beside tensor parallel).
+        """
         pipe = plan.pipeline
         assert pipe is not None
         dims = tuple(d.name for d in plan.mesh if d.name != pipe.mesh_dim)
         if not any(plan.mesh_shape[d] > 1 for d in dims):
             return None
         _refuse_local_ties(plan)
+        if apply_fn is None:
+            msg = ("a pipeline beside tensor parallel applies each stage's share of the plan: "
+                   "build it with hyperrecipe.runtime.build_pipeline")
+            raise PipelineUnsupportedError(msg)
         sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
-        return cls(plan, sub, mode, _slab_group(mesh, pipe.mesh_dim))
+        return cls(plan, sub, mode, _slab_group(mesh, pipe.mesh_dim), apply_fn)
 
     def apply(self, model: nn.Module, stage: PipelineStagePlan) -> None:
         view = stage_view(self.plan, (stage.index,), model_digest=snapshot(model).digest())
         with agreement_scope(self.slab):
-            self.installations.append(apply(model, view, self.mesh, mode=self.mode))
+            self.installations.append(self.apply_fn(model, view, self.mesh, mode=self.mode))
 
     def restore(self) -> None:
         """Undo every installation made so far (a collective over each stage's group)."""

@@ -9,7 +9,7 @@ hidden states' shape, so no shape inference traffic runs between ranks.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,13 @@ from hyperrecipe.errors import (
 )
 from hyperrecipe.plan import PipelineStagePlan, Plan
 from hyperrecipe.rewriter import Rewrite, Rewritten
-from hyperrecipe.runtime.installation import Installation
 from hyperrecipe.runtime.mode import ModeName
-from hyperrecipe.runtime.pipeline.beside import StageApplier, pp_columns, stage_grad_norm
+from hyperrecipe.runtime.pipeline.beside import (
+    ApplyFn,
+    StageApplier,
+    pp_columns,
+    stage_grad_norm,
+)
 from hyperrecipe.runtime.pipeline.grads import (
     TiedGrads,
     grad_norm,
@@ -46,6 +50,9 @@ from hyperrecipe.runtime.pipeline.stages import (
     StageModule,
     build_stage_modules,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hyperrecipe.runtime.installation import Installation
 
 __all__ = ["Pipeline", "build_pipeline"]
 
@@ -245,7 +252,8 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
-                   mode: ModeName = "production", loss_fn: LossFn | None = None) -> Pipeline:
+                   mode: ModeName = "production", loss_fn: LossFn | None = None,
+                   apply_fn: ApplyFn | None = None) -> Pipeline:
     """Make ``model`` this rank's share of the plan's pipeline.
 
     Every other stage's parameter-holding module is replaced by a placeholder that never holds
@@ -289,7 +297,7 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     pp_rank = mesh.get_local_rank(pipeline.mesh_dim)
     device = _rank_device(mesh)
     groups = tie_groups(pipeline, pp_columns(mesh, pipeline.mesh_dim), group)
-    beside = StageApplier.for_plan(plan, mesh, mode)
+    beside = StageApplier.for_plan(plan, mesh, mode, apply_fn)
     try:
         with Rewrite(label="pipeline") as tx:
             modules = build_stage_modules(tx, model, pipeline, pp_rank, device, loss_fn=loss_fn,

@@ -26,7 +26,7 @@ LR = 1e-3
 
 
 def _pipe(family: str, *, zero: bool = False) -> Any:
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     model = tiny(family)
     plan = pipeline_plan(model, layers=LAYERS.get(family, "model.layers"), schedule="1F1B")

@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, family: str, cases: list[tuple[str, int, str]
             ) -> list[dict[str, Any]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -101,7 +101,7 @@ def _v_tie_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyperrecipe.errors import PipelineUnsupportedError
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
