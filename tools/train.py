@@ -427,7 +427,7 @@ def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any
     micro-batch ``pipe.step``, clip, step)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     world = dist.get_world_size()
     if world != args.pp:

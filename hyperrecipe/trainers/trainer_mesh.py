@@ -52,7 +52,7 @@ def refuse_pipeline(given: Any, *, trainer: str) -> None:
     Raises:
         TrainerSetupError: ``given`` is pipelined; the message names the route to use.
     """
-    from hyperrecipe.runtime.pipeline import Pipeline
+    from hyperrecipe.runtime import Pipeline
 
     if isinstance(given, Pipeline):
         what = "a Pipeline (build_pipeline's handle)"
