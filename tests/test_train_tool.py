@@ -379,3 +379,25 @@ def test_tokens_past_the_vocab_and_a_file_shorter_than_a_sequence_are_refused(
     with pytest.raises(SystemExit, match=r"--data holds 15 tokens, fewer than one --seq-len "
                                          r"\(16\) sequence"):
         TRAIN.Batches(ids, vocab=128, seq_len=16, micro_batch=1, grad_accum=1, dp=1)
+
+
+def test_pp2_with_accumulation_and_clipping_matches_one_process_of_the_tool(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """``--pp 2`` (the shipped ``llama-pp``: 1F1B, 4 microbatches, picked by ``--recipe auto``)
+    over 5 steps of warmup + cosine, 2 micro-batches of 4 sequences accumulated per step and
+    clipping active, against the same tool on one process (``llama``, no pipeline): losses to
+    atol 1e-5, norms to rtol 1e-4, the model's defaults (tiny Llama from its checkpoint)."""
+    def argv(out: Path, *extra: str) -> list[str]:
+        return ["--weights", str(checkpoint), "--out", str(out), "--data", str(DATA),
+                "--seq-len", str(SEQ), "--micro-batch", "4", "--grad-accum", "2", "--steps", "5",
+                "--lr", str(LR), "--warmup-steps", str(WARMUP), "--max-grad-norm", "1.0",
+                "--json", *extra]
+
+    one = _run(1, argv(tmp_path / "one"))
+    piped = _run(2, argv(tmp_path / "pp", "--pp", "2"))
+    assert [r["step"] for r in piped] == [1, 2, 3, 4, 5]
+    assert min(r["grad_norm"] for r in one) > 1.0, "clipping must be active"
+    assert [r["loss"] for r in piped] == pytest.approx([r["loss"] for r in one], abs=LOSS_ATOL)
+    assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in one],
+                                                            rel=NORM_RTOL)
+    assert [r["lr"] for r in piped] == [r["lr"] for r in one]

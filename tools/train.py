@@ -15,6 +15,13 @@ its ``[dp, tp]`` variant (``recipes/llama-dp.yaml``); a family no shipped recipe
 refused by name, pointing to ``hyperrecipe suggest``. A recipe of your own for ``--dp`` must
 declare ``mesh: [dp, tp]``.
 
+Pipeline parallel: ``--pp N`` on N processes trains a recipe with a ``pipeline`` section
+(``--recipe auto``: the shipped ``<model_type>-pp``, ``recipes/llama-pp.yaml``) through
+:func:`hyperrecipe.runtime.pipeline.build_pipeline`: built on meta, each rank reads only its
+stages' tensors from the checkpoint, ``pipe.step`` per micro-batch (the schedule splits it into
+the recipe's microbatches), gradients divided by ``--grad-accum``, ``pipe.clip_grad_norm_`` (the
+whole model's norm), AdamW over ``pipe.parameters()``. No checkpoints or export at ``--pp`` yet.
+
 Evaluation: ``--eval-fraction F`` holds the last F of the packed sequences out of training and
 evaluates the model's mean loss over them every ``--eval-every`` steps and after the last one.
 
@@ -50,8 +57,10 @@ from hyperrecipe.runtime import fully_shard_data_parallel, is_committed
 
 AUTO = "auto"
 DP_SUFFIX = "-dp"
+PP_SUFFIX = "-pp"
 """``--recipe auto``: the shipped ``recipes/<model_type>.yaml``, or at ``--dp`` > 1
-``recipes/<model_type>-dp.yaml`` (its ``[dp, tp]`` variant)."""
+``recipes/<model_type>-dp.yaml`` (its ``[dp, tp]`` variant), at ``--pp`` > 1
+``recipes/<model_type>-pp.yaml`` (its pipeline variant)."""
 
 SYNTHETIC_SEED = 1000
 
@@ -83,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="DCP checkpoint every N steps")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel size: FSDP2 over a dp mesh dim; tp = world / dp")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel size (the world size): a recipe with a pipeline "
+                             "section, through build_pipeline; no checkpoints or export yet")
     parser.add_argument("--mode", default="production", choices=["production", "validate"])
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--min-lr", type=float, default=None,
@@ -110,16 +122,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.eval_fraction > 0 and args.data is None:
         parser.error("--eval-fraction holds out sequences of --data; give --data FILE")
     for name in ("seq_len", "micro_batch", "grad_accum", "steps", "save_every", "dp",
-                 "eval_every"):
+                 "eval_every", "pp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
                          f"{getattr(args, name)}")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         parser.error(f"--stop-after must be between 1 and --steps ({args.steps}), "
                      f"got {args.stop_after}")
+    if args.pp > 1:
+        unsupported = [flag for flag, asked in (
+            (f"--dp {args.dp}", args.dp > 1), (f"--mode {args.mode}", args.mode != "production"),
+            ("--bf16", args.bf16), (f"--eval-fraction {args.eval_fraction}",
+                                    args.eval_fraction > 0)) if asked]
+        if unsupported:
+            parser.error(f"--pp {args.pp} trains a pipeline alone, in fp32 production mode, "
+                         f"without evaluation; drop {', '.join(unsupported)}")
+        if args.recipe == AUTO:
+            args.recipe = auto_recipe(Path(args.weights), 1, parser, suffix=PP_SUFFIX)
+        recipe = hyperrecipe.load_recipe(args.recipe)
+        if recipe.pipeline is None or tuple(recipe.mesh) != (recipe.pipeline.mesh_dim,):
+            parser.error(f"--pp {args.pp} needs a recipe with a pipeline section over a mesh of "
+                         f"the pipeline dim alone; {args.recipe} declares mesh "
+                         f"{list(recipe.mesh)} and "
+                         + ("no pipeline section" if recipe.pipeline is None else
+                            f"a pipeline over {recipe.pipeline.mesh_dim!r}")
+                         + " (the shipped llama-pp is one)")
+        return args
     if args.recipe == AUTO:
         args.recipe = auto_recipe(Path(args.weights), args.dp, parser)
-    mesh_dims = hyperrecipe.load_recipe(args.recipe).mesh
+    loaded = hyperrecipe.load_recipe(args.recipe)
+    if loaded.pipeline is not None:
+        parser.error(f"{args.recipe} has a pipeline section: train it with --pp N (N processes)")
+    mesh_dims = loaded.mesh
     if args.dp > 1 and "dp" not in mesh_dims:
         variant = f"{args.recipe}{DP_SUFFIX}"
         shipped = variant in shipped_recipes()
@@ -141,7 +175,8 @@ def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in shipped_dir().glob("*.yaml"))
 
 
-def auto_recipe(weights: Path, dp: int, parser: argparse.ArgumentParser) -> str:
+def auto_recipe(weights: Path, dp: int, parser: argparse.ArgumentParser, *,
+                suffix: str = DP_SUFFIX) -> str:
     """The shipped recipe for the checkpoint's ``config.model_type``: ``<model_type>``, or at
     ``dp`` > 1 ``<model_type>-dp``. A recipe of another family compiles on many models (their
     trees share FQNs) and trains them wrong (Llama's on Qwen3 leaves the q/k norms' partial
@@ -160,6 +195,14 @@ def auto_recipe(weights: Path, dp: int, parser: argparse.ArgumentParser) -> str:
                      f"`hyperrecipe suggest --model hf:{model_type} --model-config {config} "
                      f"--mesh tp=N -o {model_type}.yaml` propose one (it keeps only what its "
                      f"check verified), then pass --recipe {model_type}.yaml")
+    if suffix == PP_SUFFIX:
+        variant = f"{model_type}{PP_SUFFIX}"
+        if variant not in shipped:
+            parser.error(f"--recipe auto at --pp: no shipped recipe pipelines {model_type} "
+                         f"(shipped: {', '.join(n for n in shipped if n.endswith(PP_SUFFIX))}); "
+                         f"write one with a pipeline section, as recipes/llama-pp.yaml does, "
+                         f"and pass --recipe")
+        return variant
     if dp == 1:
         return model_type
     variant = f"{model_type}{DP_SUFFIX}"
@@ -341,7 +384,130 @@ def build_mesh(args: argparse.Namespace, device: str) -> tuple[DeviceMesh, dict[
     return init_device_mesh(device, tuple(shape.values()), mesh_dim_names=tuple(shape)), shape
 
 
+def load_stage_weights(pipe: Any, model: Any, weights: Path,
+                       aliases: dict[str, tuple[str, ...]]) -> None:
+    """Each of this rank's parameters and persistent buffers from the checkpoint's safetensors,
+    reading only those tensors; a tied parameter missing under its own name (``lm_head.weight``
+    of a tied model) is read under another name of the same tensor. Non-persistent buffers
+    (rotary tables) are recomputed by the model's own initializer."""
+    from safetensors import safe_open
+
+    index = weights / "model.safetensors.index.json"
+    if index.is_file():
+        where = {k: weights / f for k, f in
+                 json.loads(index.read_text(encoding="utf-8"))["weight_map"].items()}
+    else:
+        with safe_open(str(weights / "model.safetensors"), framework="pt") as f:
+            where = {k: weights / "model.safetensors" for k in f.keys()}
+    wanted: list[tuple[str, torch.Tensor]] = list(pipe.named_parameters())
+    recompute = []
+    for module in pipe.modules:
+        for sub in module.modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                if name in sub._non_persistent_buffers_set:
+                    recompute.append(sub)
+                elif buf is not None:
+                    fqn = next(n for n, b in module.named_buffers() if b is buf)
+                    wanted.append((fqn, buf))
+    with torch.no_grad():
+        for fqn, tensor in wanted:
+            key = next((k for k in aliases.get(fqn, (fqn,)) if k in where), None)
+            if key is None:
+                msg = f"{weights}: no tensor {fqn!r} (this rank's stages need it)"
+                raise SystemExit(msg)
+            with safe_open(str(where[key]), framework="pt") as f:
+                tensor.copy_(f.get_tensor(key))
+        for sub in {id(s): s for s in recompute}.values():
+            model._init_weights(sub)
+
+
+def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    """``--pp N``: docs/training.md's loop for a pipeline (build on meta, compile,
+    ``build_pipeline``, load this rank's stages, AdamW over ``pipe.parameters()``, per
+    micro-batch ``pipe.step``, clip, step)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hyperrecipe.runtime import build_pipeline
+
+    world = dist.get_world_size()
+    if world != args.pp:
+        raise SystemExit(f"--pp {args.pp} needs {args.pp} processes; the world has {world}")
+    torch.manual_seed(0)
+    recipe = hyperrecipe.load_recipe(args.recipe)
+    assert recipe.pipeline is not None
+    shape = {recipe.pipeline.mesh_dim: args.pp}
+    mesh = init_device_mesh(device, (args.pp,), mesh_dim_names=tuple(shape))
+    rank0 = dist.get_rank() == 0
+
+    # 1. Build on meta; 2. compile (the plan holds the split); 3. this rank's stages.
+    config = AutoConfig.from_pretrained(args.weights)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = hyperrecipe.compile_recipe(args.recipe, model, shape)
+    assert plan.pipeline is not None
+    if args.micro_batch % plan.pipeline.microbatches:
+        raise SystemExit(f"--micro-batch {args.micro_batch}: {args.recipe}'s schedule cuts each "
+                         f"micro-batch into {plan.pipeline.microbatches} microbatches; give a "
+                         f"multiple of {plan.pipeline.microbatches}")
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    aliases = {fqn: (fqn, *(n for n in group if n != fqn)) for group in names.values()
+               for fqn in group}
+    pipe = build_pipeline(model, plan, mesh)
+    # 4. Weights: each rank reads only its stages' tensors.
+    load_stage_weights(pipe, model, Path(args.weights), aliases)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    tokens, how = (None, "synthetic (random tokens seeded by step)")
+    if args.data is not None:
+        tokens, how = tokenize(Path(args.data), Path(args.weights), config.vocab_size)
+    batches = Batches(tokens, vocab=config.vocab_size, seq_len=args.seq_len,
+                      micro_batch=args.micro_batch, grad_accum=args.grad_accum, dp=1)
+    if rank0:
+        print(f"train.py: recipe {args.recipe} (model_type {config.model_type}), mesh {shape}, "
+              f"pipeline {plan.pipeline.schedule} x {plan.pipeline.microbatches} microbatches, "
+              f"stages {[(s.start, s.stop) for s in plan.pipeline.stages]}, data {how}, global "
+              f"batch {batches.rows} x {args.seq_len} tokens; no checkpoints or export at --pp",
+              file=sys.stderr, flush=True)
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    stop = args.steps if args.stop_after is None else args.stop_after
+    records = []
+    for step in range(stop):
+        began = time.perf_counter()
+        lr = lr_at(step, lr=args.lr, min_lr=min_lr, warmup=args.warmup_steps, steps=args.steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for ids in batches.micro_batches(step, 0):
+            ids = ids.to(device)
+            # the micro-batch's mean loss on every rank; gradients accumulate across steps
+            loss_sum += pipe.step(input_ids=ids, labels=ids)
+        # pipe.step takes no loss scale: dividing the accumulated gradients by N is the same
+        # as backward of loss / N (packed data: every micro-batch has as many label tokens)
+        if args.grad_accum > 1:
+            for p in pipe.parameters():
+                if p.grad is not None:
+                    p.grad.div_(args.grad_accum)
+        norm = pipe.clip_grad_norm_(args.max_grad_norm if args.max_grad_norm > 0
+                                    else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        loss_value = float(loss_sum / args.grad_accum)
+        seconds = time.perf_counter() - began
+        rec = {"step": step + 1, "loss": round(loss_value, 6),
+               "grad_norm": round(float(norm), 6), "lr": lr,
+               "tokens_per_s": round(batches.rows * args.seq_len / seconds, 1)}
+        records.append(rec)
+        if rank0:  # every rank has the loss; one line per step
+            print(json.dumps(rec) if args.json else progress_line(rec, args.steps), flush=True)
+    dist.barrier()  # every rank leaves together
+    return records
+
+
 def train(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    if args.pp > 1:
+        return train_pipelined(args, device)
     torch.manual_seed(0)
     mesh, shape = build_mesh(args, device)
     rank0 = dist.get_rank() == 0

@@ -43,6 +43,7 @@ from hyperrecipe.trainers.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
+    refuse_pipeline,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,6 +95,7 @@ class HyperrecipeAccelerator(Accelerator):  # type: ignore[misc]
                 has several data dims or does not span the world.
         """
         if installation is not None:
+            refuse_pipeline(installation, trainer=_NAME)
             self._attach(installation, args)
         return super().prepare(*args, device_placement=device_placement)
 

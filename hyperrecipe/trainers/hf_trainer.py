@@ -41,6 +41,7 @@ from hyperrecipe.trainers.trainer_mesh import (
     DataParallel,
     data_parallel_of,
     gather_over_data_dim,
+    refuse_pipeline,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,6 +86,7 @@ class HyperrecipeTrainerMixin(_TrainerBase):
     """
 
     def __init__(self, *args: Any, installation: Installation, **kwargs: Any) -> None:
+        refuse_pipeline(installation, trainer=type(self).__name__)
         model = kwargs.get("model", args[0] if args else None)
         if model is not installation.model:
             msg = ("HyperrecipeTrainer: model= must be the model the installation was applied to "

@@ -45,6 +45,7 @@ from torch import nn
 
 from hyperrecipe._files import open_regular
 from hyperrecipe.errors import TrainerSetupError
+from hyperrecipe.trainers.trainer_mesh import PIPELINE_ROUTE
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -112,6 +113,12 @@ class HyperrecipeStrategy(ModelParallelStrategy):
                    "(configure_model ran twice?); one model per strategy")
             raise TrainerSetupError(msg)
         loaded = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
+        if loaded.pipeline is not None:
+            msg = (f"HyperrecipeStrategy.apply: recipe {loaded.name!r} has a pipeline section "
+                   f"(schedule {loaded.pipeline.schedule}); Lightning's model-parallel strategy "
+                   f"runs the whole model on every rank, not a pipeline schedule. Pipeline "
+                   f"parallelism is not supported through Lightning: {PIPELINE_ROUTE}")
+            raise TrainerSetupError(msg)
         dp_name, tp_name = self._names["data_parallel"], self._names["tensor_parallel"]
         dp = self.device_mesh["data_parallel"].size()
         tp = self.device_mesh["tensor_parallel"].size()

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from hyperrecipe.errors import PlanMismatchError
+from hyperrecipe.trainers.trainer_mesh import PIPELINE_ROUTE
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -90,8 +91,16 @@ _INSTALLATIONS: weakref.WeakKeyDictionary[nn.Module, Installation] = (
 
 def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any,
                         compile_config: Any) -> None:
+    pp = int(getattr(parallel_dims, "pp", 1))
+    if pp not in (1, -1):
+        msg = (f"hyperrecipe's torchtitan parallelize: the job asks for pp={pp}; this step "
+               f"applies a plan's tensor (and FSDP2) parallelism to one model, and torchtitan's "
+               f"pipelining splits the model before parallelize_fn runs, outside the plan. "
+               f"Pipeline parallelism is not supported through torchtitan with hyperrecipe: "
+               f"{PIPELINE_ROUTE}, or torchtitan's own parallelize function")
+        raise PlanMismatchError(msg)
     asked = []
-    for name in ("dp_replicate", "cp", "pp", "ep"):
+    for name in ("dp_replicate", "cp", "ep"):
         size = int(getattr(parallel_dims, name, 1))
         if size not in (1, -1):
             asked.append(f"{name}={size}")
@@ -166,10 +175,16 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any = None,
         RecipeError: the recipe does not fit the model or the tp size.
     """
     _refuse_unsupported(parallel_dims, training, parallelism, compile_config)
-    from hyperrecipe import apply, compile_recipe
+    from hyperrecipe import apply, compile_recipe, load_recipe
 
     fsdp = int(parallel_dims.dp_shard) > 1
     chosen = recipe if recipe is not None else shipped_recipe_for(model, fsdp=fsdp)
+    if recipe is not None and load_recipe(recipe).pipeline is not None:
+        msg = (f"hyperrecipe's torchtitan parallelize: recipe {recipe!r} has a pipeline "
+               f"section; torchtitan's parallelize_fn parallelizes one model per rank, not a "
+               f"pipeline schedule. Pipeline parallelism is not supported through torchtitan "
+               f"with hyperrecipe: {PIPELINE_ROUTE}")
+        raise PlanMismatchError(msg)
     if recipe is None and getattr(model, "mtp_layers", None) is not None:
         msg = (f"hyperrecipe's torchtitan parallelize: {type(model).__qualname__} has "
                f"multi-token-prediction layers (mtp_layers), which the shipped {chosen} has no "

@@ -14,6 +14,11 @@ Where training ends, the ranks leave together (``hyperrecipe.runtime.leave_toget
 rank was seen to abort at interpreter exit in torch's teardown (``terminate called without an
 active exception``; the method says why).
 
+A plan with a ``pipeline`` section is refused by every trainer route here
+(:func:`refuse_pipeline`): those trainers run one program per rank over one model, not a pipeline
+schedule, so the route to use is named instead (our own loop with ``build_pipeline``, or
+``tools/train.py --pp N``).
+
 What does not live here: wrapping (each integration wraps through its trainer's seam).
 """
 
@@ -31,7 +36,38 @@ if TYPE_CHECKING:  # pragma: no cover
     from hyperrecipe.plan import Plan
     from hyperrecipe.runtime import Installation
 
-__all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims"]
+__all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims",
+           "refuse_pipeline"]
+
+PIPELINE_ROUTE = ("train it with hyperrecipe.runtime.pipeline.build_pipeline in your own loop "
+                  "(docs/training.md#pipeline-parallel) or with tools/train.py --pp N")
+"""Where a pipelined plan trains; every trainer route's refusal names it."""
+
+
+def refuse_pipeline(given: Any, *, trainer: str) -> None:
+    """Refuse a pipelined plan (a :class:`~hyperrecipe.plan.Plan` or an installation with a
+    ``pipeline`` section, or a :class:`~hyperrecipe.runtime.pipeline.Pipeline`) by name, before
+    the trainer changes anything.
+
+    Raises:
+        TrainerSetupError: ``given`` is pipelined; the message names the route to use.
+    """
+    from hyperrecipe.runtime import Pipeline
+
+    if isinstance(given, Pipeline):
+        what = "a Pipeline (build_pipeline's handle)"
+    else:
+        plan = getattr(given, "plan", given)
+        pipeline = getattr(plan, "pipeline", None)
+        if pipeline is None:
+            return
+        what = (f"a pipelined plan ({pipeline.schedule} over mesh dim {pipeline.mesh_dim!r}, "
+                f"{len(pipeline.stages)} stages)")
+    msg = (f"{trainer}: got {what}; {trainer} runs the whole model's forward and backward on "
+           f"every rank, not a pipeline schedule, so it would train every rank's copy of the "
+           f"model unpipelined. Pipeline parallelism is not supported through {trainer}: "
+           f"{PIPELINE_ROUTE}")
+    raise TrainerSetupError(msg)
 
 
 def model_parallel_dims(plan: Plan) -> tuple[str, ...]:
