@@ -150,7 +150,7 @@ def worker(rank: int, world: int, impl: str, schedule: str, cfg: dict[str, int],
            microbatches: int, warmup: int, steps: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrecipe.runtime.pipeline import build_pipeline
+    from hyperrecipe.runtime import build_pipeline
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))

@@ -17,7 +17,7 @@ declare ``mesh: [dp, tp]``.
 
 Pipeline parallel: ``--pp N`` on N processes trains a recipe with a ``pipeline`` section
 (``--recipe auto``: the shipped ``<model_type>-pp``, ``recipes/llama-pp.yaml``) through
-:func:`hyperrecipe.runtime.pipeline.build_pipeline`: built on meta, each rank reads only its
+:func:`hyperrecipe.runtime.build_pipeline`: built on meta, each rank reads only its
 stages' tensors from the checkpoint, ``pipe.step`` per micro-batch (the schedule splits it into
 the recipe's microbatches), gradients divided by ``--grad-accum``, ``pipe.clip_grad_norm_`` (the
 whole model's norm), AdamW over ``pipe.parameters()``. No checkpoints or export at ``--pp`` yet.
@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="data-parallel size: FSDP2 over a dp mesh dim; tp = world / dp")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline-parallel size (the world size): a recipe with a pipeline "
-                             "section, through build_pipeline; no checkpoints or export yet")
+                             "section, through build_pipeline (checkpoints and export through "
+                             "pipe.state)")
     parser.add_argument("--mode", default="production", choices=["production", "validate"])
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--min-lr", type=float, default=None,
@@ -384,43 +385,6 @@ def build_mesh(args: argparse.Namespace, device: str) -> tuple[DeviceMesh, dict[
     return init_device_mesh(device, tuple(shape.values()), mesh_dim_names=tuple(shape)), shape
 
 
-def load_stage_weights(pipe: Any, model: Any, weights: Path,
-                       aliases: dict[str, tuple[str, ...]]) -> None:
-    """Each of this rank's parameters and persistent buffers from the checkpoint's safetensors,
-    reading only those tensors; a tied parameter missing under its own name (``lm_head.weight``
-    of a tied model) is read under another name of the same tensor. Non-persistent buffers
-    (rotary tables) are recomputed by the model's own initializer."""
-    from safetensors import safe_open
-
-    index = weights / "model.safetensors.index.json"
-    if index.is_file():
-        where = {k: weights / f for k, f in
-                 json.loads(index.read_text(encoding="utf-8"))["weight_map"].items()}
-    else:
-        with safe_open(str(weights / "model.safetensors"), framework="pt") as f:
-            where = {k: weights / "model.safetensors" for k in f.keys()}
-    wanted: list[tuple[str, torch.Tensor]] = list(pipe.named_parameters())
-    recompute = []
-    for module in pipe.modules:
-        for sub in module.modules():
-            for name, buf in sub.named_buffers(recurse=False):
-                if name in sub._non_persistent_buffers_set:
-                    recompute.append(sub)
-                elif buf is not None:
-                    fqn = next(n for n, b in module.named_buffers() if b is buf)
-                    wanted.append((fqn, buf))
-    with torch.no_grad():
-        for fqn, tensor in wanted:
-            key = next((k for k in aliases.get(fqn, (fqn,)) if k in where), None)
-            if key is None:
-                msg = f"{weights}: no tensor {fqn!r} (this rank's stages need it)"
-                raise SystemExit(msg)
-            with safe_open(str(where[key]), framework="pt") as f:
-                tensor.copy_(f.get_tensor(key))
-        for sub in {id(s): s for s in recompute}.values():
-            model._init_weights(sub)
-
-
 def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     """``--pp N``: docs/training.md's loop for a pipeline (build on meta, compile,
     ``build_pipeline``, load this rank's stages, AdamW over ``pipe.parameters()``, per
@@ -449,15 +413,18 @@ def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any
         raise SystemExit(f"--micro-batch {args.micro_batch}: {args.recipe}'s schedule cuts each "
                          f"micro-batch into {plan.pipeline.microbatches} microbatches; give a "
                          f"multiple of {plan.pipeline.microbatches}")
-    names: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-    aliases = {fqn: (fqn, *(n for n in group if n != fqn)) for group in names.values()
-               for fqn in group}
     pipe = build_pipeline(model, plan, mesh)
-    # 4. Weights: each rank reads only its stages' tensors.
-    load_stage_weights(pipe, model, Path(args.weights), aliases)
+    # 4. Weights: each rank reads only its stages' tensors (not when resuming: the checkpoint
+    # has them).
+    out = Path(args.out)
+    resume = newest_checkpoint(out)
+    if resume is None:
+        pipe.state.load_weights(args.weights)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    start = 0
+    if resume is not None:  # 5. saved at any pp size (or unpipelined)
+        start, folder = resume
+        pipe.state.load_checkpoint(folder, opt)
 
     tokens, how = (None, "synthetic (random tokens seeded by step)")
     if args.data is not None:
@@ -468,12 +435,12 @@ def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any
         print(f"train.py: recipe {args.recipe} (model_type {config.model_type}), mesh {shape}, "
               f"pipeline {plan.pipeline.schedule} x {plan.pipeline.microbatches} microbatches, "
               f"stages {[(s.start, s.stop) for s in plan.pipeline.stages]}, data {how}, global "
-              f"batch {batches.rows} x {args.seq_len} tokens; no checkpoints or export at --pp",
+              f"batch {batches.rows} x {args.seq_len} tokens",
               file=sys.stderr, flush=True)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     stop = args.steps if args.stop_after is None else args.stop_after
     records = []
-    for step in range(stop):
+    for step in range(start, stop):
         began = time.perf_counter()
         lr = lr_at(step, lr=args.lr, min_lr=min_lr, warmup=args.warmup_steps, steps=args.steps)
         for group in opt.param_groups:
@@ -501,6 +468,10 @@ def train_pipelined(args: argparse.Namespace, device: str) -> list[dict[str, Any
         records.append(rec)
         if rank0:  # every rank has the loss; one line per step
             print(json.dumps(rec) if args.json else progress_line(rec, args.steps), flush=True)
+        if (step + 1) % args.save_every == 0:  # 6. each rank writes its stages; committed last
+            pipe.state.save_checkpoint(out / f"step-{step + 1}", opt)
+    if stop == args.steps:  # 7. one transformers checkpoint of the whole model
+        pipe.state.save_pretrained(out / "final")
     dist.barrier()  # every rank leaves together
     return records
 

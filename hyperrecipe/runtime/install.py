@@ -83,6 +83,13 @@ def _check_arguments(model: object, plan: object, mesh: object) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise UsageError(f"apply: mesh must be a DeviceMesh (init_device_mesh(..., "
                          f"mesh_dim_names=...)), not {type(mesh).__name__}")
+    if plan.pipeline is not None:
+        pipe = plan.pipeline
+        raise UsageError(
+            f"apply: plan {plan.recipe!r} pipelines the model over {pipe.mesh_dim} "
+            f"({len(pipe.stages)} stages, {pipe.schedule}); apply would run the whole model on "
+            f"every rank instead: build the pipeline with hyperrecipe.runtime.build_pipeline("
+            f"model, plan, mesh) (docs/pipeline.md#running-a-pipeline)")
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:

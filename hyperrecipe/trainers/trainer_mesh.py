@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DataParallel", "data_parallel_of", "gather_over_data_dim", "model_parallel_dims",
            "refuse_pipeline"]
 
-PIPELINE_ROUTE = ("train it with hyperrecipe.runtime.pipeline.build_pipeline in your own loop "
+PIPELINE_ROUTE = ("train it with hyperrecipe.runtime.build_pipeline in your own loop "
                   "(docs/training.md#pipeline-parallel) or with tools/train.py --pp N")
 """Where a pipelined plan trains; every trainer route's refusal names it."""
 

@@ -23,7 +23,7 @@ from hyperrecipe.check.launcher import run_ranks  # noqa: E402
 from hyperrecipe.errors import PlanMismatchError, TrainerSetupError  # noqa: E402
 from tests.support.runtime_harness import llama  # noqa: E402
 
-ROUTE = ("hyperrecipe.runtime.pipeline.build_pipeline in your own loop "
+ROUTE = ("hyperrecipe.runtime.build_pipeline in your own loop "
          "(docs/training.md#pipeline-parallel) or with tools/train.py --pp N")
 
 

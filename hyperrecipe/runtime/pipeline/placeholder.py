@@ -89,6 +89,7 @@ class StagePlaceholder(nn.Module):
         self.like_input = like_input
         object.__setattr__(self, "_hr_meta", meta)
         object.__setattr__(self, "_hr_run", run)
+        object.__setattr__(self, "_hr_shapes", {})
 
     def extra_repr(self) -> str:
         return f"{self.fqn!r} of {self.owner}, runs {self.side} stage {self._run.stage}"
@@ -120,8 +121,28 @@ class StagePlaceholder(nn.Module):
         return out
 
     def _shape_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        device = next((x.device for x in pytree.tree_leaves((args, kwargs))
-                       if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        """Zeros shaped as the module's output for these arguments. The meta run's result is
+        kept per call signature (the arguments' structure, tensor shapes and dtypes, plain
+        values, other objects' types): every microbatch of a step calls with the same, and
+        re-running an earlier stage's layers on meta was most of a later stage's step."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)),
+                      torch.device("cpu"))
+        key = (str(spec), tuple(_signature_of(x) for x in leaves))
+        shapes: dict[Any, Any] = self.__dict__["_hr_shapes"]
+        out = shapes.get(key)
+        if out is None:
+            out = self._meta_output(args, kwargs)
+            if len(shapes) >= _MAX_SIGNATURES:
+                shapes.clear()
+            shapes[key] = out
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device),
+            out,
+        )
+
+    def _meta_output(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         meta: Callable[..., Any] = self.__dict__["_hr_meta"]
         to_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"),
                                        (args, kwargs))
@@ -136,8 +157,16 @@ class StagePlaceholder(nn.Module):
             if first is None:
                 raise
             out = first.to("meta")
-        return pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device),
-            out,
-        )
+        return out
+
+
+_MAX_SIGNATURES = 16
+"""Call signatures a placeholder remembers (a new sequence length is a new one)."""
+
+
+def _signature_of(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+    if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        return leaf
+    return ("object", type(leaf).__qualname__)

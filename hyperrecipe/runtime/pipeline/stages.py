@@ -22,6 +22,7 @@ from hyperrecipe.plan import PipelinePlan, PipelineStagePlan
 from hyperrecipe.rewriter import Rewrite
 from hyperrecipe.runtime.pipeline.boundary import edge_forward
 from hyperrecipe.runtime.pipeline.placeholder import Side, StagePlaceholder, StageRun
+from hyperrecipe.runtime.state.materialize import materialize_buffers
 
 __all__ = ["LOSS_KEYS", "TARGET_KEY", "LossFn", "StageModule", "build_stage_modules"]
 
@@ -196,8 +197,10 @@ def _check_ownership(module: nn.Module, stage: PipelineStagePlan) -> None:
 
 
 def _materialize(tx: Rewrite, model: nn.Module, device: torch.device, label: str) -> None:
-    """Give a meta model's owned parameters and kept buffers uninitialised storage on
-    ``device`` (the caller initialises or loads them), keeping ties within the stage."""
+    """Give a meta model's owned parameters and kept buffers storage on ``device``, keeping
+    ties within the stage: parameters and persistent buffers unset (the caller initialises or
+    loads them: ``pipe.state.load_weights``), non-persistent buffers (rotary tables)
+    recomputed by the model's own initializer, as ``apply`` does on a meta model."""
     done: dict[int, nn.Parameter] = {}
     for mod_fqn, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, StagePlaceholder):
@@ -209,10 +212,7 @@ def _materialize(tx: Rewrite, model: nn.Module, device: torch.device, label: str
                 done[id(p)] = nn.Parameter(torch.empty_like(p, device=device),
                                            requires_grad=p.requires_grad)
             tx.replace_parameter(mod, name, done[id(p)], fqn=f"{label}{mod_fqn}")
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.is_meta:
-                tx.set_item(mod._buffers, name, torch.empty_like(b, device=device),
-                            fqn=f"{label}{mod_fqn}.{name}")
+    materialize_buffers(model, tx, device)
 
 
 StageApply = Callable[[nn.Module, PipelineStagePlan], None]

@@ -129,3 +129,22 @@ def test_a_tie_across_two_stages_of_one_rank_beside_tp_is_refused_before_anythin
             "own shard of it, which is not supported yet: use a loop-placed schedule (1F1B, "
             "Interleaved1F1B) for this model, or untie the weights")
         assert r["untouched"]
+
+
+def test_apply_refuses_a_pipelined_plan_naming_build_pipeline() -> None:
+    """apply would run the whole model on every rank: refused before any collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hyperrecipe.errors import UsageError
+    from hyperrecipe.runtime import apply
+
+    model = tiny("llama", 4)
+    plan = _plan("llama", "1F1B", 1, model)
+    fake = DeviceMesh.__new__(DeviceMesh)  # never used: the refusal comes first
+    with pytest.raises(UsageError) as err:
+        apply(model, plan, fake)
+    assert str(err.value) == (
+        "apply: plan 'llama-pp-tp' pipelines the model over pp (2 stages, 1F1B); apply would "
+        "run the whole model on every rank instead: build the pipeline with "
+        "hyperrecipe.runtime.build_pipeline(model, plan, mesh) "
+        "(docs/pipeline.md#running-a-pipeline)")
