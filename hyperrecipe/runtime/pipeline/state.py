@@ -39,7 +39,7 @@ from hyperrecipe.plan import ParamPlan, PipelinePlan, Plan
 from hyperrecipe.runtime.preflight.agreement import EntryCheck
 from hyperrecipe.runtime.state.checkpoint import init_optimizer_state
 from hyperrecipe.runtime.state.export import ExportItem, write_safetensors
-from hyperrecipe.runtime.state.front import TrainingState
+from hyperrecipe.runtime.state.front import StatusRow, TrainingState
 from hyperrecipe.runtime.state.live_params import LiveParams
 from hyperrecipe.runtime.state.weights import persistent_buffers
 
@@ -110,8 +110,10 @@ class PipelineState:
         enter = EntryCheck.for_world(lambda: self.collective_timeout_s)
         self._fronts: list[TrainingState] = []
         self._owned: list[frozenset[str]] = []
+        self._installed: list[bool] = []
         for model, owned, inst in zip(self._models, stage_params, insts, strict=True):
             self._owned.append(frozenset(owned))
+            self._installed.append(inst is not None)
             if inst is not None:  # pp x tp: the stage's own installation knows its shards
                 self._fronts.append(inst.state)
                 continue
@@ -147,6 +149,29 @@ class PipelineState:
         """The state front of each stage model this rank holds, in stage order."""
         return tuple(self._fronts)
 
+    def status(self) -> list[StatusRow]:
+        """``inst.state.status()`` of every stage model this rank holds, in stage order (a row
+        the stages share, such as the pipeline's own rewrite, once): what each install did,
+        which weight-loading strategy loaded each stage, and the tensors with no value yet.
+        Local: no collective."""
+        rows: list[StatusRow] = []
+        seen: set[StatusRow] = set()
+        for front in self._fronts:
+            for row in front.status():
+                if row not in seen:
+                    seen.add(row)
+                    rows.append(row)
+        return rows
+
+    def _front_of(self, fqn: str) -> TrainingState | None:
+        """The installation front (pp x tp) that owns parameter ``fqn`` on this rank, or
+        ``None`` where the stage has none (pipeline parallelism alone)."""
+        for front, owned, installed in zip(self._fronts, self._owned, self._installed,
+                                           strict=True):
+            if installed and fqn in owned:
+                return front
+        return None
+
     # -- state dicts -----------------------------------------------------------------------
 
     def _named_params(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -170,9 +195,11 @@ class PipelineState:
             out["optimizer"] = self._optimizer_state(optimizer)
         return out
 
-    def _optimizer_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-        names = {id(p): self._canonical.get(fqn, fqn) for fqn, p in self._named_params()}
-        groups: list[list[str]] = []
+    def _optimizer_names(self, optimizer: torch.optim.Optimizer
+                         ) -> list[list[tuple[str, str]]]:
+        """Per group, each parameter's (name on this rank, name in the optimizer state)."""
+        names = {id(p): (fqn, self._canonical.get(fqn, fqn)) for fqn, p in self._named_params()}
+        groups: list[list[tuple[str, str]]] = []
         for group in optimizer.param_groups:
             row = []
             for p in group["params"]:
@@ -190,16 +217,18 @@ class PipelineState:
         flat: dict[str, Any] = {}
         for group, names in zip(optimizer.param_groups, groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            for p, fqn in zip(group["params"], names, strict=True):
+            for p, (local, fqn) in zip(group["params"], names, strict=True):
+                front = self._front_of(local)
                 for key, value in optimizer.state.get(p, {}).items():
-                    flat[f"state.{fqn}.{key}"] = self._as_stored(fqn, value)
+                    flat[f"state.{fqn}.{key}"] = (self._as_stored(fqn, value) if front is None
+                                                  else front.optimizer_value(local, value))
                 for key, value in hyper.items():
                     flat[f"param_groups.{fqn}.{key}"] = value
         return flat
 
     def _as_stored(self, fqn: str, value: Any) -> Any:
         """An optimizer state tensor as DCP stores it: a parameter-shaped plain tensor becomes
-        a replicated DTensor like its parameter (a DTensor one, pp x tp, is kept)."""
+        a replicated DTensor like its parameter (pipeline parallelism alone)."""
         from torch.distributed.tensor import DTensor, Replicate
 
         if isinstance(value, Tensor) and value.dim() > 0 and not isinstance(value, DTensor):
@@ -244,7 +273,8 @@ class PipelineState:
         for group, names in zip(optimizer.param_groups, groups, strict=True):
             numbers = []
             hyper = {k: v for k, v in group.items() if k != "params"}
-            for p, fqn in zip(group["params"], names, strict=True):
+            for p, (local, fqn) in zip(group["params"], names, strict=True):
+                front = self._front_of(local)
                 entry: dict[str, Any] = {}
                 for key, mine in optimizer.state.get(p, {}).items():
                     name = f"state.{fqn}.{key}"
@@ -252,7 +282,9 @@ class PipelineState:
                         raise PlanMismatchError(f"load_state_dict: the optimizer state has no "
                                                 f"{name!r}")
                     value = flat[name]
-                    if isinstance(value, DTensor) and not isinstance(mine, DTensor):
+                    if front is not None:  # pp x tp: the rank's shard, as the stage holds it
+                        value = front.optimizer_value_to_load(local, value)
+                    elif isinstance(value, DTensor) and not isinstance(mine, DTensor):
                         value = value.full_tensor()
                     if isinstance(value, Tensor) and isinstance(mine, Tensor) \
                             and value.shape != mine.shape:
@@ -322,22 +354,23 @@ class PipelineState:
         front.enter_collective("save_pretrained")
         rank = dist.get_rank() if dist.is_initialized() else 0
         ranks = dist.get_process_group_ranks(self._group)
-        mine = self._local_tensors()
+        mine = self._sources()
         table: list[Any] = [None] * len(ranks)
-        dist.all_gather_object(table, {k: (str(v.dtype), tuple(v.shape)) for k, v in mine.items()},
-                               group=self._group)
+        dist.all_gather_object(table, {k: m for k, (m, _) in mine.items()}, group=self._group)
         owner: dict[str, int] = {}
         meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         for pp_rank, held in enumerate(table):
             for name, m in held.items():
-                owner.setdefault(name, ranks[pp_rank])
+                owner.setdefault(name, pp_rank)
                 meta.setdefault(name, m)
+        me = dist.get_group_rank(self._group, rank)
         order = [p.fqn for p in self._plan.params if p.tied_to is None]
         order += sorted(n for n in meta if n not in set(order))
         involved = writer_rank in ranks
         items = [ExportItem(name=name, dtype=getattr(torch, meta[name][0].split(".")[-1]),
                             shape=meta[name][1],
-                            gather=self._gather(mine.get(name), owner[name], writer_rank, rank,
+                            gather=self._gather(mine[name][1] if owner[name] == me else None,
+                                                ranks[owner[name]], writer_rank, rank,
                                                 involved, meta[name]))
                  for name in order if name in meta]
         model = self._models[0]
@@ -346,28 +379,52 @@ class PipelineState:
                               max_shard_bytes=max_shard_bytes, model=model,
                               timeout_s=self.collective_timeout_s)
 
-    def _local_tensors(self) -> dict[str, Tensor]:
-        """This rank's tensors the export writes: owned parameters under the unpipelined
-        model's first names (ties once) and persistent buffers."""
-        from torch.distributed.tensor import DTensor
+    def _sources(self) -> dict[str, tuple[tuple[str, tuple[int, ...]], Callable[[], Tensor]]]:
+        """This rank's tensors the export writes, under the unpipelined model's first names
+        (ties once), with dtype and full shape, and how to get the full tensor: owned
+        parameters and persistent buffers. Beside tensor parallel a parameter is gathered by
+        its stage's installation (``inst.state.full_tensor``: a collective over the stage's
+        tensor-parallel ranks, which all hold the same names), one tensor at a time."""
+        out: dict[str, tuple[tuple[str, tuple[int, ...]], Callable[[], Tensor]]] = {}
 
-        out: dict[str, Tensor] = {}
-        for fqn, p in self._named_params():
-            name = self._canonical.get(fqn, fqn)
-            value = p.full_tensor() if isinstance(p, DTensor) else p  # pp x tp: gathered
-            out.setdefault(name, value.detach())
+        def kept(value: Tensor) -> Callable[[], Tensor]:
+            return lambda: value.detach()
+
+        def gathered(front: TrainingState, fqn: str) -> Callable[[], Tensor]:
+            return lambda: front.full_tensor(fqn)
+
+        for model, front, installed in zip(self._models, self._fronts, self._installed,
+                                           strict=True):
+            if installed:
+                params = dict(model.named_parameters(remove_duplicate=False))
+                for p in front._plan.params:  # noqa: SLF001 - the stage's own names
+                    name = self._canonical.get(p.fqn, p.fqn)
+                    if p.tied_to is None and name not in out:
+                        dtype = str(params[p.fqn].dtype)
+                        out[name] = ((dtype, tuple(p.shape)), gathered(front, p.fqn))
+            else:
+                seen: set[int] = set()
+                for fqn, q in model.named_parameters():
+                    name = self._canonical.get(fqn, fqn)
+                    if id(q) not in seen and name not in out:
+                        seen.add(id(q))
+                        out[name] = ((str(q.dtype), tuple(q.shape)), kept(q))
         for model in self._models:
             for name, buf in persistent_buffers(model):
-                out.setdefault(name, buf.detach())
+                if name not in out:
+                    out[name] = ((str(buf.dtype), tuple(buf.shape)), kept(buf))
         return out
 
     @staticmethod
-    def _gather(value: Tensor | None, owner: int, writer: int, rank: int, involved: bool,
-                meta: tuple[str, tuple[int, ...]]) -> Callable[[], Tensor]:
+    def _gather(fetch: Callable[[], Tensor] | None, owner: int, writer: int, rank: int,
+                involved: bool, meta: tuple[str, tuple[int, ...]]) -> Callable[[], Tensor]:
+        """One item's gather: every rank of the owning stage fetches the full tensor (beside
+        tensor parallel a collective among them); the owner in the writer's pipeline column
+        sends it to the writer."""
         dtype = getattr(torch, meta[0].split(".")[-1])
-        device = value.device if value is not None else _device()
 
         def gather() -> Tensor:
+            value = fetch() if fetch is not None else None
             if not involved or rank not in (owner, writer):
                 return torch.empty(0, dtype=dtype)
             if owner == writer:
@@ -377,7 +434,7 @@ class PipelineState:
                 assert value is not None
                 dist.send(value.contiguous(), dst=writer)
                 return torch.empty(0, dtype=dtype)
-            out = torch.empty(meta[1], dtype=dtype, device=device)
+            out = torch.empty(meta[1], dtype=dtype, device=_device())
             dist.recv(out, src=owner)
             return out
 

@@ -47,6 +47,8 @@ __all__ = [
     "load_training_state",
     "optimizer_state",
     "optimizer_state_to_load",
+    "state_value_to_load",
+    "stored_state_value",
 ]
 
 
@@ -186,8 +188,6 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
         PlanMismatchError: the entry is not an optimizer state of this optimizer's groups and
             parameters, or a tensor has another global shape.
     """
-    from torch.distributed.tensor import DTensor
-
     by_id = _param_fqns(live)
     groups = _groups_with_fqns(optimizer, by_id, live)
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups", []), list) \
@@ -226,21 +226,33 @@ def optimizer_state_to_load(live: LiveParams, optimizer: torch.optim.Optimizer,
             raise PlanMismatchError(f"optimizer state of {fqn!r} is a {type(entry).__name__}, "
                                     f"not a mapping of its state tensors")
         p = live.plan.param(fqn)
-        out: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and (
-                    isinstance(value, DTensor) or tuple(value.shape) == p.shape):
-                param = live.param(p)
-                if live.wrapper_layout(p, param) is not None:
-                    out[key] = live.piece_like(p, value, param)
-                    continue
-                local = live.shard_of(p, value)
-                out[key] = local if not live.mode.parameters_are_dtensors or not isinstance(
-                    param, DTensor) else live.like_param(p, local)
-            else:
-                out[key] = value
-        out_state[ids[fqn]] = out
+        out_state[ids[fqn]] = {key: state_value_to_load(live, p, value)
+                               for key, value in entry.items()}
     return {"state": out_state, "param_groups": out_groups}
+
+
+def stored_state_value(live: LiveParams, p: ParamPlan, value: Any) -> Any:
+    """One optimizer state value of parameter ``p`` as :func:`optimizer_state` hands it to
+    DCP: a parameter-shaped tensor (a production-mode local shard included) becomes a
+    DTensor with the parameter's placements; anything else is kept."""
+    return _to_state(live, p, value)
+
+
+def state_value_to_load(live: LiveParams, p: ParamPlan, value: Any) -> Any:
+    """One loaded optimizer state value of parameter ``p`` (a DTensor of any placement or a
+    full tensor) as this rank's optimizer holds it: its shard, a DTensor like the parameter
+    where parameters are DTensors; anything else is kept. May be a collective (resharding)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, Tensor) and value.dim() > 0 and (
+            isinstance(value, DTensor) or tuple(value.shape) == p.shape):
+        param = live.param(p)
+        if live.wrapper_layout(p, param) is not None:
+            return live.piece_like(p, value, param)
+        local = live.shard_of(p, value)
+        return local if not live.mode.parameters_are_dtensors or not isinstance(
+            param, DTensor) else live.like_param(p, local)
+    return value
 
 
 def load_training_state(live: LiveParams, state: Mapping[str, Any],

@@ -39,6 +39,8 @@ from hyperrecipe.runtime.state.checkpoint import (
     differing_ties,
     load_training_state,
     optimizer_state,
+    state_value_to_load,
+    stored_state_value,
 )
 from hyperrecipe.runtime.state.export import (
     ExportItem,
@@ -223,6 +225,26 @@ class TrainingState:
         for name, buf in self._model.named_buffers():
             out[name] = buf.detach().clone()
         return out
+
+    def full_tensor(self, fqn: str) -> Tensor:
+        """The full value of parameter ``fqn`` (a name this front owns, not a tied alias): a
+        collective over this installation's mesh, one tensor at a time (for a front spanning
+        several of these: a pipelined rank's export)."""
+        self._check_live()
+        p = self._plan.param(fqn)
+        return self._live.full_of(p, self._live.param(p))
+
+    def optimizer_value(self, fqn: str, value: Any) -> Any:
+        """An optimizer state value of parameter ``fqn`` as :meth:`state_dict` stores it (a
+        parameter-shaped tensor, production-mode local shards included, as a DTensor with the
+        parameter's placements), for a front that lays out the optimizer state itself."""
+        return stored_state_value(self._live, self._plan.param(fqn), value)
+
+    def optimizer_value_to_load(self, fqn: str, value: Any) -> Any:
+        """A loaded optimizer state value of parameter ``fqn`` (a DTensor of any placement or
+        a full tensor) as this rank's optimizer holds it: the rank's shard (a collective where
+        it reshards)."""
+        return state_value_to_load(self._live, self._plan.param(fqn), value)
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Copy full tensors in; each rank keeps its own shard.
