@@ -2,10 +2,10 @@
 the route to use, before the trainer changes anything (issue 38, item 6).
 
 The Hugging Face Trainer, TRL, accelerate and Lightning run the whole model's forward and
-backward on every rank; ``hyperrecipe.apply`` of a pipelined plan places nothing, so without the
-refusal every rank would silently train an unpipelined copy. One launch of 2 gloo ranks applies
-``recipes/llama-pp.yaml`` at pp=2 to the tiny Llama and enters each route; each test reads its
-route's outcome. torchtitan's route refuses ``pp`` in its ``ParallelDims`` and a pipelined
+backward on every rank, not a pipeline schedule (``apply`` itself refuses a pipelined plan). One
+launch of 2 gloo ranks builds ``recipes/llama-pp.yaml``'s pipeline at pp=2 on the tiny Llama and
+hands each route its ``Pipeline`` (or, for Lightning, the recipe); each test reads its route's
+outcome. torchtitan's route refuses ``pp`` in its ``ParallelDims`` and a pipelined
 ``recipe=`` in-process (no ranks needed: the refusal comes before any mesh is read).
 """
 
@@ -27,29 +27,33 @@ ROUTE = ("hyperrecipe.runtime.build_pipeline in your own loop "
          "(docs/training.md#pipeline-parallel) or with tools/train.py --pp N")
 
 
+def _state(model: torch.nn.Module) -> tuple[Any, ...]:
+    return ({n: (id(p), p.data_ptr()) for n, p in model.named_parameters()},
+            {n for n, m in model.named_modules() if "forward" in vars(m)})
+
+
 def _outcome(attempt: Any, model: torch.nn.Module) -> dict[str, Any]:
-    before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+    before = _state(model)
     try:
         attempt()
     except TrainerSetupError as exc:
         message: str | None = str(exc)
     else:
         message = None
-    after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
-    return {"message": message, "untouched": before == after
-            and not any("forward" in vars(m) for m in model.modules())}
+    return {"message": message, "untouched": _state(model) == before}
 
 
 def _routes_worker(rank: int, world: int, out: str) -> dict[str, dict[str, Any]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import hyperrecipe
+    from hyperrecipe.runtime import build_pipeline
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     model: Any = llama()
-    inst = hyperrecipe.apply(model, hyperrecipe.compile_recipe("llama-pp", model, {"pp": world}),
-                             mesh)
+    inst = build_pipeline(model, hyperrecipe.compile_recipe("llama-pp", model, {"pp": world}),
+                          mesh)
     results: dict[str, dict[str, Any]] = {}
     if importlib.util.find_spec("transformers") is not None:
         from transformers import TrainingArguments
@@ -69,7 +73,7 @@ def _routes_worker(rank: int, world: int, out: str) -> dict[str, dict[str, Any]]
         from hyperrecipe.trainers.accelerate import HyperrecipeAccelerator
 
         accelerator = HyperrecipeAccelerator(cpu=True)
-        opt = torch.optim.AdamW(model.parameters())
+        opt = torch.optim.AdamW(inst.parameters())
         results["accelerate"] = _outcome(
             lambda: accelerator.prepare(model, opt, installation=inst), model)
         results["accelerate"]["nothing_prepared"] = (accelerator.installation is None
@@ -97,8 +101,8 @@ def _assert_refused(routes: list[dict[str, dict[str, Any]]], route: str, trainer
     for rank in routes:
         res = rank[route]
         assert res["message"] is not None, f"{trainer} accepted a pipelined plan"
-        assert res["message"].startswith(f"{trainer}: got a pipelined plan (1F1B over mesh dim "
-                                         f"'pp', 2 stages)") or trainer == "HyperrecipeStrategy"
+        assert res["message"].startswith(f"{trainer}: got a Pipeline (build_pipeline's "
+                                         f"handle)") or trainer == "HyperrecipeStrategy"
         assert "Pipeline parallelism is not supported through" in res["message"]
         assert ROUTE in res["message"]
         assert res["untouched"]
