@@ -331,12 +331,19 @@ class PipelineState:
         stage reading only its own tensors through its front's ``load_weights`` (the other
         stages' keys are expected and skipped unread); call on every rank."""
         every = {name for p in self._plan.params for name in (p.fqn,)}
+        pipeline = self._plan.pipeline
+        assert pipeline is not None
         for front, owned in zip(self._fronts, self._owned, strict=True):
             mine = {p.fqn for p in front._plan.params} | owned  # noqa: SLF001
-            others = sorted(every - mine)
+            # a copy of a weight tied across stages may be stored under another stage's name
+            aliases = {f: tuple(o for o in tie.params if o != f)
+                       for tie in pipeline.tied for f in tie.params if f in mine}
+            readable = mine | {o for names in aliases.values() for o in names}
+            others = sorted(every - readable)
             pattern = ("^(?:" + "|".join(re.escape(k) for k in others) + ")$") if others else None
             front.load_weights(source, ignore_unexpected=[*ignore_unexpected,
-                                                          *([pattern] if pattern else [])])
+                                                          *([pattern] if pattern else [])],
+                               aliases=aliases)
 
     def save_pretrained(self, folder: str | os.PathLike[str], *,
                         max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0) -> None:

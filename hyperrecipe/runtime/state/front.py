@@ -283,7 +283,8 @@ class TrainingState:
     # -- weights ----------------------------------------------------------------------------
 
     def load_weights(self, source: str | os.PathLike[str], *,
-                     ignore_unexpected: Sequence[str] = ()) -> None:
+                     ignore_unexpected: Sequence[str] = (),
+                     aliases: Mapping[str, Sequence[str]] | None = None) -> None:
         """Load a checkpoint, each rank reading only its slices (call on every rank).
 
         ``source`` is a ``.safetensors`` file, a Hugging Face checkpoint folder (one file or an
@@ -300,6 +301,9 @@ class TrainingState:
                 parts). Buffers that older transformers versions saved and current models
                 compute (``rotary_emb.inv_freq``, ``attn.masked_bias``) are skipped without
                 being named, as ``from_pretrained`` does; any other unexpected key is refused.
+            aliases: parameter FQN -> other checkpoint names that hold it: a pipeline stage's
+                copy of a weight tied to another stage's (GPT-2's ``lm_head.weight``, stored as
+                ``transformer.wte.weight``); ``pipe.state.load_weights`` passes them.
 
         Before any rank reads, the ranks compare a digest of what each is about to read, and
         a folder that ``save_pretrained`` wrote is checked against its manifest (sizes, and
@@ -322,7 +326,7 @@ class TrainingState:
         self._check_live()
         try:
             with open_snapshot(source) as snapshot:
-                attempts = self._load_snapshot(snapshot, tuple(ignore_unexpected))
+                attempts = self._load_snapshot(snapshot, tuple(ignore_unexpected), aliases)
         except WeightLoadError as exc:
             self._loads = [LoadAttempt(strategy="*", source=str(source), state="failed",
                                        detail=str(exc))]
@@ -330,14 +334,15 @@ class TrainingState:
         self._loads = attempts
 
     def _load_snapshot(self, snapshot: Snapshot,
-                       ignore_unexpected: Sequence[str] = ()) -> list[LoadAttempt]:
+                       ignore_unexpected: Sequence[str] = (),
+                       aliases: Mapping[str, Sequence[str]] | None = None) -> list[LoadAttempt]:
         """:meth:`load_weights` of a source already opened (:func:`open_snapshot`): the ranks'
         digest, the manifest check and the load all read its descriptors. A refusal while
         the folder was being replaced says so (the error met is kept in the message)."""
         try:
             self._agree_on_source(snapshot, "load_weights")
             return load_weights(self._live, self._model, snapshot, self._unloaded,
-                                ignore_unexpected, self._agree_on_outcome)
+                                ignore_unexpected, self._agree_on_outcome, aliases=aliases)
         except WeightLoadError as exc:
             if not snapshot.replaced():
                 raise

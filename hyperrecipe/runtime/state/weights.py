@@ -599,8 +599,9 @@ def _base_model_hints(model: nn.Module, composites: Mapping[str, Composite]) -> 
 _listing = listing
 
 
-def _targets(live: LiveParams, model: nn.Module) -> list[_Target]:
-    aliases: dict[str, list[str]] = {}
+def _targets(live: LiveParams, model: nn.Module,
+             extra: Mapping[str, Sequence[str]] | None = None) -> list[_Target]:
+    aliases: dict[str, list[str]] = {k: list(v) for k, v in (extra or {}).items()}
     for p in live.plan.params:
         if p.tied_to is not None:
             aliases.setdefault(p.tied_to, []).append(p.fqn)
@@ -664,7 +665,8 @@ def _refuse_differing_ties(targets: Sequence[_Target], reader: _Reader, mesh: An
     import torch.distributed as dist
 
     pairs = [(t, reader.found[t.fqn][0], other) for t in targets
-             for other in reader.found[t.fqn][1:]]
+             for other in dict.fromkeys(reader.found[t.fqn][1:])
+             if other != reader.found[t.fqn][0]]  # one stored key reached under two names
     if not pairs:
         return
     device = pairs[0][0].local.device
@@ -817,7 +819,8 @@ def _alone(error: str | None) -> Mapping[int, str]:
 def load_weights(live: LiveParams, model: nn.Module,
                  source: str | os.PathLike[str] | Snapshot, unloaded: set[str],
                  ignore_unexpected: Sequence[str] = (),
-                 agree: Agree = _alone) -> list[LoadAttempt]:
+                 agree: Agree = _alone, *,
+                 aliases: Mapping[str, Sequence[str]] | None = None) -> list[LoadAttempt]:
     """Load ``source`` into the applied model through the first strategy that can; return
     what each strategy did. ``unloaded`` (FQNs never given a value) shrinks as weights land;
     checkpoint keys matching a pattern of ``ignore_unexpected`` (``re.search``) are skipped.
@@ -838,19 +841,20 @@ def load_weights(live: LiveParams, model: nn.Module,
             outcome.
     """
     if isinstance(source, Snapshot):
-        return _load_snapshot(live, model, source, unloaded, ignore_unexpected, agree)
+        return _load_snapshot(live, model, source, unloaded, ignore_unexpected, agree, aliases)
     with open_snapshot(source) as snapshot:
-        return _load_snapshot(live, model, snapshot, unloaded, ignore_unexpected, agree)
+        return _load_snapshot(live, model, snapshot, unloaded, ignore_unexpected, agree, aliases)
 
 
 def _load_snapshot(live: LiveParams, model: nn.Module, snapshot: Snapshot,
                    unloaded: set[str], ignore_unexpected: Sequence[str],
-                   agree: Agree) -> list[LoadAttempt]:
+                   agree: Agree, aliases: Mapping[str, Sequence[str]] | None = None
+                   ) -> list[LoadAttempt]:
     path = snapshot.source
     safetensors = _Safetensors(model, snapshot)
     strategies: list[_Strategy] = [safetensors, _TorchPickle(model, snapshot), _DCP(live)]
     attempts: list[LoadAttempt] = []
-    targets = _targets(live, model)
+    targets = _targets(live, model, aliases)
     ignore = _ignore_patterns(model, ignore_unexpected)
     if snapshot.exists and not snapshot.is_dir:
         snapshot.open(path.name)  # a FIFO given as the file itself: refused, not opened

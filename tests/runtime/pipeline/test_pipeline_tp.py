@@ -148,3 +148,41 @@ def test_apply_refuses_a_pipelined_plan_naming_build_pipeline() -> None:
         "run the whole model on every rank instead: build the pipeline with "
         "hyperrecipe.runtime.build_pipeline(model, plan, mesh) "
         "(docs/pipeline.md#running-a-pipeline)")
+
+
+def _tied_load_worker(rank: int, world: int, folder: str, tp: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hyperrecipe.runtime import build_pipeline
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("pp", "tp"))
+        plan = _plan("gpt2", "1F1B", 1, model)
+    else:
+        from tests.support.pipeline_plans import pipeline_plan
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        plan = pipeline_plan(model, layers="transformer.h", schedule="1F1B")
+    pipe = build_pipeline(model, plan, mesh)
+    pipe.state.load_weights(folder)
+    ids, labels = batch()
+    return float(pipe.step(input_ids=ids, labels=labels).item())
+
+
+@pytest.mark.slow  # six ranks in two launches (docs/benchmarks.md#test-suite)
+def test_a_tied_checkpoint_loads_into_both_stages_at_pp2_and_pp2_tp2(tmp_path: Path) -> None:
+    """transformers saves GPT-2's tied head once, as transformer.wte.weight: the last stage's
+    copy (lm_head.weight, untied from stage 0's beside tp) reads it under that name."""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path / "gpt2")
+    tiny("gpt2", 4).save_pretrained(folder)
+    ids, labels = batch()
+    expected = AutoModelForCausalLM.from_pretrained(folder)(input_ids=ids, labels=labels).loss
+    for tp in (1, 2):
+        for loss in run_ranks(_tied_load_worker, 2 * tp, folder, tp, timeout_s=180):
+            assert abs(loss - expected.item()) <= 1e-5, (tp, loss, expected.item())
