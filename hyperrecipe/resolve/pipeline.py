@@ -148,20 +148,26 @@ def _refuse_boundaries_across_units(spec: PipelineSpec, boundaries: Iterable[str
 
 def _refuse_boundaries_on_stage_edges(spec: PipelineSpec, boundaries: Iterable[str],
                                       layers: str, stages: list[PipelineStagePlan]) -> None:
-    """A stage's first layer takes the hidden states received from the stage before and its
-    last hands them on: the pipeline installs those edges on the layers themselves, so neither
-    may be a boundary (sequence parallel's entry on ``layers.0`` is one)."""
-    edges = {f"{layers}.{s.start}": s.index for s in stages if s.index > 0}
+    """A stage's first layer takes the hidden states received from the stage before (the first
+    stage's marks where the stage's own layers begin) and its last hands them on: the pipeline
+    installs those edges on the layers themselves, so neither may be a boundary (sequence
+    parallel's entry on ``layers.0`` is one)."""
+    edges = {f"{layers}.{s.start}": s.index for s in stages}
     edges.update({f"{layers}.{s.stop - 1}": s.index for s in stages[:-1]})
     for fqn in boundaries:
         if fqn in edges:
+            first = fqn == f"{layers}.0"
+            hint = ("the first layer always starts stage 0: a recipe whose boundary sits on it "
+                    "(sequence parallel's entry) cannot be pipelined yet; pipeline a recipe "
+                    "without it (plain tensor parallel)" if first else
+                    "move the boundary inside the layer (its attention or MLP), or choose a "
+                    "split (pipeline.split) whose stages do not start or end at it")
             raise RecipeError(
-                f"pipeline: boundary {fqn!r} is where stage {edges[fqn]} receives or sends the "
-                f"hidden states; a stage edge cannot be a boundary yet",
+                f"pipeline: boundary {fqn!r} is the first or last layer of stage {edges[fqn]}, "
+                f"where the pipeline installs the stage's edge; a stage edge cannot be a "
+                f"boundary yet",
                 span=spec.span("split") if isinstance(spec.split, tuple) else spec.span(),
-                path=spec.json_path("split"),
-                hint="move the boundary inside the layer (its attention or MLP), or choose a "
-                     "split (pipeline.split) whose stages do not start or end at it")
+                path=spec.json_path("split"), hint=hint)
 
 
 def _layers_module(spec: PipelineSpec, tree: ModelTree) -> ModuleInfo:

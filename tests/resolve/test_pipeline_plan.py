@@ -228,3 +228,17 @@ def test_the_pipeline_page_shows_the_shipped_recipe_and_what_compile_prints(
     assert text is not None
     for line in text.group(1).splitlines():
         assert line in printed.splitlines(), line
+
+
+def test_sequence_parallel_s_entry_on_the_first_layer_is_refused_as_a_stage_edge(
+        tmp_path: Path) -> None:
+    path = tmp_path / "sp-pp.yaml"
+    path.write_text("recipe: sp-pp\nversion: 1\nmesh: [pp, tp]\nextends: llama-sp\npipeline:\n"
+                    + LLAMA + "rules: []\n", encoding="utf-8")
+    message = refusal(path, tiny("llama", num_hidden_layers=4), {"pp": 2, "tp": 2})
+    assert message == (
+        f"{path}:6:3: pipeline: boundary 'model.layers.0' is the first or last layer of stage 0, "
+        "where the pipeline installs the stage's edge; a stage edge cannot be a boundary yet @ "
+        "$.pipeline.split; the first layer always starts stage 0: a recipe whose boundary sits "
+        "on it (sequence parallel's entry) cannot be pipelined yet; pipeline a recipe without it "
+        "(plain tensor parallel)")
