@@ -167,7 +167,10 @@ _SUGGEST_DESCRIPTION = (
     "against one process on a tiny config of the same structure, and a rule that fails is "
     "narrowed (its modules left replicated) until both modes agree. Writes the recipe (-o, or "
     "stdout) with a comment per rule on where it came from, and a summary: the share of "
-    "parameter bytes sharded, the collectives per step, what was narrowed and why. A recipe "
+    "parameter bytes sharded, the collectives per step, what was narrowed and why. With pp in "
+    "the mesh (pp=2, pp=2,tp=2) the recipe gets a pipeline section over the model's list of "
+    "repeated blocks (transformers' base_model_pp_plan, else its structure), 1F1B, checked at "
+    "that mesh with the rules (a pipeline that check does not pass is left out). A recipe "
     "that check did not pass is never written without --unverified. Exit 0 with a verified "
     "recipe, 1 when none could be verified, 2 on errors.")
 
@@ -180,7 +183,10 @@ def _add_suggest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         "(docs/bring-your-own-model.md)")
     s.add_argument("--model-config",
                    help="JSON file or inline JSON of config fields (the model the recipe is for)")
-    s.add_argument("--mesh", required=True, type=parse_mesh, help="e.g. tp=2")
+    s.add_argument("--mesh", required=True, type=parse_mesh,
+                   help="e.g. tp=2, pp=2 (pipeline stages), pp=2,tp=2")
+    s.add_argument("--microbatches", type=_positive, default=None, metavar="N",
+                   help="with pp: the pipeline's microbatches per step (default 2 x pp)")
     s.add_argument("-o", "--output", help="write the recipe here (default: stdout)")
     s.add_argument("--unverified", action="store_true",
                    help="do not run check: write the translated recipe as it is, marked "
@@ -523,7 +529,7 @@ def _suggest(args: argparse.Namespace, started: float) -> int:
                                    sequence_parallel=not args.no_sequence_parallel,
                                    structure=not args.no_structure),
         verify=not args.unverified, max_attempts=args.max_attempts, timeout_s=args.timeout,
-        check_config=args.check_config, inputs=args.inputs)
+        check_config=args.check_config, inputs=args.inputs, microbatches=args.microbatches)
     result = suggest_recipe(args.model, args.mesh, model_config=args.model_config,
                             options=options, on_progress=say)
     if options.verify and not result.verified:

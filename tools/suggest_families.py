@@ -20,7 +20,10 @@ docs/benchmarks.md.
 
 MoE families (those whose config class carries a ``base_model_ep_plan``, the plan ``suggest``
 shards experts from) run at ``tp=2,ep=2``, four ranks each, unless ``--no-ep``; ``--moe-only``
-runs just them. ``--family-timeout-s`` runs the families one at a time in a worker process of
+runs just them. ``--pp N`` runs every family at ``pp=N`` alone instead: ``suggest`` proposes
+only the ``pipeline`` section (the split list from ``base_model_pp_plan`` or the structure),
+verified by ``check`` in both modes; the row records the split and, for a refusal, why.
+``--family-timeout-s`` runs the families one at a time in a worker process of
 its own session, under an address-space limit (``--memory-gb``, inherited by the check's
 ranks): a family that runs past the timeout is recorded as ``timed out`` and the worker is
 killed with all its ranks, and a new one takes the next family.
@@ -30,6 +33,7 @@ Usage::
     python tools/suggest_families.py [--only llama qwen2] [--budget-s 1800] [--recheck]
                                      [--no-ep] [--out /tmp/suggest-families] [--json results.json]
     python tools/suggest_families.py --moe-only --family-timeout-s 240 [--memory-gb 6]
+    python tools/suggest_families.py --pp 2 --family-timeout-s 300 --recheck
     python tools/suggest_families.py --recheck-dir /tmp/suggest-families [--budget-s 600]
 """
 
@@ -94,7 +98,14 @@ def causal_families_without_a_plan() -> list[str]:
     return out
 
 
-def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, Any]:
+def _mesh(model_type: str, ep: bool, pp: int) -> dict[str, int]:
+    if pp > 1:
+        return {"pp": pp}
+    return {"tp": 2, "ep": 2} if is_moe(model_type) and ep else {"tp": 2}
+
+
+def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool, pp: int = 0
+         ) -> dict[str, Any]:
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.errors import HyperrecipeError
     from hyperrecipe.models.hf_tiny import tiny_config
@@ -105,8 +116,7 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
 
     t0 = time.perf_counter()
     row: dict[str, Any] = {"family": model_type}
-    moe = is_moe(model_type)
-    mesh = {"tp": 2, "ep": 2} if moe and ep else {"tp": 2}
+    mesh = _mesh(model_type, ep, pp)
     row["mesh"] = ",".join(f"{k}={v}" for k, v in mesh.items())
     try:
         config = tiny_config(model_type)
@@ -119,6 +129,8 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
         outcome = "not a causal LM" if not_causal else "refused"
         row.update(outcome=outcome, why=why[:300], seconds=time.perf_counter() - t0)
         return row
+    if pp > 1:
+        return _pipeline_row(row, s, out_dir, recheck, mesh, t0)
     groups = {r.group for r in s.rules}
     row.update(sequence_parallel=SEQUENCE_GROUP in groups, loss_parallel=LOSS_GROUP in groups,
                experts=any(dict(r.fields).get("local_region") and r.group != SEQUENCE_GROUP
@@ -157,6 +169,27 @@ def _one(model_type: str, out_dir: Path, recheck: bool, ep: bool) -> dict[str, A
     return row
 
 
+def _pipeline_row(row: dict[str, Any], s: Any, out_dir: Path, recheck: bool,
+                  mesh: dict[str, int], t0: float) -> dict[str, Any]:
+    """A family at ``pp`` alone: verified (the pipeline section check agreed on) or refused."""
+    from hyperrecipe.check.run import CheckOptions, run_check
+
+    row.update(attempts=len(s.attempts), pipeline=s.pipeline, seconds=time.perf_counter() - t0,
+               sharded=0.0)
+    if not s.verified:
+        row.update(outcome="refused", why=" ".join(s.reason.split())[:400])
+        return row
+    row["outcome"] = "verified"
+    path = out_dir / f"{row['family']}.yaml"
+    path.write_text(s.text, encoding="utf-8")
+    if recheck:
+        report = run_check(CheckOptions(recipe=str(path), model=f"hf:{row['family']}",
+                                        model_config=s.check_config, mesh=mesh, timeout_s=120))
+        row["recheck"] = report.agree
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
 _READY, _ROW = "@@ready", "@@row "
 """Markers of the worker's protocol lines on its stdout (anything else it prints is passed on)."""
 
@@ -171,7 +204,7 @@ def serve_families() -> int:
     print(_READY, flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        row = _one(req["family"], Path(req["out"]), req["recheck"], req["ep"])
+        row = _one(req["family"], Path(req["out"]), req["recheck"], req["ep"], req.get("pp", 0))
         print(_ROW + json.dumps(row), flush=True)
     return 0
 
@@ -310,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--memory-gb", type=float, default=6.0,
                    help="address-space limit of the worker and of each of its ranks "
                         "(with --family-timeout-s)")
+    p.add_argument("--pp", type=int, default=0, metavar="N",
+                   help="every family at pp=N alone: the pipeline section suggest proposes, "
+                        "verified by check (default: tensor parallel)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -336,7 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if worker is not None:
             worker.stop()
-    _print_summary(rows, families, which, args.recheck, start)
+    if args.pp > 1:
+        _print_pipeline_summary(rows, families, which, args.recheck, start, args.pp)
+    else:
+        _print_summary(rows, families, which, args.recheck, start)
     return 0
 
 
@@ -347,18 +386,19 @@ def _run_all(families: list[str], args: argparse.Namespace, out_dir: Path,
         if time.perf_counter() - start > args.budget_s:
             break
         if worker is None:
-            row = _one(family, out_dir, args.recheck, not args.no_ep)
+            row = _one(family, out_dir, args.recheck, not args.no_ep, args.pp)
         else:
             print(f"[{i + 1}/{len(families)} {time.perf_counter() - start:7.1f} s] {family}: "
                   f"started", flush=True)
             worker.ensure()
             t0 = time.perf_counter()
             request = {"family": family, "out": str(out_dir), "recheck": args.recheck,
-                       "ep": not args.no_ep}
+                       "ep": not args.no_ep, "pp": args.pp}
             got = worker.run(request, args.family_timeout_s)
             row = got if got is not None else {
                 "family": family, "outcome": "timed out", "seconds": time.perf_counter() - t0,
-                "mesh": "tp=2,ep=2" if is_moe(family) and not args.no_ep else "tp=2",
+                "mesh": ",".join(f"{k}={v}" for k, v in
+                                 _mesh(family, not args.no_ep, args.pp).items()),
                 "why": f"no result within {args.family_timeout_s:g} s (or the worker died): "
                        f"the worker and its ranks were killed"}
         rows.append(row)
@@ -369,6 +409,24 @@ def _run_all(families: list[str], args: argparse.Namespace, out_dir: Path,
         Path(args.json).write_text(json.dumps({"families": len(families), "rows": rows},
                                               indent=1), encoding="utf-8")
     return rows
+
+
+def _print_pipeline_summary(rows: list[dict[str, Any]], families: list[str], which: str,
+                            recheck: bool, start: float, pp: int) -> None:
+    counts = Counter(r["outcome"] for r in rows)
+    ok = [r for r in rows if r["outcome"] == "verified"]
+    print(f"\n{len(rows)} of {len(families)} {which} reached at pp={pp} in "
+          f"{time.perf_counter() - start:.0f} s: verified {counts['verified']}, refused "
+          f"{counts['refused']}, timed out {counts['timed out']}, not a causal LM "
+          f"{counts['not a causal LM']}"
+          + (f"; re-checked from the file: {sum(r.get('recheck', False) for r in ok)}"
+             if recheck else ""))
+    print("\n| family | outcome | checks | s | split / why |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        detail = r.get("why") or r.get("pipeline", "")
+        print(f"| {r['family']} | {r['outcome']} | {r.get('attempts', '-')} | "
+              f"{r['seconds']:.0f} | {detail[:200].replace('|', '/')} |")
 
 
 def _print_summary(rows: list[dict[str, Any]], families: list[str], which: str, recheck: bool,

@@ -55,6 +55,8 @@ class SuggestOptions:
         inputs: ``pkg.module:make_inputs`` for a model the check makes no batch for, as
             ``hyperrecipe check --inputs`` takes it (``make_inputs(model, batch=, seq=,
             generator=) -> (args, kwargs)``; images for a vision model of your own).
+        microbatches: the pipeline's microbatch count on a mesh with ``pp`` (default
+            ``2 * pp``).
     """
 
     translate: TranslateOptions = TranslateOptions()
@@ -63,6 +65,7 @@ class SuggestOptions:
     timeout_s: float = 300.0
     check_config: str | Mapping[str, Any] | None = None
     inputs: str | None = None
+    microbatches: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +85,9 @@ class Suggestion:
         collectives: expected collectives per step, forward and backward.
         reason: why ``verified`` is false (``""`` when it is true).
         seconds: the whole run.
+        pipeline: on a mesh with ``pp``, the ``pipeline`` section in ``text`` in one line (the
+            split list, its source, the stages); ``""`` when there is none (no ``pp``, or it
+            was left out because check or compile refused it: ``reason`` says why).
     """
 
     model: str
@@ -97,6 +103,7 @@ class Suggestion:
     collectives: tuple[int, int]
     reason: str
     seconds: float
+    pipeline: str = ""
 
     def summary(self) -> str:
         """What a user reads after the recipe: verdict, shares, narrowings, corrections."""
@@ -125,6 +132,8 @@ def _summary_lines(s: Suggestion) -> list[str]:
     lines = [verdict,
              f"parameter bytes sharded: {shares}; collectives per step: {s.collectives[0]} "
              f"forward, {s.collectives[1]} backward"]
+    if s.pipeline:
+        lines.append(f"pipeline: {s.pipeline}")
     for n in s.narrowed:
         lines.append(f"narrowed: {n.what}: {_one_line(n.why)}")
     for c in s.corrections:
@@ -150,7 +159,7 @@ def _ignore(message: str) -> None:
 
 
 def _fractions(text: str, model: Any, mesh: Mapping[str, int]
-               ) -> tuple[dict[str, float], tuple[int, int]]:
+               ) -> tuple[dict[str, float], tuple[int, int], str]:
     from hyperrecipe.model_tree import snapshot
     from hyperrecipe.placement import Shard
     from hyperrecipe.plan_report import plan_totals
@@ -171,10 +180,17 @@ def _fractions(text: str, model: Any, mesh: Mapping[str, int]
         return n
 
     total = sum(nbytes(p.shape) for p in owned) or 1
+    pipe = plan.pipeline
     fractions = {d: sum(nbytes(p.shape) for p in owned if isinstance(p.placement.get(d), Shard))
-                 / total for d in mesh}
+                 / total for d in mesh if pipe is None or d != pipe.mesh_dim}
     totals = plan_totals(plan)
-    return fractions, (totals.forward_collectives, totals.backward_collectives)
+    stages = "" if pipe is None else (
+        f"{pipe.layers} [{pipe.num_layers} layers] over {pipe.mesh_dim}={mesh[pipe.mesh_dim]} in "
+        f"{len(pipe.stages)} stages ({', '.join(f'[{s.start}:{s.stop}]' for s in pipe.stages)}; "
+        f"{pipe.split}), {pipe.schedule}, {pipe.microbatches} microbatches"
+        + (f"; tied across stages: {', '.join(' = '.join(t.params) for t in pipe.tied)}"
+           if pipe.tied else ""))
+    return fractions, (totals.forward_collectives, totals.backward_collectives), stages
 
 
 def _header(model: str, model_config: str | Mapping[str, Any] | None, mesh: Mapping[str, int],
@@ -204,7 +220,10 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         model: ``hf:<model_type>``, or ``pkg.module:factory`` for a model of your own (called
             with the config fields as keyword arguments on the meta device, as ``compile`` and
             ``check`` call it; docs/bring-your-own-model.md).
-        mesh: mesh dim -> size, e.g. ``{"tp": 2}``.
+        mesh: mesh dim -> size, e.g. ``{"tp": 2}``; with ``pp`` (``{"pp": 2}``,
+            ``{"pp": 2, "tp": 2}``) the recipe gets a ``pipeline`` section over the model's
+            list of repeated blocks (:mod:`hyperrecipe.suggest.pipeline`), checked at that mesh
+            with the rules.
         model_config: the model's config (JSON file, inline JSON or mapping); the recipe is
             written for it, and checked on a tiny config of the same structure.
         options: see :class:`SuggestOptions`.
@@ -214,7 +233,9 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         The suggestion; ``verified`` says whether ``check`` agreed on it.
 
     Raises:
-        SuggestError: the model declares no tensor-parallel plan, or no mesh dim is ``tp``.
+        SuggestError: the model declares no tensor-parallel plan, or no mesh dim is ``tp``,
+            ``ep`` or ``pp``; on a mesh with ``pp``, the model has no list of repeated blocks
+            or fewer of them than stages.
         ModelSpecError: the model cannot be built.
 
     Example::
@@ -225,27 +246,44 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     """
     from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
+    from hyperrecipe.suggest.pipeline import PP_DIM, propose_pipeline
     from hyperrecipe.suggest.render import render_recipe
     from hyperrecipe.suggest.structure import (blocks_the_plan_leaves_out, read_structure,
                                                structural_entries)
-    from hyperrecipe.suggest.translate import translate
+    from hyperrecipe.suggest.translate import Translation, translate
     from hyperrecipe.suggest.verify import verify_rules
 
     opts = _for_the_model(model, options or SuggestOptions())
     progress = on_progress or _ignore
     t0 = time.perf_counter()
     dim = opts.translate.dim
-    if dim not in mesh and EP_DIM not in mesh:
-        msg = (f"suggest proposes tensor parallelism on the mesh dim {dim!r} and expert "
-               f"parallelism on {EP_DIM!r}; the mesh {_mesh_text(mesh)} has neither: give "
-               f"--mesh {dim}=N (and {EP_DIM}=M for MoE experts)")
+    pp = mesh.get(PP_DIM, 1)
+    shards = dim in mesh or EP_DIM in mesh
+    if not shards and pp <= 1:
+        msg = (f"suggest proposes tensor parallelism on the mesh dim {dim!r}, expert "
+               f"parallelism on {EP_DIM!r} and pipeline stages on {PP_DIM!r}; the mesh "
+               f"{_mesh_text(mesh)} has none of them: give --mesh {dim}=N (and {EP_DIM}=M for "
+               f"MoE experts, {PP_DIM}=P for pipeline stages)")
         raise SuggestError(msg)
     check_config = (dict(_load(opts.check_config)) if opts.check_config is not None
                     else _check_config(model, model_config))
     progress(f"building {model} on the meta device (the check's config)")
     small = build_model(model, check_config)
     _refuse_large(model, small, check_config)
-    entries = read_plans(small)
+    proposal = propose_pipeline(small, model, pp, opts.microbatches) if pp > 1 else None
+    pipe_notes: list[Narrowed] = []
+    if proposal is not None:
+        progress(f"pipeline over {PP_DIM}={pp}: {proposal.layers} [{proposal.num_layers} "
+                 f"layers] from {proposal.source}")
+        if dim in mesh and opts.translate.sequence_parallel:
+            opts = attrs.evolve(opts, translate=attrs.evolve(opts.translate,
+                                                             sequence_parallel=False))
+            pipe_notes.append(Narrowed(
+                what="sequence parallelism", why=(
+                    f"not proposed beside a pipeline: its entry is a boundary on "
+                    f"{proposal.layers}.0, the first stage's edge, and compile refuses a "
+                    f"boundary on a stage edge (docs/pipeline.md)")))
+    entries = read_plans(small) if shards else ()
     source = "the model's own parallel plan"
     if opts.translate.structure and dim in mesh and any(e.plan == "tp" for e in entries):
         extra = blocks_the_plan_leaves_out(entries, structural_entries(small))
@@ -253,49 +291,72 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
             entries = (*entries, *extra)
             source += " and, for the blocks it leaves out, the model's structure"
     left_out: tuple[Narrowed, ...] = ()
-    if not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh) for e in entries):
+    if shards and not any(e.plan == "tp" or (e.plan == "ep" and EP_DIM in mesh)
+                          for e in entries):
         entries, left_out = read_structure(small) if dim in mesh else ((), ())
         source = "the model's structure (it declares no parallel plan)"
         if not entries:
             raise SuggestError(_nothing_to_shard(model, small, left_out))
-    progress(f"read {len(entries)} plan entries from {source} of {type(small).__name__}")
-    translation = translate(entries, snapshot(small), mesh, opts.translate)
-    progress(f"translated into {len(translation.rules)} rules "
-             f"({len(translation.narrowed)} entries left replicated)")
+    if shards:
+        progress(f"read {len(entries)} plan entries from {source} of {type(small).__name__}")
+        translation = translate(entries, snapshot(small), mesh, opts.translate)
+        progress(f"translated into {len(translation.rules)} rules "
+                 f"({len(translation.narrowed)} entries left replicated)")
+    else:  # pipeline stages alone: nothing to shard, the pipeline section is the suggestion
+        translation = Translation(rules=(), narrowed=(), corrections=())
+    if proposal is not None:
+        source = (f"{source}; the pipeline from {proposal.source}" if shards
+                  else f"the pipeline: {proposal.source}")
     name = f"{_model_name(model)}-suggested"
-    kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert")) if d in mesh)
+    kinds = " and ".join(k for d, k in ((dim, "tensor"), (EP_DIM, "expert"), (PP_DIM, "pipeline"))
+                         if d in mesh)
     mesh_dims = list(mesh)
+    with_pipeline = proposal is not None
 
     def render(rules: Any, header: list[str] | None = None) -> str:
+        section = proposal.fields() if proposal is not None and with_pipeline else None
+        sources = [] if proposal is None else [
+            f"layers: from {proposal.source}; split balanced by parameter bytes at compile",
+            f"{proposal.schedule}, {proposal.microbatches} microbatches"
+            + (" (--microbatches)" if opts.microbatches is not None else f" (2 x {PP_DIM})")]
         return render_recipe(name, mesh_dims, rules, header=header or [],
-                             description=f"Suggested {kinds} parallel {model}")
+                             description=f"Suggested {kinds} parallel {model}",
+                             pipeline=section, pipeline_sources=sources)
 
-    narrowed = [*left_out, *translation.narrowed]
+    narrowed = [*left_out, *translation.narrowed, *pipe_notes]
     if opts.verify:
         outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
                                mesh=mesh, max_attempts=opts.max_attempts,
                                timeout_s=opts.timeout_s, progress=progress,
-                               modules=snapshot(small).modules, inputs=opts.inputs)
+                               modules=snapshot(small).modules, inputs=opts.inputs,
+                               pipelined=proposal is not None)
         rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
                                           outcome.reason)
         narrowed += outcome.narrowed
     else:
         rules, agree, attempts, reason = translation.rules, False, (), _UNCHECKED
+    if proposal is not None and opts.verify and not agree:
+        with_pipeline = False  # an unverified pipeline is not handed over, even unverified
+        reason = (f"the pipeline over {PP_DIM}={pp} ({proposal.layers}) was not verified, so it "
+                  f"is left out of the recipe: {reason}")
     progress(f"building {model} on the meta device (the given config) for the summary")
+    pipeline_line = ""
     try:
-        fractions, collectives = _fractions(render(rules), build_model(model, model_config), mesh)
+        fractions, collectives, pipeline_line = _fractions(
+            render(rules), build_model(model, model_config), mesh)
     except RecipeError as exc:  # the given config differs from the check's where it matters
         fractions, collectives = {}, (0, 0)
+        if with_pipeline or proposal is None:  # else: why the pipeline was left out comes first
+            reason = (f"the recipe check agreed on (tiny config) does not compile against the "
+                      f"given config: {exc.problem}")
         agree = False  # a recipe that does not fit the user's model is not handed over
-        reason = (f"the recipe check agreed on (tiny config) does not compile against the given "
-                  f"config: {exc.problem}")
     kept = {r.match for r in rules}  # a correction whose rule was narrowed away says nothing
     corrections = tuple(c for c in translation.corrections if c.what in kept)
     draft = Suggestion(model=model, mesh=dict(mesh), text="", verified=agree, rules=rules,
                        narrowed=tuple(narrowed), corrections=corrections,
                        attempts=attempts, check_config=check_config,
                        sharded_fraction=fractions, collectives=collectives, reason=reason,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, pipeline=pipeline_line)
     text = render(rules, _header(model, model_config, mesh, check_config, _summary_lines(draft),
                                  source, opts.inputs))
     return attrs.evolve(draft, text=text, seconds=time.perf_counter() - t0)

@@ -74,7 +74,9 @@ def merge_rules(rules: Sequence[SuggestedRule]
 
 
 def render_recipe(name: str, mesh: Sequence[str], rules: Sequence[SuggestedRule], *,
-                  header: Sequence[str], description: str) -> str:
+                  header: Sequence[str], description: str,
+                  pipeline: Mapping[str, Any] | None = None,
+                  pipeline_sources: Sequence[str] = ()) -> str:
     """The recipe file's text.
 
     Args:
@@ -83,11 +85,18 @@ def render_recipe(name: str, mesh: Sequence[str], rules: Sequence[SuggestedRule]
         rules: the rules, in order.
         header: comment lines for the top of the file (without ``#``).
         description: the recipe's ``description``.
+        pipeline: the ``pipeline`` section's keys, in order (none: no section).
+        pipeline_sources: comment lines above the section (where its ``layers`` came from).
     """
     lines = ["# yaml-language-server: $schema=recipe.schema.json"]
     lines += [f"# {h}".rstrip() for h in header]
     lines += [f"recipe: {name}", "version: 1", f"mesh: [{', '.join(mesh)}]",
               f"description: {json.dumps(description)}", ""]
+    if pipeline is not None:
+        lines += [f"# {source}" for source in pipeline_sources]
+        lines.append("pipeline:")
+        lines += [f"  {key}: {_flow(value)}" for key, value in pipeline.items()]
+        lines.append("")
     if not rules:
         lines.append("rules: []")
         return "\n".join(lines) + "\n"

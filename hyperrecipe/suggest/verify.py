@@ -104,6 +104,25 @@ def _blame(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | Non
     return None
 
 
+def _first_failure(report: Any) -> str:
+    """``": <mode> mode ..."``: the report's first error or divergence in one line, for a
+    reason where no rule is blamed (a pipeline's stage boundary names no module a rule places)."""
+    for mode in report.modes:
+        if mode.error is not None:
+            return f": {mode.mode} mode could not run: {str(mode.error).strip().splitlines()[0]}"
+        cmp = mode.comparison
+        if cmp is None or cmp.agree:
+            continue
+        if cmp.first is not None:
+            return (f": {mode.mode} mode diverged at {cmp.first.fqn or '<output>'} "
+                    f"({cmp.first.what}): {cmp.first.detail}")
+        bad = cmp.diverged_gradients or cmp.diverged_params
+        if bad:
+            return (f": {mode.mode} mode: the gradient of {bad[-1].name} differs from one "
+                    f"process (max abs {bad[-1].diff.max_abs})")
+    return ""
+
+
 def _blame_named(report: Any, rules: Sequence[SuggestedRule]) -> tuple[str, str] | None:
     """``(fqn, why)`` for a failure raised outside every boundary (``<backward>``: validate
     mode's gradient check) whose message names a module a rule places. Asked only where
@@ -218,7 +237,8 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                  *, model: str, check_config: Mapping[str, Any], mesh: Mapping[str, int],
                  max_attempts: int, timeout_s: float,
                  progress: Callable[[str], None],
-                 modules: Sequence[ModuleInfo] = (), inputs: str | None = None) -> Verified:
+                 modules: Sequence[ModuleInfo] = (), inputs: str | None = None,
+                 pipelined: bool = False) -> Verified:
     """Check ``rules`` and narrow them until ``check`` agrees, at most ``max_attempts`` times.
 
     Args:
@@ -233,6 +253,9 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
         modules: the checked model's modules (parents first): a module no rule places that
             the check names is then taken into sequence parallelism (:mod:`.unplaced`).
         inputs: ``pkg.module:make_inputs`` for the check's batch (``check --inputs``).
+        pipelined: the rendered recipe has a ``pipeline`` section, which is checked too: rules
+            that shard nothing (``pp`` alone, or every tensor-parallel rule given up) are then
+            still worth a check.
     """
     from hyperrecipe.check.run import CheckOptions, run_check
     from hyperrecipe.model_tree import build_model
@@ -261,7 +284,7 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
     with tempfile.TemporaryDirectory(prefix="hyperrecipe-suggest-") as tmp:
         path = os.path.join(tmp, "suggested.yaml")
         for attempt in range(1, max_attempts + 1):
-            if not _shards(current):
+            if not pipelined and not _shards(current):
                 return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
                                 attempts=tuple(attempts),
                                 reason="every rule that shards something was given up")
@@ -320,7 +343,8 @@ def verify_rules(rules: Sequence[SuggestedRule], render: Callable[[Sequence[Sugg
                 if not deeper:
                     return Verified(rules=tuple(current), agree=False, narrowed=tuple(narrowed),
                                     attempts=tuple(attempts), reason=(
-                                        "check diverged and no suggested rule could be blamed"))
+                                        "check diverged and no suggested rule could be blamed"
+                                        + _first_failure(report)))
                 if any(r.group == SEQUENCE_GROUP for r in current):
                     # the addition that changes every block's layout goes first, alone: the
                     # others (the loss on vocab shards, reductions) are kept where it was it
