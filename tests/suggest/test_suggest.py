@@ -177,7 +177,7 @@ def test_a_family_without_a_plan_is_refused_by_name() -> None:
     with pytest.raises(SuggestError, match=r"hf:mamba \(MambaForCausalLM\) declares no "
                                            r"tensor-parallel plan"):
         suggest_recipe("hf:mamba", TP2, model_config=tiny_config("mamba"))
-    with pytest.raises(SuggestError, match="the mesh dp=2 has neither: give --mesh tp=N"):
+    with pytest.raises(SuggestError, match="the mesh dp=2 has none of them: give --mesh tp=N"):
         suggest_recipe("hf:llama", {"dp": 2})
 
 
