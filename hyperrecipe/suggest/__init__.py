@@ -12,8 +12,10 @@ the structure for a family that declares no plan, and for any ``nn.Module`` give
 indices: ``0``, ``encoder_layer_3``, but not a ``Sequential``'s ``mlp.0``), ``sequence`` (sequence parallelism on top of
 the translated regions), ``gathered`` (a region that fails under sequence parallelism computed
 whole on the gathered sequence) and ``unplaced`` (a module no rule places, blamed under sequence
-parallelism, run on this rank's tokens). What does not: any placement decision of its
-own at run time (the recipe goes through ``compile`` and ``check`` like a hand-written one), the
+parallelism, run on this rank's tokens) and ``pipeline`` (on a mesh with ``pp``, the
+``pipeline`` section: which ``nn.ModuleList`` the stages split). What does not: any placement
+decision of its own at run time (the recipe goes through ``compile`` and ``check`` like a
+hand-written one), the
 check itself (:mod:`hyperrecipe.check`), knowledge of transformers by name
 (:mod:`hyperrecipe.models`).
 """
