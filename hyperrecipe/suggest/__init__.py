@@ -248,7 +248,7 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
     """
     from hyperrecipe.models.hf_plans import read_plans
     from hyperrecipe.model_tree import build_model, snapshot
-    from hyperrecipe.suggest.pipeline import PP_DIM, propose_pipeline
+    from hyperrecipe.suggest.pipeline import PP_DIM, called_before_the_layers, propose_pipeline
     from hyperrecipe.suggest.render import render_recipe
     from hyperrecipe.suggest.structure import (blocks_the_plan_leaves_out, read_structure,
                                                structural_entries)
@@ -320,20 +320,41 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
         sources = [] if proposal is None else [
             f"layers: from {proposal.source}; split balanced by parameter bytes at compile",
             f"{proposal.schedule}, {proposal.microbatches} microbatches"
-            + (" (--microbatches)" if opts.microbatches is not None else f" (2 x {PP_DIM})")]
+            + (" (--microbatches)" if opts.microbatches is not None else f" (2 x {PP_DIM})"),
+            *(f"first: {m}: registered after {proposal.layers} but called before them (check)"
+              for m in proposal.first)]
         return render_recipe(name, mesh_dims, rules, header=header or [],
                              description=f"Suggested {kinds} parallel {model}",
                              pipeline=section, pipeline_sources=sources)
 
     narrowed = [*left_out, *translation.narrowed, *pipe_notes]
+    moved: list[Correction] = []  # modules the pipeline moves to its first stage
     if opts.verify:
-        outcome = verify_rules(translation.rules, render, model=model, check_config=check_config,
-                               mesh=mesh, max_attempts=opts.max_attempts,
-                               timeout_s=opts.timeout_s, progress=progress,
-                               modules=snapshot(small).modules, inputs=opts.inputs,
-                               pipelined=proposal is not None)
-        rules, agree, attempts, reason = (outcome.rules, outcome.agree, outcome.attempts,
-                                          outcome.reason)
+        attempts: tuple[Attempt, ...] = ()
+        while True:
+            outcome = verify_rules(translation.rules, render, model=model,
+                                   check_config=check_config, mesh=mesh,
+                                   max_attempts=opts.max_attempts - len(attempts),
+                                   timeout_s=opts.timeout_s, progress=progress,
+                                   modules=snapshot(small).modules, inputs=opts.inputs,
+                                   pipelined=proposal is not None)
+            attempts = (*attempts, *outcome.attempts)
+            early = (called_before_the_layers(outcome.reason, proposal)
+                     if proposal is not None and not outcome.agree
+                     and len(attempts) < opts.max_attempts else None)
+            if proposal is None or early is None:
+                break
+            proposal = attrs.evolve(proposal, first=(*proposal.first, early))
+            moved.append(Correction(what="pipeline.first", detail=(
+                f"pipeline.first: {early}: registered after {proposal.layers}, so the last "
+                f"stage's by default, but the model calls it before them (check: stage 0 "
+                f"called it)")))
+            progress(f"check: {early} is called before {proposal.layers}; moving it to "
+                     f"pipeline.first")
+        rules, agree, reason = outcome.rules, outcome.agree, outcome.reason
+        if moved and not agree:
+            reason += (f" (with {', '.join(proposal.first if proposal else ())} moved to "
+                       f"pipeline.first, as earlier checks asked)")
         narrowed += outcome.narrowed
     else:
         rules, agree, attempts, reason = translation.rules, False, (), _UNCHECKED
@@ -353,7 +374,8 @@ def suggest_recipe(model: str, mesh: Mapping[str, int], *,
                       f"given config: {exc.problem}")
         agree = False  # a recipe that does not fit the user's model is not handed over
     kept = {r.match for r in rules}  # a correction whose rule was narrowed away says nothing
-    corrections = tuple(c for c in translation.corrections if c.what in kept)
+    corrections = (*(c for c in translation.corrections if c.what in kept),
+                   *(moved if with_pipeline else ()))
     draft = Suggestion(model=model, mesh=dict(mesh), text="", verified=agree, rules=rules,
                        narrowed=tuple(narrowed), corrections=corrections,
                        attempts=attempts, check_config=check_config,

@@ -12,10 +12,14 @@ rules are the resolver's (:mod:`hyperrecipe.resolve.pipeline`), and the proposal
 ``check`` at the pipelined mesh like every suggested rule.
 
 Refused by name: a model with no list of repeated blocks, and a list shorter than the stages.
+One failure of ``check`` is corrected rather than given up: a module registered after the list
+(so the last stage's by default) that the model calls before it is moved to ``first``, as the
+runtime's message says (:func:`called_before_the_layers`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +29,7 @@ from torch import nn
 from hyperrecipe.errors import SuggestError
 from hyperrecipe.suggest.folding import Folding
 
-__all__ = ["PP_DIM", "PipelineProposal", "propose_pipeline"]
+__all__ = ["PP_DIM", "PipelineProposal", "called_before_the_layers", "propose_pipeline"]
 
 PP_DIM = "pp"
 """The mesh dim ``suggest`` lays pipeline stages over (the recipe's default ``mesh_dim``)."""
@@ -45,6 +49,8 @@ class PipelineProposal:
         microbatches: the batch is cut into this many.
         num_layers: the list's length in the model it was read from.
         source: where ``layers`` came from, for the comment above the section.
+        first: modules registered after ``layers`` that the model calls before them, moved to
+            the first stage because ``check`` said so (:func:`called_before_the_layers`).
     """
 
     layers: str
@@ -52,11 +58,30 @@ class PipelineProposal:
     microbatches: int
     num_layers: int
     source: str
+    first: tuple[str, ...] = ()
 
     def fields(self) -> dict[str, Any]:
         """The section's keys, in the order the recipe writes them."""
-        return {"layers": self.layers, "schedule": self.schedule,
-                "microbatches": self.microbatches}
+        out: dict[str, Any] = {"layers": self.layers, "schedule": self.schedule,
+                               "microbatches": self.microbatches}
+        if self.first:
+            out["first"] = list(self.first)
+        return out
+
+
+_CALLED_EARLY = re.compile(r"(\S+) belongs to pipeline stage \d+ \(pipeline\.last\) but was "
+                           r"called on stage \d+, which stops after its last layer")
+
+
+def called_before_the_layers(reason: str, proposal: PipelineProposal) -> str | None:
+    """The module a failed check says the model calls before the layers although it is
+    registered after them (the runtime's ``StageBoundaryError``: Phi-4-multimodal's
+    ``embed_tokens_extend``), when it is not in ``first`` yet: the fix the message names,
+    ``pipeline.first``. ``None`` for any other failure."""
+    found = _CALLED_EARLY.search(reason)
+    if found is None or found.group(1) in proposal.first:
+        return None
+    return found.group(1)
 
 
 def _is_list(module: nn.Module | None) -> bool:

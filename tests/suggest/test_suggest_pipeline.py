@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
 from hyperrecipe.check.run import CheckOptions, run_check
 from hyperrecipe.errors import SuggestError
 from hyperrecipe.model_tree import build_model
 from hyperrecipe.suggest import SuggestOptions, suggest_recipe
-from hyperrecipe.suggest.pipeline import propose_pipeline
+from hyperrecipe.suggest.pipeline import called_before_the_layers, propose_pipeline
 from tests.support.runtime_harness import ROOT
 
 PP2 = {"pp": 2}
@@ -110,3 +111,17 @@ def test_microbatches_default_to_twice_pp_and_are_taken_as_given() -> None:
     assert propose_pipeline(model, "hf:gpt2", 2, microbatches=6).microbatches == 6
     with pytest.raises(SuggestError, match="required: at least 2 at pp=2"):
         propose_pipeline(model, "hf:gpt2", 2, microbatches=1)
+
+
+def test_a_module_the_model_calls_before_the_layers_is_read_off_the_runtimes_message() -> None:
+    # Phi-4-multimodal registers embed_tokens_extend after model.layers and calls it first
+    proposal = propose_pipeline(build_model("hf:gpt2", _config("gpt2")), "hf:gpt2", 2)
+    reason = ("check diverged and no suggested rule could be blamed: production mode diverged "
+              "at stage 0 (raised in forward and backward): StageBoundaryError: "
+              "model.embed_tokens_extend belongs to pipeline stage 1 (pipeline.last) but was "
+              "called on stage 0, which stops after its last layer: the model uses it before")
+    assert called_before_the_layers(reason, proposal) == "model.embed_tokens_extend"
+    moved = attrs.evolve(proposal, first=("model.embed_tokens_extend",))
+    assert called_before_the_layers(reason, moved) is None  # asked once, then given up
+    assert moved.fields()["first"] == ["model.embed_tokens_extend"]
+    assert called_before_the_layers("production mode diverged at stage 0 -> 1", proposal) is None

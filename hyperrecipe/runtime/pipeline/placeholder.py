@@ -64,6 +64,20 @@ class StageRun:
         return bool(tensor.numel()) and tensor.untyped_storage().data_ptr() in self.produced
 
 
+_MISSING = object()
+
+
+def _plain(value: Any) -> bool:
+    """Data with no tensor, module or callable in it (what a placeholder may hand out)."""
+    if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
 class StagePlaceholder(nn.Module):
     """Stands in for ``fqn``, a module of another stage, on stage ``run.stage``.
 
@@ -93,6 +107,23 @@ class StagePlaceholder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fqn!r} of {self.owner}, runs {self.side} stage {self._run.stage}"
+
+    def __getattr__(self, name: str) -> Any:
+        """A plain attribute of the module stood in for (a string, a number, ``None``, or
+        structures of them; its class's too), which the model's own forward reads off every
+        layer, owned or not: Inkling-2's ``decoder_layer.attention_type`` and Nemotron-H's
+        ``block_type`` pick each layer's mask. Tensors, modules and methods stay refused: a
+        weight of another stage has no value here."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_hr_meta")
+            if meta is None or name.startswith("__"):
+                raise
+            value = getattr(meta, name, _MISSING)
+            if value is _MISSING or not _plain(value):
+                raise
+            return value
 
     @property
     def _run(self) -> StageRun:

@@ -95,3 +95,31 @@ def test_a_later_stages_layer_called_early_names_module_and_stage() -> None:
     msg = _failure("layer_early")
     assert ("StageBoundaryError: layers.3 belongs to pipeline stage 1 but was called on stage 0, "
             "which stops after its last layer") in msg
+
+
+def test_a_placeholder_hands_out_the_plain_attributes_of_the_module_it_stands_in_for() -> None:
+    # the model's forward reads them off every layer, owned or not (Inkling-2's
+    # decoder_layer.attention_type is a class attribute, Nemotron-H's block_type an instance one)
+    import torch
+    from torch import nn
+
+    from hyperrecipe.runtime.pipeline.placeholder import StagePlaceholder, StageRun
+
+    class Layer(nn.Module):
+        attention_type = "sliding_attention"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.block_type = "mamba"
+            self.sizes = (2, 3)
+            self.proj = nn.Linear(2, 2)
+
+    with torch.device("meta"):
+        meta = Layer()
+    ph = StagePlaceholder("model.layers.1", meta, "after", "stage 1", StageRun(0),
+                          like_input=True)
+    assert (ph.attention_type, ph.block_type, ph.sizes) == ("sliding_attention", "mamba", (2, 3))
+    for name in ("proj", "extra_repr_of_nothing"):  # a module (no weight here), a missing name
+        with pytest.raises(AttributeError):
+            getattr(ph, name)
+    assert ph.fqn == "model.layers.1" and not list(ph.parameters())
