@@ -76,10 +76,11 @@ def edge_forward(layer: torch.nn.Module, fqn: str, run: StageRun, *, swap: bool,
         for leaf in pytree.tree_leaves(rest):
             if isinstance(leaf, torch.Tensor) and run.made_here(leaf):
                 msg = (f"{fqn}, the first layer of pipeline stage {run.stage}, got an argument "
-                       f"computed by another stage's module (a placeholder's zeros) besides its "
-                       f"hidden states: only the hidden states cross a stage boundary. Compute "
-                       f"it on every stage (a module without parameters), or put the modules "
-                       f"producing it in the recipe's pipeline.first so stage 0 owns them")
+                       f"computed from another stage's module (a placeholder stands in for it "
+                       f"here: zeros) besides its hidden states: only the hidden states cross a "
+                       f"stage boundary. Compute it on every stage (a module without "
+                       f"parameters), or put the modules producing it in the recipe's "
+                       f"pipeline.first so stage 0 owns them")
                 raise StageBoundaryError(msg)
         return args, kwargs
 

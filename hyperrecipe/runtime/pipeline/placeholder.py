@@ -10,11 +10,14 @@ swaps the received hidden states in, and :class:`StageRun` makes every other use
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from hyperrecipe.errors import StageBoundaryError
@@ -32,16 +35,19 @@ Phase = Literal["idle", "before", "inside"]
 class StageRun:
     """The state of one stage's forward call, shared by its placeholders and its entry/exit.
 
-    ``phase`` moves ``before`` -> ``inside`` when the first owned layer starts; ``produced``
-    holds the storages of every placeholder output of this call, so the entry can tell a
-    placeholder's zeros that reach it through an argument other than the hidden states.
+    ``phase`` moves ``before`` -> ``inside`` when the first owned layer starts. Every tensor a
+    placeholder returns is *derived from another stage*, and so is every tensor an op computes
+    from one while the stage runs up to its first layer (:meth:`tracking`): the entry refuses
+    any such tensor in an argument other than the hidden states (a per-layer input or a second
+    running state the model computes from the embeddings would otherwise reach the stage's
+    layers as zeros).
     """
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self.phase: Phase = "idle"
         self.received: torch.Tensor | None = None
-        self.produced: set[int] = set()
+        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
         self.probing = False
         """A probe call stops at the first owned layer and returns its hidden states, whose
         shape is what crosses every stage boundary (the static example for torch's stages)."""
@@ -49,19 +55,77 @@ class StageRun:
     def begin(self, received: torch.Tensor | None) -> None:
         self.phase = "before"
         self.received = received
-        self.produced = set()
+        self._derived = {}
 
     def end(self) -> None:
         self.phase = "idle"
         self.received = None
-        self.produced = set()
+        self._derived = {}
 
     def note(self, tensor: torch.Tensor) -> None:
-        if tensor.numel():
-            self.produced.add(tensor.untyped_storage().data_ptr())
+        """``tensor`` comes from another stage's module (or was computed from such a tensor)."""
+        self._derived[id(tensor)] = weakref.ref(tensor)
+
+    def has_derived(self) -> bool:
+        return bool(self._derived)
 
     def made_here(self, tensor: torch.Tensor) -> bool:
-        return bool(tensor.numel()) and tensor.untyped_storage().data_ptr() in self.produced
+        """Whether ``tensor`` is derived from another stage's module in this call."""
+        ref = self._derived.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def tracking(self) -> contextlib.AbstractContextManager[object]:
+        """While the model's forward runs up to this stage's first layer: mark what ops compute
+        from derived tensors (a ``TorchFunctionMode``, inert once the stage is inside its
+        layers). Stage 0 has nothing before its layers and is not tracked."""
+        if self.stage == 0:
+            return contextlib.nullcontext()
+        return _Derivation(self)
+
+
+_VALUE_FREE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                         "randn_like", "new_zeros", "new_ones", "new_empty", "new_full",
+                         "new_tensor"})
+"""Ops whose result takes only the shape, dtype or device of their tensor argument."""
+
+
+class _Derivation(TorchFunctionMode):
+    """Propagates "derived from another stage" through every torch op before the entry, and
+    refuses a derived tensor's values being used once the stage is inside its layers."""
+
+    def __init__(self, run: StageRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def run_layers_hint(self) -> str:
+        return "this split list (only stage 0 would see the value whole)"
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        run = self.run
+        if run.phase == "idle" or not run.has_derived():
+            return out
+        derived = [leaf for leaf in pytree.tree_leaves((args, kwargs))
+                   if isinstance(leaf, torch.Tensor) and run.made_here(leaf)]
+        if not derived:
+            return out
+        results = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        name = getattr(func, "__name__", str(func))
+        if not results or name in _VALUE_FREE:
+            return out  # its shape, dtype or device: not another stage's values
+        if run.phase == "before":
+            for leaf in results:
+                run.note(leaf)
+            return out
+        msg = (f"pipeline stage {run.stage}: the model's forward computes {name} inside this "
+               f"stage's layers from a value another stage's module produced (a placeholder "
+               f"stands in for it here, so it would be zeros): only the hidden states cross a "
+               f"stage boundary. The model carries something besides the hidden states from "
+               f"before its layers into them (embeddings added back, a second running state, "
+               f"per-layer inputs), which no stage sends on: this model cannot be pipelined "
+               f"over {self.run_layers_hint()}")
+        raise StageBoundaryError(msg)
 
 
 _MISSING = object()

@@ -78,7 +78,8 @@ class StageModule(nn.Module):
                 inputs.pop(key, None)
         run.begin(received[0] if received else None)
         try:
-            out = self.model(**inputs)
+            with run.tracking():
+                out = self.model(**inputs)
         except StageDone as done:
             hidden: torch.Tensor = done.output
             return hidden

@@ -86,7 +86,7 @@ def test_a_first_module_called_inside_the_stage_names_module_and_stage() -> None
 def test_a_placeholder_output_reaching_the_first_layer_besides_hidden_states_is_refused() -> None:
     msg = _failure("bias")
     assert ("StageBoundaryError: layers.2, the first layer of pipeline stage 1, got an argument "
-            "computed by another stage's module") in msg
+            "computed from another stage's module") in msg
     assert "pipeline.first" in msg
 
 
