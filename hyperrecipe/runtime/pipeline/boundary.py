@@ -94,7 +94,8 @@ def edge_forward(layer: torch.nn.Module, fqn: str, run: StageRun, *, swap: bool,
             run.phase = "inside"
         out = original(*args, **kwargs)
         if exit_:
-            raise StageDone(hidden_states_of(out, fqn))
+            # torch's stages check the strides of what is sent against the example's
+            raise StageDone(hidden_states_of(out, fqn).contiguous())
         return out
 
     return forward

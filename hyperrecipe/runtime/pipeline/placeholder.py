@@ -185,8 +185,16 @@ class StagePlaceholder(nn.Module):
             if meta is None or name.startswith("__"):
                 raise
             value = getattr(meta, name, _MISSING)
-            if value is _MISSING or not _plain(value):
+            if value is _MISSING:
                 raise
+            if not _plain(value):
+                # still an AttributeError (hasattr() keeps working), saying why
+                msg = (f"{self.fqn}.{name}: {self.fqn} belongs to pipeline {self.owner}; stage "
+                       f"{self._run.stage} holds a placeholder for it, without its tensors, "
+                       f"submodules or methods, and the model's forward reads {name!r} off it "
+                       f"here: a model that reads another stage's weights (their device, dtype "
+                       f"or values) outside its layers cannot be pipelined by this split")
+                raise AttributeError(msg) from None
             return value
 
     @property

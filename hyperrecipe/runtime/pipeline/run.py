@@ -245,10 +245,16 @@ class Pipeline:
         return PipelineStage(
             module, module.index, n, self._device,
             # The first stage takes the model's inputs as keywords only: no positional example.
-            input_args=None if module.index == 0 else torch.empty_like(example),
-            output_args=loss_example if module.is_last else torch.empty_like(example),
+            input_args=None if module.index == 0 else _dense(example),
+            output_args=loss_example if module.is_last else _dense(example),
             group=self._group,
         )
+
+
+def _dense(example: torch.Tensor) -> torch.Tensor:
+    """The example buffer of what crosses a stage boundary: contiguous, as the stage exit sends
+    it (a layer may return a transposed view)."""
+    return torch.empty(example.shape, dtype=example.dtype, device=example.device)
 
 
 def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
