@@ -69,6 +69,20 @@ class StageRun:
     def has_derived(self) -> bool:
         return bool(self._derived)
 
+    def any_derived(self, values: Any) -> bool:
+        """Whether a derived tensor is among ``values`` or the lists and tuples in them."""
+        derived = self._derived
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                if id(value) in derived and self.made_here(value):
+                    return True
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and id(item) in derived \
+                            and self.made_here(item):
+                        return True
+        return False
+
     def made_here(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is derived from another stage's module in this call."""
         ref = self._derived.get(id(tensor))
@@ -106,9 +120,9 @@ class _Derivation(TorchFunctionMode):
         run = self.run
         if run.phase == "idle" or not run.has_derived():
             return out
-        derived = [leaf for leaf in pytree.tree_leaves((args, kwargs))
-                   if isinstance(leaf, torch.Tensor) and run.made_here(leaf)]
-        if not derived:
+        # every op of the stage's layers passes here: a flat look at the arguments (and one
+        # level of lists, torch.cat's) instead of a pytree walk
+        if not (run.any_derived(args) or (kwargs and run.any_derived(kwargs.values()))):
             return out
         results = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         name = getattr(func, "__name__", str(func))
