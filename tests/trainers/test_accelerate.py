@@ -31,7 +31,11 @@ from tests.support.runtime_harness import ROOT, TINY_LLAMA, llama, mesh_1d  # no
 LLAMA = str(ROOT / "recipes/llama.yaml")
 DP_TP = str(ROOT / "recipes/llama-dp.yaml")
 ATOL = 1e-5
-RTOL = 1e-5  # norms up to 5.5: measured 1.8e-5 apart at step 5 (3.3e-6 relative)
+RTOL = 5e-5
+"""Norms up to 5.5 after AdamW steps: fp32 sums in another order (DDP's average over dp, the
+tp reductions) drift apart step by step. Measured 3.3e-6 relative at step 5 at first; on the
+same code with a fresh install on 2026-12-08, 1.4e-5 at step 3 of the dp=2 x tp=2 runs (797d650
+as well), so the bound is 5e-5; the losses stay within 1e-5 absolute."""
 MAX_GRAD_NORM = 0.5
 STEPS = 5
 
