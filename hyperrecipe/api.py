@@ -146,8 +146,8 @@ def _fits(model: object, plan: object, mesh: object) -> bool:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not (isinstance(model, nn.Module) and isinstance(plan, Plan)
-            and isinstance(mesh, DeviceMesh)):
-        return False
+            and isinstance(mesh, DeviceMesh)) or plan.pipeline is not None:
+        return False  # a pipelined plan: apply refuses it, naming build_pipeline
     names = tuple(mesh.mesh_dim_names or ())
     shape = {n: mesh.size(i) for i, n in enumerate(names)}
     return shape == plan.mesh_shape and snapshot(model).digest() == plan.model_digest

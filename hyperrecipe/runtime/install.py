@@ -47,7 +47,7 @@ from hyperrecipe.runtime.state.materialize import (
     mesh_device,
 )
 from hyperrecipe.runtime.mode import Mode, ModeName, as_mode
-from hyperrecipe.runtime.preflight.plan_fit import check_plan_fits
+from hyperrecipe.runtime.preflight.plan_fit import check_mesh_fits, check_model_fits
 from hyperrecipe.runtime.comm.sharding import gather_full, local_shard
 from hyperrecipe.runtime.preflight.torch_support import require_supported_torch
 from hyperrecipe.runtime.features.vocab_loss import (
@@ -92,24 +92,6 @@ def _check_arguments(model: object, plan: object, mesh: object) -> None:
             f"model, plan, mesh) (docs/pipeline.md#running-a-pipeline)")
 
 
-def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
-    names = tuple(mesh.mesh_dim_names or ())
-    want = plan.mesh_shape
-    if not names:
-        exp = ",".join(f"{k}={v}" for k, v in want.items())
-        dims = ", ".join(repr(k) for k in want)
-        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh has no dim "
-               f"names; build it with mesh_dim_names=({dims},)")
-        raise PlanMismatchError(msg)
-    have = {n: mesh.size(i) for i, n in enumerate(names)}
-    if have != want:
-        got = ",".join(f"{k}={v}" for k, v in have.items()) or "(unnamed)"
-        exp = ",".join(f"{k}={v}" for k, v in want.items())
-        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh is {got}; "
-               f"recompile with --mesh {got} or build the mesh the plan names")
-        raise PlanMismatchError(msg)
-
-
 def _check_model(plan: Plan, model: nn.Module) -> None:
     for fqn, module in model.named_modules():
         owner = installed_forward_owner(module)
@@ -117,23 +99,7 @@ def _check_model(plan: Plan, model: nn.Module) -> None:
             msg = (f"{fqn or '<root>'} already has a forward installed by {owner!r}: restore the "
                    f"earlier installation before applying a plan again")
             raise RewriteError(msg)
-    tree = snapshot(model)
-    if tree.digest() == plan.model_digest:
-        check_plan_fits(plan, tree)  # the digest can be copied into an edited plan
-        return
-    want = {p.fqn: (p.shape, p.dtype) for p in plan.params}
-    have = {p.fqn: (p.shape, p.dtype) for p in tree.params()}
-    for fqn in list(want) + [f for f in have if f not in want]:
-        if want.get(fqn) != have.get(fqn):
-            w, h = want.get(fqn), have.get(fqn)
-            detail = (f"the plan has {list(w[0])} {w[1]}" if w else "the plan has no such "
-                      "parameter") + ", the model " + (f"{list(h[0])} {h[1]}" if h else "has none")
-            msg = (f"plan {plan.recipe!r} does not fit this model: parameter {fqn!r}: {detail}; "
-                   f"recompile the recipe against this model")
-            raise PlanMismatchError(msg)
-    msg = (f"plan {plan.recipe!r} does not fit this model: its module structure (names or "
-           f"classes) differs; recompile the recipe against this model")
-    raise PlanMismatchError(msg)
+    check_model_fits(plan, snapshot(model))
 
 
 class _Applier:
@@ -446,7 +412,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
     require_supported_torch()
     chosen = as_mode(mode)
     _check_arguments(model, plan, mesh)
-    agree_before_apply(plan, mesh, lambda: _check_mesh(plan, mesh), lambda: _check_model(plan, model))
+    agree_before_apply(plan, mesh, lambda: check_mesh_fits(plan, mesh),
+                       lambda: _check_model(plan, model))
     chosen.prepare(model, plan)  # the same model on every rank: all raise together
     applier = _Applier(model, plan, mesh, chosen)
     tx = Rewrite(label=f"hyperrecipe {chosen} {plan.recipe}")

@@ -223,7 +223,7 @@ def contract_worker(rank: int, world: int) -> dict[str, Any]:
     model left as it was), the loss_fn route, a model built on meta."""
     import attrs
 
-    from hyperrecipe.errors import PipelineError
+    from hyperrecipe.errors import PipelineError, PipelineUnsupportedError, PlanMismatchError
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -241,12 +241,30 @@ def contract_worker(rank: int, world: int) -> dict[str, Any]:
     stages = list(plan.pipeline.stages)
     stages[0] = attrs.evolve(stages[0], params=stages[0].params[1:])
     wrong = attrs.evolve(plan, pipeline=attrs.evolve(plan.pipeline, stages=tuple(stages)))
-    if rank == 0:  # stage 0's parameters differ: found after the placeholders went in
-        try:
-            build_pipeline(model, wrong, dev_mesh)
-        except PipelineError as exc:
-            out["rollback"] = str(exc)
+    try:  # stage 0's parameters differ: rank 0 finds it after its placeholders went in
+        built = build_pipeline(model, wrong, dev_mesh)
+    except PipelineError as exc:
+        out["rollback"] = str(exc)
         out["rollback_untouched"] = _untouched(model, before)
+    else:  # rank 1's stage is the plan's own
+        built.restore()
+        out["rollback_elsewhere_restored"] = _untouched(model, before)
+
+    # the plan of another model (4 layers) on this one (2 layers): refused on every rank by
+    # the agreement before anything changes
+    other = pipeline_plan(tiny("llama", 2))
+    try:
+        build_pipeline(model, other, dev_mesh)
+    except PlanMismatchError as exc:
+        out["other_model"] = str(exc)
+    out["other_model_untouched"] = _untouched(model, before)
+
+    # a model whose forward computes no causal-LM loss of its own, without loss_fn
+    plain = toy()
+    try:
+        build_pipeline(plain, pipeline_plan(plain, layers="layers"), dev_mesh)
+    except PipelineUnsupportedError as exc:
+        out["no_loss"] = str(exc)
 
     # loss_fn: a model without labels; equal microbatches, so the mean of means is exact
     ref = toy()

@@ -245,7 +245,9 @@ class StagePlaceholder(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
-        key = (str(spec), tuple(_signature_of(x) for x in leaves))
+        # autocast changes what dtype the module returns for the same arguments
+        autocast = _autocast_state(device)
+        key = (str(spec), tuple(_signature_of(x) for x in leaves), autocast)
         shapes: dict[Any, Any] = self.__dict__["_hr_shapes"]
         out = shapes.get(key)
         if out is None:
@@ -275,6 +277,14 @@ class StagePlaceholder(nn.Module):
                 raise
             out = first.to("meta")
         return out
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+        return enabled, torch.get_autocast_dtype(device.type) if enabled else None
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False, None
 
 
 _MAX_SIGNATURES = 16

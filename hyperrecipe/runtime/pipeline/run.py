@@ -25,6 +25,8 @@ from hyperrecipe.errors import (
     UsageError,
 )
 from hyperrecipe.plan import PipelineStagePlan, Plan
+from hyperrecipe.model_tree import snapshot
+from hyperrecipe.models import LIBRARY
 from hyperrecipe.rewriter import Rewrite, Rewritten
 from hyperrecipe.runtime.mode import ModeName
 from hyperrecipe.runtime.pipeline.beside import (
@@ -44,6 +46,8 @@ from hyperrecipe.runtime.pipeline.grads import (
 )
 from hyperrecipe.runtime.pipeline.schedule import build_schedule
 from hyperrecipe.runtime.pipeline.state import PipelineState
+from hyperrecipe.runtime.preflight.agreement import agree_before_apply
+from hyperrecipe.runtime.preflight.plan_fit import check_mesh_fits, check_model_fits
 from hyperrecipe.runtime.pipeline.stages import (
     TARGET_KEY,
     LossFn,
@@ -251,6 +255,19 @@ class Pipeline:
         )
 
 
+def _refuse_unknown_loss(model: nn.Module, loss_fn: LossFn | None) -> None:
+    """The model's own loss is weighted across microbatches by the batch's label tokens, counted
+    with the causal shift (``labels[..., 1:]``): right only for the causal-LM cross entropy its
+    library names; another own loss would be scaled wrong without a word."""
+    if loss_fn is not None or LIBRARY.loss_seat(model) is not None:
+        return
+    known = LIBRARY.causal_lm_loss_name() or "a causal-LM cross entropy"
+    msg = (f"build_pipeline: {type(model).__name__}'s own loss is not {known}, whose label "
+           f"tokens the pipeline counts (with the causal shift) to weigh its microbatches; pass "
+           f"loss_fn= (docs/pipeline.md#running-a-pipeline) for this model")
+    raise PipelineUnsupportedError(msg)
+
+
 def _dense(example: torch.Tensor) -> torch.Tensor:
     """The example buffer of what crosses a stage boundary: contiguous, as the stage exit sends
     it (a layer may return a transposed view)."""
@@ -288,6 +305,10 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
 
     Raises:
         PipelineError: no pipeline in the plan, or the plan does not fit the model.
+        PlanMismatchError: the plan or mesh differs between ranks, the mesh is not the plan's,
+            or the plan was compiled for another model (raised on every rank).
+        PipelineUnsupportedError: no ``loss_fn`` and the model's own loss is not the causal-LM
+            cross entropy.
         PlanMismatchError, and anything ``apply`` raises: beside tensor parallel, applying a
             stage's share of the plan failed (every stage model is left as it was).
     """
@@ -299,6 +320,11 @@ def build_pipeline(model: nn.Module, plan: Plan, mesh: DeviceMesh, *,
         msg = (f"the plan pipelines over mesh dim {pipeline.mesh_dim!r}; the mesh has "
                f"{list(mesh.mesh_dim_names or ())}")
         raise PipelineError(msg)
+    # every rank agrees on plan and mesh, and that the plan fits the model, before the first
+    # group is made: a rank with another plan would otherwise wait in a schedule forever
+    agree_before_apply(plan, mesh, lambda: check_mesh_fits(plan, mesh),
+                       lambda: check_model_fits(plan, snapshot(model)),
+                       lambda: _refuse_unknown_loss(model, loss_fn))
     group = mesh.get_group(pipeline.mesh_dim)
     pp_rank = mesh.get_local_rank(pipeline.mesh_dim)
     device = _rank_device(mesh)

@@ -15,13 +15,67 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hyperrecipe.errors import PlacementError, PlanMismatchError
 from hyperrecipe.model_tree import ModelTree
 from hyperrecipe.placement import NamedPlacement, Shard, parse_dtensor
 from hyperrecipe.plan import Plan
 
-__all__ = ["check_plan_fits"]
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["check_mesh_fits", "check_model_fits", "check_plan_fits"]
+
+
+def check_mesh_fits(plan: Plan, mesh: DeviceMesh) -> None:
+    """The mesh has the plan's dim names and sizes.
+
+    Raises:
+        PlanMismatchError: unnamed dims, or names or sizes other than the plan's.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    want = plan.mesh_shape
+    if not names:
+        exp = ",".join(f"{k}={v}" for k, v in want.items())
+        dims = ", ".join(repr(k) for k in want)
+        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh has no dim "
+               f"names; build it with mesh_dim_names=({dims},)")
+        raise PlanMismatchError(msg)
+    have = {n: mesh.size(i) for i, n in enumerate(names)}
+    if have != want:
+        got = ",".join(f"{k}={v}" for k, v in have.items()) or "(unnamed)"
+        exp = ",".join(f"{k}={v}" for k, v in want.items())
+        msg = (f"plan {plan.recipe!r} was compiled for mesh {exp}, but the DeviceMesh is {got}; "
+               f"recompile with --mesh {got} or build the mesh the plan names")
+        raise PlanMismatchError(msg)
+
+
+def check_model_fits(plan: Plan, tree: ModelTree) -> None:
+    """The plan was compiled for this model: its structure digest matches (then every reference
+    of the plan is checked, :func:`check_plan_fits`), or the first parameter that differs is
+    named.
+
+    Raises:
+        PlanMismatchError: a parameter missing, extra or of another shape or dtype, or the
+            module structure (names or classes) differing; recompile the recipe.
+    """
+    if tree.digest() == plan.model_digest:
+        check_plan_fits(plan, tree)  # the digest can be copied into an edited plan
+        return
+    want = {p.fqn: (p.shape, p.dtype) for p in plan.params}
+    have = {p.fqn: (p.shape, p.dtype) for p in tree.params()}
+    for fqn in list(want) + [f for f in have if f not in want]:
+        if want.get(fqn) != have.get(fqn):
+            w, h = want.get(fqn), have.get(fqn)
+            detail = (f"the plan has {list(w[0])} {w[1]}" if w else "the plan has no such "
+                      "parameter") + ", the model " + (f"{list(h[0])} {h[1]}" if h else "has none")
+            msg = (f"plan {plan.recipe!r} does not fit this model: parameter {fqn!r}: {detail}; "
+                   f"recompile the recipe against this model")
+            raise PlanMismatchError(msg)
+    msg = (f"plan {plan.recipe!r} does not fit this model: its module structure (names or "
+           f"classes) differs; recompile the recipe against this model")
+    raise PlanMismatchError(msg)
 
 
 

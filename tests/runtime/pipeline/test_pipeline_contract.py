@@ -37,6 +37,28 @@ def test_a_build_failing_midway_leaves_the_model_as_it_was(
         "pipeline stage 0 holds parameters the plan does not give it "
         "(['model.embed_tokens.weight'])")
     assert contract[0]["rollback_untouched"]
+    assert contract[1]["rollback_elsewhere_restored"]
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_a_plan_of_another_model_is_refused_on_every_rank_before_anything_changes(
+        contract: list[dict[str, Any]]) -> None:
+    for r in contract:
+        assert r["other_model"] == (
+            "plan 'test-pp' does not fit this model: parameter 'model.layers.2.self_attn."
+            "q_proj.weight': the plan has no such parameter, the model [32, 32] float32; "
+            "recompile the recipe against this model"), r["other_model"]
+        assert r["other_model_untouched"]
+
+
+@pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
+def test_a_model_whose_own_loss_is_not_the_causal_lm_loss_needs_a_loss_fn(
+        contract: list[dict[str, Any]]) -> None:
+    for r in contract:
+        assert r["no_loss"] == (
+            "build_pipeline: Toy's own loss is not transformers' ForCausalLMLoss, whose label "
+            "tokens the pipeline counts (with the causal shift) to weigh its microbatches; pass "
+            "loss_fn= (docs/pipeline.md#running-a-pipeline) for this model")
 
 
 @pytest.mark.slow  # launches ranks (docs/benchmarks.md#test-suite)
