@@ -41,10 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from hyperrecipe.check.record import Event, Failure, Trace
-from hyperrecipe.check.worker import RankJob, _check_weights, _to_cpu, side_file
+from hyperrecipe.check.worker import RankJob, _to_cpu, seeded_rank, side_file
 from hyperrecipe.errors import ModelSpecError
 from hyperrecipe.plan import PipelinePlan, Plan
-from hyperrecipe.verify.sample import Sample, build_seeded, loss_of
+from hyperrecipe.verify.sample import Sample, loss_of
 
 __all__ = ["StepInputs", "pipeline_batch", "pipeline_rank", "pipeline_reference", "step_inputs"]
 
@@ -270,22 +270,12 @@ def pipeline_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     """One rank of a pipeline check: build, pipeline, one recorded step (and ``job.steps`` SGD
     steps); returns the trace as a payload. A step that raises leaves its partial trace in the
     side file, blamed on the stage that was running, before the exception propagates."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from hyperrecipe.runtime import build_pipeline
 
     t0 = time.perf_counter()
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    model = build_seeded(job.spec, job.config, job.seed)
-    _check_weights(job, model, rank)
-    model.to(device)
-    plan = Plan.from_json(job.plan_json)
+    model, plan, mesh, device = seeded_rank(job, rank)
     pipeline = plan.pipeline
     assert pipeline is not None
-    mesh = init_device_mesh(device.type, tuple(d.size for d in plan.mesh),
-                            mesh_dim_names=plan.mesh_dims)
     inputs = step_inputs(model, job.sample.to(device))
     loss_fn = None if inputs.labels is not None else _check_loss()
     t1 = time.perf_counter()

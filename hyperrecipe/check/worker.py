@@ -72,21 +72,14 @@ def _to_cpu(value: Any) -> Any:
                             value)
 
 
-def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
-    """Run one mode's step on this rank; returns the trace as a payload (plain data)."""
+def seeded_rank(job: RankJob, rank: int) -> tuple[torch.nn.Module, Any, Any, torch.device]:
+    """This rank's model built as the reference was (its weights checked against the
+    reference's) on the rank's device, the job's plan, and a mesh shaped like the plan's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
-    from hyperrecipe.check.gather import full_view
     from hyperrecipe.plan import Plan
-    from hyperrecipe.runtime import apply
 
-    # torch 2.13 deprecates all_gather_into_tensor, which apply() still calls once per rank;
-    # the warning would repeat in every rank of every mode
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
-                            category=FutureWarning)
-    t0 = time.perf_counter()
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     model = build_seeded(job.spec, job.config, job.seed)
@@ -95,6 +88,22 @@ def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
     plan = Plan.from_json(job.plan_json)
     mesh = init_device_mesh(device.type, tuple(d.size for d in plan.mesh),
                             mesh_dim_names=plan.mesh_dims)
+    return model, plan, mesh, device
+
+
+def check_rank(rank: int, world_size: int, job: RankJob) -> dict[str, Any]:
+    """Run one mode's step on this rank; returns the trace as a payload (plain data)."""
+    from torch.distributed.tensor import DTensor
+
+    from hyperrecipe.check.gather import full_view
+    from hyperrecipe.runtime import apply
+
+    # torch 2.13 deprecates all_gather_into_tensor, which apply() still calls once per rank;
+    # the warning would repeat in every rank of every mode
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
+                            category=FutureWarning)
+    t0 = time.perf_counter()
+    model, plan, mesh, device = seeded_rank(job, rank)
     t1 = time.perf_counter()
     inst = apply(model, plan, mesh, mode=job.mode)  # type: ignore[arg-type]
     t2 = time.perf_counter()
